@@ -1,0 +1,302 @@
+#include "allocator/arena.h"
+
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+
+namespace vmm {
+namespace {
+
+size_t RoundUp(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+
+}  // namespace
+
+const char* BlockStateName(BlockState state) {
+  switch (state) {
+    case BlockState::kUnmapped:
+      return "unmapped";
+    case BlockState::kFree:
+      return "free";
+    case BlockState::kAllocated:
+      return "allocated";
+    case BlockState::kPendingFree:
+      return "pending_free";
+    case BlockState::kRetired:
+      return "retired";
+  }
+  return "unknown";
+}
+
+Arena::~Arena() {
+  for (Block* b = head_; b != nullptr;) {
+    Block* next = b->next;
+    delete b;
+    b = next;
+  }
+  for (Block* b : spare_) delete b;
+}
+
+void Arena::Init(uintptr_t base, size_t size) {
+  base_ = base;
+  size_ = size;
+  head_ = NewBlock();
+  head_->addr = base;
+  head_->size = size;
+  head_->state = BlockState::kUnmapped;
+  gaps_.insert(head_);
+}
+
+Block* Arena::NewBlock() {
+  if (spare_.empty()) return new Block();
+  Block* b = spare_.back();
+  spare_.pop_back();
+  return b;
+}
+
+void Arena::DeleteBlock(Block* block) {
+  block->prev = block->next = nullptr;
+  block->stream_uses.clear();
+  block->pending_events = 0;
+  block->requested = 0;
+  spare_.push_back(block);
+}
+
+Block* Arena::Split(Block* block, uintptr_t at) {
+  const bool cached = block->state == BlockState::kFree;
+  const bool gap = block->state == BlockState::kUnmapped;
+  if (cached) free_.Remove(block);
+  Block* upper = NewBlock();
+  upper->addr = at;
+  upper->size = block->end() - at;
+  upper->state = block->state;
+  upper->stream = block->stream;
+  upper->free_seq = block->free_seq;
+  upper->prev = block;
+  upper->next = block->next;
+  if (block->next != nullptr) block->next->prev = upper;
+  block->next = upper;
+  block->size = at - block->addr;
+  if (cached) {
+    free_.Insert(block);
+    free_.Insert(upper);
+  }
+  if (gap) gaps_.insert(upper);
+  return upper;
+}
+
+void Arena::TakeFree(Block* block) {
+  free_.Remove(block);
+  block->state = BlockState::kAllocated;
+}
+
+bool Arena::CanMerge(const Block* a, const Block* b) {
+  if (a->state != b->state) return false;
+  switch (a->state) {
+    case BlockState::kFree:
+      return a->stream == b->stream;
+    case BlockState::kUnmapped:
+    case BlockState::kRetired:
+      return true;
+    default:
+      return false;
+  }
+}
+
+Block* Arena::Join(Block* a, Block* b) {
+  if (a->state == BlockState::kFree) {
+    if (a->stream == kAnyStream) a->stream = b->stream;
+    a->free_seq = std::max(a->free_seq, b->free_seq);
+  }
+  if (b->state == BlockState::kUnmapped) gaps_.erase(b);
+  a->size += b->size;
+  a->next = b->next;
+  if (b->next != nullptr) b->next->prev = a;
+  DeleteBlock(b);
+  return a;
+}
+
+Block* Arena::CoalesceFree(Block* block) {
+  if (block->next != nullptr && CanMerge(block, block->next)) {
+    free_.Remove(block->next);
+    block = Join(block, block->next);
+  }
+  if (block->prev != nullptr && CanMerge(block->prev, block)) {
+    free_.Remove(block->prev);
+    block = Join(block->prev, block);
+  }
+  free_.Insert(block);
+  return block;
+}
+
+Block* Arena::AddFree(Block* block, Stream stream, uint64_t free_seq) {
+  block->state = BlockState::kFree;
+  block->stream = stream;
+  block->free_seq = free_seq;
+  block->requested = 0;
+  block->stream_uses.clear();
+  return CoalesceFree(block);
+}
+
+Block* Arena::Retag(Block* block, Stream stream) {
+  free_.Remove(block);
+  block->stream = stream;
+  return CoalesceFree(block);
+}
+
+Block* Arena::Retire(Block* block) {
+  if (block->state == BlockState::kFree) free_.Remove(block);
+  block->state = BlockState::kRetired;
+  block->requested = 0;
+  block->stream_uses.clear();
+  if (block->next != nullptr && CanMerge(block, block->next)) block = Join(block, block->next);
+  if (block->prev != nullptr && CanMerge(block->prev, block)) block = Join(block->prev, block);
+  return block;
+}
+
+std::optional<Arena::GrowthPlan> Arena::PlanGrowth(size_t n, Stream stream, size_t granularity,
+                                                   bool alone) const {
+  auto usable = [&](const Block* b) { return !alone && UsableBy(b, stream); };
+  std::optional<GrowthPlan> best;
+  auto consider = [&](Block* gap, uintptr_t addr, size_t len, GrowthPlan::Side side) {
+    if (len == 0 || len > gap->size) return;
+    if (!best || len < best->len || (len == best->len && addr < best->addr)) {
+      best = GrowthPlan{gap, addr, len, side};
+    }
+  };
+  for (Block* gap : gaps_) {
+    const size_t left = usable(gap->prev) ? gap->prev->size : 0;
+    const size_t right = usable(gap->next) ? gap->next->size : 0;
+    consider(gap, gap->addr, RoundUp(n - std::min(n, left), granularity),
+             left > 0 ? GrowthPlan::Side::kLeft : GrowthPlan::Side::kAlone);
+    if (right > 0) {
+      const size_t len = RoundUp(n - std::min(n, right), granularity);
+      if (len <= gap->size) consider(gap, gap->end() - len, len, GrowthPlan::Side::kRight);
+    }
+    if (left > 0 && right > 0 && left + gap->size + right >= n) {
+      consider(gap, gap->addr, gap->size, GrowthPlan::Side::kBoth);
+    }
+  }
+  return best;
+}
+
+void Arena::Extend(GrowthPlan& plan, size_t extra) {
+  const Block* gap = plan.gap;
+  switch (plan.side) {
+    case GrowthPlan::Side::kBoth:
+      return;
+    case GrowthPlan::Side::kRight: {
+      const size_t room = plan.addr - gap->addr;
+      const size_t add = std::min(extra, room);
+      plan.addr -= add;
+      plan.len += add;
+      return;
+    }
+    case GrowthPlan::Side::kLeft:
+    case GrowthPlan::Side::kAlone: {
+      const size_t room = gap->end() - (plan.addr + plan.len);
+      plan.len += std::min(extra, room);
+      return;
+    }
+  }
+}
+
+bool Arena::UsableBy(const Block* block, Stream stream) {
+  return block != nullptr && block->state == BlockState::kFree &&
+         (block->stream == stream || block->stream == kAnyStream);
+}
+
+Block* Arena::CommitGrowth(const GrowthPlan& plan, Stream stream, bool alone) {
+  Block* block = plan.gap;
+  if (plan.addr > block->addr) block = Split(block, plan.addr);
+  if (block->end() > plan.addr + plan.len) Split(block, plan.addr + plan.len);
+  gaps_.erase(block);
+  block->state = BlockState::kFree;
+  block->stream = stream;
+  block->free_seq = 0;
+  if (!alone) {
+    // Neighbours the stream may use join the new memory (a kAnyStream one takes its tag).
+    if (UsableBy(block->next, stream)) {
+      free_.Remove(block->next);
+      block = Join(block, block->next);
+    }
+    if (UsableBy(block->prev, stream)) {
+      free_.Remove(block->prev);
+      block = Join(block->prev, block);
+    }
+  }
+  free_.Insert(block);
+  return block;
+}
+
+void Arena::MakeGap(uintptr_t addr, size_t len) {
+  Block* block = BlockContaining(addr);
+  if (block->addr < addr) block = Split(block, addr);
+  const uintptr_t end = addr + len;
+  Block* last = block;
+  while (last->end() < end) last = last->next;
+  if (last->end() > end) Split(last, end);
+  // Now [addr, end) is exactly block..last.
+  for (Block* b = block;; b = b->next) {
+    if (b->state == BlockState::kFree) free_.Remove(b);
+    b->state = BlockState::kUnmapped;
+    b->stream = kAnyStream;
+    if (b == last) break;
+  }
+  while (block->next != nullptr && block->end() < end) {
+    Block* b = block->next;
+    block->size += b->size;
+    block->next = b->next;
+    if (b->next != nullptr) b->next->prev = block;
+    DeleteBlock(b);
+  }
+  gaps_.insert(block);
+  if (block->next != nullptr && block->next->state == BlockState::kUnmapped) {
+    block = Join(block, block->next);
+  }
+  if (block->prev != nullptr && block->prev->state == BlockState::kUnmapped) {
+    Join(block->prev, block);
+  }
+}
+
+Block* Arena::BlockContaining(uintptr_t addr) const {
+  for (Block* b = head_; b != nullptr; b = b->next) {
+    if (addr >= b->addr && addr < b->end()) return b;
+  }
+  return nullptr;
+}
+
+std::string Arena::CheckInvariants() const {
+  if (head_ == nullptr) return size_ == 0 ? "" : "arena has no blocks";
+  if (head_->addr != base_ || head_->prev != nullptr) return "first block is not at the base";
+  size_t free_count = 0;
+  size_t gap_count = 0;
+  uintptr_t expect = base_;
+  for (const Block* b = head_; b != nullptr; b = b->next) {
+    if (b->addr != expect) return absl::StrCat("hole or overlap at 0x", absl::Hex(expect));
+    if (b->size == 0) return absl::StrCat("empty block at 0x", absl::Hex(b->addr));
+    if (b->addr % 512 != 0) return absl::StrCat("misaligned block at 0x", absl::Hex(b->addr));
+    if (b->next != nullptr && b->next->prev != b) return "broken prev link";
+    if (b->next != nullptr && CanMerge(b, b->next)) {
+      return absl::StrCat("uncoalesced ", BlockStateName(b->state), " blocks at 0x",
+                          absl::Hex(b->addr));
+    }
+    const bool in_free = free_.Contains(const_cast<Block*>(b));
+    if ((b->state == BlockState::kFree) != in_free) {
+      return absl::StrCat("free set disagrees with block at 0x", absl::Hex(b->addr));
+    }
+    const bool in_gaps = gaps_.count(const_cast<Block*>(b)) != 0;
+    if ((b->state == BlockState::kUnmapped) != in_gaps) {
+      return absl::StrCat("gap set disagrees with block at 0x", absl::Hex(b->addr));
+    }
+    free_count += in_free;
+    gap_count += in_gaps;
+    expect = b->end();
+  }
+  if (expect != base_ + size_) return "blocks do not reach the end of the arena";
+  if (free_count != free_.count()) return "free set holds blocks not in the arena";
+  if (gap_count != gaps_.size()) return "gap set holds blocks not in the arena";
+  return "";
+}
+
+}  // namespace vmm

@@ -1,0 +1,115 @@
+// arena.h: the blocks of one part of a pool's reserved address range.
+//
+// An Arena owns the Blocks that tile [base, base + size) in address order (block.h): gaps
+// with no memory behind them, cached free blocks (kept in a FreeBlocks set), allocated,
+// pending and retired blocks. It splits and coalesces blocks and plans where growth should
+// map memory, but calls no driver and takes no lock: the owning Pool does both, and guards
+// the arena with its mutex.
+//
+// Coalescing rule: adjacent free blocks merge when their stream tags are equal; adjacent gaps
+// merge; adjacent retired blocks merge. New memory is tagged with the stream it is grown for
+// and absorbs neighbours that stream may use (narrowing a kAnyStream neighbour to that stream,
+// which is never less safe).
+#ifndef VMM_ALLOCATOR_ARENA_H_
+#define VMM_ALLOCATOR_ARENA_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "absl/container/btree_set.h"
+#include "allocator/block.h"
+#include "allocator/free_blocks.h"
+
+namespace vmm {
+
+class Arena {
+ public:
+  // Where growth maps memory: [addr, addr + len) inside `gap`. Extending grows away from the
+  // free neighbour the plan attaches to.
+  struct GrowthPlan {
+    Block* gap = nullptr;
+    uintptr_t addr = 0;
+    size_t len = 0;
+    enum class Side { kLeft, kRight, kBoth, kAlone } side = Side::kAlone;
+  };
+
+  Arena() = default;
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Makes the whole range one gap.
+  void Init(uintptr_t base, size_t size);
+
+  uintptr_t base() const { return base_; }
+  size_t size() const { return size_; }
+  bool Contains(uintptr_t addr) const { return addr >= base_ && addr < base_ + size_; }
+  Block* head() const { return head_; }
+  const FreeBlocks& free_blocks() const { return free_; }
+
+  // Best-fit cached block for `n` bytes on `stream`, or nullptr.
+  Block* BestFit(Stream stream, size_t n) const { return free_.BestFit(stream, n); }
+
+  // Splits `block` at `at` (strictly inside it). Both parts keep the state and tag; free
+  // parts stay in the free set. Returns the upper part.
+  Block* Split(Block* block, uintptr_t at);
+
+  // Takes a kFree block out of the cache (it becomes kAllocated; the caller fills it in).
+  void TakeFree(Block* block);
+
+  // Puts `block` in the cache with tag `stream`, coalescing with free neighbours. Returns the
+  // block that now holds its bytes (possibly merged).
+  Block* AddFree(Block* block, Stream stream, uint64_t free_seq);
+  // Changes a cached block's tag (and coalesces); returns the resulting block.
+  Block* Retag(Block* block, Stream stream);
+
+  // Marks `block` retired (not cached), merging with retired neighbours.
+  Block* Retire(Block* block);
+
+  // Where to map memory so that a block of `n` bytes fits for `stream` with the fewest new
+  // bytes (multiples of `granularity`). nullopt when no gap is large enough. `alone` plans a
+  // range that touches no free neighbour (for blocks that get chunks of their own).
+  std::optional<GrowthPlan> PlanGrowth(size_t n, Stream stream, size_t granularity,
+                                       bool alone) const;
+  // Grows `plan` by up to `extra` bytes (within its gap, away from its free neighbour).
+  static void Extend(GrowthPlan& plan, size_t extra);
+  // Turns the planned range into a free block tagged `stream`, merged with the free
+  // neighbours `stream` may use unless `alone`. Returns the block.
+  Block* CommitGrowth(const GrowthPlan& plan, Stream stream, bool alone);
+
+  // Turns [addr, addr + len), which must hold only free or retired blocks, into a gap.
+  void MakeGap(uintptr_t addr, size_t len);
+
+  // The block containing `addr` (linear walk: for slow paths only), or nullptr.
+  Block* BlockContaining(uintptr_t addr) const;
+
+  // Checks the arena's own invariants; returns a description of the first violation, or "".
+  std::string CheckInvariants() const;
+
+ private:
+  static bool CanMerge(const Block* a, const Block* b);
+  // Whether `block` is cached and may be taken by `stream`.
+  static bool UsableBy(const Block* block, Stream stream);
+  Block* NewBlock();
+  void DeleteBlock(Block* block);
+  // Merges `b` into `a` (a->next == b); neither may be in the free set. Returns a.
+  Block* Join(Block* a, Block* b);
+  // Merges a kFree block that is not in the free set with its neighbours, then adds it.
+  Block* CoalesceFree(Block* block);
+
+  uintptr_t base_ = 0;
+  size_t size_ = 0;
+  Block* head_ = nullptr;
+  FreeBlocks free_;
+  struct ByAddr {
+    bool operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
+  };
+  absl::btree_set<Block*, ByAddr> gaps_;
+  std::vector<Block*> spare_;  // recycled Block objects
+};
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_ARENA_H_

@@ -1,0 +1,23 @@
+// driver_factory.h: chooses the driver backend.
+//
+// VMM_BACKEND=cuda or VMM_BACKEND=host forces a backend; otherwise the CUDA backend is used
+// when libcuda loads and reports at least one device, and the host backend when not.
+#ifndef VMM_ALLOCATOR_DRIVER_FACTORY_H_
+#define VMM_ALLOCATOR_DRIVER_FACTORY_H_
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "allocator/driver.h"
+
+namespace vmm {
+
+// "cuda" or "host". InvalidArgument for any other name; FailedPrecondition when "cuda" is asked
+// for and no CUDA driver or device is present.
+absl::StatusOr<Driver*> DriverByName(absl::string_view name);
+
+// The best available backend (see the file comment). Never fails for lack of a GPU.
+absl::StatusOr<Driver*> DefaultDriver();
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_DRIVER_FACTORY_H_

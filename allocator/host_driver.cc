@@ -1,0 +1,1036 @@
+// host_driver.cc: the host backend (see host_driver.h).
+//
+// Physical memory is a memfd file per allocation, a reserved range is an anonymous PROT_NONE
+// mapping, Map replaces part of a reservation with a MAP_SHARED mapping of the file (still
+// PROT_NONE), SetAccess makes it read-write, and Unmap puts an anonymous PROT_NONE mapping
+// back so that the reservation stays whole. All bookkeeping lives in tables guarded by one
+// mutex; the system calls that change the address space run under it too, so that two
+// threads can never map over each other.
+//
+// Accounting: an allocation's bytes count against the capacity from Create() or Import() until
+// it is both released and unmapped. Imports count too (each is a reference to physical memory
+// in this driver's books) but, as in CUDA, are never refused for lack of capacity, so free
+// bytes stop at 0. An exported POSIX fd keeps the file alive but is not counted.
+//
+// A fabric handle names the exporter's descriptor as /proc/<pid>/fd/<fd>, so an import needs
+// the exporter alive, still holding the allocation (not released), and the right to open its
+// /proc entries (the same user). Everything else about the file (inode, size, the random tag
+// in the memfd's name) is checked after opening it.
+//
+// Streams are worker threads with a FIFO of work; events are generation counters that a
+// marker queued on a stream advances. Stream 0 runs its work at once on the calling thread.
+#include "allocator/host_driver.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <climits>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/string_view.h"
+#include "allocator/log.h"
+#include "allocator/mutex.h"
+#include "allocator/status_macros.h"
+#include "allocator/unique_fd.h"
+
+namespace vmm {
+namespace {
+
+// --- Small helpers ------------------------------------------------------------------------
+
+// "call: strerror(errno)" with the code chosen from errno (ENOMEM: ResourceExhausted, ...).
+absl::Status ErrnoStatus(absl::string_view call) { return absl::ErrnoToStatus(errno, call); }
+
+bool IsPowerOfTwo(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
+
+void* ToPointer(DevPtr ptr) { return reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)); }
+DevPtr ToDevPtr(const void* p) { return static_cast<DevPtr>(reinterpret_cast<uintptr_t>(p)); }
+
+// `requested` when it is a power of two of at least a page (mmap works in pages), else the
+// default granularity with a warning: NewHostDriver() has no way to return an error.
+size_t ValidGranularity(size_t requested) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  if (IsPowerOfTwo(requested) && requested >= page) return requested;
+  const size_t fallback = HostDriverOptions().granularity;
+  LogWarning(absl::StrCat("host: granularity ", requested,
+                          " is not a power of two of at least a page; using ", fallback));
+  return fallback;
+}
+
+absl::Status CheckDevice(int device) {
+  if (device != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: invalid device ", device, " (the host backend has device 0 only)"));
+  }
+  return absl::OkStatus();
+}
+
+// A condition variable for vmm::Mutex: Wait() must be called with `mu` held, which the
+// thread-safety analysis checks at the caller; callers loop on their condition.
+class CondVar {
+ public:
+  void Wait(Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    LockAdapter adapter{mu};
+    cv_.wait(adapter);
+  }
+  void NotifyAll() { cv_.notify_all(); }
+
+ private:
+  // BasicLockable view of a held vmm::Mutex for std::condition_variable_any, which unlocks it
+  // while waiting and locks it again before returning.
+  struct LockAdapter {
+    Mutex* mu;
+    void lock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Lock(); }
+    void unlock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Unlock(); }
+  };
+  std::condition_variable_any cv_;
+};
+
+// --- Boot identity ------------------------------------------------------------------------
+
+// The 32 hex digits of /proc/sys/kernel/random/boot_id (same in every process during one
+// boot), or an empty string when it cannot be read.
+std::string ReadBootIdHex() {
+  UniqueFd fd(::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return "";
+  char buf[128];
+  ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+  if (n <= 0) return "";
+  std::string hex;
+  for (ssize_t i = 0; i < n; ++i) {
+    if (absl::ascii_isxdigit(static_cast<unsigned char>(buf[i]))) {
+      hex.push_back(absl::ascii_tolower(static_cast<unsigned char>(buf[i])));
+    }
+  }
+  return hex.size() == 32 ? hex : "";
+}
+
+// FNV-1a, 64 bits: a stable hash (unlike absl::Hash, which is seeded per process), so that
+// every process of one boot computes the same value.
+uint64_t StableHash(absl::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+// --- The fabric handle ---------------------------------------------------------------------
+//
+// 64 bytes, little-endian:
+//   0 "VMMHOSTF"  8 u32 version (1)  12 u32 exporter pid  16 u32 fd in exporter
+//   20 u32 reserved (0)  24 u64 inode  32 u64 size  40 16-byte tag  56 u64 boot id hash
+
+constexpr char kFabricMagic[8] = {'V', 'M', 'M', 'H', 'O', 'S', 'T', 'F'};
+constexpr uint32_t kFabricVersion = 1;
+constexpr size_t kTagSize = 16;
+using Tag = std::array<uint8_t, kTagSize>;
+
+struct FabricFields {
+  uint32_t pid = 0;
+  uint32_t fd = 0;
+  uint64_t inode = 0;
+  uint64_t size = 0;
+  Tag tag{};
+  uint64_t boot_hash = 0;
+};
+
+void PutLe(uint8_t* out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) out[i] = static_cast<uint8_t>(value >> (8 * i));
+}
+
+uint64_t GetLe(const uint8_t* in, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(in[i]) << (8 * i);
+  return value;
+}
+
+FabricHandle EncodeFabric(const FabricFields& f) {
+  FabricHandle h{};
+  std::memcpy(h.data(), kFabricMagic, sizeof(kFabricMagic));
+  PutLe(h.data() + 8, kFabricVersion, 4);
+  PutLe(h.data() + 12, f.pid, 4);
+  PutLe(h.data() + 16, f.fd, 4);
+  PutLe(h.data() + 20, 0, 4);
+  PutLe(h.data() + 24, f.inode, 8);
+  PutLe(h.data() + 32, f.size, 8);
+  std::memcpy(h.data() + 40, f.tag.data(), kTagSize);
+  PutLe(h.data() + 56, f.boot_hash, 8);
+  return h;
+}
+
+// Checks the fixed fields; InvalidArgument for anything that is not a version 1 host handle.
+absl::StatusOr<FabricFields> DecodeFabric(const FabricHandle& h) {
+  if (std::memcmp(h.data(), kFabricMagic, sizeof(kFabricMagic)) != 0) {
+    return absl::InvalidArgumentError("host: not a host fabric handle (bad magic)");
+  }
+  const uint64_t version = GetLe(h.data() + 8, 4);
+  if (version != kFabricVersion) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: unsupported host fabric handle version ", version));
+  }
+  if (GetLe(h.data() + 20, 4) != 0) {
+    return absl::InvalidArgumentError("host: malformed host fabric handle (reserved field set)");
+  }
+  FabricFields f;
+  f.pid = static_cast<uint32_t>(GetLe(h.data() + 12, 4));
+  f.fd = static_cast<uint32_t>(GetLe(h.data() + 16, 4));
+  f.inode = GetLe(h.data() + 24, 8);
+  f.size = GetLe(h.data() + 32, 8);
+  std::memcpy(f.tag.data(), h.data() + 40, kTagSize);
+  f.boot_hash = GetLe(h.data() + 56, 8);
+  if (f.pid == 0 || f.pid > static_cast<uint32_t>(INT_MAX) ||
+      f.fd > static_cast<uint32_t>(INT_MAX) || f.size == 0) {
+    return absl::InvalidArgumentError("host: malformed host fabric handle (pid, fd or size)");
+  }
+  return f;
+}
+
+// --- memfd files ---------------------------------------------------------------------------
+
+constexpr absl::string_view kMemfdPrefix = "vmm-";
+
+std::string TagHex(const Tag& tag) {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(tag.data()), tag.size()));
+}
+
+absl::StatusOr<Tag> RandomTag() {
+  Tag tag;
+  size_t filled = 0;
+  while (filled < tag.size()) {
+    ssize_t n = ::getrandom(tag.data() + filled, tag.size() - filled, 0);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoStatus("getrandom");
+    }
+    filled += static_cast<size_t>(n);
+  }
+  return tag;
+}
+
+// What a memfd is known by: its inode, size, and the tag in its name.
+struct FileIdentity {
+  uint64_t inode = 0;
+  uint64_t size = 0;
+  Tag tag{};
+};
+
+absl::StatusOr<struct stat> Fstat(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return ErrnoStatus("fstat");
+  return st;
+}
+
+// The target of /proc/self/fd/<fd>, e.g. "/memfd:vmm-<32 hex> (deleted)".
+absl::StatusOr<std::string> FdLinkTarget(int fd) {
+  const std::string path = absl::StrCat("/proc/self/fd/", fd);
+  char buf[512];
+  ssize_t n = ::readlink(path.c_str(), buf, sizeof(buf) - 1);
+  if (n < 0) return ErrnoStatus(absl::StrCat("readlink ", path));
+  return std::string(buf, static_cast<size_t>(n));
+}
+
+// The tag in a memfd link target "/memfd:vmm-<32 hex> (deleted)", if it has that form.
+bool ParseMemfdTag(absl::string_view link, Tag* tag) {
+  const std::string marker = absl::StrCat("/memfd:", kMemfdPrefix);
+  if (!absl::StartsWith(link, marker) || link.size() < marker.size() + 2 * kTagSize) {
+    return false;
+  }
+  const absl::string_view hex = link.substr(marker.size(), 2 * kTagSize);
+  for (char c : hex) {
+    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return false;
+  }
+  const std::string bytes = absl::HexStringToBytes(hex);
+  std::memcpy(tag->data(), bytes.data(), kTagSize);
+  return true;
+}
+
+// Identifies an open memfd made by a host driver (any process). InvalidArgument when `fd` is
+// not a non-empty regular file named "memfd:vmm-<32 hex>".
+absl::StatusOr<FileIdentity> IdentifyMemfd(int fd) {
+  VMM_ASSIGN_OR_RETURN(struct stat st, Fstat(fd));
+  VMM_ASSIGN_OR_RETURN(std::string link, FdLinkTarget(fd));
+  FileIdentity id;
+  if (!S_ISREG(st.st_mode) || st.st_size <= 0 || !ParseMemfdTag(link, &id.tag)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: fd ", fd, " (", link, ") is not a host driver allocation"));
+  }
+  id.inode = static_cast<uint64_t>(st.st_ino);
+  id.size = static_cast<uint64_t>(st.st_size);
+  return id;
+}
+
+// A new memfd of `size` bytes named "vmm-<hex tag>".
+absl::StatusOr<UniqueFd> CreateMemfd(const Tag& tag, size_t size) {
+  const std::string name = absl::StrCat(kMemfdPrefix, TagHex(tag));
+  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC));
+  if (!fd.valid()) return ErrnoStatus("memfd_create");
+  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) return ErrnoStatus("ftruncate");
+  return fd;
+}
+
+// Replaces [ptr, ptr+size) with inaccessible anonymous memory: a reservation's filler.
+absl::Status MapFiller(DevPtr ptr, size_t size) {
+  void* p = ::mmap(ToPointer(ptr), size, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  if (p == MAP_FAILED) return ErrnoStatus("mmap");
+  return absl::OkStatus();
+}
+
+// --- Streams and events ----------------------------------------------------------------------
+
+// A worker thread that runs queued work in FIFO order.
+class HostStream {
+ public:
+  HostStream() : worker_([this] { Run(); }) {}
+  ~HostStream() {
+    Stop();
+    worker_.join();
+  }
+  HostStream(const HostStream&) = delete;
+  HostStream& operator=(const HostStream&) = delete;
+
+  // Queues `work`; false once Stop() has begun.
+  bool Enqueue(std::function<void()> work) {
+    MutexLock lock(&mu_);
+    if (stopping_) return false;
+    queue_.push_back(std::move(work));
+    ++enqueued_;
+    cv_.NotifyAll();
+    return true;
+  }
+
+  // Waits until all work queued before the call has run.
+  void Synchronize() {
+    MutexLock lock(&mu_);
+    const uint64_t target = enqueued_;
+    while (completed_ < target) cv_.Wait(&mu_);
+  }
+
+  // Refuses new work, lets the queue drain and waits for the worker to finish. Idempotent.
+  void Stop() {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+    cv_.NotifyAll();
+    while (!worker_done_) cv_.Wait(&mu_);
+  }
+
+ private:
+  void Run() {
+    MutexLock lock(&mu_);
+    while (true) {
+      while (queue_.empty() && !stopping_) cv_.Wait(&mu_);
+      if (queue_.empty()) break;  // stopping, and drained
+      std::function<void()> work = std::move(queue_.front());
+      queue_.pop_front();
+      mu_.Unlock();
+      work();
+      mu_.Lock();
+      ++completed_;
+      cv_.NotifyAll();
+    }
+    worker_done_ = true;
+    cv_.NotifyAll();
+  }
+
+  Mutex mu_;
+  CondVar cv_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;   // work items ever queued
+  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;  // work items that have run
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool worker_done_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread worker_;  // last: starts after the members above exist
+};
+
+// An event: each Record() starts a new generation, and the marker of that generation, when
+// its stream reaches it, marks it reached. The event is done when the latest recorded
+// generation has been reached (a never-recorded event is done, as in CUDA).
+class HostEvent {
+ public:
+  uint64_t Record() {
+    MutexLock lock(&mu_);
+    return ++recorded_;
+  }
+  void Reach(uint64_t generation) {
+    MutexLock lock(&mu_);
+    reached_ = std::max(reached_, generation);
+    cv_.NotifyAll();
+  }
+  bool Done() {
+    MutexLock lock(&mu_);
+    return reached_ >= recorded_;
+  }
+  void Wait() {
+    MutexLock lock(&mu_);
+    const uint64_t target = recorded_;
+    while (reached_ < target) cv_.Wait(&mu_);
+  }
+
+ private:
+  Mutex mu_;
+  CondVar cv_;
+  uint64_t recorded_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t reached_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// --- The driver ------------------------------------------------------------------------------
+
+class HostDriver final : public Driver {
+ public:
+  explicit HostDriver(const HostDriverOptions& options)
+      : granularity_(ValidGranularity(options.granularity)),
+        capacity_(options.capacity),
+        boot_id_hex_(ReadBootIdHex()),
+        boot_hash_(StableHash(boot_id_hex_)) {}
+  ~HostDriver() override;
+
+  absl::string_view Name() const override { return "host"; }
+  int DeviceCount() const override { return 1; }
+  absl::StatusOr<std::string> DeviceUuid(int device) override;
+  absl::StatusOr<size_t> Granularity(int device) override;
+  absl::StatusOr<bool> SupportsHandleType(int device, HandleType type) override;
+  absl::StatusOr<MemInfo> GetMemInfo(int device) override;
+
+  absl::StatusOr<PhysHandle> Create(int device, size_t size, uint32_t handle_types) override;
+  absl::Status Release(PhysHandle handle) override;
+
+  absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override;
+  absl::Status Unreserve(DevPtr ptr, size_t size) override;
+  absl::Status Map(DevPtr ptr, size_t size, PhysHandle handle) override;
+  absl::Status Unmap(DevPtr ptr, size_t size) override;
+  absl::Status SetAccess(DevPtr ptr, size_t size, absl::Span<const int> devices) override;
+
+  absl::StatusOr<ShareableHandle> Export(PhysHandle handle, HandleType type) override;
+  absl::StatusOr<PhysHandle> Import(const ShareableHandle& handle) override;
+
+  absl::StatusOr<Stream> CreateStream(int device) override;
+  absl::Status DestroyStream(Stream stream) override;
+  absl::Status SynchronizeStream(Stream stream) override;
+  absl::Status SynchronizeDevice(int device) override;
+  absl::StatusOr<Event> CreateEvent(int device) override;
+  absl::Status DestroyEvent(Event event) override;
+  absl::Status RecordEvent(Event event, Stream stream) override;
+  absl::StatusOr<bool> EventDone(Event event) override;
+  absl::Status SynchronizeEvent(Event event) override;
+
+  absl::Status LaunchHostFunc(Stream stream, void (*fn)(void*), void* arg) override;
+  absl::Status MemcpyAsync(DevPtr dst, DevPtr src, size_t bytes, Stream stream) override;
+  absl::Status MemsetAsync(DevPtr dst, uint8_t value, size_t bytes, Stream stream) override;
+
+ private:
+  // A physical allocation: created here or imported. Its bytes count against the capacity
+  // until it is both released and unmapped everywhere in this driver; then it is erased.
+  struct Allocation {
+    UniqueFd fd;  // the memfd; closed at Release (mappings keep the pages)
+    size_t size = 0;
+    uint32_t handle_types = 0;  // k*Bit types Export() accepts
+    FileIdentity identity;      // inode and tag, for fabric handles
+    bool released = false;
+    int map_count = 0;  // live mappings of this allocation
+  };
+  struct Mapping {
+    size_t size = 0;
+    PhysHandle handle = 0;
+  };
+
+  absl::Status CheckSize(absl::string_view call, size_t size) const;
+  absl::Status CheckRange(absl::string_view call, DevPtr ptr, size_t size) const;
+  // The allocation `handle` names, unless unknown or released (InvalidArgument).
+  absl::StatusOr<Allocation*> LiveAllocation(absl::string_view call, PhysHandle handle)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Adds an allocation to the table and the accounting; returns its new id.
+  PhysHandle AddAllocation(Allocation allocation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Erases `handle` once it is released and unmapped, returning its bytes to the capacity.
+  void MaybeFree(PhysHandle handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether [ptr, ptr+size) lies inside one reservation.
+  bool InsideReservation(DevPtr ptr, size_t size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool OverlapsMapping(DevPtr ptr, size_t size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether every byte of [ptr, ptr+size) is mapped.
+  bool CoveredByMappings(DevPtr ptr, size_t size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  absl::StatusOr<FabricHandle> ExportFabric(const Allocation& allocation) const;
+  absl::StatusOr<PhysHandle> ImportPosixFd(int fd);
+  absl::StatusOr<PhysHandle> ImportFabric(const FabricHandle& handle);
+  // Opens the file a fabric handle names through /proc and checks that it is that file.
+  absl::StatusOr<UniqueFd> OpenFabricTarget(const FabricFields& f) const;
+
+  // The stream `stream` (nonzero) names; InvalidArgument when unknown.
+  absl::StatusOr<std::shared_ptr<HostStream>> FindStream(Stream stream);
+  absl::StatusOr<std::shared_ptr<HostEvent>> FindEvent(Event event);
+  // Runs `work` at once on stream 0, else queues it on `stream`.
+  absl::Status Submit(Stream stream, std::function<void()> work);
+
+  const size_t granularity_;
+  const size_t capacity_;
+  const std::string boot_id_hex_;  // empty when unreadable
+  const uint64_t boot_hash_;
+
+  Mutex mu_;
+  uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;  // ids of allocations, streams and events
+  size_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<PhysHandle, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
+  std::map<DevPtr, size_t> reservations_ ABSL_GUARDED_BY(mu_);  // start -> size
+  std::map<DevPtr, Mapping> mappings_ ABSL_GUARDED_BY(mu_);     // start -> mapping
+  absl::flat_hash_map<Stream, std::shared_ptr<HostStream>> streams_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<Event, std::shared_ptr<HostEvent>> events_ ABSL_GUARDED_BY(mu_);
+};
+
+HostDriver::~HostDriver() {
+  std::vector<std::shared_ptr<HostStream>> streams;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [id, stream] : streams_) streams.push_back(stream);
+    streams_.clear();
+    events_.clear();
+  }
+  for (auto& stream : streams) stream->Stop();
+  streams.clear();
+
+  MutexLock lock(&mu_);
+  // Unmapping a whole reservation also removes the mappings inside it.
+  for (const auto& [ptr, size] : reservations_) ::munmap(ToPointer(ptr), size);
+  reservations_.clear();
+  mappings_.clear();
+  allocations_.clear();  // closes the memfds
+}
+
+// --- Device queries ---
+
+absl::StatusOr<std::string> HostDriver::DeviceUuid(int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  if (boot_id_hex_.empty()) {
+    return absl::FailedPreconditionError(
+        "host: cannot read /proc/sys/kernel/random/boot_id for the device UUID");
+  }
+  const std::string& h = boot_id_hex_;
+  return absl::StrCat("HOST-", h.substr(0, 8), "-", h.substr(8, 4), "-", h.substr(12, 4), "-",
+                      h.substr(16, 4), "-", h.substr(20, 12));
+}
+
+absl::StatusOr<size_t> HostDriver::Granularity(int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  return granularity_;
+}
+
+absl::StatusOr<bool> HostDriver::SupportsHandleType(int device, HandleType type) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  return type == HandleType::kPosixFd || type == HandleType::kFabric;
+}
+
+absl::StatusOr<MemInfo> HostDriver::GetMemInfo(int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  MutexLock lock(&mu_);
+  // Imports count too, so live bytes may pass the capacity; free stops at 0.
+  return MemInfo{capacity_ - std::min(live_bytes_, capacity_), capacity_};
+}
+
+// --- Validation helpers ---
+
+absl::Status HostDriver::CheckSize(absl::string_view call, size_t size) const {
+  if (size == 0 || size % granularity_ != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: ", call, ": size ", size,
+                     " is not a positive multiple of the granularity ", granularity_));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostDriver::CheckRange(absl::string_view call, DevPtr ptr, size_t size) const {
+  VMM_RETURN_IF_ERROR(CheckSize(call, size));
+  if (ptr == 0 || ptr % granularity_ != 0 || ptr + size < ptr) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "host: %s: address 0x%x is not aligned to the granularity %u", call, ptr, granularity_));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HostDriver::Allocation*> HostDriver::LiveAllocation(absl::string_view call,
+                                                                   PhysHandle handle) {
+  auto it = allocations_.find(handle);
+  if (it == allocations_.end() || it->second.released) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: ", call, ": invalid or released handle ", handle));
+  }
+  return &it->second;
+}
+
+PhysHandle HostDriver::AddAllocation(Allocation allocation) {
+  const PhysHandle id = next_id_++;
+  live_bytes_ += allocation.size;
+  allocations_.emplace(id, std::move(allocation));
+  return id;
+}
+
+void HostDriver::MaybeFree(PhysHandle handle) {
+  auto it = allocations_.find(handle);
+  if (it == allocations_.end() || !it->second.released || it->second.map_count > 0) return;
+  live_bytes_ -= it->second.size;
+  allocations_.erase(it);
+}
+
+bool HostDriver::InsideReservation(DevPtr ptr, size_t size) const {
+  auto it = reservations_.upper_bound(ptr);
+  if (it == reservations_.begin()) return false;
+  --it;
+  return ptr + size <= it->first + it->second;
+}
+
+bool HostDriver::OverlapsMapping(DevPtr ptr, size_t size) const {
+  auto next = mappings_.lower_bound(ptr);
+  if (next != mappings_.end() && next->first < ptr + size) return true;
+  if (next == mappings_.begin()) return false;
+  auto prev = std::prev(next);
+  return prev->first + prev->second.size > ptr;
+}
+
+bool HostDriver::CoveredByMappings(DevPtr ptr, size_t size) const {
+  DevPtr cursor = ptr;
+  const DevPtr end = ptr + size;
+  while (cursor < end) {
+    auto it = mappings_.upper_bound(cursor);
+    if (it == mappings_.begin()) return false;
+    --it;
+    const DevPtr mapping_end = it->first + it->second.size;
+    if (mapping_end <= cursor) return false;  // a hole at `cursor`
+    cursor = mapping_end;
+  }
+  return true;
+}
+
+// --- Physical memory ---
+
+absl::StatusOr<PhysHandle> HostDriver::Create(int device, size_t size, uint32_t handle_types) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  VMM_RETURN_IF_ERROR(CheckSize("Create", size));
+  if ((handle_types & ~(kPosixFdBit | kFabricBit)) != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: Create: unknown handle type bits 0x", absl::Hex(handle_types)));
+  }
+  MutexLock lock(&mu_);
+  const size_t free_bytes = capacity_ - std::min(live_bytes_, capacity_);
+  if (size > free_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat("host: out of memory: requested ", size,
+                                                     " bytes, ", free_bytes, " bytes free"));
+  }
+  Allocation allocation;
+  VMM_ASSIGN_OR_RETURN(allocation.identity.tag, RandomTag());
+  VMM_ASSIGN_OR_RETURN(allocation.fd, CreateMemfd(allocation.identity.tag, size));
+  VMM_ASSIGN_OR_RETURN(struct stat st, Fstat(allocation.fd.get()));
+  allocation.identity.inode = static_cast<uint64_t>(st.st_ino);
+  allocation.identity.size = size;
+  allocation.size = size;
+  allocation.handle_types = handle_types;
+  return AddAllocation(std::move(allocation));
+}
+
+absl::Status HostDriver::Release(PhysHandle handle) {
+  MutexLock lock(&mu_);
+  VMM_ASSIGN_OR_RETURN(Allocation * allocation, LiveAllocation("Release", handle));
+  allocation->released = true;
+  allocation->fd.reset();
+  MaybeFree(handle);
+  return absl::OkStatus();
+}
+
+// --- Virtual address ranges ---
+
+absl::StatusOr<DevPtr> HostDriver::Reserve(size_t size, size_t alignment) {
+  VMM_RETURN_IF_ERROR(CheckSize("Reserve", size));
+  if (alignment != 0 && !IsPowerOfTwo(alignment)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: Reserve: alignment ", alignment, " is not a power of two"));
+  }
+  alignment = std::max(alignment, granularity_);
+  const size_t padded = size + alignment;
+  if (padded < size) {
+    return absl::InvalidArgumentError("host: Reserve: size plus alignment overflows");
+  }
+  void* p = ::mmap(nullptr, padded, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) return ErrnoStatus("mmap");
+  // Trim the unaligned head and the tail beyond `size`.
+  const DevPtr raw = ToDevPtr(p);
+  const DevPtr base = (raw + alignment - 1) & ~static_cast<DevPtr>(alignment - 1);
+  if (base > raw) ::munmap(p, base - raw);
+  const size_t tail = raw + padded - (base + size);
+  if (tail > 0) ::munmap(ToPointer(base + size), tail);
+  MutexLock lock(&mu_);
+  reservations_[base] = size;
+  return base;
+}
+
+absl::Status HostDriver::Unreserve(DevPtr ptr, size_t size) {
+  MutexLock lock(&mu_);
+  auto it = reservations_.find(ptr);
+  if (it == reservations_.end() || it->second != size) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("host: Unreserve: [0x%x, +%u) is not a reserved range", ptr, size));
+  }
+  if (OverlapsMapping(ptr, size)) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("host: Unreserve: [0x%x, +%u) still has mappings", ptr, size));
+  }
+  if (::munmap(ToPointer(ptr), size) != 0) return ErrnoStatus("munmap");
+  reservations_.erase(it);
+  return absl::OkStatus();
+}
+
+absl::Status HostDriver::Map(DevPtr ptr, size_t size, PhysHandle handle) {
+  VMM_RETURN_IF_ERROR(CheckRange("Map", ptr, size));
+  MutexLock lock(&mu_);
+  if (!InsideReservation(ptr, size)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("host: Map: [0x%x, +%u) is not inside one reserved range", ptr, size));
+  }
+  if (OverlapsMapping(ptr, size)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("host: Map: [0x%x, +%u) overlaps an existing mapping", ptr, size));
+  }
+  VMM_ASSIGN_OR_RETURN(Allocation * allocation, LiveAllocation("Map", handle));
+  if (size > allocation->size) {
+    // Touching pages beyond the end of the file would raise SIGBUS.
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host: Map: size ", size, " exceeds the allocation's ", allocation->size, " bytes"));
+  }
+  void* p =
+      ::mmap(ToPointer(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, allocation->fd.get(), 0);
+  if (p == MAP_FAILED) {
+    absl::Status status = ErrnoStatus("mmap");
+    (void)MapFiller(ptr, size);  // MAP_FIXED may have dropped the filler already
+    return status;
+  }
+  ++allocation->map_count;
+  mappings_[ptr] = Mapping{size, handle};
+  return absl::OkStatus();
+}
+
+absl::Status HostDriver::Unmap(DevPtr ptr, size_t size) {
+  VMM_RETURN_IF_ERROR(CheckRange("Unmap", ptr, size));
+  MutexLock lock(&mu_);
+  // Collect the whole mappings that tile [ptr, ptr+size) exactly before changing anything.
+  std::vector<std::map<DevPtr, Mapping>::iterator> parts;
+  DevPtr cursor = ptr;
+  const DevPtr end = ptr + size;
+  while (cursor < end) {
+    auto it = mappings_.find(cursor);
+    if (it == mappings_.end() || cursor + it->second.size > end) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "host: Unmap: [0x%x, +%u) does not consist of whole mappings", ptr, size));
+    }
+    parts.push_back(it);
+    cursor += it->second.size;
+  }
+  if (absl::Status status = MapFiller(ptr, size); !status.ok()) {
+    return absl::InternalError(absl::StrCat("host: Unmap: ", status.message()));
+  }
+  for (auto it : parts) {
+    const PhysHandle handle = it->second.handle;
+    mappings_.erase(it);
+    auto alloc = allocations_.find(handle);
+    if (alloc != allocations_.end()) --alloc->second.map_count;
+    MaybeFree(handle);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostDriver::SetAccess(DevPtr ptr, size_t size, absl::Span<const int> devices) {
+  VMM_RETURN_IF_ERROR(CheckRange("SetAccess", ptr, size));
+  if (devices.empty()) return absl::InvalidArgumentError("host: SetAccess: no devices");
+  for (int device : devices) VMM_RETURN_IF_ERROR(CheckDevice(device));
+  MutexLock lock(&mu_);
+  if (!CoveredByMappings(ptr, size)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("host: SetAccess: [0x%x, +%u) is not entirely mapped", ptr, size));
+  }
+  if (::mprotect(ToPointer(ptr), size, PROT_READ | PROT_WRITE) != 0) {
+    return ErrnoStatus("mprotect");
+  }
+  return absl::OkStatus();
+}
+
+// --- Sharing ---
+
+absl::StatusOr<ShareableHandle> HostDriver::Export(PhysHandle handle, HandleType type) {
+  MutexLock lock(&mu_);
+  VMM_ASSIGN_OR_RETURN(Allocation * allocation, LiveAllocation("Export", handle));
+  const uint32_t bit = HandleTypeBit(type);
+  if (bit == 0 || (allocation->handle_types & bit) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host: Export: handle type ", HandleTypeName(type), " was not requested at Create"));
+  }
+  ShareableHandle out;
+  out.type = type;
+  if (type == HandleType::kPosixFd) {
+    out.fd.reset(::fcntl(allocation->fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!out.fd.valid()) return ErrnoStatus("fcntl(F_DUPFD_CLOEXEC)");
+  } else {
+    VMM_ASSIGN_OR_RETURN(out.fabric, ExportFabric(*allocation));
+  }
+  return out;
+}
+
+absl::StatusOr<FabricHandle> HostDriver::ExportFabric(const Allocation& allocation) const {
+  if (boot_id_hex_.empty()) {
+    return absl::FailedPreconditionError(
+        "host: Export: cannot read /proc/sys/kernel/random/boot_id for a fabric handle");
+  }
+  FabricFields f;
+  f.pid = static_cast<uint32_t>(::getpid());
+  f.fd = static_cast<uint32_t>(allocation.fd.get());
+  f.inode = allocation.identity.inode;
+  f.size = allocation.identity.size;
+  f.tag = allocation.identity.tag;
+  f.boot_hash = boot_hash_;
+  return EncodeFabric(f);
+}
+
+absl::StatusOr<PhysHandle> HostDriver::Import(const ShareableHandle& handle) {
+  switch (handle.type) {
+    case HandleType::kPosixFd:
+      return ImportPosixFd(handle.fd.get());
+    case HandleType::kFabric:
+      return ImportFabric(handle.fabric);
+    case HandleType::kNone:
+      break;
+  }
+  return absl::InvalidArgumentError("host: Import: the handle has no type");
+}
+
+absl::StatusOr<PhysHandle> HostDriver::ImportPosixFd(int fd) {
+  if (fd < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host: Import: invalid fd ", fd));
+  }
+  Allocation allocation;
+  allocation.fd.reset(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (!allocation.fd.valid()) return ErrnoStatus("fcntl(F_DUPFD_CLOEXEC)");
+  VMM_ASSIGN_OR_RETURN(allocation.identity, IdentifyMemfd(allocation.fd.get()));
+  allocation.size = allocation.identity.size;
+  allocation.handle_types = kPosixFdBit | kFabricBit;
+  MutexLock lock(&mu_);
+  return AddAllocation(std::move(allocation));
+}
+
+absl::StatusOr<PhysHandle> HostDriver::ImportFabric(const FabricHandle& handle) {
+  VMM_ASSIGN_OR_RETURN(FabricFields f, DecodeFabric(handle));
+  if (boot_id_hex_.empty() || f.boot_hash != boot_hash_) {
+    return absl::FailedPreconditionError(
+        "host: Import: fabric handle from another machine (or an earlier boot)");
+  }
+  Allocation allocation;
+  VMM_ASSIGN_OR_RETURN(allocation.fd, OpenFabricTarget(f));
+  allocation.identity.inode = f.inode;
+  allocation.identity.size = f.size;
+  allocation.identity.tag = f.tag;
+  allocation.size = f.size;
+  allocation.handle_types = kPosixFdBit | kFabricBit;
+  MutexLock lock(&mu_);
+  return AddAllocation(std::move(allocation));
+}
+
+absl::StatusOr<UniqueFd> HostDriver::OpenFabricTarget(const FabricFields& f) const {
+  const std::string path = absl::StrCat("/proc/", f.pid, "/fd/", f.fd);
+  auto stale = [&](absl::string_view what) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: Import: stale or forged handle: ", path, " ", what));
+  };
+  // stat()/open() failed: ENOENT means the process or its descriptor is gone; anything else
+  // (EACCES: another user's process) means it cannot be reached from here.
+  auto unreachable = [&](absl::string_view call) {
+    const int err = errno;
+    const std::string why =
+        absl::StrCat("(", absl::ErrnoToStatus(err, absl::StrCat(call, " ", path)).message(), ")");
+    if (err == ENOENT || err == ESRCH) {
+      return absl::NotFoundError(absl::StrCat("host: Import: stale handle: the exporter (pid ",
+                                              f.pid, ") is gone or no longer holds the allocation ",
+                                              why));
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "host: Import: cannot reach the exporter's (pid ", f.pid, ") allocation ", why));
+  };
+  // stat() first so that nothing but the expected kind of file is ever opened (opening a
+  // device or a FIFO could block).
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return unreachable("stat");
+  if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_ino) != f.inode) {
+    return stale("is another file");
+  }
+  UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
+  if (!fd.valid()) return unreachable("open");
+  // The fd in the exporter may have changed between stat() and open(): check what we got.
+  absl::StatusOr<FileIdentity> id = IdentifyMemfd(fd.get());
+  if (!id.ok()) return stale("is not a host driver allocation");
+  if (id->inode != f.inode || id->size != f.size || id->tag != f.tag) {
+    return stale("does not match the handle's inode, size or tag");
+  }
+  return fd;
+}
+
+// --- Streams and events ---
+
+absl::StatusOr<std::shared_ptr<HostStream>> HostDriver::FindStream(Stream stream) {
+  MutexLock lock(&mu_);
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("host: unknown stream ", stream));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<HostEvent>> HostDriver::FindEvent(Event event) {
+  MutexLock lock(&mu_);
+  auto it = events_.find(event);
+  if (it == events_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("host: unknown event ", event));
+  }
+  return it->second;
+}
+
+absl::Status HostDriver::Submit(Stream stream, std::function<void()> work) {
+  if (stream == 0) {
+    work();
+    return absl::OkStatus();
+  }
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<HostStream> s, FindStream(stream));
+  if (!s->Enqueue(std::move(work))) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("host: stream ", stream, " is being destroyed"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Stream> HostDriver::CreateStream(int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  auto stream = std::make_shared<HostStream>();
+  MutexLock lock(&mu_);
+  const Stream id = static_cast<Stream>(next_id_++);
+  streams_.emplace(id, std::move(stream));
+  return id;
+}
+
+absl::Status HostDriver::DestroyStream(Stream stream) {
+  std::shared_ptr<HostStream> s;
+  {
+    MutexLock lock(&mu_);
+    auto it = streams_.find(stream);
+    if (it == streams_.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("host: DestroyStream: unknown stream ", stream));
+    }
+    s = std::move(it->second);
+    streams_.erase(it);
+  }
+  s->Stop();  // drains the queue; the thread is joined when the last reference goes
+  return absl::OkStatus();
+}
+
+absl::Status HostDriver::SynchronizeStream(Stream stream) {
+  if (stream == 0) return absl::OkStatus();  // stream 0 work runs at once
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<HostStream> s, FindStream(stream));
+  s->Synchronize();
+  return absl::OkStatus();
+}
+
+absl::Status HostDriver::SynchronizeDevice(int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  std::vector<std::shared_ptr<HostStream>> streams;
+  {
+    MutexLock lock(&mu_);
+    for (auto& [id, stream] : streams_) streams.push_back(stream);
+  }
+  for (auto& stream : streams) stream->Synchronize();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Event> HostDriver::CreateEvent(int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  MutexLock lock(&mu_);
+  const Event id = static_cast<Event>(next_id_++);
+  events_.emplace(id, std::make_shared<HostEvent>());
+  return id;
+}
+
+absl::Status HostDriver::DestroyEvent(Event event) {
+  MutexLock lock(&mu_);
+  if (events_.erase(event) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat("host: DestroyEvent: unknown event ", event));
+  }
+  return absl::OkStatus();  // a pending marker keeps its own reference
+}
+
+absl::Status HostDriver::RecordEvent(Event event, Stream stream) {
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<HostEvent> e, FindEvent(event));
+  if (stream != 0) VMM_RETURN_IF_ERROR(FindStream(stream).status());
+  const uint64_t generation = e->Record();
+  absl::Status status = Submit(stream, [e, generation] { e->Reach(generation); });
+  // A stream destroyed in between leaves nothing to wait for: complete the event.
+  if (!status.ok()) e->Reach(generation);
+  return status;
+}
+
+absl::StatusOr<bool> HostDriver::EventDone(Event event) {
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<HostEvent> e, FindEvent(event));
+  return e->Done();
+}
+
+absl::Status HostDriver::SynchronizeEvent(Event event) {
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<HostEvent> e, FindEvent(event));
+  e->Wait();
+  return absl::OkStatus();
+}
+
+absl::Status HostDriver::LaunchHostFunc(Stream stream, void (*fn)(void*), void* arg) {
+  if (fn == nullptr) return absl::InvalidArgumentError("host: LaunchHostFunc: null function");
+  return Submit(stream, [fn, arg] { fn(arg); });
+}
+
+absl::Status HostDriver::MemcpyAsync(DevPtr dst, DevPtr src, size_t bytes, Stream stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == 0 || src == 0) return absl::InvalidArgumentError("host: MemcpyAsync: null address");
+  return Submit(stream, [dst, src, bytes] { std::memmove(ToPointer(dst), ToPointer(src), bytes); });
+}
+
+absl::Status HostDriver::MemsetAsync(DevPtr dst, uint8_t value, size_t bytes, Stream stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == 0) return absl::InvalidArgumentError("host: MemsetAsync: null address");
+  return Submit(stream, [dst, value, bytes] { std::memset(ToPointer(dst), value, bytes); });
+}
+
+}  // namespace
+
+std::unique_ptr<Driver> NewHostDriver(const HostDriverOptions& options) {
+  return std::make_unique<HostDriver>(options);
+}
+
+Driver* GetHostDriver() {
+  static Driver* const driver = NewHostDriver().release();  // lives until the process exits
+  return driver;
+}
+
+}  // namespace vmm

@@ -1,0 +1,934 @@
+// driver_conformance_test: the contract of driver.h, checked on every backend.
+//
+// Each test runs twice: on the host backend (a fresh NewHostDriver() per test) and on the CUDA
+// backend (the process-wide GetCudaDriver()). Where there is no usable CUDA driver or GPU the
+// CUDA instances are skipped, unless VMM_REQUIRE_CUDA=1 (the GPU machine), which makes that a
+// failure. Device memory is only ever read and written through MemcpyAsync/MemsetAsync, since
+// CUDA device pointers cannot be dereferenced on the host.
+//
+// Error codes: the host backend is held to the exact codes of driver.h. The CUDA backend maps
+// CUDA's own errors, which the CUDA documentation does not always pin down for a given
+// mistake; there only the failure itself is checked, except where CUDA documents the error.
+//
+// The cross-process tests spawn tests/driver_peer (see driver_peer.cc for its flags and exit
+// codes), which imports what this process exported.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/memory/memory.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "allocator/cuda_driver.h"
+#include "allocator/driver.h"
+#include "allocator/host_driver.h"
+#include "allocator/status_macros.h"
+#include "allocator/unique_fd.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+extern char** environ;
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+
+#define ASSERT_OK(expr)                                                        \
+  do {                                                                         \
+    const ::absl::Status assert_ok_status_ = (expr);                           \
+    ASSERT_TRUE(assert_ok_status_.ok()) << #expr << ": " << assert_ok_status_; \
+  } while (0)
+
+#define EXPECT_OK(expr)                                                        \
+  do {                                                                         \
+    const ::absl::Status expect_ok_status_ = (expr);                           \
+    EXPECT_TRUE(expect_ok_status_.ok()) << #expr << ": " << expect_ok_status_; \
+  } while (0)
+
+#define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
+  ASSERT_OK_AND_ASSIGN_IMPL_(VMM_CONCAT_(assert_statusor_, __LINE__), lhs, rexpr)
+#define ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, rexpr)             \
+  auto statusor = (rexpr);                                           \
+  ASSERT_TRUE(statusor.ok()) << #rexpr << ": " << statusor.status(); \
+  lhs = std::move(statusor).value()
+
+// Exit codes of driver_peer (driver_peer.cc).
+constexpr int kPeerOk = 0;
+constexpr int kPeerImportFailed = 3;
+
+constexpr int kDevice = 0;
+
+DevPtr HostAddress(const void* p) { return static_cast<DevPtr>(reinterpret_cast<uintptr_t>(p)); }
+
+// A fabric handle as driver_peer's --fabric flag takes it: 128 hex digits.
+std::string FabricHex(const FabricHandle& handle) {
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(handle.data()), handle.size()));
+}
+
+bool CudaRequired() {
+  const char* require = std::getenv("VMM_REQUIRE_CUDA");
+  return require != nullptr && std::strcmp(require, "1") == 0;
+}
+
+// --- Device memory helpers ------------------------------------------------------------------
+
+// Writes `value` over [ptr, ptr+size) and waits for it.
+absl::Status Fill(Driver* driver, DevPtr ptr, uint8_t value, size_t size) {
+  VMM_RETURN_IF_ERROR(driver->MemsetAsync(ptr, value, size, /*stream=*/0));
+  return driver->SynchronizeStream(0);
+}
+
+absl::Status Write(Driver* driver, DevPtr ptr, const std::vector<uint8_t>& bytes) {
+  VMM_RETURN_IF_ERROR(driver->MemcpyAsync(ptr, HostAddress(bytes.data()), bytes.size(), 0));
+  return driver->SynchronizeStream(0);
+}
+
+absl::StatusOr<std::vector<uint8_t>> Read(Driver* driver, DevPtr ptr, size_t size) {
+  std::vector<uint8_t> bytes(size);
+  VMM_RETURN_IF_ERROR(driver->MemcpyAsync(HostAddress(bytes.data()), ptr, size, 0));
+  VMM_RETURN_IF_ERROR(driver->SynchronizeStream(0));
+  return bytes;
+}
+
+// Whether every byte of [ptr, ptr+size) is `value`; names the first one that is not.
+::testing::AssertionResult AllBytesAre(Driver* driver, DevPtr ptr, size_t size, uint8_t value) {
+  absl::StatusOr<std::vector<uint8_t>> bytes = Read(driver, ptr, size);
+  if (!bytes.ok()) return ::testing::AssertionFailure() << bytes.status();
+  for (size_t i = 0; i < size; ++i) {
+    if ((*bytes)[i] != value) {
+      return ::testing::AssertionFailure()
+             << "byte " << i << " is " << int{(*bytes)[i]} << ", expected " << int{value};
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// A pattern that differs from byte to byte and from seed to seed.
+std::vector<uint8_t> Pattern(size_t size, uint32_t seed) {
+  std::vector<uint8_t> bytes(size);
+  for (size_t i = 0; i < size; ++i) bytes[i] = static_cast<uint8_t>((i * 131 + seed) >> 3);
+  return bytes;
+}
+
+// A reserved range with one physical allocation mapped read-write at its start. Free() undoes
+// it step by step and reports the first error; the destructor frees whatever is left and
+// ignores errors, so that a failing test does not leak device memory into the next one.
+class Buffer {
+ public:
+  // Creates `size` bytes exportable as `handle_types` and maps them.
+  static absl::StatusOr<std::unique_ptr<Buffer>> Make(Driver* driver, size_t size,
+                                                      uint32_t handle_types) {
+    VMM_ASSIGN_OR_RETURN(PhysHandle handle, driver->Create(kDevice, size, handle_types));
+    return Adopt(driver, handle, size);
+  }
+
+  // Takes over `handle` (which it releases) and maps its first `size` bytes.
+  static absl::StatusOr<std::unique_ptr<Buffer>> Adopt(Driver* driver, PhysHandle handle,
+                                                       size_t size) {
+    auto buffer = absl::WrapUnique(new Buffer(driver, size));
+    buffer->handle_ = handle;
+    VMM_ASSIGN_OR_RETURN(buffer->va_, driver->Reserve(size, 0));
+    VMM_RETURN_IF_ERROR(driver->Map(buffer->va_, size, handle));
+    buffer->mapped_ = true;
+    VMM_RETURN_IF_ERROR(driver->SetAccess(buffer->va_, size, {kDevice}));
+    return buffer;
+  }
+
+  ~Buffer() { Free().IgnoreError(); }
+
+  absl::Status Free() {
+    absl::Status status;
+    if (mapped_) status.Update(driver_->Unmap(va_, size_));
+    if (handle_ != 0) status.Update(driver_->Release(handle_));
+    if (va_ != 0) status.Update(driver_->Unreserve(va_, size_));
+    mapped_ = false;
+    handle_ = 0;
+    va_ = 0;
+    return status;
+  }
+
+  DevPtr va() const { return va_; }
+  size_t size() const { return size_; }
+  PhysHandle handle() const { return handle_; }
+
+ private:
+  Buffer(Driver* driver, size_t size) : driver_(driver), size_(size) {}
+
+  Driver* const driver_;
+  const size_t size_;
+  PhysHandle handle_ = 0;
+  DevPtr va_ = 0;
+  bool mapped_ = false;
+};
+
+// A host function that waits until the gate opens: it holds its stream until then.
+struct Gate {
+  std::atomic<bool> open{false};
+  std::atomic<bool> entered{false};
+
+  static void Wait(void* arg) {
+    auto* gate = static_cast<Gate*>(arg);
+    gate->entered.store(true);
+    while (!gate->open.load()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+};
+
+// --- Peer process ------------------------------------------------------------------------------
+
+struct PeerResult {
+  int exit_code = -1;
+  std::string output;  // its stdout and stderr
+};
+
+// tests/driver_peer: from the test's runfiles, else next to this binary.
+std::string PeerPath() {
+  if (const char* srcdir = std::getenv("TEST_SRCDIR"); srcdir != nullptr) {
+    std::string path = absl::StrCat(srcdir, "/vmm/tests/driver_peer");
+    if (::access(path.c_str(), X_OK) == 0) return path;
+  }
+  char self[4096];
+  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return "driver_peer";
+  std::string dir(self, static_cast<size_t>(n));
+  return absl::StrCat(dir.substr(0, dir.rfind('/')), "/driver_peer");
+}
+
+// Reads `fd` to its end, giving up after `timeout_ms` without output.
+absl::StatusOr<std::string> ReadAll(int fd, int timeout_ms) {
+  std::string out;
+  char buf[4096];
+  while (true) {
+    pollfd p{fd, POLLIN, 0};
+    const int ready = ::poll(&p, 1, timeout_ms);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready <= 0) return absl::DeadlineExceededError("driver_peer did not finish in time");
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return out;
+    out.append(buf, static_cast<size_t>(n));
+  }
+}
+
+// Runs driver_peer with `args` (descriptors without FD_CLOEXEC are inherited) and waits for it.
+absl::StatusOr<PeerResult> RunPeer(const std::vector<std::string>& args) {
+  const std::string path = PeerPath();
+  std::vector<char*> argv;
+  argv.push_back(const_cast<char*>(path.c_str()));
+  for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::ErrnoToStatus(errno, "pipe2");
+  UniqueFd read_end(pipe_fds[0]);
+  UniqueFd write_end(pipe_fds[1]);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDERR_FILENO);
+  pid_t pid = 0;
+  const int rc = ::posix_spawn(&pid, path.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (rc != 0) return absl::ErrnoToStatus(rc, absl::StrCat("posix_spawn ", path));
+  write_end.reset();
+
+  absl::StatusOr<std::string> output = ReadAll(read_end.get(), /*timeout_ms=*/120000);
+  if (!output.ok()) ::kill(pid, SIGKILL);
+  int wstatus = 0;
+  while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
+  }
+  if (!output.ok()) return output.status();
+  PeerResult result;
+  result.output = *std::move(output);
+  result.exit_code = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+  return result;
+}
+
+// --- The fixture --------------------------------------------------------------------------------
+
+class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (IsHost()) {
+      owned_ = NewHostDriver();
+      driver_ = owned_.get();
+    } else {
+      absl::StatusOr<Driver*> cuda = GetCudaDriver();
+      if (!cuda.ok()) {
+        if (CudaRequired()) FAIL() << "VMM_REQUIRE_CUDA=1 but: " << cuda.status();
+        GTEST_SKIP() << "no CUDA backend: " << cuda.status();
+      }
+      driver_ = *cuda;
+    }
+    ASSERT_OK_AND_ASSIGN(gran_, driver_->Granularity(kDevice));
+    ASSERT_GT(gran_, 0u);
+  }
+
+  void TearDown() override {
+    if (driver_ != nullptr && !IsHost()) EXPECT_OK(driver_->SynchronizeDevice(kDevice));
+  }
+
+  bool IsHost() const { return GetParam() == "host"; }
+  Driver* driver() { return driver_; }
+
+  // Free device memory. Tests expect it back at its starting value, exactly, once they have
+  // freed everything: the host backend's accounting is exact, and the CUDA driver's was too on
+  // an H200 with nothing else running (a busy GPU would make these checks fail).
+  size_t FreeBytes() {
+    absl::StatusOr<MemInfo> info = driver_->GetMemInfo(kDevice);
+    EXPECT_TRUE(info.ok()) << info.status();
+    return info.ok() ? info->free : 0;
+  }
+
+  // Expects `status` to fail with `code`. On CUDA, unless `strict_on_cuda`, any failure will do
+  // (see the file comment).
+  void ExpectError(const absl::Status& status, absl::StatusCode code, const char* what,
+                   bool strict_on_cuda = false) {
+    if (IsHost() || strict_on_cuda) {
+      EXPECT_EQ(status.code(), code) << what << ": " << status;
+    } else {
+      EXPECT_FALSE(status.ok()) << what << " succeeded";
+    }
+  }
+
+  // Whether fabric handles work here; on CUDA they need an IMEX channel, without which
+  // Create() with kFabricBit fails (PermissionDenied / NotPermitted): `why` says so.
+  bool FabricUsable(std::string* why) {
+    absl::StatusOr<bool> supported = driver_->SupportsHandleType(kDevice, HandleType::kFabric);
+    if (!supported.ok() || !*supported) {
+      *why = supported.ok() ? "the device does not support fabric handles"
+                            : supported.status().ToString();
+      return false;
+    }
+    absl::StatusOr<PhysHandle> probe = driver_->Create(kDevice, gran_, kFabricBit);
+    if (!probe.ok()) {
+      *why = absl::StrCat("Create with kFabricBit failed: ", probe.status().ToString());
+      return false;
+    }
+    EXPECT_OK(driver_->Release(*probe));
+    return true;
+  }
+
+  // Same-process sharing: export, import, map at a second address, and see each mapping's
+  // writes through the other.
+  void CheckShareInProcess(HandleType type);
+  // Cross-process sharing: the peer imports, checks our bytes, writes its own.
+  void CheckShareWithPeer(HandleType type);
+
+  std::unique_ptr<Driver> owned_;  // the host backend of this test
+  Driver* driver_ = nullptr;
+  size_t gran_ = 0;
+};
+
+#define EXPECT_ERROR(expr, code) ExpectError((expr), (code), #expr)
+#define EXPECT_ERROR_STRICT(expr, code) ExpectError((expr), (code), #expr, /*strict_on_cuda=*/true)
+
+// Skips the fabric variant of a test where fabric handles are not usable. On the host backend
+// they always must be.
+#define REQUIRE_FABRIC()                                               \
+  do {                                                                 \
+    std::string why_no_fabric;                                         \
+    if (!FabricUsable(&why_no_fabric)) {                               \
+      ASSERT_FALSE(IsHost()) << why_no_fabric;                         \
+      GTEST_SKIP() << "fabric handles unavailable: " << why_no_fabric; \
+    }                                                                  \
+  } while (0)
+
+// --- Device queries ---------------------------------------------------------------------------
+
+TEST_P(DriverConformanceTest, DeviceQueries) {
+  EXPECT_EQ(driver()->Name(), GetParam());
+  EXPECT_GE(driver()->DeviceCount(), 1);
+  EXPECT_EQ(gran_ & (gran_ - 1), 0u) << "granularity " << gran_ << " is not a power of two";
+
+  ASSERT_OK_AND_ASSIGN(std::string uuid, driver()->DeviceUuid(kDevice));
+  EXPECT_FALSE(uuid.empty());
+  ASSERT_OK_AND_ASSIGN(std::string again, driver()->DeviceUuid(kDevice));
+  EXPECT_EQ(uuid, again);
+  if (IsHost()) {
+    // "HOST-" and a UUID (8-4-4-4-12 hex digits), the same for every driver of this boot.
+    EXPECT_TRUE(absl::StartsWith(uuid, "HOST-")) << uuid;
+    EXPECT_EQ(uuid.size(), 5u + 36u) << uuid;
+    ASSERT_OK_AND_ASSIGN(std::string other, NewHostDriver()->DeviceUuid(kDevice));
+    EXPECT_EQ(uuid, other);
+    EXPECT_EQ(driver()->DeviceCount(), 1);
+    EXPECT_TRUE(*driver()->SupportsHandleType(kDevice, HandleType::kPosixFd));
+    EXPECT_TRUE(*driver()->SupportsHandleType(kDevice, HandleType::kFabric));
+  }
+
+  const int bad = driver()->DeviceCount();
+  EXPECT_ERROR_STRICT(driver()->DeviceUuid(bad).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR_STRICT(driver()->DeviceUuid(-1).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Granularity(bad).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->GetMemInfo(bad).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Create(bad, gran_, 0).status(), absl::StatusCode::kInvalidArgument);
+
+  ASSERT_OK_AND_ASSIGN(MemInfo info, driver()->GetMemInfo(kDevice));
+  EXPECT_GT(info.total, 0u);
+  EXPECT_LE(info.free, info.total);
+}
+
+// --- Mapping ----------------------------------------------------------------------------------
+
+TEST_P(DriverConformanceTest, CreateMapWriteReadRoundTrip) {
+  const size_t start = FreeBytes();
+  const size_t size = 2 * gran_;
+
+  ASSERT_OK_AND_ASSIGN(PhysHandle handle, driver()->Create(kDevice, size, 0));
+  EXPECT_NE(handle, 0u);
+  if (IsHost()) {
+    EXPECT_EQ(FreeBytes(), start - size);
+  }
+  ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(2 * size, 0));
+  EXPECT_EQ(va % gran_, 0u);
+  ASSERT_OK(driver()->Map(va, size, handle));
+  ASSERT_OK(driver()->SetAccess(va, size, {kDevice}));
+
+  const std::vector<uint8_t> pattern = Pattern(size, 7);
+  ASSERT_OK(Write(driver(), va, pattern));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back, Read(driver(), va, size));
+  EXPECT_TRUE(back == pattern) << "read back differs from what was written";
+
+  ASSERT_OK(driver()->Unmap(va, size));
+  ASSERT_OK(driver()->Release(handle));
+  ASSERT_OK(driver()->Unreserve(va, 2 * size));
+  EXPECT_EQ(FreeBytes(), start);
+}
+
+TEST_P(DriverConformanceTest, ReserveHonoursAlignment) {
+  const size_t alignment = 8 * gran_;
+  ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(gran_, alignment));
+  EXPECT_EQ(va % alignment, 0u);
+  ASSERT_OK(driver()->Unreserve(va, gran_));
+}
+
+TEST_P(DriverConformanceTest, ChunksMappedContiguouslyActAsOneRange) {
+  const size_t start = FreeBytes();
+  ASSERT_OK_AND_ASSIGN(PhysHandle first, driver()->Create(kDevice, gran_, 0));
+  ASSERT_OK_AND_ASSIGN(PhysHandle second, driver()->Create(kDevice, gran_, 0));
+  ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(2 * gran_, 0));
+  ASSERT_OK(driver()->Map(va, gran_, first));
+  ASSERT_OK(driver()->Map(va + gran_, gran_, second));
+  ASSERT_OK(driver()->SetAccess(va, 2 * gran_, {kDevice}));  // once, over both chunks
+
+  ASSERT_OK(Fill(driver(), va, 0x11, 2 * gran_));
+  // A copy that straddles the boundary between the two chunks.
+  const size_t span = gran_ / 2;
+  const DevPtr across = va + gran_ - span / 2;
+  const std::vector<uint8_t> pattern = Pattern(span, 3);
+  ASSERT_OK(Write(driver(), across, pattern));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back, Read(driver(), across, span));
+  EXPECT_TRUE(back == pattern) << "copy across the chunk boundary differs";
+  EXPECT_TRUE(AllBytesAre(driver(), va, gran_ - span / 2, 0x11));
+  EXPECT_TRUE(AllBytesAre(driver(), across + span, va + 2 * gran_ - (across + span), 0x11));
+
+  ASSERT_OK(driver()->Unmap(va, 2 * gran_));  // both mappings in one call
+  ASSERT_OK(driver()->Release(first));
+  ASSERT_OK(driver()->Release(second));
+  ASSERT_OK(driver()->Unreserve(va, 2 * gran_));
+  EXPECT_EQ(FreeBytes(), start);
+}
+
+TEST_P(DriverConformanceTest, ReleaseBeforeUnmapKeepsMemoryUntilUnmapped) {
+  const size_t start = FreeBytes();
+  const size_t size = 4 * gran_;
+  ASSERT_OK_AND_ASSIGN(PhysHandle handle, driver()->Create(kDevice, size, 0));
+  ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(size, 0));
+  ASSERT_OK(driver()->Map(va, size, handle));
+  ASSERT_OK(driver()->SetAccess(va, size, {kDevice}));
+  ASSERT_OK(Fill(driver(), va, 0x3c, size));
+
+  ASSERT_OK(driver()->Release(handle));
+  // Still mapped: still there, still counted.
+  EXPECT_TRUE(AllBytesAre(driver(), va, size, 0x3c));
+  ASSERT_OK(Fill(driver(), va, 0x44, size));
+  EXPECT_TRUE(AllBytesAre(driver(), va, size, 0x44));
+  const size_t while_mapped = FreeBytes();
+  if (IsHost()) {
+    EXPECT_EQ(while_mapped, start - size);
+  }
+
+  ASSERT_OK(driver()->Unmap(va, size));
+  const size_t after = FreeBytes();
+  EXPECT_GE(after, while_mapped + size) << "unmapping did not free the memory";
+  EXPECT_EQ(after, start);
+  ASSERT_OK(driver()->Unreserve(va, size));
+}
+
+// --- Mistakes ---------------------------------------------------------------------------------
+
+TEST_P(DriverConformanceTest, RejectsBadSizes) {
+  const size_t odd = gran_ + gran_ / 2;  // not a multiple of the granularity
+  // CUDA documents cuMemCreate's size as a multiple of the granularity (else INVALID_VALUE).
+  EXPECT_ERROR_STRICT(driver()->Create(kDevice, odd, 0).status(),
+                      absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR_STRICT(driver()->Create(kDevice, gran_ / 2, 0).status(),
+                      absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Create(kDevice, 0, 0).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Reserve(odd, 0).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Reserve(0, 0).status(), absl::StatusCode::kInvalidArgument);
+  if (IsHost()) {
+    EXPECT_ERROR(driver()->Reserve(gran_, 3 * gran_).status(),
+                 absl::StatusCode::kInvalidArgument);  // alignment not a power of two
+  }
+
+  ASSERT_OK_AND_ASSIGN(PhysHandle handle, driver()->Create(kDevice, 2 * gran_, 0));
+  ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(4 * gran_, 0));
+  EXPECT_ERROR(driver()->Map(va, odd, handle), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Map(va, 0, handle), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Map(va + gran_ / 2, gran_, handle), absl::StatusCode::kInvalidArgument);
+
+  // None of the failed calls left anything behind.
+  ASSERT_OK(driver()->Map(va, 2 * gran_, handle));
+  ASSERT_OK(driver()->Unmap(va, 2 * gran_));
+  ASSERT_OK(driver()->Release(handle));
+  ASSERT_OK(driver()->Unreserve(va, 4 * gran_));
+}
+
+TEST_P(DriverConformanceTest, RejectsBadMappings) {
+  const size_t start = FreeBytes();
+  ASSERT_OK_AND_ASSIGN(PhysHandle handle, driver()->Create(kDevice, 2 * gran_, 0));
+  ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(4 * gran_, 0));
+  // An address range that was reserved and is no longer.
+  ASSERT_OK_AND_ASSIGN(DevPtr gone, driver()->Reserve(2 * gran_, 0));
+  ASSERT_OK(driver()->Unreserve(gone, 2 * gran_));
+
+  // Outside any reservation.
+  EXPECT_ERROR(driver()->Map(gone, gran_, handle), absl::StatusCode::kInvalidArgument);
+  // Larger than the allocation.
+  EXPECT_ERROR(driver()->Map(va, 3 * gran_, handle), absl::StatusCode::kInvalidArgument);
+  // Access where nothing is mapped yet.
+  EXPECT_ERROR(driver()->SetAccess(va, gran_, {kDevice}), absl::StatusCode::kInvalidArgument);
+
+  ASSERT_OK(driver()->Map(va, 2 * gran_, handle));
+  // Overlapping the mapping, exactly or in part.
+  EXPECT_ERROR(driver()->Map(va, 2 * gran_, handle), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Map(va + gran_, gran_, handle), absl::StatusCode::kInvalidArgument);
+  // Access to a range that is only partly mapped.
+  EXPECT_ERROR(driver()->SetAccess(va, 3 * gran_, {kDevice}), absl::StatusCode::kInvalidArgument);
+  if (IsHost()) {
+    // Mistakes the CUDA driver lets through (seen with driver 580): cuMemMap accepts a range
+    // that runs past the end of its reservation, and cuMemUnmap accepts a range with nothing
+    // mapped, part of a mapping, or a mapping plus unmapped space, unmapping whatever is there.
+    EXPECT_ERROR(driver()->Map(va + 3 * gran_, 2 * gran_, handle),
+                 absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->Unmap(va + 2 * gran_, gran_), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->Unmap(va, gran_), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->Unmap(va, 3 * gran_), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->SetAccess(va, gran_, {}), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->SetAccess(va, gran_, {1}), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->Unreserve(va, 4 * gran_), absl::StatusCode::kFailedPrecondition);
+    EXPECT_ERROR(driver()->Unreserve(va, 2 * gran_), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->Unreserve(gone, 2 * gran_), absl::StatusCode::kInvalidArgument);
+  }
+
+  // The mapping survived all of that.
+  ASSERT_OK(driver()->SetAccess(va, 2 * gran_, {kDevice}));
+  ASSERT_OK(Fill(driver(), va, 0x5e, 2 * gran_));
+  EXPECT_TRUE(AllBytesAre(driver(), va, 2 * gran_, 0x5e));
+  ASSERT_OK(driver()->Unmap(va, 2 * gran_));
+  ASSERT_OK(driver()->Release(handle));
+  ASSERT_OK(driver()->Unreserve(va, 4 * gran_));
+  EXPECT_EQ(FreeBytes(), start);
+}
+
+TEST_P(DriverConformanceTest, RejectsBadHandles) {
+  const size_t start = FreeBytes();
+  EXPECT_ERROR(driver()->Release(0), absl::StatusCode::kInvalidArgument);
+
+  // Export of a type that was not requested at Create.
+  ASSERT_OK_AND_ASSIGN(PhysHandle plain, driver()->Create(kDevice, gran_, 0));
+  EXPECT_ERROR(driver()->Export(plain, HandleType::kPosixFd).status(),
+               absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Export(plain, HandleType::kFabric).status(),
+               absl::StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(PhysHandle fd_only, driver()->Create(kDevice, gran_, kPosixFdBit));
+  EXPECT_ERROR(driver()->Export(fd_only, HandleType::kFabric).status(),
+               absl::StatusCode::kInvalidArgument);
+  ASSERT_OK(driver()->Release(fd_only));
+
+  ASSERT_OK(driver()->Release(plain));
+
+  if (IsHost()) {
+    // A released handle can be neither released again, nor mapped, nor exported. Only the
+    // host backend can promise that: a CUDA handle is a pointer into the driver, dangling once
+    // released (cuMemMap of a released handle crashed inside libcuda with driver 580).
+    ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(gran_, 0));
+    EXPECT_ERROR(driver()->Release(plain), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->Map(va, gran_, plain), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->Export(fd_only, HandleType::kPosixFd).status(),
+                 absl::StatusCode::kInvalidArgument);
+    ASSERT_OK(driver()->Unreserve(va, gran_));
+
+    ShareableHandle none;
+    EXPECT_ERROR(driver()->Import(none).status(), absl::StatusCode::kInvalidArgument);
+    ShareableHandle bad_fd;
+    bad_fd.type = HandleType::kPosixFd;
+    EXPECT_ERROR(driver()->Import(bad_fd).status(), absl::StatusCode::kInvalidArgument);
+    // A descriptor that is not a host driver allocation.
+    int pipe_fds[2];
+    ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+    UniqueFd keep_read(pipe_fds[0]);
+    ShareableHandle pipe_handle;
+    pipe_handle.type = HandleType::kPosixFd;
+    pipe_handle.fd.reset(pipe_fds[1]);
+    EXPECT_ERROR(driver()->Import(pipe_handle).status(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(FreeBytes(), start);
+}
+
+// --- Out of memory ----------------------------------------------------------------------------
+
+TEST_P(DriverConformanceTest, OutOfMemoryIsResourceExhaustedAndRecoverable) {
+  // The host backend gets a small capacity; on CUDA, 1 TiB is more than any GPU has.
+  std::unique_ptr<Driver> small;
+  Driver* driver = this->driver();
+  size_t too_much = (size_t{1} << 40) / gran_ * gran_;
+  if (IsHost()) {
+    HostDriverOptions options;
+    options.capacity = 4 * gran_;
+    small = NewHostDriver(options);
+    driver = small.get();
+    too_much = options.capacity + gran_;
+    ASSERT_OK_AND_ASSIGN(MemInfo info, driver->GetMemInfo(kDevice));
+    EXPECT_EQ(info.total, options.capacity);
+    EXPECT_EQ(info.free, options.capacity);
+  }
+
+  absl::StatusOr<PhysHandle> failed = driver->Create(kDevice, too_much, 0);
+  ASSERT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted) << failed.status();
+  if (IsHost()) {
+    EXPECT_THAT(failed.status().message(), HasSubstr("out of memory"));
+    // Filling the capacity exactly works, one more granule does not, and a release makes room.
+    ASSERT_OK_AND_ASSIGN(PhysHandle all, driver->Create(kDevice, 4 * gran_, 0));
+    EXPECT_EQ(driver->Create(kDevice, gran_, 0).status().code(),
+              absl::StatusCode::kResourceExhausted);
+    EXPECT_EQ(driver->GetMemInfo(kDevice)->free, 0u);
+    ASSERT_OK(driver->Release(all));
+  }
+
+  // The driver still works.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver, gran_, 0));
+  ASSERT_OK(Fill(driver, buffer->va(), 0x6b, gran_));
+  EXPECT_TRUE(AllBytesAre(driver, buffer->va(), gran_, 0x6b));
+  ASSERT_OK(buffer->Free());
+}
+
+// --- Sharing in one process ---------------------------------------------------------------------
+
+void DriverConformanceTest::CheckShareInProcess(HandleType type) {
+  const size_t start = FreeBytes();
+  const size_t size = 2 * gran_;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> original,
+                       Buffer::Make(driver(), size, HandleTypeBit(type)));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle shared, driver()->Export(original->handle(), type));
+  EXPECT_EQ(shared.type, type);
+  if (type == HandleType::kPosixFd) {
+    EXPECT_TRUE(shared.fd.valid());
+  }
+
+  ASSERT_OK_AND_ASSIGN(PhysHandle imported_handle, driver()->Import(shared));
+  if (type == HandleType::kPosixFd) {
+    EXPECT_NE(::fcntl(shared.fd.get(), F_GETFD), -1) << "Import consumed the descriptor";
+  }
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> imported,
+                       Buffer::Adopt(driver(), imported_handle, size));
+  EXPECT_NE(imported->va(), original->va());
+
+  ASSERT_OK(Fill(driver(), original->va(), 0x11, size));
+  EXPECT_TRUE(AllBytesAre(driver(), imported->va(), size, 0x11));
+  const std::vector<uint8_t> pattern = Pattern(gran_, 9);
+  ASSERT_OK(Write(driver(), imported->va() + gran_ / 2, pattern));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back,
+                       Read(driver(), original->va() + gran_ / 2, gran_));
+  EXPECT_TRUE(back == pattern) << "write through the import not seen through the original";
+
+  // The original can go first; the import keeps the memory.
+  ASSERT_OK(original->Free());
+  EXPECT_TRUE(AllBytesAre(driver(), imported->va(), gran_ / 2, 0x11));
+  ASSERT_OK(imported->Free());
+  // On CUDA an exported descriptor holds the memory too, until it is closed.
+  shared.fd.reset();
+  EXPECT_EQ(FreeBytes(), start);
+}
+
+TEST_P(DriverConformanceTest, ExportImportPosixFdInProcess) {
+  CheckShareInProcess(HandleType::kPosixFd);
+}
+
+TEST_P(DriverConformanceTest, ExportImportFabricInProcess) {
+  REQUIRE_FABRIC();
+  CheckShareInProcess(HandleType::kFabric);
+}
+
+// --- Sharing with another process ---------------------------------------------------------------
+
+void DriverConformanceTest::CheckShareWithPeer(HandleType type) {
+  const size_t size = 2 * gran_;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer,
+                       Buffer::Make(driver(), size, HandleTypeBit(type)));
+  ASSERT_OK(Fill(driver(), buffer->va(), 0x5a, size));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle shared, driver()->Export(buffer->handle(), type));
+
+  std::vector<std::string> args = {absl::StrCat("--backend=", GetParam()),
+                                   absl::StrCat("--size=", size), "--expect=90",
+                                   "--write=165"};  // 0x5a, then 0xa5
+  UniqueFd inherited;
+  if (type == HandleType::kPosixFd) {
+    // A duplicate without FD_CLOEXEC, so that the peer inherits it under the same number.
+    inherited.reset(::fcntl(shared.fd.get(), F_DUPFD, 3));
+    ASSERT_TRUE(inherited.valid()) << std::strerror(errno);
+    args.push_back("--type=fd");
+    args.push_back(absl::StrCat("--fd=", inherited.get()));
+  } else {
+    args.push_back("--type=fabric");
+    args.push_back(absl::StrCat("--fabric=", FabricHex(shared.fabric)));
+  }
+  ASSERT_OK_AND_ASSIGN(PeerResult peer, RunPeer(args));
+  inherited.reset();
+  ASSERT_EQ(peer.exit_code, kPeerOk) << peer.output;
+  EXPECT_TRUE(AllBytesAre(driver(), buffer->va(), size, 0xa5)) << "the peer's writes are not seen";
+  ASSERT_OK(buffer->Free());
+}
+
+TEST_P(DriverConformanceTest, CrossProcessPosixFd) { CheckShareWithPeer(HandleType::kPosixFd); }
+
+TEST_P(DriverConformanceTest, CrossProcessFabric) {
+  REQUIRE_FABRIC();
+  CheckShareWithPeer(HandleType::kFabric);
+}
+
+TEST_P(DriverConformanceTest, CrossProcessStaleFabricHandleFailsCleanly) {
+  REQUIRE_FABRIC();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), gran_, kFabricBit));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle shared,
+                       driver()->Export(buffer->handle(), HandleType::kFabric));
+  ASSERT_OK(buffer->Free());  // unmapped and released before the peer imports
+
+  ASSERT_OK_AND_ASSIGN(PeerResult peer,
+                       RunPeer({absl::StrCat("--backend=", GetParam()), "--type=fabric",
+                                absl::StrCat("--fabric=", FabricHex(shared.fabric)),
+                                absl::StrCat("--size=", gran_)}));
+  EXPECT_EQ(peer.exit_code, kPeerImportFailed) << peer.output;
+  EXPECT_THAT(peer.output, HasSubstr("Import"));
+  if (IsHost()) {
+    EXPECT_THAT(peer.output, HasSubstr("stale"));
+  }
+}
+
+TEST_P(DriverConformanceTest, ForgedFabricHandleFailsCleanly) {
+  REQUIRE_FABRIC();
+  std::mt19937_64 random(std::random_device{}());
+  for (int i = 0; i < 16; ++i) {
+    ShareableHandle forged;
+    forged.type = HandleType::kFabric;
+    for (uint8_t& byte : forged.fabric) byte = static_cast<uint8_t>(random());
+    EXPECT_ERROR(driver()->Import(forged).status(), absl::StatusCode::kInvalidArgument);
+  }
+  // The driver still works.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), gran_, 0));
+  ASSERT_OK(buffer->Free());
+}
+
+// The host backend's fabric handle (layout in host_driver.cc) with one field changed at a time.
+TEST_P(DriverConformanceTest, HostFabricHandleTamperingIsDetected) {
+  if (!IsHost()) GTEST_SKIP() << "checks the host backend's fabric handle format";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), gran_, kFabricBit));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle good,
+                       driver()->Export(buffer->handle(), HandleType::kFabric));
+  EXPECT_EQ(std::memcmp(good.fabric.data(), "VMMHOSTF", 8), 0);
+
+  struct Case {
+    const char* what;
+    size_t offset;  // byte to change
+    absl::StatusCode code;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"magic", 0, absl::StatusCode::kInvalidArgument, "not a host fabric handle"},
+      {"version", 8, absl::StatusCode::kInvalidArgument, "version"},
+      {"pid", 14, absl::StatusCode::kNotFound, "stale"},  // no such process
+      {"fd", 17, absl::StatusCode::kNotFound, "stale"},   // no such descriptor
+      {"reserved", 20, absl::StatusCode::kInvalidArgument, "malformed"},
+      {"inode", 24, absl::StatusCode::kInvalidArgument, "stale or forged"},
+      {"size", 33, absl::StatusCode::kInvalidArgument, "stale or forged"},
+      {"tag", 40, absl::StatusCode::kInvalidArgument, "stale or forged"},
+      {"boot id", 56, absl::StatusCode::kFailedPrecondition, "another machine"},
+  };
+  for (const Case& c : cases) {
+    ShareableHandle bad;
+    bad.type = HandleType::kFabric;
+    bad.fabric = good.fabric;
+    bad.fabric[c.offset] ^= 0x5a;
+    absl::StatusOr<PhysHandle> imported = driver()->Import(bad);
+    EXPECT_EQ(imported.status().code(), c.code) << c.what << ": " << imported.status();
+    EXPECT_THAT(imported.status().message(), HasSubstr(c.message)) << c.what;
+  }
+
+  // The untouched handle still imports, and re-exports.
+  ASSERT_OK_AND_ASSIGN(PhysHandle imported, driver()->Import(good));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle again, driver()->Export(imported, HandleType::kFabric));
+  ASSERT_OK_AND_ASSIGN(PhysHandle imported_again, driver()->Import(again));
+  ASSERT_OK(driver()->Release(imported));
+  ASSERT_OK(driver()->Release(imported_again));
+  ASSERT_OK(buffer->Free());
+}
+
+// --- Streams and events -------------------------------------------------------------------------
+
+TEST_P(DriverConformanceTest, EventsFollowStreamOrder) {
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), gran_, 0));
+  ASSERT_OK(Fill(driver(), buffer->va(), 0, gran_));
+  ASSERT_OK_AND_ASSIGN(Stream stream, driver()->CreateStream(kDevice));
+  ASSERT_OK_AND_ASSIGN(Stream idle, driver()->CreateStream(kDevice));
+  ASSERT_OK_AND_ASSIGN(Event event, driver()->CreateEvent(kDevice));
+  EXPECT_TRUE(*driver()->EventDone(event)) << "a never-recorded event is done";
+
+  Gate gate;
+  // Whatever happens below, the gate opens and the streams drain before `gate` goes away.
+  auto release = absl::MakeCleanup([&] {
+    gate.open.store(true);
+    driver()->SynchronizeStream(stream).IgnoreError();
+  });
+  ASSERT_OK(driver()->LaunchHostFunc(stream, &Gate::Wait, &gate));
+  ASSERT_OK(driver()->MemsetAsync(buffer->va(), 0x77, gran_, stream));
+  ASSERT_OK(driver()->RecordEvent(event, stream));
+  while (!gate.entered.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(*driver()->EventDone(event)) << "the event passed a blocked host function";
+
+  // Re-recording replaces what the event captures: on an idle stream it completes...
+  ASSERT_OK(driver()->RecordEvent(event, idle));
+  ASSERT_OK(driver()->SynchronizeStream(idle));
+  EXPECT_TRUE(*driver()->EventDone(event));
+  // ...and on the blocked stream again it does not.
+  ASSERT_OK(driver()->RecordEvent(event, stream));
+  EXPECT_FALSE(*driver()->EventDone(event));
+
+  gate.open.store(true);
+  ASSERT_OK(driver()->SynchronizeEvent(event));
+  EXPECT_TRUE(*driver()->EventDone(event));
+  ASSERT_OK(driver()->SynchronizeStream(stream));
+  ASSERT_OK(driver()->SynchronizeDevice(kDevice));
+  EXPECT_TRUE(AllBytesAre(driver(), buffer->va(), gran_, 0x77));
+
+  ASSERT_OK(driver()->DestroyEvent(event));
+  std::move(release).Invoke();
+  ASSERT_OK(driver()->DestroyStream(stream));
+  ASSERT_OK(driver()->DestroyStream(idle));
+  if (IsHost()) {
+    EXPECT_ERROR(driver()->DestroyStream(stream), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->SynchronizeStream(stream), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->MemsetAsync(buffer->va(), 0, gran_, stream),
+                 absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->EventDone(event).status(), absl::StatusCode::kInvalidArgument);
+    EXPECT_ERROR(driver()->DestroyEvent(event), absl::StatusCode::kInvalidArgument);
+  }
+  ASSERT_OK(buffer->Free());
+}
+
+TEST_P(DriverConformanceTest, StreamRunsMemsetAndMemcpyInOrder) {
+  const size_t part = gran_ / 4;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), gran_, 0));
+  const DevPtr a = buffer->va();
+  const DevPtr b = a + part;
+  const DevPtr c = a + 2 * part;
+  ASSERT_OK(Fill(driver(), a, 0, gran_));
+  ASSERT_OK_AND_ASSIGN(Stream stream, driver()->CreateStream(kDevice));
+
+  // Queue everything behind a closed gate, so nothing can run early. (Only device-side work
+  // while it is closed: CUDA copies to or from pageable host memory may wait for the stream.)
+  Gate gate;
+  auto release = absl::MakeCleanup([&] {
+    gate.open.store(true);
+    driver()->SynchronizeStream(stream).IgnoreError();
+  });
+  ASSERT_OK(driver()->LaunchHostFunc(stream, &Gate::Wait, &gate));
+  ASSERT_OK(driver()->MemsetAsync(a, 1, part, stream));
+  ASSERT_OK(driver()->MemcpyAsync(b, a, part, stream));
+  ASSERT_OK(driver()->MemsetAsync(a, 2, part, stream));
+  ASSERT_OK(driver()->MemcpyAsync(c, a, part, stream));
+  ASSERT_OK(driver()->MemsetAsync(a, 3, part, stream));
+  gate.open.store(true);
+  ASSERT_OK(driver()->SynchronizeStream(stream));
+
+  EXPECT_TRUE(AllBytesAre(driver(), a, part, 3));
+  EXPECT_TRUE(AllBytesAre(driver(), b, part, 1));
+  EXPECT_TRUE(AllBytesAre(driver(), c, part, 2));
+  EXPECT_TRUE(AllBytesAre(driver(), c + part, part, 0));
+  std::move(release).Invoke();
+  ASSERT_OK(driver()->DestroyStream(stream));
+  ASSERT_OK(buffer->Free());
+}
+
+// --- Thread safety ------------------------------------------------------------------------------
+
+TEST_P(DriverConformanceTest, ConcurrentMapUnmapReleaseInOneRange) {
+  constexpr int kThreads = 4;
+  constexpr int kRounds = 8;
+  const size_t start = FreeBytes();
+  const size_t slot = 2 * gran_;  // each thread owns one slot of the range
+  ASSERT_OK_AND_ASSIGN(DevPtr va, driver()->Reserve(kThreads * slot, 0));
+
+  // One round: create, map, access, write, check, then unmap and release (in either order).
+  auto round = [&](DevPtr at, int t, int r) -> absl::Status {
+    const size_t size = (r % 2 == 0) ? gran_ : 2 * gran_;
+    const uint8_t value = static_cast<uint8_t>(16 * t + r + 1);
+    VMM_ASSIGN_OR_RETURN(PhysHandle handle, driver()->Create(kDevice, size, 0));
+    VMM_RETURN_IF_ERROR(driver()->Map(at, size, handle));
+    VMM_RETURN_IF_ERROR(driver()->SetAccess(at, size, {kDevice}));
+    VMM_RETURN_IF_ERROR(Fill(driver(), at, value, size));
+    VMM_ASSIGN_OR_RETURN(std::vector<uint8_t> back, Read(driver(), at, size));
+    for (uint8_t byte : back) {
+      if (byte != value) return absl::DataLossError(absl::StrCat("thread ", t, " saw ", byte));
+    }
+    if (r % 3 == 0) {
+      VMM_RETURN_IF_ERROR(driver()->Release(handle));
+      return driver()->Unmap(at, size);
+    }
+    VMM_RETURN_IF_ERROR(driver()->Unmap(at, size));
+    return driver()->Release(handle);
+  };
+
+  std::vector<absl::Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int r = 0; r < kRounds && results[t].ok(); ++r) results[t] = round(va + t * slot, t, r);
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_OK(results[t]);
+
+  ASSERT_OK(driver()->Unreserve(va, kThreads * slot));
+  EXPECT_EQ(FreeBytes(), start);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DriverConformanceTest, ::testing::Values("host", "cuda"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+}  // namespace
+}  // namespace vmm

@@ -1,0 +1,496 @@
+// Unit tests of the caching pool on the host backend (the same suite runs on CUDA through
+// pool_cuda_test's driver choice: VMM_POOL_TEST_BACKEND=cuda).
+#include "allocator/pool.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "allocator/driver_factory.h"
+#include "allocator/host_driver.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Each test gets its own driver: the host backend with a capacity the test chooses, or the
+// CUDA backend when VMM_POOL_TEST_BACKEND=cuda (capacity is then the GPU's).
+class PoolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* backend = std::getenv("VMM_POOL_TEST_BACKEND");
+    if (backend != nullptr && std::string(backend) == "cuda") {
+      absl::StatusOr<Driver*> cuda = DriverByName("cuda");
+      ASSERT_TRUE(cuda.ok()) << cuda.status();
+      driver_ = *cuda;
+      on_cuda_ = true;
+    } else {
+      owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 256 * kMiB});
+      driver_ = owned_.get();
+    }
+    auto info = driver_->GetMemInfo(0);
+    ASSERT_TRUE(info.ok());
+    free_at_start_ = info->free;
+  }
+
+  std::unique_ptr<Pool> MakePool(PoolOptions options = {}) {
+    if (options.reserve_size == 0) options.reserve_size = 1024 * kMiB;
+    auto pool = Pool::Create(driver_, options);
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    return pool.ok() ? std::move(*pool) : nullptr;
+  }
+
+  void* Alloc(Pool& pool, size_t size, Stream stream = 0) {
+    auto p = pool.Allocate(size, stream);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *p : nullptr;
+  }
+
+  size_t DeviceFree() { return driver_->GetMemInfo(0)->free; }
+
+  std::unique_ptr<Driver> owned_;
+  Driver* driver_ = nullptr;
+  bool on_cuda_ = false;
+  size_t free_at_start_ = 0;
+};
+
+TEST_F(PoolTest, AllocatesAlignedDistinctBlocks) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 100);
+  void* b = Alloc(*pool, 3 * kMiB);
+  void* c = Alloc(*pool, 0);
+  EXPECT_NE(a, b);
+  EXPECT_NE(a, c);
+  for (void* p : {a, b, c}) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % 512, 0u);
+    EXPECT_TRUE(pool->Contains(p));
+  }
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.allocation.current, 3);
+  EXPECT_EQ(s.requested_bytes.current, 100 + 3 * static_cast<int64_t>(kMiB));
+  EXPECT_EQ(s.allocated_bytes.current, 512 + 3 * static_cast<int64_t>(kMiB) + 512);
+  for (void* p : {a, b, c}) ASSERT_TRUE(pool->Free(p).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, CachedReuseMakesNoDriverCalls) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 5 * kMiB);
+  ASSERT_TRUE(pool->Free(a).ok());
+  const PoolStats before = pool->GetStats();
+  for (int i = 0; i < 100; ++i) {
+    void* b = Alloc(*pool, 5 * kMiB);
+    EXPECT_EQ(a, b);
+    ASSERT_TRUE(pool->Free(b).ok());
+  }
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.driver_create, before.driver_create);
+  EXPECT_EQ(after.driver_map, before.driver_map);
+  EXPECT_EQ(after.driver_event, before.driver_event);
+  EXPECT_EQ(after.num_device_alloc, before.num_device_alloc);
+}
+
+TEST_F(PoolTest, BestFitPicksTheSmallestBlockThatFits) {
+  auto pool = MakePool();
+  // Three large blocks separated by live ones, then freed: 8, 4 and 6 MiB holes.
+  void* h8 = Alloc(*pool, 8 * kMiB);
+  void* s1 = Alloc(*pool, 2 * kMiB);
+  void* h4 = Alloc(*pool, 4 * kMiB);
+  void* s2 = Alloc(*pool, 2 * kMiB);
+  void* h6 = Alloc(*pool, 6 * kMiB);
+  void* s3 = Alloc(*pool, 2 * kMiB);
+  for (void* p : {h8, h4, h6}) ASSERT_TRUE(pool->Free(p).ok());
+  EXPECT_EQ(Alloc(*pool, 5 * kMiB), h6);
+  EXPECT_EQ(Alloc(*pool, 3 * kMiB), h4);
+  EXPECT_EQ(Alloc(*pool, 7 * kMiB), h8);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  (void)s1, (void)s2, (void)s3;
+}
+
+TEST_F(PoolTest, SplitsAndCoalescesAcrossChunkBoundaries) {
+  auto pool = MakePool();
+  // Two growths give two adjacent chunks.
+  void* a = Alloc(*pool, 4 * kMiB);
+  void* b = Alloc(*pool, 6 * kMiB);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b), reinterpret_cast<uintptr_t>(a) + 4 * kMiB);
+  EXPECT_EQ(pool->GetStats().segment.current, 2);
+  ASSERT_TRUE(pool->Free(a).ok());
+  ASSERT_TRUE(pool->Free(b).ok());
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.inactive_split.current, 1);
+  EXPECT_EQ(s.largest_free_block, static_cast<int64_t>(10 * kMiB));
+  EXPECT_EQ(s.fragmentation, 0.0);
+  // A block larger than either chunk fits in the coalesced space without growing.
+  const int64_t growths = s.num_device_alloc;
+  void* c = Alloc(*pool, 9 * kMiB);
+  EXPECT_EQ(c, a);
+  EXPECT_EQ(pool->GetStats().num_device_alloc, growths);
+  Snapshot snap = pool->GetSnapshot();
+  ASSERT_EQ(snap.segments.size(), 1u);
+  EXPECT_EQ(snap.segments[0].chunks.size(), 2u);
+  ASSERT_EQ(snap.segments[0].blocks.size(), 2u);
+  EXPECT_EQ(snap.segments[0].blocks[0].state, BlockState::kAllocated);
+  EXPECT_EQ(snap.segments[0].blocks[1].state, BlockState::kFree);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, GrowthExtendsTheFreeBlockAtTheEdge) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 10 * kMiB);
+  ASSERT_TRUE(pool->Free(a).ok());
+  void* b = Alloc(*pool, 30 * kMiB);
+  EXPECT_EQ(a, b);
+  // 10 MiB cached + 20 MiB new: exactly what is needed.
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(30 * kMiB));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, SmallRequestsUseTheSmallArena) {
+  auto pool = MakePool();
+  void* big = Alloc(*pool, 4 * kMiB);
+  std::vector<void*> small;
+  for (int i = 0; i < 64; ++i) small.push_back(Alloc(*pool, 8192));
+  // 64 small blocks share one small chunk, below the large block's range.
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(4 * kMiB + 2 * kMiB));
+  for (void* p : small) EXPECT_LT(p, big);
+  for (void* p : small) ASSERT_TRUE(pool->Free(p).ok());
+  ASSERT_TRUE(pool->Free(big).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, EmptyCacheReturnsAllMemoryToTheDriver) {
+  auto pool = MakePool();
+  std::vector<void*> blocks;
+  for (size_t size : {kMiB / 2, 3 * kMiB, 17 * kMiB, 64 * kMiB}) blocks.push_back(Alloc(*pool, size));
+  void* keep = Alloc(*pool, 5 * kMiB);
+  for (void* p : blocks) ASSERT_TRUE(pool->Free(p).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(6 * kMiB));  // keep's rounded chunk
+  EXPECT_GT(s.num_device_free, 0);
+  ASSERT_TRUE(pool->Free(keep).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  pool.reset();
+  EXPECT_EQ(DeviceFree(), free_at_start_);
+}
+
+TEST_F(PoolTest, DestroyingThePoolReturnsMemoryEvenWithLiveBlocks) {
+  auto pool = MakePool();
+  Alloc(*pool, 40 * kMiB);
+  Alloc(*pool, 1000);
+  EXPECT_LT(DeviceFree(), free_at_start_);
+  pool.reset();
+  EXPECT_EQ(DeviceFree(), free_at_start_);
+}
+
+TEST_F(PoolTest, OutOfMemoryIsACleanErrorAndThePoolStaysUsable) {
+  if (on_cuda_) GTEST_SKIP() << "uses the host backend's small capacity";
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 100 * kMiB);
+  auto huge = pool->Allocate(200 * kMiB, 0);
+  ASSERT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(huge.status().message(), HasSubstr("requested 209715200 bytes"));
+  EXPECT_THAT(huge.status().message(), HasSubstr("reserved"));
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_ooms, 1);
+  EXPECT_EQ(s.num_alloc_retries, 1);
+  void* b = Alloc(*pool, 100 * kMiB);
+  EXPECT_NE(b, nullptr);
+  ASSERT_TRUE(pool->Free(a).ok());
+  ASSERT_TRUE(pool->Free(b).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, TrimsTheCacheThenRetriesBeforeFailing) {
+  if (on_cuda_) GTEST_SKIP() << "uses the host backend's small capacity";
+  auto pool = MakePool();
+  // 150 MiB cached in its own chunk, 4 MiB live after it: a 200 MiB request cannot extend the
+  // cached block (the live one is in the way), so the cache must be released first.
+  void* a = Alloc(*pool, 150 * kMiB);
+  void* pin = Alloc(*pool, 4 * kMiB);
+  ASSERT_TRUE(pool->Free(a).ok());
+  auto c = pool->Allocate(200 * kMiB, 0);
+  ASSERT_TRUE(c.ok()) << c.status();
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_alloc_retries, 1);
+  EXPECT_EQ(s.num_ooms, 0);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(204 * kMiB));
+  ASSERT_TRUE(pool->Free(*c).ok());
+  ASSERT_TRUE(pool->Free(pin).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, MemoryLimitBoundsTheReservedBytes) {
+  PoolOptions options;
+  options.memory_limit = 32 * kMiB;
+  auto pool = MakePool(options);
+  void* a = Alloc(*pool, 30 * kMiB);
+  auto b = pool->Allocate(4 * kMiB, 0);
+  ASSERT_FALSE(b.ok());
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(b.status().message(), HasSubstr("memory limit"));
+  pool->SetMemoryLimit(0);
+  void* c = Alloc(*pool, 4 * kMiB);
+  for (void* p : {a, c}) ASSERT_TRUE(pool->Free(p).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, FailedGrowthRollsBackCleanly) {
+  if (on_cuda_) GTEST_SKIP() << "uses the host backend's small capacity";
+  PoolOptions options;
+  options.max_chunk = 2 * kMiB;  // many pieces per growth, so a late one fails
+  auto pool = MakePool(options);
+  void* a = Alloc(*pool, 250 * kMiB);
+  const PoolStats before = pool->GetStats();
+  const size_t free_before = DeviceFree();
+  // 6 MiB of capacity is left: the fourth 2 MiB piece of this growth fails.
+  auto b = pool->Allocate(8 * kMiB, 0);
+  ASSERT_FALSE(b.ok());
+  PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_GT(after.driver_release, before.driver_release);  // the pieces made were released
+  EXPECT_EQ(DeviceFree(), free_before);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  void* c = Alloc(*pool, 4 * kMiB);
+  EXPECT_NE(c, nullptr);
+  ASSERT_TRUE(pool->Free(a).ok());
+  ASSERT_TRUE(pool->Free(c).ok());
+}
+
+TEST_F(PoolTest, RejectsForeignAndDoubleFrees) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 4096);
+  int local = 0;
+  EXPECT_EQ(pool->Free(&local).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(pool->Free(a).ok());
+  absl::Status again = pool->Free(a);
+  EXPECT_EQ(again.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(again.message(), HasSubstr("double free"));
+  EXPECT_EQ(pool->RecordStream(a, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(pool->Export(a).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, RejectsBadOptions) {
+  PoolOptions bad_device;
+  bad_device.device = 7;
+  EXPECT_EQ(Pool::Create(driver_, bad_device).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  PoolOptions bad_peer;
+  bad_peer.peer_devices = {0};
+  EXPECT_EQ(Pool::Create(driver_, bad_peer).status().code(), absl::StatusCode::kInvalidArgument);
+  PoolOptions bad_growth;
+  bad_growth.growth_fraction = 2;
+  EXPECT_EQ(Pool::Create(driver_, bad_growth).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Pool::Create(nullptr, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(PoolTest, StatsTrackCurrentPeakAndTotals) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 3 * kMiB);
+  void* b = Alloc(*pool, 5 * kMiB);
+  ASSERT_TRUE(pool->Free(a).ok());
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.allocated_bytes.current, static_cast<int64_t>(5 * kMiB));
+  EXPECT_EQ(s.allocated_bytes.peak, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(s.allocated_bytes.allocated, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(s.allocated_bytes.freed, static_cast<int64_t>(3 * kMiB));
+  EXPECT_EQ(s.allocation.peak, 2);
+  EXPECT_EQ(s.inactive_split_bytes.current, static_cast<int64_t>(3 * kMiB));
+  pool->ResetPeakStats();
+  EXPECT_EQ(pool->GetStats().allocated_bytes.peak, static_cast<int64_t>(5 * kMiB));
+  pool->ResetAccumulatedStats();
+  EXPECT_EQ(pool->GetStats().allocated_bytes.allocated, 0);
+  EXPECT_EQ(pool->GetStats().num_device_alloc, 0);
+  ASSERT_TRUE(pool->Free(b).ok());
+}
+
+// --- Streams --------------------------------------------------------------------------------
+
+// Holds a stream until Release() (a host function that waits).
+class StreamGate {
+ public:
+  explicit StreamGate(Driver* driver, Stream stream) {
+    EXPECT_TRUE(driver->LaunchHostFunc(stream, &StreamGate::Wait, this).ok());
+  }
+  ~StreamGate() { Release(); }
+  void Release() {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  static void Wait(void* self) {
+    auto* gate = static_cast<StreamGate*>(self);
+    std::unique_lock<std::mutex> lock(gate->mu_);
+    gate->cv_.wait(lock, [gate] { return gate->open_; });
+  }
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+TEST_F(PoolTest, BlockFreedOnAStreamIsReusedOnItAtOnce) {
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  {
+    StreamGate gate(driver_, s);  // s has work queued that has not run
+    void* a = Alloc(*pool, 4 * kMiB, s);
+    ASSERT_TRUE(pool->Free(a).ok());
+    EXPECT_EQ(Alloc(*pool, 4 * kMiB, s), a);  // same stream: no wait needed
+    ASSERT_TRUE(pool->Free(a).ok());
+  }
+  ASSERT_TRUE(driver_->SynchronizeStream(s).ok());
+  ASSERT_TRUE(driver_->DestroyStream(s).ok());
+}
+
+TEST_F(PoolTest, OtherStreamsWaitForTheFreeingStreamsWork) {
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  void* a = nullptr;
+  {
+    StreamGate gate(driver_, s);
+    a = Alloc(*pool, 4 * kMiB, s);
+    ASSERT_TRUE(pool->Free(a).ok());
+    // s's work before the free has not completed: t must not get the block.
+    void* b = Alloc(*pool, 4 * kMiB, t);
+    EXPECT_NE(b, a);
+    ASSERT_TRUE(pool->Free(b).ok());
+    gate.Release();
+    ASSERT_TRUE(driver_->SynchronizeStream(s).ok());
+  }
+  // Now it has: t may take a's memory (no growth needed).
+  const int64_t growths = pool->GetStats().num_device_alloc;
+  void* c = Alloc(*pool, 8 * kMiB, t);
+  EXPECT_EQ(pool->GetStats().num_device_alloc, growths);
+  EXPECT_TRUE(c == a || reinterpret_cast<uintptr_t>(c) + 4 * kMiB == reinterpret_cast<uintptr_t>(a))
+      << "the two 4 MiB blocks coalesce once both are usable by t";
+  ASSERT_TRUE(pool->Free(c).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  ASSERT_TRUE(driver_->DestroyStream(s).ok());
+  ASSERT_TRUE(driver_->DestroyStream(t).ok());
+}
+
+TEST_F(PoolTest, RecordStreamDelaysReuseUntilThatStreamIsDone) {
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  auto gate = std::make_unique<StreamGate>(driver_, t);
+  void* a = Alloc(*pool, 4 * kMiB, s);
+  ASSERT_TRUE(pool->RecordStream(a, t).ok());
+  ASSERT_TRUE(pool->Free(a).ok());
+  PoolStats pending = pool->GetStats();
+  EXPECT_EQ(pending.active_bytes.current, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(pending.allocated_bytes.current, 0);
+  void* b = Alloc(*pool, 4 * kMiB, s);
+  EXPECT_NE(b, a) << "t may still be using a";
+  ASSERT_TRUE(pool->Free(b).ok());
+  gate->Release();
+  ASSERT_TRUE(driver_->SynchronizeStream(t).ok());
+  void* c = Alloc(*pool, 4 * kMiB, s);
+  EXPECT_EQ(c, a);
+  ASSERT_TRUE(pool->Free(c).ok());
+  EXPECT_EQ(pool->GetStats().active_bytes.current, 0);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  gate.reset();
+  ASSERT_TRUE(driver_->DestroyStream(s).ok());
+  ASSERT_TRUE(driver_->DestroyStream(t).ok());
+}
+
+// --- Export invariant ----------------------------------------------------------------------
+
+TEST_F(PoolTest, ExportedChunksAreNeverRecycled) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  // One growth of 8 MiB holds a (2 MiB) and b (2 MiB) and 4 MiB of free space.
+  void* a = Alloc(*pool, 8 * kMiB);
+  ASSERT_TRUE(pool->Free(a).ok());
+  a = Alloc(*pool, 2 * kMiB);
+  void* b = Alloc(*pool, 2 * kMiB);
+  std::vector<uint64_t> released;
+  pool->AddChunkReleaseListener([&](uint64_t id) { released.push_back(id); });
+  auto exported = pool->Export(a);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  ASSERT_EQ(exported->chunks.size(), 1u);
+  EXPECT_EQ(exported->offset, 0u);
+  EXPECT_EQ(exported->size, 2 * kMiB);
+  EXPECT_EQ(exported->chunks[0].size, 8 * kMiB);
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.exported_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(s.inactive_split_bytes.current, 0) << "free space of the chunk is retired";
+  // b's space is not reused after b is freed, nor is the retired space.
+  ASSERT_TRUE(pool->Free(b).ok());
+  ASSERT_TRUE(driver_->SynchronizeDevice(0).ok());
+  void* c = Alloc(*pool, 2 * kMiB);
+  EXPECT_FALSE(reinterpret_cast<uintptr_t>(c) >= reinterpret_cast<uintptr_t>(a) &&
+               reinterpret_cast<uintptr_t>(c) < reinterpret_cast<uintptr_t>(a) + 8 * kMiB);
+  EXPECT_TRUE(released.empty());
+  // Once a is freed too, the chunk goes back to the driver.
+  ASSERT_TRUE(pool->Free(a).ok());
+  ASSERT_TRUE(driver_->SynchronizeDevice(0).ok());
+  ASSERT_TRUE(pool->Free(c).ok());  // also processes the pending release
+  auto d = Alloc(*pool, 512);  // gives the pool a chance to process completed events
+  ASSERT_TRUE(pool->Free(d).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  EXPECT_EQ(released.size(), 1u);
+  s = pool->GetStats();
+  EXPECT_EQ(s.exported_bytes.current, 0);
+  EXPECT_EQ(s.reserved_bytes.current, 0);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, ShareableBlocksGetChunksOfTheirOwn) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  void* small = Alloc(*pool, 3 * kMiB);
+  auto shared = pool->AllocateShareable(3 * kMiB, 0);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  auto exported = pool->Export(*shared);
+  ASSERT_TRUE(exported.ok());
+  ASSERT_EQ(exported->chunks.size(), 1u);
+  EXPECT_EQ(exported->chunks[0].size, 4 * kMiB);  // rounded to granularity, nothing else in it
+  EXPECT_EQ(exported->offset, 0u);
+  // The slack of its chunk is never handed out.
+  void* other = Alloc(*pool, kMiB / 2 + 4096);
+  EXPECT_FALSE(reinterpret_cast<uintptr_t>(other) >= reinterpret_cast<uintptr_t>(*shared) &&
+               reinterpret_cast<uintptr_t>(other) < reinterpret_cast<uintptr_t>(*shared) + 4 * kMiB);
+  const int64_t reserved = pool->GetStats().reserved_bytes.current;
+  ASSERT_TRUE(pool->Free(*shared).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  EXPECT_LE(pool->GetStats().reserved_bytes.current, reserved - static_cast<int64_t>(4 * kMiB));
+  ASSERT_TRUE(pool->Free(small).ok());
+  ASSERT_TRUE(pool->Free(other).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, ReleaseThresholdTrimsOnFree) {
+  PoolOptions options;
+  options.release_threshold = 8 * kMiB;
+  auto pool = MakePool(options);
+  void* a = Alloc(*pool, 20 * kMiB);
+  void* b = Alloc(*pool, 4 * kMiB);
+  ASSERT_TRUE(pool->Free(b).ok());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  ASSERT_TRUE(pool->Free(a).ok());
+  // 24 MiB free is above the threshold: completed free chunks go back to the driver.
+  EXPECT_LE(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+}  // namespace
+}  // namespace vmm
