@@ -85,8 +85,22 @@ Block* Arena::Split(Block* block, uintptr_t at) {
   return upper;
 }
 
-void Arena::TakeFree(Block* block) {
+void Arena::Take(Block* block, size_t n, size_t min_rest) {
   free_.Remove(block);
+  if (block->size - n >= min_rest) {
+    Block* rest = NewBlock();
+    rest->addr = block->addr + n;
+    rest->size = block->size - n;
+    rest->state = BlockState::kFree;
+    rest->stream = block->stream;
+    rest->free_seq = block->free_seq;
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next != nullptr) block->next->prev = rest;
+    block->next = rest;
+    block->size = n;
+    free_.Insert(rest);
+  }
   block->state = BlockState::kAllocated;
 }
 
@@ -142,6 +156,18 @@ Block* Arena::Retag(Block* block, Stream stream) {
   free_.Remove(block);
   block->stream = stream;
   return CoalesceFree(block);
+}
+
+void Arena::NarrowAnyTo(Stream stream) {
+  if (stream == kAnyStream) return;
+  for (Block* b : free_.BlocksOf(kAnyStream)) {
+    if (b->state != BlockState::kFree || b->stream != kAnyStream) continue;  // merged away
+    const bool next = b->next != nullptr && b->next->state == BlockState::kFree &&
+                      b->next->stream == stream;
+    const bool prev = b->prev != nullptr && b->prev->state == BlockState::kFree &&
+                      b->prev->stream == stream;
+    if (next || prev) Retag(b, stream);
+  }
 }
 
 Block* Arena::Retire(Block* block) {
@@ -224,6 +250,8 @@ Block* Arena::CommitGrowth(const GrowthPlan& plan, Stream stream, bool alone) {
       free_.Remove(block->prev);
       block = Join(block->prev, block);
     }
+    // A narrowed neighbour may now match the tag of the block beyond it.
+    return CoalesceFree(block);
   }
   free_.Insert(block);
   return block;
@@ -281,7 +309,7 @@ std::string Arena::CheckInvariants() const {
       return absl::StrCat("uncoalesced ", BlockStateName(b->state), " blocks at 0x",
                           absl::Hex(b->addr));
     }
-    const bool in_free = free_.Contains(const_cast<Block*>(b));
+    const bool in_free = free_.Contains(b);
     if ((b->state == BlockState::kFree) != in_free) {
       return absl::StrCat("free set disagrees with block at 0x", absl::Hex(b->addr));
     }

@@ -56,14 +56,19 @@ class Arena {
   // parts stay in the free set. Returns the upper part.
   Block* Split(Block* block, uintptr_t at);
 
-  // Takes a kFree block out of the cache (it becomes kAllocated; the caller fills it in).
-  void TakeFree(Block* block);
+  // Takes the first `n` bytes of a kFree block out of the cache: it becomes kAllocated (the
+  // caller fills it in) and a remainder of at least `min_rest` bytes stays cached.
+  void Take(Block* block, size_t n, size_t min_rest);
 
   // Puts `block` in the cache with tag `stream`, coalescing with free neighbours. Returns the
   // block that now holds its bytes (possibly merged).
   Block* AddFree(Block* block, Stream stream, uint64_t free_seq);
   // Changes a cached block's tag (and coalesces); returns the resulting block.
   Block* Retag(Block* block, Stream stream);
+
+  // Merges cached kAnyStream blocks with neighbouring blocks of `stream`, the merged block
+  // taking `stream`'s tag (for a request of `stream` that no single block fits).
+  void NarrowAnyTo(Stream stream);
 
   // Marks `block` retired (not cached), merging with retired neighbours.
   Block* Retire(Block* block);

@@ -47,6 +47,11 @@ struct Block {
   // kAllocated: other streams that used it (record_stream). kPendingFree: events still due.
   std::vector<Stream> stream_uses;
   int pending_events = 0;
+  // kFree: links in its FreeBlocks bin, the bin, and the bins of its tag (null: not in a set).
+  Block* free_prev = nullptr;
+  Block* free_next = nullptr;
+  void* free_bins = nullptr;
+  int free_bin = 0;
 
   uintptr_t end() const { return addr + size; }
 };

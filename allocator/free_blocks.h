@@ -1,106 +1,89 @@
-// free_blocks.h: the set of cached (kFree) blocks of a pool, searched best-fit per stream.
+// free_blocks.h: the set of cached (kFree) blocks of an arena, searched best-fit per stream.
 //
-// Blocks are ordered by (stream, size, address), so the best fit for `size` on stream S is the
-// first block at or after (S, size, 0), and the smallest fit among blocks every stream may use
-// is the first at or after (kAnyStream, size, 0). Ties go to the lowest address, which keeps
-// memory packed towards the start of the range. A block's key fields must not change while it
-// is in the set: Remove() it first.
+// Blocks are kept per stream tag in segregated size bins (two-level, as in TLSF): sizes are
+// multiples of 512; below 16 KiB each bin holds one size, above that each power of two is cut
+// into 32 bins. Bitmaps find the next non-empty bin in constant time, and each bin is an
+// intrusive list, so inserting and removing a block take constant time and no memory. The
+// search is exact best fit: the smallest fitting block of the request's own bin, else the
+// smallest block of the next non-empty bin (every block there is larger), ties going to the
+// lower address unless an exact size is found first.
+//
+// The best fit for stream S is the better of S's own blocks and the blocks every stream may
+// use (kAnyStream). A block's size and tag must not change while it is in the set: Remove()
+// it first.
 #ifndef VMM_ALLOCATOR_FREE_BLOCKS_H_
 #define VMM_ALLOCATOR_FREE_BLOCKS_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <vector>
 
-#include "absl/container/btree_set.h"
 #include "allocator/block.h"
 
 namespace vmm {
 
 class FreeBlocks {
  public:
-  void Insert(Block* block) { set_.insert(block); }
-  void Remove(Block* block) { set_.erase(block); }
+  FreeBlocks();
+  ~FreeBlocks();
+  FreeBlocks(const FreeBlocks&) = delete;
+  FreeBlocks& operator=(const FreeBlocks&) = delete;
+
+  void Insert(Block* block);
+  void Remove(Block* block);
+  bool Contains(const Block* block) const { return block->free_bins != nullptr; }
+  size_t count() const { return count_; }
 
   // The smallest block of at least `size` bytes that `stream` may take now: one freed on
   // `stream` itself, or one free for every stream; nullptr when there is none.
-  Block* BestFit(Stream stream, size_t size) const {
-    Block* own = FirstAtLeast(stream, size);
-    if (stream == kAnyStream) return own;
-    Block* any = FirstAtLeast(kAnyStream, size);
-    if (own == nullptr) return any;
-    if (any == nullptr) return own;
-    return any->size < own->size ? any : own;
-  }
+  Block* BestFit(Stream stream, size_t size) const;
 
-  // The blocks tagged with `stream` (to retag them once the stream's work has completed).
-  std::vector<Block*> BlocksOf(Stream stream) const {
-    std::vector<Block*> out;
-    Key lo{stream, 0, 0};
-    for (auto it = set_.lower_bound(lo); it != set_.end() && (*it)->stream == stream; ++it) {
-      out.push_back(*it);
-    }
-    return out;
-  }
+  // The blocks tagged with `stream`.
+  std::vector<Block*> BlocksOf(Stream stream) const;
 
-  // The largest cached block (0 when empty).
-  size_t LargestSize() const {
-    size_t largest = 0;
-    // The largest of each stream's run is the last block before the next stream's first.
-    for (auto it = set_.begin(); it != set_.end();) {
-      Key next{(*it)->stream + 1, 0, 0};
-      auto stop = (*it)->stream == kAnyStream ? set_.end() : set_.lower_bound(next);
-      auto last = std::prev(stop);
-      if ((*last)->size > largest) largest = (*last)->size;
-      it = stop;
-    }
-    return largest;
-  }
-
-  // Calls f(stream) once for each tag present (kAnyStream last).
+  // Calls f(stream) once for each tag that has blocks.
   template <typename F>
   void ForEachStream(F&& f) const {
-    for (auto it = set_.begin(); it != set_.end();) {
-      const Stream s = (*it)->stream;
-      f(s);
-      if (s == kAnyStream) break;
-      it = set_.lower_bound(Key{s + 1, 0, 0});
+    for (const auto& bins : tags_) {
+      if (bins->count > 0) f(bins->stream);
     }
   }
 
-  bool Contains(Block* block) const { return set_.count(block) != 0; }
-  size_t count() const { return set_.size(); }
+  // Calls f(block) for every block.
   template <typename F>
   void ForEach(F&& f) const {
-    for (Block* b : set_) f(b);
+    for (const auto& bins : tags_) {
+      for (Block* head : bins->heads) {
+        for (Block* b = head; b != nullptr; b = b->free_next) f(b);
+      }
+    }
   }
 
  private:
-  struct Key {
-    Stream stream;
-    size_t size;
-    uintptr_t addr;
-  };
-  struct Order {
-    using is_transparent = void;
-    static Key KeyOf(const Block* b) { return Key{b->stream, b->size, b->addr}; }
-    static const Key& KeyOf(const Key& k) { return k; }
-    template <typename A, typename B>
-    bool operator()(const A& a, const B& b) const {
-      const Key ka = KeyOf(a);
-      const Key kb = KeyOf(b);
-      if (ka.stream != kb.stream) return ka.stream < kb.stream;
-      if (ka.size != kb.size) return ka.size < kb.size;
-      return ka.addr < kb.addr;
-    }
+  static constexpr int kSecondBits = 5;
+  static constexpr int kSecond = 1 << kSecondBits;  // bins per power of two
+  static constexpr int kFirst = 64 - 9 - kSecondBits + 1;
+  static constexpr int kBins = kFirst * kSecond;
+
+  // The blocks of one stream tag.
+  struct Bins {
+    Stream stream = 0;
+    size_t count = 0;
+    uint64_t first_map = 0;            // bit f: some bin of class f is non-empty
+    uint32_t second_map[kFirst] = {};  // bit s of class f: bin (f, s) is non-empty
+    Block* heads[kBins] = {};
   };
 
-  Block* FirstAtLeast(Stream stream, size_t size) const {
-    auto it = set_.lower_bound(Key{stream, size, 0});
-    if (it == set_.end() || (*it)->stream != stream) return nullptr;
-    return *it;
-  }
+  static int BinOf(size_t size);
+  static Block* SmallestIn(Block* head, size_t at_least);
+  Bins* Find(Stream stream) const;
+  Bins& FindOrAdd(Stream stream);
+  static Block* BestFitIn(const Bins& bins, size_t size);
 
-  absl::btree_set<Block*, Order> set_;
+  std::vector<std::unique_ptr<Bins>> tags_;  // few: one per stream that freed memory
+  Bins* last_ = nullptr;                      // the tag used last (the common one)
+  size_t count_ = 0;
 };
 
 }  // namespace vmm

@@ -187,12 +187,11 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   if (!pending_.empty()) VMM_RETURN_IF_ERROR(ProcessPending());
   Arena& arena = shareable ? large_ : ArenaFor(n);
   Block* block = shareable ? nullptr : arena.BestFit(stream, n);
-  if (block == nullptr && !shareable && !reclaim_.empty()) {
-    VMM_RETURN_IF_ERROR(ReclaimOtherStreams());
-    block = arena.BestFit(stream, n);
-  }
   if (block == nullptr && !shareable) {
+    // Blocks other streams freed may be done with; blocks every stream may use can join
+    // this stream's neighbouring blocks.
     VMM_RETURN_IF_ERROR(ReclaimOtherStreams());
+    arena.NarrowAnyTo(stream);
     block = arena.BestFit(stream, n);
   }
   if (block == nullptr) {
@@ -225,8 +224,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
 }
 
 void Pool::TakeBlock(Arena& arena, Block* block, size_t n, size_t requested, Stream stream) {
-  if (block->size - n >= kMinBlock) arena.Split(block, block->addr + n);
-  arena.TakeFree(block);
+  arena.Take(block, n, kMinBlock);
   block->stream = stream;
   block->requested = requested;
   allocated_.emplace(block->addr, block);
@@ -358,7 +356,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     }
     Arena::Extend(*plan, extra);
   }
-  auto try_map = [&](const Arena::GrowthPlan& p) {
+  auto try_map = [&](const Arena::GrowthPlan& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (memory_limit_ != 0 &&
         static_cast<size_t>(stats_.reserved_bytes.current) + p.len > memory_limit_) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -387,7 +385,7 @@ absl::Status Pool::MapRange(uintptr_t addr, size_t len, bool dedicated) {
     bool mapped;
   };
   std::vector<Piece> pieces;
-  auto rollback = [&](absl::Status cause) {
+  auto rollback = [&](absl::Status cause) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     for (const Piece& p : pieces) {
       if (p.mapped) {
         ++stats_.driver_unmap;

@@ -3,7 +3,9 @@
 #include "allocator/pool.h"
 
 #include <cstdlib>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -320,28 +322,33 @@ TEST_F(PoolTest, StatsTrackCurrentPeakAndTotals) {
 
 // --- Streams --------------------------------------------------------------------------------
 
-// Holds a stream until Release() (a host function that waits).
+// Holds a stream until Release() (a host function that waits). The waiting function shares
+// the gate's state, so the gate may go away before the stream reaches it.
 class StreamGate {
  public:
-  explicit StreamGate(Driver* driver, Stream stream) {
-    EXPECT_TRUE(driver->LaunchHostFunc(stream, &StreamGate::Wait, this).ok());
+  StreamGate(Driver* driver, Stream stream) : state_(std::make_shared<State>()) {
+    auto* arg = new std::shared_ptr<State>(state_);
+    EXPECT_TRUE(driver->LaunchHostFunc(stream, &StreamGate::Wait, arg).ok());
   }
   ~StreamGate() { Release(); }
   void Release() {
-    std::lock_guard<std::mutex> lock(mu_);
-    open_ = true;
-    cv_.notify_all();
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->open = true;
+    state_->cv.notify_all();
   }
 
  private:
-  static void Wait(void* self) {
-    auto* gate = static_cast<StreamGate*>(self);
-    std::unique_lock<std::mutex> lock(gate->mu_);
-    gate->cv_.wait(lock, [gate] { return gate->open_; });
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false;
+  };
+  static void Wait(void* arg) {
+    std::unique_ptr<std::shared_ptr<State>> state(static_cast<std::shared_ptr<State>*>(arg));
+    std::unique_lock<std::mutex> lock((*state)->mu);
+    (*state)->cv.wait(lock, [&] { return (*state)->open; });
   }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
+  std::shared_ptr<State> state_;
 };
 
 TEST_F(PoolTest, BlockFreedOnAStreamIsReusedOnItAtOnce) {
