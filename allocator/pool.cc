@@ -1,6 +1,7 @@
 #include "allocator/pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -101,7 +102,12 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
   return pool;
 }
 
-Pool::Pool(Driver* driver, const PoolOptions& options) : driver_(driver), options_(options) {}
+namespace {
+std::atomic<uint64_t> next_pool_id{1};
+}  // namespace
+
+Pool::Pool(Driver* driver, const PoolOptions& options)
+    : driver_(driver), id_(next_pool_id.fetch_add(1)), options_(options) {}
 
 absl::Status Pool::Init() {
   const int device = options_.device;
@@ -143,6 +149,9 @@ Pool::~Pool() {
     absl::Status s = driver_->Unmap(addr, chunk.size);
     if (s.ok()) s = driver_->Release(chunk.handle);
     if (!s.ok()) LogError(absl::StrCat("pool teardown: ", s.message()));
+    if (chunk.exported) {
+      for (auto& listener : release_listeners_) listener(chunk.id);
+    }
   }
   chunks_.clear();
   for (const Pending& p : pending_) spare_events_.push_back(p.event);

@@ -133,7 +133,8 @@ class Pool {
   // and marks its chunks exported. InvalidArgument for an unknown pointer; FailedPrecondition
   // when the pool's memory is not exportable as `type`.
   absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type = HandleType::kNone);
-  // Calls `listener(chunk_id)` whenever an exported chunk is released to the driver.
+  // Calls `listener(chunk_id)` whenever an exported chunk is released to the driver (also when
+  // the pool is destroyed). Listeners run with the pool's lock held and must not call it.
   void AddChunkReleaseListener(std::function<void(uint64_t chunk_id)> listener);
 
   PoolStats GetStats() const;
@@ -148,6 +149,8 @@ class Pool {
     auto p = reinterpret_cast<uintptr_t>(ptr);
     return p >= base_ && p < base_ + reserve_size_;
   }
+  // Unique among the pools of this process.
+  uint64_t id() const { return id_; }
   int device() const { return options_.device; }
   Driver* driver() const { return driver_; }
   HandleType handle_type() const { return handle_type_; }
@@ -216,6 +219,7 @@ class Pool {
   void UpdateDerivedStats(PoolStats& stats) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Driver* const driver_;
+  const uint64_t id_;
   PoolOptions options_;
   size_t granularity_ = 0;
   HandleType handle_type_ = HandleType::kNone;

@@ -1,0 +1,315 @@
+#include "allocator/sharing.h"
+
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "allocator/log.h"
+#include "allocator/mutex.h"
+#include "allocator/status_macros.h"
+
+namespace vmm {
+
+// --- Export -------------------------------------------------------------------------------
+
+namespace {
+
+// Fd tokens of exported chunks, registered once per chunk and dropped when the pool releases
+// the chunk, so that a parked descriptor pins nothing.
+class FdExports {
+ public:
+  static FdExports& Get() {
+    static auto* exports = new FdExports();
+    return *exports;
+  }
+
+  absl::StatusOr<FdToken> TokenFor(Pool& pool, const ExportedChunk& chunk) {
+    bool watched;
+    {
+      MutexLock lock(&mu_);
+      watched = watched_.contains(pool.id());
+    }
+    if (!watched) {
+      // Before any token of the pool exists, and outside our lock (the pool calls listeners
+      // with its own lock held). Two threads may both add one: dropping twice is harmless.
+      const uint64_t pool_id = pool.id();
+      pool.AddChunkReleaseListener([this, pool_id](uint64_t chunk_id) { Drop(pool_id, chunk_id); });
+    }
+    MutexLock lock(&mu_);
+    watched_.insert({pool.id(), true});
+    auto it = tokens_.find({pool.id(), chunk.id});
+    if (it != tokens_.end()) return it->second;
+    VMM_ASSIGN_OR_RETURN(FdToken token, FdServer::Get().Register(chunk.fd));
+    tokens_[{pool.id(), chunk.id}] = token;
+    return token;
+  }
+
+ private:
+  void Drop(uint64_t pool_id, uint64_t chunk_id) {
+    MutexLock lock(&mu_);
+    auto it = tokens_.find({pool_id, chunk_id});
+    if (it == tokens_.end()) return;
+    FdServer::Get().Unregister(it->second.key);
+    tokens_.erase(it);
+  }
+
+  Mutex mu_;
+  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, FdToken> tokens_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<uint64_t, bool> watched_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr) {
+  VMM_ASSIGN_OR_RETURN(ExportedBlock block, pool.Export(ptr));
+  std::vector<std::string> handles;
+  std::vector<int64_t> sizes;
+  for (const ExportedChunk& chunk : block.chunks) {
+    if (block.handle_type == HandleType::kFabric) {
+      handles.emplace_back(reinterpret_cast<const char*>(chunk.fabric.data()),
+                           chunk.fabric.size());
+    } else {
+      VMM_ASSIGN_OR_RETURN(FdToken token, FdExports::Get().TokenFor(pool, chunk));
+      const std::array<uint8_t, 64> bytes = token.Encode();
+      handles.emplace_back(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    }
+    sizes.push_back(static_cast<int64_t>(chunk.size));
+  }
+  return BufferDescriptor::FromHandles(block.handle_type, handles, sizes,
+                                       static_cast<int64_t>(block.size), pool.device_uuid(),
+                                       static_cast<int64_t>(block.offset));
+}
+
+// --- Import -------------------------------------------------------------------------------
+
+// One contiguous mapping of imported handles; shared by the imports of the same handles.
+class ImportedBuffer::Mapping {
+ public:
+  Mapping(Driver* driver, int device, DevPtr base, size_t size, std::string key)
+      : driver_(driver), device_(device), base_(base), size_(size), key_(std::move(key)) {}
+  ~Mapping();
+
+  // Adds one mapped piece (for unmapping in order).
+  void AddPiece(DevPtr ptr, size_t size) { pieces_.emplace_back(ptr, size); }
+  // Unmaps every piece and frees the range; reports the first error.
+  absl::Status Close();
+
+  DevPtr base() const { return base_; }
+  size_t size() const { return size_; }
+  int device() const { return device_; }
+  const std::string& key() const { return key_; }
+
+ private:
+  Driver* const driver_;
+  const int device_;
+  const DevPtr base_;
+  const size_t size_;
+  const std::string key_;  // empty: not in the cache
+  std::vector<std::pair<DevPtr, size_t>> pieces_;
+  bool closed_ = false;
+};
+
+namespace {
+
+// Open mappings by the identity of what they map.
+class MappingCache {
+ public:
+  static MappingCache& Get() {
+    static auto* cache = new MappingCache();
+    return *cache;
+  }
+  std::shared_ptr<ImportedBuffer::Mapping> Find(const std::string& key) {
+    MutexLock lock(&mu_);
+    auto it = open_.find(key);
+    return it == open_.end() ? nullptr : it->second.lock();
+  }
+  void Add(const std::string& key, const std::shared_ptr<ImportedBuffer::Mapping>& mapping) {
+    MutexLock lock(&mu_);
+    open_[key] = mapping;
+  }
+  void Remove(const std::string& key, const ImportedBuffer::Mapping* mapping) {
+    MutexLock lock(&mu_);
+    auto it = open_.find(key);
+    if (it == open_.end()) return;
+    auto current = it->second.lock();
+    if (current == nullptr || current.get() == mapping) open_.erase(it);
+  }
+  size_t size() {
+    MutexLock lock(&mu_);
+    return open_.size();
+  }
+
+ private:
+  Mutex mu_;
+  absl::flat_hash_map<std::string, std::weak_ptr<ImportedBuffer::Mapping>> open_
+      ABSL_GUARDED_BY(mu_);
+};
+
+std::atomic<int64_t> open_mappings{0};
+
+}  // namespace
+
+ImportedBuffer::Mapping::~Mapping() {
+  absl::Status closed = Close();
+  if (!closed.ok()) LogError(absl::StrCat("closing an imported buffer: ", closed.message()));
+}
+
+absl::Status ImportedBuffer::Mapping::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  if (!key_.empty()) MappingCache::Get().Remove(key_, this);
+  absl::Status first;
+  for (auto it = pieces_.rbegin(); it != pieces_.rend(); ++it) {
+    absl::Status s = driver_->Unmap(it->first, it->second);
+    if (first.ok()) first = s;
+  }
+  absl::Status s = driver_->Unreserve(base_, size_);
+  if (first.ok()) first = s;
+  --open_mappings;
+  return first;
+}
+
+ImportedBuffer::~ImportedBuffer() = default;
+DevPtr ImportedBuffer::ptr() const { return mapping_->base() + offset_; }
+int ImportedBuffer::device() const { return mapping_->device(); }
+DevPtr ImportedBuffer::mapping_base() const { return mapping_->base(); }
+size_t ImportedBuffer::mapped_size() const { return mapping_->size(); }
+
+size_t OpenImportMappings() { return static_cast<size_t>(open_mappings.load()); }
+
+namespace {
+
+absl::Status Owned(const BufferDescriptor& d, const absl::Status& cause) {
+  return absl::Status(cause.code(), absl::StrCat("importing a buffer of ", d.OwnerForMessages(),
+                                                 ": ", cause.message()));
+}
+
+absl::StatusOr<int> ResolveDevice(Driver* driver, const BufferDescriptor& d, int requested) {
+  const int count = driver->DeviceCount();
+  if (requested >= 0) {
+    if (requested >= count) {
+      return absl::InvalidArgumentError(absl::StrCat("device ", requested, " is out of range: ",
+                                                     driver->Name(), " has ", count));
+    }
+    return requested;
+  }
+  if (d.owner_uuid().has_value()) {
+    for (int i = 0; i < count; ++i) {
+      absl::StatusOr<std::string> uuid = driver->DeviceUuid(i);
+      if (uuid.ok() && *uuid == *d.owner_uuid()) return i;
+    }
+  }
+  return 0;
+}
+
+// The shareable handles of the descriptor, fds fetched from the exporter.
+absl::StatusOr<std::vector<ShareableHandle>> Handles(const BufferDescriptor& d, FdFetch how) {
+  std::vector<ShareableHandle> out(d.handles().size());
+  if (d.handle_type() == HandleType::kFabric) {
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i].type = HandleType::kFabric;
+      std::memcpy(out[i].fabric.data(), d.handles()[i].data(), kFabricHandleSize);
+    }
+    return out;
+  }
+  std::vector<FdToken> tokens;
+  for (const auto& bytes : d.handles()) {
+    VMM_ASSIGN_OR_RETURN(FdToken token, FdToken::Decode(bytes));
+    tokens.push_back(token);
+  }
+  VMM_ASSIGN_OR_RETURN(std::vector<UniqueFd> fds, FetchFds(tokens, how));
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i].type = HandleType::kPosixFd;
+    out[i].fd = std::move(fds[i]);
+  }
+  return out;
+}
+
+std::string CacheKey(Driver* driver, int device, const BufferDescriptor& d,
+                     const std::vector<int>& peers) {
+  std::string key = absl::StrCat(driver->Name(), "/", device, "/",
+                                 static_cast<int>(d.handle_type()), "/");
+  for (int p : peers) absl::StrAppend(&key, p, ",");
+  for (size_t i = 0; i < d.handles().size(); ++i) {
+    key.append(reinterpret_cast<const char*>(d.handles()[i].data()), d.handles()[i].size());
+    absl::StrAppend(&key, ":", d.sizes()[i], ";");
+  }
+  return key;
+}
+
+absl::Status CheckImportable(Driver* driver, const BufferDescriptor& d, size_t granularity) {
+  if (d.handles().empty()) {
+    return absl::InvalidArgumentError("the descriptor has no allocations to map");
+  }
+  for (size_t i = 0; i < d.sizes().size(); ++i) {
+    if (d.sizes()[i] % granularity != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "allocation size ", i, " is ", d.sizes()[i], ", not a multiple of the granularity ",
+          granularity));
+    }
+  }
+  const bool host_owner = d.owner_uuid().has_value() && absl::StartsWith(*d.owner_uuid(), "HOST-");
+  const bool gpu_owner = d.owner_uuid().has_value() && absl::StartsWith(*d.owner_uuid(), "GPU-");
+  if ((host_owner && driver->Name() != "host") || (gpu_owner && driver->Name() == "host")) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the buffer lives on ", *d.owner_uuid(), ", which the ", driver->Name(),
+        " backend of this process cannot map"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
+    Driver* driver, const BufferDescriptor& d, int device, size_t granularity,
+    const ImportOptions& options, std::string key) {
+  VMM_ASSIGN_OR_RETURN(std::vector<ShareableHandle> handles, Handles(d, options.fd_fetch));
+  VMM_ASSIGN_OR_RETURN(DevPtr base, driver->Reserve(d.mapped_size(), granularity));
+  ++open_mappings;
+  auto mapping = std::make_shared<ImportedBuffer::Mapping>(driver, device, base,
+                                                           d.mapped_size(), std::move(key));
+  // From here on, a failure unmaps and unreserves through the mapping's destructor.
+  DevPtr at = base;
+  for (size_t i = 0; i < handles.size(); ++i) {
+    VMM_ASSIGN_OR_RETURN(PhysHandle physical, driver->Import(handles[i]));
+    absl::Status mapped = driver->Map(at, d.sizes()[i], physical);
+    // The mapping keeps the memory; this reference is not needed either way.
+    absl::Status released = driver->Release(physical);
+    VMM_RETURN_IF_ERROR(mapped);
+    mapping->AddPiece(at, d.sizes()[i]);
+    VMM_RETURN_IF_ERROR(released);
+    at += d.sizes()[i];
+  }
+  std::vector<int> devices = {device};
+  devices.insert(devices.end(), options.peer_devices.begin(), options.peer_devices.end());
+  VMM_RETURN_IF_ERROR(driver->SetAccess(base, d.mapped_size(), devices));
+  return mapping;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(Driver* driver,
+                                                             const BufferDescriptor& d,
+                                                             const ImportOptions& options) {
+  if (driver == nullptr) return absl::InvalidArgumentError("ImportBuffer: no driver");
+  absl::StatusOr<int> device = ResolveDevice(driver, d, options.device);
+  if (!device.ok()) return Owned(d, device.status());
+  absl::StatusOr<size_t> granularity = driver->Granularity(*device);
+  if (!granularity.ok()) return Owned(d, granularity.status());
+  if (absl::Status ok = CheckImportable(driver, d, *granularity); !ok.ok()) return Owned(d, ok);
+  std::string key;
+  if (options.share_mappings) {
+    key = CacheKey(driver, *device, d, options.peer_devices);
+    if (auto open = MappingCache::Get().Find(key)) {
+      return std::unique_ptr<ImportedBuffer>(new ImportedBuffer(open, d.offset(), d.size(), true));
+    }
+  }
+  absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> mapping =
+      MapHandles(driver, d, *device, *granularity, options, key);
+  if (!mapping.ok()) return Owned(d, mapping.status());
+  if (!key.empty()) MappingCache::Get().Add(key, *mapping);
+  return std::unique_ptr<ImportedBuffer>(new ImportedBuffer(*mapping, d.offset(), d.size(), false));
+}
+
+}  // namespace vmm

@@ -1,0 +1,93 @@
+// sharing.h: exporting pool blocks as descriptors, and importing descriptors as mappings.
+//
+//   // Exporter:
+//   VMM_ASSIGN_OR_RETURN(BufferDescriptor d, ExportBuffer(pool, ptr));
+//   send(d.Encode());                      // plain bytes, any transport
+//   // Importer (another process):
+//   VMM_ASSIGN_OR_RETURN(BufferDescriptor d, BufferDescriptor::Decode(bytes));
+//   VMM_ASSIGN_OR_RETURN(auto buffer, ImportBuffer(driver, d));
+//   use(buffer->ptr(), buffer->size());    // unmapped when `buffer` goes away
+//
+// Export marks the chunks the block spans as exported (the pool's export invariant) and
+// describes them: one handle per chunk in address order, the chunk sizes, the block's offset
+// in the first chunk, its size, and the exporting device's UUID. Fabric handles are the
+// driver's bytes; POSIX fds are registered with this process's FdServer and described by
+// tokens (fd_share.h). Nothing is pinned: once the exporter frees the block and its chunks go
+// back to the driver, the descriptor is stale.
+//
+// Import reserves exactly the bytes it maps, maps every handle in order as one contiguous
+// range, sets access once, and drops its handle references (the mapping holds the memory).
+// From then on the importer is independent of the exporter. Importing the same handles again
+// in this process while a mapping is open shares that mapping. Every failure — stale, forged
+// or malformed descriptors, a gone exporter, driver errors — is a clean status whose message
+// names the owner (descriptor's owner UUID), and leaves nothing mapped or reserved.
+#ifndef VMM_ALLOCATOR_SHARING_H_
+#define VMM_ALLOCATOR_SHARING_H_
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "allocator/descriptor.h"
+#include "allocator/driver.h"
+#include "allocator/fd_share.h"
+#include "allocator/pool.h"
+
+namespace vmm {
+
+// Exports the live block starting at `ptr`. Errors: InvalidArgument (not a live block),
+// FailedPrecondition (the pool's memory is not shareable), or the driver's export error.
+absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr);
+
+struct ImportOptions {
+  // Device to map on; -1: the local device whose UUID is the owner's, else device 0.
+  int device = -1;
+  // Further devices granted access to the mapping.
+  std::vector<int> peer_devices;
+  FdFetch fd_fetch = FdFetch::kSocket;
+  // Share an open mapping of the same handles instead of mapping them again.
+  bool share_mappings = true;
+};
+
+class ImportedBuffer {
+ public:
+  ~ImportedBuffer();
+  ImportedBuffer(const ImportedBuffer&) = delete;
+  ImportedBuffer& operator=(const ImportedBuffer&) = delete;
+
+  // First byte of the buffer (the mapping's start plus the descriptor's offset).
+  DevPtr ptr() const;
+  size_t size() const { return size_; }
+  int device() const;
+  // The whole mapping (all the chunks).
+  DevPtr mapping_base() const;
+  size_t mapped_size() const;
+  // Whether this import shares another import's mapping.
+  bool shared() const { return shared_; }
+
+  class Mapping;
+
+ private:
+  friend absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(
+      Driver* driver, const BufferDescriptor& descriptor, const ImportOptions& options);
+  ImportedBuffer(std::shared_ptr<Mapping> mapping, size_t offset, size_t size, bool shared)
+      : mapping_(std::move(mapping)), offset_(offset), size_(size), shared_(shared) {}
+
+  std::shared_ptr<Mapping> mapping_;
+  size_t offset_;
+  size_t size_;
+  bool shared_;
+};
+
+// Imports `descriptor` through `driver`; see the file comment. The buffer is unmapped when
+// the returned object (and every other import sharing its mapping) is destroyed.
+absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(
+    Driver* driver, const BufferDescriptor& descriptor, const ImportOptions& options = {});
+
+// Open mappings made by ImportBuffer in this process (tests and stats).
+size_t OpenImportMappings();
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_SHARING_H_

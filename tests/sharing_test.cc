@@ -1,0 +1,310 @@
+// Sharing between processes: export, transport as bytes, import in another process, and the
+// seed's semantics — nothing pinned, importer independent after import, exporter unaffected
+// by a dying importer, clean errors for stale, forged and hostile descriptors. Runs on the
+// default backend (host in CI; VMM_BACKEND=cuda on the GPU machine), for both handle types.
+#include "allocator/sharing.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "allocator/driver_factory.h"
+#include "allocator/fd_share.h"
+#include "allocator/pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/subprocess.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+std::string PeerPath() {
+  const char* srcdir = std::getenv("TEST_SRCDIR");
+  if (srcdir != nullptr) return std::string(srcdir) + "/vmm/tests/share_peer";
+  return "tests/share_peer";
+}
+
+class SharingTest : public ::testing::TestWithParam<HandleRequest> {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<Driver*> driver = DefaultDriver();
+    ASSERT_TRUE(driver.ok()) << driver.status();
+    driver_ = *driver;
+    free_at_start_ = driver_->GetMemInfo(0)->free;
+    PoolOptions options;
+    options.reserve_size = 4096 * kMiB;
+    options.handle_type = GetParam();
+    auto pool = Pool::Create(driver_, options);
+    if (!pool.ok() && GetParam() == HandleRequest::kFabric) {
+      GTEST_SKIP() << "fabric handles unavailable here: " << pool.status();
+    }
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+  }
+
+  void TearDown() override {
+    if (pool_ == nullptr) return;
+    ASSERT_TRUE(pool_->CheckInvariants().ok()) << pool_->CheckInvariants();
+    pool_.reset();
+    EXPECT_EQ(OpenImportMappings(), 0u);
+    EXPECT_EQ(driver_->GetMemInfo(0)->free, free_at_start_) << "physical memory leaked";
+  }
+
+  // Allocates `size` bytes filled with `value`.
+  void* Filled(size_t size, uint8_t value) {
+    auto p = pool_->Allocate(size, 0);
+    EXPECT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(driver_->MemsetAsync(reinterpret_cast<DevPtr>(*p), value, size, 0).ok());
+    EXPECT_TRUE(driver_->SynchronizeStream(0).ok());
+    return *p;
+  }
+
+  // Whether every byte of [ptr, ptr+size) is `value`.
+  bool AllBytes(DevPtr ptr, size_t size, uint8_t value) {
+    std::vector<uint8_t> host(size);
+    if (!driver_->MemcpyAsync(reinterpret_cast<DevPtr>(host.data()), ptr, size, 0).ok()) return false;
+    if (!driver_->SynchronizeStream(0).ok()) return false;
+    for (uint8_t b : host) {
+      if (b != value) return false;
+    }
+    return true;
+  }
+
+  std::string Hex(const BufferDescriptor& d) { return absl::BytesToHexString(d.Encode()); }
+
+  Driver* driver_ = nullptr;
+  std::unique_ptr<Pool> pool_;
+  size_t free_at_start_ = 0;
+};
+
+TEST_P(SharingTest, ExportDescribesTheChunksTheBlockSpans) {
+  void* a = Filled(3 * kMiB, 1);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->handle_type(), pool_->handle_type());
+  EXPECT_EQ(d->size(), 3 * kMiB);
+  EXPECT_EQ(d->offset(), 0u);
+  ASSERT_EQ(d->sizes().size(), 1u);
+  EXPECT_EQ(d->sizes()[0], 4 * kMiB);
+  EXPECT_EQ(d->owner_uuid(), pool_->device_uuid());
+  // The encoding round-trips and is stable.
+  auto again = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->Encode(), d->Encode());
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(SharingTest, ImportInTheSameProcessSeesTheBytesAndSharesTheMapping) {
+  void* a = Filled(5 * kMiB, 7);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto one = ImportBuffer(driver_, *d);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_TRUE(AllBytes((*one)->ptr(), (*one)->size(), 7));
+  EXPECT_EQ((*one)->mapped_size(), 6 * kMiB);
+  auto two = ImportBuffer(driver_, *d);
+  ASSERT_TRUE(two.ok());
+  EXPECT_TRUE((*two)->shared());
+  EXPECT_EQ((*two)->ptr(), (*one)->ptr());
+  EXPECT_EQ(OpenImportMappings(), 1u);
+  one->reset();
+  two->reset();
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(SharingTest, AnotherProcessReadsAndWritesTheSameMemory) {
+  void* a = Filled(7 * kMiB, 42);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Subprocess peer({PeerPath(), "import", "--descriptor=" + Hex(*d), "--expect=42", "--write=43"});
+  ASSERT_TRUE(peer.started());
+  EXPECT_THAT(peer.ReadLine(), HasSubstr("ok"));
+  EXPECT_EQ(peer.Wait(), 0);
+  EXPECT_TRUE(AllBytes(reinterpret_cast<DevPtr>(a), 7 * kMiB, 43)) << "the peer's writes are seen";
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(SharingTest, BlocksSpanningManyChunksImportAsOneRange) {
+  pool_.reset();
+  PoolOptions options;
+  options.reserve_size = 1024 * kMiB;
+  options.handle_type = GetParam();
+  options.max_chunk = 2 * kMiB;  // a 9 MiB block spans five chunks
+  pool_ = std::move(*Pool::Create(driver_, options));
+  void* a = Filled(9 * kMiB, 9);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->handles().size(), 5u);
+  Subprocess peer({PeerPath(), "import", "--descriptor=" + Hex(*d), "--expect=9"});
+  EXPECT_EQ(peer.Wait(), 0);
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(SharingTest, AParkedDescriptorPinsNothing) {
+  void* a = Filled(4 * kMiB, 5);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE(pool_->Free(a).ok());
+  ASSERT_TRUE(pool_->EmptyCache().ok());
+  EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 0) << "the exported chunk went back";
+  // The importer gets a clean error naming the owner.
+  Subprocess peer({PeerPath(), "import", "--descriptor=" + Hex(*d), "--expect=5"});
+  EXPECT_EQ(peer.Wait(), 3);
+  auto local = ImportBuffer(driver_, *d);
+  ASSERT_FALSE(local.ok());
+  EXPECT_THAT(local.status().message(), HasSubstr(pool_->device_uuid()));
+}
+
+TEST_P(SharingTest, ImporterKeepsItsDataAfterTheExporterFreesAndExits) {
+  Subprocess exporter({PeerPath(), "export", "--size=" + std::to_string(6 * kMiB), "--fill=77"});
+  const std::string hex = exporter.ReadLine();
+  ASSERT_FALSE(hex.empty());
+  Subprocess importer({PeerPath(), "import", "--descriptor=" + hex, "--expect=77", "--wait"});
+  ASSERT_EQ(importer.ReadLine(), "imported");
+  exporter.WriteLine("free");
+  EXPECT_EQ(exporter.ReadLine(), "freed");
+  exporter.WriteLine("exit");
+  EXPECT_EQ(exporter.Wait(), 0);
+  importer.WriteLine("check");
+  EXPECT_THAT(importer.ReadLine(), HasSubstr("ok"));
+  EXPECT_EQ(importer.Wait(), 0);
+}
+
+TEST_P(SharingTest, AnImporterThatDiesLeavesTheExporterFine) {
+  void* a = Filled(4 * kMiB, 11);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Subprocess dying({PeerPath(), "import", "--descriptor=" + Hex(*d), "--expect=11", "--die"});
+  EXPECT_EQ(dying.Wait(), 128 + SIGABRT);
+  EXPECT_TRUE(AllBytes(reinterpret_cast<DevPtr>(a), 4 * kMiB, 11));
+  // Sharing still works.
+  Subprocess peer({PeerPath(), "import", "--descriptor=" + Hex(*d), "--expect=11"});
+  EXPECT_EQ(peer.Wait(), 0);
+  void* b = Filled(kMiB, 12);
+  ASSERT_TRUE(pool_->Free(b).ok());
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(SharingTest, ForgedHandlesFailCleanly) {
+  void* a = Filled(2 * kMiB, 1);
+  auto real = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(real.ok());
+  std::mt19937 rng(7);
+  std::string forged(64, '\0');
+  for (char& c : forged) c = static_cast<char>(rng());
+  // Random bytes.
+  auto d = BufferDescriptor::FromHandles(real->handle_type(), {forged},
+                                         {static_cast<int64_t>(2 * kMiB)}, std::nullopt,
+                                         std::string("GPU-forged"));
+  if (driver_->Name() == "host") {
+    d = BufferDescriptor::FromHandles(real->handle_type(), {forged},
+                                      {static_cast<int64_t>(2 * kMiB)}, std::nullopt,
+                                      pool_->device_uuid());
+  }
+  ASSERT_TRUE(d.ok());
+  auto imported = ImportBuffer(driver_, *d);
+  ASSERT_FALSE(imported.ok());
+  EXPECT_THAT(imported.status().message(), HasSubstr("importing a buffer of the owner"));
+  // A real handle with its last bytes changed (for fd tokens: the nonce).
+  std::string tampered(reinterpret_cast<const char*>(real->handles()[0].data()), 64);
+  tampered[50] ^= 0x5a;
+  auto d2 = BufferDescriptor::FromHandles(real->handle_type(), {tampered},
+                                          {static_cast<int64_t>(real->sizes()[0])}, std::nullopt,
+                                          pool_->device_uuid());
+  ASSERT_TRUE(d2.ok());
+  auto imported2 = ImportBuffer(driver_, *d2);
+  if (real->handle_type() == HandleType::kPosixFd) {
+    ASSERT_FALSE(imported2.ok());
+    EXPECT_EQ(imported2.status().code(), absl::StatusCode::kNotFound) << imported2.status();
+  }
+  // Either way nothing is left mapped, and the pool is fine.
+  imported2 = absl::UnknownError("dropped");
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(SharingTest, HostileDescriptorsFailCleanlyAndLeakNothing) {
+  void* a = Filled(2 * kMiB, 3);
+  auto real = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(real.ok());
+  const std::string handle(reinterpret_cast<const char*>(real->handles()[0].data()), 64);
+  const size_t free_before = driver_->GetMemInfo(0)->free;
+  struct Case {
+    std::vector<std::string> handles;
+    std::vector<int64_t> sizes;
+    absl::StatusCode code;
+  };
+  const int64_t g = static_cast<int64_t>(pool_->granularity());
+  std::vector<Case> cases = {
+      {{}, {}, absl::StatusCode::kInvalidArgument},                        // nothing to map
+      {{handle}, {g + 512}, absl::StatusCode::kInvalidArgument},           // not granular
+      {{handle}, {g * 1024 * 1024}, absl::StatusCode::kUnknown},           // 2 TiB from 2 MiB
+      {{handle, handle}, {g, g}, absl::StatusCode::kUnknown},              // repeated handle
+      {{handle}, {int64_t{1} << 46}, absl::StatusCode::kUnknown},          // huge
+  };
+  for (const Case& c : cases) {
+    auto d = BufferDescriptor::FromHandles(real->handle_type(), c.handles, c.sizes, std::nullopt,
+                                           pool_->device_uuid());
+    ASSERT_TRUE(d.ok()) << d.status();
+    auto imported = ImportBuffer(driver_, *d);
+    if (c.code != absl::StatusCode::kUnknown) {
+      ASSERT_FALSE(imported.ok());
+      EXPECT_EQ(imported.status().code(), c.code) << imported.status();
+    } else if (imported.ok()) {
+      // A repeated handle may map (twice the same memory): it must still unmap cleanly.
+      imported->reset();
+    }
+    EXPECT_EQ(OpenImportMappings(), 0u);
+    EXPECT_EQ(driver_->GetMemInfo(0)->free, free_before) << "leak after a hostile import";
+  }
+  // Truncated and corrupted encodings never get as far as the driver.
+  const std::string bytes = real->Encode();
+  for (size_t n = 0; n < bytes.size(); n += 7) {
+    EXPECT_FALSE(BufferDescriptor::Decode(bytes.substr(0, n)).ok());
+  }
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(SharingTest, FdsCanAlsoBeFetchedWithPidfd) {
+  if (GetParam() != HandleRequest::kPosixFd) GTEST_SKIP() << "fd handles only";
+  Subprocess exporter({PeerPath(), "export", "--size=" + std::to_string(2 * kMiB), "--fill=21",
+                       "--handle=posix_fd"});
+  const std::string hex = exporter.ReadLine();
+  auto d = BufferDescriptor::Decode(absl::HexStringToBytes(hex));
+  ASSERT_TRUE(d.ok()) << d.status();
+  auto token = FdToken::Decode(d->handles()[0]);
+  ASSERT_TRUE(token.ok());
+  auto fds = FetchFds({*token}, FdFetch::kPidfd);
+  if (!fds.ok() && fds.status().code() == absl::StatusCode::kPermissionDenied) {
+    GTEST_SKIP() << "no ptrace rights here: " << fds.status();
+  }
+  ASSERT_TRUE(fds.ok()) << fds.status();
+  fds->clear();
+  ImportOptions options;
+  options.fd_fetch = FdFetch::kPidfd;
+  auto imported = ImportBuffer(driver_, *d, options);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  EXPECT_TRUE(AllBytes((*imported)->ptr(), 2 * kMiB, 21));
+  imported->reset();
+  exporter.WriteLine("exit");
+  EXPECT_EQ(exporter.Wait(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(HandleTypes, SharingTest,
+                         ::testing::Values(HandleRequest::kPosixFd, HandleRequest::kFabric),
+                         [](const auto& info) {
+                           return info.param == HandleRequest::kFabric ? "fabric" : "posix_fd";
+                         });
+
+}  // namespace
+}  // namespace vmm
