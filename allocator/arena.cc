@@ -37,9 +37,10 @@ Arena::~Arena() {
   for (Block* b : spare_) delete b;
 }
 
-void Arena::Init(uintptr_t base, size_t size) {
+void Arena::Init(uintptr_t base, size_t size, int slot_shift) {
   base_ = base;
   size_ = size;
+  live_.Init(base, size, slot_shift);
   head_ = NewBlock();
   head_->addr = base;
   head_->size = size;

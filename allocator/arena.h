@@ -20,6 +20,7 @@
 
 #include "absl/container/btree_set.h"
 #include "allocator/block.h"
+#include "allocator/block_index.h"
 #include "allocator/free_blocks.h"
 
 namespace vmm {
@@ -40,14 +41,18 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
-  // Makes the whole range one gap.
-  void Init(uintptr_t base, size_t size);
+  // Makes the whole range one gap. Live blocks are indexed in slots of 1 << slot_shift bytes
+  // (block_index.h): allocated blocks must start at least that far apart.
+  void Init(uintptr_t base, size_t size, int slot_shift);
 
   uintptr_t base() const { return base_; }
   size_t size() const { return size_; }
   bool Contains(uintptr_t addr) const { return addr >= base_ && addr < base_ + size_; }
   Block* head() const { return head_; }
   const FreeBlocks& free_blocks() const { return free_; }
+  // The allocated blocks by address (the pool inserts and erases them).
+  BlockIndex& live() { return live_; }
+  const BlockIndex& live() const { return live_; }
 
   // Best-fit cached block for `n` bytes on `stream`, or nullptr.
   Block* BestFit(Stream stream, size_t n) const { return free_.BestFit(stream, n); }
@@ -108,6 +113,7 @@ class Arena {
   size_t size_ = 0;
   Block* head_ = nullptr;
   FreeBlocks free_;
+  BlockIndex live_;
   struct ByAddr {
     bool operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
   };

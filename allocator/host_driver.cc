@@ -500,6 +500,8 @@ class HostDriver final : public Driver {
   std::map<DevPtr, size_t> reservations_ ABSL_GUARDED_BY(mu_);  // start -> size
   std::map<DevPtr, Mapping> mappings_ ABSL_GUARDED_BY(mu_);     // start -> mapping
   absl::flat_hash_map<Stream, std::shared_ptr<HostStream>> streams_ ABSL_GUARDED_BY(mu_);
+  // Streams being destroyed, whose queues are still draining.
+  std::vector<std::shared_ptr<HostStream>> draining_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Event, std::shared_ptr<HostEvent>> events_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -945,8 +947,12 @@ absl::Status HostDriver::DestroyStream(Stream stream) {
     }
     s = std::move(it->second);
     streams_.erase(it);
+    // Until its queue is drained, SynchronizeDevice still waits for it (as CUDA's does).
+    draining_.push_back(s);
   }
   s->Stop();  // drains the queue; the thread is joined when the last reference goes
+  MutexLock lock(&mu_);
+  draining_.erase(std::find(draining_.begin(), draining_.end(), s));
   return absl::OkStatus();
 }
 
@@ -963,6 +969,7 @@ absl::Status HostDriver::SynchronizeDevice(int device) {
   {
     MutexLock lock(&mu_);
     for (auto& [id, stream] : streams_) streams.push_back(stream);
+    streams.insert(streams.end(), draining_.begin(), draining_.end());
   }
   for (auto& stream : streams) stream->Synchronize();
   return absl::OkStatus();

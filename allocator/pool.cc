@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "allocator/log.h"
@@ -17,7 +18,9 @@ namespace {
 // Every block is a multiple of this, and so aligned to it.
 constexpr size_t kMinBlock = 512;
 
-size_t RoundUp(size_t n, size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+inline size_t RoundUp(size_t n, size_t multiple) {
+  return (n + multiple - 1) / multiple * multiple;
+}
 
 std::string Bytes(int64_t n) {
   const double b = static_cast<double>(n);
@@ -130,9 +133,13 @@ absl::Status Pool::Init() {
   base_ = static_cast<uintptr_t>(base);
   access_devices_.push_back(device);
   for (int peer : options_.peer_devices) access_devices_.push_back(peer);
+  // Allocated blocks of the large arena are larger than small_size, or alone in a chunk, so
+  // they start at least this far apart (a power of two, at least 512).
+  int large_shift = 9;
+  while ((size_t{2} << large_shift) <= std::min(options_.small_size + 1, granularity_)) ++large_shift;
   MutexLock lock(&mu_);
-  small_.Init(base_, small);
-  large_.Init(base_ + small, reserve_size_ - small);
+  small_.Init(base_, small, /*slot_shift=*/9);
+  large_.Init(base_ + small, reserve_size_ - small, large_shift);
   memory_limit_ = options_.memory_limit;
   return absl::OkStatus();
 }
@@ -141,9 +148,9 @@ Pool::~Pool() {
   MutexLock lock(&mu_);
   absl::Status sync = driver_->SynchronizeDevice(options_.device);
   if (!sync.ok()) LogError(absl::StrCat("pool teardown: ", sync.message()));
-  if (!allocated_.empty()) {
-    LogWarning(absl::StrCat("pool on device ", options_.device, " destroyed with ",
-                            allocated_.size(), " live block(s); their memory is released"));
+  if (const size_t live = small_.live().count() + large_.live().count(); live > 0) {
+    LogWarning(absl::StrCat("pool on device ", options_.device, " destroyed with ", live,
+                            " live block(s); their memory is released"));
   }
   for (auto& [addr, chunk] : chunks_) {
     absl::Status s = driver_->Unmap(addr, chunk.size);
@@ -171,8 +178,22 @@ Arena& Pool::ArenaFor(size_t rounded) {
 
 Arena& Pool::ArenaOf(uintptr_t addr) { return small_.Contains(addr) ? small_ : large_; }
 
+Block* Pool::LiveBlock(const void* ptr) {
+  const auto addr = reinterpret_cast<uintptr_t>(ptr);
+  return ArenaOf(addr).live().Find(addr);
+}
+
 absl::StatusOr<void*> Pool::Allocate(size_t size, Stream stream) {
   MutexLock lock(&mu_);
+  // The cached path: a fit in the cache, nothing pending.
+  if (ABSL_PREDICT_TRUE(pending_.empty() && size <= reserve_size_)) {
+    const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
+    Arena& arena = ArenaFor(n);
+    if (Block* block = arena.BestFit(stream, n); ABSL_PREDICT_TRUE(block != nullptr)) {
+      TakeBlock(arena, block, n, size, stream);
+      return reinterpret_cast<void*>(block->addr);
+    }
+  }
   return AllocateLocked(size, stream, /*shareable=*/false);
 }
 
@@ -236,7 +257,7 @@ void Pool::TakeBlock(Arena& arena, Block* block, size_t n, size_t requested, Str
   arena.Take(block, n, kMinBlock);
   block->stream = stream;
   block->requested = requested;
-  allocated_.emplace(block->addr, block);
+  arena.live().Insert(block);
   const auto bytes = static_cast<int64_t>(block->size);
   stats_.allocated_bytes.Increase(bytes);
   stats_.requested_bytes.Increase(static_cast<int64_t>(requested));
@@ -247,15 +268,14 @@ void Pool::TakeBlock(Arena& arena, Block* block, size_t n, size_t requested, Str
 
 absl::Status Pool::Free(void* ptr) {
   MutexLock lock(&mu_);
-  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
-  if (it == allocated_.end()) {
+  Block* block = LiveBlock(ptr);
+  if (block == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "free of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
         ", which is not a live block of the pool on device ", options_.device,
         " (double free, or a pointer from elsewhere)"));
   }
-  Block* block = it->second;
-  allocated_.erase(it);
+  ArenaOf(block->addr).live().Erase(block);
   stats_.allocated_bytes.Decrease(static_cast<int64_t>(block->size));
   stats_.requested_bytes.Decrease(static_cast<int64_t>(block->requested));
   stats_.allocation.Decrease(1);
@@ -268,20 +288,34 @@ absl::Status Pool::Free(void* ptr) {
     block->stream_uses.clear();
     if (exported) streams.push_back(block->stream);
     block->state = BlockState::kPendingFree;
+    bool lost_stream = false;
     for (Stream s : streams) {
       VMM_ASSIGN_OR_RETURN(Event event, GetEvent());
       ++stats_.driver_event;
       absl::Status recorded = driver_->RecordEvent(event, s);
       if (!recorded.ok()) {
         spare_events_.push_back(event);
-        // The stream is gone (or broken): wait for the whole device instead.
-        VMM_RETURN_IF_ERROR(SynchronizeAll());
+        lost_stream = true;
         continue;
       }
       pending_.push_back(Pending{event, block});
       ++block->pending_events;
     }
-    if (block->pending_events == 0) Recycle(block);
+    if (lost_stream) {
+      // A stream is gone (or broken): wait for the whole device instead. That completes the
+      // events recorded above as well, and ProcessPending recycles the block if it has any,
+      // so it must not be recycled twice (nor touched: recycling may merge it away).
+      const bool has_events = block->pending_events > 0;
+      VMM_RETURN_IF_ERROR(SynchronizeAll());
+      if (!has_events) Recycle(block);
+    } else if (block->pending_events == 0) {
+      Recycle(block);
+    } else {
+      // Often the streams are done already (idle, or synchronised by the program): then the
+      // block is recycled (or its exported chunk released) now rather than at a later call.
+      // `block` must not be touched after this.
+      VMM_RETURN_IF_ERROR(ProcessPending());
+    }
   }
   if (options_.release_threshold != SIZE_MAX) {
     const int64_t cached = stats_.reserved_bytes.current - stats_.active_bytes.current -
@@ -331,13 +365,12 @@ void Pool::Recycle(Block* block) {
 
 absl::Status Pool::RecordStream(void* ptr, Stream stream) {
   MutexLock lock(&mu_);
-  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
-  if (it == allocated_.end()) {
+  Block* block = LiveBlock(ptr);
+  if (block == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("record_stream on ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
                      ", which is not a live block of this pool"));
   }
-  Block* block = it->second;
   if (stream != block->stream &&
       std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
           block->stream_uses.end()) {
@@ -599,6 +632,16 @@ absl::Status Pool::ReclaimOtherStreams() {
       }
     }
   }
+  // Forget streams with nothing cached (they may be long gone), keeping their events.
+  for (auto it = reclaim_.begin(); it != reclaim_.end();) {
+    const bool cached = std::find(streams.begin(), streams.end(), it->first) != streams.end();
+    if (!cached && !it->second.in_flight) {
+      if (it->second.event != 0) spare_events_.push_back(it->second.event);
+      reclaim_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -640,8 +683,8 @@ void Pool::SetMemoryLimit(size_t bytes) {
 
 absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
   MutexLock lock(&mu_);
-  auto it = allocated_.find(reinterpret_cast<uintptr_t>(ptr));
-  if (it == allocated_.end()) {
+  const Block* block = LiveBlock(ptr);
+  if (block == nullptr) {
     return absl::InvalidArgumentError(
         absl::StrCat("export of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
                      ", which is not the start of a live block of this pool"));
@@ -652,7 +695,6 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
         "this pool's memory is exportable as ", HandleTypeName(handle_type_), ", not as ",
         HandleTypeName(type)));
   }
-  const Block* block = it->second;
   ExportedBlock out;
   out.handle_type = type;
   out.size = block->requested;
@@ -825,9 +867,8 @@ absl::Status Pool::CheckInvariants() const {
           retired += static_cast<int64_t>(b->size);
           break;
         case BlockState::kAllocated: {
-          auto it = allocated_.find(b->addr);
-          if (it == allocated_.end() || it->second != b) {
-            return fail("allocated block ", absl::Hex(b->addr), " missing from the map");
+          if (arena->live().Find(b->addr) != b) {
+            return fail("allocated block ", absl::Hex(b->addr), " missing from the index");
           }
           allocated += static_cast<int64_t>(b->size);
           active += static_cast<int64_t>(b->size);
@@ -854,7 +895,9 @@ absl::Status Pool::CheckInvariants() const {
       ++exported_count;
     }
   }
-  if (live != static_cast<int64_t>(allocated_.size())) return fail("allocated map has extras");
+  if (live != static_cast<int64_t>(small_.live().count() + large_.live().count())) {
+    return fail("the live-block index has extras");
+  }
   if (pending_events != static_cast<int64_t>(pending_.size())) return fail("pending list");
   if (allocated != stats_.allocated_bytes.current) return fail("allocated_bytes");
   if (requested != stats_.requested_bytes.current) return fail("requested_bytes");
@@ -866,9 +909,6 @@ absl::Status Pool::CheckInvariants() const {
   if (exported != stats_.exported_bytes.current) return fail("exported_bytes");
   if (exported_count != exported_chunks_) return fail("exported chunk count");
   if (retired != retired_bytes_) return fail("retired bytes");
-  if (memory_limit_ != 0 && reserved > static_cast<int64_t>(memory_limit_)) {
-    return fail("reserved bytes over the memory limit");
-  }
   return absl::OkStatus();
 }
 

@@ -2,11 +2,13 @@
 // (VMM_BACKEND=host|cuda forces one).
 //
 //   bazel run -c opt //bench:pool_bench
+#include <atomic>
 #include <cstdint>
 #include <random>
 #include <vector>
 
 #include "allocator/driver_factory.h"
+#include "allocator/mutex.h"
 #include "allocator/pool.h"
 #include "benchmark/benchmark.h"
 
@@ -87,6 +89,28 @@ void BM_SameSizeAllocFree(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_SameSizeAllocFree)->Arg(4096)->Arg(4 << 20);
+
+// Reference costs of this machine, to read the figures above against: one uncontended
+// lock + unlock of the pool's mutex, and one atomic compare-and-swap.
+void BM_MutexLockUnlock(benchmark::State& state) {
+  Mutex mu;
+  for (auto _ : state) {
+    mu.Lock();
+    mu.Unlock();
+  }
+}
+BENCHMARK(BM_MutexLockUnlock);
+
+void BM_AtomicCompareExchange(benchmark::State& state) {
+  std::atomic<int> word{0};
+  int i = 0;
+  for (auto _ : state) {
+    int expected = i;
+    word.compare_exchange_strong(expected, i + 1);
+    ++i;
+  }
+}
+BENCHMARK(BM_AtomicCompareExchange);
 
 }  // namespace
 }  // namespace vmm

@@ -43,7 +43,15 @@ class PoolTest : public ::testing::Test {
     free_at_start_ = info->free;
   }
 
-  std::unique_ptr<Pool> MakePool(PoolOptions options = {}) {
+  // A pool that grows by exactly what each request needs unless the test says otherwise, so
+  // that the tests can predict the reserved bytes.
+  static PoolOptions Exact() {
+    PoolOptions options;
+    options.growth_fraction = 0;
+    return options;
+  }
+
+  std::unique_ptr<Pool> MakePool(PoolOptions options = Exact()) {
     if (options.reserve_size == 0) options.reserve_size = 1024 * kMiB;
     auto pool = Pool::Create(driver_, options);
     EXPECT_TRUE(pool.ok()) << pool.status();
@@ -155,6 +163,24 @@ TEST_F(PoolTest, GrowthExtendsTheFreeBlockAtTheEdge) {
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }
 
+TEST_F(PoolTest, GrowthIsRaisedToAFractionOfTheReservedBytes) {
+  PoolOptions options;
+  options.growth_fraction = 0.5;
+  options.max_growth_extra = 8 * kMiB;
+  auto pool = MakePool(options);
+  void* a = Alloc(*pool, 10 * kMiB);  // nothing reserved yet: exactly 10 MiB
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(10 * kMiB));
+  void* b = Alloc(*pool, 10 * kMiB);  // + 10 MiB needed + min(8 MiB, 0.5 * 10 MiB) rounded
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  void* c = Alloc(*pool, 30 * kMiB);  // + 30 MiB - the 4 MiB cached + min(8 MiB, 12 MiB)
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(58 * kMiB));
+  const int64_t growths = pool->GetStats().num_device_alloc;
+  void* d = Alloc(*pool, 8 * kMiB);  // the extra is cached: no growth
+  EXPECT_EQ(pool->GetStats().num_device_alloc, growths);
+  for (void* p : {a, b, c, d}) ASSERT_TRUE(pool->Free(p).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
 TEST_F(PoolTest, SmallRequestsUseTheSmallArena) {
   auto pool = MakePool();
   void* big = Alloc(*pool, 4 * kMiB);
@@ -235,7 +261,7 @@ TEST_F(PoolTest, TrimsTheCacheThenRetriesBeforeFailing) {
 }
 
 TEST_F(PoolTest, MemoryLimitBoundsTheReservedBytes) {
-  PoolOptions options;
+  PoolOptions options = Exact();
   options.memory_limit = 32 * kMiB;
   auto pool = MakePool(options);
   void* a = Alloc(*pool, 30 * kMiB);
@@ -251,7 +277,7 @@ TEST_F(PoolTest, MemoryLimitBoundsTheReservedBytes) {
 
 TEST_F(PoolTest, FailedGrowthRollsBackCleanly) {
   if (on_cuda_) GTEST_SKIP() << "uses the host backend's small capacity";
-  PoolOptions options;
+  PoolOptions options = Exact();
   options.max_chunk = 2 * kMiB;  // many pieces per growth, so a late one fails
   auto pool = MakePool(options);
   void* a = Alloc(*pool, 250 * kMiB);
@@ -486,7 +512,7 @@ TEST_F(PoolTest, ShareableBlocksGetChunksOfTheirOwn) {
 }
 
 TEST_F(PoolTest, ReleaseThresholdTrimsOnFree) {
-  PoolOptions options;
+  PoolOptions options = Exact();
   options.release_threshold = 8 * kMiB;
   auto pool = MakePool(options);
   void* a = Alloc(*pool, 20 * kMiB);

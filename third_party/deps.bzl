@@ -83,7 +83,6 @@ cc_library(
     name = "libtorch",
     hdrs = glob(["include/**/*.h", "include/**/*.hpp", "include/**/*.cuh"], allow_empty = True),
     includes = {includes},
-    defines = ["TORCH_API_INCLUDE_EXTENSION_H"],
     linkopts = ["-L{libdir}", "-Wl,-rpath,{libdir}", "-ltorch", "-ltorch_cpu", "-lc10"],
 )
 """.format(includes = includes, libdir = libdir)

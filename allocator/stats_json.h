@@ -1,0 +1,84 @@
+// stats_json.h: the pool's statistics and snapshots as JSON, in vmm's own form and in the forms
+// PyTorch's tools read.
+//
+// Every statistic comes from the field lists of stats.h (VMM_BYTE_STATS, VMM_COUNT_STATS,
+// VMM_COUNTERS), so a statistic added there appears here without a change to this file.
+//
+// StatsToJson(stats): vmm's form, one key per field of PoolStats:
+//   {"allocated_bytes": {"current": .., "peak": .., "allocated": .., "freed": ..}, ...,
+//    "num_device_alloc": .., "driver_create": .., ..., "largest_free_block": ..,
+//    "fragmentation": ..}
+//
+// TorchMemoryStats(stats): the flat dict of torch.cuda.memory_stats(), for code and dashboards
+// written against PyTorch:
+//   - a statistic whose key is one of PyTorch's (allocation, segment, active, inactive_split,
+//     allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes)
+//     becomes "KEY.all.current", "KEY.all.peak", "KEY.all.allocated" and "KEY.all.freed";
+//   - a counter whose key is one of PyTorch's (num_alloc_retries, num_ooms,
+//     num_sync_all_streams, num_device_alloc, num_device_free) becomes "KEY";
+//   - everything else is vmm's own and is prefixed "vmm.": "vmm.exported_bytes.current",
+//     "vmm.driver_calls.create", "vmm.num_exports", "vmm.largest_free_block" and
+//     "vmm.fragmentation" (the one value that is not an integer).
+//   There are no "KEY.large_pool.*" or "KEY.small_pool.*" entries: vmm keeps one set of
+//   statistics for both of its arenas, and splitting it would invent numbers. Code that reads
+//   PyTorch's pool splits must treat them as absent. PyTorch's "max_split_size",
+//   "oversize_allocations.*" and "oversize_segments.*" have no vmm counterpart and are absent.
+//   Where the meanings differ slightly: "segment" counts physical chunks (cuMemCreate
+//   allocations, PyTorch's cudaMalloc segments); "inactive_split(_bytes)" counts every cached
+//   free block (PyTorch counts only the free parts of partly used segments);
+//   "num_device_alloc"/"num_device_free" count growths and chunk releases.
+//
+// TorchSnapshot(snapshots): the dict torch.cuda.memory._snapshot() returns, one Snapshot per
+// device, so that torch.cuda._memory_viz (segment and memory plots, segsum) and PyTorch's
+// memory visualizer render vmm's pool:
+//   {"segments": [{"device", "address", "total_size", "allocated_size", "active_size",
+//                  "requested_size", "stream", "segment_type", "segment_pool_id",
+//                  "is_expandable", "frames", "blocks": [{"address", "size",
+//                  "requested_size", "state", "frames"}, ...]}, ...],
+//    "device_traces": [[], ...]}
+//   - A segment is a maximal run of mapped chunks (SegmentInfo); its blocks tile it, so their
+//     sizes add up to "total_size". Segments grow and shrink by mapping, as PyTorch's
+//     expandable segments do: "is_expandable" is true. "segment_type" is always "large" (the
+//     snapshot does not say which arena a segment is in); "segment_pool_id" is [0, 0] (the
+//     default pool).
+//   - "stream" is the stream of the segment's allocated and pending blocks when they all
+//     share one, else 0: a vmm segment belongs to no single stream.
+//   - Block states: kAllocated -> "active_allocated"; kPendingFree -> "active_pending_free";
+//     kFree -> "inactive"; kRetired -> "inactive" with "vmm_state": "retired" (free memory in
+//     an exported chunk, never reused and released with its chunk). Segments never hold
+//     kUnmapped blocks. "requested_size" is the caller's size for active blocks and 0 for
+//     inactive ones.
+//   - "allocated_size" and "requested_size" of a segment add up its active_allocated blocks,
+//     "active_size" its active_allocated and active_pending_free blocks.
+//   - vmm records no allocation history: "frames" are empty and "device_traces" holds one
+//     empty list per device index up to the largest one given.
+//
+// SnapshotToJson(snapshot): vmm's own snapshot: the reserved range, granularity, backend and
+// device UUID, and each segment with its chunks (address, size, exported, dedicated) and blocks
+// (address, size, requested, state as BlockStateName() spells it, stream). A cached block that
+// every stream may take has "stream": null.
+//
+// Addresses, sizes and streams are JSON integers. None of these functions fails: they only
+// read the structs given. StatsToJson's text is compact JSON (nlohmann::json::dump()).
+#ifndef VMM_ALLOCATOR_STATS_JSON_H_
+#define VMM_ALLOCATOR_STATS_JSON_H_
+
+#include <string>
+#include <vector>
+
+#include "allocator/stats.h"
+#include "nlohmann/json.hpp"
+
+namespace vmm {
+
+std::string StatsToJson(const PoolStats& stats);
+
+nlohmann::json TorchMemoryStats(const PoolStats& stats);
+
+nlohmann::json TorchSnapshot(const std::vector<Snapshot>& snapshots);
+
+nlohmann::json SnapshotToJson(const Snapshot& snapshot);
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_STATS_JSON_H_

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Smoke test of the benchmark programs on the host backend: each runs briefly and prints the
+# JSON results bench/report.py expects.
+set -euo pipefail
+
+bin=${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-vmm}/bench
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+
+# A small trace: 50 steps of 8 blocks of 2..16 MiB, freed in reverse order.
+awk 'BEGIN { id = 0; for (s = 0; s < 50; s++) { for (k = 0; k < 8; k++) {
+  printf "a %d %d\n", id + k, (2 + (s * 7 + k * 3) % 15) * 1048576 }
+  for (k = 7; k >= 0; k--) printf "f %d\n", id + k; id += 8 } }' >"$tmp/trace.txt"
+
+expect() {  # expect FILE METRIC: FILE has a result line for METRIC
+  grep -q "\"metric\": \"$2\"" "$1" || { echo "no $2 in $1:"; cat "$1"; exit 1; }
+}
+
+"$bin/replay" --trace="$tmp/trace.txt" --backend=host --warm_reps=1 \
+  --growth_fraction=0,0.05 --max_growth_extra_mib=64,inf >"$tmp/replay.jsonl"
+expect "$tmp/replay.jsonl" peak_reserved_over_peak_allocated
+expect "$tmp/replay.jsonl" num_device_alloc_plus_free
+expect "$tmp/replay.jsonl" ns_per_op_warm
+[[ $(grep -c peak_reserved_over_peak_allocated "$tmp/replay.jsonl") -eq 4 ]]
+
+"$bin/growth_bench" --backend=host --reps=2 --grow_mib=64 --chunk_mib=0,2 >"$tmp/growth.jsonl"
+expect "$tmp/growth.jsonl" grow_over_bare
+
+"$bin/vmm_peer_bench" --allocators=vmm --backend=host --live=8 --iters=1000 --reps=2 \
+  --warm_reps=1 --trace="$tmp/trace.txt" >"$tmp/peer.jsonl"
+expect "$tmp/peer.jsonl" ns_per_pair
+expect "$tmp/peer.jsonl" peak_reserved_over_peak_allocated
+
+# A malformed trace is refused with a message naming the line.
+printf 'a 1 100\nf 2\n' >"$tmp/bad.txt"
+if "$bin/replay" --trace="$tmp/bad.txt" --backend=host 2>"$tmp/bad.log"; then
+  echo "replay accepted a free of an unknown ID"; exit 1
+fi
+grep -q "bad.txt:2" "$tmp/bad.log"
+echo PASS

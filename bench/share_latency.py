@@ -1,0 +1,162 @@
+#!/usr/bin/env python3
+"""Share latency and imported-memory bandwidth, vmm against torch.multiprocessing (GPU).
+
+Share latency is the time from the producer handing a CUDA tensor to a torch.multiprocessing
+queue until the consumer has read its first element: export (or cudaIpcGetMemHandle), pickle,
+transfer, import (map) and a first read. Each repetition sends a freshly allocated tensor.
+Modes: vmm with fabric handles, vmm with POSIX fds, PyTorch's default allocator, and PyTorch
+with expandable segments. Bandwidth compares a device-to-device copy out of imported memory
+with the same copy out of memory the consumer allocated itself.
+
+    python3 bench/share_latency.py --sizes 64M,1G,8G --reps 7 --out share.jsonl
+Prints one JSON object per result (and appends them to --out).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text):
+    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+
+
+def setup_mode(mode):
+    """Configures the allocator of this process for `mode` (before CUDA is used)."""
+    if mode.startswith("vmm"):
+        import vmm_torch
+
+        vmm_torch.enable(handle_type="fabric" if mode == "vmm-fabric" else "posix_fd")
+        vmm_torch.install_reducers()
+
+
+def consumer(mode, jobs, results):
+    setup_mode(mode)
+    torch.cuda.init()
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        t0, tensor, measure_bandwidth = item
+        first = tensor[0].item()  # the first read: waits for the import and a kernel
+        t1 = time.perf_counter_ns()
+        bandwidth = copy_bandwidth(tensor) if measure_bandwidth else None
+        results.put({"latency_ns": t1 - t0, "first": first, "bandwidth": bandwidth})
+        del tensor, item
+
+
+def copy_bandwidth(src, iters=20):
+    """GB/s of copying `src` into a new tensor, and of the same copy from local memory."""
+    dst = torch.empty_like(src)
+    local = src.clone()
+
+    def timed(source):
+        dst.copy_(source)
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(source)
+        stop.record()
+        torch.cuda.synchronize()
+        return 2 * src.numel() * src.element_size() * iters / (start.elapsed_time(stop) / 1e3) / 1e9
+
+    imported = statistics.median(timed(src) for _ in range(3))
+    native = statistics.median(timed(local) for _ in range(3))
+    del dst, local
+    return {"imported_gbs": imported, "native_gbs": native}
+
+
+def run_mode(mode, sizes, reps, bandwidth_size):
+    ctx = mp.get_context("spawn")
+    env_before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+    if mode == "torch-expandable":
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    jobs, results = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=consumer, args=(mode, jobs, results))
+    proc.start()
+    out = []
+    try:
+        for size in sizes:
+            latencies = []
+            bandwidth = None
+            for rep in range(reps + 1):  # the first repetition warms up
+                measure = size == bandwidth_size and rep == reps
+                t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
+                torch.cuda.synchronize()
+                jobs.put((time.perf_counter_ns(), t, measure))
+                r = results.get(timeout=300)
+                assert r["first"] == 7, r
+                if rep > 0:
+                    latencies.append(r["latency_ns"])
+                if r["bandwidth"]:
+                    bandwidth = r["bandwidth"]
+                del t
+                torch.cuda.synchronize()
+            row = {"bench": "share_latency", "mode": mode, "bytes": size,
+                   "median_ms": statistics.median(latencies) / 1e6,
+                   "min_ms": min(latencies) / 1e6, "reps": reps}
+            out.append(row)
+            print(json.dumps(row), flush=True)
+            if bandwidth:
+                row = {"bench": "imported_bandwidth", "mode": mode, "bytes": size, **bandwidth,
+                       "ratio": bandwidth["imported_gbs"] / bandwidth["native_gbs"]}
+                out.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        jobs.put(None)
+        proc.join(60)
+        if env_before is None:
+            os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        else:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = env_before
+    return out
+
+
+def producer(mode, sizes, reps, bandwidth_size, queue):
+    setup_mode(mode)
+    if mode == "torch-expandable":
+        assert "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    queue.put(run_mode(mode, sizes, reps, bandwidth_size))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="64M,1G,8G")
+    p.add_argument("--modes", default="vmm-fabric,vmm-fd,torch-native,torch-expandable")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--bandwidth-size", default="1G")
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    ctx = mp.get_context("spawn")
+    rows = []
+    for mode in a.modes.split(","):
+        if mode == "torch-expandable":
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        q = ctx.Queue()
+        # Each mode in its own producer process: the allocator is chosen per process.
+        proc = ctx.Process(target=producer,
+                           args=(mode, sizes, a.reps, parse_size(a.bandwidth_size), q))
+        proc.start()
+        try:
+            rows += q.get(timeout=900)
+        except Exception as e:  # a mode that cannot run here (no IMEX channel for fabric...)
+            print(json.dumps({"bench": "share_latency", "mode": mode, "error": repr(e)}), flush=True)
+        proc.join(60)
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if a.out:
+        with open(a.out, "a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""One producer shares CUDA tensors with four consumers through torch.multiprocessing queues.
+
+    python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G --consumers 4
+
+The producer enables vmm and its reducers, fills each tensor with a pattern and puts it on
+every consumer's queue; each consumer checks every element against the pattern and reports
+when it had the tensor (latency from the put to its first read). Prints one JSON line per
+size, and exits nonzero if any consumer saw wrong data.
+"""
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def pattern(n, device):
+    return (torch.arange(n, device=device, dtype=torch.int64) % 251).to(torch.uint8)
+
+
+def consumer(handle_type, jobs, results):
+    import vmm_torch
+    vmm_torch.enable(handle_type=handle_type)
+    vmm_torch.install_reducers()
+    while True:
+        item = jobs.get()
+        if item is None:
+            return
+        t0, tensor = item
+        first = int(tensor[0].item())
+        t1 = time.perf_counter_ns()
+        ok = bool(torch.equal(tensor, pattern(tensor.numel(), tensor.device))) and first == 0
+        results.put({"latency_ns": t1 - t0, "ok": ok})
+        del tensor, item
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--handle-type", default="fabric")
+    p.add_argument("--sizes", default="64M,1G,8G")
+    p.add_argument("--consumers", type=int, default=4)
+    a = p.parse_args()
+    import vmm_torch
+    vmm_torch.enable(handle_type=a.handle_type)
+    vmm_torch.install_reducers()
+    ctx = mp.get_context("spawn")
+    queues = [ctx.Queue() for _ in range(a.consumers)]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=consumer, args=(a.handle_type, q, results)) for q in queues]
+    for proc in procs:
+        proc.start()
+    failed = False
+    for text in a.sizes.split(","):
+        n = int(text[:-1]) * UNITS[text[-1]]
+        t = pattern(n, "cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        for q in queues:
+            q.put((t0, t))
+        rs = [results.get(timeout=600) for _ in queues]
+        lat = [r["latency_ns"] / 1e6 for r in rs]
+        ok = all(r["ok"] for r in rs)
+        failed |= not ok
+        print(json.dumps({"bench": "fanout", "handle_type": a.handle_type, "bytes": n,
+                          "consumers": a.consumers, "all_verified": ok,
+                          "median_ms": statistics.median(lat), "max_ms": max(lat)}), flush=True)
+        del t
+        torch.cuda.synchronize()
+    for q in queues:
+        q.put(None)
+    for proc in procs:
+        proc.join(60)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The GPU machine's half of the test suite and the benchmarks, in one time-boxed script.
+#
+#   tests/gpu/run.sh PHASES...     (after tests/gpu/prepare.sh here; .gpu/ carried there)
+#
+# Phases, run in the order given:
+#   tests     C++ suites on the CUDA backend without an IMEX channel (POSIX fd fallback),
+#             then with one (fabric handles): conformance, pool, sharing, the demo.
+#   plugin    pip-installs vmm_torch against the machine's torch and runs its GPU tests.
+#   bench     allocator benchmarks beside PyTorch and cudaMallocAsync (bench/run_gpu_bench.sh).
+#   train     the training loop under native, expandable-segments and vmm allocators.
+#   share     share latency / imported bandwidth against torch.multiprocessing, and fan-out.
+#   dist      vmm_torch.distributed with several ranks on the GPU.
+# Logs and results go to $OUT (one summary, one tarball of logs, and the key result files).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+OUT=${OUT:-/tmp/vmm_out}
+logs=/tmp/vmm_logs
+mkdir -p "$OUT" "$logs"
+summary="$OUT/summary.txt"
+export PATH="/opt/torch/.venv/bin:$PATH" PYTHONUNBUFFERED=1
+export LD_LIBRARY_PATH="$root/.gpu/lib:${LD_LIBRARY_PATH:-}"
+export TEST_SRCDIR="$root/.gpu/runfiles"
+bin="$root/.gpu/bin"
+
+# step NAME SECONDS COMMAND...: output to $logs/NAME.log, one line in the summary.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$logs/$name.log" 2>&1
+  local rc=$?
+  local line="$name: rc=$rc ($((SECONDS - start)) s)"
+  local tests
+  tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$logs/$name.log" | tr '\n' ' ')
+  [[ -n "$tests" ]] && line="$line $tests"
+  echo "$line" | tee -a "$summary"
+  [[ $rc -eq 0 ]] || tail -n 8 "$logs/$name.log" | sed 's/^/    /' | tee -a "$summary"
+}
+
+imex_channel() {
+  local major
+  major=$(awk '/nvidia-caps-imex-channels/{print $1}' /proc/devices)
+  [[ -n "$major" ]] || { echo "no nvidia-caps-imex-channels device" | tee -a "$summary"; return 1; }
+  mkdir -p /dev/nvidia-caps-imex-channels
+  [[ -e /dev/nvidia-caps-imex-channels/channel0 ]] ||
+    mknod /dev/nvidia-caps-imex-channels/channel0 c "$major" 0
+  echo "IMEX channel 0 created (major $major)" | tee -a "$summary"
+}
+
+cxx_suites() {
+  local tag=$1
+  step "conformance_$tag" 180 env VMM_REQUIRE_CUDA=1 "$bin/driver_conformance_test"
+  step "cuda_driver_$tag" 60 "$bin/cuda_driver_test"
+  step "pool_$tag" 120 env VMM_POOL_TEST_BACKEND=cuda "$bin/pool_test"
+  step "sharing_$tag" 180 env VMM_BACKEND=cuda "$bin/sharing_test"
+  step "demo_$tag" 60 "$bin/vmm_demo" --size=256M --out="$logs/demo_$tag.json"
+}
+
+phase_tests() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$summary"
+  ls /dev/nvidia-caps-imex-channels 2>/dev/null | sed 's/^/existing IMEX: /' | tee -a "$summary"
+  cxx_suites no_imex
+  imex_channel && cxx_suites imex
+}
+
+phase_plugin() {
+  step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
+    --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
+  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
+  step pytest_gpu 300 python3 -m pytest -q -x tests/python
+}
+
+phase_bench() {
+  step bench 540 bench/run_gpu_bench.sh "$bin" "$root/.gpu/trace.txt" "$logs/bench"
+  step pool_bench 120 "$bin/pool_bench" --benchmark_min_time=0.5 \
+    --benchmark_out="$logs/pool_bench.json" --benchmark_out_format=json
+  cp "$logs/bench/report.md" "$OUT/bench_report.md" 2>/dev/null
+}
+
+phase_train() {
+  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
+  local steps=${TRAIN_STEPS:-300}
+  step train_native 300 env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
+    --allocator native --steps "$steps" --out "$logs/train_native.json"
+  step train_expandable 300 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
+    tests/gpu/train_loop.py --allocator expandable --steps "$steps" --out "$logs/train_expandable.json"
+  step train_vmm 300 python3 tests/gpu/train_loop.py --allocator vmm --steps "$steps" \
+    --out "$logs/train_vmm.json" --dump "$logs/vmm_dump.json"
+  step train_compare 60 python3 tests/gpu/compare_training.py "$logs"/train_{native,expandable,vmm}.json
+  step stats_summary 60 python3 -m vmm_torch.stats summarize "$logs/vmm_dump.json"
+  step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" -o "$OUT/vmm_stats.html"
+  step stats_torch_viz 120 python3 -m vmm_torch.stats torch-viz "$logs/vmm_dump.json" -o "$OUT/torch_viz.html"
+  cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
+}
+
+phase_share() {
+  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
+  step share_latency 400 python3 bench/share_latency.py --sizes 64M,1G,8G --reps 5 \
+    --out "$logs/share.jsonl"
+  step fanout_fabric 240 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
+  step fanout_fd 240 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
+}
+
+phase_dist() {
+  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
+  step dist 300 python3 tests/gpu/dist_bench.py --ranks 4 --sizes 64M,1G
+}
+
+: >"$summary"
+for phase in "$@"; do
+  echo "=== phase $phase" | tee -a "$summary"
+  "phase_$phase"
+done
+tar czf "$OUT/logs.tgz" -C "$logs" . 2>/dev/null
+echo "done" | tee -a "$summary"

@@ -1,0 +1,99 @@
+#!/usr/bin/env python3
+"""A small transformer trained with variable sequence lengths, under one allocator (GPU).
+
+    python3 tests/gpu/train_loop.py --allocator native|expandable|vmm --steps 300 --out r.json
+
+Each allocator runs in its own process (the allocator is chosen before CUDA starts). The
+same seed gives the same batches and initial weights, so the losses of different allocators
+can be compared step by step. Writes the per-step losses, step times (median), peak reserved
+and peak allocated bytes; with --dump, vmm's dump_stats of the live workload and its snapshot.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+import torch
+
+
+def make_model(vocab, d, layers, heads):
+    layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True)
+    return torch.nn.ModuleDict({
+        "embed": torch.nn.Embedding(vocab, d),
+        "encoder": torch.nn.TransformerEncoder(layer, layers),
+        "head": torch.nn.Linear(d, vocab),
+    })
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--allocator", choices=["native", "expandable", "vmm"], required=True)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dump", default="")
+    a = p.parse_args()
+
+    if a.allocator == "expandable":
+        assert "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), \
+            "run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    if a.allocator == "vmm":
+        import vmm_torch
+        vmm_torch.enable()
+
+    torch.manual_seed(a.seed)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    device = torch.device("cuda")
+    model = make_model(a.vocab, a.d, a.layers, 8).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    gen = torch.Generator().manual_seed(a.seed + 1)
+    lengths = [64, 128, 192, 256, 384, 512, 768, 1024]
+
+    losses, times = [], []
+    for step in range(a.steps):
+        seq = lengths[int(torch.randint(len(lengths), (1,), generator=gen))]
+        tokens = torch.randint(a.vocab, (a.batch, seq + 1), generator=gen).to(device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x = model["embed"](tokens[:, :-1])
+        h = model["encoder"](x)
+        logits = model["head"](h)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, a.vocab), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())  # synchronises
+        times.append(time.perf_counter() - t0)
+
+    if a.allocator == "vmm":
+        import vmm_torch
+        stats = vmm_torch.memory_stats()
+        peak_reserved = stats["reserved_bytes.all.peak"]
+        peak_allocated = stats["allocated_bytes.all.peak"]
+        if a.dump:
+            vmm_torch.dump_stats(a.dump)
+    else:
+        peak_reserved = torch.cuda.max_memory_reserved()
+        peak_allocated = torch.cuda.max_memory_allocated()
+    warm = times[10:]
+    result = {
+        "allocator": a.allocator, "steps": a.steps, "losses": losses,
+        "median_step_ms": statistics.median(warm) * 1e3,
+        "mean_step_ms": statistics.fmean(warm) * 1e3,
+        "peak_reserved": peak_reserved, "peak_allocated": peak_allocated,
+        "final_loss": losses[-1], "finite": all(math.isfinite(l) for l in losses),
+    }
+    with open(a.out, "w") as f:
+        json.dump(result, f)
+    print(json.dumps({k: v for k, v in result.items() if k != "losses"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+// vmm's LibTorch extension: tensors over vmm memory, and the functions PyTorch's
+// CUDAPluggableAllocator calls.
+//
+// The allocator state lives in libvmm.so (vmm_c.h). This extension does not link it: bind()
+// opens the same libvmm.so that Python loaded (same path, so the same instance) and looks up
+// the few functions it calls. Built by Bazel against Debian's LibTorch for CI, and by
+// `pip install` against the user's torch.
+//
+// Ops (torch.ops.vmm.*):
+//   bind(str libvmm_path) -> ()
+//   wrap(int ptr, int nbytes, int[] sizes, int[] strides, int storage_offset, ScalarType dtype,
+//        Device device, int owner, int context) -> Tensor
+//       A tensor over [ptr, ptr + nbytes). owner 0: borrowed (nothing freed); 1: a vmm pool
+//       block, freed when the storage dies; 2: import `context`, released when it dies.
+//       A failed wrap takes nothing over (the caller still owns the block or reference).
+//   storage_info(Tensor t) -> (int data_ptr, int nbytes)
+//       Where the tensor's storage starts and how big it is (across torch versions).
+// Exported C functions for CUDAPluggableAllocator: vmm_torch_malloc, vmm_torch_free,
+// vmm_torch_init, vmm_torch_empty_cache, vmm_torch_memory_fraction, vmm_torch_record_stream.
+#include <dlfcn.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <tuple>
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+namespace {
+
+// The functions of libvmm.so this extension calls.
+struct Vmm {
+  const char* (*last_error)() = nullptr;
+  void* (*alloc)(size_t, int, void*) = nullptr;
+  int (*free)(void*, int) = nullptr;
+  int (*record_stream)(void*, void*) = nullptr;
+  int (*empty_cache)(int) = nullptr;
+  int (*set_memory_fraction)(double, int) = nullptr;
+  void (*block_free)(void*) = nullptr;
+  void (*import_release)(void*) = nullptr;
+};
+
+Vmm vmm;
+
+template <typename F>
+void Lookup(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  TORCH_CHECK(*out != nullptr, "vmm: libvmm.so lacks ", name);
+}
+
+void Bind(const std::string& path) {
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  TORCH_CHECK(lib != nullptr, "vmm: cannot load ", path, ": ", dlerror());
+  Vmm v;
+  Lookup(lib, "vmm_last_error", &v.last_error);
+  Lookup(lib, "vmm_alloc", &v.alloc);
+  Lookup(lib, "vmm_free", &v.free);
+  Lookup(lib, "vmm_record_stream", &v.record_stream);
+  Lookup(lib, "vmm_empty_cache", &v.empty_cache);
+  Lookup(lib, "vmm_set_memory_fraction", &v.set_memory_fraction);
+  Lookup(lib, "vmm_block_free", &v.block_free);
+  Lookup(lib, "vmm_import_release", &v.import_release);
+  vmm = v;
+}
+
+void RequireBound() { TORCH_CHECK(vmm.alloc != nullptr, "vmm: call torch.ops.vmm.bind first"); }
+
+void FreeBlock(void* ptr) { vmm.block_free(ptr); }
+void ReleaseImport(void* context) { vmm.import_release(context); }
+
+// Fails unless a view of `sizes`/`strides` at `storage_offset` (elements of `itemsize` bytes)
+// lies inside `nbytes` bytes. Overflow-safe: the values come from other processes.
+void CheckViewFits(at::IntArrayRef sizes, at::IntArrayRef strides, int64_t storage_offset,
+                   int64_t itemsize, int64_t nbytes) {
+  TORCH_CHECK(sizes.size() == strides.size(), "vmm.wrap: ", sizes.size(), " sizes but ",
+              strides.size(), " strides");
+  TORCH_CHECK(storage_offset >= 0, "vmm.wrap: negative storage offset");
+  int64_t last = storage_offset;  // index of the last element the view reaches
+  bool empty = false;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK(sizes[i] >= 0 && strides[i] >= 0, "vmm.wrap: negative size or stride");
+    if (sizes[i] == 0) empty = true;
+    int64_t reach = 0;
+    TORCH_CHECK(!__builtin_mul_overflow(sizes[i] == 0 ? 0 : sizes[i] - 1, strides[i], &reach) &&
+                    !__builtin_add_overflow(last, reach, &last),
+                "vmm.wrap: the view's extent overflows");
+  }
+  if (empty) return;
+  int64_t end = 0;
+  TORCH_CHECK(!__builtin_add_overflow(last, int64_t{1}, &end) &&
+                  !__builtin_mul_overflow(end, itemsize, &end),
+              "vmm.wrap: the view's extent overflows");
+  TORCH_CHECK(end <= nbytes, "vmm.wrap: the view needs ", end, " bytes, the storage has ",
+              nbytes);
+}
+
+at::Tensor Wrap(int64_t ptr, int64_t nbytes, at::IntArrayRef sizes, at::IntArrayRef strides,
+                int64_t storage_offset, at::ScalarType dtype, at::Device device, int64_t owner,
+                int64_t context) {
+  RequireBound();
+  TORCH_CHECK(nbytes >= 0, "vmm.wrap: negative nbytes");
+  TORCH_CHECK(owner >= 0 && owner <= 2, "vmm.wrap: owner must be 0, 1 or 2");
+  // Everything that can fail happens before the deleter is attached, so that a failed wrap
+  // takes nothing over: the caller still owns the block or import reference.
+  auto options = at::TensorOptions().dtype(dtype).device(device);
+  at::Tensor t = at::empty({0}, options);
+  CheckViewFits(sizes, strides, storage_offset, t.element_size(), nbytes);
+  void* data = reinterpret_cast<void*>(ptr);
+  c10::DataPtr data_ptr;
+  if (owner == 1) {
+    data_ptr = c10::DataPtr(data, data, &FreeBlock, device);
+  } else if (owner == 2) {
+    data_ptr = c10::DataPtr(data, reinterpret_cast<void*>(context), &ReleaseImport, device);
+  } else {
+    data_ptr = c10::DataPtr(data, device);
+  }
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
+                       std::move(data_ptr), /*allocator=*/nullptr, /*resizable=*/false);
+  t.set_(storage, storage_offset, sizes, strides);
+  return t;
+}
+
+std::tuple<int64_t, int64_t> StorageInfo(const at::Tensor& t) {
+  const c10::Storage& s = t.storage();
+  return {reinterpret_cast<int64_t>(s.data()), static_cast<int64_t>(s.nbytes())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(vmm, m) {
+  m.def("bind(str libvmm_path) -> ()", &Bind);
+  m.def("wrap(int ptr, int nbytes, int[] sizes, int[] strides, int storage_offset, "
+        "ScalarType dtype, Device device, int owner, int context) -> Tensor",
+        &Wrap);
+  m.def("storage_info(Tensor t) -> (int, int)", &StorageInfo);
+}
+
+// --- CUDAPluggableAllocator entry points ----------------------------------------------------
+
+extern "C" {
+
+__attribute__((visibility("default"))) void* vmm_torch_malloc(size_t size, int device,
+                                                               void* stream) {
+  RequireBound();
+  void* p = vmm.alloc(size, device, stream);
+  if (p == nullptr) {
+    const std::string error = vmm.last_error();
+    if (error.rfind("RESOURCE_EXHAUSTED", 0) == 0) {
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (vmm): ", error);
+    }
+    TORCH_CHECK(false, "vmm: allocation of ", size, " bytes on device ", device, " failed: ",
+                error);
+  }
+  return p;
+}
+
+__attribute__((visibility("default"))) void vmm_torch_free(void* ptr, size_t size, int device,
+                                                             void* stream) {
+  if (vmm.free != nullptr && vmm.free(ptr, device) != 0) {
+    TORCH_WARN("vmm: free failed: ", vmm.last_error());
+  }
+}
+
+__attribute__((visibility("default"))) void vmm_torch_init(int device_count) {}
+
+__attribute__((visibility("default"))) void vmm_torch_empty_cache() {
+  if (vmm.empty_cache != nullptr && vmm.empty_cache(-1) != 0) {
+    TORCH_WARN("vmm: empty_cache failed: ", vmm.last_error());
+  }
+}
+
+__attribute__((visibility("default"))) void vmm_torch_memory_fraction(double fraction,
+                                                                      int device) {
+  RequireBound();
+  TORCH_CHECK(vmm.set_memory_fraction(fraction, device) == 0, "vmm: ", vmm.last_error());
+}
+
+__attribute__((visibility("default"))) void vmm_torch_record_stream(void* ptr, void* stream) {
+  RequireBound();
+  TORCH_CHECK(vmm.record_stream(ptr, stream) == 0, "vmm: ", vmm.last_error());
+}
+
+}  // extern "C"
