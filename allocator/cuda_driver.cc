@@ -17,9 +17,10 @@
 //   - Calls on an event, or on a stream that this backend created, run in the primary context
 //     of the device it was created on (remembered in a small map).
 //   - Calls that take only addresses or handles (Reserve, Unreserve, Map, Unmap, SetAccess,
-//     Release, Export, Import), and stream work on streams created elsewhere (PyTorch's, or
-//     stream 0), run in the calling thread's current context when it has one: virtual memory
-//     is process-wide, and a foreign stream belongs to whatever context the caller works in.
+//     HasAccess, Release, Export, Import), and stream work on streams created elsewhere
+//     (PyTorch's, or stream 0), run in the calling thread's current context when it has one:
+//     virtual memory is process-wide, and a foreign stream belongs to whatever context the
+//     caller works in.
 //     A thread with no current context borrows a primary context: the lowest-numbered one
 //     already retained, else device 0's. Borrowing one that exists avoids creating a context
 //     (and the device memory it takes) on device 0 in a process that only uses device 3.
@@ -138,6 +139,7 @@ using CtxSynchronizeFn = PFN_cuCtxSynchronize_v2000;
   X(MemMap, PFN_cuMemMap_v10020)                                             \
   X(MemUnmap, PFN_cuMemUnmap_v10020)                                         \
   X(MemSetAccess, PFN_cuMemSetAccess_v10020)                                 \
+  X(MemGetAccess, PFN_cuMemGetAccess_v10020)                                 \
   X(MemExportToShareableHandle, PFN_cuMemExportToShareableHandle_v10020)     \
   X(MemImportFromShareableHandle, PFN_cuMemImportFromShareableHandle_v10020) \
   X(MemGetInfo, PFN_cuMemGetInfo_v3020)                                      \
@@ -388,6 +390,7 @@ class CudaDriver final : public Driver {
   absl::Status Map(DevPtr ptr, size_t size, PhysHandle handle) override;
   absl::Status Unmap(DevPtr ptr, size_t size) override;
   absl::Status SetAccess(DevPtr ptr, size_t size, absl::Span<const int> devices) override;
+  absl::StatusOr<bool> HasAccess(DevPtr ptr, int device) override;
 
   absl::StatusOr<ShareableHandle> Export(PhysHandle handle, HandleType type) override;
   absl::StatusOr<PhysHandle> Import(const ShareableHandle& handle) override;
@@ -759,6 +762,22 @@ absl::Status CudaDriver::SetAccess(DevPtr ptr, size_t size, absl::Span<const int
   VMM_RETURN_IF_ERROR(EnterAnyContext(scope));
   return Check(api_.MemSetAccess(ptr, size, descs.data(), descs.size()), "cuMemSetAccess",
                absl::StrFormat("0x%x, %d bytes, %d devices", ptr, size, descs.size()));
+}
+
+absl::StatusOr<bool> CudaDriver::HasAccess(DevPtr ptr, int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  if (ptr == 0) return absl::InvalidArgumentError("HasAccess: null address");
+  CUmemLocation location;
+  std::memset(&location, 0, sizeof(location));
+  location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  location.id = device;
+  unsigned long long flags = 0;  // NOLINT(runtime/int): the driver's type
+  ScopedContext scope(api_);
+  VMM_RETURN_IF_ERROR(EnterAnyContext(scope));
+  // An address that is not mapped gives CUDA_ERROR_INVALID_VALUE (InvalidArgument).
+  VMM_RETURN_IF_ERROR(Check(api_.MemGetAccess(&flags, &location, ptr), "cuMemGetAccess",
+                            absl::StrFormat("0x%x, device %d", ptr, device)));
+  return flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
 }
 
 // --- Sharing -------------------------------------------------------------------------------

@@ -83,7 +83,8 @@ class Driver {
 
   // "cuda" or "host".
   virtual absl::string_view Name() const = 0;
-  // Number of devices (the host backend has one, device 0).
+  // Number of devices, numbered 0..DeviceCount()-1 (the host backend emulates one unless
+  // told otherwise; see host_driver.h).
   virtual int DeviceCount() const = 0;
   // The device's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-..."), or "HOST-..." for the
   // host backend. InvalidArgument for a bad device index.
@@ -113,7 +114,14 @@ class Driver {
   // Unmaps [ptr, ptr+size), which must consist of whole mappings.
   virtual absl::Status Unmap(DevPtr ptr, size_t size) = 0;
   // Grants read-write access to [ptr, ptr+size) (all mapped) for each device in `devices`.
+  // Grants add up: devices not listed keep the access they had. A device other than the one
+  // holding the physical memory reads and writes it over the peer link (NVLink or PCIe).
+  // InvalidArgument for a bad device index, an empty list, or a range not entirely mapped.
   virtual absl::Status SetAccess(DevPtr ptr, size_t size, absl::Span<const int> devices) = 0;
+  // Whether `device` may read and write the mapped address `ptr` (any byte of a mapping), as
+  // SetAccess granted it. InvalidArgument for a bad device index or an address that is not
+  // mapped. For tests and diagnostics: it asks the driver each time.
+  virtual absl::StatusOr<bool> HasAccess(DevPtr ptr, int device) = 0;
 
   // --- Sharing ---------------------------------------------------------------------------
   // Exports `handle` as `type`, which must have been requested at Create(). For kPosixFd the

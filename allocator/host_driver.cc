@@ -19,6 +19,9 @@
 //
 // Streams are worker threads with a FIFO of work; events are generation counters that a
 // marker queued on a stream advances. Stream 0 runs its work at once on the calling thread.
+//
+// Devices (host_driver.h): a device index is checked against the count and otherwise only
+// names a UUID and a bit in the access masks that SetAccess records per mapping.
 #include "allocator/host_driver.h"
 
 #include <fcntl.h>
@@ -34,6 +37,7 @@
 #include <climits>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -50,6 +54,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
@@ -82,13 +87,28 @@ size_t ValidGranularity(size_t requested) {
   return fallback;
 }
 
-absl::Status CheckDevice(int device) {
-  if (device != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host: invalid device ", device, " (the host backend has device 0 only)"));
-  }
-  return absl::OkStatus();
+// `requested` when it is in 1..kMaxHostDevices, else 1 with a warning (as above).
+int ValidDeviceCount(int requested) {
+  if (requested >= 1 && requested <= kMaxHostDevices) return requested;
+  LogWarning(absl::StrCat("host: device_count ", requested, " is outside 1..", kMaxHostDevices,
+                          "; using 1"));
+  return 1;
 }
+
+// The device count VMM_HOST_DEVICES asks for (see GetHostDriver()).
+int DeviceCountFromEnv() {
+  const char* text = std::getenv("VMM_HOST_DEVICES");
+  if (text == nullptr || text[0] == '\0') return 1;
+  int count = 0;
+  if (!absl::SimpleAtoi(text, &count)) {
+    LogWarning(absl::StrCat("host: VMM_HOST_DEVICES=", text, " is not a number; using 1"));
+    return 1;
+  }
+  return ValidDeviceCount(count);
+}
+
+// The bit of `device` in an access mask.
+uint64_t DeviceBit(int device) { return uint64_t{1} << device; }
 
 // A condition variable for vmm::Mutex: Wait() must be called with `mu` held, which the
 // thread-safety analysis checks at the caller; callers loop on their condition.
@@ -139,6 +159,14 @@ uint64_t StableHash(absl::string_view s) {
     h *= 0x100000001b3ull;
   }
   return h;
+}
+
+// The 32 hex digits of `device`'s UUID: the boot id for device 0, else the boot id's first
+// half and a hash of the boot id and the index, the same in every process of one boot.
+std::string DeviceIdHex(const std::string& boot_id_hex, int device) {
+  if (device == 0) return boot_id_hex;
+  const uint64_t hash = StableHash(absl::StrCat(boot_id_hex, "/device/", device));
+  return absl::StrCat(boot_id_hex.substr(0, 16), absl::Hex(hash, absl::kZeroPad16));
 }
 
 // --- The fabric handle ---------------------------------------------------------------------
@@ -401,6 +429,39 @@ class HostEvent {
   uint64_t reached_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// --- Access bookkeeping ----------------------------------------------------------------------
+
+// Which devices SetAccess granted on each byte of one mapping: runs of offsets with the same
+// device mask, keyed by where they start, covering [0, size). Grants only add devices, as
+// cuMemSetAccess's do for the devices it lists.
+class AccessMap {
+ public:
+  explicit AccessMap(size_t size) : size_(size) { runs_.emplace(0, 0); }
+
+  // Adds the devices of `mask` to [begin, end), where begin < end <= size.
+  void Grant(size_t begin, size_t end, uint64_t mask) {
+    Split(begin);
+    Split(end);
+    for (auto it = runs_.find(begin); it != runs_.end() && it->first < end; ++it) {
+      it->second |= mask;
+    }
+  }
+
+  // The mask of devices granted at `offset` (< size).
+  uint64_t At(size_t offset) const { return std::prev(runs_.upper_bound(offset))->second; }
+
+ private:
+  // Makes a run start at `offset` unless one does, or it is the end.
+  void Split(size_t offset) {
+    if (offset >= size_) return;
+    auto it = std::prev(runs_.upper_bound(offset));
+    if (it->first != offset) runs_.emplace_hint(std::next(it), offset, it->second);
+  }
+
+  size_t size_;
+  std::map<size_t, uint64_t> runs_;  // start offset -> device mask
+};
+
 // --- The driver ------------------------------------------------------------------------------
 
 class HostDriver final : public Driver {
@@ -408,12 +469,13 @@ class HostDriver final : public Driver {
   explicit HostDriver(const HostDriverOptions& options)
       : granularity_(ValidGranularity(options.granularity)),
         capacity_(options.capacity),
+        device_count_(ValidDeviceCount(options.device_count)),
         boot_id_hex_(ReadBootIdHex()),
         boot_hash_(StableHash(boot_id_hex_)) {}
   ~HostDriver() override;
 
   absl::string_view Name() const override { return "host"; }
-  int DeviceCount() const override { return 1; }
+  int DeviceCount() const override { return device_count_; }
   absl::StatusOr<std::string> DeviceUuid(int device) override;
   absl::StatusOr<size_t> Granularity(int device) override;
   absl::StatusOr<bool> SupportsHandleType(int device, HandleType type) override;
@@ -427,6 +489,7 @@ class HostDriver final : public Driver {
   absl::Status Map(DevPtr ptr, size_t size, PhysHandle handle) override;
   absl::Status Unmap(DevPtr ptr, size_t size) override;
   absl::Status SetAccess(DevPtr ptr, size_t size, absl::Span<const int> devices) override;
+  absl::StatusOr<bool> HasAccess(DevPtr ptr, int device) override;
 
   absl::StatusOr<ShareableHandle> Export(PhysHandle handle, HandleType type) override;
   absl::StatusOr<PhysHandle> Import(const ShareableHandle& handle) override;
@@ -457,10 +520,15 @@ class HostDriver final : public Driver {
     int map_count = 0;  // live mappings of this allocation
   };
   struct Mapping {
-    size_t size = 0;
-    PhysHandle handle = 0;
+    Mapping(size_t size, PhysHandle handle) : size(size), handle(handle), access(size) {}
+    size_t size;
+    PhysHandle handle;
+    AccessMap access;  // granted by SetAccess; none at first
   };
+  using MappingMap = std::map<DevPtr, Mapping>;
 
+  // InvalidArgument unless 0 <= device < device_count_.
+  absl::Status CheckDevice(int device) const;
   absl::Status CheckSize(absl::string_view call, size_t size) const;
   absl::Status CheckRange(absl::string_view call, DevPtr ptr, size_t size) const;
   // The allocation `handle` names, unless unknown or released (InvalidArgument).
@@ -475,6 +543,10 @@ class HostDriver final : public Driver {
   bool OverlapsMapping(DevPtr ptr, size_t size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether every byte of [ptr, ptr+size) is mapped.
   bool CoveredByMappings(DevPtr ptr, size_t size) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The mapping holding the byte at `ptr`, or mappings_.end().
+  MappingMap::iterator MappingAt(DevPtr ptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records the devices of `mask` as granted on [ptr, ptr+size), which must be mapped.
+  void RecordAccess(DevPtr ptr, size_t size, uint64_t mask) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::StatusOr<FabricHandle> ExportFabric(const Allocation& allocation) const;
   absl::StatusOr<PhysHandle> ImportPosixFd(int fd);
@@ -490,6 +562,7 @@ class HostDriver final : public Driver {
 
   const size_t granularity_;
   const size_t capacity_;
+  const int device_count_;
   const std::string boot_id_hex_;  // empty when unreadable
   const uint64_t boot_hash_;
 
@@ -498,7 +571,7 @@ class HostDriver final : public Driver {
   size_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<PhysHandle, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
   std::map<DevPtr, size_t> reservations_ ABSL_GUARDED_BY(mu_);  // start -> size
-  std::map<DevPtr, Mapping> mappings_ ABSL_GUARDED_BY(mu_);     // start -> mapping
+  MappingMap mappings_ ABSL_GUARDED_BY(mu_);                    // start -> mapping
   absl::flat_hash_map<Stream, std::shared_ptr<HostStream>> streams_ ABSL_GUARDED_BY(mu_);
   // Streams being destroyed, whose queues are still draining.
   std::vector<std::shared_ptr<HostStream>> draining_ ABSL_GUARDED_BY(mu_);
@@ -532,7 +605,7 @@ absl::StatusOr<std::string> HostDriver::DeviceUuid(int device) {
     return absl::FailedPreconditionError(
         "host: cannot read /proc/sys/kernel/random/boot_id for the device UUID");
   }
-  const std::string& h = boot_id_hex_;
+  const std::string h = DeviceIdHex(boot_id_hex_, device);
   return absl::StrCat("HOST-", h.substr(0, 8), "-", h.substr(8, 4), "-", h.substr(12, 4), "-",
                       h.substr(16, 4), "-", h.substr(20, 12));
 }
@@ -555,6 +628,14 @@ absl::StatusOr<MemInfo> HostDriver::GetMemInfo(int device) {
 }
 
 // --- Validation helpers ---
+
+absl::Status HostDriver::CheckDevice(int device) const {
+  if (device < 0 || device >= device_count_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("host: invalid device ", device, " (", device_count_, " device(s))"));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status HostDriver::CheckSize(absl::string_view call, size_t size) const {
   if (size == 0 || size % granularity_ != 0) {
@@ -611,6 +692,23 @@ bool HostDriver::OverlapsMapping(DevPtr ptr, size_t size) const {
   if (next == mappings_.begin()) return false;
   auto prev = std::prev(next);
   return prev->first + prev->second.size > ptr;
+}
+
+HostDriver::MappingMap::iterator HostDriver::MappingAt(DevPtr ptr) {
+  auto it = mappings_.upper_bound(ptr);
+  if (it == mappings_.begin()) return mappings_.end();
+  --it;
+  return ptr < it->first + it->second.size ? it : mappings_.end();
+}
+
+void HostDriver::RecordAccess(DevPtr ptr, size_t size, uint64_t mask) {
+  const DevPtr end = ptr + size;
+  for (auto it = MappingAt(ptr); it != mappings_.end() && it->first < end; ++it) {
+    const DevPtr start = it->first;
+    const DevPtr begin = std::max(ptr, start);
+    const DevPtr stop = std::min(end, start + it->second.size);
+    it->second.access.Grant(begin - start, stop - start, mask);
+  }
 }
 
 bool HostDriver::CoveredByMappings(DevPtr ptr, size_t size) const {
@@ -729,7 +827,7 @@ absl::Status HostDriver::Map(DevPtr ptr, size_t size, PhysHandle handle) {
     return status;
   }
   ++allocation->map_count;
-  mappings_[ptr] = Mapping{size, handle};
+  mappings_.emplace(ptr, Mapping(size, handle));
   return absl::OkStatus();
 }
 
@@ -737,7 +835,7 @@ absl::Status HostDriver::Unmap(DevPtr ptr, size_t size) {
   VMM_RETURN_IF_ERROR(CheckRange("Unmap", ptr, size));
   MutexLock lock(&mu_);
   // Collect the whole mappings that tile [ptr, ptr+size) exactly before changing anything.
-  std::vector<std::map<DevPtr, Mapping>::iterator> parts;
+  std::vector<MappingMap::iterator> parts;
   DevPtr cursor = ptr;
   const DevPtr end = ptr + size;
   while (cursor < end) {
@@ -765,7 +863,11 @@ absl::Status HostDriver::Unmap(DevPtr ptr, size_t size) {
 absl::Status HostDriver::SetAccess(DevPtr ptr, size_t size, absl::Span<const int> devices) {
   VMM_RETURN_IF_ERROR(CheckRange("SetAccess", ptr, size));
   if (devices.empty()) return absl::InvalidArgumentError("host: SetAccess: no devices");
-  for (int device : devices) VMM_RETURN_IF_ERROR(CheckDevice(device));
+  uint64_t mask = 0;
+  for (int device : devices) {
+    VMM_RETURN_IF_ERROR(CheckDevice(device));
+    mask |= DeviceBit(device);
+  }
   MutexLock lock(&mu_);
   if (!CoveredByMappings(ptr, size)) {
     return absl::InvalidArgumentError(
@@ -774,7 +876,19 @@ absl::Status HostDriver::SetAccess(DevPtr ptr, size_t size, absl::Span<const int
   if (::mprotect(ToPointer(ptr), size, PROT_READ | PROT_WRITE) != 0) {
     return ErrnoStatus("mprotect");
   }
+  RecordAccess(ptr, size, mask);
   return absl::OkStatus();
+}
+
+absl::StatusOr<bool> HostDriver::HasAccess(DevPtr ptr, int device) {
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
+  MutexLock lock(&mu_);
+  auto it = MappingAt(ptr);
+  if (it == mappings_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("host: HasAccess: address 0x%x is not mapped", ptr));
+  }
+  return (it->second.access.At(ptr - it->first) & DeviceBit(device)) != 0;
 }
 
 // --- Sharing ---
@@ -1036,7 +1150,12 @@ std::unique_ptr<Driver> NewHostDriver(const HostDriverOptions& options) {
 }
 
 Driver* GetHostDriver() {
-  static Driver* const driver = NewHostDriver().release();  // lives until the process exits
+  // Lives until the process exits.
+  static Driver* const driver = [] {
+    HostDriverOptions options;
+    options.device_count = DeviceCountFromEnv();
+    return NewHostDriver(options).release();
+  }();
   return driver;
 }
 

@@ -8,7 +8,18 @@
 // exporter's fd through /proc; the handle names the file's inode and a random tag kept in the
 // memfd's name, so a stale or forged handle is refused cleanly. Streams are worker threads
 // that run their queued work in order; events complete when their stream reaches them, so
-// stream-ordering logic is tested for real. Device 0 is the only device.
+// stream-ordering logic is tested for real.
+//
+// Devices. It emulates `device_count` devices (one by default), so that multi-device code
+// (peer access, importing on another device) runs in CI. They differ only in name and in the
+// access bookkeeping: each has its own UUID ("HOST-" and a UUID derived from the boot id and
+// the index; device 0's is the boot id itself, as when there was one device), and SetAccess
+// records which devices were granted each mapped byte, which HasAccess reports. Everything
+// else is shared by all devices: the granularity, the capacity and GetMemInfo() (the same
+// figures for every device), the streams and events (SynchronizeDevice(d) waits for the
+// streams of every device), and the memory itself, which every device's work (and the CPU)
+// can touch once any device has been granted access: access is recorded, not enforced per
+// device.
 //
 // Out of memory is simulated by a capacity: Create() past it returns ResourceExhausted, and
 // GetMemInfo() reports capacity minus the bytes of live physical allocations.
@@ -22,15 +33,25 @@
 
 namespace vmm {
 
+// The most devices the host backend emulates.
+inline constexpr int kMaxHostDevices = 64;
+
 struct HostDriverOptions {
   size_t granularity = size_t{2} << 20;  // 2 MiB, as on the GPU
   size_t capacity = size_t{64} << 30;    // bytes of physical memory Create() may hand out
+  // Devices to emulate, 1..kMaxHostDevices (anything else: 1, with a warning).
+  int device_count = 1;
 };
 
-// Creates an independent host backend (tests use small capacities to reach out-of-memory).
+// Creates an independent host backend (tests use small capacities to reach out-of-memory,
+// and several devices to test peer access).
 std::unique_ptr<Driver> NewHostDriver(const HostDriverOptions& options = {});
 
-// The process-wide host backend with default options.
+// The process-wide host backend with default options, except for the number of devices: the
+// environment variable VMM_HOST_DEVICES (read once, on the first call) sets it, so that a
+// helper process started by a test (which finds its backend through driver_factory.h) can
+// emulate several devices. Unset or empty: 1; not a number in 1..kMaxHostDevices: 1, with a
+// warning.
 Driver* GetHostDriver();
 
 }  // namespace vmm

@@ -1,7 +1,8 @@
 // pool.h: the caching device memory pool, one per device.
 //
 // The pool reserves one virtual address range and grows into it on demand with physical
-// chunks (Driver::Create + Map, then one SetAccess per contiguous range grown). Freed blocks
+// chunks (Driver::Create + Map, then one SetAccess per contiguous range grown, for the pool's
+// device and its `peer_devices`). Freed blocks
 // are cached and reused best-fit; a block is split when larger than asked and coalesces with
 // free neighbours, also across chunk boundaries since the range is contiguous. Requests up to
 // `small_size` are served from a separate small arena so that long-lived small blocks do not
@@ -83,7 +84,13 @@ struct PoolOptions {
   size_t max_growth_extra = size_t{64} << 20;
   // Largest single physical allocation.
   size_t max_chunk = size_t{2} << 30;
-  // Other devices granted read-write access to every mapped range.
+  // Other devices granted read-write access to every range the pool maps: each growth's
+  // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
+  // the pool was made (and again after EmptyCache), can be used by kernels and copies on them
+  // directly. Each must be another device of the driver (Create: InvalidArgument). On CUDA the
+  // devices must be able to reach each other (peer capable); where they cannot, the growth's
+  // SetAccess fails and so does the allocation that needed it. Driver::HasAccess tells what
+  // a chunk (GetSnapshot() lists them) was granted.
   std::vector<int> peer_devices;
 };
 

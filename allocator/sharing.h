@@ -16,11 +16,13 @@
 // back to the driver, the descriptor is stale.
 //
 // Import reserves exactly the bytes it maps, maps every handle in order as one contiguous
-// range, sets access once, and drops its handle references (the mapping holds the memory).
-// From then on the importer is independent of the exporter. Importing the same handles again
-// in this process while a mapping is open shares that mapping. Every failure — stale, forged
-// or malformed descriptors, a gone exporter, driver errors — is a clean status whose message
-// names the owner (descriptor's owner UUID), and leaves nothing mapped or reserved.
+// range, sets access once (for ImportOptions::device and peer_devices), and drops its handle
+// references (the mapping holds the memory). From then on the importer is independent of the
+// exporter. Importing the same handles again in this process, for the same device and peers,
+// while a mapping is open shares that mapping; another device or peer list maps them again.
+// Every failure — stale, forged or malformed descriptors, a gone exporter, driver errors — is
+// a clean status whose message names the owner (descriptor's owner UUID), and leaves nothing
+// mapped or reserved.
 #ifndef VMM_ALLOCATOR_SHARING_H_
 #define VMM_ALLOCATOR_SHARING_H_
 
@@ -41,9 +43,15 @@ namespace vmm {
 absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr);
 
 struct ImportOptions {
-  // Device to map on; -1: the local device whose UUID is the owner's, else device 0.
+  // Device to map on; -1: the local device whose UUID is the owner's, else device 0. It may
+  // be another device than the one holding the memory (the exporter's): the mapping is then
+  // granted to this device only (unless listed in peer_devices), and its reads and writes go
+  // over the peer link. Out of range: InvalidArgument. On CUDA the two devices must be peer
+  // capable, else SetAccess fails and so does the import. Use ImportedBuffer::device() to
+  // pick the stream or torch device that works on the buffer.
   int device = -1;
-  // Further devices granted access to the mapping.
+  // Further devices granted access to the mapping (the exporter's device among them, if it
+  // should have access too). A bad index fails the import (InvalidArgument).
   std::vector<int> peer_devices;
   FdFetch fd_fetch = FdFetch::kSocket;
   // Share an open mapping of the same handles instead of mapping them again.

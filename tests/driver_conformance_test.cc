@@ -12,6 +12,11 @@
 //
 // The cross-process tests spawn tests/driver_peer (see driver_peer.cc for its flags and exit
 // codes), which imports what this process exported.
+//
+// Tests named TwoDevices* need a second device: on the host backend they use a driver that
+// emulates two (and VMM_HOST_DEVICES=2 for driver_peer); on CUDA they run where there are at
+// least two GPUs and are skipped elsewhere, also under VMM_REQUIRE_CUDA=1 (one GPU is not a
+// broken machine).
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -38,6 +43,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
 #include "allocator/cuda_driver.h"
 #include "allocator/driver.h"
@@ -46,8 +52,7 @@
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-
-extern char** environ;
+#include "tests/subprocess.h"
 
 namespace vmm {
 namespace {
@@ -125,6 +130,14 @@ absl::StatusOr<std::vector<uint8_t>> Read(Driver* driver, DevPtr ptr, size_t siz
   return ::testing::AssertionSuccess();
 }
 
+// Whether `device` may access `at`; a failing HasAccess fails the test (and counts as no).
+bool Granted(Driver* driver, DevPtr at, int device) {
+  absl::StatusOr<bool> granted = driver->HasAccess(at, device);
+  EXPECT_TRUE(granted.ok()) << absl::StrFormat("HasAccess(0x%x, %d): ", at, device)
+                            << granted.status();
+  return granted.ok() && *granted;
+}
+
 // A pattern that differs from byte to byte and from seed to seed.
 std::vector<uint8_t> Pattern(size_t size, uint32_t seed) {
   std::vector<uint8_t> bytes(size);
@@ -137,22 +150,25 @@ std::vector<uint8_t> Pattern(size_t size, uint32_t seed) {
 // ignores errors, so that a failing test does not leak device memory into the next one.
 class Buffer {
  public:
-  // Creates `size` bytes exportable as `handle_types` and maps them.
+  // Creates `size` bytes on device 0 exportable as `handle_types` and maps them, accessible
+  // by the devices in `access`.
   static absl::StatusOr<std::unique_ptr<Buffer>> Make(Driver* driver, size_t size,
-                                                      uint32_t handle_types) {
+                                                      uint32_t handle_types,
+                                                      const std::vector<int>& access = {kDevice}) {
     VMM_ASSIGN_OR_RETURN(PhysHandle handle, driver->Create(kDevice, size, handle_types));
-    return Adopt(driver, handle, size);
+    return Adopt(driver, handle, size, access);
   }
 
   // Takes over `handle` (which it releases) and maps its first `size` bytes.
   static absl::StatusOr<std::unique_ptr<Buffer>> Adopt(Driver* driver, PhysHandle handle,
-                                                       size_t size) {
+                                                       size_t size,
+                                                       const std::vector<int>& access = {kDevice}) {
     auto buffer = absl::WrapUnique(new Buffer(driver, size));
     buffer->handle_ = handle;
     VMM_ASSIGN_OR_RETURN(buffer->va_, driver->Reserve(size, 0));
     VMM_RETURN_IF_ERROR(driver->Map(buffer->va_, size, handle));
     buffer->mapped_ = true;
-    VMM_RETURN_IF_ERROR(driver->SetAccess(buffer->va_, size, {kDevice}));
+    VMM_RETURN_IF_ERROR(driver->SetAccess(buffer->va_, size, access));
     return buffer;
   }
 
@@ -232,12 +248,15 @@ absl::StatusOr<std::string> ReadAll(int fd, int timeout_ms) {
 }
 
 // Runs driver_peer with `args` (descriptors without FD_CLOEXEC are inherited) and waits for it.
-absl::StatusOr<PeerResult> RunPeer(const std::vector<std::string>& args) {
+// `env` adds "NAME=value" entries to its environment.
+absl::StatusOr<PeerResult> RunPeer(const std::vector<std::string>& args,
+                                   const std::vector<std::string>& env = {}) {
   const std::string path = PeerPath();
-  std::vector<char*> argv;
-  argv.push_back(const_cast<char*>(path.c_str()));
-  for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
-  argv.push_back(nullptr);
+  std::vector<std::string> arg_strings = {path};
+  arg_strings.insert(arg_strings.end(), args.begin(), args.end());
+  std::vector<char*> argv = NullTerminated(arg_strings);
+  const std::vector<std::string> env_strings = EnvironmentWith(env);
+  std::vector<char*> envp = NullTerminated(env_strings);
 
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::ErrnoToStatus(errno, "pipe2");
@@ -248,7 +267,7 @@ absl::StatusOr<PeerResult> RunPeer(const std::vector<std::string>& args) {
   posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDOUT_FILENO);
   posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDERR_FILENO);
   pid_t pid = 0;
-  const int rc = ::posix_spawn(&pid, path.c_str(), &actions, nullptr, argv.data(), environ);
+  const int rc = ::posix_spawn(&pid, path.c_str(), &actions, nullptr, argv.data(), envp.data());
   posix_spawn_file_actions_destroy(&actions);
   if (rc != 0) return absl::ErrnoToStatus(rc, absl::StrCat("posix_spawn ", path));
   write_end.reset();
@@ -330,13 +349,27 @@ class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
     return true;
   }
 
+  // A driver with at least two devices: on the host backend a fresh one that emulates two, on
+  // CUDA the CUDA backend if it has two GPUs, else nullptr (see REQUIRE_TWO_DEVICES).
+  Driver* TwoDeviceDriver() {
+    if (IsHost()) {
+      HostDriverOptions options;
+      options.device_count = 2;
+      owned_two_ = NewHostDriver(options);
+      return owned_two_.get();
+    }
+    return driver_->DeviceCount() >= 2 ? driver_ : nullptr;
+  }
+
   // Same-process sharing: export, import, map at a second address, and see each mapping's
   // writes through the other.
   void CheckShareInProcess(HandleType type);
-  // Cross-process sharing: the peer imports, checks our bytes, writes its own.
-  void CheckShareWithPeer(HandleType type);
+  // Cross-process sharing: `driver` (default: the test's) exports from device 0, the peer
+  // imports for `peer_device`, checks our bytes, writes its own.
+  void CheckShareWithPeer(HandleType type, Driver* driver = nullptr, int peer_device = kDevice);
 
-  std::unique_ptr<Driver> owned_;  // the host backend of this test
+  std::unique_ptr<Driver> owned_;      // the host backend of this test
+  std::unique_ptr<Driver> owned_two_;  // a host backend with two devices, when a test asks
   Driver* driver_ = nullptr;
   size_t gran_ = 0;
 };
@@ -354,6 +387,14 @@ class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
       GTEST_SKIP() << "fabric handles unavailable: " << why_no_fabric; \
     }                                                                  \
   } while (0)
+
+// Declares `var`, a driver with two devices, or skips the test where there is none.
+#define REQUIRE_TWO_DEVICES(var)                                                    \
+  Driver* const var = TwoDeviceDriver();                                            \
+  if (var == nullptr) {                                                             \
+    GTEST_SKIP() << "needs two devices and " << driver()->Name() << " has "         \
+                 << driver()->DeviceCount() << " (run on a machine with two GPUs)"; \
+  }
 
 // --- Device queries ---------------------------------------------------------------------------
 
@@ -387,6 +428,123 @@ TEST_P(DriverConformanceTest, DeviceQueries) {
   ASSERT_OK_AND_ASSIGN(MemInfo info, driver()->GetMemInfo(kDevice));
   EXPECT_GT(info.total, 0u);
   EXPECT_LE(info.free, info.total);
+}
+
+TEST_P(DriverConformanceTest, HasAccessAfterSetAccess) {
+  const size_t size = 2 * gran_;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), size, 0));
+  EXPECT_TRUE(Granted(driver(), buffer->va(), kDevice));
+  EXPECT_TRUE(Granted(driver(), buffer->va() + size - 1, kDevice));
+  EXPECT_ERROR_STRICT(driver()->HasAccess(buffer->va(), driver()->DeviceCount()).status(),
+                      absl::StatusCode::kInvalidArgument);
+  const DevPtr va = buffer->va();
+  ASSERT_OK(buffer->Free());
+  if (IsHost()) {
+    EXPECT_EQ(driver()->HasAccess(va, kDevice).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_P(DriverConformanceTest, TwoDevicesHaveTheirOwnUuids) {
+  REQUIRE_TWO_DEVICES(two);
+  ASSERT_OK_AND_ASSIGN(std::string first, two->DeviceUuid(0));
+  ASSERT_OK_AND_ASSIGN(std::string second, two->DeviceUuid(1));
+  EXPECT_NE(first, second);
+  ASSERT_OK_AND_ASSIGN(size_t granularity, two->Granularity(1));
+  EXPECT_GT(granularity, 0u);
+  EXPECT_ERROR_STRICT(two->DeviceUuid(two->DeviceCount()).status(),
+                      absl::StatusCode::kInvalidArgument);
+  if (IsHost()) {
+    EXPECT_EQ(two->DeviceCount(), 2);
+    // Device 0 keeps the one-device UUID; device 1's has the same form, and every driver of
+    // this boot (so every process) agrees on it.
+    EXPECT_EQ(first, *driver()->DeviceUuid(0));
+    EXPECT_TRUE(absl::StartsWith(second, "HOST-")) << second;
+    EXPECT_EQ(second.size(), 5u + 36u) << second;
+    HostDriverOptions options;
+    options.device_count = 2;
+    EXPECT_EQ(second, *NewHostDriver(options)->DeviceUuid(1));
+    EXPECT_EQ(two->CreateStream(2).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+TEST_P(DriverConformanceTest, TwoDevicesHasAccessFollowsSetAccess) {
+  REQUIRE_TWO_DEVICES(two);
+  const size_t size = 2 * gran_;
+  const DevPtr last = size - 1;  // offset of a mapping's last byte
+
+  // Access for device 0 only: device 1 has none.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> one, Buffer::Make(two, size, 0, {0}));
+  for (DevPtr at : {one->va(), one->va() + last}) {
+    EXPECT_TRUE(Granted(two, at, 0));
+    EXPECT_FALSE(Granted(two, at, 1));
+  }
+  // Both in one call.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> both, Buffer::Make(two, size, 0, {0, 1}));
+  for (DevPtr at : {both->va(), both->va() + last}) {
+    EXPECT_TRUE(Granted(two, at, 0));
+    EXPECT_TRUE(Granted(two, at, 1));
+  }
+  // Grants add up: granting device 1 later leaves device 0's access in place.
+  ASSERT_OK(two->SetAccess(one->va(), size, {1}));
+  EXPECT_TRUE(Granted(two, one->va(), 0));
+  EXPECT_TRUE(Granted(two, one->va() + last, 1));
+
+  // Device 1 writes, device 0 reads (through a peer link on GPUs).
+  ASSERT_OK_AND_ASSIGN(Stream on_one, two->CreateStream(1));
+  ASSERT_OK(two->MemsetAsync(both->va(), 0x3d, size, on_one));
+  ASSERT_OK(two->SynchronizeStream(on_one));
+  ASSERT_OK(two->DestroyStream(on_one));
+  EXPECT_TRUE(AllBytesAre(two, both->va(), size, 0x3d));
+
+  // Bad device indices.
+  const int bad = two->DeviceCount();
+  EXPECT_ERROR_STRICT(two->HasAccess(one->va(), bad).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR_STRICT(two->HasAccess(one->va(), -1).status(), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR_STRICT(two->SetAccess(one->va(), size, {0, bad}),
+                      absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Granted(two, one->va(), 0)) << "a refused SetAccess changed the access";
+
+  // An address with nothing mapped: an error (on CUDA, at least no access).
+  ASSERT_OK_AND_ASSIGN(DevPtr hole, two->Reserve(gran_, 0));
+  absl::StatusOr<bool> unmapped = two->HasAccess(hole, 0);
+  if (IsHost()) {
+    EXPECT_EQ(unmapped.status().code(), absl::StatusCode::kInvalidArgument) << unmapped.status();
+  } else {
+    EXPECT_TRUE(!unmapped.ok() || !*unmapped);
+  }
+  ASSERT_OK(two->Unreserve(hole, gran_));
+  ASSERT_OK(one->Free());
+  ASSERT_OK(both->Free());
+  if (IsHost()) {
+    EXPECT_EQ(two->HasAccess(one->va(), 0).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+// The host backend records access per byte: grants on parts of one mapping stay apart, and a
+// mapping made again at the same address starts with no access (as on CUDA, where a new
+// mapping needs SetAccess before use).
+TEST_P(DriverConformanceTest, TwoDevicesHostAccessIsTrackedPerPartAndPerMapping) {
+  if (!IsHost()) GTEST_SKIP() << "checks the host backend's access bookkeeping";
+  REQUIRE_TWO_DEVICES(two);
+  ASSERT_OK_AND_ASSIGN(PhysHandle handle, two->Create(0, 2 * gran_, 0));
+  ASSERT_OK_AND_ASSIGN(DevPtr va, two->Reserve(2 * gran_, 0));
+  ASSERT_OK(two->Map(va, 2 * gran_, handle));
+  EXPECT_FALSE(Granted(two, va, 0)) << "mapped, but no access granted yet";
+  ASSERT_OK(two->SetAccess(va, gran_, {0}));
+  ASSERT_OK(two->SetAccess(va + gran_, gran_, {1}));
+  EXPECT_TRUE(Granted(two, va + gran_ - 1, 0));
+  EXPECT_FALSE(Granted(two, va + gran_ - 1, 1));
+  EXPECT_FALSE(Granted(two, va + gran_, 0));
+  EXPECT_TRUE(Granted(two, va + gran_, 1));
+
+  ASSERT_OK(two->Unmap(va, 2 * gran_));
+  ASSERT_OK(two->Map(va, gran_, handle));
+  EXPECT_FALSE(Granted(two, va, 0));
+  EXPECT_FALSE(Granted(two, va, 1));
+  EXPECT_EQ(two->HasAccess(va + gran_, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_OK(two->Unmap(va, gran_));
+  ASSERT_OK(two->Release(handle));
+  ASSERT_OK(two->Unreserve(va, 2 * gran_));
 }
 
 // --- Mapping ----------------------------------------------------------------------------------
@@ -684,16 +842,21 @@ TEST_P(DriverConformanceTest, ExportImportFabricInProcess) {
 
 // --- Sharing with another process ---------------------------------------------------------------
 
-void DriverConformanceTest::CheckShareWithPeer(HandleType type) {
+void DriverConformanceTest::CheckShareWithPeer(HandleType type, Driver* driver, int peer_device) {
+  if (driver == nullptr) driver = this->driver();
   const size_t size = 2 * gran_;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer,
-                       Buffer::Make(driver(), size, HandleTypeBit(type)));
-  ASSERT_OK(Fill(driver(), buffer->va(), 0x5a, size));
-  ASSERT_OK_AND_ASSIGN(ShareableHandle shared, driver()->Export(buffer->handle(), type));
+                       Buffer::Make(driver, size, HandleTypeBit(type)));
+  ASSERT_OK(Fill(driver, buffer->va(), 0x5a, size));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle shared, driver->Export(buffer->handle(), type));
 
   std::vector<std::string> args = {absl::StrCat("--backend=", GetParam()),
                                    absl::StrCat("--size=", size), "--expect=90",
-                                   "--write=165"};  // 0x5a, then 0xa5
+                                   "--write=165",  // 0x5a, then 0xa5
+                                   absl::StrCat("--device=", peer_device)};
+  // The host backend of driver_peer emulates as many devices as the test's driver.
+  const std::vector<std::string> env = {
+      absl::StrCat("VMM_HOST_DEVICES=", driver->Name() == "host" ? driver->DeviceCount() : 1)};
   UniqueFd inherited;
   if (type == HandleType::kPosixFd) {
     // A duplicate without FD_CLOEXEC, so that the peer inherits it under the same number.
@@ -705,10 +868,10 @@ void DriverConformanceTest::CheckShareWithPeer(HandleType type) {
     args.push_back("--type=fabric");
     args.push_back(absl::StrCat("--fabric=", FabricHex(shared.fabric)));
   }
-  ASSERT_OK_AND_ASSIGN(PeerResult peer, RunPeer(args));
+  ASSERT_OK_AND_ASSIGN(PeerResult peer, RunPeer(args, env));
   inherited.reset();
   ASSERT_EQ(peer.exit_code, kPeerOk) << peer.output;
-  EXPECT_TRUE(AllBytesAre(driver(), buffer->va(), size, 0xa5)) << "the peer's writes are not seen";
+  EXPECT_TRUE(AllBytesAre(driver, buffer->va(), size, 0xa5)) << "the peer's writes are not seen";
   ASSERT_OK(buffer->Free());
 }
 
@@ -717,6 +880,19 @@ TEST_P(DriverConformanceTest, CrossProcessPosixFd) { CheckShareWithPeer(HandleTy
 TEST_P(DriverConformanceTest, CrossProcessFabric) {
   REQUIRE_FABRIC();
   CheckShareWithPeer(HandleType::kFabric);
+}
+
+// Process A (this one) exports from device 0; process B maps it for device 1 only, reads and
+// writes it there (over the peer link on GPUs).
+TEST_P(DriverConformanceTest, TwoDevicesCrossProcessPosixFdOnTheOtherDevice) {
+  REQUIRE_TWO_DEVICES(two);
+  CheckShareWithPeer(HandleType::kPosixFd, two, /*peer_device=*/1);
+}
+
+TEST_P(DriverConformanceTest, TwoDevicesCrossProcessFabricOnTheOtherDevice) {
+  REQUIRE_TWO_DEVICES(two);
+  REQUIRE_FABRIC();
+  CheckShareWithPeer(HandleType::kFabric, two, /*peer_device=*/1);
 }
 
 TEST_P(DriverConformanceTest, CrossProcessStaleFabricHandleFailsCleanly) {

@@ -4,11 +4,15 @@
 // has the value the test wrote, overwrites it with a new value, and undoes everything:
 //
 //   driver_peer --backend=host|cuda --type=fd|fabric (--fd=N | --fabric=HEX) --size=BYTES
-//               [--expect=BYTE] [--write=BYTE]
+//               [--expect=BYTE] [--write=BYTE] [--device=N]
 //
 // --fd names a descriptor inherited from the test process; --fabric is the 64-byte fabric
-// handle as 128 hex digits. BYTE values are decimal. On failure the status goes to stderr and
-// the exit code says which step failed (tests/driver_conformance_test.cc relies on these).
+// handle as 128 hex digits. BYTE values are decimal. --device (default 0) is the device the
+// mapping is made for: access is granted to it alone (checked with HasAccess), and the bytes
+// are read and written by copies on a stream of that device, so that with --device=1 and
+// memory exported from device 0 every access goes over the peer link. (The host backend has
+// one device unless VMM_HOST_DEVICES says otherwise.) On failure the status goes to stderr
+// and the exit code says which step failed (tests/driver_conformance_test.cc relies on these).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -37,7 +41,7 @@ enum PeerExit : int {
   kUsage = 1,          // bad command line
   kNoDriver = 2,       // the backend is unavailable
   kImportFailed = 3,   // Import() refused the handle (e.g. stale or forged)
-  kMapFailed = 4,      // Reserve/Map/SetAccess failed
+  kMapFailed = 4,      // CreateStream/Reserve/Map/SetAccess failed, or HasAccess says no
   kMismatch = 5,       // the bytes are not what the exporter wrote
   kWriteFailed = 6,    // writing the new value failed
   kCleanupFailed = 7,  // Unmap/Release/Unreserve failed
@@ -51,6 +55,7 @@ struct PeerOptions {
   size_t size = 0;
   int expect = -1;  // -1: do not check
   int write = -1;   // -1: do not write
+  int device = 0;   // the device the mapping is for
 };
 
 absl::StatusOr<int> ParseByte(absl::string_view flag, absl::string_view value) {
@@ -109,6 +114,10 @@ absl::Status ParseFlag(absl::string_view arg, PeerOptions* options) {
     VMM_ASSIGN_OR_RETURN(options->expect, ParseByte(name, value));
   } else if (name == "--write") {
     VMM_ASSIGN_OR_RETURN(options->write, ParseByte(name, value));
+  } else if (name == "--device") {
+    if (!absl::SimpleAtoi(value, &options->device) || options->device < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("--device: bad device ", value));
+    }
   } else {
     return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name));
   }
@@ -133,13 +142,13 @@ int Fail(PeerExit code, absl::string_view step, const absl::Status& status) {
   return code;
 }
 
-// Checks that all `size` bytes at `ptr` equal `expect` (copied out through the driver, since
-// device memory cannot be read directly).
-absl::Status CheckBytes(Driver* driver, DevPtr ptr, size_t size, uint8_t expect) {
+// Checks that all `size` bytes at `ptr` equal `expect` (copied out through the driver on
+// `stream`, since device memory cannot be read directly).
+absl::Status CheckBytes(Driver* driver, DevPtr ptr, size_t size, uint8_t expect, Stream stream) {
   std::vector<uint8_t> host(size);
   VMM_RETURN_IF_ERROR(driver->MemcpyAsync(
-      static_cast<DevPtr>(reinterpret_cast<uintptr_t>(host.data())), ptr, size, /*stream=*/0));
-  VMM_RETURN_IF_ERROR(driver->SynchronizeStream(0));
+      static_cast<DevPtr>(reinterpret_cast<uintptr_t>(host.data())), ptr, size, stream));
+  VMM_RETURN_IF_ERROR(driver->SynchronizeStream(stream));
   for (size_t i = 0; i < size; ++i) {
     if (host[i] != expect) {
       return absl::DataLossError(absl::StrCat("byte ", i, " is ", host[i], ", expected ", expect));
@@ -148,10 +157,24 @@ absl::Status CheckBytes(Driver* driver, DevPtr ptr, size_t size, uint8_t expect)
   return absl::OkStatus();
 }
 
+// Fails unless `device` may access `ptr`.
+absl::Status CheckAccess(Driver* driver, DevPtr ptr, int device) {
+  VMM_ASSIGN_OR_RETURN(bool granted, driver->HasAccess(ptr, device));
+  if (!granted) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("HasAccess: device ", device, " has no access after SetAccess"));
+  }
+  return absl::OkStatus();
+}
+
 int Run(const PeerOptions& options) {
   absl::StatusOr<Driver*> driver_or = DriverByName(options.backend);
   if (!driver_or.ok()) return Fail(kNoDriver, "DriverByName", driver_or.status());
   Driver* driver = *driver_or;
+  const int device = options.device;
+  // First, so that on CUDA the calls below work in this device's context (cuda_driver.cc).
+  absl::StatusOr<Stream> stream = driver->CreateStream(device);
+  if (!stream.ok()) return Fail(kMapFailed, "CreateStream", stream.status());
 
   ShareableHandle shared;
   shared.type = options.type;
@@ -165,25 +188,29 @@ int Run(const PeerOptions& options) {
   if (absl::Status s = driver->Map(*va, options.size, *handle); !s.ok()) {
     return Fail(kMapFailed, "Map", s);
   }
-  const int device = 0;
   if (absl::Status s = driver->SetAccess(*va, options.size, {device}); !s.ok()) {
     return Fail(kMapFailed, "SetAccess", s);
   }
+  if (absl::Status s = CheckAccess(driver, *va, device); !s.ok()) {
+    return Fail(kMapFailed, "HasAccess", s);
+  }
 
   if (options.expect >= 0) {
-    absl::Status s = CheckBytes(driver, *va, options.size, static_cast<uint8_t>(options.expect));
+    absl::Status s =
+        CheckBytes(driver, *va, options.size, static_cast<uint8_t>(options.expect), *stream);
     if (!s.ok()) return Fail(kMismatch, "check", s);
   }
   if (options.write >= 0) {
-    absl::Status s = driver->MemsetAsync(*va, static_cast<uint8_t>(options.write), options.size,
-                                         /*stream=*/0);
-    if (s.ok()) s = driver->SynchronizeStream(0);
+    absl::Status s =
+        driver->MemsetAsync(*va, static_cast<uint8_t>(options.write), options.size, *stream);
+    if (s.ok()) s = driver->SynchronizeStream(*stream);
     if (!s.ok()) return Fail(kWriteFailed, "write", s);
   }
 
   absl::Status s = driver->Unmap(*va, options.size);
   s.Update(driver->Release(*handle));
   s.Update(driver->Unreserve(*va, options.size));
+  s.Update(driver->DestroyStream(*stream));
   if (!s.ok()) return Fail(kCleanupFailed, "cleanup", s);
   return kOk;
 }

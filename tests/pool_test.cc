@@ -1,16 +1,18 @@
 // Unit tests of the caching pool on the host backend (the same suite runs on CUDA through
-// pool_cuda_test's driver choice: VMM_POOL_TEST_BACKEND=cuda).
+// pool_cuda_test's driver choice: VMM_POOL_TEST_BACKEND=cuda). Tests named TwoDevices* use a
+// host backend that emulates two devices, or on CUDA run only where there are two GPUs.
 #include "allocator/pool.h"
 
-#include <cstdlib>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_format.h"
 #include "allocator/driver_factory.h"
 #include "allocator/host_driver.h"
 #include "gmock/gmock.h"
@@ -66,7 +68,18 @@ class PoolTest : public ::testing::Test {
 
   size_t DeviceFree() { return driver_->GetMemInfo(0)->free; }
 
+  // A driver with two devices: the host backend emulating two (same capacity as above), or
+  // the CUDA backend when it has two GPUs; nullptr otherwise (the test skips).
+  Driver* TwoDeviceDriver() {
+    if (on_cuda_) return driver_->DeviceCount() >= 2 ? driver_ : nullptr;
+    HostDriverOptions options{2 * kMiB, 256 * kMiB};
+    options.device_count = 2;
+    owned_two_ = NewHostDriver(options);
+    return owned_two_.get();
+  }
+
   std::unique_ptr<Driver> owned_;
+  std::unique_ptr<Driver> owned_two_;
   Driver* driver_ = nullptr;
   bool on_cuda_ = false;
   size_t free_at_start_ = 0;
@@ -523,6 +536,136 @@ TEST_F(PoolTest, ReleaseThresholdTrimsOnFree) {
   // 24 MiB free is above the threshold: completed free chunks go back to the driver.
   EXPECT_LE(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+// --- Peer devices --------------------------------------------------------------------------
+
+#define REQUIRE_TWO_DEVICES(var)                                                \
+  Driver* const var = TwoDeviceDriver();                                        \
+  if (var == nullptr) {                                                         \
+    GTEST_SKIP() << "needs two devices and cuda has " << driver_->DeviceCount() \
+                 << " (run on a machine with two GPUs)";                        \
+  }
+
+// The physical chunks the pool has mapped, from its snapshot.
+std::vector<ChunkInfo> MappedChunks(const Pool& pool) {
+  std::vector<ChunkInfo> chunks;
+  for (const SegmentInfo& segment : pool.GetSnapshot().segments) {
+    chunks.insert(chunks.end(), segment.chunks.begin(), segment.chunks.end());
+  }
+  return chunks;
+}
+
+// Whether `device`'s access to the first and last byte of every chunk is `granted`.
+::testing::AssertionResult AccessIs(Driver* driver, const std::vector<ChunkInfo>& chunks,
+                                    int device, bool granted) {
+  for (const ChunkInfo& chunk : chunks) {
+    for (DevPtr at : {DevPtr{chunk.addr}, DevPtr{chunk.addr + chunk.size - 1}}) {
+      absl::StatusOr<bool> access = driver->HasAccess(at, device);
+      if (!access.ok()) return ::testing::AssertionFailure() << access.status();
+      if (*access != granted) {
+        return ::testing::AssertionFailure()
+               << absl::StrFormat("device %d %s access at 0x%x (chunk at 0x%x of %u bytes)", device,
+                                  granted ? "lacks" : "has", at, chunk.addr, chunk.size);
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+// Whether every byte of [ptr, ptr+size) reads as `value` (copied out on stream 0).
+bool AllBytesAre(Driver* driver, void* ptr, size_t size, uint8_t value) {
+  std::vector<uint8_t> host(size);
+  const DevPtr src = reinterpret_cast<DevPtr>(ptr);
+  const DevPtr dst = reinterpret_cast<DevPtr>(host.data());
+  if (!driver->MemcpyAsync(dst, src, size, 0).ok() || !driver->SynchronizeStream(0).ok()) {
+    return false;
+  }
+  for (uint8_t b : host) {
+    if (b != value) return false;
+  }
+  return true;
+}
+
+TEST_F(PoolTest, TwoDevicesPeerAccessCoversEveryChunkMappedLater) {
+  REQUIRE_TWO_DEVICES(two);
+  PoolOptions options = Exact();
+  options.reserve_size = 1024 * kMiB;
+  options.max_chunk = 4 * kMiB;  // growths of more than 4 MiB map several chunks
+  options.peer_devices = {1};
+  auto created = Pool::Create(two, options);
+  ASSERT_TRUE(created.ok()) << created.status();
+  Pool& pool = **created;
+
+  std::vector<void*> blocks;
+  auto allocate = [&](size_t size) {
+    auto p = pool.Allocate(size, 0);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (p.ok()) blocks.push_back(*p);
+    return p.ok() ? *p : nullptr;
+  };
+  allocate(3 * kMiB);  // the first growth
+  ASSERT_EQ(MappedChunks(pool).size(), 1u);
+  EXPECT_TRUE(AccessIs(two, MappedChunks(pool), 0, true));
+  EXPECT_TRUE(AccessIs(two, MappedChunks(pool), 1, true));
+
+  // Later growths: several chunks at once, the small arena, chunks of a shareable block.
+  void* big = allocate(10 * kMiB);
+  allocate(100);
+  if (pool.handle_type() != HandleType::kNone) {
+    auto shared = pool.AllocateShareable(3 * kMiB, 0);
+    ASSERT_TRUE(shared.ok()) << shared.status();
+    blocks.push_back(*shared);
+  }
+  EXPECT_GE(pool.GetStats().num_device_alloc, 3);
+  EXPECT_GE(MappedChunks(pool).size(), 5u);
+  EXPECT_TRUE(AccessIs(two, MappedChunks(pool), 0, true));
+  EXPECT_TRUE(AccessIs(two, MappedChunks(pool), 1, true));
+
+  // Device 1 writes a block that spans several chunks; the pool's device reads it back.
+  ASSERT_NE(big, nullptr);
+  auto on_one = two->CreateStream(1);
+  ASSERT_TRUE(on_one.ok()) << on_one.status();
+  ASSERT_TRUE(two->MemsetAsync(reinterpret_cast<DevPtr>(big), 0x42, 10 * kMiB, *on_one).ok());
+  ASSERT_TRUE(two->SynchronizeStream(*on_one).ok());
+  ASSERT_TRUE(two->DestroyStream(*on_one).ok());
+  EXPECT_TRUE(AllBytesAre(two, big, 10 * kMiB, 0x42));
+
+  // Everything goes back to the driver; what is mapped afterwards gets the peer too.
+  for (void* p : blocks) ASSERT_TRUE(pool.Free(p).ok());
+  ASSERT_TRUE(pool.EmptyCache().ok());
+  EXPECT_TRUE(MappedChunks(pool).empty());
+  void* again = allocate(6 * kMiB);
+  ASSERT_FALSE(MappedChunks(pool).empty());
+  EXPECT_TRUE(AccessIs(two, MappedChunks(pool), 0, true));
+  EXPECT_TRUE(AccessIs(two, MappedChunks(pool), 1, true));
+  ASSERT_TRUE(pool.Free(again).ok());
+  EXPECT_TRUE(pool.CheckInvariants().ok()) << pool.CheckInvariants();
+}
+
+TEST_F(PoolTest, TwoDevicesWithoutPeersOnlyThePoolsDeviceHasAccess) {
+  REQUIRE_TWO_DEVICES(two);
+  for (int device : {0, 1}) {
+    PoolOptions options = Exact();
+    options.reserve_size = 1024 * kMiB;
+    options.device = device;
+    auto pool = Pool::Create(two, options);
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    void* a = (*pool)->Allocate(3 * kMiB, 0).value_or(nullptr);
+    void* b = (*pool)->Allocate(12 * kMiB, 0).value_or(nullptr);
+    ASSERT_NE(a, nullptr);
+    ASSERT_NE(b, nullptr);
+    EXPECT_TRUE(AccessIs(two, MappedChunks(**pool), device, true)) << "pool on " << device;
+    EXPECT_TRUE(AccessIs(two, MappedChunks(**pool), 1 - device, false)) << "pool on " << device;
+    ASSERT_TRUE((*pool)->Free(a).ok());
+    ASSERT_TRUE((*pool)->Free(b).ok());
+  }
+  // A peer must be another existing device.
+  for (std::vector<int> peers : {std::vector<int>{0}, std::vector<int>{two->DeviceCount()}}) {
+    PoolOptions bad;
+    bad.peer_devices = peers;
+    EXPECT_EQ(Pool::Create(two, bad).status().code(), absl::StatusCode::kInvalidArgument);
+  }
 }
 
 }  // namespace

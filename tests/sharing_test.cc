@@ -2,19 +2,27 @@
 // seed's semantics — nothing pinned, importer independent after import, exporter unaffected
 // by a dying importer, clean errors for stale, forged and hostile descriptors. Runs on the
 // default backend (host in CI; VMM_BACKEND=cuda on the GPU machine), for both handle types.
+//
+// TwoDeviceSharingTest exports from device 0 and imports on device 1, in this process and in
+// others. On the host backend it uses a driver that emulates two devices, and its helper
+// processes get VMM_HOST_DEVICES=2; on CUDA it runs only where there are two GPUs (skipped
+// elsewhere).
 #include "allocator/sharing.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/driver_factory.h"
 #include "allocator/fd_share.h"
+#include "allocator/host_driver.h"
 #include "allocator/pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -301,6 +309,216 @@ TEST_P(SharingTest, FdsCanAlsoBeFetchedWithPidfd) {
 }
 
 INSTANTIATE_TEST_SUITE_P(HandleTypes, SharingTest,
+                         ::testing::Values(HandleRequest::kPosixFd, HandleRequest::kFabric),
+                         [](const auto& info) {
+                           return info.param == HandleRequest::kFabric ? "fabric" : "posix_fd";
+                         });
+
+// --- Two devices ---------------------------------------------------------------------------
+
+// The environment of helper processes: two emulated devices on the host backend (no effect on
+// CUDA).
+const std::vector<std::string> kTwoHostDevices = {"VMM_HOST_DEVICES=2"};
+
+// Whether every byte of [ptr, ptr+size) is `value`, copied out on `stream`.
+bool AllBytesAre(Driver* driver, DevPtr ptr, size_t size, uint8_t value, Stream stream) {
+  std::vector<uint8_t> host(size);
+  if (!driver->MemcpyAsync(reinterpret_cast<DevPtr>(host.data()), ptr, size, stream).ok() ||
+      !driver->SynchronizeStream(stream).ok()) {
+    return false;
+  }
+  for (uint8_t b : host) {
+    if (b != value) return false;
+  }
+  return true;
+}
+
+// Whether `device` may access `at`; an error fails the test (and counts as no).
+bool Granted(Driver* driver, DevPtr at, int device) {
+  absl::StatusOr<bool> granted = driver->HasAccess(at, device);
+  EXPECT_TRUE(granted.ok()) << granted.status();
+  return granted.ok() && *granted;
+}
+
+// Whether exactly the devices in `devices` of the two may access the first and last byte of
+// the buffer's mapping.
+::testing::AssertionResult AccessIsExactly(Driver* driver, const ImportedBuffer& buffer,
+                                           const std::vector<int>& devices) {
+  const DevPtr last = buffer.mapping_base() + buffer.mapped_size() - 1;
+  for (DevPtr at : {buffer.mapping_base(), last}) {
+    for (int device : {0, 1}) {
+      const bool expected = std::find(devices.begin(), devices.end(), device) != devices.end();
+      if (Granted(driver, at, device) != expected) {
+        return ::testing::AssertionFailure()
+               << "device " << device << (expected ? " lacks access" : " has access");
+      }
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class TwoDeviceSharingTest : public ::testing::TestWithParam<HandleRequest> {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<Driver*> driver = DefaultDriver();
+    ASSERT_TRUE(driver.ok()) << driver.status();
+    if ((*driver)->Name() == "host") {
+      HostDriverOptions options;
+      options.device_count = 2;
+      owned_ = NewHostDriver(options);
+      driver_ = owned_.get();
+    } else if ((*driver)->DeviceCount() >= 2) {
+      driver_ = *driver;
+    } else {
+      GTEST_SKIP() << "needs two devices and " << (*driver)->Name() << " has "
+                   << (*driver)->DeviceCount() << " (run on a machine with two GPUs)";
+    }
+    free_at_start_ = driver_->GetMemInfo(0)->free;
+    PoolOptions options;
+    options.reserve_size = 1024 * kMiB;
+    options.handle_type = GetParam();
+    auto pool = Pool::Create(driver_, options);
+    if (!pool.ok() && GetParam() == HandleRequest::kFabric) {
+      GTEST_SKIP() << "fabric handles unavailable here: " << pool.status();
+    }
+    ASSERT_TRUE(pool.ok()) << pool.status();
+    pool_ = std::move(*pool);
+    auto stream = driver_->CreateStream(1);
+    ASSERT_TRUE(stream.ok()) << stream.status();
+    on_one_ = *stream;
+  }
+
+  void TearDown() override {
+    if (on_one_ != 0) EXPECT_TRUE(driver_->DestroyStream(on_one_).ok());
+    if (pool_ == nullptr) return;
+    ASSERT_TRUE(pool_->CheckInvariants().ok()) << pool_->CheckInvariants();
+    pool_.reset();
+    EXPECT_EQ(OpenImportMappings(), 0u);
+    EXPECT_EQ(driver_->GetMemInfo(0)->free, free_at_start_) << "physical memory leaked";
+  }
+
+  // Allocates `size` bytes on device 0 filled with `value`.
+  void* Filled(size_t size, uint8_t value) {
+    auto p = pool_->Allocate(size, 0);
+    EXPECT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(driver_->MemsetAsync(reinterpret_cast<DevPtr>(*p), value, size, 0).ok());
+    EXPECT_TRUE(driver_->SynchronizeStream(0).ok());
+    return *p;
+  }
+
+  static std::string Hex(const BufferDescriptor& d) { return absl::BytesToHexString(d.Encode()); }
+  std::string HandleFlag() const {
+    return GetParam() == HandleRequest::kFabric ? "--handle=fabric" : "--handle=posix_fd";
+  }
+
+  std::unique_ptr<Driver> owned_;  // the host backend with two devices
+  Driver* driver_ = nullptr;
+  std::unique_ptr<Pool> pool_;  // on device 0
+  Stream on_one_ = 0;           // a stream of device 1
+  size_t free_at_start_ = 0;
+};
+
+TEST_P(TwoDeviceSharingTest, ImportOnTheOtherDeviceReadsAndWritesTheBytes) {
+  const size_t size = 5 * kMiB;
+  void* a = Filled(size, 7);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ImportOptions options;
+  options.device = 1;
+  auto imported = ImportBuffer(driver_, *d, options);
+  ASSERT_TRUE(imported.ok()) << imported.status();
+  const ImportedBuffer& buffer = **imported;
+  EXPECT_EQ(buffer.device(), 1);
+  EXPECT_TRUE(AccessIsExactly(driver_, buffer, {1}));
+  EXPECT_TRUE(AllBytesAre(driver_, buffer.ptr(), size, 7, on_one_));
+  // Device 1 writes through the import; device 0 sees it through the pool's mapping.
+  ASSERT_TRUE(driver_->MemsetAsync(buffer.ptr(), 8, size, on_one_).ok());
+  ASSERT_TRUE(driver_->SynchronizeStream(on_one_).ok());
+  EXPECT_TRUE(AllBytesAre(driver_, reinterpret_cast<DevPtr>(a), size, 8, 0));
+  imported->reset();
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(TwoDeviceSharingTest, PeerDevicesOfAnImportGetAccessToo) {
+  const size_t size = 3 * kMiB;
+  void* a = Filled(size, 9);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  struct Case {
+    int device;
+    std::vector<int> peers;
+    std::vector<int> access;
+  };
+  const Case cases[] = {{1, {0}, {0, 1}}, {0, {1}, {0, 1}}, {0, {}, {0}}, {1, {}, {1}}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(absl::StrCat("device ", c.device, ", ", c.peers.size(), " peer(s)"));
+    ImportOptions options;
+    options.device = c.device;
+    options.peer_devices = c.peers;
+    auto imported = ImportBuffer(driver_, *d, options);
+    ASSERT_TRUE(imported.ok()) << imported.status();
+    EXPECT_FALSE((*imported)->shared()) << "another device or peer list is another mapping";
+    EXPECT_TRUE(AccessIsExactly(driver_, **imported, c.access));
+    for (int device : c.access) {
+      EXPECT_TRUE(AllBytesAre(driver_, (*imported)->ptr(), size, 9, device == 0 ? 0 : on_one_))
+          << "read on device " << device;
+    }
+  }
+  // A device or peer that does not exist fails the import and leaves nothing mapped.
+  const int bad = driver_->DeviceCount();
+  for (const auto& [device, peers] : {std::pair<int, std::vector<int>>{bad, {}}, {1, {bad}}}) {
+    ImportOptions options;
+    options.device = device;
+    options.peer_devices = peers;
+    auto imported = ImportBuffer(driver_, *d, options);
+    EXPECT_EQ(imported.status().code(), absl::StatusCode::kInvalidArgument) << imported.status();
+    EXPECT_EQ(OpenImportMappings(), 0u);
+  }
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+TEST_P(TwoDeviceSharingTest, AnotherProcessImportsOnTheOtherDevice) {
+  const size_t size = 6 * kMiB;
+  void* a = Filled(size, 31);
+  auto d = ExportBuffer(*pool_, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  Subprocess peer(
+      {PeerPath(), "import", "--descriptor=" + Hex(*d), "--expect=31", "--write=32", "--device=1"},
+      kTwoHostDevices);
+  ASSERT_TRUE(peer.started());
+  EXPECT_THAT(peer.ReadLine(), HasSubstr("ok"));
+  EXPECT_EQ(peer.Wait(), 0);
+  EXPECT_TRUE(AllBytesAre(driver_, reinterpret_cast<DevPtr>(a), size, 32, 0));
+  // With device 0 as a peer of the import, the peer checks that both have access.
+  Subprocess both({PeerPath(), "import", "--descriptor=" + Hex(*d), "--expect=32", "--write=33",
+                   "--device=1", "--peers=0"},
+                  kTwoHostDevices);
+  EXPECT_THAT(both.ReadLine(), HasSubstr("ok"));
+  EXPECT_EQ(both.Wait(), 0);
+  EXPECT_TRUE(AllBytesAre(driver_, reinterpret_cast<DevPtr>(a), size, 33, 0));
+  ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+// Process A exports from device 0, process B imports on device 1, checks A's bytes and writes
+// its own, and A sees them.
+TEST_P(TwoDeviceSharingTest, ProcessAExportsFromDeviceZeroProcessBImportsOnDeviceOne) {
+  Subprocess exporter({PeerPath(), "export", "--size=" + std::to_string(6 * kMiB), "--fill=77",
+                       "--device=0", HandleFlag()},
+                      kTwoHostDevices);
+  const std::string hex = exporter.ReadLine();
+  ASSERT_FALSE(hex.empty()) << "the exporter failed";
+  Subprocess importer(
+      {PeerPath(), "import", "--descriptor=" + hex, "--expect=77", "--write=78", "--device=1"},
+      kTwoHostDevices);
+  EXPECT_THAT(importer.ReadLine(), HasSubstr("ok"));
+  EXPECT_EQ(importer.Wait(), 0);
+  exporter.WriteLine("expect 78");
+  EXPECT_EQ(exporter.ReadLine(), "match") << "process A does not see process B's writes";
+  exporter.WriteLine("exit");
+  EXPECT_EQ(exporter.Wait(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(HandleTypes, TwoDeviceSharingTest,
                          ::testing::Values(HandleRequest::kPosixFd, HandleRequest::kFabric),
                          [](const auto& info) {
                            return info.param == HandleRequest::kFabric ? "fabric" : "posix_fd";

@@ -5,6 +5,8 @@
 //   peer.WriteLine("check");
 //   int code = peer.Wait();                // exit code, or 128 + signal
 // posix_spawn starts a fresh program, which is safe after CUDA is initialised (no plain fork).
+// The child gets this process's environment, with the "NAME=value" entries of `env` added or
+// replacing those of the same name (e.g. {"VMM_HOST_DEVICES=2"}).
 #ifndef VMM_TESTS_SUBPROCESS_H_
 #define VMM_TESTS_SUBPROCESS_H_
 
@@ -16,6 +18,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -23,19 +26,45 @@ extern char** environ;
 
 namespace vmm {
 
+// This process's environment with the "NAME=value" entries of `overrides` added, each
+// replacing any entry of the same name.
+inline std::vector<std::string> EnvironmentWith(const std::vector<std::string>& overrides) {
+  auto same_name = [](const char* entry, const std::string& other) {
+    const size_t eq = other.find('=');
+    return eq != std::string::npos && std::strncmp(entry, other.c_str(), eq + 1) == 0;
+  };
+  std::vector<std::string> env;
+  for (char** e = environ; *e != nullptr; ++e) {
+    bool replaced = false;
+    for (const std::string& o : overrides) replaced = replaced || same_name(*e, o);
+    if (!replaced) env.emplace_back(*e);
+  }
+  env.insert(env.end(), overrides.begin(), overrides.end());
+  return env;
+}
+
+// The argv/envp form of `strings`: pointers into them, then nullptr.
+inline std::vector<char*> NullTerminated(const std::vector<std::string>& strings) {
+  std::vector<char*> out;
+  for (const std::string& s : strings) out.push_back(const_cast<char*>(s.c_str()));
+  out.push_back(nullptr);
+  return out;
+}
+
 class Subprocess {
  public:
-  explicit Subprocess(const std::vector<std::string>& argv) {
+  explicit Subprocess(const std::vector<std::string>& argv,
+                      const std::vector<std::string>& env = {}) {
     int in[2], out[2];
     if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) std::abort();
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, in[0], 0);
     posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-    std::vector<char*> args;
-    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), environ) != 0) pid_ = -1;
+    std::vector<char*> args = NullTerminated(argv);
+    const std::vector<std::string> env_strings = EnvironmentWith(env);
+    std::vector<char*> envp = NullTerminated(env_strings);
+    if (posix_spawn(&pid_, args[0], &actions, nullptr, args.data(), envp.data()) != 0) pid_ = -1;
     posix_spawn_file_actions_destroy(&actions);
     close(in[0]);
     close(out[1]);

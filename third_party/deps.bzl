@@ -115,6 +115,8 @@ py_runtime(
     name = "py3_runtime",
     interpreter_path = "{py}",
     python_version = "PY3",
+    # The launcher stub runs with it too (Bazel's default, "python", may not exist).
+    stub_shebang = "#!{py}",
 )
 
 py_runtime_pair(

@@ -1,6 +1,7 @@
 // The C interface of vmm (vmm_c.h): process-wide pools, imports and descriptors.
 #include "torch_plugin/vmm_c.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdlib>
@@ -179,6 +180,11 @@ class State {
     VMM_ASSIGN_OR_RETURN(Driver * driver, DefaultDriver());
     PoolOptions options = options_;
     options.device = device;
+    // peer_devices names every device that should reach each pool; a pool's own device is
+    // not its peer.
+    options.peer_devices.erase(
+        std::remove(options.peer_devices.begin(), options.peer_devices.end(), device),
+        options.peer_devices.end());
     VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> created, Pool::Create(driver, options));
     if (fractions_[device] > 0) {
       VMM_RETURN_IF_ERROR(ApplyFraction(*created, fractions_[device]));

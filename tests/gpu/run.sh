@@ -11,6 +11,11 @@
 #   train     the training loop under native, expandable-segments and vmm allocators.
 #   share     share latency / imported bandwidth against torch.multiprocessing, and fan-out.
 #   dist      vmm_torch.distributed with several ranks on the GPU.
+#   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
+#             pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) without
+#             and with an IMEX channel, and tests/gpu/multi_gpu.py (a cuda:0 tensor opened on
+#             cuda:1 by another process; imported peer-memory read bandwidth against PyTorch's
+#             peer copy). With one GPU the C++ tests report SKIPPED and the script a skip line.
 # Logs and results go to $OUT (one summary, one tarball of logs, and the key result files).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +24,7 @@ OUT=${OUT:-/tmp/vmm_out}
 logs=/tmp/vmm_logs
 mkdir -p "$OUT" "$logs"
 summary="$OUT/summary.txt"
-export PATH="/opt/torch/.venv/bin:$PATH" PYTHONUNBUFFERED=1
+export PATH="/opt/torch/.venv/bin:$PATH" PYTHONUNBUFFERED=1 OUT
 export LD_LIBRARY_PATH="$root/.gpu/lib:${LD_LIBRARY_PATH:-}"
 export TEST_SRCDIR="$root/.gpu/runfiles"
 bin="$root/.gpu/bin"
@@ -93,6 +98,8 @@ phase_train() {
   step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" -o "$OUT/vmm_stats.html"
   step stats_torch_viz 120 python3 -m vmm_torch.stats torch-viz "$logs/vmm_dump.json" -o "$OUT/torch_viz.html"
   cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
+  # PyTorch's visualizer script, to render torch_viz.html offline elsewhere.
+  python3 -c "import torch, os, shutil; shutil.copy(os.path.join(os.path.dirname(torch.__file__), 'utils', 'viz', 'MemoryViz.js'), os.environ['OUT'])" 2>>"$summary"
 }
 
 phase_share() {
@@ -101,6 +108,43 @@ phase_share() {
     --out "$logs/share.jsonl"
   step fanout_fabric 240 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
   step fanout_fd 240 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
+}
+
+# The C++ tests that need two devices (named TwoDevice*), plus HasAccess on one.
+multi_suites() {
+  local tag=$1 filter='--gtest_filter=*TwoDevice*:*HasAccess*'
+  step "multi_conformance_$tag" 120 env VMM_REQUIRE_CUDA=1 "$bin/driver_conformance_test" "$filter"
+  step "multi_pool_$tag" 90 env VMM_POOL_TEST_BACKEND=cuda "$bin/pool_test" "$filter"
+  step "multi_sharing_$tag" 120 env VMM_BACKEND=cuda "$bin/sharing_test" "$filter"
+}
+
+# vmm_torch on PYTHONPATH, installed as phase_plugin does unless an earlier phase did.
+ensure_plugin() {
+  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
+  python3 -c "import vmm_torch" 2>/dev/null && return 0
+  step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
+    --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
+}
+
+phase_multi() {
+  nvidia-smi --query-gpu=index,name,pci.bus_id,memory.total --format=csv,noheader |
+    tee -a "$summary"
+  nvidia-smi topo -m 2>/dev/null | head -n 3 | tee -a "$summary"
+  local gpus
+  gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
+  [[ $gpus -ge 2 ]] || echo "multi: $gpus GPU(s): the two-GPU checks will skip" | tee -a "$summary"
+  multi_suites no_imex
+  ensure_plugin
+  step multi_gpu_posix_fd 240 python3 tests/gpu/multi_gpu.py --handle-type posix_fd \
+    --out "$logs/multi_gpu.jsonl"
+  if imex_channel; then
+    multi_suites imex
+    step multi_gpu_fabric 240 python3 tests/gpu/multi_gpu.py --handle-type fabric \
+      --out "$logs/multi_gpu.jsonl"
+  fi
+  grep -hE '"test": "(share_on_peer|bandwidth_summary|multi_gpu)"' "$logs/multi_gpu.jsonl" \
+    2>/dev/null | tee -a "$summary"
+  cp "$logs/multi_gpu.jsonl" "$OUT/multi_gpu.jsonl" 2>/dev/null
 }
 
 phase_dist() {

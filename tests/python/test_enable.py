@@ -1,0 +1,89 @@
+"""vmm_torch.enable() where it can be checked without a GPU, option text, import hygiene."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import vmm_torch
+from vmm_torch._lib import VmmError, error_from_status
+from vmm_torch._options import format_options
+
+HAS_PLUGGABLE = hasattr(torch.cuda.memory, "CUDAPluggableAllocator")
+
+
+def test_option_text():
+    assert format_options({}) == ""
+    assert format_options({"memory_limit": "40G", "handle_type": "posix_fd"}) == \
+        "handle_type=posix_fd,memory_limit=40G"
+    assert format_options({"reserve_size": 1 << 30, "growth_fraction": 0.5}) == \
+        "growth_fraction=0.5,reserve_size=1073741824"
+    assert format_options({"peer_devices": [1, 2]}) == "peer_devices=1:2"
+    assert format_options({"peer_devices": 3}) == "peer_devices=3"
+    assert format_options({"max_chunk": None}) == ""
+    for bad in ({"memory_limit": True}, {"memory_limit": "1G,handle_type=none"},
+                {"memory_limit": [1]}, {"bad key": 1}):
+        with pytest.raises(ValueError):
+            format_options(bad)
+
+
+def test_error_mapping():
+    assert isinstance(error_from_status("INVALID_ARGUMENT: bad"), ValueError)
+    assert str(error_from_status("INVALID_ARGUMENT: bad")) == "bad"
+    oom = error_from_status("RESOURCE_EXHAUSTED: out of memory")
+    assert isinstance(oom, getattr(torch.cuda, "OutOfMemoryError", MemoryError))
+    stale = error_from_status("NOT_FOUND: stale handle of the owner GPU-1")
+    assert isinstance(stale, VmmError) and isinstance(stale, RuntimeError)
+    assert stale.code == "NOT_FOUND" and "GPU-1" in str(stale)
+    gone = error_from_status("UNAVAILABLE: exporter exited")
+    assert isinstance(gone, VmmError) and gone.code == "UNAVAILABLE"
+    odd = error_from_status("something without a code")
+    assert isinstance(odd, VmmError) and odd.code == "UNKNOWN"
+
+
+def test_unknown_options_are_rejected():
+    with pytest.raises(ValueError, match="unknown option 'colour'"):
+        vmm_torch.enable(colour="blue")
+    with pytest.raises(ValueError, match="reserve_size"):
+        vmm_torch.enable(reserve_size="a lot")
+    assert not vmm_torch.is_enabled()
+
+
+@pytest.mark.skipif(HAS_PLUGGABLE, reason="this torch has CUDAPluggableAllocator")
+def test_enable_explains_what_this_torch_lacks():
+    with pytest.raises(RuntimeError, match="CUDAPluggableAllocator"):
+        vmm_torch.enable()
+    assert not vmm_torch.is_enabled() and vmm_torch.enabled_hooks() == ()
+
+
+def test_importing_and_host_pools_leave_cuda_alone():
+    code = (
+        "import torch, vmm_torch\n"
+        "with vmm_torch.Pool('host') as p:\n"
+        "    t = p.empty((4,))\n"
+        "    vmm_torch.memory_stats(); vmm_torch.memory_snapshot()\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=_env())
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_library_dir_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("VMM_LIB_DIR", str(tmp_path))
+    assert vmm_torch.library_dir() == str(tmp_path)
+    code = "import vmm_torch\ntry:\n    vmm_torch.backend()\nexcept ImportError as e:\n" \
+           "    print('missing' if 'libvmm.so is missing' in str(e) else e)\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=_env(VMM_LIB_DIR=str(tmp_path)))
+    assert result.stdout.strip() == "missing", result.stderr
+
+
+def _env(**extra):
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.update(extra)
+    return env

@@ -1,0 +1,126 @@
+"""GPU tests of vmm_torch (skipped where torch sees no CUDA device).
+
+enable() runs in fresh spawned processes: PyTorch's allocator can only be swapped before CUDA
+is initialised, and the pytest process uses CUDA for the explicit-pool tests.
+"""
+
+import gc
+import math
+import pickle
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import vmm_torch
+import vmm_test_workers as workers
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+TIMEOUT = 300
+MIB = 1 << 20
+
+
+def run_in_spawned_process(target, *args):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=target, args=(results,) + args)
+    proc.start()
+    try:
+        result = results.get(timeout=TIMEOUT)
+    finally:
+        proc.join(TIMEOUT)
+    assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"
+    return result
+
+
+def _cuda_pool(handle_type):
+    try:
+        return vmm_torch.Pool(0, handle_type=handle_type)
+    except vmm_torch.VmmError as e:
+        if handle_type == "fabric":
+            pytest.skip(f"fabric handles unavailable here: {e}")
+        raise
+
+
+def test_enable_and_train():
+    result = run_in_spawned_process(workers.gpu_enabled_worker, "auto")
+    losses = result["losses"]
+    assert all(math.isfinite(x) for x in losses)
+    assert losses[-1] < losses[0]
+    stats = result["stats"]
+    for key in ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+                "reserved_bytes.all.peak", "active_bytes.all.current", "segment.all.current",
+                "num_device_alloc", "vmm.driver_calls.create", "vmm.fragmentation"):
+        assert key in stats, key
+    assert stats["allocated_bytes.all.current"] > 0
+    assert stats["reserved_bytes.all.peak"] >= stats["allocated_bytes.all.peak"] > 0
+    assert stats["num_device_alloc"] >= 1
+    assert result["in_pool"]  # the model's parameters live in vmm's pool
+    assert "set_reset_fn" in result["hooks"]
+    assert result["reserved_after_empty"] <= stats["reserved_bytes.all.current"]
+
+
+def test_enable_after_cuda_init_is_refused():
+    message = run_in_spawned_process(workers.gpu_enable_too_late)
+    assert "before CUDA is used" in message
+
+
+def test_enable_is_idempotent():
+    message = run_in_spawned_process(workers.gpu_enable_twice)
+    assert "already called" in message
+
+
+@pytest.mark.parametrize("handle_type", ["posix_fd", "fabric"])
+def test_enabled_allocator_tensor_to_spawned_consumer(handle_type):
+    result = run_in_spawned_process(workers.gpu_producer, handle_type, 256)
+    if isinstance(result, str):  # the producer could not enable this handle type
+        pytest.skip(result)
+    name, index, ok, shape, dtype = result["reply"]
+    assert ok and shape == (256, 4) and dtype == "torch.float32"
+    assert result["written"] == 1.0  # the consumer wrote into the producer's memory
+    assert result["exitcode"] == 0
+
+
+@pytest.mark.parametrize("handle_type", ["posix_fd", "fabric"])
+def test_cuda_pool_export_and_open(handle_type):
+    with _cuda_pool(handle_type) as pool:
+        assert pool.device == 0 and pool.handle_type == handle_type
+        t = pool.empty((1024, 256), dtype=torch.float16, shareable=True)
+        assert t.is_cuda and t.device.index == 0
+        t.copy_(torch.randn(1024, 256, device="cuda").half())
+        shared = pickle.loads(pickle.dumps(vmm_torch.export_tensor(t[8:])))
+        assert shared.device_type == "cuda"
+        assert shared.descriptor.handle_type == handle_type
+        opened = shared.open()
+        assert opened.is_cuda and torch.equal(opened, t[8:])
+        expected = t.clone()
+        del t
+        gc.collect()
+        torch.cuda.synchronize()
+        pool.empty_cache()
+        assert torch.equal(opened, expected[8:])  # the importer is independent
+        stats = pool.memory_stats()
+        assert stats["vmm.num_exports"] >= 1
+
+
+@pytest.mark.parametrize("handle_type", ["posix_fd", "fabric"])
+def test_cuda_pool_tensor_through_torch_multiprocessing(handle_type):
+    vmm_torch.install_reducers()
+    ctx = mp.get_context("spawn")
+    with _cuda_pool(handle_type) as pool:
+        jobs, replies = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=workers.consumer, args=(1, jobs, replies))
+        proc.start()
+        t = pool.empty((64, 4), shareable=True)
+        t.copy_(workers.pattern(256, 5, torch.float32, "cuda").view(64, 4))
+        torch.cuda.synchronize()
+        jobs.put(("pool", 5, t))
+        name, index, ok, shape, dtype = replies.get(timeout=TIMEOUT)
+        assert ok and shape == (64, 4)
+        torch.cuda.synchronize()
+        assert float(t[-1, 1]) == 2.0
+        jobs.put(None)
+        assert replies.get(timeout=TIMEOUT) == ("done", 1)
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0

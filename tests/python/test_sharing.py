@@ -1,0 +1,156 @@
+"""export_tensor / SharedTensor / import_buffer in one process, on the host backend."""
+
+import gc
+import pickle
+
+import pytest
+import torch
+
+import vmm_torch
+from vmm_torch import FabricBufferDescriptor, PosixFdBufferDescriptor, SharedTensor
+
+MIB = 1 << 20
+HANDLE_TYPES = ["posix_fd", "fabric"]
+DESCRIPTOR_CLASS = {"posix_fd": PosixFdBufferDescriptor, "fabric": FabricBufferDescriptor}
+
+
+@pytest.fixture(params=HANDLE_TYPES)
+def pool(request):
+    with vmm_torch.Pool("host", handle_type=request.param) as p:
+        yield p
+
+
+def filled(pool, shape, dtype=torch.float32):
+    t = pool.empty(shape, dtype=dtype, shareable=True)
+    t.copy_(torch.arange(t.numel()).to(dtype).view(shape))
+    return t
+
+
+def test_export_describes_the_tensor(pool):
+    t = filled(pool, (6, 8))
+    shared = vmm_torch.export_tensor(t)
+    assert isinstance(shared, SharedTensor)
+    assert isinstance(shared.descriptor, DESCRIPTOR_CLASS[pool.handle_type])
+    assert shared.descriptor.handle_type == pool.handle_type
+    assert shared.dtype == torch.float32
+    assert shared.shape == (6, 8) and shared.stride == (8, 1) and shared.storage_offset == 0
+    assert shared.device_type == "cpu"
+    assert shared.storage_nbytes == 6 * 8 * 4
+    assert shared.descriptor.size == shared.storage_nbytes
+    assert all(len(h) == 64 for h in shared.descriptor.handles)
+    assert shared.descriptor.owner_uuid.startswith("HOST-")
+    assert pool.memory_stats()["vmm.num_exports"] >= 1
+
+
+def test_open_in_the_same_process(pool):
+    t = filled(pool, (6, 8))
+    opened = vmm_torch.export_tensor(t).open()
+    assert opened.dtype == t.dtype and opened.shape == t.shape and opened.stride() == t.stride()
+    assert torch.equal(opened, t)
+    assert opened.data_ptr() != t.data_ptr()  # a mapping of its own, same memory
+    opened[0, 0] = 42.0
+    assert float(t[0, 0]) == 42.0
+    t[5, 7] = -1.0
+    assert float(opened[5, 7]) == -1.0
+
+
+def test_views_keep_offset_and_strides(pool):
+    t = filled(pool, (6, 8))
+    view = t[2:, 1::2]  # offset 17, strides (8, 2)
+    shared = vmm_torch.export_tensor(view)
+    assert shared.storage_offset == view.storage_offset() == 17
+    assert shared.stride == (8, 2) and shared.shape == (4, 4)
+    opened = pickle.loads(pickle.dumps(shared)).open()
+    assert opened.storage_offset() == 17 and opened.stride() == (8, 2)
+    assert torch.equal(opened, view)
+
+
+def test_pickle_round_trip(pool):
+    t = filled(pool, (4, 4), torch.int16)
+    shared = vmm_torch.export_tensor(t)
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        again = pickle.loads(pickle.dumps(shared, protocol=protocol))
+        assert again == shared
+        assert again.dtype == torch.int16 and again.descriptor == shared.descriptor
+        assert torch.equal(again.open(), t)
+    assert "SharedTensor(" in repr(shared)
+
+
+def test_mapping_outlives_the_original_and_lives_with_any_view(pool):
+    t = filled(pool, (1024,))
+    expected = t.clone()
+    opened = vmm_torch.export_tensor(t).open()
+    del t
+    gc.collect()
+    pool.empty_cache()
+    assert torch.equal(opened, expected)  # the importer holds its own references
+    tail = opened[512:]
+    del opened
+    gc.collect()
+    vmm_torch.empty_cache()
+    assert torch.equal(tail, expected[512:])  # a view keeps the mapping alive
+    tail += 1
+    assert float(tail[-1]) == float(expected[-1]) + 1
+
+
+def test_import_buffer(pool):
+    t = filled(pool, (256,), torch.uint8)
+    descriptor = vmm_torch.export_tensor(t).descriptor
+    with vmm_torch.import_buffer(descriptor) as buf:
+        assert buf.ptr != 0 and buf.size == 256 and not buf.closed
+        as_bytes = buf.as_tensor()
+        assert torch.equal(as_bytes, t)
+    assert buf.closed
+    buf.close()  # idempotent
+    assert torch.equal(as_bytes, t)  # the tensor kept its own reference
+    with vmm_torch.import_buffer(descriptor.to_bytes()) as buf2:
+        assert buf2.size == 256
+    with pytest.raises(ValueError, match="closed"):
+        buf2.as_tensor()
+
+
+def test_export_of_memory_outside_vmm_is_refused():
+    plain = torch.arange(10.0)
+    assert not vmm_torch.in_vmm_pool(plain)
+    with pytest.raises(ValueError, match="does not belong to a vmm pool"):
+        vmm_torch.export_tensor(plain)
+    with pytest.raises(TypeError):
+        vmm_torch.export_tensor([1, 2, 3])
+
+
+def test_export_from_a_pool_without_handles_is_refused():
+    with vmm_torch.Pool("host", handle_type="none") as p:
+        t = p.empty((10,))
+        with pytest.raises((vmm_torch.VmmError, ValueError)):
+            vmm_torch.export_tensor(t)
+
+
+@pytest.mark.parametrize("handle_type", HANDLE_TYPES)
+def test_stale_descriptor_gives_a_clean_error(handle_type):
+    with vmm_torch.Pool("host", handle_type=handle_type) as p:
+        t = p.empty((MIB,), dtype=torch.uint8, shareable=True)
+        shared = vmm_torch.export_tensor(t)
+        del t
+        gc.collect()
+        p.empty_cache()
+        with pytest.raises(vmm_torch.VmmError) as info:
+            shared.open()
+        assert info.value.code == "NOT_FOUND"
+        assert "HOST-" in str(info.value)  # names the owner
+
+
+def test_forged_descriptor_gives_a_clean_error():
+    forged = FabricBufferDescriptor.from_handles([b"\x01" * 64], [2 * MIB],
+                                                 owner_uuid="HOST-forged")
+    with pytest.raises((vmm_torch.VmmError, ValueError)) as info:
+        vmm_torch.import_buffer(forged)
+    assert "HOST-forged" in str(info.value)
+
+
+def test_malformed_shared_tensor_state_is_refused(pool):
+    t = filled(pool, (4,))
+    state = vmm_torch.export_tensor(t).__getstate__()
+    state["dtype"] = "not_a_dtype"
+    shared = SharedTensor.__new__(SharedTensor)
+    with pytest.raises(ValueError, match="dtype"):
+        shared.__setstate__(state)

@@ -1,0 +1,133 @@
+"""Functions the multi-process tests run in spawned processes (importable by module name)."""
+
+import torch
+
+
+def pattern(n, seed, dtype=torch.float32, device="cpu"):
+    """A recognisable sequence of `n` values for producer/consumer checks."""
+    return ((torch.arange(n, dtype=torch.float64) * 7 + seed) % 1009).to(dtype).to(device)
+
+
+def consumer(index, jobs, replies):
+    """Receives (name, seed, tensor) items until None; checks each tensor against the pattern,
+    writes `index + 1` into element 0 of its own row of the tensor, and replies."""
+    import vmm_torch
+
+    vmm_torch.install_reducers()  # so that anything sent back travels the same way
+    while True:
+        item = jobs.get(timeout=60)
+        if item is None:
+            replies.put(("done", index))
+            return
+        name, seed, tensor = item
+        expected = pattern(tensor.numel(), seed, tensor.dtype, tensor.device).view(tensor.shape)
+        # Each consumer owns column `index` of the last row: write there, others read it.
+        ok = bool(torch.equal(tensor[:-1], expected[:-1]))
+        tensor[-1, index] = index + 1
+        if tensor.is_cuda:
+            torch.cuda.synchronize()  # the write is visible before the reply
+        replies.put((name, index, ok, tuple(tensor.shape), str(tensor.dtype)))
+        del tensor, item
+
+
+def open_and_sum(payload, results):
+    """Unpickles a SharedTensor sent as bytes, opens it and replies with its sum."""
+    import pickle
+
+    shared = pickle.loads(payload)
+    tensor = shared.open()
+    results.put(float(tensor.double().sum()))
+
+
+def try_import(payload, results):
+    """Tries to open a pickled SharedTensor; replies ("ok", sum) or (exception type, text)."""
+    import pickle
+
+    shared = pickle.loads(payload)
+    try:
+        tensor = shared.open()
+        results.put(("ok", float(tensor.double().sum())))
+    except Exception as e:  # reported to the parent, which checks the type
+        results.put((type(e).__name__, str(e)))
+
+
+def gpu_enabled_worker(results, handle_type):
+    """In a fresh process: enable vmm, train a little, report stats (GPU tests)."""
+    import vmm_torch
+
+    vmm_torch.enable(handle_type=handle_type)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                torch.nn.Linear(256, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(20):
+        x = torch.randn(128, 64, device="cuda")
+        y = torch.randint(10, (128,), device="cuda")
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    torch.cuda.synchronize()
+    stats = vmm_torch.memory_stats()
+    in_pool = vmm_torch.in_vmm_pool(next(model.parameters()))
+    torch.cuda.empty_cache()  # reaches vmm through the reset hook
+    results.put({"losses": losses, "stats": stats, "in_pool": in_pool,
+                 "hooks": list(vmm_torch.enabled_hooks()),
+                 "reserved_after_empty": vmm_torch.memory_reserved()})
+
+
+def gpu_producer(results, handle_type, n):
+    """In a fresh process: enable vmm and reducers, send a CUDA tensor to a spawned consumer,
+    report what it saw (GPU tests)."""
+    import torch.multiprocessing as mp
+
+    import vmm_torch
+
+    vmm_torch.enable(handle_type=handle_type)
+    vmm_torch.install_reducers()
+    try:
+        torch.empty(1, device="cuda")  # creates the device pool with this handle type
+    except RuntimeError as e:
+        results.put(f"handle type {handle_type} unavailable: {e}")
+        return
+    ctx = mp.get_context("spawn")
+    jobs, replies = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=consumer, args=(0, jobs, replies))
+    proc.start()
+    t = pattern(n * 4, 3, torch.float32, "cuda").view(n, 4)
+    torch.cuda.synchronize()
+    jobs.put(("t", 3, t))
+    reply = replies.get(timeout=120)
+    torch.cuda.synchronize()
+    written = float(t[-1, 0])
+    jobs.put(None)
+    replies.get(timeout=60)
+    proc.join(60)
+    results.put({"reply": reply, "written": written, "exitcode": proc.exitcode})
+
+
+def gpu_enable_too_late(results):
+    """enable() after CUDA is initialised: replies with the error text."""
+    import vmm_torch
+
+    torch.zeros(1, device="cuda")
+    try:
+        vmm_torch.enable()
+        results.put("enabled")
+    except RuntimeError as e:
+        results.put(str(e))
+
+
+def gpu_enable_twice(results):
+    """enable() twice with the same options, then with others: replies with the error."""
+    import vmm_torch
+
+    vmm_torch.enable(handle_type="posix_fd", memory_limit="8G")
+    vmm_torch.enable(memory_limit="8G", handle_type="posix_fd")  # same options: no-op
+    try:
+        vmm_torch.enable(handle_type="none")
+        results.put("reconfigured")
+    except RuntimeError as e:
+        results.put(str(e))

@@ -1,0 +1,125 @@
+"""Builds the vmm_torch package against the torch installed in the running Python.
+
+    pip install --no-build-isolation ./torch_plugin/python
+
+- The LibTorch extension ``vmm_torch/_C.so`` is compiled from ``../csrc/vmm_ops.cpp`` with
+  ``torch.utils.cpp_extension`` (C++ only; CUDA headers are added to the include path when
+  found, no CUDA code is compiled).
+- vmm's C library ``libvmm.so`` is copied into the package: from ``$VMM_LIB`` (a path to the
+  file) or, when that is unset, from a Bazel build of
+  ``//torch_plugin:python/vmm_torch/libvmm.so`` in this repository (extra Bazel arguments in
+  ``$VMM_BAZEL_ARGS``, e.g. ``-c opt``). The Abseil shared libraries it links (``libabsl_*``)
+  are copied beside it, from the folder of ``$VMM_LIB`` if they are there, else from where
+  the dynamic loader finds them; libvmm.so looks for them in its own folder first.
+"""
+
+import os
+import shlex
+import shutil
+import subprocess
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+LIBVMM_TARGET = "//torch_plugin:python/vmm_torch/libvmm.so"
+BUNDLED_PREFIXES = ("libabsl_",)
+
+
+def _bazel_libvmm():
+    """Builds libvmm.so with Bazel and returns its path."""
+    if not os.path.exists(os.path.join(REPO, "WORKSPACE")):
+        raise RuntimeError("set VMM_LIB to the path of a built libvmm.so (no Bazel workspace "
+                           f"at {REPO})")
+    args = shlex.split(os.environ.get("VMM_BAZEL_ARGS", ""))
+    subprocess.run(["bazel", "build", *args, LIBVMM_TARGET], cwd=REPO, check=True)
+    bazel_bin = subprocess.run(["bazel", "info", *args, "bazel-bin"], cwd=REPO, check=True,
+                               capture_output=True, text=True).stdout.strip()
+    return os.path.join(bazel_bin, "torch_plugin", "python", "vmm_torch", "libvmm.so")
+
+
+def libvmm_path():
+    path = os.environ.get("VMM_LIB") or _bazel_libvmm()
+    path = os.path.abspath(path)
+    if not os.path.isfile(path):
+        raise RuntimeError(f"libvmm.so not found at {path} (VMM_LIB)")
+    return path
+
+
+def _ldd(path):
+    """{library name: resolved path or None} for every library `path` loads."""
+    out = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
+    found = {}
+    for line in out.splitlines():
+        name, arrow, rest = line.strip().partition(" => ")
+        if not arrow:
+            continue
+        target = rest.split(" (")[0].strip()
+        found[name] = target if target and target != "not found" else None
+    return found
+
+
+def bundled_libraries(libvmm):
+    """{file name: source path} of the shared libraries shipped beside libvmm.so."""
+    beside = os.path.dirname(libvmm)
+    result = {}
+    for name, resolved in _ldd(libvmm).items():
+        if not name.startswith(BUNDLED_PREFIXES):
+            continue
+        local = os.path.join(beside, name)
+        source = local if os.path.exists(local) else resolved
+        if source is None:
+            raise RuntimeError(f"{name}, which libvmm.so needs, is neither beside {libvmm} "
+                               f"nor found by the dynamic loader")
+        result[name] = source
+    return result
+
+
+def _copy(source, destination):
+    shutil.copyfile(source, destination)  # follows symbolic links
+    os.chmod(destination, 0o755)
+
+
+class BuildExt(BuildExtension.with_options(no_python_abi_suffix=True)):
+    """Builds _C.so, then puts libvmm.so and its libraries beside it."""
+
+    def run(self):
+        super().run()
+        libvmm = libvmm_path()
+        files = {"libvmm.so": libvmm, **bundled_libraries(libvmm)}
+        folders = [os.path.join(self.build_lib, "vmm_torch")]
+        if self.inplace:
+            folders.append(os.path.join(HERE, "vmm_torch"))
+        for folder in folders:
+            os.makedirs(folder, exist_ok=True)
+            for name, source in files.items():
+                _copy(source, os.path.join(folder, name))
+
+
+def _include_dirs():
+    cuda = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    include = os.path.join(cuda, "include")
+    return [include] if os.path.isdir(include) else []
+
+
+setup(
+    name="vmm-torch",
+    version="0.1.0",
+    description="CUDA virtual-memory caching allocator for PyTorch, with tensor sharing "
+                "between processes as buffer descriptors",
+    packages=["vmm_torch"],
+    python_requires=">=3.8",
+    ext_modules=[
+        CppExtension(
+            name="vmm_torch._C",
+            sources=[os.path.join(REPO, "torch_plugin", "csrc", "vmm_ops.cpp")],
+            include_dirs=_include_dirs(),
+            extra_compile_args=["-O2", "-Wno-unused-parameter"],
+            libraries=["dl"],
+        )
+    ],
+    cmdclass={"build_ext": BuildExt},
+    entry_points={"console_scripts": ["vmm-stats = vmm_torch.stats:main"]},
+    zip_safe=False,
+)

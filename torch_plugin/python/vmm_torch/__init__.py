@@ -1,0 +1,72 @@
+"""vmm_torch: a CUDA virtual-memory caching allocator for PyTorch, and tensor sharing between
+processes as multi-handle buffer descriptors.
+
+    import vmm_torch
+    vmm_torch.enable()                       # before CUDA is used
+    ...                                      # CUDA tensors now live in vmm's pools
+    vmm_torch.memory_stats()                 # PyTorch's key names plus "vmm." extras
+    shared = vmm_torch.export_tensor(t)      # picklable; shared.open() in another process
+    vmm_torch.install_reducers()             # torch.multiprocessing carries vmm tensors
+    vmm_torch.dump_stats("vmm.json")         # python -m vmm_torch.stats summarize vmm.json
+
+Explicit pools (``vmm_torch.Pool(device)``, device a CUDA index or "host") work without
+enable(); "host" pools give CPU tensors in shareable memory, also where no GPU exists.
+The native libraries (libvmm.so, _C.so) are loaded on first use; see ``vmm_torch._lib``.
+"""
+
+from ._lib import VmmError, library_dir, load
+from .allocator import (
+    backend,
+    dump_stats,
+    empty_cache,
+    enable,
+    enabled_hooks,
+    is_enabled,
+    max_memory_allocated,
+    max_memory_reserved,
+    memory_allocated,
+    memory_reserved,
+    memory_snapshot,
+    memory_stats,
+    reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
+    set_per_process_memory_fraction,
+)
+from .descriptors import BufferDescriptor, FabricBufferDescriptor, PosixFdBufferDescriptor
+from .pool import Pool
+from .reductions import install_reducers
+from . import distributed  # vmm_torch.distributed: broadcast, all_gather across ranks
+from .sharing import ImportedBuffer, SharedTensor, export_tensor, import_buffer, in_vmm_pool
+
+__all__ = [
+    "BufferDescriptor",
+    "FabricBufferDescriptor",
+    "ImportedBuffer",
+    "Pool",
+    "PosixFdBufferDescriptor",
+    "SharedTensor",
+    "VmmError",
+    "backend",
+    "dump_stats",
+    "empty_cache",
+    "enable",
+    "enabled_hooks",
+    "export_tensor",
+    "import_buffer",
+    "in_vmm_pool",
+    "install_reducers",
+    "is_enabled",
+    "library_dir",
+    "load",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_snapshot",
+    "memory_stats",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "set_per_process_memory_fraction",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,276 @@
+"""vmm as PyTorch's CUDA allocator, and the statistics of its device pools."""
+
+import ctypes
+import json
+import os
+import threading
+import time
+
+import torch
+
+from . import _lib
+from ._options import format_options
+
+# (method of torch._C._CUDAPluggableAllocator, function of _C.so) for the optional hooks.
+# Signatures (torch/csrc/cuda/Module.cpp): set_init_fn void(int device_count); set_reset_fn
+# void() (empty_cache); set_memory_fraction_fn void(double, int); set_record_stream_fn
+# void(void*, cudaStream_t).
+_HOOKS = (
+    ("set_init_fn", "vmm_torch_init"),
+    ("set_reset_fn", "vmm_torch_empty_cache"),
+    ("set_memory_fraction_fn", "vmm_torch_memory_fraction"),
+    ("set_record_stream_fn", "vmm_torch_record_stream"),
+)
+
+_enable_lock = threading.Lock()
+_enabled = None  # the _Enabled of this process, once enable() succeeded
+
+
+class _Enabled:
+    """What enable() registered: its option text, PyTorch's allocator object, the hooks set."""
+
+    def __init__(self, options_text, allocator, hooks):
+        self.options_text = options_text
+        self.allocator = allocator
+        self.hooks = hooks
+
+
+def _function_address(library, name):
+    return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+
+
+def _set_hooks(pluggable, extension_path):
+    """Passes the addresses of _C.so's hook functions to the hook setters this torch has.
+    Returns the names of the hooks set."""
+    native = pluggable.allocator()
+    extension = ctypes.CDLL(extension_path)
+    done = []
+    for method, symbol in _HOOKS:
+        setter = getattr(native, method, None)
+        if setter is None:
+            continue
+        setter(_function_address(extension, symbol))
+        done.append(method)
+    return tuple(done)
+
+
+def _check_can_enable():
+    memory = torch.cuda.memory
+    if not hasattr(memory, "CUDAPluggableAllocator") or not hasattr(
+            memory, "change_current_allocator"):
+        raise RuntimeError(
+            f"vmm_torch.enable() needs torch.cuda.memory.CUDAPluggableAllocator "
+            f"(PyTorch 2.0 or later); this is torch {torch.__version__}. Explicit pools "
+            f"(vmm_torch.Pool) work without it.")
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        raise RuntimeError(
+            f"vmm_torch.enable() needs a CUDA build of PyTorch; torch {torch.__version__} has "
+            f"no CUDA support. Explicit host pools (vmm_torch.Pool(\"host\")) work without it.")
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "vmm_torch.enable() must be called before CUDA is used: CUDA is already "
+            "initialised in this process and PyTorch cannot swap an initialised allocator. "
+            "Call enable() first thing, before any CUDA tensor, torch.cuda call or model "
+            ".cuda().")
+
+
+def enable(**options):
+    """Registers vmm as PyTorch's CUDA allocator for this process.
+
+    Call it before CUDA is used (before the first CUDA tensor, ``torch.cuda`` query or
+    ``model.cuda()``): PyTorch cannot swap an allocator once it is initialised, and enable()
+    raises RuntimeError if CUDA already is. From then on every CUDA tensor is a block of
+    vmm's pool for its device, and ``vmm_torch.export_tensor`` can share it.
+
+    Options (all optional) configure the device pools:
+
+    - ``handle_type``: "auto" (fabric where available, else POSIX fds), "posix_fd", "fabric",
+      or "none" (not shareable).
+    - sizes, as ints (bytes) or strings like "40G": ``reserve_size`` (virtual range per
+      device), ``memory_limit`` (most physical bytes), ``release_threshold`` (cached bytes kept
+      when freeing), ``small_size``, ``small_chunk``, ``max_growth_extra``, ``max_chunk``.
+    - ``growth_fraction``: grow by at least this fraction of what is reserved (0..1).
+    - ``peer_devices``: list of other device indices granted access to the memory.
+
+    Unknown options and malformed values raise ValueError naming them. Calling enable() again
+    with the same options does nothing; with other options it raises RuntimeError.
+
+    It creates ``torch.cuda.memory.CUDAPluggableAllocator`` over ``vmm_torch_malloc`` and
+    ``vmm_torch_free`` of the extension _C.so, sets the optional hooks this torch supports
+    (init, empty_cache, memory fraction, record_stream) and makes it current with
+    ``torch.cuda.memory.change_current_allocator``. ``torch.cuda.empty_cache()``,
+    ``torch.cuda.set_per_process_memory_fraction()`` and ``Tensor.record_stream()`` then
+    reach vmm. ``torch.cuda.memory_stats()`` does not (PyTorch does not ask pluggable
+    allocators for statistics): use ``vmm_torch.memory_stats()``.
+    """
+    global _enabled
+    text = format_options(options)
+    with _enable_lock:
+        if _enabled is not None:
+            if _enabled.options_text == text:
+                return
+            raise RuntimeError(
+                f"vmm_torch.enable() was already called with options "
+                f"{_enabled.options_text!r}; the allocator cannot be reconfigured")
+        libs = _lib.load()
+        # Options first, so that bad ones are reported as such on any torch; they only
+        # apply to device pools created later.
+        _lib.check(libs.vmm.vmm_configure(text.encode()), "vmm_torch.enable")
+        _check_can_enable()
+        pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+            libs.extension_path, "vmm_torch_malloc", "vmm_torch_free")
+        hooks = _set_hooks(pluggable, libs.extension_path)
+        torch.cuda.memory.change_current_allocator(pluggable)
+        _enabled = _Enabled(text, pluggable, hooks)
+
+
+def is_enabled():
+    """Whether enable() has registered vmm as this process's CUDA allocator."""
+    return _enabled is not None
+
+
+def enabled_hooks():
+    """The hook setters enable() called on this torch (empty before enable())."""
+    return _enabled.hooks if _enabled is not None else ()
+
+
+# --- Statistics ------------------------------------------------------------------------------
+
+
+def device_index(device=None):
+    """A device pool's index from None (the current CUDA device, or 0 while CUDA is not
+    initialised), an int, "cuda", "cuda:N" or a torch.device of type cuda."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    if isinstance(device, bool):
+        raise ValueError(f"device {device!r} is not a CUDA device index")
+    if isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device {device} is not a CUDA device index")
+        return device
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {device!r} is not a CUDA device") from e
+    if parsed.type != "cuda":
+        raise ValueError(f"device {device!r} is not a CUDA device (device pools are per GPU; "
+                         f"use Pool.memory_stats() for a host pool)")
+    return device_index(parsed.index)
+
+
+def _flatten(prefix, value, out):
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
+    else:
+        out[prefix] = value
+
+
+def flatten_stats(document):
+    """A stats document {"torch": {...}, "vmm": {...}} as one flat dict: its "torch" object,
+    which has PyTorch's key names and the allocator's own figures under "vmm." (the "vmm"
+    object holds the same figures by field name, for dump_stats)."""
+    out = {}
+    _flatten("", document.get("torch", {}), out)
+    return dict(sorted(out.items()))
+
+
+def memory_stats(device=None):
+    """Statistics of the device pool of `device` (default: the current device) as a dict.
+
+    Keys follow ``torch.cuda.memory_stats()`` where the meaning is the same
+    (``allocated_bytes.all.current``, ``reserved_bytes.all.peak``, ``num_device_alloc``,
+    ...); the allocator's own figures (driver calls, fragmentation, largest free block,
+    exported bytes, ...) follow under ``vmm.``. A device vmm has not used gives zeros.
+    """
+    index = device_index(device)
+    return flatten_stats(_lib.take_json(_lib.vmm().vmm_stats_json(index), "memory_stats"))
+
+
+def memory_allocated(device=None):
+    """Bytes held by live blocks of the device pool."""
+    return memory_stats(device).get("allocated_bytes.all.current", 0)
+
+
+def max_memory_allocated(device=None):
+    return memory_stats(device).get("allocated_bytes.all.peak", 0)
+
+
+def memory_reserved(device=None):
+    """Physical bytes the device pool holds (cached memory included)."""
+    return memory_stats(device).get("reserved_bytes.all.current", 0)
+
+
+def max_memory_reserved(device=None):
+    return memory_stats(device).get("reserved_bytes.all.peak", 0)
+
+
+def reset_peak_memory_stats(device=None):
+    """Resets the peaks of the device pool's statistics to their current values."""
+    _lib.check(_lib.vmm().vmm_reset_peak_stats(device_index(device)))
+
+
+def reset_accumulated_memory_stats(device=None):
+    """Resets the cumulative ("allocated"/"freed") statistics of the device pool."""
+    _lib.check(_lib.vmm().vmm_reset_accumulated_stats(device_index(device)))
+
+
+def empty_cache():
+    """Returns the cached (free) memory of every vmm pool, explicit pools included, to the
+    driver."""
+    _lib.check(_lib.vmm().vmm_empty_cache(-1), "empty_cache")
+
+
+def set_per_process_memory_fraction(fraction, device=None):
+    """Caps the device pool at `fraction` (0 < fraction <= 1) of the device's memory."""
+    _lib.check(_lib.vmm().vmm_set_memory_fraction(float(fraction), device_index(device)))
+
+
+def memory_snapshot():
+    """The state of every vmm pool in the structure of ``torch.cuda.memory._snapshot()``:
+    {"segments": [{"device", "address", "total_size", "stream", "segment_type", "blocks":
+    [{"address", "size", "requested_size", "state"}, ...]}, ...], "device_traces": [...]},
+    plus "vmm_pools": vmm's own snapshot of each pool (chunks, export marks)."""
+    return _lib.take_json(_lib.vmm().vmm_snapshot_json(), "memory_snapshot")
+
+
+def backend():
+    """"cuda" or "host": the backend of the device pools (host where no GPU is present)."""
+    return _lib.backend()
+
+
+def _device_pool_indices():
+    if backend() == "cuda" and torch.cuda.is_available():
+        return list(range(torch.cuda.device_count()))
+    return [0]
+
+
+def collect_stats():
+    """Everything dump_stats writes, as a dict."""
+    from . import pool  # pools register themselves there
+
+    return {
+        "backend": backend(),
+        "time": time.time(),
+        "torch_version": torch.__version__,
+        "stats": {str(d): memory_stats(d) for d in _device_pool_indices()},
+        "pools": pool.open_pool_stats(),
+        "snapshot": memory_snapshot(),
+    }
+
+
+def dump_stats(path):
+    """Writes the statistics of the device pools and of the open explicit pools, and a
+    snapshot of all pools, as JSON to `path`; returns the document.
+
+    Layout: {"backend", "time", "torch_version", "stats": {device: memory_stats(device)},
+    "pools": {pool id: {"device", "handle_type", "stats"}}, "snapshot": memory_snapshot()}.
+    Read it back with ``python -m vmm_torch.stats summarize|render|torch-viz PATH``.
+    """
+    document = collect_stats()
+    path = os.fspath(path)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "w") as f:
+        json.dump(document, f, indent=1)
+    os.replace(temporary, path)
+    return document
