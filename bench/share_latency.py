@@ -22,6 +22,8 @@ import torch
 import torch.multiprocessing as mp
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# How long the producer waits for the consumer's answer before giving up on the mode.
+RESULT_TIMEOUT_S = 60
 
 
 def parse_size(text):
@@ -92,7 +94,8 @@ def run_mode(mode, sizes, reps, bandwidth_size):
                 t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
                 torch.cuda.synchronize()
                 jobs.put((time.perf_counter_ns(), t, measure))
-                r = results.get(timeout=300)
+                print(f"{mode}: {size} bytes, repetition {rep}", file=sys.stderr, flush=True)
+                r = results.get(timeout=RESULT_TIMEOUT_S)
                 assert r["first"] == 7, r
                 if rep > 0:
                     latencies.append(r["latency_ns"])
@@ -147,7 +150,7 @@ def main():
                            args=(mode, sizes, a.reps, parse_size(a.bandwidth_size), q))
         proc.start()
         try:
-            rows += q.get(timeout=900)
+            rows += q.get(timeout=len(sizes) * (a.reps + 1) * RESULT_TIMEOUT_S)
         except Exception as e:  # a mode that cannot run here (no IMEX channel for fabric...)
             print(json.dumps({"bench": "share_latency", "mode": mode, "error": repr(e)}), flush=True)
         proc.join(60)

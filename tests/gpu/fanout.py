@@ -20,8 +20,26 @@ import torch.multiprocessing as mp
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-def pattern(n, device):
-    return (torch.arange(n, device=device, dtype=torch.int64) % 251).to(torch.uint8)
+CHUNK = 1 << 28  # elements per step when filling or checking (bounds temporary memory)
+
+
+def pattern(start, n, device):
+    """Bytes (start + i) % 251 for i in [0, n)."""
+    return ((torch.arange(n, device=device, dtype=torch.int64) + start) % 251).to(torch.uint8)
+
+
+def fill(t):
+    for start in range(0, t.numel(), CHUNK):
+        n = min(CHUNK, t.numel() - start)
+        t[start:start + n].copy_(pattern(start, n, t.device))
+
+
+def matches(t):
+    for start in range(0, t.numel(), CHUNK):
+        n = min(CHUNK, t.numel() - start)
+        if not torch.equal(t[start:start + n], pattern(start, n, t.device)):
+            return False
+    return True
 
 
 def consumer(handle_type, jobs, results):
@@ -35,7 +53,7 @@ def consumer(handle_type, jobs, results):
         t0, tensor = item
         first = int(tensor[0].item())
         t1 = time.perf_counter_ns()
-        ok = bool(torch.equal(tensor, pattern(tensor.numel(), tensor.device))) and first == 0
+        ok = matches(tensor) and first == 0
         results.put({"latency_ns": t1 - t0, "ok": ok})
         del tensor, item
 
@@ -58,7 +76,8 @@ def main():
     failed = False
     for text in a.sizes.split(","):
         n = int(text[:-1]) * UNITS[text[-1]]
-        t = pattern(n, "cuda")
+        t = torch.empty(n, dtype=torch.uint8, device="cuda")
+        fill(t)
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         for q in queues:

@@ -29,10 +29,19 @@ export LD_LIBRARY_PATH="$root/.gpu/lib:${LD_LIBRARY_PATH:-}"
 export TEST_SRCDIR="$root/.gpu/runfiles"
 bin="$root/.gpu/bin"
 
-# step NAME SECONDS COMMAND...: output to $logs/NAME.log, one line in the summary.
+# step NAME SECONDS COMMAND...: output to $logs/NAME.log, one line in the summary, and the log
+# appended to $OUT/results.log at once (so that it comes back even if the run is cut short).
+# With DEADLINE set (seconds since the start), steps that would begin after it are skipped.
 step() {
   local name=$1 limit=$2
   shift 2
+  if [[ -n "${DEADLINE:-}" && $SECONDS -ge $DEADLINE ]]; then
+    echo "$name: skipped (deadline)" | tee -a "$summary"
+    return
+  fi
+  if [[ -n "${DEADLINE:-}" && $((SECONDS + limit)) -gt $((DEADLINE + 60)) ]]; then
+    limit=$((DEADLINE + 60 - SECONDS))
+  fi
   local start=$SECONDS
   timeout "$limit" "$@" >"$logs/$name.log" 2>&1
   local rc=$?
@@ -42,6 +51,7 @@ step() {
   [[ -n "$tests" ]] && line="$line $tests"
   echo "$line" | tee -a "$summary"
   [[ $rc -eq 0 ]] || tail -n 8 "$logs/$name.log" | sed 's/^/    /' | tee -a "$summary"
+  { echo "===== $name (rc=$rc)"; tail -c 20000 "$logs/$name.log"; } >>"$OUT/results.log"
 }
 
 imex_channel() {
@@ -145,6 +155,33 @@ phase_multi() {
   grep -hE '"test": "(share_on_peer|bandwidth_summary|multi_gpu)"' "$logs/multi_gpu.jsonl" \
     2>/dev/null | tee -a "$summary"
   cp "$logs/multi_gpu.jsonl" "$OUT/multi_gpu.jsonl" 2>/dev/null
+}
+
+# One bounded run of what the issues must show from Python: sharing latency and fan-out,
+# ranks, and the training loop under each allocator (vmm with two growth policies).
+phase_final() {
+  DEADLINE=${DEADLINE:-390}
+  imex_channel
+  step pip_install 90 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
+    --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
+  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
+  for mode in vmm-fabric vmm-fd torch-native torch-expandable; do
+    step "share_$mode" 50 python3 bench/share_latency.py --modes "$mode" --sizes 64M,1G,8G \
+      --reps 3 --out "$OUT/share.jsonl"
+  done
+  step fanout_fabric 60 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
+  step fanout_fd 60 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
+  step dist 90 python3 tests/gpu/dist_bench.py --ranks 3 --sizes 64M,1G --reps 3 --time-limit 80
+  local steps=${TRAIN_STEPS:-200}
+  step train_native 40 env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
+    --allocator native --steps "$steps" --out "$logs/train_native.json"
+  step train_expandable 40 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
+    tests/gpu/train_loop.py --allocator expandable --steps "$steps" --out "$logs/train_expandable.json"
+  step train_vmm 40 python3 tests/gpu/train_loop.py --allocator vmm --steps "$steps" \
+    --out "$logs/train_vmm.json" --dump "$logs/vmm_dump.json"
+  step train_vmm_exact 40 python3 tests/gpu/train_loop.py --allocator vmm --label vmm_exact \
+    --vmm-option growth_fraction=0 --steps "$steps" --out "$logs/train_vmm_exact.json"
+  step train_compare 20 python3 tests/gpu/compare_training.py "$logs"/train_*.json
 }
 
 phase_dist() {

@@ -38,14 +38,27 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--dump", default="")
+    p.add_argument("--label", default="", help="name of this run in the results")
+    p.add_argument("--vmm-option", action="append", default=[],
+                   help="KEY=VALUE passed to vmm_torch.enable (repeatable)")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="allow nondeterministic kernels (losses then differ run to run)")
     a = p.parse_args()
+    if not a.nondeterministic:
+        # Deterministic kernels make the losses of different allocators comparable exactly.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
 
     if a.allocator == "expandable":
         assert "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), \
             "run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     if a.allocator == "vmm":
         import vmm_torch
-        vmm_torch.enable()
+        options = {}
+        for item in a.vmm_option:
+            key, value = item.split("=", 1)
+            options[key] = float(value) if key == "growth_fraction" else value
+        vmm_torch.enable(**options)
 
     torch.manual_seed(a.seed)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -84,7 +97,7 @@ def main():
         peak_allocated = torch.cuda.max_memory_allocated()
     warm = times[10:]
     result = {
-        "allocator": a.allocator, "steps": a.steps, "losses": losses,
+        "allocator": a.label or a.allocator, "steps": a.steps, "losses": losses,
         "median_step_ms": statistics.median(warm) * 1e3,
         "mean_step_ms": statistics.fmean(warm) * 1e3,
         "peak_reserved": peak_reserved, "peak_allocated": peak_allocated,
