@@ -12,7 +12,9 @@
  * memory_limit=40G,peer_devices=1:2". Sizes accept K, M, G and T suffixes (powers of 1024).
  * Keys: handle_type (auto|none|posix_fd|fabric), reserve_size, memory_limit,
  * release_threshold, small_size, small_chunk, growth_fraction, max_growth_extra, max_chunk,
- * peer_devices. An unknown key or malformed value is an error naming it.
+ * peer_devices. An unknown key or malformed value is an error naming it. Device pools (the
+ * registered allocator) default to growth_fraction=0 (exact growth, the smallest footprint);
+ * explicit pools take PoolOptions' defaults.
  */
 #ifndef VMM_TORCH_PLUGIN_VMM_C_H_
 #define VMM_TORCH_PLUGIN_VMM_C_H_

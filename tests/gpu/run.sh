@@ -184,6 +184,19 @@ phase_final() {
   step train_compare 20 python3 tests/gpu/compare_training.py "$logs"/train_*.json
 }
 
+# The cached alloc+free pair alone, every peer side by side (a short run).
+phase_pair() {
+  local b="$logs/pair"
+  mkdir -p "$b"
+  step build_torch_peer 150 bench/build_torch_peer.sh "$b/torch_peer_bench"
+  step pair_vmm 60 sh -c "'$bin/vmm_peer_bench' --allocators=vmm,cuda_malloc_async > '$b/vmm.jsonl'"
+  step pair_torch_native 40 sh -c "env -u PYTORCH_CUDA_ALLOC_CONF '$b/torch_peer_bench' > '$b/native.jsonl'"
+  step pair_torch_expandable 40 sh -c "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True '$b/torch_peer_bench' > '$b/expandable.jsonl'"
+  step pool_bench 40 "$bin/pool_bench" --benchmark_min_time=0.3
+  python3 bench/report.py "$b"/*.jsonl >"$OUT/pair_report.md" 2>>"$summary"
+  cat "$b"/*.jsonl >"$OUT/pair.jsonl"
+}
+
 phase_dist() {
   export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
   step dist 300 python3 tests/gpu/dist_bench.py --ranks 4 --sizes 64M,1G
