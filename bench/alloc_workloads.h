@@ -155,7 +155,7 @@ inline std::vector<std::pair<std::string, int64_t>> CountDeltas(const AllocStats
 // (a) The cached allocate + free pair.
 
 // A mix of sizes a training step allocates: 60% small (512 B..64 KiB), 30% medium
-// (1..9 MiB), 10% large (16..64 MiB). The same sequence as bench/pool_bench.cc for a seed.
+// (1..9 MiB), 10% large (16..64 MiB). bench/pool_bench.cc uses it too.
 inline std::vector<size_t> MixedSizes(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<size_t> sizes(n);

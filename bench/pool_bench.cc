@@ -4,10 +4,10 @@
 //   bazel run -c opt //bench:pool_bench
 #include <atomic>
 #include <cstdint>
-#include <random>
 #include <vector>
 
 #include "allocator/driver_factory.h"
+#include "bench/alloc_workloads.h"
 #include "allocator/mutex.h"
 #include "allocator/pool.h"
 #include "benchmark/benchmark.h"
@@ -20,23 +20,6 @@ Driver* GetDriver() {
   return driver;
 }
 
-// A mix of sizes a training step allocates: many small tensors, some medium, few large.
-std::vector<size_t> MixedSizes(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::vector<size_t> sizes(n);
-  for (size_t& s : sizes) {
-    const uint32_t r = rng() % 100;
-    if (r < 60) {
-      s = 512 + rng() % (64 << 10);
-    } else if (r < 90) {
-      s = (1 << 20) + rng() % (8 << 20);
-    } else {
-      s = (16 << 20) + rng() % (48 << 20);
-    }
-  }
-  return sizes;
-}
-
 // One allocate + free pair on the cached path, with `live` other blocks allocated and a
 // rotating choice of sizes: the figure SPEC §5 asks for (target <= 100 ns).
 void BM_CachedAllocFreePair(benchmark::State& state) {
@@ -44,7 +27,7 @@ void BM_CachedAllocFreePair(benchmark::State& state) {
   PoolOptions options;
   options.reserve_size = size_t{64} << 30;
   auto pool = *Pool::Create(GetDriver(), options);
-  std::vector<size_t> sizes = MixedSizes(1024, 1);
+  std::vector<size_t> sizes = vmm_bench::MixedSizes(1024, 1);
   std::vector<void*> blocks(live);
   for (size_t i = 0; i < live; ++i) blocks[i] = *pool->Allocate(sizes[i], 0);
   // Warm: every size has been freed once so its block is cached.

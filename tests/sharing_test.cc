@@ -41,15 +41,16 @@ std::string PeerPath() {
   return "tests/share_peer";
 }
 
-class SharingTest : public ::testing::TestWithParam<HandleRequest> {
+// A pool of the parameter's handle type on some driver, with the checks every test ends with:
+// the pool's invariants, no import left open, and the driver's free memory back to its start.
+class PoolFixture : public ::testing::TestWithParam<HandleRequest> {
  protected:
-  void SetUp() override {
-    absl::StatusOr<Driver*> driver = DefaultDriver();
-    ASSERT_TRUE(driver.ok()) << driver.status();
-    driver_ = *driver;
+  // Creates pool_ on `driver` (skips the test when fabric handles are unavailable).
+  void MakePool(Driver* driver, size_t reserve) {
+    driver_ = driver;
     free_at_start_ = driver_->GetMemInfo(0)->free;
     PoolOptions options;
-    options.reserve_size = 4096 * kMiB;
+    options.reserve_size = reserve;
     options.handle_type = GetParam();
     auto pool = Pool::Create(driver_, options);
     if (!pool.ok() && GetParam() == HandleRequest::kFabric) {
@@ -59,21 +60,37 @@ class SharingTest : public ::testing::TestWithParam<HandleRequest> {
     pool_ = std::move(*pool);
   }
 
+  // (Resets the pool even when a check fails: a derived fixture may own the driver.)
   void TearDown() override {
     if (pool_ == nullptr) return;
-    ASSERT_TRUE(pool_->CheckInvariants().ok()) << pool_->CheckInvariants();
+    EXPECT_TRUE(pool_->CheckInvariants().ok()) << pool_->CheckInvariants();
     pool_.reset();
     EXPECT_EQ(OpenImportMappings(), 0u);
     EXPECT_EQ(driver_->GetMemInfo(0)->free, free_at_start_) << "physical memory leaked";
   }
 
-  // Allocates `size` bytes filled with `value`.
+  // Allocates `size` bytes (on the pool's device) filled with `value`.
   void* Filled(size_t size, uint8_t value) {
     auto p = pool_->Allocate(size, 0);
     EXPECT_TRUE(p.ok()) << p.status();
     EXPECT_TRUE(driver_->MemsetAsync(reinterpret_cast<DevPtr>(*p), value, size, 0).ok());
     EXPECT_TRUE(driver_->SynchronizeStream(0).ok());
     return *p;
+  }
+
+  static std::string Hex(const BufferDescriptor& d) { return absl::BytesToHexString(d.Encode()); }
+
+  Driver* driver_ = nullptr;
+  std::unique_ptr<Pool> pool_;
+  size_t free_at_start_ = 0;
+};
+
+class SharingTest : public PoolFixture {
+ protected:
+  void SetUp() override {
+    absl::StatusOr<Driver*> driver = DefaultDriver();
+    ASSERT_TRUE(driver.ok()) << driver.status();
+    MakePool(*driver, 4096 * kMiB);
   }
 
   // Whether every byte of [ptr, ptr+size) is `value`.
@@ -87,11 +104,6 @@ class SharingTest : public ::testing::TestWithParam<HandleRequest> {
     return true;
   }
 
-  std::string Hex(const BufferDescriptor& d) { return absl::BytesToHexString(d.Encode()); }
-
-  Driver* driver_ = nullptr;
-  std::unique_ptr<Pool> pool_;
-  size_t free_at_start_ = 0;
 };
 
 TEST_P(SharingTest, ExportDescribesTheChunksTheBlockSpans) {
@@ -357,32 +369,23 @@ bool Granted(Driver* driver, DevPtr at, int device) {
   return ::testing::AssertionSuccess();
 }
 
-class TwoDeviceSharingTest : public ::testing::TestWithParam<HandleRequest> {
+class TwoDeviceSharingTest : public PoolFixture {
  protected:
   void SetUp() override {
     absl::StatusOr<Driver*> driver = DefaultDriver();
     ASSERT_TRUE(driver.ok()) << driver.status();
+    Driver* chosen = *driver;
     if ((*driver)->Name() == "host") {
       HostDriverOptions options;
       options.device_count = 2;
       owned_ = NewHostDriver(options);
-      driver_ = owned_.get();
-    } else if ((*driver)->DeviceCount() >= 2) {
-      driver_ = *driver;
-    } else {
+      chosen = owned_.get();
+    } else if ((*driver)->DeviceCount() < 2) {
       GTEST_SKIP() << "needs two devices and " << (*driver)->Name() << " has "
                    << (*driver)->DeviceCount() << " (run on a machine with two GPUs)";
     }
-    free_at_start_ = driver_->GetMemInfo(0)->free;
-    PoolOptions options;
-    options.reserve_size = 1024 * kMiB;
-    options.handle_type = GetParam();
-    auto pool = Pool::Create(driver_, options);
-    if (!pool.ok() && GetParam() == HandleRequest::kFabric) {
-      GTEST_SKIP() << "fabric handles unavailable here: " << pool.status();
-    }
-    ASSERT_TRUE(pool.ok()) << pool.status();
-    pool_ = std::move(*pool);
+    MakePool(chosen, 1024 * kMiB);
+    if (pool_ == nullptr) return;  // skipped
     auto stream = driver_->CreateStream(1);
     ASSERT_TRUE(stream.ok()) << stream.status();
     on_one_ = *stream;
@@ -390,32 +393,15 @@ class TwoDeviceSharingTest : public ::testing::TestWithParam<HandleRequest> {
 
   void TearDown() override {
     if (on_one_ != 0) EXPECT_TRUE(driver_->DestroyStream(on_one_).ok());
-    if (pool_ == nullptr) return;
-    ASSERT_TRUE(pool_->CheckInvariants().ok()) << pool_->CheckInvariants();
-    pool_.reset();
-    EXPECT_EQ(OpenImportMappings(), 0u);
-    EXPECT_EQ(driver_->GetMemInfo(0)->free, free_at_start_) << "physical memory leaked";
+    PoolFixture::TearDown();
   }
 
-  // Allocates `size` bytes on device 0 filled with `value`.
-  void* Filled(size_t size, uint8_t value) {
-    auto p = pool_->Allocate(size, 0);
-    EXPECT_TRUE(p.ok()) << p.status();
-    EXPECT_TRUE(driver_->MemsetAsync(reinterpret_cast<DevPtr>(*p), value, size, 0).ok());
-    EXPECT_TRUE(driver_->SynchronizeStream(0).ok());
-    return *p;
-  }
-
-  static std::string Hex(const BufferDescriptor& d) { return absl::BytesToHexString(d.Encode()); }
   std::string HandleFlag() const {
     return GetParam() == HandleRequest::kFabric ? "--handle=fabric" : "--handle=posix_fd";
   }
 
-  std::unique_ptr<Driver> owned_;  // the host backend with two devices
-  Driver* driver_ = nullptr;
-  std::unique_ptr<Pool> pool_;  // on device 0
-  Stream on_one_ = 0;           // a stream of device 1
-  size_t free_at_start_ = 0;
+  std::unique_ptr<Driver> owned_;  // the host backend with two devices (pool_ is on device 0)
+  Stream on_one_ = 0;              // a stream of device 1
 };
 
 TEST_P(TwoDeviceSharingTest, ImportOnTheOtherDeviceReadsAndWritesTheBytes) {
