@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -109,7 +110,11 @@ void PrintStats(const PoolStats& s) {
 
 int Exporter(Driver* driver, int argc, char** argv) {
   const size_t size = ParseSize(Flag(argc, argv, "size", "64M"));
-  const std::string out = Flag(argc, argv, "out", "vmm_stats.json");
+  // `bazel run` starts programs in their runfiles: write beside the user's checkout.
+  const char* workspace = std::getenv("BUILD_WORKSPACE_DIRECTORY");
+  const std::string out = Flag(argc, argv, "out",
+                               workspace != nullptr ? std::string(workspace) + "/vmm_stats.json"
+                                                    : "vmm_stats.json");
   if (size == 0) return Fail("--size", absl::InvalidArgumentError("expected e.g. 64M"));
   PoolOptions options;
   options.reserve_size = std::max<size_t>(size_t{8} << 30, 4 * size);
