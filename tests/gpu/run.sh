@@ -11,12 +11,17 @@
 #   train     the training loop under native, expandable-segments and vmm allocators.
 #   share     share latency / imported bandwidth against torch.multiprocessing, and fan-out.
 #   dist      vmm_torch.distributed with several ranks on the GPU.
+#   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
+#             pip install, share latency per mode, fan-out, ranks, training.
+#   pair      the cached alloc+free pair of every peer alone (builds torch_peer_bench).
 #   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
 #             pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) without
 #             and with an IMEX channel, and tests/gpu/multi_gpu.py (a cuda:0 tensor opened on
 #             cuda:1 by another process; imported peer-memory read bandwidth against PyTorch's
 #             peer copy). With one GPU the C++ tests report SKIPPED and the script a skip line.
-# Logs and results go to $OUT (one summary, one tarball of logs, and the key result files).
+# Logs and results go to $OUT (one summary, results.log with every step's log as it ends, a
+# tarball of logs, and the key result files). Keep one call under the device's 10 minutes:
+# `tests plugin train` and `final` each took 4 to 5 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -94,22 +99,28 @@ phase_bench() {
   cp "$logs/bench/report.md" "$OUT/bench_report.md" 2>/dev/null
 }
 
+# train_runs STEPS SECONDS: the training loop under each allocator, and their comparison.
+train_runs() {
+  local steps=$1 limit=$2
+  step train_native "$limit" env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
+    --allocator native --steps "$steps" --out "$logs/train_native.json"
+  step train_expandable "$limit" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
+    tests/gpu/train_loop.py --allocator expandable --steps "$steps" --out "$logs/train_expandable.json"
+  step train_vmm "$limit" python3 tests/gpu/train_loop.py --allocator vmm --steps "$steps" \
+    --out "$logs/train_vmm.json" --dump "$logs/vmm_dump.json"
+  step train_vmm_fraction "$limit" python3 tests/gpu/train_loop.py --allocator vmm \
+    --label vmm_growth_fraction_0.05 --vmm-option growth_fraction=0.05 --steps "$steps" \
+    --out "$logs/train_vmm_fraction.json"
+  step train_compare 20 python3 tests/gpu/compare_training.py "$logs"/train_*.json
+}
+
 phase_train() {
   export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  local steps=${TRAIN_STEPS:-300}
-  step train_native 300 env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
-    --allocator native --steps "$steps" --out "$logs/train_native.json"
-  step train_expandable 300 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
-    tests/gpu/train_loop.py --allocator expandable --steps "$steps" --out "$logs/train_expandable.json"
-  step train_vmm 300 python3 tests/gpu/train_loop.py --allocator vmm --steps "$steps" \
-    --out "$logs/train_vmm.json" --dump "$logs/vmm_dump.json"
-  step train_compare 60 python3 tests/gpu/compare_training.py "$logs"/train_{native,expandable,vmm}.json
+  train_runs "${TRAIN_STEPS:-300}" 300
   step stats_summary 60 python3 -m vmm_torch.stats summarize "$logs/vmm_dump.json"
   step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" -o "$OUT/vmm_stats.html"
   step stats_torch_viz 120 python3 -m vmm_torch.stats torch-viz "$logs/vmm_dump.json" -o "$OUT/torch_viz.html"
   cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
-  # PyTorch's visualizer script, to render torch_viz.html offline elsewhere.
-  python3 -c "import torch, os, shutil; shutil.copy(os.path.join(os.path.dirname(torch.__file__), 'utils', 'viz', 'MemoryViz.js'), os.environ['OUT'])" 2>>"$summary"
 }
 
 phase_share() {
@@ -172,16 +183,7 @@ phase_final() {
   step fanout_fabric 60 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
   step fanout_fd 60 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
   step dist 90 python3 tests/gpu/dist_bench.py --ranks 3 --sizes 64M,1G --reps 3 --time-limit 80
-  local steps=${TRAIN_STEPS:-200}
-  step train_native 40 env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
-    --allocator native --steps "$steps" --out "$logs/train_native.json"
-  step train_expandable 40 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
-    tests/gpu/train_loop.py --allocator expandable --steps "$steps" --out "$logs/train_expandable.json"
-  step train_vmm 40 python3 tests/gpu/train_loop.py --allocator vmm --steps "$steps" \
-    --out "$logs/train_vmm.json" --dump "$logs/vmm_dump.json"
-  step train_vmm_exact 40 python3 tests/gpu/train_loop.py --allocator vmm --label vmm_exact \
-    --vmm-option growth_fraction=0 --steps "$steps" --out "$logs/train_vmm_exact.json"
-  step train_compare 20 python3 tests/gpu/compare_training.py "$logs"/train_*.json
+  train_runs "${TRAIN_STEPS:-200}" 40
 }
 
 # The cached alloc+free pair alone, every peer side by side (a short run).
