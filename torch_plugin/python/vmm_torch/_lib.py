@@ -68,6 +68,23 @@ _SIGNATURES = {
 }
 
 
+class Closable:
+    """Gives a class with an idempotent close() the context-manager protocol, and closes it
+    when it is collected (errors there are swallowed: the interpreter may be shutting down)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
 class VmmError(RuntimeError):
     """A failure reported by vmm's C library.
 

@@ -68,7 +68,7 @@ def _device_text(device):
     return device, str(device)
 
 
-class Pool:
+class Pool(_lib.Closable):
     """A vmm pool of its own on a CUDA device or on the host.
 
     ``Pool(device, handle_type="auto", **options)``: `device` is a CUDA device index (or
@@ -176,18 +176,6 @@ class Pool:
         with _open_pools_lock:
             _open_pools.pop(pool_id, None)
         _lib.check(_lib.vmm().vmm_pool_destroy(pool_id), "Pool.close")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         state = "closed" if self._id is None else f"id={self._id}"

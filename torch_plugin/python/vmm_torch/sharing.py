@@ -75,7 +75,7 @@ def _release(import_id):
     _lib.vmm().vmm_import_release(ctypes.c_void_p(import_id))
 
 
-class ImportedBuffer:
+class ImportedBuffer(_lib.Closable):
     """An imported buffer: ``ptr`` (address of its first byte), ``size`` (bytes), ``device``
     (the CUDA device it is mapped on; -1 for the host backend) and ``backend`` ("cuda" or
     "host"). ``close()`` (idempotent, also on leaving a ``with`` block) unmaps it once no
@@ -115,18 +115,6 @@ class ImportedBuffer:
         import_id, self._id = self._id, None
         if import_id is not None:
             _release(import_id)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         state = "closed" if self._id is None else f"ptr={self.ptr:#x}"
