@@ -48,20 +48,7 @@ void Arena::Init(uintptr_t base, size_t size, int slot_shift) {
   gaps_.insert(head_);
 }
 
-Block* Arena::NewBlock() {
-  if (spare_.empty()) return new Block();
-  Block* b = spare_.back();
-  spare_.pop_back();
-  return b;
-}
-
-void Arena::DeleteBlock(Block* block) {
-  block->prev = block->next = nullptr;
-  block->stream_uses.clear();
-  block->pending_events = 0;
-  block->requested = 0;
-  spare_.push_back(block);
-}
+void Arena::EraseGap(Block* gap) { gaps_.erase(gap); }
 
 Block* Arena::Split(Block* block, uintptr_t at) {
   const bool cached = block->state == BlockState::kFree;
@@ -84,73 +71,6 @@ Block* Arena::Split(Block* block, uintptr_t at) {
   }
   if (gap) gaps_.insert(upper);
   return upper;
-}
-
-void Arena::Take(Block* block, size_t n, size_t min_rest) {
-  free_.Remove(block);
-  if (block->size - n >= min_rest) {
-    Block* rest = NewBlock();
-    rest->addr = block->addr + n;
-    rest->size = block->size - n;
-    rest->state = BlockState::kFree;
-    rest->stream = block->stream;
-    rest->free_seq = block->free_seq;
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next != nullptr) block->next->prev = rest;
-    block->next = rest;
-    block->size = n;
-    free_.Insert(rest);
-  }
-  block->state = BlockState::kAllocated;
-}
-
-bool Arena::CanMerge(const Block* a, const Block* b) {
-  if (a->state != b->state) return false;
-  switch (a->state) {
-    case BlockState::kFree:
-      return a->stream == b->stream;
-    case BlockState::kUnmapped:
-    case BlockState::kRetired:
-      return true;
-    default:
-      return false;
-  }
-}
-
-Block* Arena::Join(Block* a, Block* b) {
-  if (a->state == BlockState::kFree) {
-    if (a->stream == kAnyStream) a->stream = b->stream;
-    a->free_seq = std::max(a->free_seq, b->free_seq);
-  }
-  if (b->state == BlockState::kUnmapped) gaps_.erase(b);
-  a->size += b->size;
-  a->next = b->next;
-  if (b->next != nullptr) b->next->prev = a;
-  DeleteBlock(b);
-  return a;
-}
-
-Block* Arena::CoalesceFree(Block* block) {
-  if (block->next != nullptr && CanMerge(block, block->next)) {
-    free_.Remove(block->next);
-    block = Join(block, block->next);
-  }
-  if (block->prev != nullptr && CanMerge(block->prev, block)) {
-    free_.Remove(block->prev);
-    block = Join(block->prev, block);
-  }
-  free_.Insert(block);
-  return block;
-}
-
-Block* Arena::AddFree(Block* block, Stream stream, uint64_t free_seq) {
-  block->state = BlockState::kFree;
-  block->stream = stream;
-  block->free_seq = free_seq;
-  block->requested = 0;
-  block->stream_uses.clear();
-  return CoalesceFree(block);
 }
 
 Block* Arena::Retag(Block* block, Stream stream) {
@@ -313,6 +233,10 @@ std::string Arena::CheckInvariants() const {
     const bool in_free = free_.Contains(b);
     if ((b->state == BlockState::kFree) != in_free) {
       return absl::StrCat("free set disagrees with block at 0x", absl::Hex(b->addr));
+    }
+    if (in_free && !free_.Filed(b)) {
+      return absl::StrCat("free block at 0x", absl::Hex(b->addr), " is not in the bin of its ",
+                          "size and tag");
     }
     const bool in_gaps = gaps_.count(const_cast<Block*>(b)) != 0;
     if ((b->state == BlockState::kUnmapped) != in_gaps) {

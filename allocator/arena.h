@@ -13,11 +13,13 @@
 #ifndef VMM_ALLOCATOR_ARENA_H_
 #define VMM_ALLOCATOR_ARENA_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/container/btree_set.h"
 #include "allocator/block.h"
 #include "allocator/block_index.h"
@@ -104,7 +106,9 @@ class Arena {
   static bool UsableBy(const Block* block, Stream stream);
   Block* NewBlock();
   void DeleteBlock(Block* block);
-  // Merges `b` into `a` (a->next == b); neither may be in the free set. Returns a.
+  void EraseGap(Block* gap);
+  // Merges `b` into `a` (a->next == b) and returns a. `b` may not be in the free set; `a` may
+  // if its tag does not change (the caller then calls free_.Resized(a)).
   Block* Join(Block* a, Block* b);
   // Merges a kFree block that is not in the free set with its neighbours, then adds it.
   Block* CoalesceFree(Block* block);
@@ -120,6 +124,101 @@ class Arena {
   absl::btree_set<Block*, ByAddr> gaps_;
   std::vector<Block*> spare_;  // recycled Block objects
 };
+
+// The operations of the pool's cached path are inline.
+
+inline Block* Arena::NewBlock() {
+  if (spare_.empty()) return new Block();
+  Block* b = spare_.back();
+  spare_.pop_back();
+  return b;
+}
+
+inline void Arena::DeleteBlock(Block* block) {
+  block->prev = block->next = nullptr;
+  block->stream_uses.clear();
+  block->pending_events = 0;
+  block->requested = 0;
+  spare_.push_back(block);
+}
+
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Arena::Take(Block* block, size_t n, size_t min_rest) {
+  if (block->size - n >= min_rest) {
+    Block* rest = NewBlock();
+    rest->addr = block->addr + n;
+    rest->size = block->size - n;
+    rest->state = BlockState::kFree;
+    rest->stream = block->stream;
+    rest->free_seq = block->free_seq;
+    rest->prev = block;
+    rest->next = block->next;
+    if (block->next != nullptr) block->next->prev = rest;
+    block->next = rest;
+    block->size = n;
+    free_.Replace(block, rest, rest->size);
+  } else {
+    free_.Remove(block);
+  }
+  block->state = BlockState::kAllocated;
+}
+
+inline bool Arena::CanMerge(const Block* a, const Block* b) {
+  if (a->state != b->state) return false;
+  switch (a->state) {
+    case BlockState::kFree:
+      return a->stream == b->stream;
+    case BlockState::kUnmapped:
+    case BlockState::kRetired:
+      return true;
+    default:
+      return false;
+  }
+}
+
+inline Block* Arena::Join(Block* a, Block* b) {
+  if (a->state == BlockState::kFree) {
+    if (a->stream == kAnyStream) a->stream = b->stream;
+    a->free_seq = std::max(a->free_seq, b->free_seq);
+  }
+  if (b->state == BlockState::kUnmapped) EraseGap(b);
+  a->size += b->size;
+  a->next = b->next;
+  if (b->next != nullptr) b->next->prev = a;
+  DeleteBlock(b);
+  return a;
+}
+
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline Block* Arena::CoalesceFree(Block* block) {
+  Block* next = block->next != nullptr && CanMerge(block, block->next) ? block->next : nullptr;
+  if (block->prev != nullptr && CanMerge(block->prev, block)) {
+    // The cached block below absorbs this one (and the one above), keeping its bin if it can.
+    Block* prev = block->prev;
+    if (next != nullptr) {
+      free_.Remove(next);
+      Join(block, next);
+    }
+    Join(prev, block);
+    free_.Resized(prev);
+    return prev;
+  }
+  if (next != nullptr) {
+    // This block absorbs the cached one above and takes its place in the set.
+    free_.Replace(next, block, block->size + next->size);
+    return Join(block, next);
+  }
+  free_.Insert(block);
+  return block;
+}
+
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline Block* Arena::AddFree(Block* block, Stream stream,
+                                                           uint64_t free_seq) {
+  block->state = BlockState::kFree;
+  block->stream = stream;
+  block->free_seq = free_seq;
+  block->requested = 0;
+  block->stream_uses.clear();
+  return CoalesceFree(block);
+}
 
 }  // namespace vmm
 

@@ -15,4 +15,14 @@ std::vector<Block*> FreeBlocks::BlocksOf(Stream stream) const {
   return out;
 }
 
+bool FreeBlocks::Filed(const Block* block) const {
+  const Bins* bins = Find(block->stream);
+  const int bin = BinOf(block->size);
+  if (bins == nullptr || block->free_bins != bins || block->free_bin != bin) return false;
+  for (const Block* b = bins->heads[bin]; b != nullptr; b = b->free_next) {
+    if (b == block) return true;
+  }
+  return false;
+}
+
 }  // namespace vmm

@@ -9,8 +9,10 @@
 // lower address unless an exact size is found first.
 //
 // The best fit for stream S is the better of S's own blocks and the blocks every stream may
-// use (kAnyStream). A block's size and tag must not change while it is in the set: Remove()
-// it first.
+// use (kAnyStream). A block's tag must not change while it is in the set (Remove() it first);
+// its size may, if Resized() follows. Replace() and Resized() keep a block's place in its bin
+// when its new size still falls in that bin, which is the common case when a large free
+// block is split or grows by coalescing: no bin or bitmap changes then.
 #ifndef VMM_ALLOCATOR_FREE_BLOCKS_H_
 #define VMM_ALLOCATOR_FREE_BLOCKS_H_
 
@@ -32,7 +34,15 @@ class FreeBlocks {
 
   void Insert(Block* block);
   void Remove(Block* block);
+  // `block` (not in the set, same tag as `old`) enters the set in place of `old`, which
+  // leaves it; `size` is the size `block` has or is about to be given by the caller.
+  void Replace(Block* old, Block* block, size_t size);
+  // Moves `block` to the bin of its new size, after its size changed while in the set.
+  void Resized(Block* block);
   bool Contains(const Block* block) const { return block->free_bins != nullptr; }
+  // Whether a contained block is listed in the bin of its size and tag (for invariant checks:
+  // walks the bin).
+  bool Filed(const Block* block) const;
   size_t count() const { return count_; }
 
   // The smallest block of at least `size` bytes that `stream` may take now: one freed on
@@ -79,22 +89,24 @@ class FreeBlocks {
   static Block* SmallestIn(Block* head, size_t at_least);
   Bins* Find(Stream stream) const;
   Bins& FindOrAdd(Stream stream);
+  void InsertIn(Bins& bins, Block* block, int bin);
   static Block* BestFitIn(const Bins& bins, size_t size);
 
   std::vector<std::unique_ptr<Bins>> tags_;  // few: one per stream that freed memory
   Bins* last_ = nullptr;                      // the tag used last (the common one)
+  Bins* any_ = nullptr;                       // kAnyStream's bins, once they exist
   size_t count_ = 0;
 };
 
 // The searches and updates below are on the pool's cached path: inline.
 
 inline int FreeBlocks::BinOf(size_t size) {
+  // Without a branch (sizes arrive in no predictable order): below 2 * kSecond units the
+  // leading-bit position is taken as kSecondBits, which makes the bin the unit count itself.
   const uint64_t units = size >> 9;  // sizes are multiples of 512
-  if (units < kSecond) return static_cast<int>(units);
-  const int top = 63 - __builtin_clzll(units);  // >= kSecondBits
-  const int first = top - kSecondBits + 1;
-  const int second = static_cast<int>((units >> (top - kSecondBits)) & (kSecond - 1));
-  return first * kSecond + second;
+  const int top = 63 - __builtin_clzll(units | kSecond);
+  const int shift = top - kSecondBits;
+  return shift * kSecond + static_cast<int>(units >> shift);
 }
 
 inline FreeBlocks::Bins* FreeBlocks::Find(Stream stream) const {
@@ -111,20 +123,23 @@ inline FreeBlocks::Bins& FreeBlocks::FindOrAdd(Stream stream) {
     tags_.push_back(std::make_unique<Bins>());
     bins = tags_.back().get();
     bins->stream = stream;
+    if (stream == kAnyStream) any_ = bins;
   }
   last_ = bins;
   return *bins;
 }
 
 inline void FreeBlocks::Insert(Block* block) {
-  Bins& bins = FindOrAdd(block->stream);
-  const int bin = BinOf(block->size);
+  InsertIn(FindOrAdd(block->stream), block, BinOf(block->size));
+}
+
+inline void FreeBlocks::InsertIn(Bins& bins, Block* block, int bin) {
   block->free_prev = nullptr;
   block->free_next = bins.heads[bin];
   if (block->free_next != nullptr) block->free_next->free_prev = block;
   bins.heads[bin] = block;
-  bins.first_map |= uint64_t{1} << (bin / kSecond);
-  bins.second_map[bin / kSecond] |= 1u << (bin % kSecond);
+  bins.first_map |= uint64_t{1} << (bin >> kSecondBits);
+  bins.second_map[bin >> kSecondBits] |= 1u << (bin & (kSecond - 1));
   block->free_bins = &bins;
   block->free_bin = bin;
   ++bins.count;
@@ -141,13 +156,45 @@ inline void FreeBlocks::Remove(Block* block) {
   }
   if (block->free_next != nullptr) block->free_next->free_prev = block->free_prev;
   if (bins.heads[bin] == nullptr) {
-    bins.second_map[bin / kSecond] &= ~(1u << (bin % kSecond));
-    if (bins.second_map[bin / kSecond] == 0) bins.first_map &= ~(uint64_t{1} << (bin / kSecond));
+    bins.second_map[bin >> kSecondBits] &= ~(1u << (bin & (kSecond - 1)));
+    // Clears the class bit if the class emptied, without a branch.
+    const int first = bin >> kSecondBits;
+    bins.first_map &= ~(uint64_t{bins.second_map[first] == 0} << first);
   }
   block->free_prev = block->free_next = nullptr;
   block->free_bins = nullptr;
   --bins.count;
   --count_;
+}
+
+inline void FreeBlocks::Replace(Block* old, Block* block, size_t size) {
+  Bins& bins = *static_cast<Bins*>(old->free_bins);
+  const int bin = BinOf(size);
+  if (bin != old->free_bin) {
+    Remove(old);
+    InsertIn(bins, block, bin);
+    return;
+  }
+  block->free_prev = old->free_prev;
+  block->free_next = old->free_next;
+  if (block->free_prev != nullptr) {
+    block->free_prev->free_next = block;
+  } else {
+    bins.heads[bin] = block;
+  }
+  if (block->free_next != nullptr) block->free_next->free_prev = block;
+  block->free_bins = &bins;
+  block->free_bin = bin;
+  old->free_prev = old->free_next = nullptr;
+  old->free_bins = nullptr;
+}
+
+inline void FreeBlocks::Resized(Block* block) {
+  const int bin = BinOf(block->size);
+  if (bin == block->free_bin) return;
+  Bins& bins = *static_cast<Bins*>(block->free_bins);
+  Remove(block);
+  InsertIn(bins, block, bin);
 }
 
 inline Block* FreeBlocks::SmallestIn(Block* head, size_t at_least) {
@@ -158,7 +205,8 @@ inline Block* FreeBlocks::SmallestIn(Block* head, size_t at_least) {
       if (best == nullptr || best->size != at_least || b->addr < best->addr) best = b;
       continue;
     }
-    if (best == nullptr || b->size < best->size || (b->size == best->size && b->addr < best->addr)) {
+    if (best == nullptr || b->size < best->size ||
+        (b->size == best->size && b->addr < best->addr)) {
       best = b;
     }
   }
@@ -169,18 +217,20 @@ inline Block* FreeBlocks::BestFitIn(const Bins& bins, size_t size) {
   if (bins.count == 0) return nullptr;
   const int bin = BinOf(size);
   if (Block* b = SmallestIn(bins.heads[bin], size)) return b;
-  // The next non-empty bin: every block in it is larger than `size`.
-  int first = bin / kSecond;
-  const int second = bin % kSecond;
-  uint32_t rest = second + 1 < kSecond ? bins.second_map[first] & (~0u << (second + 1)) : 0;
-  if (rest == 0) {
-    const uint64_t higher =
-        first + 1 < kFirst ? bins.first_map & (~uint64_t{0} << (first + 1)) : 0;
-    if (higher == 0) return nullptr;
-    first = __builtin_ctzll(higher);
-    rest = bins.second_map[first];
-  }
-  const int next = first * kSecond + __builtin_ctz(rest);
+  // The next non-empty bin: every block in it is larger than `size`. Found in this bin's
+  // class, else in the next non-empty class; the choice is made without a branch.
+  const int first = bin >> kSecondBits;
+  const int second = bin & (kSecond - 1);
+  const uint32_t same = bins.second_map[first] & ((~0u << second) << 1);
+  const uint64_t higher = bins.first_map & ((~uint64_t{0} << first) << 1);
+  if ((same | higher) == 0) return nullptr;
+  // (Masks rather than ?: , which the compiler turns into a branch here. When `higher` is 0,
+  // `same` is not, and the index stays `first`.)
+  const int in_same = -static_cast<int>(same != 0);  // all ones or zero
+  const int higher_first = __builtin_ctzll(higher | (uint64_t{1} << 63));
+  const int next_first = higher_first + ((first - higher_first) & in_same);
+  const uint32_t rest = same | (bins.second_map[next_first] & ~static_cast<uint32_t>(in_same));
+  const int next = next_first * kSecond + __builtin_ctz(rest);
   return SmallestIn(bins.heads[next], 0);
 }
 
@@ -188,8 +238,7 @@ inline Block* FreeBlocks::BestFit(Stream stream, size_t size) const {
   const Bins* own = Find(stream);
   Block* mine = own != nullptr ? BestFitIn(*own, size) : nullptr;
   if (stream == kAnyStream) return mine;
-  const Bins* shared = Find(kAnyStream);
-  Block* any = shared != nullptr ? BestFitIn(*shared, size) : nullptr;
+  Block* any = any_ != nullptr ? BestFitIn(*any_, size) : nullptr;
   if (mine == nullptr) return any;
   if (any == nullptr) return mine;
   return any->size < mine->size ? any : mine;

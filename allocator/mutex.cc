@@ -2,13 +2,16 @@
 
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 namespace vmm {
 namespace {
 
-void FutexWait(std::atomic<int>* word, int value) {
-  syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAIT_PRIVATE, value, nullptr, nullptr, 0);
+// Sleeps while *word == value, for at most `timeout`.
+void FutexWait(std::atomic<int>* word, int value, const timespec& timeout) {
+  syscall(SYS_futex, reinterpret_cast<int*>(word), FUTEX_WAIT_PRIVATE, value, &timeout, nullptr,
+          0);
 }
 
 void FutexWake(std::atomic<int>* word, int count) {
@@ -33,11 +36,14 @@ void Mutex::LockSlow() {
       return;
     }
   }
-  // Announce a sleeper; whoever unlocks then wakes one. Taking the lock here leaves it marked
-  // contended, which costs at most one spare wake-up.
-  while (state_.exchange(kContended, std::memory_order_acquire) != kUnlocked) {
-    FutexWait(&state_, kContended);
+  // Announce a sleeper (Unlock then wakes one), and sleep until the lock is free. The timeout
+  // bounds the wait should a wake-up be missed (see mutex.h).
+  constexpr timespec kRetry = {0, 1000 * 1000};
+  sleepers_.fetch_add(1, std::memory_order_seq_cst);
+  while (state_.exchange(kLocked, std::memory_order_acquire) != kUnlocked) {
+    FutexWait(&state_, kLocked, kRetry);
   }
+  sleepers_.fetch_sub(1, std::memory_order_relaxed);
 }
 
 void Mutex::WakeOne() { FutexWake(&state_, 1); }

@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/base/attributes.h"
 #include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -136,10 +137,13 @@ absl::Status Pool::Init() {
   // Allocated blocks of the large arena are larger than small_size, or alone in a chunk, so
   // they start at least this far apart (a power of two, at least 512).
   int large_shift = 9;
-  while ((size_t{2} << large_shift) <= std::min(options_.small_size + 1, granularity_)) ++large_shift;
+  while ((size_t{2} << large_shift) <= std::min(options_.small_size + 1, granularity_)) {
+    ++large_shift;
+  }
   MutexLock lock(&mu_);
   small_.Init(base_, small, /*slot_shift=*/9);
   large_.Init(base_ + small, reserve_size_ - small, large_shift);
+  large_base_ = base_ + small;
   memory_limit_ = options_.memory_limit;
   return absl::OkStatus();
 }
@@ -172,15 +176,31 @@ Pool::~Pool() {
   }
 }
 
-Arena& Pool::ArenaFor(size_t rounded) {
-  return rounded <= options_.small_size ? small_ : large_;
-}
+// Both pick an arena by table lookup rather than a branch: sizes and addresses come in no
+// predictable order, and a mispredicted branch costs more than the whole lookup.
+Arena& Pool::ArenaFor(size_t rounded) { return *arenas_[rounded > options_.small_size]; }
 
-Arena& Pool::ArenaOf(uintptr_t addr) { return small_.Contains(addr) ? small_ : large_; }
+Arena& Pool::ArenaOf(uintptr_t addr) { return *arenas_[addr >= large_base_]; }
 
 Block* Pool::LiveBlock(const void* ptr) {
   const auto addr = reinterpret_cast<uintptr_t>(ptr);
   return ArenaOf(addr).live().Find(addr);
+}
+
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::TakeBlock(Arena& arena, Block* block, size_t n,
+                                                         size_t requested, Stream stream) {
+  arena.Take(block, n, kMinBlock);
+  block->stream = stream;
+  block->requested = requested;
+  arena.live().Insert(block);
+  const auto bytes = static_cast<int64_t>(block->size);
+  stats_.allocated_bytes.Increase(bytes);
+  stats_.requested_bytes.Increase(static_cast<int64_t>(requested));
+  stats_.allocation.Increase(1);
+}
+
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::Cache(Arena& arena, Block* block) {
+  arena.AddFree(block, block->stream, ++free_seq_);
 }
 
 absl::StatusOr<void*> Pool::Allocate(size_t size, Stream stream) {
@@ -220,7 +240,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   if (block == nullptr && !shareable) {
     // Blocks other streams freed may be done with; blocks every stream may use can join
     // this stream's neighbouring blocks.
-    VMM_RETURN_IF_ERROR(ReclaimOtherStreams());
+    VMM_RETURN_IF_ERROR(ReclaimOtherStreams(stream));
     arena.NarrowAnyTo(stream);
     block = arena.BestFit(stream, n);
   }
@@ -244,6 +264,12 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     block = *grown;
   }
   TakeBlock(arena, block, n, size, stream);
+  if (pending_blocks_ > 0) {
+    // Active (allocated + pending) peaks here; the cached path runs only with none pending.
+    active_bytes_peak_ =
+        std::max(active_bytes_peak_, stats_.allocated_bytes.current + pending_bytes_);
+    active_peak_ = std::max(active_peak_, stats_.allocation.current + pending_blocks_);
+  }
   if (shareable && block->next != nullptr && block->next->state == BlockState::kFree &&
       OverlapsExported(block->next->addr, block->next->end())) {
     // The rest of its own chunk is never handed out.
@@ -253,91 +279,93 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   return reinterpret_cast<void*>(block->addr);
 }
 
-void Pool::TakeBlock(Arena& arena, Block* block, size_t n, size_t requested, Stream stream) {
-  arena.Take(block, n, kMinBlock);
-  block->stream = stream;
-  block->requested = requested;
-  arena.live().Insert(block);
-  const auto bytes = static_cast<int64_t>(block->size);
-  stats_.allocated_bytes.Increase(bytes);
-  stats_.requested_bytes.Increase(static_cast<int64_t>(requested));
-  stats_.active_bytes.Increase(bytes);
-  stats_.allocation.Increase(1);
-  stats_.active.Increase(1);
-}
-
 absl::Status Pool::Free(void* ptr) {
   MutexLock lock(&mu_);
-  Block* block = LiveBlock(ptr);
-  if (block == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "free of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
-        ", which is not a live block of the pool on device ", options_.device,
-        " (double free, or a pointer from elsewhere)"));
-  }
-  ArenaOf(block->addr).live().Erase(block);
+  const auto addr = reinterpret_cast<uintptr_t>(ptr);
+  Arena& arena = ArenaOf(addr);
+  Block* block = arena.live().Find(addr);
+  if (ABSL_PREDICT_FALSE(block == nullptr)) return NotLive(addr);
+  arena.live().Erase(block);
   stats_.allocated_bytes.Decrease(static_cast<int64_t>(block->size));
   stats_.requested_bytes.Decrease(static_cast<int64_t>(block->requested));
   stats_.allocation.Decrease(1);
-  const bool exported = exported_chunks_ > 0 && OverlapsExported(block->addr, block->end());
-  if (block->stream_uses.empty() && !exported) {
-    Recycle(block);
+  if (ABSL_PREDICT_TRUE(block->stream_uses.empty() &&
+                        (exported_chunks_ == 0 || !OverlapsExported(block->addr, block->end())))) {
+    Cache(arena, block);
   } else {
-    // Other streams (or, for memory that will be unmapped, its own stream) may still use it.
-    std::vector<Stream> streams = std::move(block->stream_uses);
-    block->stream_uses.clear();
-    if (exported) streams.push_back(block->stream);
-    block->state = BlockState::kPendingFree;
-    bool lost_stream = false;
-    for (Stream s : streams) {
-      VMM_ASSIGN_OR_RETURN(Event event, GetEvent());
-      ++stats_.driver_event;
-      absl::Status recorded = driver_->RecordEvent(event, s);
-      if (!recorded.ok()) {
-        spare_events_.push_back(event);
-        lost_stream = true;
-        continue;
-      }
-      pending_.push_back(Pending{event, block});
-      ++block->pending_events;
-    }
-    if (lost_stream) {
-      // A stream is gone (or broken): wait for the whole device instead. That completes the
-      // events recorded above as well, and ProcessPending recycles the block if it has any,
-      // so it must not be recycled twice (nor touched: recycling may merge it away).
-      const bool has_events = block->pending_events > 0;
-      VMM_RETURN_IF_ERROR(SynchronizeAll());
-      if (!has_events) Recycle(block);
-    } else if (block->pending_events == 0) {
-      Recycle(block);
-    } else {
-      // Often the streams are done already (idle, or synchronised by the program): then the
-      // block is recycled (or its exported chunk released) now rather than at a later call.
-      // `block` must not be touched after this.
-      VMM_RETURN_IF_ERROR(ProcessPending());
-    }
+    VMM_RETURN_IF_ERROR(FreeInUse(block));
   }
-  if (options_.release_threshold != SIZE_MAX) {
-    const int64_t cached = stats_.reserved_bytes.current - stats_.active_bytes.current -
-                           retired_bytes_;
-    if (cached > static_cast<int64_t>(options_.release_threshold)) {
-      VMM_RETURN_IF_ERROR(ReclaimOtherStreams());
-      VMM_RETURN_IF_ERROR(ReleaseFreeChunks(
-          /*any_stream=*/false, static_cast<size_t>(cached) - options_.release_threshold));
-    }
-  }
+  if (ABSL_PREDICT_FALSE(options_.release_threshold != SIZE_MAX)) return ApplyReleaseThreshold();
   return absl::OkStatus();
 }
 
+absl::Status Pool::NotLive(uintptr_t addr) const {
+  return absl::InvalidArgumentError(absl::StrCat(
+      "free of ", absl::Hex(addr), ", which is not a live block of the pool on device ",
+      options_.device, " (double free, or a pointer from elsewhere)"));
+}
+
+absl::Status Pool::FreeInUse(Block* block) {
+  // Other streams (or, for memory that will be unmapped, its own stream) may still use it.
+  const bool exported = exported_chunks_ > 0 && OverlapsExported(block->addr, block->end());
+  std::vector<Stream> streams = std::move(block->stream_uses);
+  block->stream_uses.clear();
+  if (exported) streams.push_back(block->stream);
+  block->state = BlockState::kPendingFree;
+  pending_bytes_ += static_cast<int64_t>(block->size);
+  ++pending_blocks_;
+  bool lost_stream = false;
+  for (Stream s : streams) {
+    VMM_ASSIGN_OR_RETURN(Event event, GetEvent());
+    ++stats_.driver_event;
+    absl::Status recorded = driver_->RecordEvent(event, s);
+    if (!recorded.ok()) {
+      spare_events_.push_back(event);
+      lost_stream = true;
+      continue;
+    }
+    pending_.push_back(Pending{event, block});
+    ++block->pending_events;
+  }
+  if (lost_stream) {
+    // A stream is gone (or broken): wait for the whole device instead. That completes the
+    // events recorded above as well, and ProcessPending recycles the block if it has any,
+    // so it must not be recycled twice (nor touched: recycling may merge it away).
+    const bool has_events = block->pending_events > 0;
+    VMM_RETURN_IF_ERROR(SynchronizeAll());
+    if (!has_events) Recycle(block);
+    return absl::OkStatus();
+  }
+  if (block->pending_events == 0) {
+    Recycle(block);
+    return absl::OkStatus();
+  }
+  // Often the streams are done already (idle, or synchronised by the program): then the
+  // block is recycled (or its exported chunk released) now rather than at a later call.
+  // `block` must not be touched after this.
+  return ProcessPending();
+}
+
+absl::Status Pool::ApplyReleaseThreshold() {
+  const int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
+                         pending_bytes_ - retired_bytes_;
+  if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
+  VMM_RETURN_IF_ERROR(ReclaimOtherStreams());
+  return ReleaseFreeChunks(/*any_stream=*/false,
+                           static_cast<size_t>(cached) - options_.release_threshold);
+}
+
 void Pool::Recycle(Block* block) {
-  stats_.active_bytes.Decrease(static_cast<int64_t>(block->size));
-  stats_.active.Decrease(1);
+  if (block->state == BlockState::kPendingFree) {
+    pending_bytes_ -= static_cast<int64_t>(block->size);
+    --pending_blocks_;
+  }
   Arena& arena = ArenaOf(block->addr);
-  const Stream tag = block->stream;
   if (exported_chunks_ == 0 || !OverlapsExported(block->addr, block->end())) {
-    arena.AddFree(block, tag, ++free_seq_);
+    Cache(arena, block);
     return;
   }
+  const Stream tag = block->stream;
   // Split along chunk boundaries: parts in exported chunks retire, the rest is cached.
   const uintptr_t start = block->addr;
   const uintptr_t end = block->end();
@@ -592,12 +620,13 @@ absl::Status Pool::ProcessPending() {
   return absl::OkStatus();
 }
 
-absl::Status Pool::ReclaimOtherStreams() {
+absl::Status Pool::ReclaimOtherStreams(Stream requester) {
   // Streams that have cached blocks only they may use.
   std::vector<Stream> streams;
   for (const Arena* arena : {&small_, &large_}) {
     arena->free_blocks().ForEachStream([&](Stream s) {
-      if (s != kAnyStream && std::find(streams.begin(), streams.end(), s) == streams.end()) {
+      if (s != kAnyStream && s != requester &&
+          std::find(streams.begin(), streams.end(), s) == streams.end()) {
         streams.push_back(s);
       }
     });
@@ -634,7 +663,8 @@ absl::Status Pool::ReclaimOtherStreams() {
   }
   // Forget streams with nothing cached (they may be long gone), keeping their events.
   for (auto it = reclaim_.begin(); it != reclaim_.end();) {
-    const bool cached = std::find(streams.begin(), streams.end(), it->first) != streams.end();
+    const bool cached = it->first == requester ||
+                        std::find(streams.begin(), streams.end(), it->first) != streams.end();
     if (!cached && !it->second.in_flight) {
       if (it->second.event != 0) spare_events_.push_back(it->second.event);
       reclaim_.erase(it++);
@@ -732,6 +762,20 @@ void Pool::AddChunkReleaseListener(std::function<void(uint64_t chunk_id)> listen
 }
 
 void Pool::UpdateDerivedStats(PoolStats& stats) const {
+  // Active = allocated + freed blocks still used by streams (pending). It rises only when a
+  // block is allocated, so its peak is allocated's peak or one recorded while blocks were
+  // pending (AllocateLocked); it falls when a block is freed unused or leaves pending.
+  auto derive_active = [](const Stat& allocated, int64_t pending, int64_t pending_at_reset,
+                          int64_t pending_peak, Stat& active) {
+    active.current = allocated.current + pending;
+    active.peak = std::max(allocated.peak, pending_peak);
+    active.allocated = allocated.allocated;
+    active.freed = allocated.freed - (pending - pending_at_reset);
+  };
+  derive_active(stats_.allocated_bytes, pending_bytes_, pending_bytes_at_reset_,
+                active_bytes_peak_, stats.active_bytes);
+  derive_active(stats_.allocation, pending_blocks_, pending_blocks_at_reset_, active_peak_,
+                stats.active);
   size_t free_bytes = 0;
   size_t free_count = 0;
   size_t largest = 0;
@@ -765,6 +809,8 @@ void Pool::ResetPeakStats() {
   VMM_BYTE_STATS(VMM_RESET_PEAK)
   VMM_COUNT_STATS(VMM_RESET_PEAK)
 #undef VMM_RESET_PEAK
+  active_bytes_peak_ = stats_.allocated_bytes.current + pending_bytes_;
+  active_peak_ = stats_.allocation.current + pending_blocks_;
 }
 
 void Pool::ResetAccumulatedStats() {
@@ -773,6 +819,8 @@ void Pool::ResetAccumulatedStats() {
   VMM_BYTE_STATS(VMM_RESET_ACC)
   VMM_COUNT_STATS(VMM_RESET_ACC)
 #undef VMM_RESET_ACC
+  pending_bytes_at_reset_ = pending_bytes_;
+  pending_blocks_at_reset_ = pending_blocks_;
 #define VMM_RESET_COUNTER(name, key, what) stats_.name = 0;
   VMM_COUNTERS(VMM_RESET_COUNTER)
 #undef VMM_RESET_COUNTER
@@ -901,9 +949,9 @@ absl::Status Pool::CheckInvariants() const {
   if (pending_events != static_cast<int64_t>(pending_.size())) return fail("pending list");
   if (allocated != stats_.allocated_bytes.current) return fail("allocated_bytes");
   if (requested != stats_.requested_bytes.current) return fail("requested_bytes");
-  if (active != stats_.active_bytes.current) return fail("active_bytes");
+  if (active != stats_.allocated_bytes.current + pending_bytes_) return fail("active_bytes");
   if (live != stats_.allocation.current) return fail("allocation count");
-  if (live + pending_blocks != stats_.active.current) return fail("active count");
+  if (pending_blocks != pending_blocks_) return fail("pending block count");
   if (reserved != stats_.reserved_bytes.current) return fail("reserved_bytes");
   if (static_cast<int64_t>(chunks_.size()) != stats_.segment.current) return fail("segments");
   if (exported != stats_.exported_bytes.current) return fail("exported_bytes");

@@ -44,6 +44,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
@@ -212,6 +213,13 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Puts a block whose streams are done back in the cache (or retires it).
   void Recycle(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Free's slow parts: the error for a pointer that is not live; a block other streams used
+  // or inside an exported chunk (events, then Recycle); trimming to the release threshold.
+  ABSL_ATTRIBUTE_COLD absl::Status NotLive(uintptr_t addr) const;
+  ABSL_ATTRIBUTE_NOINLINE absl::Status FreeInUse(Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  ABSL_ATTRIBUTE_NOINLINE absl::Status ApplyReleaseThreshold() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Recycle's common case: caches a block outside exported chunks, coalescing it.
+  void Cache(Arena& arena, Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Retires the free blocks inside the exported chunk at `chunk_addr`.
   void RetireChunkSpace(uintptr_t chunk_addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the exported chunks around [addr, end) that nothing uses any more.
@@ -220,8 +228,11 @@ class Pool {
   bool OverlapsExported(uintptr_t addr, uintptr_t end) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Queries outstanding events and finishes the frees whose streams are done.
   absl::Status ProcessPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Records events on streams with cached blocks and retags the blocks of finished streams.
-  absl::Status ReclaimOtherStreams() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records events on streams with cached blocks and retags the blocks of finished streams
+  // for every stream, except those of `requester` (it may use them already; retagging them
+  // would only keep them from coalescing with its later frees).
+  absl::Status ReclaimOtherStreams(Stream requester = kAnyStream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes every cached block reusable by every stream (after a device synchronisation).
   void RetagAllFree() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SynchronizeAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -242,6 +253,9 @@ class Pool {
   mutable Mutex mu_;
   Arena small_ ABSL_GUARDED_BY(mu_);
   Arena large_ ABSL_GUARDED_BY(mu_);
+  // {&small_, &large_}, and where large_ begins (set once by Init), for ArenaFor/ArenaOf.
+  Arena* const arenas_[2] = {&small_, &large_};
+  uintptr_t large_base_ = 0;
   // Physical chunks by address; together they back exactly the non-gap blocks.
   absl::btree_map<uintptr_t, Chunk> chunks_ ABSL_GUARDED_BY(mu_);
   uint64_t next_chunk_id_ ABSL_GUARDED_BY(mu_) = 1;
@@ -253,7 +267,17 @@ class Pool {
   int64_t exported_chunks_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t retired_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t memory_limit_ ABSL_GUARDED_BY(mu_) = 0;
+  // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
+  // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:
+  // bytes and blocks freed by callers while streams still use them, their values at the
+  // last ResetAccumulatedStats, and the highest active reached while some were pending.
   PoolStats stats_ ABSL_GUARDED_BY(mu_);
+  int64_t pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pending_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pending_bytes_at_reset_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t pending_blocks_at_reset_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t active_bytes_peak_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t active_peak_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::function<void(uint64_t)>> release_listeners_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -30,6 +30,17 @@ expect "$tmp/growth.jsonl" grow_over_bare
 expect "$tmp/peer.jsonl" ns_per_pair
 expect "$tmp/peer.jsonl" peak_reserved_over_peak_allocated
 
+"$bin/import_bench" --backend=host --sizes=8M --reps=2 --chunk_sizes=whole,2M --threads=2 \
+  >"$tmp/import.jsonl"
+expect "$tmp/import.jsonl" critical_path_ns
+expect "$tmp/import.jsonl" set_access_ns
+expect "$tmp/import.jsonl" xproc_import_buffer_ns
+expect "$tmp/import.jsonl" xproc_fd_fetch_ns
+# Both handle types, both chunkings, and the import_map variant ran, and nothing failed.
+[[ $(grep -c '"metric": "critical_path_ns"' "$tmp/import.jsonl") -eq 12 ]] ||
+  { echo "expected 12 critical_path_ns lines:"; cat "$tmp/import.jsonl"; exit 1; }
+if grep -q '"error"' "$tmp/import.jsonl"; then cat "$tmp/import.jsonl"; exit 1; fi
+
 # A malformed trace is refused with a message naming the line.
 printf 'a 1 100\nf 2\n' >"$tmp/bad.txt"
 if "$bin/replay" --trace="$tmp/bad.txt" --backend=host 2>"$tmp/bad.log"; then

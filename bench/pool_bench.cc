@@ -25,7 +25,7 @@ Driver* GetDriver() {
 void BM_CachedAllocFreePair(benchmark::State& state) {
   const size_t live = static_cast<size_t>(state.range(0));
   PoolOptions options;
-  options.reserve_size = size_t{64} << 30;
+  options.reserve_size = size_t{16} << 30;
   auto pool = *Pool::Create(GetDriver(), options);
   std::vector<size_t> sizes = vmm_bench::MixedSizes(1024, 1);
   std::vector<void*> blocks(live);

@@ -4,8 +4,8 @@
 #
 #   bench/run_gpu_bench.sh BIN_DIR TRACE OUT_DIR
 #
-# BIN_DIR holds replay, growth_bench and vmm_peer_bench built on the Debian machine with
-# `bazel build -c opt //bench/...` (see bench/README.md); TRACE is the training trace
+# BIN_DIR holds replay, growth_bench, vmm_peer_bench and import_bench built on the Debian
+# machine with `bazel build -c opt //bench/...` (see bench/README.md); TRACE is the training trace
 # (python3 training_trace.py > trace.txt). torch_peer_bench is built here, against the
 # installed torch. A failing step is logged and the others still run; the exit status is
 # that of the first failure.
@@ -47,4 +47,7 @@ step replay_sweep 240 "$bin/replay" --backend=cuda --trace="$trace" \
 
 rm -f "$out/build_torch_peer.jsonl"
 python3 "$here/report.py" "$out"/*.jsonl >"$out/report.md" && cat "$out/report.md"
+# Where the time of sharing a buffer goes (import.jsonl; not in report.md). Last, so that its
+# time box cannot cost the report; fabric is skipped unless an IMEX channel exists.
+step import 240 "$bin/import_bench" --backend=cuda
 exit "$status"

@@ -8,7 +8,16 @@ Modes: vmm with fabric handles, vmm with POSIX fds, PyTorch's default allocator,
 with expandable segments. Bandwidth compares a device-to-device copy out of imported memory
 with the same copy out of memory the consumer allocated itself.
 
-    python3 bench/share_latency.py --sizes 64M,1G,8G --reps 7 --out share.jsonl
+With --breakdown, each latency row is followed by a "share_breakdown" row: medians in
+microseconds of where the latency went, parts that add up to it. export: the pickling reducer
+in the producer (vmm's or PyTorch's reduce_tensor). transit: from the put until the consumer's
+rebuild function starts, less the export (queue feeder thread, pipe, unpickling up to the
+rebuild). import: the rebuild function (vmm's rebuild_tensor, split into vmm_import, the C
+call, and wrap, the tensor over it; PyTorch's rebuild_cuda_tensor). unpickle_other: from the
+end of the rebuild until the queue's get returns. first_read: from then until tensor[0].item()
+returns. Timestamps are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for all processes).
+
+    python3 bench/share_latency.py --sizes 64M,1G,8G --reps 7 --out share.jsonl [--breakdown]
 Prints one JSON object per result (and appends them to --out).
 """
 import argparse
@@ -16,6 +25,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -24,6 +34,10 @@ import torch.multiprocessing as mp
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 # How long the producer waits for the consumer's answer before giving up on the mode.
 RESULT_TIMEOUT_S = 60
+# (name, start_ns, end_ns) of the calls timed by --breakdown in this process; the producer's
+# reducer runs in the queue's feeder thread, hence the lock.
+_stamps = []
+_stamps_lock = threading.Lock()
 
 
 def parse_size(text):
@@ -39,19 +53,89 @@ def setup_mode(mode):
         vmm_torch.install_reducers()
 
 
-def consumer(mode, jobs, results):
+def timed(fn, name):
+    """`fn`, recording the start and end of each call in _stamps under `name`."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            end = time.perf_counter_ns()
+            with _stamps_lock:
+                _stamps.append((name, start, end))
+    return wrapper
+
+
+def take_stamps():
+    """{name: (start_ns, end_ns)} of the calls timed since the last take."""
+    with _stamps_lock:
+        taken = {name: (start, end) for name, start, end in _stamps}
+        _stamps.clear()
+    return taken
+
+
+def time_export(mode):
+    """Times the reducer that pickles this process's tensors (after setup_mode)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    if mode.startswith("vmm"):
+        import vmm_torch.reductions as reductions
+    else:
+        import torch.multiprocessing.reductions as reductions
+    ForkingPickler.register(torch.Tensor, timed(reductions.reduce_tensor, "export"))
+
+
+def time_import(mode):
+    """Times the rebuild of received tensors: unpickling looks the rebuild function up as a
+    module attribute, and SharedTensor.open its helpers as globals of vmm_torch.sharing."""
+    if mode.startswith("vmm"):
+        import vmm_torch.reductions as reductions
+        import vmm_torch.sharing as sharing
+
+        reductions.rebuild_tensor = timed(reductions.rebuild_tensor, "import")
+        sharing._import_id = timed(sharing._import_id, "vmm_import")
+        sharing._wrap_import = timed(sharing._wrap_import, "wrap")
+    else:
+        import torch.multiprocessing.reductions as reductions
+
+        reductions.rebuild_cuda_tensor = timed(reductions.rebuild_cuda_tensor, "import")
+
+
+def consumer(mode, jobs, results, breakdown):
     setup_mode(mode)
+    if breakdown:
+        time_import(mode)
     torch.cuda.init()
     while True:
+        take_stamps()
         item = jobs.get()
+        got = time.perf_counter_ns()
         if item is None:
             return
         t0, tensor, measure_bandwidth = item
         first = tensor[0].item()  # the first read: waits for the import and a kernel
         t1 = time.perf_counter_ns()
+        stamps = take_stamps()
         bandwidth = copy_bandwidth(tensor) if measure_bandwidth else None
-        results.put({"latency_ns": t1 - t0, "first": first, "bandwidth": bandwidth})
+        results.put({"latency_ns": t1 - t0, "first": first, "bandwidth": bandwidth,
+                     "got_ns": got, "stamps": stamps})
         del tensor, item
+
+
+def split_latency(t0, r, stamps):
+    """The parts of one repetition's latency in ns (see --breakdown), which add up to it, from
+    the producer's `stamps` and the consumer's answer `r`; None if a timed call did not run."""
+    if "export" not in stamps or "import" not in r["stamps"]:
+        print(f"breakdown: no export or import timed ({stamps}, {r['stamps']})", file=sys.stderr)
+        return None
+    (e0, e1), (i0, i1) = stamps["export"], r["stamps"]["import"]
+    got, t1 = r["got_ns"], t0 + r["latency_ns"]
+    parts = {"export": e1 - e0, "transit": i0 - t0 - (e1 - e0), "import": i1 - i0,
+             "unpickle_other": got - i1, "first_read": t1 - got}
+    for name in ("vmm_import", "wrap"):  # parts of the import
+        if name in r["stamps"]:
+            parts[name] = r["stamps"][name][1] - r["stamps"][name][0]
+    return parts
 
 
 def copy_bandwidth(src, iters=20):
@@ -76,29 +160,35 @@ def copy_bandwidth(src, iters=20):
     return {"imported_gbs": imported, "native_gbs": native}
 
 
-def run_mode(mode, sizes, reps, bandwidth_size):
+def run_mode(mode, sizes, reps, bandwidth_size, breakdown):
     ctx = mp.get_context("spawn")
     env_before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if mode == "torch-expandable":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     jobs, results = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=consumer, args=(mode, jobs, results))
+    proc = ctx.Process(target=consumer, args=(mode, jobs, results, breakdown))
     proc.start()
     out = []
     try:
         for size in sizes:
-            latencies = []
+            latencies, parts = [], []
             bandwidth = None
             for rep in range(reps + 1):  # the first repetition warms up
                 measure = size == bandwidth_size and rep == reps
                 t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
                 torch.cuda.synchronize()
-                jobs.put((time.perf_counter_ns(), t, measure))
+                take_stamps()
+                t0 = time.perf_counter_ns()
+                jobs.put((t0, t, measure))
                 print(f"{mode}: {size} bytes, repetition {rep}", file=sys.stderr, flush=True)
                 r = results.get(timeout=RESULT_TIMEOUT_S)
                 assert r["first"] == 7, r
                 if rep > 0:
                     latencies.append(r["latency_ns"])
+                    # The export ended before the consumer could answer.
+                    split = breakdown and split_latency(t0, r, take_stamps())
+                    if split:
+                        parts.append(split)
                 if r["bandwidth"]:
                     bandwidth = r["bandwidth"]
                 del t
@@ -108,6 +198,12 @@ def run_mode(mode, sizes, reps, bandwidth_size):
                    "min_ms": min(latencies) / 1e6, "reps": reps}
             out.append(row)
             print(json.dumps(row), flush=True)
+            if parts:
+                row = {"bench": "share_breakdown", "mode": mode, "bytes": size,
+                       **{f"{k}_us": statistics.median(p[k] for p in parts) / 1e3
+                          for k in parts[0]}}
+                out.append(row)
+                print(json.dumps(row), flush=True)
             if bandwidth:
                 row = {"bench": "imported_bandwidth", "mode": mode, "bytes": size, **bandwidth,
                        "ratio": bandwidth["imported_gbs"] / bandwidth["native_gbs"]}
@@ -123,11 +219,13 @@ def run_mode(mode, sizes, reps, bandwidth_size):
     return out
 
 
-def producer(mode, sizes, reps, bandwidth_size, queue):
+def producer(mode, sizes, reps, bandwidth_size, breakdown, queue):
     setup_mode(mode)
+    if breakdown:
+        time_export(mode)
     if mode == "torch-expandable":
         assert "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    queue.put(run_mode(mode, sizes, reps, bandwidth_size))
+    queue.put(run_mode(mode, sizes, reps, bandwidth_size, breakdown))
 
 
 def main():
@@ -137,6 +235,8 @@ def main():
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--bandwidth-size", default="1G")
     p.add_argument("--out", default="")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also report where the latency goes (export, transit, import, ...)")
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
     ctx = mp.get_context("spawn")
@@ -146,8 +246,8 @@ def main():
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         q = ctx.Queue()
         # Each mode in its own producer process: the allocator is chosen per process.
-        proc = ctx.Process(target=producer,
-                           args=(mode, sizes, a.reps, parse_size(a.bandwidth_size), q))
+        proc = ctx.Process(target=producer, args=(mode, sizes, a.reps,
+                                                  parse_size(a.bandwidth_size), a.breakdown, q))
         proc.start()
         try:
             rows += q.get(timeout=len(sizes) * (a.reps + 1) * RESULT_TIMEOUT_S)

@@ -443,15 +443,36 @@ TEST_F(PoolTest, RecordStreamDelaysReuseUntilThatStreamIsDone) {
   PoolStats pending = pool->GetStats();
   EXPECT_EQ(pending.active_bytes.current, static_cast<int64_t>(4 * kMiB));
   EXPECT_EQ(pending.allocated_bytes.current, 0);
+  EXPECT_EQ(pending.active.current, 1);
   void* b = Alloc(*pool, 4 * kMiB, s);
   EXPECT_NE(b, a) << "t may still be using a";
+  // Active counts a (pending) and b: its peak is above allocated's.
+  PoolStats both = pool->GetStats();
+  EXPECT_EQ(both.active_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(both.active_bytes.peak, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(both.allocated_bytes.peak, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(both.active.peak, 2);
+  EXPECT_EQ(both.active_bytes.allocated, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(both.active_bytes.freed, 0);
   ASSERT_TRUE(pool->Free(b).ok());
+  pool->ResetPeakStats();
+  pool->ResetAccumulatedStats();
+  PoolStats reset = pool->GetStats();
+  EXPECT_EQ(reset.active_bytes.current, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(reset.active_bytes.peak, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(reset.active_bytes.freed, 0);
   gate->Release();
   ASSERT_TRUE(driver_->SynchronizeStream(t).ok());
   void* c = Alloc(*pool, 4 * kMiB, s);
   EXPECT_EQ(c, a);
   ASSERT_TRUE(pool->Free(c).ok());
-  EXPECT_EQ(pool->GetStats().active_bytes.current, 0);
+  PoolStats done = pool->GetStats();
+  EXPECT_EQ(done.active_bytes.current, 0);
+  EXPECT_EQ(done.active.current, 0);
+  // Since the reset: a left active (4 MiB) and c came and went (4 MiB).
+  EXPECT_EQ(done.active_bytes.allocated, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(done.active_bytes.freed, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(done.active_bytes.peak, static_cast<int64_t>(4 * kMiB));
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
   gate.reset();
   ASSERT_TRUE(driver_->DestroyStream(s).ok());

@@ -9,7 +9,7 @@ targets=(
   //tests:driver_conformance_test //tests:driver_peer //tests:cuda_driver_test
   //tests:pool_test //tests:sharing_test //tests:share_peer
   //tools:vmm_demo
-  //bench:pool_bench //bench:replay //bench:growth_bench //bench:vmm_peer_bench
+  //bench:pool_bench //bench:replay //bench:growth_bench //bench:vmm_peer_bench //bench:import_bench
   //torch_plugin:python/vmm_torch/libvmm.so
 )
 bazel build -c opt --strip=always "${targets[@]}"
@@ -21,7 +21,7 @@ done
 # The helper programs the tests start, where they look for them ($TEST_SRCDIR/vmm/tests).
 install -m 0755 "$bin/tests/driver_peer" "$bin/tests/share_peer" .gpu/runfiles/vmm/tests/
 install -m 0755 "$bin/tools/vmm_demo" "$bin/bench/pool_bench" "$bin/bench/replay" \
-  "$bin/bench/growth_bench" "$bin/bench/vmm_peer_bench" .gpu/bin/
+  "$bin/bench/growth_bench" "$bin/bench/vmm_peer_bench" "$bin/bench/import_bench" .gpu/bin/
 install -m 0644 "$bin/torch_plugin/python/vmm_torch/libvmm.so" .gpu/lib/
 # Debian's shared libraries the programs need that the GPU machine lacks (Abseil, Benchmark).
 for f in .gpu/bin/* .gpu/runfiles/vmm/tests/* .gpu/lib/libvmm.so; do

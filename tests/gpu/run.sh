@@ -14,6 +14,8 @@
 #   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
 #             pip install, share latency per mode, fan-out, ranks, training.
 #   pair      the cached alloc+free pair of every peer alone (builds torch_peer_bench).
+#   probe     where share latency goes: the import path's driver calls (import_bench) with an
+#             IMEX channel, and share_latency.py --breakdown per mode.
 #   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
 #             pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) without
 #             and with an IMEX channel, and tests/gpu/multi_gpu.py (a cuda:0 tensor opened on
@@ -99,11 +101,15 @@ phase_bench() {
   cp "$logs/bench/report.md" "$OUT/bench_report.md" 2>/dev/null
 }
 
-# train_runs STEPS SECONDS: the training loop under each allocator, and their comparison.
+# train_runs STEPS SECONDS: the training loop under each allocator, and their comparison
+# (deterministic kernels: vmm's losses must equal native's bit for bit). Native runs twice:
+# native_repeat shows whether native itself is reproducible, the comparison's noise floor.
 train_runs() {
   local steps=$1 limit=$2
   step train_native "$limit" env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
     --allocator native --steps "$steps" --out "$logs/train_native.json"
+  step train_native_repeat "$limit" env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
+    --allocator native --label native_repeat --steps "$steps" --out "$logs/train_native_repeat.json"
   step train_expandable "$limit" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
     tests/gpu/train_loop.py --allocator expandable --steps "$steps" --out "$logs/train_expandable.json"
   step train_vmm "$limit" python3 tests/gpu/train_loop.py --allocator vmm --steps "$steps" \
@@ -197,6 +203,15 @@ phase_pair() {
   step pool_bench 40 "$bin/pool_bench" --benchmark_min_time=0.3
   python3 bench/report.py "$b"/*.jsonl >"$OUT/pair_report.md" 2>>"$summary"
   cat "$b"/*.jsonl >"$OUT/pair.jsonl"
+}
+
+phase_probe() {
+  imex_channel
+  ensure_plugin
+  step import_bench 200 sh -c "'$bin/import_bench' --backend=cuda --sizes=64M,1G,8G \
+    --chunk_sizes=whole,1G,2M --reps=3 > '$OUT/import.jsonl'"
+  step share_breakdown 240 python3 bench/share_latency.py --breakdown \
+    --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 5 --out "$OUT/share.jsonl"
 }
 
 phase_dist() {
