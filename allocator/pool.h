@@ -83,8 +83,11 @@ struct PoolOptions {
   double growth_fraction = 0.05;
   // ...but never more than this many bytes beyond what the request needs.
   size_t max_growth_extra = size_t{64} << 20;
-  // Largest single physical allocation.
-  size_t max_chunk = size_t{2} << 30;
+  // Largest single physical allocation. A growth is one chunk up to this size: fewer chunks
+  // make fewer driver calls, and an importer maps and grants access to one allocation much
+  // faster than to several (on an H200, SetAccess over 8 GiB took 0.32 ms as one allocation,
+  // 0.70 ms as eight of 1 GiB). The cost is that a chunk is released only when all of it is free.
+  size_t max_chunk = size_t{64} << 30;
   // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
   // the pool was made (and again after EmptyCache), can be used by kernels and copies on them

@@ -93,6 +93,8 @@ def time_import(mode):
         import vmm_torch.sharing as sharing
 
         reductions.rebuild_tensor = timed(reductions.rebuild_tensor, "import")
+        reductions.rebuild_tensor_from_bytes = timed(reductions.rebuild_tensor_from_bytes,
+                                                     "import")
         sharing._import_id = timed(sharing._import_id, "vmm_import")
         sharing._wrap_import = timed(sharing._wrap_import, "wrap")
     else:

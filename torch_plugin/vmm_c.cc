@@ -158,6 +158,7 @@ struct ExplicitPool {
 
 struct Import {
   std::unique_ptr<ImportedBuffer> buffer;
+  bool host = false;  // imported through the host backend (CPU memory)
   int64_t refs = 1;
 };
 
@@ -330,10 +331,10 @@ class State {
     }
   }
 
-  int64_t AddImport(std::unique_ptr<ImportedBuffer> buffer) {
+  int64_t AddImport(std::unique_ptr<ImportedBuffer> buffer, bool host) {
     MutexLock lock(&mu_);
     const int64_t id = next_id_++;
-    imports_[id] = Import{std::move(buffer), 1};
+    imports_[id] = Import{std::move(buffer), host, 1};
     return id;
   }
 
@@ -342,6 +343,19 @@ class State {
     auto it = imports_.find(id);
     if (it == imports_.end()) return absl::InvalidArgumentError(absl::StrCat("no import ", id));
     return it->second.buffer.get();
+  }
+
+  // What a tensor over import `id` needs, under one lock: address, size, and the CUDA device
+  // (-1 for the host backend).
+  absl::Status ImportInfo(int64_t id, uint64_t* ptr, size_t* size, int* device) {
+    MutexLock lock(&mu_);
+    auto it = imports_.find(id);
+    if (it == imports_.end()) return absl::InvalidArgumentError(absl::StrCat("no import ", id));
+    const ImportedBuffer& buffer = *it->second.buffer;
+    *ptr = buffer.ptr();
+    *size = buffer.size();
+    *device = it->second.host ? -1 : buffer.device();
+    return absl::OkStatus();
   }
 
   absl::Status AddRef(int64_t id, int delta) {
@@ -586,7 +600,7 @@ int64_t vmm_import(const uint8_t* descriptor, size_t len, int device, const char
   absl::StatusOr<std::unique_ptr<vmm::ImportedBuffer>> buffer =
       vmm::ImportBuffer(*driver, *d, options);
   if (!buffer.ok()) return vmm::Fail(buffer.status());
-  return State::Get().AddImport(std::move(*buffer));
+  return State::Get().AddImport(std::move(*buffer), (*driver)->Name() == "host");
 }
 
 uint64_t vmm_import_ptr(int64_t import_id) {
@@ -611,6 +625,14 @@ int vmm_import_device(int64_t import_id) {
   auto b = State::Get().FindImport(import_id);
   if (!b.ok()) return vmm::Fail(b.status());
   return (*b)->device();
+}
+
+int vmm_import_info(int64_t import_id, uint64_t* ptr, size_t* size, int* device) {
+  if (ptr == nullptr || size == nullptr || device == nullptr) {
+    return vmm::Fail(absl::InvalidArgumentError("vmm_import_info: null output"));
+  }
+  absl::Status s = State::Get().ImportInfo(import_id, ptr, size, device);
+  return s.ok() ? 0 : vmm::Fail(s);
 }
 
 int vmm_import_retain(int64_t import_id) {

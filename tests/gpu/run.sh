@@ -14,8 +14,8 @@
 #   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
 #             pip install, share latency per mode, fan-out, ranks, training.
 #   pair      the cached alloc+free pair of every peer alone (builds torch_peer_bench).
-#   probe     where share latency goes: the import path's driver calls (import_bench) with an
-#             IMEX channel, and share_latency.py --breakdown per mode.
+#   probe     where share latency goes: share_latency.py --breakdown per mode, with an IMEX
+#             channel (the driver calls of the import path are in `bench`: import_bench).
 #   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
 #             pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) without
 #             and with an IMEX channel, and tests/gpu/multi_gpu.py (a cuda:0 tensor opened on
@@ -99,6 +99,7 @@ phase_bench() {
   step pool_bench 120 "$bin/pool_bench" --benchmark_min_time=0.5 \
     --benchmark_out="$logs/pool_bench.json" --benchmark_out_format=json
   cp "$logs/bench/report.md" "$OUT/bench_report.md" 2>/dev/null
+  cp "$logs/bench/import.jsonl" "$OUT/import.jsonl" 2>/dev/null
 }
 
 # train_runs STEPS SECONDS: the training loop under each allocator, and their comparison
@@ -208,8 +209,6 @@ phase_pair() {
 phase_probe() {
   imex_channel
   ensure_plugin
-  step import_bench 200 sh -c "'$bin/import_bench' --backend=cuda --sizes=64M,1G,8G \
-    --chunk_sizes=whole,1G,2M --reps=3 > '$OUT/import.jsonl'"
   step share_breakdown 240 python3 bench/share_latency.py --breakdown \
     --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 5 --out "$OUT/share.jsonl"
 }

@@ -113,7 +113,63 @@ def test_parameters_travel_as_parameters(ctx):
         weight = torch.nn.Parameter(pool.zeros((3, 3)))
         reduced = vmm_torch.reductions.reduce_tensor(weight)
         rebuild, args = reduced
-        assert rebuild is vmm_torch.reductions.rebuild_tensor
+        assert rebuild is vmm_torch.reductions.rebuild_tensor_from_bytes
         again = rebuild(*args)
         assert isinstance(again, torch.nn.Parameter) and again.requires_grad
         assert torch.equal(again.detach(), weight.detach())
+
+
+class _Reduced:
+    """Pickles as the given (rebuild, args) pair: a payload as a hostile sender would make."""
+
+    def __init__(self, rebuild, args):
+        self.reduced = (rebuild, args)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+@pytest.mark.parametrize("handle_type", ["posix_fd", "fabric"])
+def test_compact_payload_in_a_spawned_process(ctx, handle_type):
+    """Views, parameters and requires_grad arrive as sent; truncated or garbled payloads give
+    the receiver a clean error, and it goes on receiving."""
+    vmm_torch.install_reducers()
+    rebuild = vmm_torch.reductions.rebuild_tensor_from_bytes
+    with vmm_torch.Pool("host", handle_type=handle_type) as pool:
+        t = pool.empty((6, 8), dtype=torch.float64, shareable=True)
+        t.copy_(torch.arange(48, dtype=torch.float64).view(6, 8))
+        view = t[2:, 1::2]
+        weight = torch.nn.Parameter(pool.empty((4,)).fill_(0.5))
+        leaf = pool.zeros((3,)).requires_grad_()
+        assert all(vmm_torch.in_vmm_pool(x) for x in (view, weight, leaf))
+        args = list(vmm_torch.reductions.reduce_tensor(t)[1])
+        truncated = list(args)
+        truncated[0] = args[0][: len(args[0]) - 9]
+        garbled = list(args)
+        garbled[0] = bytes(b ^ 0x5A for b in args[0])
+        bad_dtype = list(args)
+        bad_dtype[1] = 1000
+        too_big = list(args)
+        too_big[2] = (7, 8)
+        jobs, results = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=workers.describe_received, args=(jobs, results), daemon=True)
+        proc.start()
+        for item in (view, weight, leaf) + tuple(
+                _Reduced(rebuild, tuple(a)) for a in (truncated, garbled, bad_dtype, too_big)):
+            jobs.put(item)
+        jobs.put(t)  # still fine after the errors
+        jobs.put(None)
+        replies = [results.get(timeout=TIMEOUT) for _ in range(9)]
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+        assert replies[0] == ("tensor", "Tensor", (4, 4), (8, 2), 17, "torch.float64", False,
+                              float(view.sum()))
+        assert replies[1] == ("tensor", "Parameter", (4,), (1,), 0, "torch.float32", True, 2.0)
+        assert replies[2] == ("tensor", "Tensor", (3,), (1,), 0, "torch.float32", True, 0.0)
+        assert replies[3][:2] == ("error", "ValueError") and "descriptor is" in replies[3][2]
+        assert replies[4][:2] == ("error", "ValueError") and "magic" in replies[4][2]
+        assert replies[5][:2] == ("error", "ValueError") and "dtype" in replies[5][2]
+        assert replies[6][:2] == ("error", "RuntimeError") and "needs" in replies[6][2]
+        assert replies[7] == ("tensor", "Tensor", (6, 8), (8, 1), 0, "torch.float64", False,
+                              float(sum(range(48))))
+        assert replies[8] == ("done",)

@@ -30,6 +30,27 @@ def consumer(index, jobs, replies):
         del tensor, item
 
 
+def describe_received(jobs, results):
+    """Receives items until None and replies, for each, what arrived: ("tensor", type name,
+    shape, stride, storage offset, dtype, requires_grad, sum) or, when unpickling failed,
+    ("error", exception type, text). The process must survive hostile payloads."""
+    import vmm_torch  # noqa: F401  (nothing installed: the rebuild needs no setup)
+
+    while True:
+        try:
+            item = jobs.get(timeout=60)
+        except Exception as e:  # reported to the parent, which checks the type
+            results.put(("error", type(e).__name__, str(e)))
+            continue
+        if item is None:
+            results.put(("done",))
+            return
+        results.put(("tensor", type(item).__name__, tuple(item.shape), item.stride(),
+                     item.storage_offset(), str(item.dtype), item.requires_grad,
+                     float(item.detach().double().sum())))
+        del item
+
+
 def open_and_sum(payload, results):
     """Unpickles a SharedTensor sent as bytes, opens it and replies with its sum."""
     import pickle

@@ -13,6 +13,12 @@
 //       A tensor over [ptr, ptr + nbytes). owner 0: borrowed (nothing freed); 1: a vmm pool
 //       block, freed when the storage dies; 2: import `context`, released when it dies.
 //       A failed wrap takes nothing over (the caller still owns the block or reference).
+//   wrap_import(int import_id, int[] sizes, int[] strides, int storage_offset,
+//               ScalarType dtype) -> Tensor
+//       A tensor over the whole buffer of import `import_id`, on the device it is mapped on
+//       (CPU for the host backend), that releases one reference of the import when its
+//       storage dies. The consumer's half of a share in one call: address, size and device
+//       come from libvmm.so (vmm_import_info), not from Python. Takes nothing over on failure.
 //   storage_info(Tensor t) -> (int data_ptr, int nbytes)
 //       Where the tensor's storage starts and how big it is (across torch versions).
 // Exported C functions for CUDAPluggableAllocator: vmm_torch_malloc, vmm_torch_free,
@@ -21,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <string>
 #include <tuple>
 
@@ -38,6 +45,7 @@ struct Vmm {
   int (*empty_cache)(int) = nullptr;
   int (*set_memory_fraction)(double, int) = nullptr;
   void (*block_free)(void*) = nullptr;
+  int (*import_info)(int64_t, uint64_t*, size_t*, int*) = nullptr;
   void (*import_release)(void*) = nullptr;
 };
 
@@ -60,6 +68,7 @@ void Bind(const std::string& path) {
   Lookup(lib, "vmm_empty_cache", &v.empty_cache);
   Lookup(lib, "vmm_set_memory_fraction", &v.set_memory_fraction);
   Lookup(lib, "vmm_block_free", &v.block_free);
+  Lookup(lib, "vmm_import_info", &v.import_info);
   Lookup(lib, "vmm_import_release", &v.import_release);
   vmm = v;
 }
@@ -95,30 +104,81 @@ void CheckViewFits(at::IntArrayRef sizes, at::IntArrayRef strides, int64_t stora
               nbytes);
 }
 
+// PyTorch sets its CUDA state up (allocator, streams) when the first CUDA tensor of a
+// process is allocated. TensorOver allocates nothing, so the first CUDA tensor it makes
+// allocates an empty one for that (at::globalContext()'s lazy-init call differs across torch
+// versions; at::empty is stable). Later calls cost one atomic load.
+void InitCudaOnce(c10::Device device) {
+  static std::once_flag once;
+  std::call_once(once, [device] { (void)at::empty({0}, at::TensorOptions().device(device)); });
+}
+
+// A tensor over [data, data + nbytes) with `sizes`, `strides` and `storage_offset`, built
+// directly like at::from_blob: no placeholder tensor from the device's allocator (on CUDA a
+// malloc and a free through CUDAPluggableAllocator, with device guards, per call), no set_
+// through the dispatcher. `deleter(context)` runs when the storage dies (none: borrowed).
+// Everything that can fail happens before the storage takes the memory over, so that a
+// failure takes nothing over: the caller still owns the block or reference.
+at::Tensor TensorOver(void* data, int64_t nbytes, at::IntArrayRef sizes,
+                      at::IntArrayRef strides, int64_t storage_offset, at::ScalarType dtype,
+                      c10::Device device, c10::DeleterFnPtr deleter, void* context) {
+  TORCH_CHECK(nbytes >= 0, "vmm.wrap: negative nbytes");
+  TORCH_CHECK(device.is_cpu() || (device.is_cuda() && device.has_index()),
+              "vmm.wrap: device ", device, " is neither the CPU nor an indexed CUDA device");
+  TORCH_CHECK(dtype != at::ScalarType::Undefined && !c10::isQIntType(dtype),
+              "vmm.wrap: dtype ", dtype, " cannot be wrapped");
+  CheckViewFits(sizes, strides, storage_offset, static_cast<int64_t>(c10::elementSize(dtype)),
+                nbytes);
+  if (device.is_cuda()) InitCudaOnce(device);
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
+                       c10::DataPtr(nullptr, device), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  const c10::DispatchKeySet keys(c10::computeDispatchKey(dtype, at::kStrided, device));
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), keys,
+                                                          c10::scalarTypeToTypeMeta(dtype));
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  impl->set_sizes_and_strides(sizes, strides);
+  impl->set_storage_offset(storage_offset);
+  // Last, and it cannot fail: the storage takes the memory over.
+  impl->storage().set_data_ptr_noswap(deleter != nullptr
+                                          ? c10::DataPtr(data, context, deleter, device)
+                                          : c10::DataPtr(data, device));
+  return t;
+}
+
 at::Tensor Wrap(int64_t ptr, int64_t nbytes, at::IntArrayRef sizes, at::IntArrayRef strides,
                 int64_t storage_offset, at::ScalarType dtype, at::Device device, int64_t owner,
                 int64_t context) {
   RequireBound();
-  TORCH_CHECK(nbytes >= 0, "vmm.wrap: negative nbytes");
   TORCH_CHECK(owner >= 0 && owner <= 2, "vmm.wrap: owner must be 0, 1 or 2");
-  // Everything that can fail happens before the deleter is attached, so that a failed wrap
-  // takes nothing over: the caller still owns the block or import reference.
-  auto options = at::TensorOptions().dtype(dtype).device(device);
-  at::Tensor t = at::empty({0}, options);
-  CheckViewFits(sizes, strides, storage_offset, t.element_size(), nbytes);
   void* data = reinterpret_cast<void*>(ptr);
-  c10::DataPtr data_ptr;
   if (owner == 1) {
-    data_ptr = c10::DataPtr(data, data, &FreeBlock, device);
-  } else if (owner == 2) {
-    data_ptr = c10::DataPtr(data, reinterpret_cast<void*>(context), &ReleaseImport, device);
-  } else {
-    data_ptr = c10::DataPtr(data, device);
+    return TensorOver(data, nbytes, sizes, strides, storage_offset, dtype, device, &FreeBlock,
+                      data);
   }
-  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
-                       std::move(data_ptr), /*allocator=*/nullptr, /*resizable=*/false);
-  t.set_(storage, storage_offset, sizes, strides);
-  return t;
+  if (owner == 2) {
+    return TensorOver(data, nbytes, sizes, strides, storage_offset, dtype, device,
+                      &ReleaseImport, reinterpret_cast<void*>(context));
+  }
+  return TensorOver(data, nbytes, sizes, strides, storage_offset, dtype, device, nullptr,
+                    nullptr);
+}
+
+at::Tensor WrapImport(int64_t import_id, at::IntArrayRef sizes, at::IntArrayRef strides,
+                      int64_t storage_offset, at::ScalarType dtype) {
+  RequireBound();
+  uint64_t ptr = 0;
+  size_t size = 0;
+  int device = -1;
+  TORCH_CHECK(vmm.import_info(import_id, &ptr, &size, &device) == 0, "vmm.wrap_import: ",
+              vmm.last_error());
+  TORCH_CHECK(size <= static_cast<uint64_t>(INT64_MAX), "vmm.wrap_import: size overflows");
+  const c10::Device where =
+      device < 0 ? c10::Device(c10::kCPU)
+                 : c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+  return TensorOver(reinterpret_cast<void*>(ptr), static_cast<int64_t>(size), sizes, strides,
+                    storage_offset, dtype, where, &ReleaseImport,
+                    reinterpret_cast<void*>(import_id));
 }
 
 std::tuple<int64_t, int64_t> StorageInfo(const at::Tensor& t) {
@@ -133,6 +193,9 @@ TORCH_LIBRARY(vmm, m) {
   m.def("wrap(int ptr, int nbytes, int[] sizes, int[] strides, int storage_offset, "
         "ScalarType dtype, Device device, int owner, int context) -> Tensor",
         &Wrap);
+  m.def("wrap_import(int import_id, int[] sizes, int[] strides, int storage_offset, "
+        "ScalarType dtype) -> Tensor",
+        &WrapImport);
   m.def("storage_info(Tensor t) -> (int, int)", &StorageInfo);
 }
 

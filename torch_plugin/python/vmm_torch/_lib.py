@@ -9,6 +9,13 @@ Two libraries live next to this file (or in $VMM_LIB_DIR):
   tells it which file to open, and since that is the file ctypes already loaded, both use the
   one allocator instance of the process.
 
+The paths that share tensors run per message, so they call through handles resolved once
+(``load().wrap`` and friends: the operators' single overloads, which skip torch.ops' overload
+resolution) and, for short calls, through ``quick()``: libvmm.so bound with ``ctypes.PyDLL``,
+which keeps the GIL. A ctypes call through ``vmm()`` releases the GIL, and a thread that
+releases it (a queue's feeder thread pickling a tensor, say) may have to wait for another
+thread to hand it back; calls that can block (imports: mapping, fetching fds) still do.
+
 Loading happens on first use (``load()``), so that ``import vmm_torch`` and the statistics
 command line work without the libraries.
 """
@@ -55,6 +62,11 @@ _SIGNATURES = {
     "vmm_import": (_c_int64, [_c_char_p, _c_size_t, _c_int, _c_char_p, _c_int]),
     "vmm_import_ptr": (ctypes.c_uint64, [_c_int64]),
     "vmm_import_size": (_c_size_t, [_c_int64]),
+    "vmm_import_info": (
+        _c_int,
+        [_c_int64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(_c_size_t),
+         ctypes.POINTER(_c_int)],
+    ),
     "vmm_import_device": (_c_int, [_c_int64]),
     "vmm_import_retain": (_c_int, [_c_int64]),
     "vmm_import_release": (None, [_c_void_p]),
@@ -125,7 +137,9 @@ def library_dir():
 
 
 class _Libraries:
-    """The loaded libraries: ``vmm`` (ctypes handle of libvmm.so) and the extension's path."""
+    """The loaded libraries: ``vmm`` (ctypes handle of libvmm.so), ``quick`` (the same library
+    bound without releasing the GIL), the extension's path, and its operators ``wrap``,
+    ``wrap_import`` and ``storage_info`` (their single overloads)."""
 
     def __init__(self, directory):
         self.libvmm_path = os.path.join(directory, LIBVMM_NAME)
@@ -137,12 +151,17 @@ class _Libraries:
                     f"torch_plugin/python/README.md) or set VMM_LIB_DIR to the folder that holds "
                     f"{LIBVMM_NAME} and {EXTENSION_NAME}")
         self.vmm = ctypes.CDLL(self.libvmm_path)
-        for name, (restype, argtypes) in _SIGNATURES.items():
-            function = getattr(self.vmm, name)
-            function.restype = restype
-            function.argtypes = argtypes
+        self.quick = ctypes.PyDLL(self.libvmm_path)
+        for handle in (self.vmm, self.quick):
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                function = getattr(handle, name)
+                function.restype = restype
+                function.argtypes = argtypes
         torch.ops.load_library(self.extension_path)
         torch.ops.vmm.bind(self.libvmm_path)
+        self.wrap = torch.ops.vmm.wrap.default
+        self.wrap_import = torch.ops.vmm.wrap_import.default
+        self.storage_info = torch.ops.vmm.storage_info.default
 
 
 _loaded = None
@@ -162,6 +181,12 @@ def load():
 def vmm():
     """The ctypes handle of libvmm.so (loading it on first use)."""
     return load().vmm
+
+
+def quick():
+    """libvmm.so bound with ctypes.PyDLL: the calls keep the GIL. For short calls only (see
+    the module docstring); never for one that can block."""
+    return load().quick
 
 
 def ops():
@@ -222,7 +247,7 @@ def take_buffer(pointer, length):
     try:
         return ctypes.string_at(pointer, length)
     finally:
-        vmm().vmm_release_buffer(pointer)
+        quick().vmm_release_buffer(pointer)
 
 
 def backend():

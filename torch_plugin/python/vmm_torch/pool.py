@@ -142,8 +142,8 @@ class Pool(_lib.Closable):
             vmm.vmm_pool_alloc(pool_id, max(nbytes, 1), self._stream(), int(bool(shareable))),
             f"Pool.empty({tuple(sizes)}, {dtype})")
         try:
-            return _lib.ops().wrap(ptr, nbytes, sizes, contiguous_strides(sizes), 0, dtype,
-                                   self._torch_device, 1, 0)
+            return _lib.load().wrap(ptr, nbytes, sizes, contiguous_strides(sizes), 0, dtype,
+                                    self._torch_device, 1, 0)
         except BaseException:
             vmm.vmm_block_free(ptr)
             raise

@@ -63,8 +63,10 @@ def import_backend(descriptor, backend=None):
 
 
 def _import_id(descriptor, device=None, backend=None):
-    """Imports `descriptor` and returns the import id (holding one reference)."""
-    data = _descriptor_bytes(descriptor)
+    """Imports `descriptor` (a BufferDescriptor or canonical bytes, which vmm_import parses
+    and validates: malformed bytes raise ValueError) and returns the import id (holding one
+    reference). Releases the GIL: an import maps memory and may fetch fds from the exporter."""
+    data = descriptor if type(descriptor) is bytes else _descriptor_bytes(descriptor)
     return _lib.check_id(
         _lib.vmm().vmm_import(data, len(data), _import_device(device),
                               backend.encode() if backend else None, 0),
@@ -82,12 +84,9 @@ class ImportedBuffer(_lib.Closable):
     tensor made by ``as_tensor()`` uses it any more."""
 
     def __init__(self, import_id, backend):
-        vmm = _lib.vmm()
         self._id = import_id
         self.backend = backend
-        self.ptr = int(vmm.vmm_import_ptr(import_id))
-        self.size = int(vmm.vmm_import_size(import_id))
-        self.device = int(vmm.vmm_import_device(import_id)) if backend == "cuda" else -1
+        self.ptr, self.size, self.device = _import_info(import_id)
 
     @property
     def closed(self):
@@ -102,14 +101,8 @@ class ImportedBuffer(_lib.Closable):
         if shape is None:
             shape = [self.size // itemsize]
         shape = list(shape)
-        _lib.check(_lib.vmm().vmm_import_retain(self._id))
-        return _wrap_import(self._id, self.ptr, self.size, shape, contiguous_strides(shape), 0,
-                            dtype, self._torch_device())
-
-    def _torch_device(self):
-        if self.backend == "cuda":
-            return torch.device("cuda", self.device)
-        return torch.device("cpu")
+        _lib.check(_lib.quick().vmm_import_retain(self._id))
+        return _wrap_import(self._id, shape, contiguous_strides(shape), 0, dtype)
 
     def close(self):
         import_id, self._id = self._id, None
@@ -135,12 +128,22 @@ def import_buffer(descriptor, device=None, backend=None):
     return ImportedBuffer(_import_id(descriptor, device, backend), backend)
 
 
-def _wrap_import(import_id, ptr, nbytes, sizes, strides, storage_offset, dtype, device):
-    """A tensor over an import that releases one reference of `import_id` when its storage
-    dies (the caller hands that reference over, also on failure)."""
+def _import_info(import_id):
+    """(address, size, device) of an import: device is the CUDA device it is mapped on, -1
+    for the host backend."""
+    ptr, size, device = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
+    _lib.check(_lib.quick().vmm_import_info(import_id, ctypes.byref(ptr), ctypes.byref(size),
+                                            ctypes.byref(device)), "import")
+    return ptr.value, size.value, device.value
+
+
+def _wrap_import(import_id, sizes, strides, storage_offset, dtype):
+    """A tensor over the buffer of import `import_id`, on the device it is mapped on (CPU for
+    the host backend), that releases one reference of the import when its storage dies (the
+    caller hands that reference over, also on failure). One operator call: it gets the
+    buffer's address, size and device from libvmm.so itself."""
     try:
-        return _lib.ops().wrap(ptr, nbytes, list(sizes), list(strides), storage_offset, dtype,
-                               device, 2, import_id)
+        return _lib.load().wrap_import(import_id, sizes, strides, storage_offset, dtype)
     except BaseException:
         _release(import_id)
         raise
@@ -189,15 +192,7 @@ class SharedTensor:
         exporting device); ignored for CPU tensors."""
         backend = "cuda" if self.device_type == "cuda" else "host"
         import_id = _import_id(self.descriptor, device if backend == "cuda" else None, backend)
-        vmm = _lib.vmm()
-        ptr = int(vmm.vmm_import_ptr(import_id))
-        nbytes = int(vmm.vmm_import_size(import_id))
-        if backend == "cuda":
-            torch_device = torch.device("cuda", int(vmm.vmm_import_device(import_id)))
-        else:
-            torch_device = torch.device("cpu")
-        return _wrap_import(import_id, ptr, nbytes, self.shape, self.stride,
-                            self.storage_offset, self.dtype, torch_device)
+        return _wrap_import(import_id, self.shape, self.stride, self.storage_offset, self.dtype)
 
     def __getstate__(self):
         return {
@@ -231,27 +226,39 @@ class SharedTensor:
 
 def storage_base(t):
     """(address, nbytes) of the storage of tensor `t`."""
-    base, nbytes = _lib.ops().storage_info(t)
+    base, nbytes = _lib.load().storage_info(t)
     return int(base), int(nbytes)
+
+
+def _storage_address(t):
+    """Address of the storage of tensor `t` if it is a strided CUDA or CPU tensor, else 0.
+    Cheap: tensor attributes only, no operator call, where `t` has elements."""
+    if t.layout is not torch.strided or not (t.is_cuda or t.is_cpu):
+        return 0
+    try:
+        if t.numel():  # data_ptr() is the first element's address (NULL without elements)
+            return t.data_ptr() - t.storage_offset() * t.element_size()
+        return storage_base(t)[0]
+    except RuntimeError:  # no storage (wrapper tensors)
+        return 0
+
+
+def _vmm_storage_address(t):
+    """Address of the storage of tensor `t` if it lies in a vmm pool, else 0."""
+    base = _storage_address(t)
+    return base if base and _lib.quick().vmm_owns(base) else 0
 
 
 def in_vmm_pool(t):
     """Whether `t`'s storage lies in a vmm pool (the enabled allocator or an explicit pool)."""
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-        return False
-    if t.device.type not in ("cuda", "cpu"):
-        return False
-    try:
-        base, _ = storage_base(t)
-    except RuntimeError:
-        return False
-    return base != 0 and bool(_lib.vmm().vmm_owns(base))
+    return isinstance(t, torch.Tensor) and _vmm_storage_address(t) != 0
 
 
 def _export_bytes(ptr):
+    """The descriptor bytes of the vmm block at `ptr` (vmm_export)."""
     out = ctypes.c_void_p()
     length = ctypes.c_size_t()
-    _lib.check(_lib.vmm().vmm_export(ptr, ctypes.byref(out), ctypes.byref(length)),
+    _lib.check(_lib.quick().vmm_export(ptr, ctypes.byref(out), ctypes.byref(length)),
                "export_tensor")
     return _lib.take_buffer(out, length.value)
 

@@ -1,0 +1,257 @@
+"""The torch.multiprocessing payload of vmm tensors, in one process, on the host backend:
+reduce_tensor's compact payload, its rebuild through ForkingPickler, the wrap_import operator,
+and hostile payloads (which must fail cleanly and leave no import behind)."""
+
+import ctypes
+import gc
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+
+import vmm_torch
+from vmm_torch import _lib, reductions, sharing
+
+MIB = 1 << 20
+HANDLE_TYPES = ["posix_fd", "fabric"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reducers():
+    vmm_torch.install_reducers()
+
+
+@pytest.fixture(params=HANDLE_TYPES)
+def pool(request):
+    with vmm_torch.Pool("host", handle_type=request.param) as p:
+        yield p
+
+
+def filled(pool, shape, dtype=torch.float32):
+    t = pool.empty(shape, dtype=dtype, shareable=True)
+    t.copy_(torch.arange(t.numel()).to(dtype).view(shape))
+    return t
+
+
+def round_trip(t):
+    return pickle.loads(ForkingPickler.dumps(t))
+
+
+class Reduced:
+    """Pickles as the given (rebuild, args) pair: a payload as another process would send."""
+
+    def __init__(self, rebuild, args):
+        self.reduced = (rebuild, args)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def next_id():
+    """The id the next import (or pool) of this process will get."""
+    with vmm_torch.Pool("host") as probe:
+        return probe.id + 1
+
+
+def import_is_open(import_id):
+    ptr, size, device = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
+    return _lib.vmm().vmm_import_info(import_id, ctypes.byref(ptr), ctypes.byref(size),
+                                      ctypes.byref(device)) == 0
+
+
+def test_payload_is_flat(pool):
+    t = filled(pool, (6, 8))
+    rebuild, args = reductions.reduce_tensor(t[1:, 2:])
+    assert rebuild is reductions.rebuild_tensor_from_bytes
+    descriptor, dtype, shape, stride, offset, device_type, parameter, requires_grad = args
+    assert type(descriptor) is bytes
+    parsed = vmm_torch.BufferDescriptor.from_bytes(descriptor)
+    assert parsed.handle_type == pool.handle_type and parsed.size == 6 * 8 * 4
+    assert type(dtype) is int and reductions._dtype_from_code(dtype) == torch.float32
+    assert type(shape) is tuple and shape == (5, 6)
+    assert stride == (8, 1) and offset == 10 and device_type == "cpu"
+    assert parameter is False and requires_grad is False
+    # Smaller than the SharedTensor it replaces.
+    assert len(ForkingPickler.dumps(t)) < len(pickle.dumps(vmm_torch.export_tensor(t)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.uint8, torch.int8, torch.int16, torch.int32,
+                                   torch.int64, torch.bool, torch.complex64,
+                                   torch.complex128])
+def test_round_trip_every_dtype(pool, dtype):
+    t = filled(pool, (4, 5), dtype)
+    again = round_trip(t)
+    assert again.dtype == dtype and again.shape == t.shape and again.stride() == t.stride()
+    assert torch.equal(again, t)
+    assert again.data_ptr() != t.data_ptr()  # a mapping of its own, same memory
+    again.view(torch.uint8)[0, 0] ^= 1
+    assert torch.equal(again, t)
+
+
+def test_dtype_outside_the_table_travels_by_name(pool):
+    t = pool.empty((8,), dtype=torch.complex32, shareable=True)
+    t.view(torch.int32).copy_(torch.arange(8, dtype=torch.int32))
+    _, args = reductions.reduce_tensor(t)
+    assert args[1] == "complex32"
+    again = round_trip(t)
+    assert again.dtype == torch.complex32
+    assert torch.equal(again.view(torch.int32), torch.arange(8, dtype=torch.int32))
+
+
+def test_views_keep_offset_and_strides(pool):
+    t = filled(pool, (6, 8))
+    for view in (t[2:, 1::2], t.t(), t[5], t[3:3], t.view(48)[7:]):
+        again = round_trip(view)
+        assert again.shape == view.shape and again.stride() == view.stride()
+        assert again.storage_offset() == view.storage_offset()
+        assert torch.equal(again, view)
+        assert sharing.storage_base(again)[1] == sharing.storage_base(t)[1]
+
+
+def test_empty_tensors_travel(pool):
+    t = pool.empty((0, 3), shareable=True)
+    again = round_trip(t)
+    assert again.shape == (0, 3) and again.dtype == t.dtype
+
+
+def test_mapping_lives_while_any_view_lives(pool):
+    t = filled(pool, (1024,))
+    expected = t.clone()
+    again = round_trip(t)
+    del t
+    gc.collect()
+    pool.empty_cache()
+    tail = again[512:]
+    del again
+    gc.collect()
+    vmm_torch.empty_cache()
+    assert torch.equal(tail, expected[512:])
+    tail += 1
+    assert float(tail[-1]) == float(expected[-1]) + 1
+
+
+def test_parameters_and_requires_grad(pool):
+    weight = torch.nn.Parameter(pool.zeros((3, 3)))
+    again = round_trip(weight)
+    assert isinstance(again, torch.nn.Parameter) and again.requires_grad
+    frozen = round_trip(torch.nn.Parameter(pool.zeros((2,)), requires_grad=False))
+    assert isinstance(frozen, torch.nn.Parameter) and not frozen.requires_grad
+    leaf = pool.zeros((4,)).requires_grad_()
+    again = round_trip(leaf)
+    assert type(again) is torch.Tensor and again.requires_grad and again.is_leaf
+    with pytest.raises(RuntimeError, match="non-leaf"):
+        ForkingPickler.dumps(leaf * 2)
+
+
+def test_other_tensors_use_torch_reducers():
+    rebuild, _ = reductions.reduce_tensor(torch.arange(4.0))
+    assert rebuild.__module__.startswith("torch.")
+    assert torch.equal(round_trip(torch.arange(4.0)), torch.arange(4.0))
+    assert not vmm_torch.in_vmm_pool(torch.eye(3).to_sparse())
+
+
+def test_imported_tensors_are_not_reexported(pool):
+    again = round_trip(filled(pool, (4,)))
+    assert not vmm_torch.in_vmm_pool(again)
+    assert reductions.reduce_tensor(again)[0] is not reductions.rebuild_tensor_from_bytes
+
+
+def test_old_payload_still_rebuilds(pool):
+    t = filled(pool, (3, 4))
+    payload = ForkingPickler.dumps(
+        Reduced(reductions.rebuild_tensor, (vmm_torch.export_tensor(t), True, True)))
+    again = pickle.loads(payload)
+    assert isinstance(again, torch.nn.Parameter) and again.requires_grad
+    assert torch.equal(again.detach(), t)
+
+
+def _payload_args(t):
+    """The payload's arguments, as a list to tamper with (keep `t` alive meanwhile)."""
+    return list(reductions.reduce_tensor(t)[1])
+
+
+@pytest.mark.parametrize("field,value,error,match", [
+    (0, lambda d: d[: len(d) // 2], ValueError, ""),                # truncated descriptor
+    (0, lambda d: d[:3], ValueError, ""),
+    (0, lambda d: b"", ValueError, ""),
+    (0, lambda d: b"\xff" * len(d), ValueError, ""),                # not a descriptor
+    (0, lambda d: "text", TypeError, "descriptor"),
+    (0, lambda d: None, TypeError, "descriptor"),
+    (1, lambda d: 99, ValueError, "dtype"),
+    (1, lambda d: -1, ValueError, "dtype"),
+    (1, lambda d: "no_such_dtype", ValueError, "dtype"),
+    (5, lambda d: "meta", ValueError, "device type"),
+])
+def test_hostile_payloads_fail_cleanly(pool, field, value, error, match):
+    t = filled(pool, (4, 4))
+    args = _payload_args(t)
+    args[field] = value(args[field])
+    payload = ForkingPickler.dumps(Reduced(reductions.rebuild_tensor_from_bytes, tuple(args)))
+    with pytest.raises(error, match=match):
+        pickle.loads(payload)
+
+
+@pytest.mark.parametrize("field,value", [
+    (2, (4, 5)),             # larger than the buffer
+    (2, (1 << 62, 1 << 62)),  # overflows
+    (3, (-4, 1)),
+    (4, 1 << 40),
+    (4, -1),
+    (2, (4,)),               # one size, two strides
+    (2, "abc"),
+])
+def test_hostile_views_fail_cleanly_and_release_the_import(pool, field, value):
+    t = filled(pool, (4, 4))
+    args = _payload_args(t)
+    args[field] = value
+    payload = ForkingPickler.dumps(Reduced(reductions.rebuild_tensor_from_bytes, tuple(args)))
+    import_id = next_id()
+    with pytest.raises((RuntimeError, TypeError, ValueError)) as info:
+        pickle.loads(payload)
+    assert not isinstance(info.value, vmm_torch.VmmError)  # the import worked, the view not
+    assert next_id() > import_id + 1  # the import took an id ...
+    assert not import_is_open(import_id)  # ... and was released
+
+
+def test_stale_payload_names_the_owner():
+    with vmm_torch.Pool("host", handle_type="fabric") as p:
+        t = p.empty((MIB,), dtype=torch.uint8, shareable=True)
+        payload = ForkingPickler.dumps(t)
+        del t
+        gc.collect()
+        p.empty_cache()
+        with pytest.raises(vmm_torch.VmmError) as info:
+            pickle.loads(payload)
+        assert info.value.code == "NOT_FOUND" and "HOST-" in str(info.value)
+
+
+def test_import_info_and_wrap_import(pool):
+    t = filled(pool, (16,))
+    data = vmm_torch.export_tensor(t).descriptor.to_bytes()
+    import_id = sharing._import_id(data, None, "host")
+    ptr, size, device = sharing._import_info(import_id)
+    assert ptr != 0 and size == 64 and device == -1
+    ops = _lib.load()
+    # A failed wrap takes nothing over: the reference is still the caller's.
+    with pytest.raises(RuntimeError, match="needs 68 bytes"):
+        ops.wrap_import(import_id, (17,), (1,), 0, torch.float32)
+    with pytest.raises(RuntimeError, match="cannot be wrapped"):
+        ops.wrap_import(import_id, (4,), (1,), 0, torch.qint8)
+    assert import_is_open(import_id)
+    wrapped = ops.wrap_import(import_id, (4, 4), (4, 1), 0, torch.float32)  # takes it over
+    assert wrapped.data_ptr() == ptr and wrapped.device.type == "cpu"
+    assert torch.equal(wrapped, t.view(4, 4))
+    del wrapped
+    gc.collect()
+    assert not import_is_open(import_id)
+    with pytest.raises(RuntimeError, match="no import"):
+        ops.wrap_import(import_id, (4,), (1,), 0, torch.float32)
+
+
+def test_overhead_bench_runs():
+    import share_overhead_bench
+
+    results = share_overhead_bench.main(["--iters", "3", "--shape", "16,16"])
+    assert results["payload_bytes"] < 300 and results["wrap_us"] > 0
