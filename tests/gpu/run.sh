@@ -14,6 +14,7 @@
 #   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
 #             pip install, share latency per mode, fan-out, ranks, training.
 #   pair      the cached alloc+free pair of every peer alone (builds torch_peer_bench).
+#   multiprocess  the multi-process Python tests alone.
 #   probe     where share latency goes: share_latency.py --breakdown per mode, with an IMEX
 #             channel (the driver calls of the import path are in `bench`: import_bench).
 #   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
@@ -190,7 +191,7 @@ phase_final() {
   step fanout_fabric 60 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
   step fanout_fd 60 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
   step dist 90 python3 tests/gpu/dist_bench.py --ranks 3 --sizes 64M,1G --reps 3 --time-limit 80
-  train_runs "${TRAIN_STEPS:-200}" 40
+  train_runs "${TRAIN_STEPS:-200}" 60
 }
 
 # The cached alloc+free pair alone, every peer side by side (a short run).
@@ -211,6 +212,12 @@ phase_probe() {
   ensure_plugin
   step share_breakdown 240 python3 bench/share_latency.py --breakdown \
     --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 5 --out "$OUT/share.jsonl"
+}
+
+# The multi-process Python tests alone (quicker than `plugin` when only they changed).
+phase_multiprocess() {
+  ensure_plugin
+  step pytest_multiprocess 150 python3 -m pytest -q -x tests/python/test_multiprocess.py
 }
 
 phase_dist() {

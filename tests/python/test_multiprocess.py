@@ -2,6 +2,7 @@
 
 import gc
 import pickle
+import queue
 
 import pytest
 import torch
@@ -159,7 +160,13 @@ def test_compact_payload_in_a_spawned_process(ctx, handle_type):
             jobs.put(item)
         jobs.put(t)  # still fine after the errors
         jobs.put(None)
-        replies = [results.get(timeout=TIMEOUT) for _ in range(9)]
+        replies = []
+        try:
+            for _ in range(9):
+                replies.append(results.get(timeout=TIMEOUT))
+        except queue.Empty:
+            pytest.fail(f"the receiver stopped answering after {replies} "
+                        f"(alive: {proc.is_alive()}, exit code: {proc.exitcode})")
         proc.join(TIMEOUT)
         assert proc.exitcode == 0
         assert replies[0] == ("tensor", "Tensor", (4, 4), (8, 2), 17, "torch.float64", False,

@@ -34,8 +34,13 @@ def describe_received(jobs, results):
     """Receives items until None and replies, for each, what arrived: ("tensor", type name,
     shape, stride, storage offset, dtype, requires_grad, sum) or, when unpickling failed,
     ("error", exception type, text). The process must survive hostile payloads."""
+    import faulthandler
+
     import vmm_torch  # noqa: F401  (nothing installed: the rebuild needs no setup)
 
+    # A crash or a hang shows where it happened (on stderr, which the test run keeps).
+    faulthandler.enable()
+    faulthandler.dump_traceback_later(50, exit=True)
     while True:
         try:
             item = jobs.get(timeout=60)
