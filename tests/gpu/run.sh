@@ -15,6 +15,7 @@
 #             pip install, share latency per mode, fan-out, ranks, training.
 #   pair      the cached alloc+free pair of every peer alone (builds torch_peer_bench).
 #   multiprocess  the multi-process Python tests alone.
+#   diag      whether an error thrown inside the wrap_import op reaches Python in a fresh process.
 #   probe     where share latency goes: share_latency.py --breakdown per mode, with an IMEX
 #             channel (the driver calls of the import path are in `bench`: import_bench).
 #   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
@@ -211,7 +212,14 @@ phase_probe() {
   imex_channel
   ensure_plugin
   step share_breakdown 240 python3 bench/share_latency.py --breakdown \
-    --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 5 --out "$OUT/share.jsonl"
+    --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 9 --out "$OUT/share.jsonl"
+}
+
+# Whether an error thrown inside the wrap_import op reaches Python in a fresh process.
+phase_diag() {
+  ensure_plugin
+  step throw_probe 60 python3 tests/gpu/throw_probe.py
+  step throw_probe_after_torch_error 60 python3 tests/gpu/throw_probe.py --torch-error-first
 }
 
 # The multi-process Python tests alone (quicker than `plugin` when only they changed).
