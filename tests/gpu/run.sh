@@ -220,7 +220,7 @@ phase_diag() {
   ensure_plugin
   step toolchain 30 sh -c 'g++ --version | head -1; g++ -v 2>&1 | grep -o "\-\-[a-z-]*static[a-z-]*\|--enable-shared\|--disable-shared"; so=$(ls /tmp/vmm_site/vmm_torch/_C*.so); ldd "$so" | grep -E "gcc|stdc"; nm -D --defined-only "$so" | grep -cE "_Unwind|__gxx_personality|__cxa_throw"'
   step our_symbols 20 sh -c 'nm -D --defined-only /tmp/vmm_site/vmm_torch/_C*.so | grep -E "_Unwind|__gxx|__cxa"; readelf -d /tmp/vmm_site/vmm_torch/_C*.so | grep NEEDED'
-  step throw_min 150 python3 tests/gpu/throw_min.py
+  step throw_min 200 python3 tests/gpu/throw_min.py
   step throw_probe 60 python3 tests/gpu/throw_probe.py
   step throw_probe_after_torch_error 60 python3 tests/gpu/throw_probe.py --torch-error-first
 }

@@ -1,10 +1,15 @@
 #!/usr/bin/env python3
-"""Does a TORCH_CHECK error thrown inside any C++ op reach Python on this machine? (GPU)
+"""Does a TORCH_CHECK error thrown inside a C++ op reach Python on this machine? (GPU)
 
-Builds a one-op extension with torch.utils.cpp_extension.load_inline (no vmm at all), calls
-the op in a child process (so that a crash is observed, not suffered) and prints the child's
-exit status: 0 when RuntimeError reached Python, -11 for SIGSEGV.
+Builds a one-op extension with torch.utils.cpp_extension.load_inline (no vmm at all) in a few
+toolchain variants, calls the op in a child process each time (so that a crash is observed,
+not suffered) and prints, per variant, whether the extension carries its own copy of the C++
+exception runtime and the child's exit status: 0 when RuntimeError reached Python, -11 for
+SIGSEGV. Variants: the default compiler (`c++` on PATH), /usr/bin/g++, and the default with an
+explicit -lstdc++ (linked before the compiler driver's own runtime libraries).
 """
+import os
+import shutil
 import subprocess
 import sys
 
@@ -15,36 +20,57 @@ at::Tensor boom(const at::Tensor& t) {
   TORCH_CHECK(t.numel() < 0, "boom: ", t.numel());
   return t;
 }
-TORCH_LIBRARY(vmm_throw_min, m) { m.def("boom(Tensor t) -> Tensor", &boom); }
+TORCH_LIBRARY(NAME, m) { m.def("boom(Tensor t) -> Tensor", &boom); }
 """
 
 
-def child(path):
+def child(path, name):
     import torch
 
     torch.ops.load_library(path)
     try:
-        torch.ops.vmm_throw_min.boom(torch.zeros(2))
+        getattr(torch.ops, name).boom(torch.zeros(2))
     except RuntimeError as e:
         print(f"raised cleanly: {str(e).splitlines()[0]}")
         return 0
     return 1
 
 
-def main():
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        return child(sys.argv[2])
+def variant(name, cxx=None, ldflags=()):
     from torch.utils.cpp_extension import load_inline
 
-    path = load_inline("vmm_throw_min", cpp_sources=[SOURCE], is_python_module=False,
-                       build_directory=None, verbose=False)
-    print(f"built {path}")
-    print(subprocess.run(["sh", "-c", f"ldd {path} | grep -E 'gcc|stdc'; nm -D --defined-only "
-                          f"{path} | grep -E '_Unwind|__gxx|__cxa'"],
-                         capture_output=True, text=True).stdout)
-    rc = subprocess.run([sys.executable, __file__, "--child", path]).returncode
-    print(f"child exit status {rc}")
-    return 0 if rc == 0 else 1
+    saved = os.environ.get("CXX")
+    if cxx:
+        os.environ["CXX"] = cxx
+    try:
+        path = load_inline(name, cpp_sources=[SOURCE.replace("NAME", name)],
+                           is_python_module=False, extra_ldflags=list(ldflags))
+    finally:
+        if saved is None:
+            os.environ.pop("CXX", None)
+        else:
+            os.environ["CXX"] = saved
+    own_runtime = subprocess.run(
+        ["sh", "-c", f"nm -D --defined-only {path} | grep -c __cxa_throw"],
+        capture_output=True, text=True).stdout.strip()
+    loads_libstdcxx = "libstdc++" in subprocess.run(["ldd", path], capture_output=True,
+                                                    text=True).stdout
+    rc = subprocess.run([sys.executable, __file__, "--child", path, name]).returncode
+    print(f"{name}: compiler {cxx or os.environ.get('CXX', 'c++')} "
+          f"({shutil.which(cxx or 'c++')}), extra ldflags {list(ldflags)}, defines __cxa_throw: "
+          f"{own_runtime}, loads libstdc++: {loads_libstdcxx}, child exit status {rc}",
+          flush=True)
+    return rc
+
+
+def main():
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        return child(sys.argv[2], sys.argv[3])
+    results = [variant("vmm_throw_default")]
+    if os.path.exists("/usr/bin/g++"):
+        results.append(variant("vmm_throw_usr_gxx", cxx="/usr/bin/g++"))
+    results.append(variant("vmm_throw_lstdcxx", ldflags=["-lstdc++"]))
+    return 0 if results[0] == 0 else 1
 
 
 if __name__ == "__main__":

@@ -116,11 +116,6 @@ setup(
             sources=[os.path.join(REPO, "torch_plugin", "csrc", "vmm_ops.cpp")],
             include_dirs=_include_dirs(),
             extra_compile_args=["-O2", "-Wno-unused-parameter"],
-            # Errors thrown by torch (TORCH_CHECK) unwind through this library's frames. With
-            # a static copy of libgcc's unwinder in it (what some toolchains link by default),
-            # the unwind that libc10 starts cannot be resumed here: the process dies with
-            # SIGSEGV instead of raising RuntimeError / OutOfMemoryError in Python.
-            extra_link_args=["-shared-libgcc"],
             libraries=["dl"],
         )
     ],
