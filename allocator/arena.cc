@@ -54,17 +54,7 @@ Block* Arena::Split(Block* block, uintptr_t at) {
   const bool cached = block->state == BlockState::kFree;
   const bool gap = block->state == BlockState::kUnmapped;
   if (cached) free_.Remove(block);
-  Block* upper = NewBlock();
-  upper->addr = at;
-  upper->size = block->end() - at;
-  upper->state = block->state;
-  upper->stream = block->stream;
-  upper->free_seq = block->free_seq;
-  upper->prev = block;
-  upper->next = block->next;
-  if (block->next != nullptr) block->next->prev = upper;
-  block->next = upper;
-  block->size = at - block->addr;
+  Block* upper = CutAt(block, at);
   if (cached) {
     free_.Insert(block);
     free_.Insert(upper);

@@ -106,6 +106,9 @@ class Arena {
   static bool UsableBy(const Block* block, Stream stream);
   Block* NewBlock();
   void DeleteBlock(Block* block);
+  // Cuts `block` at `at` (strictly inside it): a new Block with the same state, tag and
+  // free_seq takes [at, end), linked after it. Touches neither the free nor the gap set.
+  Block* CutAt(Block* block, uintptr_t at);
   void EraseGap(Block* gap);
   // Merges `b` into `a` (a->next == b) and returns a. `b` may not be in the free set; `a` may
   // if its tag does not change (the caller then calls free_.Resized(a)).
@@ -142,19 +145,24 @@ inline void Arena::DeleteBlock(Block* block) {
   spare_.push_back(block);
 }
 
+inline Block* Arena::CutAt(Block* block, uintptr_t at) {
+  Block* upper = NewBlock();
+  upper->addr = at;
+  upper->size = block->end() - at;
+  upper->state = block->state;
+  upper->stream = block->stream;
+  upper->free_seq = block->free_seq;
+  upper->prev = block;
+  upper->next = block->next;
+  if (block->next != nullptr) block->next->prev = upper;
+  block->next = upper;
+  block->size = at - block->addr;
+  return upper;
+}
+
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Arena::Take(Block* block, size_t n, size_t min_rest) {
   if (block->size - n >= min_rest) {
-    Block* rest = NewBlock();
-    rest->addr = block->addr + n;
-    rest->size = block->size - n;
-    rest->state = BlockState::kFree;
-    rest->stream = block->stream;
-    rest->free_seq = block->free_seq;
-    rest->prev = block;
-    rest->next = block->next;
-    if (block->next != nullptr) block->next->prev = rest;
-    block->next = rest;
-    block->size = n;
+    Block* rest = CutAt(block, block->addr + n);
     free_.Replace(block, rest, rest->size);
   } else {
     free_.Remove(block);

@@ -11,27 +11,15 @@ import pytest
 import torch
 
 import vmm_torch
+from host_pools import filled, pool  # noqa: F401 (pool: a fixture)
 from vmm_torch import _lib, reductions, sharing
 
 MIB = 1 << 20
-HANDLE_TYPES = ["posix_fd", "fabric"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def reducers():
     vmm_torch.install_reducers()
-
-
-@pytest.fixture(params=HANDLE_TYPES)
-def pool(request):
-    with vmm_torch.Pool("host", handle_type=request.param) as p:
-        yield p
-
-
-def filled(pool, shape, dtype=torch.float32):
-    t = pool.empty(shape, dtype=dtype, shareable=True)
-    t.copy_(torch.arange(t.numel()).to(dtype).view(shape))
-    return t
 
 
 def round_trip(t):

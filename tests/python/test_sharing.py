@@ -7,23 +7,11 @@ import pytest
 import torch
 
 import vmm_torch
+from host_pools import HANDLE_TYPES, filled, pool  # noqa: F401 (pool: a fixture)
 from vmm_torch import FabricBufferDescriptor, PosixFdBufferDescriptor, SharedTensor
 
 MIB = 1 << 20
-HANDLE_TYPES = ["posix_fd", "fabric"]
 DESCRIPTOR_CLASS = {"posix_fd": PosixFdBufferDescriptor, "fabric": FabricBufferDescriptor}
-
-
-@pytest.fixture(params=HANDLE_TYPES)
-def pool(request):
-    with vmm_torch.Pool("host", handle_type=request.param) as p:
-        yield p
-
-
-def filled(pool, shape, dtype=torch.float32):
-    t = pool.empty(shape, dtype=dtype, shareable=True)
-    t.copy_(torch.arange(t.numel()).to(dtype).view(shape))
-    return t
 
 
 def test_export_describes_the_tensor(pool):
