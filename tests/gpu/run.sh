@@ -90,6 +90,7 @@ phase_tests() {
 }
 
 phase_plugin() {
+  imex_channel  # the fabric tests need it whatever phases ran before
   step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
     --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
   export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
