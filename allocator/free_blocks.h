@@ -156,9 +156,9 @@ inline void FreeBlocks::Remove(Block* block) {
   }
   if (block->free_next != nullptr) block->free_next->free_prev = block->free_prev;
   if (bins.heads[bin] == nullptr) {
-    bins.second_map[bin >> kSecondBits] &= ~(1u << (bin & (kSecond - 1)));
-    // Clears the class bit if the class emptied, without a branch.
     const int first = bin >> kSecondBits;
+    bins.second_map[first] &= ~(1u << (bin & (kSecond - 1)));
+    // Clears the class bit if the class emptied, without a branch.
     bins.first_map &= ~(uint64_t{bins.second_map[first] == 0} << first);
   }
   block->free_prev = block->free_next = nullptr;
