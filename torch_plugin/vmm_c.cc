@@ -338,13 +338,6 @@ class State {
     return id;
   }
 
-  absl::StatusOr<const ImportedBuffer*> FindImport(int64_t id) {
-    MutexLock lock(&mu_);
-    auto it = imports_.find(id);
-    if (it == imports_.end()) return absl::InvalidArgumentError(absl::StrCat("no import ", id));
-    return it->second.buffer.get();
-  }
-
   // What a tensor over import `id` needs, under one lock: address, size, and the CUDA device
   // (-1 for the host backend).
   absl::Status ImportInfo(int64_t id, uint64_t* ptr, size_t* size, int* device) {
@@ -601,30 +594,6 @@ int64_t vmm_import(const uint8_t* descriptor, size_t len, int device, const char
       vmm::ImportBuffer(*driver, *d, options);
   if (!buffer.ok()) return vmm::Fail(buffer.status());
   return State::Get().AddImport(std::move(*buffer), (*driver)->Name() == "host");
-}
-
-uint64_t vmm_import_ptr(int64_t import_id) {
-  auto b = State::Get().FindImport(import_id);
-  if (!b.ok()) {
-    vmm::Fail(b.status());
-    return 0;
-  }
-  return (*b)->ptr();
-}
-
-size_t vmm_import_size(int64_t import_id) {
-  auto b = State::Get().FindImport(import_id);
-  if (!b.ok()) {
-    vmm::Fail(b.status());
-    return 0;
-  }
-  return (*b)->size();
-}
-
-int vmm_import_device(int64_t import_id) {
-  auto b = State::Get().FindImport(import_id);
-  if (!b.ok()) return vmm::Fail(b.status());
-  return (*b)->device();
 }
 
 int vmm_import_info(int64_t import_id, uint64_t* ptr, size_t* size, int* device) {

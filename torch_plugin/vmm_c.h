@@ -87,12 +87,8 @@ int vmm_export(const void* ptr, uint8_t** out, size_t* out_len);
  * fetches POSIX fds with pidfd_getfd instead of the exporter's socket. */
 int64_t vmm_import(const uint8_t* descriptor, size_t len, int device, const char* backend,
                    int pidfd);
-/* Address and size of the imported buffer (0 on failure). */
-uint64_t vmm_import_ptr(int64_t import_id);
-size_t vmm_import_size(int64_t import_id);
-int vmm_import_device(int64_t import_id);
-/* Address, size and device of the imported buffer in one call: *device is the CUDA device
- * it is mapped on, or -1 for the host backend (what a tensor over it needs). */
+/* Address, size and device of the imported buffer: *device is the CUDA device it is mapped
+ * on, or -1 for the host backend (what a tensor over it needs). */
 int vmm_import_info(int64_t import_id, uint64_t* ptr, size_t* size, int* device);
 /* Reference counting: the mapping goes away when the last reference is released. */
 int vmm_import_retain(int64_t import_id);

@@ -18,9 +18,6 @@ over --iters iterations, each timed with time.perf_counter_ns:
     bazel run -c opt //tests/python:share_overhead_bench -- [--iters 2000] [--handle-type fabric]
 or, with the libraries built: PYTHONPATH=torch_plugin/python \
     VMM_LIB_DIR=bazel-bin/torch_plugin/python/vmm_torch python3 tests/python/share_overhead_bench.py
-
-Works with the payload of either generation of vmm_torch.reductions (it looks at what the
-reducer returns), so that before/after numbers come from the same script.
 """
 
 import argparse
@@ -87,17 +84,8 @@ def main(argv=None):
         # wrap over one import kept open (so that the mapping outlives each tensor).
         import_id = sharing._import_id(data, None, "host")
         strides = tuple(t.stride())
-        if hasattr(reductions, "rebuild_tensor_from_bytes"):  # wrap queries the import itself
-            def wrap(_):
-                return sharing._wrap_import(import_id, shape, strides, 0, torch.float32)
-        else:  # the first generation: the caller passes the address, size and device
-            ptr = int(vmm.vmm_import_ptr(import_id))
-            nbytes = int(vmm.vmm_import_size(import_id))
-            device = torch.device("cpu")
-
-            def wrap(_):
-                return sharing._wrap_import(import_id, ptr, nbytes, shape, strides, 0,
-                                            torch.float32, device)
+        def wrap(_):
+            return sharing._wrap_import(import_id, shape, strides, 0, torch.float32)
         results["wrap_us"] = median_us(
             wrap, a.iters, setup=lambda: _lib.check(vmm.vmm_import_retain(import_id)))
         release(import_id)

@@ -9,10 +9,9 @@
 // Ops (torch.ops.vmm.*):
 //   bind(str libvmm_path) -> ()
 //   wrap(int ptr, int nbytes, int[] sizes, int[] strides, int storage_offset, ScalarType dtype,
-//        Device device, int owner, int context) -> Tensor
-//       A tensor over [ptr, ptr + nbytes). owner 0: borrowed (nothing freed); 1: a vmm pool
-//       block, freed when the storage dies; 2: import `context`, released when it dies.
-//       A failed wrap takes nothing over (the caller still owns the block or reference).
+//        Device device) -> Tensor
+//       A tensor over the vmm pool block [ptr, ptr + nbytes), freed when the storage dies.
+//       A failed wrap takes nothing over (the caller still owns the block).
 //   wrap_import(int import_id, int[] sizes, int[] strides, int storage_offset,
 //               ScalarType dtype) -> Tensor
 //       A tensor over the whole buffer of import `import_id`, on the device it is mapped on
@@ -116,7 +115,7 @@ void InitCudaOnce(c10::Device device) {
 // A tensor over [data, data + nbytes) with `sizes`, `strides` and `storage_offset`, built
 // directly like at::from_blob: no placeholder tensor from the device's allocator (on CUDA a
 // malloc and a free through CUDAPluggableAllocator, with device guards, per call), no set_
-// through the dispatcher. `deleter(context)` runs when the storage dies (none: borrowed).
+// through the dispatcher. `deleter(context)` runs when the storage dies.
 // Everything that can fail happens before the storage takes the memory over, so that a
 // failure takes nothing over: the caller still owns the block or reference.
 at::Tensor TensorOver(void* data, int64_t nbytes, at::IntArrayRef sizes,
@@ -140,28 +139,16 @@ at::Tensor TensorOver(void* data, int64_t nbytes, at::IntArrayRef sizes,
   impl->set_sizes_and_strides(sizes, strides);
   impl->set_storage_offset(storage_offset);
   // Last, and it cannot fail: the storage takes the memory over.
-  impl->storage().set_data_ptr_noswap(deleter != nullptr
-                                          ? c10::DataPtr(data, context, deleter, device)
-                                          : c10::DataPtr(data, device));
+  impl->storage().set_data_ptr_noswap(c10::DataPtr(data, context, deleter, device));
   return t;
 }
 
 at::Tensor Wrap(int64_t ptr, int64_t nbytes, at::IntArrayRef sizes, at::IntArrayRef strides,
-                int64_t storage_offset, at::ScalarType dtype, at::Device device, int64_t owner,
-                int64_t context) {
+                int64_t storage_offset, at::ScalarType dtype, at::Device device) {
   RequireBound();
-  TORCH_CHECK(owner >= 0 && owner <= 2, "vmm.wrap: owner must be 0, 1 or 2");
   void* data = reinterpret_cast<void*>(ptr);
-  if (owner == 1) {
-    return TensorOver(data, nbytes, sizes, strides, storage_offset, dtype, device, &FreeBlock,
-                      data);
-  }
-  if (owner == 2) {
-    return TensorOver(data, nbytes, sizes, strides, storage_offset, dtype, device,
-                      &ReleaseImport, reinterpret_cast<void*>(context));
-  }
-  return TensorOver(data, nbytes, sizes, strides, storage_offset, dtype, device, nullptr,
-                    nullptr);
+  return TensorOver(data, nbytes, sizes, strides, storage_offset, dtype, device, &FreeBlock,
+                    data);
 }
 
 at::Tensor WrapImport(int64_t import_id, at::IntArrayRef sizes, at::IntArrayRef strides,
@@ -191,7 +178,7 @@ std::tuple<int64_t, int64_t> StorageInfo(const at::Tensor& t) {
 TORCH_LIBRARY(vmm, m) {
   m.def("bind(str libvmm_path) -> ()", &Bind);
   m.def("wrap(int ptr, int nbytes, int[] sizes, int[] strides, int storage_offset, "
-        "ScalarType dtype, Device device, int owner, int context) -> Tensor",
+        "ScalarType dtype, Device device) -> Tensor",
         &Wrap);
   m.def("wrap_import(int import_id, int[] sizes, int[] strides, int storage_offset, "
         "ScalarType dtype) -> Tensor",

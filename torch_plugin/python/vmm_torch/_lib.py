@@ -60,14 +60,11 @@ _SIGNATURES = {
     "vmm_owns": (_c_int, [_c_void_p]),
     "vmm_export": (_c_int, [_c_void_p, ctypes.POINTER(_c_void_p), ctypes.POINTER(_c_size_t)]),
     "vmm_import": (_c_int64, [_c_char_p, _c_size_t, _c_int, _c_char_p, _c_int]),
-    "vmm_import_ptr": (ctypes.c_uint64, [_c_int64]),
-    "vmm_import_size": (_c_size_t, [_c_int64]),
     "vmm_import_info": (
         _c_int,
         [_c_int64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(_c_size_t),
          ctypes.POINTER(_c_int)],
     ),
-    "vmm_import_device": (_c_int, [_c_int64]),
     "vmm_import_retain": (_c_int, [_c_int64]),
     "vmm_import_release": (None, [_c_void_p]),
     "vmm_descriptor_from_handles": (

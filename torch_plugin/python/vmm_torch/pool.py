@@ -143,7 +143,7 @@ class Pool(_lib.Closable):
             f"Pool.empty({tuple(sizes)}, {dtype})")
         try:
             return _lib.load().wrap(ptr, nbytes, sizes, contiguous_strides(sizes), 0, dtype,
-                                    self._torch_device, 1, 0)
+                                    self._torch_device)
         except BaseException:
             vmm.vmm_block_free(ptr)
             raise
