@@ -14,4 +14,11 @@ absl::string_view HandleTypeName(HandleType type) {
   return "unknown";
 }
 
+std::optional<HandleType> ParseHandleType(absl::string_view name) {
+  for (HandleType type : {HandleType::kNone, HandleType::kPosixFd, HandleType::kFabric}) {
+    if (name == HandleTypeName(type)) return type;
+  }
+  return std::nullopt;
+}
+
 }  // namespace vmm

@@ -26,6 +26,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -61,6 +62,8 @@ inline constexpr uint32_t HandleTypeBit(HandleType t) {
 
 // "none", "posix_fd" or "fabric".
 absl::string_view HandleTypeName(HandleType type);
+// The handle type HandleTypeName gives `name`, or nullopt for any other text.
+std::optional<HandleType> ParseHandleType(absl::string_view name);
 
 inline constexpr size_t kFabricHandleSize = 64;
 using FabricHandle = std::array<uint8_t, kFabricHandleSize>;

@@ -80,6 +80,21 @@ absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t 
 
 }  // namespace
 
+std::optional<HandleRequest> ParseHandleRequest(absl::string_view name) {
+  if (name == "auto") return HandleRequest::kAuto;
+  const std::optional<HandleType> type = ParseHandleType(name);
+  if (!type) return std::nullopt;
+  switch (*type) {
+    case HandleType::kNone:
+      return HandleRequest::kNone;
+    case HandleType::kPosixFd:
+      return HandleRequest::kPosixFd;
+    case HandleType::kFabric:
+      return HandleRequest::kFabric;
+  }
+  return std::nullopt;
+}
+
 absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOptions& options) {
   if (driver == nullptr) return absl::InvalidArgumentError("Pool::Create: no driver");
   const int devices = driver->DeviceCount();

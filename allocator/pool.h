@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "allocator/arena.h"
 #include "allocator/driver.h"
 #include "allocator/mutex.h"
@@ -64,6 +66,9 @@ enum class HandleRequest {
   kPosixFd,  // POSIX file descriptors
   kFabric,   // fabric handles; fails when unavailable
 };
+
+// "auto", or a handle type name (ParseHandleType); nullopt for any other text.
+std::optional<HandleRequest> ParseHandleRequest(absl::string_view name);
 
 struct PoolOptions {
   int device = 0;

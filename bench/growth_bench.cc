@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -129,31 +130,19 @@ bool TimeBare(Driver* driver, size_t grow, size_t chunk, uint32_t handle_bits, T
   return ok;
 }
 
-bool ParseHandleType(const std::string& name, vmm::HandleRequest* out) {
-  const std::pair<const char*, vmm::HandleRequest> kNames[] = {
-      {"auto", vmm::HandleRequest::kAuto},
-      {"none", vmm::HandleRequest::kNone},
-      {"posix_fd", vmm::HandleRequest::kPosixFd},
-      {"fabric", vmm::HandleRequest::kFabric}};
-  for (const auto& [n, request] : kNames) {
-    if (name == n) {
-      *out = request;
-      return true;
-    }
-  }
-  return false;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Times growing a vmm pool against the bare driver calls.");
   absl::ParseCommandLine(argc, argv);
   vmm::PoolOptions options;
-  if (!ParseHandleType(absl::GetFlag(FLAGS_handle_type), &options.handle_type)) {
+  const std::optional<vmm::HandleRequest> request =
+      vmm::ParseHandleRequest(absl::GetFlag(FLAGS_handle_type));
+  if (!request) {
     std::fprintf(stderr, "growth_bench: bad --handle_type\n");
     return 2;
   }
+  options.handle_type = *request;
   absl::StatusOr<Driver*> driver = vmm_bench::BenchDriver(absl::GetFlag(FLAGS_backend),
                                                           size_t{64} << 30);
   if (!driver.ok()) {

@@ -41,6 +41,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <cstdio>
 #include <iostream>
 #include <memory>
@@ -646,15 +647,12 @@ int main(int argc, char** argv) {
 
   std::unique_ptr<ImportChild> child;
   for (const std::string& type_name : absl::GetFlag(FLAGS_handle_types)) {
-    HandleType type;
-    if (type_name == "fabric") {
-      type = HandleType::kFabric;
-    } else if (type_name == "posix_fd") {
-      type = HandleType::kPosixFd;
-    } else {
+    const std::optional<HandleType> parsed = vmm::ParseHandleType(type_name);
+    if (!parsed || *parsed == HandleType::kNone) {
       std::fprintf(stderr, "import_bench: bad --handle_types value %s\n", type_name.c_str());
       return 2;
     }
+    const HandleType type = *parsed;
     if (absl::Status s = Probe(*driver, type, *granularity); !s.ok()) {
       PrintSkipped(absl::StrCat("import/", type_name), s.ToString());
       continue;

@@ -339,6 +339,20 @@ TEST_F(PoolTest, RejectsBadOptions) {
   EXPECT_EQ(Pool::Create(nullptr, {}).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(HandleNamesTest, ParseTheNamesTheyPrint) {
+  for (HandleType type : {HandleType::kNone, HandleType::kPosixFd, HandleType::kFabric}) {
+    EXPECT_EQ(ParseHandleType(HandleTypeName(type)), type);
+  }
+  EXPECT_EQ(ParseHandleRequest("auto"), HandleRequest::kAuto);
+  EXPECT_EQ(ParseHandleRequest("none"), HandleRequest::kNone);
+  EXPECT_EQ(ParseHandleRequest("posix_fd"), HandleRequest::kPosixFd);
+  EXPECT_EQ(ParseHandleRequest("fabric"), HandleRequest::kFabric);
+  for (const char* bad : {"", "Fabric", "auto ", "posix-fd", "unknown"}) {
+    EXPECT_FALSE(ParseHandleType(bad).has_value()) << bad;
+    EXPECT_FALSE(ParseHandleRequest(bad).has_value()) << bad;
+  }
+}
+
 TEST_F(PoolTest, StatsTrackCurrentPeakAndTotals) {
   auto pool = MakePool();
   void* a = Alloc(*pool, 3 * kMiB);

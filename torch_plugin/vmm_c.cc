@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -78,12 +79,12 @@ absl::StatusOr<size_t> ParseSize(absl::string_view key, absl::string_view value)
 
 absl::Status ApplyOption(absl::string_view key, absl::string_view value, PoolOptions& o) {
   if (key == "handle_type") {
-    if (value == "auto") o.handle_type = HandleRequest::kAuto;
-    else if (value == "none") o.handle_type = HandleRequest::kNone;
-    else if (value == "posix_fd") o.handle_type = HandleRequest::kPosixFd;
-    else if (value == "fabric") o.handle_type = HandleRequest::kFabric;
-    else return absl::InvalidArgumentError(absl::StrCat(
-        "option handle_type: '", value, "' is not one of auto, none, posix_fd, fabric"));
+    const std::optional<HandleRequest> request = ParseHandleRequest(value);
+    if (!request) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "option handle_type: '", value, "' is not one of auto, none, posix_fd, fabric"));
+    }
+    o.handle_type = *request;
     return absl::OkStatus();
   }
   if (key == "growth_fraction") {
