@@ -12,8 +12,8 @@ With --breakdown, each latency row is followed by a "share_breakdown" row: media
 microseconds of where the latency went, parts that add up to it. export: the pickling reducer
 in the producer (vmm's or PyTorch's reduce_tensor). transit: from the put until the consumer's
 rebuild function starts, less the export (queue feeder thread, pipe, unpickling up to the
-rebuild). import: the rebuild function (vmm's rebuild_tensor, split into vmm_import, the C
-call, and wrap, the tensor over it; PyTorch's rebuild_cuda_tensor). unpickle_other: from the
+rebuild). import: the rebuild function (vmm's rebuild_tensor_from_bytes, split into
+vmm_import, the C call, and wrap, the tensor over it; PyTorch's rebuild_cuda_tensor). unpickle_other: from the
 end of the rebuild until the queue's get returns. first_read: from then until tensor[0].item()
 returns. Timestamps are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for all processes).
 
@@ -87,12 +87,11 @@ def time_export(mode):
 
 def time_import(mode):
     """Times the rebuild of received tensors: unpickling looks the rebuild function up as a
-    module attribute, and SharedTensor.open its helpers as globals of vmm_torch.sharing."""
+    module attribute, and the rebuild its helpers as attributes of vmm_torch.sharing."""
     if mode.startswith("vmm"):
         import vmm_torch.reductions as reductions
         import vmm_torch.sharing as sharing
 
-        reductions.rebuild_tensor = timed(reductions.rebuild_tensor, "import")
         reductions.rebuild_tensor_from_bytes = timed(reductions.rebuild_tensor_from_bytes,
                                                      "import")
         sharing._import_id = timed(sharing._import_id, "vmm_import")
@@ -254,7 +253,8 @@ def main():
         try:
             rows += q.get(timeout=len(sizes) * (a.reps + 1) * RESULT_TIMEOUT_S)
         except Exception as e:  # a mode that cannot run here (no IMEX channel for fabric...)
-            print(json.dumps({"bench": "share_latency", "mode": mode, "error": repr(e)}), flush=True)
+            print(json.dumps({"bench": "share_latency", "mode": mode, "error": repr(e)}),
+                  flush=True)
         proc.join(60)
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if a.out:

@@ -146,15 +146,6 @@ def test_imported_tensors_are_not_reexported(pool):
     assert reductions.reduce_tensor(again)[0] is not reductions.rebuild_tensor_from_bytes
 
 
-def test_old_payload_still_rebuilds(pool):
-    t = filled(pool, (3, 4))
-    payload = ForkingPickler.dumps(
-        Reduced(reductions.rebuild_tensor, (vmm_torch.export_tensor(t), True, True)))
-    again = pickle.loads(payload)
-    assert isinstance(again, torch.nn.Parameter) and again.requires_grad
-    assert torch.equal(again.detach(), t)
-
-
 def _payload_args(t):
     """The payload's arguments, as a list to tamper with (keep `t` alive meanwhile)."""
     return list(reductions.reduce_tensor(t)[1])

@@ -74,12 +74,6 @@ def rebuild_tensor_from_bytes(descriptor, dtype, shape, stride, storage_offset, 
     return _finish(tensor, parameter, requires_grad)
 
 
-def rebuild_tensor(shared, parameter=False, requires_grad=False):
-    """Opens a SharedTensor on the receiving side (the payload of earlier versions of this
-    module; still understood)."""
-    return _finish(shared.open(), parameter, requires_grad)
-
-
 def _torch_reduce_tensor(tensor):
     from torch.multiprocessing import reductions
 
