@@ -17,6 +17,14 @@ vmm_import, the C call, and wrap, the tensor over it; PyTorch's rebuild_cuda_ten
 end of the rebuild until the queue's get returns. first_read: from then until tensor[0].item()
 returns. Timestamps are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for all processes).
 
+--settle-ms waits that long between allocating and filling a repetition's tensor and sending it,
+so that the driver's background work after the previous repetition (the release of its memory
+by both processes) is over before the clock starts.
+
+--queue picks the torch.multiprocessing queue for every mode: "queue" (multiprocessing.Queue:
+put hands the object to a feeder thread, which pickles and writes it) or "simple"
+(SimpleQueue: put pickles and writes in the caller's thread).
+
     python3 bench/share_latency.py --sizes 64M,1G,8G --reps 7 --out share.jsonl [--breakdown]
 Prints one JSON object per result (and appends them to --out).
 """
@@ -161,12 +169,13 @@ def copy_bandwidth(src, iters=20):
     return {"imported_gbs": imported, "native_gbs": native}
 
 
-def run_mode(mode, sizes, reps, bandwidth_size, breakdown):
+def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s):
     ctx = mp.get_context("spawn")
     env_before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if mode == "torch-expandable":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    jobs, results = ctx.Queue(), ctx.Queue()
+    jobs = ctx.SimpleQueue() if queue_kind == "simple" else ctx.Queue()
+    results = ctx.Queue()
     proc = ctx.Process(target=consumer, args=(mode, jobs, results, breakdown))
     proc.start()
     out = []
@@ -178,6 +187,7 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown):
                 measure = size == bandwidth_size and rep == reps
                 t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
                 torch.cuda.synchronize()
+                time.sleep(settle_s)
                 take_stamps()
                 t0 = time.perf_counter_ns()
                 jobs.put((t0, t, measure))
@@ -194,13 +204,15 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown):
                     bandwidth = r["bandwidth"]
                 del t
                 torch.cuda.synchronize()
-            row = {"bench": "share_latency", "mode": mode, "bytes": size,
+            row = {"bench": "share_latency", "mode": mode, "queue": queue_kind,
+                   "settle_ms": settle_s * 1e3, "bytes": size,
                    "median_ms": statistics.median(latencies) / 1e6,
                    "min_ms": min(latencies) / 1e6, "reps": reps}
             out.append(row)
             print(json.dumps(row), flush=True)
             if parts:
-                row = {"bench": "share_breakdown", "mode": mode, "bytes": size,
+                row = {"bench": "share_breakdown", "mode": mode, "queue": queue_kind,
+                       "settle_ms": settle_s * 1e3, "bytes": size,
                        **{f"{k}_us": statistics.median(p[k] for p in parts) / 1e3
                           for k in parts[0]}}
                 out.append(row)
@@ -220,13 +232,13 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown):
     return out
 
 
-def producer(mode, sizes, reps, bandwidth_size, breakdown, queue):
+def producer(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s, queue):
     setup_mode(mode)
     if breakdown:
         time_export(mode)
     if mode == "torch-expandable":
         assert "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    queue.put(run_mode(mode, sizes, reps, bandwidth_size, breakdown))
+    queue.put(run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s))
 
 
 def main():
@@ -235,6 +247,10 @@ def main():
     p.add_argument("--modes", default="vmm-fabric,vmm-fd,torch-native,torch-expandable")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--bandwidth-size", default="1G")
+    p.add_argument("--queue", choices=("queue", "simple"), default="queue",
+                   help="the queue that carries the tensors (see above)")
+    p.add_argument("--settle-ms", type=float, default=0.0,
+                   help="pause before each send (see above)")
     p.add_argument("--out", default="")
     p.add_argument("--breakdown", action="store_true",
                    help="also report where the latency goes (export, transit, import, ...)")
@@ -247,8 +263,9 @@ def main():
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         q = ctx.Queue()
         # Each mode in its own producer process: the allocator is chosen per process.
-        proc = ctx.Process(target=producer, args=(mode, sizes, a.reps,
-                                                  parse_size(a.bandwidth_size), a.breakdown, q))
+        args = (mode, sizes, a.reps, parse_size(a.bandwidth_size), a.breakdown, a.queue,
+                a.settle_ms / 1e3, q)
+        proc = ctx.Process(target=producer, args=args)
         proc.start()
         try:
             rows += q.get(timeout=len(sizes) * (a.reps + 1) * RESULT_TIMEOUT_S)

@@ -10,14 +10,19 @@
 #   bench     allocator benchmarks beside PyTorch and cudaMallocAsync (bench/run_gpu_bench.sh).
 #   train     the training loop under native, expandable-segments and vmm allocators.
 #   share     share latency / imported bandwidth against torch.multiprocessing, and fan-out.
+#   fanout    the fan-out to 4 consumers alone, fabric and fds.
 #   dist      vmm_torch.distributed with several ranks on the GPU.
 #   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
 #             pip install, share latency per mode, fan-out, ranks, training.
 #   pair      the cached alloc+free pair of every peer alone (builds torch_peer_bench).
 #   multiprocess  the multi-process Python tests alone.
-#   diag      whether an error thrown inside the wrap_import op reaches Python in a fresh process.
+#   diag      whether an error thrown inside a LibTorch extension reaches Python in a fresh
+#             process, per toolchain variant (tests/gpu/throw_min.py), and vmm's own extension.
+#   throwcheck  vmm's extension shares torch's C++ runtime, raises cleanly from an op and
+#             from the allocator hook (out of memory) (quick).
 #   probe     where share latency goes: share_latency.py --breakdown per mode, with an IMEX
-#             channel (the driver calls of the import path are in `bench`: import_bench).
+#             channel, with and without a pause before each send (the driver calls of the
+#             import path are in `bench`: import_bench).
 #   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
 #             pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) without
 #             and with an IMEX channel, and tests/gpu/multi_gpu.py (a cuda:0 tensor opened on
@@ -94,7 +99,7 @@ phase_plugin() {
   step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
     --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
   export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  step pytest_gpu 300 python3 -m pytest -q -x tests/python
+  step pytest_gpu 330 python3 -m pytest -v -rfE tests/python
 }
 
 phase_bench() {
@@ -131,6 +136,13 @@ phase_train() {
   step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" -o "$OUT/vmm_stats.html"
   step stats_torch_viz 120 python3 -m vmm_torch.stats torch-viz "$logs/vmm_dump.json" -o "$OUT/torch_viz.html"
   cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
+}
+
+phase_fanout() {
+  ensure_plugin
+  imex_channel
+  step fanout_fabric 90 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
+  step fanout_fd 90 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
 }
 
 phase_share() {
@@ -212,18 +224,33 @@ phase_pair() {
 phase_probe() {
   imex_channel
   ensure_plugin
-  step share_breakdown 240 python3 bench/share_latency.py --breakdown \
-    --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 9 --out "$OUT/share.jsonl"
+  local settle
+  for settle in 0 20; do
+    step "share_breakdown_settle$settle" 150 python3 bench/share_latency.py --breakdown \
+      --settle-ms "$settle" --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 7 \
+      --out "$OUT/share.jsonl"
+  done
 }
 
-# Whether an error thrown inside the wrap_import op reaches Python in a fresh process.
-phase_diag() {
+# Whether errors thrown inside vmm's extension reach Python: the extension must share torch's
+# C++ runtime (it defines no __cxa_throw of its own), and a hostile view raises RuntimeError.
+phase_throwcheck() {
   ensure_plugin
-  step toolchain 30 sh -c 'g++ --version | head -1; g++ -v 2>&1 | grep -o "\-\-[a-z-]*static[a-z-]*\|--enable-shared\|--disable-shared"; so=$(ls /tmp/vmm_site/vmm_torch/_C*.so); ldd "$so" | grep -E "gcc|stdc"; nm -D --defined-only "$so" | grep -cE "_Unwind|__gxx_personality|__cxa_throw"'
-  step our_symbols 20 sh -c 'nm -D --defined-only /tmp/vmm_site/vmm_torch/_C*.so | grep -E "_Unwind|__gxx|__cxa"; readelf -d /tmp/vmm_site/vmm_torch/_C*.so | grep NEEDED'
-  step throw_min 200 python3 tests/gpu/throw_min.py
+  step ext_runtime 20 sh -c 'so=$(ls /tmp/vmm_site/vmm_torch/_C*.so); ldd "$so" | grep stdc;
+    n=$(nm -D --defined-only "$so" | grep -c __cxa_throw); echo "__cxa_throw defined: $n";
+    [ "$n" -eq 0 ]'
   step throw_probe 60 python3 tests/gpu/throw_probe.py
   step throw_probe_after_torch_error 60 python3 tests/gpu/throw_probe.py --torch-error-first
+  step oom_probe 60 python3 tests/gpu/oom_probe.py
+}
+
+# Which toolchains give LibTorch extensions whose errors reach Python (tests/gpu/throw_min.py),
+# then the same for vmm's own extension.
+phase_diag() {
+  ensure_plugin
+  step toolchain 30 sh -c 'which -a c++ g++; echo "CXX=${CXX:-}"; for f in libstdc++.so libstdc++.a; do echo "$f: $(c++ -print-file-name=$f)"; done; ldd "$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")/lib/libc10.so" | grep -E "stdc|gcc"'
+  step throw_min 300 python3 tests/gpu/throw_min.py
+  phase_throwcheck
 }
 
 # The multi-process Python tests alone (quicker than `plugin` when only they changed).

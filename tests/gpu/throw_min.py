@@ -6,8 +6,10 @@ toolchain variants, calls the op in a child process each time (so that a crash i
 not suffered) and prints, per variant, whether the extension carries its own copy of the C++
 exception runtime and the child's exit status: 0 when RuntimeError reached Python, -11 for
 SIGSEGV. Variants: the default compiler (`c++` on PATH), /usr/bin/g++, the default with an
-explicit -lstdc++ (linked before the compiler driver's own runtime libraries), the error raised
-from frames without cleanups, and an OutOfMemoryError thrown by the extension itself.
+explicit -lstdc++ (linked before the compiler driver's own runtime libraries), the default
+linked against the very libstdc++.so.6 that torch loaded in this process (so that the extension
+and torch share one C++ runtime), the error raised from frames without cleanups, and an
+OutOfMemoryError thrown by the extension itself.
 """
 import os
 import shutil
@@ -98,6 +100,18 @@ def variant(name, cxx=None, ldflags=(), source=SOURCE):
     return rc
 
 
+def loaded_libstdcxx():
+    """The path of the libstdc++ shared object this process (with torch imported) uses."""
+    import torch  # noqa: F401  (loads torch's C++ runtime)
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libstdc++.so" in path:
+                return path
+    return None
+
+
 def main():
     if len(sys.argv) == 4 and sys.argv[1] == "--child":
         return child(sys.argv[2], sys.argv[3])
@@ -105,6 +119,12 @@ def main():
     if os.path.exists("/usr/bin/g++"):
         results.append(variant("vmm_throw_usr_gxx", cxx="/usr/bin/g++"))
     results.append(variant("vmm_throw_lstdcxx", ldflags=["-lstdc++"]))
+    runtime = loaded_libstdcxx()
+    print(f"libstdc++ loaded with torch: {runtime}", flush=True)
+    if runtime:
+        results.append(variant("vmm_throw_torch_runtime", ldflags=[runtime]))
+        results.append(variant("vmm_throw_torch_runtime_oom", ldflags=[runtime],
+                               source=SOURCE_OOM))
     results.append(variant("vmm_throw_no_cleanup", source=SOURCE_NO_CLEANUP))
     results.append(variant("vmm_throw_oom", source=SOURCE_OOM))
     return 0 if results[0] == 0 else 1

@@ -7,6 +7,8 @@ is initialised, and the pytest process uses CUDA for the explicit-pool tests.
 import gc
 import math
 import pickle
+import queue
+import time
 
 import pytest
 import torch
@@ -22,12 +24,22 @@ MIB = 1 << 20
 
 
 def run_in_spawned_process(target, *args):
+    """`target(results, *args)` in a fresh process: its one reply. A process that dies first
+    (an uncaught error, a crash) fails the test at once with its exit status."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     proc = ctx.Process(target=target, args=(results,) + args)
     proc.start()
     try:
-        result = results.get(timeout=TIMEOUT)
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            alive = proc.is_alive()  # before the get: a reply sent before dying is read
+            try:
+                result = results.get(timeout=1)
+                break
+            except queue.Empty:
+                assert alive, f"{target.__name__} died with {proc.exitcode}"
+                assert time.monotonic() < deadline, f"{target.__name__} gave no reply"
     finally:
         proc.join(TIMEOUT)
     assert proc.exitcode == 0, f"{target.__name__} exited with {proc.exitcode}"
@@ -59,6 +71,15 @@ def test_enable_and_train():
     assert result["in_pool"]  # the model's parameters live in vmm's pool
     assert "set_reset_fn" in result["hooks"]
     assert result["reserved_after_empty"] <= stats["reserved_bytes.all.current"]
+
+
+def test_out_of_memory_in_the_allocator_raises_and_the_process_goes_on():
+    result = run_in_spawned_process(workers.gpu_out_of_memory)
+    assert result["error"] is not None, "2 GiB allocated under a 1 GiB limit"
+    name, text = result["error"]
+    assert name == "OutOfMemoryError" and "out of memory" in text, result["error"]
+    assert result["after"] == float(1 << 20)
+    assert result["allocated"] >= 4 << 20
 
 
 def test_enable_after_cuda_init_is_refused():

@@ -134,6 +134,23 @@ def gpu_producer(results, handle_type, n):
     results.put({"reply": reply, "written": written, "exitcode": proc.exitcode})
 
 
+def gpu_out_of_memory(results):
+    """enable() with a 1 GiB limit, then 2 GiB asked for: replies with the error's type and
+    text, and whether the process still allocates and computes afterwards."""
+    import vmm_torch
+
+    vmm_torch.enable(memory_limit="1G")
+    try:
+        torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+        results.put({"error": None})
+        return
+    except Exception as e:  # the allocator hook's error, thrown through PyTorch
+        error = (type(e).__name__, str(e))
+    t = torch.ones(1 << 20, device="cuda")
+    results.put({"error": error, "after": float(t.sum()),
+                 "allocated": vmm_torch.memory_stats()["allocated_bytes.all.current"]})
+
+
 def gpu_enable_too_late(results):
     """enable() after CUDA is initialised: replies with the error text."""
     import vmm_torch

@@ -4,7 +4,11 @@
 
 - The LibTorch extension ``vmm_torch/_C.so`` is compiled from ``../csrc/vmm_ops.cpp`` with
   ``torch.utils.cpp_extension`` (C++ only; CUDA headers are added to the include path when
-  found, no CUDA code is compiled).
+  found, no CUDA code is compiled). It is linked against the very ``libstdc++`` shared object
+  that torch's ``libc10.so`` loads: errors thrown in the extension are caught in torch, and
+  both must use one C++ runtime. A compiler that links its runtime statically by default
+  (``/opt/gcc/bin/g++`` on our GPU machine) otherwise gives an extension whose every thrown
+  error kills the process (SIGSEGV) instead of raising RuntimeError in Python.
 - vmm's C library ``libvmm.so`` is copied into the package: from ``$VMM_LIB`` (a path to the
   file) or, when that is unset, from a Bazel build of
   ``//torch_plugin:python/vmm_torch/libvmm.so`` in this repository (extra Bazel arguments in
@@ -19,7 +23,7 @@ import shutil
 import subprocess
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import BuildExtension, CppExtension, library_paths
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -81,6 +85,16 @@ def _copy(source, destination):
     os.chmod(destination, 0o755)
 
 
+def torch_cxx_runtime():
+    """The libstdc++ shared object torch's libc10.so loads (a path), or None when torch does
+    not load one (then the compiler's default runtime is used)."""
+    for folder in library_paths():
+        libc10 = os.path.join(folder, "libc10.so")
+        if os.path.exists(libc10):
+            return _ldd(libc10).get("libstdc++.so.6")
+    return None
+
+
 class BuildExt(BuildExtension.with_options(no_python_abi_suffix=True)):
     """Builds _C.so, then puts libvmm.so and its libraries beside it."""
 
@@ -103,6 +117,8 @@ def _include_dirs():
     return [include] if os.path.isdir(include) else []
 
 
+CXX_RUNTIME = torch_cxx_runtime()
+
 setup(
     name="vmm-torch",
     version="0.1.0",
@@ -116,6 +132,7 @@ setup(
             sources=[os.path.join(REPO, "torch_plugin", "csrc", "vmm_ops.cpp")],
             include_dirs=_include_dirs(),
             extra_compile_args=["-O2", "-Wno-unused-parameter"],
+            extra_link_args=[CXX_RUNTIME] if CXX_RUNTIME else [],
             libraries=["dl"],
         )
     ],
