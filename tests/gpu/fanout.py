@@ -5,8 +5,10 @@
 
 The producer enables vmm and its reducers, fills each tensor with a pattern and puts it on
 every consumer's queue; each consumer checks every element against the pattern and reports
-when it had the tensor (latency from the put to its first read). Prints one JSON line per
-size, and exits nonzero if any consumer saw wrong data.
+when it had the tensor (latency from the put to its first read). The consumers start, set
+CUDA up and take one small untimed tensor before the clock runs; each size is sent --reps
+times. Prints one JSON line per size (median and max over every consumer and repetition), and
+exits nonzero if any consumer saw wrong data.
 """
 import argparse
 import json
@@ -46,6 +48,8 @@ def consumer(handle_type, jobs, results):
     import vmm_torch
     vmm_torch.enable(handle_type=handle_type)
     vmm_torch.install_reducers()
+    torch.cuda.init()
+    results.put("ready")
     while True:
         item = jobs.get()
         if item is None:
@@ -63,6 +67,7 @@ def main():
     p.add_argument("--handle-type", default="fabric")
     p.add_argument("--sizes", default="64M,1G,8G")
     p.add_argument("--consumers", type=int, default=4)
+    p.add_argument("--reps", type=int, default=3)
     a = p.parse_args()
     import vmm_torch
     vmm_torch.enable(handle_type=a.handle_type)
@@ -73,24 +78,32 @@ def main():
     procs = [ctx.Process(target=consumer, args=(a.handle_type, q, results)) for q in queues]
     for proc in procs:
         proc.start()
-    failed = False
-    for text in a.sizes.split(","):
-        n = int(text[:-1]) * UNITS[text[-1]]
+    for _ in procs:
+        assert results.get(timeout=300) == "ready"
+
+    def send(n):
+        """Shares a fresh n-byte tensor with every consumer: their answers."""
         t = torch.empty(n, dtype=torch.uint8, device="cuda")
         fill(t)
         torch.cuda.synchronize()
         t0 = time.perf_counter_ns()
         for q in queues:
             q.put((t0, t))
-        rs = [results.get(timeout=600) for _ in queues]
+        answers = [results.get(timeout=600) for _ in queues]
+        del t
+        torch.cuda.synchronize()
+        return answers
+
+    failed = not all(r["ok"] for r in send(2 << 20))  # warm-up, untimed
+    for text in a.sizes.split(","):
+        n = int(text[:-1]) * UNITS[text[-1]]
+        rs = [r for _ in range(a.reps) for r in send(n)]
         lat = [r["latency_ns"] / 1e6 for r in rs]
         ok = all(r["ok"] for r in rs)
         failed |= not ok
         print(json.dumps({"bench": "fanout", "handle_type": a.handle_type, "bytes": n,
-                          "consumers": a.consumers, "all_verified": ok,
+                          "consumers": a.consumers, "reps": a.reps, "all_verified": ok,
                           "median_ms": statistics.median(lat), "max_ms": max(lat)}), flush=True)
-        del t
-        torch.cuda.synchronize()
     for q in queues:
         q.put(None)
     for proc in procs:

@@ -10,6 +10,7 @@
 #   bench     allocator benchmarks beside PyTorch and cudaMallocAsync (bench/run_gpu_bench.sh).
 #   train     the training loop under native, expandable-segments and vmm allocators.
 #   share     share latency / imported bandwidth against torch.multiprocessing, and fan-out.
+#   latency   share latency and imported bandwidth alone, one step per mode.
 #   fanout    the fan-out to 4 consumers alone, fabric and fds.
 #   dist      vmm_torch.distributed with several ranks on the GPU.
 #   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
@@ -136,6 +137,17 @@ phase_train() {
   step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" -o "$OUT/vmm_stats.html"
   step stats_torch_viz 120 python3 -m vmm_torch.stats torch-viz "$logs/vmm_dump.json" -o "$OUT/torch_viz.html"
   cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
+}
+
+# Share latency and imported bandwidth per mode (each in its own run of share_latency.py).
+phase_latency() {
+  imex_channel
+  ensure_plugin
+  local mode
+  for mode in vmm-fabric vmm-fd torch-native torch-expandable; do
+    step "share_$mode" 90 python3 bench/share_latency.py --modes "$mode" --sizes 64M,1G,8G \
+      --reps "${SHARE_REPS:-7}" --out "$OUT/share.jsonl"
+  done
 }
 
 phase_fanout() {
