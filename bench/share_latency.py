@@ -31,6 +31,7 @@ Prints one JSON object per result (and appends them to --out).
 import argparse
 import json
 import os
+import queue
 import statistics
 import sys
 import threading
@@ -169,6 +170,21 @@ def copy_bandwidth(src, iters=20):
     return {"imported_gbs": imported, "native_gbs": native}
 
 
+def answer(results, proc):
+    """The consumer's next answer; raises at once if the consumer died (a mode that cannot run
+    here), after RESULT_TIMEOUT_S if it hangs."""
+    deadline = time.monotonic() + RESULT_TIMEOUT_S
+    while True:
+        alive = proc.is_alive()  # before the get: an answer sent before dying is read
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            if not alive:
+                raise RuntimeError(f"the consumer died (exit status {proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise
+
+
 def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s):
     ctx = mp.get_context("spawn")
     env_before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -192,7 +208,7 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s)
                 t0 = time.perf_counter_ns()
                 jobs.put((t0, t, measure))
                 print(f"{mode}: {size} bytes, repetition {rep}", file=sys.stderr, flush=True)
-                r = results.get(timeout=RESULT_TIMEOUT_S)
+                r = answer(results, proc)
                 assert r["first"] == 7, r
                 if rep > 0:
                     latencies.append(r["latency_ns"])
@@ -232,13 +248,13 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s)
     return out
 
 
-def producer(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s, queue):
+def producer(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s, out):
     setup_mode(mode)
     if breakdown:
         time_export(mode)
     if mode == "torch-expandable":
         assert "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    queue.put(run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s))
+    out.put(run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s))
 
 
 def main():
