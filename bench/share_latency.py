@@ -170,17 +170,17 @@ def copy_bandwidth(src, iters=20):
     return {"imported_gbs": imported, "native_gbs": native}
 
 
-def answer(results, proc):
-    """The consumer's next answer; raises at once if the consumer died (a mode that cannot run
-    here), after RESULT_TIMEOUT_S if it hangs."""
-    deadline = time.monotonic() + RESULT_TIMEOUT_S
+def answer(results, proc, timeout_s=RESULT_TIMEOUT_S):
+    """The next object `proc` puts on `results`; raises at once if `proc` died (a mode that
+    cannot run here), after `timeout_s` if it hangs."""
+    deadline = time.monotonic() + timeout_s
     while True:
         alive = proc.is_alive()  # before the get: an answer sent before dying is read
         try:
             return results.get(timeout=0.5)
         except queue.Empty:
             if not alive:
-                raise RuntimeError(f"the consumer died (exit status {proc.exitcode})")
+                raise RuntimeError(f"{proc.name} died (exit status {proc.exitcode})")
             if time.monotonic() > deadline:
                 raise
 
@@ -192,7 +192,7 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s)
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     jobs = ctx.SimpleQueue() if queue_kind == "simple" else ctx.Queue()
     results = ctx.Queue()
-    proc = ctx.Process(target=consumer, args=(mode, jobs, results, breakdown))
+    proc = ctx.Process(target=consumer, args=(mode, jobs, results, breakdown), name="consumer")
     proc.start()
     out = []
     try:
@@ -281,10 +281,10 @@ def main():
         # Each mode in its own producer process: the allocator is chosen per process.
         args = (mode, sizes, a.reps, parse_size(a.bandwidth_size), a.breakdown, a.queue,
                 a.settle_ms / 1e3, q)
-        proc = ctx.Process(target=producer, args=args)
+        proc = ctx.Process(target=producer, args=args, name="producer")
         proc.start()
         try:
-            rows += q.get(timeout=len(sizes) * (a.reps + 1) * RESULT_TIMEOUT_S)
+            rows += answer(q, proc, len(sizes) * (a.reps + 1) * RESULT_TIMEOUT_S)
         except Exception as e:  # a mode that cannot run here (no IMEX channel for fabric...)
             print(json.dumps({"bench": "share_latency", "mode": mode, "error": repr(e)}),
                   flush=True)
