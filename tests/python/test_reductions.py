@@ -152,10 +152,10 @@ def _payload_args(t):
 
 
 @pytest.mark.parametrize("field,value,error,match", [
-    (0, lambda d: d[: len(d) // 2], ValueError, ""),                # truncated descriptor
-    (0, lambda d: d[:3], ValueError, ""),
-    (0, lambda d: b"", ValueError, ""),
-    (0, lambda d: b"\xff" * len(d), ValueError, ""),                # not a descriptor
+    (0, lambda d: d[: len(d) // 2], ValueError, r"is \d+ bytes, expected"),  # truncated
+    (0, lambda d: d[:3], ValueError, "shorter than its 32-byte header"),
+    (0, lambda d: b"", ValueError, "0 bytes, shorter than"),
+    (0, lambda d: b"\xff" * len(d), ValueError, "magic"),           # not a descriptor
     (0, lambda d: "text", TypeError, "descriptor"),
     (0, lambda d: None, TypeError, "descriptor"),
     (1, lambda d: 99, ValueError, "dtype"),
