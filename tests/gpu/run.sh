@@ -9,9 +9,9 @@
 #   plugin    pip-installs vmm_torch against the machine's torch and runs its GPU tests.
 #   bench     allocator benchmarks beside PyTorch and cudaMallocAsync (bench/run_gpu_bench.sh).
 #   train     the training loop under native, expandable-segments and vmm allocators.
-#   share     share latency / imported bandwidth against torch.multiprocessing, and fan-out.
-#   latency   share latency and imported bandwidth alone, one step per mode.
-#   fanout    the fan-out to 4 consumers alone, fabric and fds.
+#   latency   share latency and imported bandwidth against torch.multiprocessing, one step per
+#             mode (vmm fabric, vmm fds, PyTorch native, PyTorch expandable segments).
+#   fanout    one producer, 4 consumers, fabric and fds.
 #   dist      vmm_torch.distributed with several ranks on the GPU.
 #   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
 #             pip install, share latency per mode, fan-out, ranks, training.
@@ -157,14 +157,6 @@ phase_fanout() {
   step fanout_fd 90 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
 }
 
-phase_share() {
-  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  step share_latency 400 python3 bench/share_latency.py --sizes 64M,1G,8G --reps 5 \
-    --out "$logs/share.jsonl"
-  step fanout_fabric 240 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
-  step fanout_fd 240 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
-}
-
 # The C++ tests that need two devices (named TwoDevice*), plus HasAccess on one.
 multi_suites() {
   local tag=$1 filter='--gtest_filter=*TwoDevice*:*HasAccess*'
@@ -206,16 +198,8 @@ phase_multi() {
 # ranks, and the training loop under each allocator (vmm with two growth policies).
 phase_final() {
   DEADLINE=${DEADLINE:-390}
-  imex_channel
-  step pip_install 90 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
-    --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
-  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  for mode in vmm-fabric vmm-fd torch-native torch-expandable; do
-    step "share_$mode" 50 python3 bench/share_latency.py --modes "$mode" --sizes 64M,1G,8G \
-      --reps 3 --out "$OUT/share.jsonl"
-  done
-  step fanout_fabric 60 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
-  step fanout_fd 60 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
+  SHARE_REPS=${SHARE_REPS:-3} phase_latency
+  phase_fanout
   step dist 90 python3 tests/gpu/dist_bench.py --ranks 3 --sizes 64M,1G --reps 3 --time-limit 80
   train_runs "${TRAIN_STEPS:-200}" 60
 }
