@@ -185,6 +185,11 @@ Pool::~Pool() {
     if (reclaim.event != 0) spare_events_.push_back(reclaim.event);
   }
   for (Event e : spare_events_) (void)driver_->DestroyEvent(e);
+  if (fd_anchor_.has_value()) {
+    fd_anchor_->fd.fd.reset();  // the fd first, then the allocation it exports
+    absl::Status s = driver_->Release(fd_anchor_->handle);
+    if (!s.ok()) LogError(absl::StrCat("pool teardown: ", s.message()));
+  }
   if (base_ != 0) {
     absl::Status s = driver_->Unreserve(base_, reserve_size_);
     if (!s.ok()) LogError(absl::StrCat("pool teardown: ", s.message()));
@@ -740,6 +745,7 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
         "this pool's memory is exportable as ", HandleTypeName(handle_type_), ", not as ",
         HandleTypeName(type)));
   }
+  if (type == HandleType::kPosixFd && !fd_anchor_tried_) AnchorFdExports();
   ExportedBlock out;
   out.handle_type = type;
   out.size = block->requested;
@@ -769,6 +775,27 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
   }
   ++stats_.num_exports;
   return out;
+}
+
+void Pool::AnchorFdExports() {
+  fd_anchor_tried_ = true;
+  absl::StatusOr<PhysHandle> handle =
+      driver_->Create(options_.device, granularity_, HandleTypeBit(HandleType::kPosixFd));
+  if (!handle.ok()) {
+    LogWarning(absl::StrCat("POSIX fd exports stay unanchored (each may be slower): ",
+                            handle.status().message()));
+    return;
+  }
+  absl::StatusOr<ShareableHandle> fd = driver_->Export(*handle, HandleType::kPosixFd);
+  if (!fd.ok()) {
+    LogWarning(absl::StrCat("POSIX fd exports stay unanchored (each may be slower): ",
+                            fd.status().message()));
+    absl::Status released = driver_->Release(*handle);
+    if (!released.ok()) LogError(absl::StrCat("releasing the fd export anchor: ",
+                                              released.message()));
+    return;
+  }
+  fd_anchor_ = FdExportAnchor{*handle, *std::move(fd)};
 }
 
 void Pool::AddChunkReleaseListener(std::function<void(uint64_t chunk_id)> listener) {

@@ -40,6 +40,12 @@ expect "$tmp/import.jsonl" xproc_fd_fetch_ns
 [[ $(grep -c '"metric": "critical_path_ns"' "$tmp/import.jsonl") -eq 12 ]] ||
   { echo "expected 12 critical_path_ns lines:"; cat "$tmp/import.jsonl"; exit 1; }
 if grep -q '"error"' "$tmp/import.jsonl"; then cat "$tmp/import.jsonl"; exit 1; fi
+# The variant with a wider reservation, with one exported fd held throughout.
+"$bin/import_bench" --backend=host --sizes=8M --reps=2 --chunk_sizes=whole --threads=1 \
+  --handle_types=posix_fd --reserve_alignments=64M --keep_exported_fd --vmm_path=false \
+  >"$tmp/import_align.jsonl"
+grep -q '"allocator": "bare_driver/align=64MiB", "metric": "critical_path_ns"' \
+  "$tmp/import_align.jsonl" || { cat "$tmp/import_align.jsonl"; exit 1; }
 
 # A malformed trace is refused with a message naming the line.
 printf 'a 1 100\nf 2\n' >"$tmp/bad.txt"

@@ -12,6 +12,8 @@
 //     order  6 SetAccess once over the whole range (device 0)  7 Unmap (one call, whole range)
 //     8 Unreserve  9 Release the imported handles, then the originals.
 //     One line per step (median ns) and critical_path_ns: the median of steps 3-6 summed.
+//   bare_driver/align=A: as bare_driver, the range reserved at alignment A (from
+//     --reserve_alignments; whether the page tables get cheaper when the range is aligned).
 //   bare_driver/set_access_per_piece: step 6 as one SetAccess per piece (summed).
 //   bare_driver/set_access_xT: step 6 as T equal granularity-aligned parts issued at once
 //     from T threads (T from --threads).
@@ -79,6 +81,11 @@ ABSL_FLAG(std::vector<std::string>, chunk_sizes,
           "physical allocation sizes: whole (one allocation) or a size (K/M/G suffixes)");
 ABSL_FLAG(std::vector<std::string>, threads, std::vector<std::string>({"2", "4", "8"}),
           "thread counts of the concurrent variants");
+ABSL_FLAG(std::vector<std::string>, reserve_alignments, std::vector<std::string>(),
+          "alignments of the reserved range (K/M/G suffixes) to also time bare_driver with");
+ABSL_FLAG(bool, keep_exported_fd, false,
+          "hold one small allocation exported as a POSIX fd (fd open) for the whole run: "
+          "whether the driver's cost of a first fd export is per export or set up once");
 ABSL_FLAG(bool, vmm_path, true, "also time Pool::Export + ImportBuffer");
 ABSL_FLAG(bool, cross_process, true, "also import the vmm descriptor in a second process");
 ABSL_FLAG(bool, import_child, false, "internal: be the second process (descriptors on stdin)");
@@ -190,6 +197,7 @@ struct Variant {
   enum Kind { kBase, kAccessPerPiece, kAccessThreads, kImportMapThreads } kind;
   int threads;
   std::string label;
+  size_t alignment = 0;  // of the reserved range; 0: the granularity
 };
 
 // What one pass holds; the destructor gives back whatever an error left behind.
@@ -253,7 +261,7 @@ absl::Status RunPass(Driver* driver, HandleType type, const std::vector<size_t>&
   if (v.kind == Variant::kImportMapThreads) {
     ns[kImport] = 0;
     t = Clock::now();
-    absl::StatusOr<DevPtr> base = driver->Reserve(b.total, granularity);
+    absl::StatusOr<DevPtr> base = driver->Reserve(b.total, std::max(granularity, v.alignment));
     ns[kReserve] = NsSince(t);
     if (!base.ok()) return Fail("Reserve", base.status());
     b.base = *base;
@@ -274,7 +282,7 @@ absl::Status RunPass(Driver* driver, HandleType type, const std::vector<size_t>&
     }
     ns[kImport] = NsSince(t);
     t = Clock::now();
-    absl::StatusOr<DevPtr> base = driver->Reserve(b.total, granularity);
+    absl::StatusOr<DevPtr> base = driver->Reserve(b.total, std::max(granularity, v.alignment));
     ns[kReserve] = NsSince(t);
     if (!base.ok()) return Fail("Reserve", base.status());
     b.base = *base;
@@ -486,8 +494,14 @@ struct Combination {
 };
 
 void RunBare(Driver* driver, const Combination& c, size_t granularity, int reps,
-             const std::vector<int>& threads) {
+             const std::vector<int>& threads, const std::vector<size_t>& alignments) {
   std::vector<Variant> variants = {{Variant::kBase, 1, "bare_driver"}};
+  for (size_t alignment : alignments) {
+    if (alignment > granularity) {
+      variants.push_back({Variant::kBase, 1, absl::StrCat("bare_driver/align=", Bytes(alignment)),
+                          alignment});
+    }
+  }
   if (c.pieces.size() > 1) {
     variants.push_back({Variant::kAccessPerPiece, 1, "bare_driver/set_access_per_piece"});
   }
@@ -525,7 +539,7 @@ void RunBare(Driver* driver, const Combination& c, size_t granularity, int reps,
     if (failed[v]) continue;
     auto median = [&](int step) { return vmm_bench::Median(times[v][step]); };
     const std::string& label = variants[v].label;
-    if (variants[v].kind == Variant::kBase) {
+    if (variants[v].kind == Variant::kBase && variants[v].alignment == 0) {
       for (int i = 0; i < kSteps; ++i) {
         vmm_bench::Result("import", c.name, label, absl::StrCat(kStepNames[i], "_ns"), median(i),
                           "ns").Merge(c.tags).Print();
@@ -534,6 +548,9 @@ void RunBare(Driver* driver, const Combination& c, size_t granularity, int reps,
     JsonLine line = vmm_bench::Result("import", c.name, label, "critical_path_ns",
                                       median(kSteps), "ns");
     line.Merge(c.tags).Int("threads", variants[v].threads);
+    if (variants[v].alignment != 0) {
+      line.Int("reserve_alignment", static_cast<int64_t>(variants[v].alignment));
+    }
     // (import_map_xT: Import and Map run together; their time is import_map_ns.)
     const bool together = variants[v].kind == Variant::kImportMapThreads;
     if (!together) line.Num("import_ns", median(kImport));
@@ -644,6 +661,39 @@ int main(int argc, char** argv) {
     }
     threads.push_back(t);
   }
+  std::vector<size_t> alignments;
+  for (const std::string& s : absl::GetFlag(FLAGS_reserve_alignments)) {
+    if (s.empty()) continue;
+    alignments.push_back(ParseBytes(s));
+    if (alignments.back() == 0 || (alignments.back() & (alignments.back() - 1)) != 0) {
+      std::fprintf(stderr, "import_bench: --reserve_alignments: %s is not a power of two\n",
+                   s.c_str());
+      return 2;
+    }
+  }
+
+  // --keep_exported_fd: released when main returns.
+  struct Kept {
+    Driver* driver = nullptr;
+    PhysHandle handle = 0;
+    vmm::ShareableHandle fd;
+    ~Kept() {
+      if (handle != 0) Warn("Release of the kept allocation", driver->Release(handle));
+    }
+  } kept;
+  if (absl::GetFlag(FLAGS_keep_exported_fd)) {
+    kept.driver = *driver;
+    absl::StatusOr<PhysHandle> h =
+        (*driver)->Create(kDevice, *granularity, vmm::HandleTypeBit(HandleType::kPosixFd));
+    absl::StatusOr<vmm::ShareableHandle> e =
+        h.ok() ? (*driver)->Export(*h, HandleType::kPosixFd) : h.status();
+    if (h.ok()) kept.handle = *h;
+    if (!e.ok()) {
+      std::fprintf(stderr, "import_bench: --keep_exported_fd: %s\n", e.status().ToString().c_str());
+      return 1;
+    }
+    kept.fd = *std::move(e);
+  }
 
   std::unique_ptr<ImportChild> child;
   for (const std::string& type_name : absl::GetFlag(FLAGS_handle_types)) {
@@ -690,7 +740,7 @@ int main(int argc, char** argv) {
             .Int("pieces", static_cast<int64_t>(count))
             .Int("repetitions", reps);
         absl::StatusOr<vmm::MemInfo> before = (*driver)->GetMemInfo(kDevice);
-        RunBare(*driver, c, *granularity, reps, threads);
+        RunBare(*driver, c, *granularity, reps, threads, alignments);
         if (absl::GetFlag(FLAGS_vmm_path)) RunVmmPath(*driver, c, reps, child.get());
         // The host backend's books are exact: every byte must be back.
         absl::StatusOr<vmm::MemInfo> after = (*driver)->GetMemInfo(kDevice);

@@ -3,10 +3,14 @@
 
 Share latency is the time from the producer handing a CUDA tensor to a torch.multiprocessing
 queue until the consumer has read its first element: export (or cudaIpcGetMemHandle), pickle,
-transfer, import (map) and a first read. Each repetition sends a freshly allocated tensor.
-Modes: vmm with fabric handles, vmm with POSIX fds, PyTorch's default allocator, and PyTorch
-with expandable segments. Bandwidth compares a device-to-device copy out of imported memory
-with the same copy out of memory the consumer allocated itself.
+transfer, import (map) and a first read. Each repetition sends a freshly allocated tensor, and
+the consumer drops the previous one (unmapping it) before it answers, so each send finds it idle.
+Modes: vmm with fabric handles (vmm-fabric), with POSIX fds (vmm-fd), with the handle type its
+probe picks (vmm-auto: fabric where an IMEX channel allows, else fds), PyTorch's default
+allocator (torch-native), and PyTorch with expandable segments (torch-expandable). Every row
+says whether an IMEX channel existed and, for vmm, which handle type the descriptors carried.
+Bandwidth compares a device-to-device copy out of imported memory with the same copy out of
+memory the consumer allocated itself.
 
 With --breakdown, each latency row is followed by a "share_breakdown" row: medians in
 microseconds of where the latency went, parts that add up to it. export: the pickling reducer
@@ -20,6 +24,15 @@ returns. Timestamps are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for all
 --settle-ms waits that long between allocating and filling a repetition's tensor and sending it,
 so that the driver's background work after the previous repetition (the release of its memory
 by both processes) is over before the clock starts.
+
+--consumer-wait picks how the consumer waits for the next tensor, in every mode: "block" (the
+queue's get: the consumer sleeps in a read of the queue's pipe and the kernel wakes it) or "poll"
+(the consumer asks the queue whether something arrived in a loop, so it is already running when
+the tensor comes: what a latency-critical consumer that keeps a core does; no wake-up is timed).
+
+--cpus LIST (e.g. 0-7,16-23) runs every process of the benchmark on those CPUs (the spawned
+processes inherit the mask): tests/gpu/run.sh passes the CPUs local to the GPU, as launchers
+that bind ranks to their GPU's NUMA node do.
 
 --queue picks the torch.multiprocessing queue for every mode: "queue" (multiprocessing.Queue:
 put hands the object to a feeder thread, which pickles and writes it) or "simple"
@@ -41,12 +54,22 @@ import torch
 import torch.multiprocessing as mp
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 # How long the producer waits for the consumer's answer before giving up on the mode.
 RESULT_TIMEOUT_S = 60
 # (name, start_ns, end_ns) of the calls timed by --breakdown in this process; the producer's
 # reducer runs in the queue's feeder thread, hence the lock.
 _stamps = []
 _stamps_lock = threading.Lock()
+
+
+def parse_cpus(text):
+    """The set of CPUs in a list like 0-3,8,10-11."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
 
 
 def parse_size(text):
@@ -58,8 +81,22 @@ def setup_mode(mode):
     if mode.startswith("vmm"):
         import vmm_torch
 
-        vmm_torch.enable(handle_type="fabric" if mode == "vmm-fabric" else "posix_fd")
+        handle_type = {"vmm-fabric": "fabric", "vmm-fd": "posix_fd", "vmm-auto": "auto"}[mode]
+        vmm_torch.enable(handle_type=handle_type)
         vmm_torch.install_reducers()
+
+
+def imex_channel_exists():
+    return os.path.exists(IMEX_CHANNEL)
+
+
+def handle_type_of(mode, tensor):
+    """The handle type of `tensor`'s descriptors in a vmm mode (None for PyTorch's modes)."""
+    if not mode.startswith("vmm"):
+        return None
+    import vmm_torch
+
+    return vmm_torch.export_tensor(tensor).descriptor.handle_type
 
 
 def timed(fn, name):
@@ -111,14 +148,22 @@ def time_import(mode):
         reductions.rebuild_cuda_tensor = timed(reductions.rebuild_cuda_tensor, "import")
 
 
-def consumer(mode, jobs, results, breakdown):
+def next_job(jobs, wait):
+    """The next object on `jobs`, waiting as --consumer-wait says."""
+    if wait == "poll":
+        while jobs.empty():
+            pass
+    return jobs.get()
+
+
+def consumer(mode, jobs, results, breakdown, wait):
     setup_mode(mode)
     if breakdown:
         time_import(mode)
     torch.cuda.init()
     while True:
         take_stamps()
-        item = jobs.get()
+        item = next_job(jobs, wait)
         got = time.perf_counter_ns()
         if item is None:
             return
@@ -127,9 +172,11 @@ def consumer(mode, jobs, results, breakdown):
         t1 = time.perf_counter_ns()
         stamps = take_stamps()
         bandwidth = copy_bandwidth(tensor) if measure_bandwidth else None
+        # Unmapped before answering: the producer's next send finds this process idle, not
+        # still closing the previous import.
+        del tensor, item
         results.put({"latency_ns": t1 - t0, "first": first, "bandwidth": bandwidth,
                      "got_ns": got, "stamps": stamps})
-        del tensor, item
 
 
 def split_latency(t0, r, stamps):
@@ -185,16 +232,19 @@ def answer(results, proc, timeout_s=RESULT_TIMEOUT_S):
                 raise
 
 
-def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s):
+def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s, wait):
     ctx = mp.get_context("spawn")
     env_before = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if mode == "torch-expandable":
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     jobs = ctx.SimpleQueue() if queue_kind == "simple" else ctx.Queue()
     results = ctx.Queue()
-    proc = ctx.Process(target=consumer, args=(mode, jobs, results, breakdown), name="consumer")
+    proc = ctx.Process(target=consumer, args=(mode, jobs, results, breakdown, wait),
+                       name="consumer")
     proc.start()
     out = []
+    tags = {"imex_channel": imex_channel_exists(), "handle_type": None,
+            "cpus": len(os.sched_getaffinity(0))}
     try:
         for size in sizes:
             latencies, parts = [], []
@@ -203,11 +253,13 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s)
                 measure = size == bandwidth_size and rep == reps
                 t = torch.full((size,), 7, dtype=torch.uint8, device="cuda")
                 torch.cuda.synchronize()
+                if rep == 0:  # the warm-up: its export is not timed
+                    tags["handle_type"] = handle_type_of(mode, t)
+                print(f"{mode}: {size} bytes, repetition {rep}", file=sys.stderr, flush=True)
                 time.sleep(settle_s)
                 take_stamps()
                 t0 = time.perf_counter_ns()
                 jobs.put((t0, t, measure))
-                print(f"{mode}: {size} bytes, repetition {rep}", file=sys.stderr, flush=True)
                 r = answer(results, proc)
                 assert r["first"] == 7, r
                 if rep > 0:
@@ -220,21 +272,22 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s)
                     bandwidth = r["bandwidth"]
                 del t
                 torch.cuda.synchronize()
-            row = {"bench": "share_latency", "mode": mode, "queue": queue_kind,
-                   "settle_ms": settle_s * 1e3, "bytes": size,
+            row = {"bench": "share_latency", "mode": mode, **tags, "queue": queue_kind,
+                   "consumer_wait": wait, "settle_ms": settle_s * 1e3, "bytes": size,
                    "median_ms": statistics.median(latencies) / 1e6,
                    "min_ms": min(latencies) / 1e6, "reps": reps}
             out.append(row)
             print(json.dumps(row), flush=True)
             if parts:
-                row = {"bench": "share_breakdown", "mode": mode, "queue": queue_kind,
-                       "settle_ms": settle_s * 1e3, "bytes": size,
+                row = {"bench": "share_breakdown", "mode": mode, **tags, "queue": queue_kind,
+                       "consumer_wait": wait, "settle_ms": settle_s * 1e3, "bytes": size,
                        **{f"{k}_us": statistics.median(p[k] for p in parts) / 1e3
                           for k in parts[0]}}
                 out.append(row)
                 print(json.dumps(row), flush=True)
             if bandwidth:
-                row = {"bench": "imported_bandwidth", "mode": mode, "bytes": size, **bandwidth,
+                row = {"bench": "imported_bandwidth", "mode": mode, **tags, "bytes": size,
+                       **bandwidth,
                        "ratio": bandwidth["imported_gbs"] / bandwidth["native_gbs"]}
                 out.append(row)
                 print(json.dumps(row), flush=True)
@@ -248,13 +301,13 @@ def run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s)
     return out
 
 
-def producer(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s, out):
+def producer(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s, wait, out):
     setup_mode(mode)
     if breakdown:
         time_export(mode)
     if mode == "torch-expandable":
         assert "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    out.put(run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s))
+    out.put(run_mode(mode, sizes, reps, bandwidth_size, breakdown, queue_kind, settle_s, wait))
 
 
 def main():
@@ -265,13 +318,18 @@ def main():
     p.add_argument("--bandwidth-size", default="1G")
     p.add_argument("--queue", choices=("queue", "simple"), default="queue",
                    help="the queue that carries the tensors (see above)")
+    p.add_argument("--consumer-wait", choices=("block", "poll"), default="block",
+                   help="how the consumer waits for a tensor (see above)")
     p.add_argument("--settle-ms", type=float, default=0.0,
                    help="pause before each send (see above)")
+    p.add_argument("--cpus", default="", help="run on these CPUs only (see above)")
     p.add_argument("--out", default="")
     p.add_argument("--breakdown", action="store_true",
                    help="also report where the latency goes (export, transit, import, ...)")
     a = p.parse_args()
     sizes = [parse_size(s) for s in a.sizes.split(",")]
+    if a.cpus:
+        os.sched_setaffinity(0, parse_cpus(a.cpus))
     ctx = mp.get_context("spawn")
     rows = []
     for mode in a.modes.split(","):
@@ -280,14 +338,15 @@ def main():
         q = ctx.Queue()
         # Each mode in its own producer process: the allocator is chosen per process.
         args = (mode, sizes, a.reps, parse_size(a.bandwidth_size), a.breakdown, a.queue,
-                a.settle_ms / 1e3, q)
+                a.settle_ms / 1e3, a.consumer_wait, q)
         proc = ctx.Process(target=producer, args=args, name="producer")
         proc.start()
         try:
             rows += answer(q, proc, len(sizes) * (a.reps + 1) * RESULT_TIMEOUT_S)
         except Exception as e:  # a mode that cannot run here (no IMEX channel for fabric...)
-            print(json.dumps({"bench": "share_latency", "mode": mode, "error": repr(e)}),
-                  flush=True)
+            rows.append({"bench": "share_latency", "mode": mode,
+                         "imex_channel": imex_channel_exists(), "error": repr(e)})
+            print(json.dumps(rows[-1]), flush=True)
         proc.join(60)
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if a.out:

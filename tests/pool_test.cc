@@ -559,6 +559,40 @@ TEST_F(PoolTest, ShareableBlocksGetChunksOfTheirOwn) {
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }
 
+// The pool's first POSIX-fd export sets up one smallest allocation exported as a kept fd (so
+// that later exports skip the driver's set-up); it is not a chunk and goes with the pool.
+// Fabric exports need none.
+TEST_F(PoolTest, FdExportsKeepOneAnchorAllocationUntilThePoolGoes) {
+  for (HandleRequest request : {HandleRequest::kPosixFd, HandleRequest::kFabric}) {
+    SCOPED_TRACE(request == HandleRequest::kPosixFd ? "posix_fd" : "fabric");
+    PoolOptions options = Exact();
+    options.handle_type = request;
+    options.reserve_size = 1024 * kMiB;
+    auto pool = Pool::Create(driver_, options);
+    if (!pool.ok()) {
+      ASSERT_EQ(request, HandleRequest::kFabric) << pool.status();
+      continue;  // no IMEX channel here
+    }
+    const size_t granularity = (*pool)->granularity();
+    void* a = Alloc(**pool, 2 * granularity);
+    void* b = Alloc(**pool, 2 * granularity);
+    const size_t before_export = DeviceFree();
+    ASSERT_TRUE((*pool)->Export(a).ok());
+    ASSERT_TRUE((*pool)->Export(b).ok());
+    const size_t anchor = request == HandleRequest::kPosixFd ? granularity : 0;
+    EXPECT_EQ(DeviceFree(), before_export - anchor) << "one anchor for both exports";
+    PoolStats s = (*pool)->GetStats();
+    EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(4 * granularity))
+        << "the anchor is not pool memory";
+    ASSERT_TRUE((*pool)->Free(a).ok());
+    ASSERT_TRUE((*pool)->Free(b).ok());
+    ASSERT_TRUE((*pool)->EmptyCache().ok());
+    EXPECT_EQ(DeviceFree(), free_at_start_ - anchor) << "the anchor stays while the pool lives";
+    pool->reset();
+    EXPECT_EQ(DeviceFree(), free_at_start_) << "and goes with it";
+  }
+}
+
 TEST_F(PoolTest, ReleaseThresholdTrimsOnFree) {
   PoolOptions options = Exact();
   options.release_threshold = 8 * kMiB;

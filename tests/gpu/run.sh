@@ -9,8 +9,10 @@
 #   plugin    pip-installs vmm_torch against the machine's torch and runs its GPU tests.
 #   bench     allocator benchmarks beside PyTorch and cudaMallocAsync (bench/run_gpu_bench.sh).
 #   train     the training loop under native, expandable-segments and vmm allocators.
-#   latency   share latency and imported bandwidth against torch.multiprocessing, one step per
-#             mode (vmm fabric, vmm fds, PyTorch native, PyTorch expandable segments).
+#   latency   share latency (with its breakdown) and imported bandwidth against
+#             torch.multiprocessing, one step per mode: without an IMEX channel (vmm's automatic
+#             choice, PyTorch native, expandable segments), then with one (vmm fabric, automatic,
+#             fds; PyTorch native, expandable segments).
 #   fanout    one producer, 4 consumers, fabric and fds.
 #   dist      vmm_torch.distributed with several ranks on the GPU.
 #   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
@@ -21,9 +23,10 @@
 #             process, per toolchain variant (tests/gpu/throw_min.py), and vmm's own extension.
 #   throwcheck  vmm's extension shares torch's C++ runtime, raises cleanly from an op and
 #             from the allocator hook (out of memory) (quick).
-#   probe     where share latency goes: share_latency.py --breakdown per mode, with an IMEX
-#             channel, with and without a pause before each send (the driver calls of the
-#             import path are in `bench`: import_bench).
+#   probe     where share latency goes, with an IMEX channel: the import's driver calls for
+#             1 GiB and 8 GiB with the range reserved at wider alignments (import_bench), and
+#             share_latency.py --breakdown for vmm fabric and PyTorch native through each queue,
+#             with a consumer that sleeps until the tensor comes and one that polls.
 #   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
 #             pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) without
 #             and with an IMEX channel, and tests/gpu/multi_gpu.py (a cuda:0 tensor opened on
@@ -140,13 +143,42 @@ phase_train() {
 }
 
 # Share latency and imported bandwidth per mode (each in its own run of share_latency.py).
+# The CPUs local to GPU 0 (its PCI device's NUMA node), e.g. 0-7; empty if unknown.
+gpu_local_cpus() {
+  local bus
+  bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>/dev/null | head -n 1 |
+    tr 'A-Z' 'a-z' | sed 's/^0000\([0-9a-f]\{4\}:\)/\1/')
+  cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null
+}
+
+# share_modes TAG MODES...: share_latency.py (with --breakdown) for each mode, one step each,
+# on the CPUs local to the GPU.
+share_modes() {
+  local tag=$1 mode cpus
+  shift
+  cpus=$(gpu_local_cpus)
+  for mode in "$@"; do
+    step "share_${tag}_$mode" 120 python3 bench/share_latency.py --breakdown --modes "$mode" \
+      --sizes 64M,1G,8G --reps "${SHARE_REPS:-7}" ${cpus:+--cpus "$cpus"} --out "$OUT/share.jsonl"
+  done
+}
+
+# Without an IMEX channel (channel 0 removed if an earlier phase made it): vmm's probe falls
+# back to POSIX fds (vmm-auto); then with one: fabric, fds forced, and PyTorch's modes again;
+# then vmm fabric and PyTorch native again, alternating, up to SHARE_ROUNDS (3) rounds in all
+# (each run is a new pair of processes: how much a figure moves between runs).
 phase_latency() {
-  imex_channel
   ensure_plugin
-  local mode
-  for mode in vmm-fabric vmm-fd torch-native torch-expandable; do
-    step "share_$mode" 90 python3 bench/share_latency.py --modes "$mode" --sizes 64M,1G,8G \
-      --reps "${SHARE_REPS:-7}" --out "$OUT/share.jsonl"
+  echo "CPUs local to the GPU: $(gpu_local_cpus) of $(nproc); $(lscpu | grep -i 'numa node(s)')" |
+    tee -a "$summary"
+  rm -f /dev/nvidia-caps-imex-channels/channel0
+  echo "IMEX channel 0 removed" | tee -a "$summary"
+  share_modes no_imex vmm-auto torch-native torch-expandable
+  imex_channel
+  share_modes imex vmm-fabric vmm-auto vmm-fd torch-native torch-expandable
+  local round
+  for ((round = 2; round <= ${SHARE_ROUNDS:-3}; round++)); do
+    share_modes "imex_round$round" vmm-fabric torch-native
   done
 }
 
@@ -220,11 +252,16 @@ phase_pair() {
 phase_probe() {
   imex_channel
   ensure_plugin
-  local settle
-  for settle in 0 20; do
-    step "share_breakdown_settle$settle" 150 python3 bench/share_latency.py --breakdown \
-      --settle-ms "$settle" --modes vmm-fabric,vmm-fd,torch-native --sizes 64M,1G,8G --reps 7 \
-      --out "$OUT/share.jsonl"
+  step import_align 120 sh -c "'$bin/import_bench' --backend=cuda --sizes=1G,8G \
+    --handle_types=fabric --chunk_sizes=whole --threads=1 --reserve_alignments=512M,1G,8G \
+    --reps=7 > '$OUT/import_align.jsonl'"
+  local queue wait
+  for queue in queue simple; do
+    for wait in block poll; do
+      step "share_${queue}_$wait" 150 python3 bench/share_latency.py --breakdown \
+        --queue "$queue" --consumer-wait "$wait" --modes vmm-fabric,torch-native \
+        --sizes 64M,1G,8G --reps 9 --out "$OUT/share.jsonl"
+    done
   done
 }
 
