@@ -142,7 +142,6 @@ phase_train() {
   cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
 }
 
-# Share latency and imported bandwidth per mode (each in its own run of share_latency.py).
 # The CPUs local to GPU 0 (its PCI device's NUMA node), e.g. 0-7; empty if unknown.
 gpu_local_cpus() {
   local bus
@@ -163,6 +162,7 @@ share_modes() {
   done
 }
 
+# Share latency and imported bandwidth per mode, each in its own run of share_latency.py.
 # Without an IMEX channel (channel 0 removed if an earlier phase made it): vmm's probe falls
 # back to POSIX fds (vmm-auto); then with one: fabric, fds forced, and PyTorch's modes again;
 # then vmm fabric and PyTorch native again, alternating, up to SHARE_ROUNDS (3) rounds in all
