@@ -781,21 +781,20 @@ void Pool::AnchorFdExports() {
   fd_anchor_tried_ = true;
   absl::StatusOr<PhysHandle> handle =
       driver_->Create(options_.device, granularity_, HandleTypeBit(HandleType::kPosixFd));
-  if (!handle.ok()) {
-    LogWarning(absl::StrCat("POSIX fd exports stay unanchored (each may be slower): ",
-                            handle.status().message()));
+  absl::StatusOr<ShareableHandle> fd =
+      handle.ok() ? driver_->Export(*handle, HandleType::kPosixFd) : handle.status();
+  if (fd.ok()) {
+    fd_anchor_ = FdExportAnchor{*handle, *std::move(fd)};
     return;
   }
-  absl::StatusOr<ShareableHandle> fd = driver_->Export(*handle, HandleType::kPosixFd);
-  if (!fd.ok()) {
-    LogWarning(absl::StrCat("POSIX fd exports stay unanchored (each may be slower): ",
-                            fd.status().message()));
+  LogWarning(absl::StrCat("POSIX fd exports stay unanchored (each may be slower): ",
+                          fd.status().message()));
+  if (handle.ok()) {
     absl::Status released = driver_->Release(*handle);
-    if (!released.ok()) LogError(absl::StrCat("releasing the fd export anchor: ",
-                                              released.message()));
-    return;
+    if (!released.ok()) {
+      LogError(absl::StrCat("releasing the fd export anchor: ", released.message()));
+    }
   }
-  fd_anchor_ = FdExportAnchor{*handle, *std::move(fd)};
 }
 
 void Pool::AddChunkReleaseListener(std::function<void(uint64_t chunk_id)> listener) {

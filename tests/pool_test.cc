@@ -593,6 +593,23 @@ TEST_F(PoolTest, FdExportsKeepOneAnchorAllocationUntilThePoolGoes) {
   }
 }
 
+// Without memory left for the anchor, exports still work (only slower on CUDA).
+TEST_F(PoolTest, FdExportsWorkWhenTheAnchorCannotBeCreated) {
+  if (on_cuda_) GTEST_SKIP() << "needs a device whose memory the test can fill (host backend)";
+  PoolOptions options = Exact();
+  options.handle_type = HandleRequest::kPosixFd;
+  auto pool = MakePool(options);
+  void* all = Alloc(*pool, DeviceFree());  // the whole device
+  ASSERT_NE(all, nullptr);
+  ASSERT_EQ(DeviceFree(), 0u);
+  auto exported = pool->Export(all);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  EXPECT_GE(exported->chunks[0].fd, 0);
+  ASSERT_TRUE(pool->Free(all).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  EXPECT_EQ(DeviceFree(), free_at_start_) << "no anchor was left behind";
+}
+
 TEST_F(PoolTest, ReleaseThresholdTrimsOnFree) {
   PoolOptions options = Exact();
   options.release_threshold = 8 * kMiB;
