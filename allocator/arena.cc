@@ -12,22 +12,6 @@ size_t RoundUp(size_t n, size_t multiple) { return (n + multiple - 1) / multiple
 
 }  // namespace
 
-const char* BlockStateName(BlockState state) {
-  switch (state) {
-    case BlockState::kUnmapped:
-      return "unmapped";
-    case BlockState::kFree:
-      return "free";
-    case BlockState::kAllocated:
-      return "allocated";
-    case BlockState::kPendingFree:
-      return "pending_free";
-    case BlockState::kRetired:
-      return "retired";
-  }
-  return "unknown";
-}
-
 Arena::~Arena() {
   for (Block* b = head_; b != nullptr;) {
     Block* next = b->next;

@@ -375,7 +375,7 @@ class CudaDriver final : public Driver {
   // no driver or no device. The result is never deleted (see GetCudaDriver()).
   static absl::StatusOr<Driver*> Load();
 
-  absl::string_view Name() const override { return "cuda"; }
+  Backend backend() const override { return Backend::kCuda; }
   int DeviceCount() const override { return static_cast<int>(devices_.size()); }
   absl::StatusOr<std::string> DeviceUuid(int device) override;
   absl::StatusOr<size_t> Granularity(int device) override;

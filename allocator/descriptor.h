@@ -87,6 +87,11 @@ class BufferDescriptor {
   // Sum of the allocation sizes: the bytes an importer maps.
   uint64_t mapped_size() const { return mapped_size_; }
   const std::optional<std::string>& owner_uuid() const { return owner_uuid_; }
+  // The backend that exported the buffer, read from the owner UUID (BackendOfDeviceUuid);
+  // nullopt when the owner is absent or not a UUID either backend gives.
+  std::optional<Backend> backend() const {
+    return owner_uuid_.has_value() ? BackendOfDeviceUuid(*owner_uuid_) : std::nullopt;
+  }
   // "the owner GPU-..." or "an unknown owner" (no or empty owner UUID), for error messages.
   // Unprintable bytes of the UUID are escaped.
   std::string OwnerForMessages() const;

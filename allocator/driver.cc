@@ -1,5 +1,7 @@
 #include "allocator/driver.h"
 
+#include "absl/strings/match.h"
+
 namespace vmm {
 
 absl::string_view HandleTypeName(HandleType type) {
@@ -18,6 +20,16 @@ std::optional<HandleType> ParseHandleType(absl::string_view name) {
   for (HandleType type : {HandleType::kNone, HandleType::kPosixFd, HandleType::kFabric}) {
     if (name == HandleTypeName(type)) return type;
   }
+  return std::nullopt;
+}
+
+absl::string_view BackendName(Backend backend) {
+  return backend == Backend::kHost ? "host" : "cuda";
+}
+
+std::optional<Backend> BackendOfDeviceUuid(absl::string_view uuid) {
+  if (absl::StartsWith(uuid, "HOST-")) return Backend::kHost;
+  if (absl::StartsWith(uuid, "GPU-")) return Backend::kCuda;
   return std::nullopt;
 }
 

@@ -53,6 +53,20 @@ enum class HandleType : uint8_t {
   kFabric = 2,   // a 64-byte opaque fabric handle (travels as plain bytes)
 };
 
+// Which implementation of this interface a driver is, and so what kind of memory an address or
+// a descriptor's handles refer to: device memory (kCuda) or host memory (kHost).
+enum class Backend : uint8_t {
+  kCuda = 1,
+  kHost = 2,
+};
+
+// "cuda" or "host".
+absl::string_view BackendName(Backend backend);
+// The backend whose devices carry `uuid`: kHost for the host backend's "HOST-..." UUIDs, kCuda
+// for CUDA's "GPU-..." ones, nullopt for anything else (a UUID given by hand, or none). The
+// one place that reads a backend out of a UUID.
+std::optional<Backend> BackendOfDeviceUuid(absl::string_view uuid);
+
 // Bit masks of HandleType for Create(): which types the allocation may later be exported as.
 inline constexpr uint32_t kPosixFdBit = 1u << 0;
 inline constexpr uint32_t kFabricBit = 1u << 1;
@@ -84,8 +98,10 @@ class Driver {
  public:
   virtual ~Driver() = default;
 
-  // "cuda" or "host".
-  virtual absl::string_view Name() const = 0;
+  // kCuda or kHost.
+  virtual Backend backend() const = 0;
+  // "cuda" or "host" (BackendName(backend())), for messages.
+  absl::string_view Name() const { return BackendName(backend()); }
   // Number of devices, numbered 0..DeviceCount()-1 (the host backend emulates one unless
   // told otherwise; see host_driver.h).
   virtual int DeviceCount() const = 0;

@@ -21,6 +21,10 @@ absl::StatusOr<Driver*> DriverByName(absl::string_view name) {
       absl::StrCat("unknown driver backend \"", name, "\"; valid names: cuda, host"));
 }
 
+absl::StatusOr<Driver*> DriverFor(Backend backend) {
+  return backend == Backend::kHost ? GetHostDriver() : GetCudaDriver();
+}
+
 absl::StatusOr<Driver*> DefaultDriver() {
   // Read on every call (not cached), so a process or test may change it between calls.
   const char* forced = std::getenv("VMM_BACKEND");

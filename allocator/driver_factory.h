@@ -15,6 +15,9 @@ namespace vmm {
 // for and no CUDA driver or device is present.
 absl::StatusOr<Driver*> DriverByName(absl::string_view name);
 
+// The driver of `backend`. FailedPrecondition for kCuda when no CUDA driver or device is present.
+absl::StatusOr<Driver*> DriverFor(Backend backend);
+
 // The best available backend (see the file comment). Never fails for lack of a GPU.
 absl::StatusOr<Driver*> DefaultDriver();
 

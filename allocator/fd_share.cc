@@ -201,19 +201,20 @@ class FdServer::Impl {
     start_ = Start();
   }
 
-  absl::StatusOr<FdToken> Register(int fd) {
+  absl::StatusOr<FdToken> Register(UniqueFd fd) {
     VMM_RETURN_IF_ERROR(start_);
-    const int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-    if (dup < 0) return Errno("fcntl(F_DUPFD_CLOEXEC)");
+    if (!fd.valid()) return absl::InvalidArgumentError("FdServer::Register: no fd");
+    // Children started later must not inherit it (a driver may export without CLOEXEC).
+    if (fcntl(fd.get(), F_SETFD, FD_CLOEXEC) != 0) return Errno("fcntl(F_SETFD, FD_CLOEXEC)");
     FdToken t;
     t.pid = pid_;
     t.boot_hash = BootHash();
     t.server_id = server_id_;
-    t.fd = static_cast<uint32_t>(dup);
+    t.fd = static_cast<uint32_t>(fd.get());
     RandomBytes(t.nonce.data(), t.nonce.size());
     MutexLock lock(&mu_);
     t.key = next_key_++;
-    entries_[t.key] = Entry{UniqueFd(dup), t.nonce};
+    entries_[t.key] = Entry{std::move(fd), t.nonce};
     return t;
   }
 
@@ -335,7 +336,9 @@ FdServer::Impl* FdServer::impl() {
   return impl_;
 }
 
-absl::StatusOr<FdToken> FdServer::Register(int fd) { return impl()->Register(fd); }
+absl::StatusOr<FdToken> FdServer::Register(UniqueFd fd) {
+  return impl()->Register(std::move(fd));
+}
 void FdServer::Unregister(uint64_t key) { impl()->Unregister(key); }
 size_t FdServer::size() { return impl()->size(); }
 

@@ -46,9 +46,9 @@ class FdServer {
  public:
   static FdServer& Get();
 
-  // Keeps a duplicate of `fd` and returns the token that fetches it.
-  absl::StatusOr<FdToken> Register(int fd);
-  // Closes the duplicate; later fetches of its token fail as stale.
+  // Takes `fd` over (making it close-on-exec) and returns the token that fetches it.
+  absl::StatusOr<FdToken> Register(UniqueFd fd);
+  // Closes the fd; later fetches of its token fail as stale.
   void Unregister(uint64_t key);
   // Registered fds (for tests and stats).
   size_t size();

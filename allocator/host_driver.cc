@@ -474,7 +474,7 @@ class HostDriver final : public Driver {
         boot_hash_(StableHash(boot_id_hex_)) {}
   ~HostDriver() override;
 
-  absl::string_view Name() const override { return "host"; }
+  Backend backend() const override { return Backend::kHost; }
   int DeviceCount() const override { return device_count_; }
   absl::StatusOr<std::string> DeviceUuid(int device) override;
   absl::StatusOr<size_t> Granularity(int device) override;

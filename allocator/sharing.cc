@@ -5,8 +5,8 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "allocator/export_registry.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
 #include "allocator/status_macros.h"
@@ -15,72 +15,13 @@ namespace vmm {
 
 // --- Export -------------------------------------------------------------------------------
 
-namespace {
-
-// Fd tokens of exported chunks, registered once per chunk and dropped when the pool releases
-// the chunk, so that a parked descriptor pins nothing.
-class FdExports {
- public:
-  static FdExports& Get() {
-    static auto* exports = new FdExports();
-    return *exports;
-  }
-
-  absl::StatusOr<FdToken> TokenFor(Pool& pool, const ExportedChunk& chunk) {
-    bool watched;
-    {
-      MutexLock lock(&mu_);
-      watched = watched_.contains(pool.id());
-    }
-    if (!watched) {
-      // Before any token of the pool exists, and outside our lock (the pool calls listeners
-      // with its own lock held). Two threads may both add one: dropping twice is harmless.
-      const uint64_t pool_id = pool.id();
-      pool.AddChunkReleaseListener([this, pool_id](uint64_t chunk_id) { Drop(pool_id, chunk_id); });
-    }
-    MutexLock lock(&mu_);
-    watched_.insert({pool.id(), true});
-    auto it = tokens_.find({pool.id(), chunk.id});
-    if (it != tokens_.end()) return it->second;
-    VMM_ASSIGN_OR_RETURN(FdToken token, FdServer::Get().Register(chunk.fd));
-    tokens_[{pool.id(), chunk.id}] = token;
-    return token;
-  }
-
- private:
-  void Drop(uint64_t pool_id, uint64_t chunk_id) {
-    MutexLock lock(&mu_);
-    auto it = tokens_.find({pool_id, chunk_id});
-    if (it == tokens_.end()) return;
-    FdServer::Get().Unregister(it->second.key);
-    tokens_.erase(it);
-  }
-
-  Mutex mu_;
-  absl::flat_hash_map<std::pair<uint64_t, uint64_t>, FdToken> tokens_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_map<uint64_t, bool> watched_ ABSL_GUARDED_BY(mu_);
-};
-
-}  // namespace
+absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
+                                                           const PoolOptions& options) {
+  return Pool::Create(driver, options, &ExportRegistry::Process());
+}
 
 absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr) {
-  VMM_ASSIGN_OR_RETURN(ExportedBlock block, pool.Export(ptr));
-  std::vector<std::string> handles;
-  std::vector<int64_t> sizes;
-  for (const ExportedChunk& chunk : block.chunks) {
-    if (block.handle_type == HandleType::kFabric) {
-      handles.emplace_back(reinterpret_cast<const char*>(chunk.fabric.data()),
-                           chunk.fabric.size());
-    } else {
-      VMM_ASSIGN_OR_RETURN(FdToken token, FdExports::Get().TokenFor(pool, chunk));
-      const std::array<uint8_t, 64> bytes = token.Encode();
-      handles.emplace_back(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-    }
-    sizes.push_back(static_cast<int64_t>(chunk.size));
-  }
-  return BufferDescriptor::FromHandles(block.handle_type, handles, sizes,
-                                       static_cast<int64_t>(block.size), pool.device_uuid(),
-                                       static_cast<int64_t>(block.offset));
+  return ExportRegistry::Process().Export(pool, ptr);
 }
 
 // --- Import -------------------------------------------------------------------------------
@@ -230,7 +171,7 @@ absl::StatusOr<std::vector<ShareableHandle>> Handles(const BufferDescriptor& d, 
 
 std::string CacheKey(Driver* driver, int device, const BufferDescriptor& d,
                      const std::vector<int>& peers) {
-  std::string key = absl::StrCat(driver->Name(), "/", device, "/",
+  std::string key = absl::StrCat(static_cast<int>(driver->backend()), "/", device, "/",
                                  static_cast<int>(d.handle_type()), "/");
   for (int p : peers) absl::StrAppend(&key, p, ",");
   for (size_t i = 0; i < d.handles().size(); ++i) {
@@ -251,9 +192,7 @@ absl::Status CheckImportable(Driver* driver, const BufferDescriptor& d, size_t g
           granularity));
     }
   }
-  const bool host_owner = d.owner_uuid().has_value() && absl::StartsWith(*d.owner_uuid(), "HOST-");
-  const bool gpu_owner = d.owner_uuid().has_value() && absl::StartsWith(*d.owner_uuid(), "GPU-");
-  if ((host_owner && driver->Name() != "host") || (gpu_owner && driver->Name() == "host")) {
+  if (d.backend().has_value() && *d.backend() != driver->backend()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "the buffer lives on ", *d.owner_uuid(), ", which the ", driver->Name(),
         " backend of this process cannot map"));

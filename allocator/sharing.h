@@ -1,7 +1,9 @@
 // sharing.h: exporting pool blocks as descriptors, and importing descriptors as mappings.
 //
 //   // Exporter:
-//   VMM_ASSIGN_OR_RETURN(BufferDescriptor d, ExportBuffer(pool, ptr));
+//   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
+//   VMM_ASSIGN_OR_RETURN(void* ptr, pool->Allocate(size, stream));
+//   VMM_ASSIGN_OR_RETURN(BufferDescriptor d, ExportBuffer(*pool, ptr));
 //   send(d.Encode());                      // plain bytes, any transport
 //   // Importer (another process):
 //   VMM_ASSIGN_OR_RETURN(BufferDescriptor d, BufferDescriptor::Decode(bytes));
@@ -12,7 +14,7 @@
 // describes them: one handle per chunk in address order, the chunk sizes, the block's offset
 // in the first chunk, its size, and the exporting device's UUID. Fabric handles are the
 // driver's bytes; POSIX fds are registered with this process's FdServer and described by
-// tokens (fd_share.h). Nothing is pinned: once the exporter frees the block and its chunks go
+// tokens (fd_share.h); ExportRegistry (export_registry.h) caches both per chunk. Nothing is pinned: once the exporter frees the block and its chunks go
 // back to the driver, the descriptor is stale.
 //
 // Import reserves exactly the bytes it maps, maps every handle in order as one contiguous
@@ -38,8 +40,14 @@
 
 namespace vmm {
 
-// Exports the live block starting at `ptr`. Errors: InvalidArgument (not a live block),
-// FailedPrecondition (the pool's memory is not shareable), or the driver's export error.
+// Creates a pool whose blocks ExportBuffer can export: its observer is the process's
+// ExportRegistry (export_registry.h). Errors as Pool::Create.
+absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
+                                                           const PoolOptions& options);
+
+// Exports the live block starting at `ptr` of a pool made by CreateExportablePool. Errors:
+// InvalidArgument (not a live block), FailedPrecondition (the pool's memory is not shareable,
+// or the pool was not made to export), or the driver's export error.
 absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr);
 
 struct ImportOptions {

@@ -154,7 +154,7 @@ Json SegmentJson(const SegmentInfo& segment) {
 
 }  // namespace
 
-std::string StatsToJson(const PoolStats& stats) {
+Json StatsToJson(const PoolStats& stats) {
   Json out = Json::object();
 #define VMM_STAT_TO_JSON(name, key, what) out[#name] = StatJson(stats.name);
   VMM_BYTE_STATS(VMM_STAT_TO_JSON)
@@ -165,7 +165,7 @@ std::string StatsToJson(const PoolStats& stats) {
 #undef VMM_COUNTER_TO_JSON
   out["largest_free_block"] = stats.largest_free_block;
   out["fragmentation"] = stats.fragmentation;
-  return out.dump();
+  return out;
 }
 
 Json TorchMemoryStats(const PoolStats& stats) {

@@ -59,7 +59,7 @@
 // every stream may take has "stream": null.
 //
 // Addresses, sizes and streams are JSON integers. None of these functions fails: they only
-// read the structs given. StatsToJson's text is compact JSON (nlohmann::json::dump()).
+// read the structs given.
 #ifndef VMM_ALLOCATOR_STATS_JSON_H_
 #define VMM_ALLOCATOR_STATS_JSON_H_
 
@@ -71,7 +71,7 @@
 
 namespace vmm {
 
-std::string StatsToJson(const PoolStats& stats);
+nlohmann::json StatsToJson(const PoolStats& stats);
 
 nlohmann::json TorchMemoryStats(const PoolStats& stats);
 

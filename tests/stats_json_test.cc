@@ -121,7 +121,7 @@ TEST_F(StatsJsonTest, StatsToJsonHasEveryFieldOfTheLists) {
   PopulateEveryState();
   if (HasFatalFailure()) return;
   const PoolStats stats = pool_->GetStats();
-  const std::string text = StatsToJson(stats);
+  const std::string text = StatsToJson(stats).dump();
   ASSERT_TRUE(Json::accept(text)) << text;
   const Json j = Json::parse(text);
   size_t fields = 0;
@@ -377,7 +377,7 @@ TEST_F(StatsJsonTest, EveryFormSurvivesATripThroughText) {
   if (HasFatalFailure()) return;
   const PoolStats stats = pool_->GetStats();
   const Snapshot snap = pool_->GetSnapshot();
-  const std::string text = StatsToJson(stats);
+  const std::string text = StatsToJson(stats).dump();
   EXPECT_EQ(Json::parse(text).dump(), text);
   for (const Json& j : {TorchMemoryStats(stats), TorchSnapshot({snap}), SnapshotToJson(snap)}) {
     const std::string dumped = j.dump(2);

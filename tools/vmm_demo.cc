@@ -161,7 +161,7 @@ int Exporter(Driver* driver, int argc, char** argv) {
 
   PrintStats((*pool)->GetStats());
   nlohmann::json dump;
-  dump["stats"] = nlohmann::json::parse(StatsToJson((*pool)->GetStats()));
+  dump["stats"] = StatsToJson((*pool)->GetStats());
   dump["torch_stats"] = TorchMemoryStats((*pool)->GetStats());
   dump["snapshot"] = SnapshotToJson((*pool)->GetSnapshot());
   std::ofstream(out) << dump.dump(2) << "\n";

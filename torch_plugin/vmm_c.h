@@ -1,20 +1,29 @@
 /* vmm_c.h: vmm's C interface, the one the PyTorch plugin and other languages bind to.
  *
- * It lives in libvmm.so (Abseil linked in statically, only these symbols exported), which
- * holds the process's allocator state: one pool per device for the registered allocator,
+ * It lives in libvmm.so (only these symbols exported), which holds the process's allocator
+ * state (torch_plugin/process_state.h): one pool per device for the registered allocator,
  * explicit pools, and imported buffers. Load it once per process (ctypes, dlopen).
  *
  * Errors: functions returning int give 0 on success and -1 on failure; functions returning a
- * pointer or an id give NULL / -1. vmm_last_error() then describes the failure (per thread).
+ * pointer or an id give NULL / -1. vmm_last_error_code() then gives the failure's code (a
+ * vmm_status_code, the numeric absl::StatusCode) and vmm_last_error() its message (per
+ * thread; the message names what failed and does not repeat the code). Codes by meaning:
+ * VMM_INVALID_ARGUMENT for bad input, VMM_RESOURCE_EXHAUSTED for out of memory,
+ * VMM_NOT_FOUND for a stale descriptor, VMM_UNAVAILABLE for an exporter that has gone,
+ * VMM_FAILED_PRECONDITION for a call in the wrong state or memory that cannot be shared.
  * Strings and buffers the library returns are released with vmm_release_buffer().
  *
  * Options are "key=value" pairs separated by commas, e.g. "handle_type=posix_fd,
- * memory_limit=40G,peer_devices=1:2". Sizes accept K, M, G and T suffixes (powers of 1024).
- * Keys: handle_type (auto|none|posix_fd|fabric), reserve_size, memory_limit,
- * release_threshold, small_size, small_chunk, growth_fraction, max_growth_extra, max_chunk,
- * peer_devices. An unknown key or malformed value is an error naming it. Device pools (the
- * registered allocator) default to growth_fraction=0 (exact growth, the smallest footprint);
- * explicit pools take PoolOptions' defaults.
+ * memory_limit=40G,peer_devices=1:2" (allocator/pool_options.h: keys handle_type
+ * (auto|none|posix_fd|fabric), reserve_size, memory_limit, release_threshold, small_size,
+ * small_chunk, growth_fraction, max_growth_extra, max_chunk, peer_devices). Sizes accept K, M,
+ * G and T suffixes (powers of 1024). An unknown key or malformed value is an error naming it.
+ * Device pools (the registered allocator) default to growth_fraction=0 (exact growth, the
+ * smallest footprint); explicit pools take the allocator's defaults.
+ *
+ * This header is the interface's one declaration: the LibTorch extension includes it, and the
+ * Python package's ctypes signatures (vmm_torch/_signatures.py) are checked against it by a
+ * test.
  */
 #ifndef VMM_TORCH_PLUGIN_VMM_C_H_
 #define VMM_TORCH_PLUGIN_VMM_C_H_
@@ -26,19 +35,62 @@
 extern "C" {
 #endif
 
-/* The last failure of this thread, or "" if none. */
+/* The codes of absl::StatusCode, by value. */
+enum vmm_status_code {
+  VMM_OK = 0,
+  VMM_CANCELLED = 1,
+  VMM_UNKNOWN = 2,
+  VMM_INVALID_ARGUMENT = 3,
+  VMM_DEADLINE_EXCEEDED = 4,
+  VMM_NOT_FOUND = 5,
+  VMM_ALREADY_EXISTS = 6,
+  VMM_PERMISSION_DENIED = 7,
+  VMM_RESOURCE_EXHAUSTED = 8,
+  VMM_FAILED_PRECONDITION = 9,
+  VMM_ABORTED = 10,
+  VMM_OUT_OF_RANGE = 11,
+  VMM_UNIMPLEMENTED = 12,
+  VMM_INTERNAL = 13,
+  VMM_UNAVAILABLE = 14,
+  VMM_DATA_LOSS = 15,
+  VMM_UNAUTHENTICATED = 16
+};
+
+/* Which driver backend: CUDA, or the host backend (CPU memory, no GPU needed). */
+enum vmm_backend {
+  VMM_BACKEND_DEFAULT = 0, /* as an argument: the best available (or the descriptor's own) */
+  VMM_BACKEND_CUDA = 1,
+  VMM_BACKEND_HOST = 2
+};
+
+/* How memory is shared with another process. */
+enum vmm_handle_type {
+  VMM_HANDLE_NONE = 0,
+  VMM_HANDLE_POSIX_FD = 1,
+  VMM_HANDLE_FABRIC = 2
+};
+
+/* Bytes of one descriptor handle (a fabric handle, or a token naming a POSIX fd). */
+#define VMM_HANDLE_BYTES 64
+
+/* The code of this thread's last failure (VMM_OK if none). */
+int vmm_last_error_code(void);
+/* The message of this thread's last failure, or "" if none. */
 const char* vmm_last_error(void);
-/* "cuda" when a CUDA driver and device are present, else "host" (VMM_BACKEND forces). */
-const char* vmm_backend(void);
+/* VMM_BACKEND_CUDA when a CUDA driver and device are present, else VMM_BACKEND_HOST
+ * (VMM_BACKEND=cuda|host in the environment forces one). */
+int vmm_default_backend(void);
 /* Releases a string or buffer returned by this library. */
 void vmm_release_buffer(void* buffer);
+/* Parses a byte count as pool options do ("512M", "2G", "4096"): 0 and *out set, or -1. */
+int vmm_parse_byte_size(const char* text, uint64_t* out);
 
 /* --- The device pools (what the registered PyTorch allocator uses) -------------------- */
 
 /* Sets the options of device pools created from now on. Fails once a device pool exists. */
 int vmm_configure(const char* options);
 /* `size` bytes on `device` for `stream` (a cudaStream_t / CUstream; NULL: default stream).
- * NULL on failure; out-of-memory messages start with "out of memory". */
+ * NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED). */
 void* vmm_alloc(size_t size, int device, void* stream);
 /* Frees a block of a device pool (device < 0: find it). */
 int vmm_free(void* ptr, int device);
@@ -59,16 +111,17 @@ char* vmm_snapshot_json(void);
 
 /* --- Explicit pools ------------------------------------------------------------------- */
 
-/* Creates a pool on `device` ("host", or a CUDA device index as text). Returns its id. */
-int64_t vmm_pool_create(const char* device, const char* options);
+/* Creates a pool on `device` of `backend` (VMM_BACKEND_HOST: device 0 of the host backend;
+ * VMM_BACKEND_DEFAULT: the best available). Returns its id (> 0). */
+int64_t vmm_pool_create(int backend, int device, const char* options);
 /* Closes the pool; its memory goes back once its last block is freed. */
 int vmm_pool_destroy(int64_t pool);
 /* `size` bytes from the pool; `shareable` != 0 gives the block chunks of its own. */
 void* vmm_pool_alloc(int64_t pool, size_t size, void* stream, int shareable);
 int vmm_pool_empty_cache(int64_t pool);
 char* vmm_pool_stats_json(int64_t pool);
-/* "fabric", "posix_fd" or "none". */
-const char* vmm_pool_handle_type(int64_t pool);
+/* The pool's vmm_handle_type, or -1. */
+int vmm_pool_handle_type(int64_t pool);
 /* Device index of the pool (-1 for the host backend's pools, -2 on failure). */
 int vmm_pool_device(int64_t pool);
 
@@ -82,11 +135,11 @@ int vmm_owns(const void* ptr);
 /* Exports the live block starting at `ptr` (of any vmm pool): the descriptor's canonical
  * bytes in *out (release with vmm_release_buffer). */
 int vmm_export(const void* ptr, uint8_t** out, size_t* out_len);
-/* Imports a descriptor; returns an import id holding one reference. `device` < 0: the
- * owner's device. `backend`: "cuda", "host" or NULL (from the owner's UUID). `pidfd` != 0
- * fetches POSIX fds with pidfd_getfd instead of the exporter's socket. */
-int64_t vmm_import(const uint8_t* descriptor, size_t len, int device, const char* backend,
-                   int pidfd);
+/* Imports a descriptor's canonical bytes; returns an import id holding one reference.
+ * `device` < 0: the owner's device. `backend`: a vmm_backend (VMM_BACKEND_DEFAULT: the
+ * descriptor's own backend if its owner says, else the best available). `pidfd` != 0 fetches
+ * POSIX fds with pidfd_getfd instead of the exporter's socket. */
+int64_t vmm_import(const uint8_t* descriptor, size_t len, int device, int backend, int pidfd);
 /* Address, size and device of the imported buffer: *device is the CUDA device it is mapped
  * on, or -1 for the host backend (what a tensor over it needs). */
 int vmm_import_info(int64_t import_id, uint64_t* ptr, size_t* size, int* device);
@@ -95,14 +148,31 @@ int vmm_import_retain(int64_t import_id);
 /* (A tensor deleter: takes the id as a pointer-sized integer.) */
 void vmm_import_release(void* import_id);
 
-/* Builds a descriptor from received parts (handle_type 1: posix_fd, 2: fabric). `size` < 0:
- * the default; `owner` may be NULL. Errors follow the descriptor rules (InvalidArgument). */
+/* A descriptor's fields, as vmm_descriptor_decode fills them. */
+typedef struct vmm_descriptor_fields {
+  int32_t handle_type;  /* VMM_HANDLE_POSIX_FD or VMM_HANDLE_FABRIC */
+  int32_t backend;      /* the exporter's vmm_backend from its owner UUID, or 0 if unknown */
+  uint64_t count;       /* allocations */
+  uint64_t size;        /* bytes of the buffer */
+  uint64_t offset;      /* where the buffer starts in the first allocation */
+  uint8_t* handles;     /* count * VMM_HANDLE_BYTES bytes, in address order */
+  uint64_t* sizes;      /* count allocation sizes, in address order */
+  char* owner_uuid;     /* NUL-terminated, NULL when the descriptor has none */
+  uint64_t owner_uuid_len; /* bytes of owner_uuid (it may hold NULs) */
+} vmm_descriptor_fields;
+
+/* Decodes canonical descriptor bytes (hostile input: every rule is checked) into *out; 0, or
+ * -1 with VMM_INVALID_ARGUMENT. Release *out with vmm_descriptor_fields_release. */
+int vmm_descriptor_decode(const uint8_t* descriptor, size_t len, vmm_descriptor_fields* out);
+/* Frees what vmm_descriptor_decode allocated in *fields (and zeroes it). */
+void vmm_descriptor_fields_release(vmm_descriptor_fields* fields);
+/* Builds a descriptor's canonical bytes from received parts (a vmm_handle_type, `count`
+ * handles of handle_lens[i] bytes and `count` sizes). `size` < 0: the default; `owner` may be
+ * NULL. Errors follow the descriptor rules (VMM_INVALID_ARGUMENT). */
 int vmm_descriptor_from_handles(int handle_type, const uint8_t* const* handles,
                                 const size_t* handle_lens, const int64_t* sizes, size_t count,
                                 int64_t size, const char* owner, int64_t offset, uint8_t** out,
                                 size_t* out_len);
-/* A descriptor's fields as JSON (handles as hex). Fails for bytes that are not one. */
-char* vmm_descriptor_json(const uint8_t* descriptor, size_t len);
 
 #ifdef __cplusplus
 }  /* extern "C" */

@@ -1,10 +1,10 @@
 // vmm's LibTorch extension: tensors over vmm memory, and the functions PyTorch's
 // CUDAPluggableAllocator calls.
 //
-// The allocator state lives in libvmm.so (vmm_c.h). This extension does not link it: bind()
-// opens the same libvmm.so that Python loaded (same path, so the same instance) and looks up
-// the few functions it calls. Built by Bazel against Debian's LibTorch for CI, and by
-// `pip install` against the user's torch.
+// The allocator state lives in libvmm.so (vmm_c.h, included here for the functions' types).
+// This extension does not link it: bind() opens the same libvmm.so that Python loaded (same
+// path, so the same instance) and looks up the few functions it calls. Built by Bazel against
+// Debian's LibTorch for CI, and by `pip install` against the user's torch.
 //
 // Ops (torch.ops.vmm.*):
 //   bind(str libvmm_path) -> ()
@@ -33,19 +33,22 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include "torch_plugin/vmm_c.h"
+
 namespace {
 
-// The functions of libvmm.so this extension calls.
+// The functions of libvmm.so this extension calls, typed by their declarations in vmm_c.h.
 struct Vmm {
-  const char* (*last_error)() = nullptr;
-  void* (*alloc)(size_t, int, void*) = nullptr;
-  int (*free)(void*, int) = nullptr;
-  int (*record_stream)(void*, void*) = nullptr;
-  int (*empty_cache)(int) = nullptr;
-  int (*set_memory_fraction)(double, int) = nullptr;
-  void (*block_free)(void*) = nullptr;
-  int (*import_info)(int64_t, uint64_t*, size_t*, int*) = nullptr;
-  void (*import_release)(void*) = nullptr;
+  decltype(&vmm_last_error_code) last_error_code = nullptr;
+  decltype(&vmm_last_error) last_error = nullptr;
+  decltype(&vmm_alloc) alloc = nullptr;
+  decltype(&vmm_free) free = nullptr;
+  decltype(&vmm_record_stream) record_stream = nullptr;
+  decltype(&vmm_empty_cache) empty_cache = nullptr;
+  decltype(&vmm_set_memory_fraction) set_memory_fraction = nullptr;
+  decltype(&vmm_block_free) block_free = nullptr;
+  decltype(&vmm_import_info) import_info = nullptr;
+  decltype(&vmm_import_release) import_release = nullptr;
 };
 
 Vmm vmm;
@@ -60,6 +63,7 @@ void Bind(const std::string& path) {
   void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
   TORCH_CHECK(lib != nullptr, "vmm: cannot load ", path, ": ", dlerror());
   Vmm v;
+  Lookup(lib, "vmm_last_error_code", &v.last_error_code);
   Lookup(lib, "vmm_last_error", &v.last_error);
   Lookup(lib, "vmm_alloc", &v.alloc);
   Lookup(lib, "vmm_free", &v.free);
@@ -196,7 +200,7 @@ __attribute__((visibility("default"))) void* vmm_torch_malloc(size_t size, int d
   void* p = vmm.alloc(size, device, stream);
   if (p == nullptr) {
     const std::string error = vmm.last_error();
-    if (error.rfind("RESOURCE_EXHAUSTED", 0) == 0) {
+    if (vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED) {
       TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (vmm): ", error);
     }
     TORCH_CHECK(false, "vmm: allocation of ", size, " bytes on device ", device, " failed: ",

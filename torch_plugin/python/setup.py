@@ -112,9 +112,10 @@ class BuildExt(BuildExtension.with_options(no_python_abi_suffix=True)):
 
 
 def _include_dirs():
+    """The repository (for torch_plugin/vmm_c.h), and CUDA's headers when found."""
     cuda = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
     include = os.path.join(cuda, "include")
-    return [include] if os.path.isdir(include) else []
+    return [REPO] + ([include] if os.path.isdir(include) else [])
 
 
 CXX_RUNTIME = torch_cxx_runtime()
@@ -125,6 +126,7 @@ setup(
     description="CUDA virtual-memory caching allocator for PyTorch, with tensor sharing "
                 "between processes as buffer descriptors",
     packages=["vmm_torch"],
+    package_data={"vmm_torch": ["py.typed"]},
     python_requires=">=3.8",
     ext_modules=[
         CppExtension(

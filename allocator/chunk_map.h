@@ -1,0 +1,115 @@
+// chunk_map.h: the physical chunks behind a pool's reserved range (internal to the pool).
+//
+// A chunk is one physical allocation (Driver::Create) mapped at one address. MapRange backs a
+// range with chunks of at most `max_chunk` bytes and grants access once for the whole range;
+// when any driver call fails it unmaps and releases every piece it made, so a failed growth
+// leaves nothing behind. Release unmaps and releases one chunk. Every driver call is counted
+// in the PoolStats passed in.
+//
+// Export state lives here too: a chunk marked exported is never recycled (the pool's export
+// invariant, pool.h); `dedicated` chunks hold one shareable block alone.
+//
+// Not thread safe: the owning Pool guards it with its mutex.
+#ifndef VMM_ALLOCATOR_CHUNK_MAP_H_
+#define VMM_ALLOCATOR_CHUNK_MAP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/btree_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "allocator/driver.h"
+#include "allocator/stats.h"
+
+namespace vmm {
+
+struct Chunk {
+  uint64_t id = 0;  // unique in its pool for the pool's lifetime
+  size_t size = 0;
+  PhysHandle handle = 0;
+  bool exported = false;
+  bool dedicated = false;  // holds one shareable block only
+};
+
+// Logs a failure of releasing chunks at teardown (chunk_map.cc; a function so that the
+// template below needs no logging header).
+void LogChunkTeardownError(const absl::Status& status);
+
+class ChunkMap {
+ public:
+  using Map = absl::btree_map<uintptr_t, Chunk>;
+
+  struct Config {
+    Driver* driver = nullptr;
+    int device = 0;
+    uint32_t handle_bits = 0;     // HandleTypeBit of the pool's handle type
+    size_t max_chunk = 0;         // largest physical allocation
+    std::vector<int> access;      // devices granted access: the pool's device, then its peers
+  };
+
+  void Init(Config config) { config_ = std::move(config); }
+
+  // Creates, maps and grants access to [addr, addr + len) in chunks, marking them exported and
+  // dedicated when `dedicated`. On failure nothing stays mapped or created, and the driver's
+  // error is returned. Adds the new chunks' bytes to `stats.reserved_bytes` and their count
+  // to `stats.segment`.
+  absl::Status MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats);
+
+  // Unmaps and releases the chunk at `addr` (which must be a chunk's start) and forgets it.
+  // An Unmap failure leaves the chunk in place and is returned; a Release failure after a
+  // successful Unmap is logged (the range is unmapped either way). Returns the chunk.
+  absl::StatusOr<Chunk> Release(uintptr_t addr, PoolStats& stats);
+
+  // Unmaps and releases every chunk (teardown), logging failures; calls `released(chunk)`
+  // for each.
+  template <typename F>
+  void ReleaseAll(F&& released);
+
+  // Marks the chunk at `it` exported; false if it already was.
+  bool MarkExported(Map::iterator it, PoolStats& stats);
+
+  // The chunk whose range holds `addr`, or end().
+  Map::iterator Containing(uintptr_t addr);
+  Map::const_iterator Containing(uintptr_t addr) const;
+  // The first chunk that ends after `addr` (the one holding it, or the next), or end().
+  Map::const_iterator FirstEndingAfter(uintptr_t addr) const;
+  // Whether an exported chunk overlaps [addr, end).
+  bool OverlapsExported(uintptr_t addr, uintptr_t end) const;
+
+  Map::iterator begin() { return chunks_.begin(); }
+  Map::iterator end() { return chunks_.end(); }
+  Map::const_iterator begin() const { return chunks_.begin(); }
+  Map::const_iterator end() const { return chunks_.end(); }
+  Map::iterator find(uintptr_t addr) { return chunks_.find(addr); }
+  Map::const_iterator find(uintptr_t addr) const { return chunks_.find(addr); }
+  Map::const_iterator lower_bound(uintptr_t addr) const { return chunks_.lower_bound(addr); }
+  size_t size() const { return chunks_.size(); }
+  // Chunks marked exported.
+  int64_t exported_count() const { return exported_; }
+
+ private:
+  void Forget(Map::iterator it, PoolStats& stats);
+
+  Config config_;
+  Map chunks_;
+  uint64_t next_id_ = 1;
+  int64_t exported_ = 0;
+};
+
+template <typename F>
+void ChunkMap::ReleaseAll(F&& released) {
+  for (auto& [addr, chunk] : chunks_) {
+    absl::Status s = config_.driver->Unmap(addr, chunk.size);
+    if (s.ok()) s = config_.driver->Release(chunk.handle);
+    if (!s.ok()) LogChunkTeardownError(s);
+    released(chunk);
+  }
+  chunks_.clear();
+  exported_ = 0;
+}
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_CHUNK_MAP_H_

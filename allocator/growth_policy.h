@@ -1,0 +1,35 @@
+// growth_policy.h: how much a pool maps when a request misses the cache (internal to the pool).
+//
+// The pool first plans the fewest new bytes that give the request a contiguous fit
+// (Arena::PlanGrowth: a free block at the edge of a gap is extended rather than left beside a
+// new chunk). The policy then says how many bytes to map beyond that, trading a little memory
+// for fewer driver calls. If mapping the larger range fails, the pool retries with exactly
+// what the request needs, so a policy can never cause an out-of-memory error.
+//
+// Policy today:
+//   - small arena: map `small_chunk` at a time;
+//   - large arena: `growth_fraction` of the bytes already reserved, capped at
+//     `max_growth_extra`, rounded down to granularity (growth_fraction 0: exact growth).
+// A new policy is a new implementation of GrowthExtra in this file.
+#ifndef VMM_ALLOCATOR_GROWTH_POLICY_H_
+#define VMM_ALLOCATOR_GROWTH_POLICY_H_
+
+#include <cstddef>
+
+#include "allocator/pool_options.h"
+
+namespace vmm {
+
+struct GrowthRequest {
+  bool small_arena = false;  // growing the small arena
+  size_t needed = 0;         // bytes the plan must map at least (multiple of granularity)
+  size_t reserved = 0;       // bytes the pool holds now
+  size_t granularity = 0;
+};
+
+// GrowthExtra returns the bytes to map beyond `request.needed` (a multiple of granularity).
+size_t GrowthExtra(const PoolOptions& options, const GrowthRequest& request);
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_GROWTH_POLICY_H_

@@ -1,0 +1,69 @@
+#include "allocator/handle_probe.h"
+
+#include "absl/strings/str_cat.h"
+#include "allocator/log.h"
+#include "allocator/status_macros.h"
+
+namespace vmm {
+
+std::optional<HandleRequest> ParseHandleRequest(absl::string_view name) {
+  if (name == "auto") return HandleRequest::kAuto;
+  const std::optional<HandleType> type = ParseHandleType(name);
+  if (!type) return std::nullopt;
+  switch (*type) {
+    case HandleType::kNone:
+      return HandleRequest::kNone;
+    case HandleType::kPosixFd:
+      return HandleRequest::kPosixFd;
+    case HandleType::kFabric:
+      return HandleRequest::kFabric;
+  }
+  return std::nullopt;
+}
+
+absl::Status ProbeHandleType(Driver& driver, int device, size_t granularity, HandleType type) {
+  VMM_ASSIGN_OR_RETURN(bool supported, driver.SupportsHandleType(device, type));
+  if (!supported) {
+    return absl::UnimplementedError(
+        absl::StrCat("device ", device, " does not support ", HandleTypeName(type), " handles"));
+  }
+  VMM_ASSIGN_OR_RETURN(PhysHandle handle,
+                       driver.Create(device, granularity, HandleTypeBit(type)));
+  return driver.Release(handle);
+}
+
+absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t granularity,
+                                             HandleRequest request) {
+  switch (request) {
+    case HandleRequest::kNone:
+      return HandleType::kNone;
+    case HandleRequest::kPosixFd:
+    case HandleRequest::kFabric: {
+      const HandleType type =
+          request == HandleRequest::kFabric ? HandleType::kFabric : HandleType::kPosixFd;
+      absl::Status probe = ProbeHandleType(driver, device, granularity, type);
+      if (!probe.ok()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            HandleTypeName(type), " handles are unavailable on ", driver.Name(), " device ",
+            device, ": ", probe.message()));
+      }
+      return type;
+    }
+    case HandleRequest::kAuto:
+      break;
+  }
+  absl::Status fabric = ProbeHandleType(driver, device, granularity, HandleType::kFabric);
+  if (fabric.ok()) return HandleType::kFabric;
+  absl::Status fd = ProbeHandleType(driver, device, granularity, HandleType::kPosixFd);
+  if (fd.ok()) {
+    LogWarningOnce("fabric-fallback",
+                   absl::StrCat("fabric handles are unavailable (", fabric.message(),
+                                "); sharing uses POSIX file descriptors"));
+    return HandleType::kPosixFd;
+  }
+  LogWarningOnce("no-sharing", absl::StrCat("memory is not shareable: fabric: ",
+                                            fabric.message(), "; posix_fd: ", fd.message()));
+  return HandleType::kNone;
+}
+
+}  // namespace vmm

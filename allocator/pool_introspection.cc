@@ -1,0 +1,210 @@
+// pool_introspection.cc: what a pool tells about itself: statistics, snapshots, a summary for
+// error messages, and the check of every bookkeeping invariant. Nothing here changes memory.
+#include <algorithm>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "allocator/byte_size.h"
+#include "allocator/pool.h"
+
+namespace vmm {
+
+void Pool::UpdateDerivedStats(PoolStats& stats) const {
+  // Active = allocated + freed blocks still used by streams (pending). It rises only when a
+  // block is allocated, so its peak is allocated's peak or one recorded while blocks were
+  // pending (AllocateLocked); it falls when a block is freed unused or leaves pending.
+  auto derive_active = [](const Stat& allocated, int64_t pending, int64_t pending_at_reset,
+                          int64_t pending_peak, Stat& active) {
+    active.current = allocated.current + pending;
+    active.peak = std::max(allocated.peak, pending_peak);
+    active.allocated = allocated.allocated;
+    active.freed = allocated.freed - (pending - pending_at_reset);
+  };
+  derive_active(stats_.allocated_bytes, pending_bytes_, pending_bytes_at_reset_,
+                active_bytes_peak_, stats.active_bytes);
+  derive_active(stats_.allocation, pending_blocks_, pending_blocks_at_reset_, active_peak_,
+                stats.active);
+  size_t free_bytes = 0;
+  size_t free_count = 0;
+  size_t largest = 0;
+  for (const Arena* arena : {&small_, &large_}) {
+    arena->free_blocks().ForEach([&](const Block* b) {
+      free_bytes += b->size;
+      ++free_count;
+      largest = std::max(largest, b->size);
+    });
+  }
+  stats.inactive_split_bytes.current = static_cast<int64_t>(free_bytes);
+  stats.inactive_split_bytes.peak =
+      std::max(stats.inactive_split_bytes.peak, stats.inactive_split_bytes.current);
+  stats.inactive_split.current = static_cast<int64_t>(free_count);
+  stats.inactive_split.peak = std::max(stats.inactive_split.peak, stats.inactive_split.current);
+  stats.largest_free_block = static_cast<int64_t>(largest);
+  stats.fragmentation =
+      free_bytes == 0 ? 0.0 : 1.0 - static_cast<double>(largest) / static_cast<double>(free_bytes);
+}
+
+PoolStats Pool::GetStats() const {
+  MutexLock lock(&mu_);
+  PoolStats stats = stats_;
+  UpdateDerivedStats(stats);
+  return stats;
+}
+
+void Pool::ResetPeakStats() {
+  MutexLock lock(&mu_);
+#define VMM_RESET_PEAK(name, key, what) stats_.name.ResetPeak();
+  VMM_BYTE_STATS(VMM_RESET_PEAK)
+  VMM_COUNT_STATS(VMM_RESET_PEAK)
+#undef VMM_RESET_PEAK
+  active_bytes_peak_ = stats_.allocated_bytes.current + pending_bytes_;
+  active_peak_ = stats_.allocation.current + pending_blocks_;
+}
+
+void Pool::ResetAccumulatedStats() {
+  MutexLock lock(&mu_);
+#define VMM_RESET_ACC(name, key, what) stats_.name.ResetAccumulated();
+  VMM_BYTE_STATS(VMM_RESET_ACC)
+  VMM_COUNT_STATS(VMM_RESET_ACC)
+#undef VMM_RESET_ACC
+  pending_bytes_at_reset_ = pending_bytes_;
+  pending_blocks_at_reset_ = pending_blocks_;
+#define VMM_RESET_COUNTER(name, key, what) stats_.name = 0;
+  VMM_COUNTERS(VMM_RESET_COUNTER)
+#undef VMM_RESET_COUNTER
+}
+
+Snapshot Pool::GetSnapshot() const {
+  MutexLock lock(&mu_);
+  Snapshot snap;
+  snap.device = options_.device;
+  snap.backend = std::string(driver_->Name());
+  snap.device_uuid = device_uuid_;
+  snap.reserved_base = base_;
+  snap.reserved_size = reserve_size_;
+  snap.granularity = granularity_;
+  for (const Arena* arena : {&small_, &large_}) {
+    SegmentInfo* seg = nullptr;
+    for (const Block* b = arena->head(); b != nullptr; b = b->next) {
+      if (b->state == BlockState::kUnmapped) {
+        seg = nullptr;
+        continue;
+      }
+      if (seg == nullptr) {
+        snap.segments.emplace_back();
+        seg = &snap.segments.back();
+        seg->addr = b->addr;
+      }
+      seg->size += b->size;
+      seg->blocks.push_back(BlockInfo{b->addr, b->size, b->requested, b->state, b->stream});
+    }
+  }
+  for (SegmentInfo& seg : snap.segments) {
+    for (auto c = chunks_.lower_bound(seg.addr);
+         c != chunks_.end() && c->first < seg.addr + seg.size; ++c) {
+      seg.chunks.push_back(
+          ChunkInfo{c->first, c->second.size, c->second.exported, c->second.dedicated});
+    }
+  }
+  return snap;
+}
+
+std::string Pool::Summary() const {
+  PoolStats stats = stats_;
+  UpdateDerivedStats(stats);
+  std::string out = absl::StrCat(
+      "pool: reserved ", FormatBytes(stats.reserved_bytes.current), " in ", chunks_.size(),
+      " chunk(s), allocated ", FormatBytes(stats.allocated_bytes.current), " in ",
+      stats.allocation.current, " block(s), cached free ",
+      FormatBytes(stats.inactive_split_bytes.current), " (largest block ",
+      FormatBytes(stats.largest_free_block), "), peak reserved ", FormatBytes(stats.reserved_bytes.peak));
+  if (memory_limit_ != 0) absl::StrAppend(&out, ", limit ", FormatBytes(memory_limit_));
+  absl::StatusOr<MemInfo> info = driver_->GetMemInfo(options_.device);
+  if (info.ok()) {
+    absl::StrAppend(&out, "; device free ", FormatBytes(static_cast<int64_t>(info->free)), " of ",
+                    FormatBytes(static_cast<int64_t>(info->total)));
+  }
+  return out;
+}
+
+absl::Status Pool::CheckInvariants() const {
+  MutexLock lock(&mu_);
+  auto fail = [](auto&&... parts) {
+    return absl::InternalError(absl::StrCat("pool invariant: ", parts...));
+  };
+  int64_t allocated = 0, active = 0, retired = 0, requested = 0, live = 0, pending_blocks = 0;
+  int64_t pending_events = 0;
+  for (const Arena* arena : {&small_, &large_}) {
+    if (std::string err = arena->CheckInvariants(); !err.empty()) return fail(err);
+    for (const Block* b = arena->head(); b != nullptr; b = b->next) {
+      // Which chunks lie under the block: none for a gap, full cover otherwise.
+      uintptr_t covered = b->addr;
+      bool any_exported = false, all_exported = true;
+      for (auto c = chunks_.FirstEndingAfter(b->addr); c != chunks_.end() && c->first < b->end();
+           ++c) {
+        if (b->state == BlockState::kUnmapped) {
+          return fail("chunk at ", absl::Hex(c->first), " inside a gap");
+        }
+        if (c->first > covered) return fail("unbacked bytes at ", absl::Hex(covered));
+        covered = c->first + c->second.size;
+        any_exported |= c->second.exported;
+        all_exported &= c->second.exported;
+      }
+      if (b->state != BlockState::kUnmapped && covered < b->end()) {
+        return fail("unbacked bytes at ", absl::Hex(covered));
+      }
+      switch (b->state) {
+        case BlockState::kFree:
+          if (any_exported) return fail("cached block ", absl::Hex(b->addr), " in exported chunk");
+          break;
+        case BlockState::kRetired:
+          if (!all_exported) return fail("retired block ", absl::Hex(b->addr), " outside export");
+          retired += static_cast<int64_t>(b->size);
+          break;
+        case BlockState::kAllocated: {
+          if (arena->live().Find(b->addr) != b) {
+            return fail("allocated block ", absl::Hex(b->addr), " missing from the index");
+          }
+          allocated += static_cast<int64_t>(b->size);
+          active += static_cast<int64_t>(b->size);
+          requested += static_cast<int64_t>(b->requested);
+          ++live;
+          break;
+        }
+        case BlockState::kPendingFree:
+          if (b->pending_events <= 0) return fail("pending block without events");
+          active += static_cast<int64_t>(b->size);
+          pending_events += b->pending_events;
+          ++pending_blocks;
+          break;
+        case BlockState::kUnmapped:
+          break;
+      }
+    }
+  }
+  int64_t reserved = 0, exported = 0, exported_count = 0;
+  for (const auto& [addr, chunk] : chunks_) {
+    reserved += static_cast<int64_t>(chunk.size);
+    if (chunk.exported) {
+      exported += static_cast<int64_t>(chunk.size);
+      ++exported_count;
+    }
+  }
+  if (live != static_cast<int64_t>(small_.live().count() + large_.live().count())) {
+    return fail("the live-block index has extras");
+  }
+  if (pending_events != static_cast<int64_t>(reclaim_.pending_events())) return fail("pending list");
+  if (allocated != stats_.allocated_bytes.current) return fail("allocated_bytes");
+  if (requested != stats_.requested_bytes.current) return fail("requested_bytes");
+  if (active != stats_.allocated_bytes.current + pending_bytes_) return fail("active_bytes");
+  if (live != stats_.allocation.current) return fail("allocation count");
+  if (pending_blocks != pending_blocks_) return fail("pending block count");
+  if (reserved != stats_.reserved_bytes.current) return fail("reserved_bytes");
+  if (static_cast<int64_t>(chunks_.size()) != stats_.segment.current) return fail("segments");
+  if (exported != stats_.exported_bytes.current) return fail("exported_bytes");
+  if (exported_count != chunks_.exported_count()) return fail("exported chunk count");
+  if (retired != retired_bytes_) return fail("retired bytes");
+  return absl::OkStatus();
+}
+
+}  // namespace vmm

@@ -1,0 +1,98 @@
+#include "allocator/pool_options.h"
+
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "allocator/byte_size.h"
+#include "allocator/status_macros.h"
+
+namespace vmm {
+namespace {
+
+struct SizeKey {
+  const char* name;
+  size_t PoolOptions::*field;
+};
+constexpr SizeKey kSizeKeys[] = {
+    {"reserve_size", &PoolOptions::reserve_size},
+    {"memory_limit", &PoolOptions::memory_limit},
+    {"release_threshold", &PoolOptions::release_threshold},
+    {"small_size", &PoolOptions::small_size},
+    {"small_chunk", &PoolOptions::small_chunk},
+    {"max_growth_extra", &PoolOptions::max_growth_extra},
+    {"max_chunk", &PoolOptions::max_chunk},
+};
+
+absl::Status Invalid(absl::string_view key, absl::string_view value, absl::string_view what) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("option ", key, ": '", value, "' is not ", what));
+}
+
+absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& o) {
+  if (key == "handle_type") {
+    const std::optional<HandleRequest> request = ParseHandleRequest(value);
+    if (!request) return Invalid(key, value, "one of auto, none, posix_fd, fabric");
+    o.handle_type = *request;
+    return absl::OkStatus();
+  }
+  if (key == "growth_fraction") {
+    double f;
+    if (!absl::SimpleAtod(value, &f) || !(f >= 0 && f <= 1)) {
+      return Invalid(key, value, "a number in [0, 1]");
+    }
+    o.growth_fraction = f;
+    return absl::OkStatus();
+  }
+  if (key == "peer_devices") {
+    o.peer_devices.clear();
+    for (absl::string_view d : absl::StrSplit(value, ':', absl::SkipEmpty())) {
+      int device;
+      if (!absl::SimpleAtoi(d, &device) || device < 0) {
+        return Invalid(key, d, "a device index");
+      }
+      o.peer_devices.push_back(device);
+    }
+    return absl::OkStatus();
+  }
+  for (const SizeKey& k : kSizeKeys) {
+    if (key != k.name) continue;
+    absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
+    if (!bytes.ok()) return Invalid(key, value, "a size in bytes (e.g. 512M)");
+    o.*k.field = static_cast<size_t>(*bytes);
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown option '", key, "'; options are ", PoolOptionKeys()));
+}
+
+}  // namespace
+
+absl::string_view PoolOptionKeys() {
+  return "handle_type, reserve_size, memory_limit, release_threshold, small_size, small_chunk, "
+         "growth_fraction, max_growth_extra, max_chunk, peer_devices";
+}
+
+absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,
+                                             const PoolOptions& defaults) {
+  PoolOptions options = defaults;
+  absl::flat_hash_set<std::string> seen;
+  for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipWhitespace())) {
+    const size_t eq = item.find('=');
+    const absl::string_view key = absl::StripAsciiWhitespace(item.substr(0, eq));
+    if (eq == absl::string_view::npos) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("option '", key, "' has no value (options are key=value)"));
+    }
+    if (!seen.insert(std::string(key)).second) {
+      return absl::InvalidArgumentError(absl::StrCat("option ", key, " is given twice"));
+    }
+    VMM_RETURN_IF_ERROR(Apply(key, absl::StripAsciiWhitespace(item.substr(eq + 1)), options));
+  }
+  return options;
+}
+
+}  // namespace vmm

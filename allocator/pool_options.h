@@ -1,0 +1,66 @@
+// pool_options.h: what a pool can be told, and the one parser of option text.
+//
+//   VMM_ASSIGN_OR_RETURN(PoolOptions o, ParsePoolOptions("handle_type=posix_fd,memory_limit=40G"));
+//
+// Option text is "key=value" pairs separated by commas (whitespace around keys and values is
+// ignored). Keys are the field names below; sizes are read by ParseByteSize (K, M, G, T
+// suffixes, powers of 1024); handle_type is auto|none|posix_fd|fabric; growth_fraction a number
+// in [0, 1]; peer_devices device indices separated by ':' ("1:2"). An unknown key, a repeated
+// key, a pair without '=', or a malformed value is InvalidArgument naming it.
+#ifndef VMM_ALLOCATOR_POOL_OPTIONS_H_
+#define VMM_ALLOCATOR_POOL_OPTIONS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "allocator/handle_probe.h"
+
+namespace vmm {
+
+struct PoolOptions {
+  int device = 0;
+  HandleRequest handle_type = HandleRequest::kAuto;
+  // Virtual address space to reserve; 0 means twice the device's memory.
+  size_t reserve_size = 0;
+  // Most physical bytes the pool may hold; 0 means no limit beyond the device's.
+  size_t memory_limit = 0;
+  // Free bytes the pool keeps cached when it could release memory on Free; SIZE_MAX keeps all.
+  size_t release_threshold = SIZE_MAX;
+  // Requests up to this many bytes are served by the small arena.
+  size_t small_size = size_t{1} << 20;
+  // The small arena grows by this much at a time (rounded to granularity).
+  size_t small_chunk = size_t{2} << 20;
+  // Growth in the large arena is at least this fraction of the bytes already reserved...
+  // (On the training trace, bench/training_trace.py, 0.05 and 64 MiB give peak reserved / peak
+  // allocated 1.0034 with 98 growths; exact growth (0) gives 1.0000 with 112. bench/README.md.)
+  double growth_fraction = 0.05;
+  // ...but never more than this many bytes beyond what the request needs.
+  size_t max_growth_extra = size_t{64} << 20;
+  // Largest single physical allocation. A growth is one chunk up to this size: fewer chunks
+  // make fewer driver calls, and an importer maps and grants access to one allocation much
+  // faster than to several (on an H200, SetAccess over 8 GiB took 0.32 ms as one allocation,
+  // 0.70 ms as eight of 1 GiB). The cost is that a chunk is released only when all of it is free.
+  size_t max_chunk = size_t{64} << 30;
+  // Other devices granted read-write access to every range the pool maps: each growth's
+  // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
+  // the pool was made (and again after EmptyCache), can be used by kernels and copies on them
+  // directly. Each must be another device of the driver (Pool::Create: InvalidArgument). On
+  // CUDA the devices must be peer capable; where they are not, the growth's SetAccess fails and
+  // so does the allocation that needed it. Driver::HasAccess tells what a chunk was granted.
+  std::vector<int> peer_devices;
+};
+
+// ParsePoolOptions applies option text (see the file comment) to `defaults` and returns the
+// result. `device` is not an option: callers set it. Empty text gives `defaults`.
+[[nodiscard]] absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,
+                                                           const PoolOptions& defaults = {});
+
+// The keys ParsePoolOptions accepts, comma separated, for messages and documentation.
+absl::string_view PoolOptionKeys();
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_POOL_OPTIONS_H_

@@ -1,0 +1,144 @@
+#include "allocator/stream_reclaim.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+#include "allocator/log.h"
+#include "allocator/status_macros.h"
+
+namespace vmm {
+
+absl::StatusOr<Event> StreamReclaim::GetEvent() {
+  if (!spare_events_.empty()) {
+    Event e = spare_events_.back();
+    spare_events_.pop_back();
+    return e;
+  }
+  return driver_->CreateEvent(device_);
+}
+
+absl::StatusOr<bool> StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
+                                               PoolStats& stats) {
+  bool all = true;
+  for (Stream s : streams) {
+    VMM_ASSIGN_OR_RETURN(Event event, GetEvent());
+    ++stats.driver_event;
+    absl::Status recorded = driver_->RecordEvent(event, s);
+    if (!recorded.ok()) {
+      spare_events_.push_back(event);
+      all = false;
+      continue;
+    }
+    pending_.push_back(Pending{event, block});
+    ++block->pending_events;
+  }
+  return all;
+}
+
+absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
+                                           PoolStats& stats) {
+  size_t kept = 0;
+  for (size_t i = 0; i < pending_.size(); ++i) {
+    Pending p = pending_[i];
+    ++stats.driver_event;
+    absl::StatusOr<bool> complete = driver_->EventDone(p.event);
+    if (!complete.ok()) {
+      // Keep the list whole: the entries not yet visited stay pending.
+      for (size_t j = i; j < pending_.size(); ++j) pending_[kept++] = pending_[j];
+      pending_.resize(kept);
+      return complete.status();
+    }
+    if (!*complete) {
+      pending_[kept++] = p;
+      continue;
+    }
+    spare_events_.push_back(p.event);
+    if (--p.block->pending_events == 0) done(p.block);
+  }
+  pending_.resize(kept);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Stream requester,
+                                            uint64_t free_seq, PoolStats& stats) {
+  // Streams that have cached blocks only they may use.
+  std::vector<Stream> streams;
+  for (const Arena* arena : arenas) {
+    arena->free_blocks().ForEachStream([&](Stream s) {
+      if (s != kAnyStream && s != requester &&
+          std::find(streams.begin(), streams.end(), s) == streams.end()) {
+        streams.push_back(s);
+      }
+    });
+  }
+  for (Stream s : streams) {
+    StreamState& r = streams_[s];
+    if (!r.in_flight) {
+      if (r.event == 0) {
+        VMM_ASSIGN_OR_RETURN(r.event, GetEvent());
+      }
+      ++stats.driver_event;
+      absl::Status recorded = driver_->RecordEvent(r.event, s);
+      if (!recorded.ok()) {
+        LogWarningOnce("reclaim-record", absl::StrCat("stream ordering: ", recorded.message(),
+                                                      "; synchronising the device instead"));
+        return false;
+      }
+      r.seq = free_seq;
+      r.in_flight = true;
+    }
+    ++stats.driver_event;
+    VMM_ASSIGN_OR_RETURN(bool done, driver_->EventDone(r.event));
+    if (!done) continue;
+    r.in_flight = false;
+    for (Arena* arena : arenas) {
+      for (Block* b : arena->free_blocks().BlocksOf(s)) {
+        if (b->free_seq <= r.seq && b->state == BlockState::kFree && b->stream == s) {
+          arena->Retag(b, kAnyStream);
+        }
+      }
+    }
+  }
+  // Forget streams with nothing cached (they may be long gone), keeping their events.
+  for (auto it = streams_.begin(); it != streams_.end();) {
+    const bool cached = it->first == requester ||
+                        std::find(streams.begin(), streams.end(), it->first) != streams.end();
+    if (!cached && !it->second.in_flight) {
+      if (it->second.event != 0) spare_events_.push_back(it->second.event);
+      streams_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  return true;
+}
+
+void StreamReclaim::RetagAll(absl::Span<Arena* const> arenas) {
+  for (Arena* arena : arenas) {
+    std::vector<Stream> streams;
+    arena->free_blocks().ForEachStream([&](Stream s) {
+      if (s != kAnyStream) streams.push_back(s);
+    });
+    for (Stream s : streams) {
+      for (Block* b : arena->free_blocks().BlocksOf(s)) {
+        // Earlier retags may have merged `b` away; BlocksOf is re-read per stream, and a
+        // merged block keeps its own tag, so only blocks still tagged `s` are touched.
+        if (b->state == BlockState::kFree && b->stream == s) arena->Retag(b, kAnyStream);
+      }
+    }
+  }
+  for (auto& [stream, r] : streams_) r.in_flight = false;
+}
+
+void StreamReclaim::DestroyEvents() {
+  for (const Pending& p : pending_) spare_events_.push_back(p.event);
+  pending_.clear();
+  for (auto& [stream, r] : streams_) {
+    if (r.event != 0) spare_events_.push_back(r.event);
+  }
+  streams_.clear();
+  for (Event e : spare_events_) (void)driver_->DestroyEvent(e);
+  spare_events_.clear();
+}
+
+}  // namespace vmm

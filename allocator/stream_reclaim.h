@@ -1,0 +1,87 @@
+// stream_reclaim.h: when memory freed on one stream may be used by others (internal to the
+// pool).
+//
+// Two jobs, both with driver events:
+//   - Pending frees. A block that other streams used (record_stream), or that lies in memory
+//     about to be unmapped, is freed only once their work queued before the free has
+//     completed: RecordUses records one event per stream and ProcessPending hands the block
+//     back (to a callback) when all of its events are done.
+//   - Reclaiming other streams' cached blocks. A cached block is tagged with the stream that
+//     freed it; another stream may take it only after that stream's work queued before the
+//     free has completed. Reclaim records one event per such stream and, once it completes,
+//     retags that stream's blocks freed before the event for every stream (kAnyStream). The
+//     requesting stream's own blocks keep their tag: it may use them already, and they keep
+//     coalescing with its later frees.
+// Events are reused (a spare list) and destroyed by DestroyEvents at teardown.
+//
+// Not thread safe: the owning Pool guards it with its mutex. Every event call is counted in
+// `driver_event` of the PoolStats passed in.
+#ifndef VMM_ALLOCATOR_STREAM_RECLAIM_H_
+#define VMM_ALLOCATOR_STREAM_RECLAIM_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "allocator/arena.h"
+#include "allocator/driver.h"
+#include "allocator/stats.h"
+
+namespace vmm {
+
+class StreamReclaim {
+ public:
+  void Init(Driver* driver, int device) {
+    driver_ = driver;
+    device_ = device;
+  }
+
+  // Records an event on each of `streams` for `block` (kPendingFree). Returns false when a
+  // stream could not take one (gone or broken): the caller must then wait for the whole
+  // device, which completes the events recorded so far too.
+  absl::StatusOr<bool> RecordUses(Block* block, absl::Span<const Stream> streams,
+                                  PoolStats& stats);
+  bool has_pending() const { return !pending_.empty(); }
+  // Events still due, summed over pending blocks (for invariant checks).
+  size_t pending_events() const { return pending_.size(); }
+  // Queries the pending events; calls `done(block)` for each block whose last event completed.
+  absl::Status ProcessPending(absl::FunctionRef<void(Block*)> done, PoolStats& stats);
+
+  // The reclaim pass over `arenas` for a request on `requester` (kAnyStream: none). Returns
+  // false when an event could not be recorded: the caller must synchronise the device and
+  // call RetagAll instead.
+  absl::StatusOr<bool> Reclaim(absl::Span<Arena* const> arenas, Stream requester,
+                               uint64_t free_seq, PoolStats& stats);
+  // After a device synchronisation: every cached block becomes usable by every stream.
+  void RetagAll(absl::Span<Arena* const> arenas);
+
+  // Destroys every event (teardown; pending blocks are forgotten).
+  void DestroyEvents();
+
+ private:
+  struct Pending {
+    Event event;
+    Block* block;
+  };
+  struct StreamState {
+    Event event = 0;
+    uint64_t seq = 0;  // the pool's free counter when the event was recorded
+    bool in_flight = false;
+  };
+
+  absl::StatusOr<Event> GetEvent();
+
+  Driver* driver_ = nullptr;
+  int device_ = 0;
+  std::vector<Pending> pending_;
+  absl::flat_hash_map<Stream, StreamState> streams_;
+  std::vector<Event> spare_events_;
+};
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_STREAM_RECLAIM_H_

@@ -1,0 +1,254 @@
+#include "torch_plugin/process_state.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "allocator/driver_factory.h"
+#include "allocator/pool_options.h"
+#include "allocator/status_macros.h"
+
+namespace vmm {
+namespace {
+
+// Device pools grow by exactly what a request needs unless configured otherwise: in PyTorch
+// training that gave the smallest peak reserved (below expandable segments), and a growth
+// costs about 0.1 ms, nothing beside a training step (README: results).
+PoolOptions DevicePoolDefaults() {
+  PoolOptions defaults;
+  defaults.growth_fraction = 0;
+  return defaults;
+}
+
+absl::Status BadDevice(int device) {
+  return absl::InvalidArgumentError(absl::StrCat("device ", device, " is out of range"));
+}
+
+}  // namespace
+
+ProcessState& ProcessState::Get() {
+  static auto* state = new ProcessState();
+  return *state;
+}
+
+ProcessState::ProcessState() {
+  MutexLock lock(&mu_);
+  options_ = DevicePoolDefaults();
+}
+
+ProcessState::~ProcessState() {
+  {
+    MutexLock lock(&mu_);
+    imports_.clear();
+    explicit_.clear();
+  }
+  for (auto& p : device_pools_) delete p.exchange(nullptr);
+}
+
+absl::Status ProcessState::Configure(absl::string_view text) {
+  VMM_ASSIGN_OR_RETURN(PoolOptions options, ParsePoolOptions(text, DevicePoolDefaults()));
+  MutexLock lock(&mu_);
+  if (any_device_pool_) {
+    return absl::FailedPreconditionError(
+        "vmm is already allocating: set options before the first allocation");
+  }
+  options_ = std::move(options);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  Pool* pool = device_pools_[device].load(std::memory_order_acquire);
+  if (pool != nullptr) return pool;
+  MutexLock lock(&mu_);
+  pool = device_pools_[device].load(std::memory_order_relaxed);
+  if (pool != nullptr) return pool;
+  VMM_ASSIGN_OR_RETURN(Driver * driver, DefaultDriver());
+  PoolOptions options = options_;
+  options.device = device;
+  // peer_devices names every device that should reach each pool; a pool's own device is not
+  // its peer.
+  options.peer_devices.erase(
+      std::remove(options.peer_devices.begin(), options.peer_devices.end(), device),
+      options.peer_devices.end());
+  VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> created, CreateExportablePool(driver, options));
+  if (fractions_[device] > 0) VMM_RETURN_IF_ERROR(ApplyFraction(*created, fractions_[device]));
+  pool = created.release();  // freed by the destructor (never, for the process's state)
+  device_pools_[device].store(pool, std::memory_order_release);
+  any_device_pool_ = true;
+  return pool;
+}
+
+Pool* ProcessState::DevicePoolIfAny(int device) const {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  return device_pools_[device].load(std::memory_order_acquire);
+}
+
+absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
+  if (!(fraction > 0 && fraction <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("memory fraction ", fraction, " is outside (0, 1]"));
+  }
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  MutexLock lock(&mu_);
+  fractions_[device] = fraction;
+  Pool* pool = device_pools_[device].load();
+  return pool != nullptr ? ApplyFraction(*pool, fraction) : absl::OkStatus();
+}
+
+absl::Status ProcessState::ApplyFraction(Pool& pool, double fraction) {
+  VMM_ASSIGN_OR_RETURN(MemInfo info, pool.driver()->GetMemInfo(pool.device()));
+  pool.SetMemoryLimit(static_cast<size_t>(fraction * static_cast<double>(info.total)));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> ProcessState::CreatePool(Backend backend, int device,
+                                                 absl::string_view options_text) {
+  VMM_ASSIGN_OR_RETURN(PoolOptions options, ParsePoolOptions(options_text));
+  if (device < 0) return BadDevice(device);
+  VMM_ASSIGN_OR_RETURN(Driver * driver, DriverFor(backend));
+  options.device = device;
+  VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
+  auto entry = std::make_shared<ExplicitPool>();
+  entry->pool = std::move(pool);
+  MutexLock lock(&mu_);
+  const int64_t id = next_id_++;
+  explicit_[id] = std::move(entry);
+  return id;
+}
+
+absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> ProcessState::FindPool(int64_t id) {
+  MutexLock lock(&mu_);
+  auto it = explicit_.find(id);
+  if (it == explicit_.end() || it->second->closed) {
+    return absl::InvalidArgumentError(absl::StrCat("no open pool ", id));
+  }
+  return it->second;
+}
+
+absl::Status ProcessState::ClosePool(int64_t id) {
+  std::shared_ptr<ExplicitPool> doomed;  // destroys the pool outside the lock
+  MutexLock lock(&mu_);
+  auto it = explicit_.find(id);
+  if (it == explicit_.end() || it->second->closed) {
+    return absl::InvalidArgumentError(absl::StrCat("no open pool ", id));
+  }
+  it->second->closed = true;
+  if (it->second->live.load() == 0) {
+    doomed = std::move(it->second);
+    explicit_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> ProcessState::PoolAllocate(int64_t id, size_t size, Stream stream,
+                                                 bool shareable) {
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<ExplicitPool> entry, FindPool(id));
+  Pool& pool = *entry->pool;
+  VMM_ASSIGN_OR_RETURN(void* ptr, shareable ? pool.AllocateShareable(size, stream)
+                                            : pool.Allocate(size, stream));
+  ++entry->live;
+  return ptr;
+}
+
+ProcessState::PoolRef ProcessState::Owner(const void* ptr) {
+  for (auto& p : device_pools_) {
+    Pool* pool = p.load(std::memory_order_acquire);
+    if (pool != nullptr && pool->Contains(ptr)) return PoolRef{pool, nullptr};
+  }
+  MutexLock lock(&mu_);
+  for (auto& [id, e] : explicit_) {
+    if (e->pool->Contains(ptr)) return PoolRef{e->pool.get(), e};
+  }
+  return PoolRef{};
+}
+
+std::vector<ProcessState::PoolRef> ProcessState::AllPools() {
+  std::vector<PoolRef> out;
+  for (auto& p : device_pools_) {
+    if (Pool* pool = p.load()) out.push_back(PoolRef{pool, nullptr});
+  }
+  MutexLock lock(&mu_);
+  for (auto& [id, e] : explicit_) out.push_back(PoolRef{e->pool.get(), e});
+  return out;
+}
+
+absl::Status ProcessState::FreeBlock(void* ptr) {
+  PoolRef owner = Owner(ptr);
+  if (owner.pool == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "free of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ", which no vmm pool allocated"));
+  }
+  VMM_RETURN_IF_ERROR(owner.pool->Free(ptr));
+  if (owner.keep == nullptr || owner.keep->live.fetch_sub(1) != 1) return absl::OkStatus();
+  // The last live block of an explicit pool: destroy the pool if it was closed.
+  std::shared_ptr<ExplicitPool> doomed;
+  MutexLock lock(&mu_);
+  if (!owner.keep->closed) return absl::OkStatus();
+  for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
+    if (it->second == owner.keep) {
+      doomed = std::move(it->second);
+      explicit_.erase(it);
+      break;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BufferDescriptor> ProcessState::Export(const void* ptr) {
+  PoolRef owner = Owner(ptr);
+  if (owner.pool == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "export of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+        ": the memory does not belong to a vmm pool (enable vmm_torch or use a vmm Pool)"));
+  }
+  return ExportBuffer(*owner.pool, const_cast<void*>(ptr));
+}
+
+absl::StatusOr<int64_t> ProcessState::Import(absl::string_view bytes, int device,
+                                             std::optional<Backend> backend, bool pidfd) {
+  VMM_ASSIGN_OR_RETURN(BufferDescriptor d, BufferDescriptor::Decode(bytes));
+  if (!backend.has_value()) backend = d.backend();
+  Driver* driver = nullptr;
+  if (backend.has_value()) {
+    VMM_ASSIGN_OR_RETURN(driver, DriverFor(*backend));
+  } else {
+    VMM_ASSIGN_OR_RETURN(driver, DefaultDriver());
+  }
+  ImportOptions options;
+  options.device = device;
+  if (pidfd) options.fd_fetch = FdFetch::kPidfd;
+  VMM_ASSIGN_OR_RETURN(std::unique_ptr<ImportedBuffer> buffer, ImportBuffer(driver, d, options));
+  MutexLock lock(&mu_);
+  const int64_t id = next_id_++;
+  imports_[id] = OpenImport{std::move(buffer), driver->backend() == Backend::kHost, 1};
+  return id;
+}
+
+absl::StatusOr<ProcessState::ImportInfo> ProcessState::GetImportInfo(int64_t id) {
+  MutexLock lock(&mu_);
+  auto it = imports_.find(id);
+  if (it == imports_.end()) return absl::InvalidArgumentError(absl::StrCat("no import ", id));
+  const ImportedBuffer& buffer = *it->second.buffer;
+  return ImportInfo{buffer.ptr(), buffer.size(), it->second.host ? -1 : buffer.device()};
+}
+
+absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
+  std::unique_ptr<ImportedBuffer> doomed;  // unmapped outside the lock
+  MutexLock lock(&mu_);
+  auto it = imports_.find(id);
+  if (it == imports_.end()) return absl::InvalidArgumentError(absl::StrCat("no import ", id));
+  it->second.refs += delta;
+  if (it->second.refs <= 0) {
+    doomed = std::move(it->second.buffer);
+    imports_.erase(it);
+  }
+  return absl::OkStatus();
+}
+
+size_t ProcessState::import_count() {
+  MutexLock lock(&mu_);
+  return imports_.size();
+}
+
+}  // namespace vmm

@@ -1,0 +1,138 @@
+// process_state.h: the pools and imports of one process, behind the C interface (vmm_c.h).
+//
+//   ProcessState& state = ProcessState::Get();
+//   VMM_ASSIGN_OR_RETURN(Pool* pool, state.DevicePool(0));       // what PyTorch allocates from
+//   VMM_ASSIGN_OR_RETURN(int64_t id, state.CreatePool(Backend::kHost, 0, "memory_limit=1G"));
+//
+// It holds:
+//   - one device pool per device, created on first use with the options Configure set (device
+//     pools grow by exactly what a request needs unless configured otherwise: in PyTorch
+//     training that gave the smallest peak reserved) and living as long as the process;
+//   - explicit pools, by id: ClosePool closes one, and it is destroyed once its last block is
+//     freed (BlockFreed), so tensors outlive the Python object that made them;
+//   - imported buffers, by id, reference counted (a tensor's storage holds one reference).
+// Every pool is made by CreateExportablePool (sharing.h), so every block can be exported.
+//
+// Errors: InvalidArgument for bad ids, devices, options and pointers; FailedPrecondition for
+// calls in the wrong state (Configure after the first allocation); the pools' and the driver's
+// errors otherwise. Thread safe: one mutex guards the maps; device pools are found without it.
+// Pools handed out by AllPools() stay alive while the caller holds the returned PoolRefs.
+#ifndef VMM_TORCH_PLUGIN_PROCESS_STATE_H_
+#define VMM_TORCH_PLUGIN_PROCESS_STATE_H_
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "allocator/descriptor.h"
+#include "allocator/driver.h"
+#include "allocator/mutex.h"
+#include "allocator/pool.h"
+#include "allocator/sharing.h"
+
+namespace vmm {
+
+class ProcessState {
+ public:
+  static constexpr int kMaxDevices = 64;
+
+  // A pool made by CreatePool: it lives until it is closed and its last block is freed.
+  struct ExplicitPool {
+    std::unique_ptr<Pool> pool;
+    std::atomic<int64_t> live{0};  // blocks handed out and not yet freed
+    bool closed = false;           // guarded by the state's mutex
+  };
+  // A pool handed out by AllPools or Owner; `keep` holds an explicit pool alive (null for
+  // device pools, which never go away).
+  struct PoolRef {
+    Pool* pool = nullptr;
+    std::shared_ptr<ExplicitPool> keep;
+  };
+
+  // The process's state (never destroyed: tensors may be freed during interpreter exit).
+  static ProcessState& Get();
+
+  ProcessState();
+  ~ProcessState();
+  ProcessState(const ProcessState&) = delete;
+  ProcessState& operator=(const ProcessState&) = delete;
+
+  // --- Device pools -------------------------------------------------------------------------
+  // Options of device pools created from now on (ParsePoolOptions text). FailedPrecondition
+  // once a device pool exists.
+  absl::Status Configure(absl::string_view options);
+  // The device pool of `device` (default backend), created on first use.
+  absl::StatusOr<Pool*> DevicePool(int device);
+  // The device pool of `device` if it exists, else null.
+  Pool* DevicePoolIfAny(int device) const;
+  // Caps `device`'s pool at `fraction` (0 < fraction <= 1) of the device's memory, now or when
+  // the pool is created.
+  absl::Status SetMemoryFraction(double fraction, int device);
+
+  // --- Explicit pools -----------------------------------------------------------------------
+  // Creates a pool on `backend`'s `device` (kHost: device 0 of the host backend). Returns its
+  // id (> 0).
+  absl::StatusOr<int64_t> CreatePool(Backend backend, int device, absl::string_view options);
+  // Closes pool `id`; it is destroyed now if no block of it is live, else with its last one.
+  absl::Status ClosePool(int64_t id);
+  // The open pool `id`.
+  absl::StatusOr<std::shared_ptr<ExplicitPool>> FindPool(int64_t id);
+  // Allocates from pool `id`, counting the block as live.
+  absl::StatusOr<void*> PoolAllocate(int64_t id, size_t size, Stream stream, bool shareable);
+
+  // --- Any pool -----------------------------------------------------------------------------
+  // The pool whose range holds `ptr`, or a null PoolRef.
+  PoolRef Owner(const void* ptr);
+  // Every pool, device pools first.
+  std::vector<PoolRef> AllPools();
+  // Frees a block of any pool (an explicit pool closed and left empty is destroyed).
+  absl::Status FreeBlock(void* ptr);
+
+  // --- Sharing ------------------------------------------------------------------------------
+  // Exports the live block starting at `ptr` of any pool.
+  absl::StatusOr<BufferDescriptor> Export(const void* ptr);
+  // Imports `descriptor` (decoded once, here) on `device` (-1: the owner's) through the
+  // driver of `backend` (nullopt: the descriptor's own backend, else the default one); returns
+  // an import id holding one reference.
+  absl::StatusOr<int64_t> Import(absl::string_view descriptor, int device,
+                                 std::optional<Backend> backend, bool pidfd);
+  struct ImportInfo {
+    DevPtr ptr = 0;
+    size_t size = 0;
+    int device = -1;  // the CUDA device it is mapped on, -1 for the host backend
+  };
+  absl::StatusOr<ImportInfo> GetImportInfo(int64_t id);
+  // Adds `delta` references to import `id`; the mapping goes with the last one.
+  absl::Status AddImportRef(int64_t id, int delta);
+  // Imports alive (tests).
+  size_t import_count();
+
+ private:
+  struct OpenImport {
+    std::unique_ptr<ImportedBuffer> buffer;
+    bool host = false;  // imported through the host backend (CPU memory)
+    int64_t refs = 1;
+  };
+
+  absl::Status ApplyFraction(Pool& pool, double fraction);
+
+  std::array<std::atomic<Pool*>, kMaxDevices> device_pools_{};
+  mutable Mutex mu_;
+  PoolOptions options_ ABSL_GUARDED_BY(mu_);
+  bool any_device_pool_ ABSL_GUARDED_BY(mu_) = false;
+  std::array<double, kMaxDevices> fractions_ ABSL_GUARDED_BY(mu_){};
+  int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
+  std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
+  std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace vmm
+
+#endif  // VMM_TORCH_PLUGIN_PROCESS_STATE_H_
