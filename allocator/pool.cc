@@ -520,4 +520,8 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   return out;
 }
 
+absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
+  return Export(ptr, type, [](const ExportedChunk&) -> absl::StatusOr<bool> { return false; });
+}
+
 }  // namespace vmm

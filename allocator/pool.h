@@ -125,6 +125,8 @@ class Pool {
   // the pool's type).
   using ChunkVisitor = absl::FunctionRef<absl::StatusOr<bool>(const ExportedChunk&)>;
   absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type, ChunkVisitor visit);
+  // Export without a visitor: marks the chunks and describes them (no shareable handles).
+  absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type = HandleType::kNone);
 
   PoolStats GetStats() const;
   void ResetPeakStats();

@@ -63,6 +63,7 @@
 #include "allocator/descriptor.h"
 #include "allocator/driver.h"
 #include "allocator/fd_share.h"
+#include "allocator/handle_probe.h"
 #include "allocator/pool.h"
 #include "allocator/sharing.h"
 #include "allocator/status_macros.h"
@@ -146,14 +147,9 @@ void PrintError(const std::string& name, const std::string& allocator, const abs
                s.ToString().c_str());
 }
 
-// Whether this driver can create and export `type` (a granularity-sized allocation).
+// Whether this driver can create memory exportable as `type` (the pools' own probe).
 absl::Status Probe(Driver* driver, HandleType type, size_t granularity) {
-  VMM_ASSIGN_OR_RETURN(PhysHandle h, driver->Create(kDevice, granularity,
-                                                    vmm::HandleTypeBit(type)));
-  absl::StatusOr<vmm::ShareableHandle> exported = driver->Export(h, type);
-  absl::Status released = driver->Release(h);
-  if (!exported.ok()) return Fail("Export", exported.status());
-  return Fail("Release", released);
+  return vmm::ProbeHandleType(*driver, kDevice, granularity, type);
 }
 
 // Runs fn(t) for t in [0, threads) on threads started before the clock and released together;
@@ -452,6 +448,7 @@ absl::Status RunVmm(Driver* driver, vmm::Pool& pool, size_t size, ImportChild* c
   if (!p.ok()) return Fail("Pool::AllocateShareable", p.status());
   absl::Status status = [&]() -> absl::Status {
     t = Clock::now();
+    // Marking alone (the pool's part of an export); ExportBuffer below makes the handles.
     absl::StatusOr<vmm::ExportedBlock> block = pool.Export(*p);
     ns[kPoolExport] = NsSince(t);
     if (!block.ok()) return Fail("Pool::Export", block.status());
@@ -570,8 +567,8 @@ void RunVmmPath(Driver* driver, const Combination& c, int reps, ImportChild* chi
                                                       : vmm::HandleRequest::kPosixFd;
   options.max_chunk = c.chunk;
   options.reserve_size = 4 * c.size;  // the small arena takes an eighth
-  absl::StatusOr<std::unique_ptr<vmm::Pool>> pool = vmm::Pool::Create(driver, options);
-  if (!pool.ok()) return PrintError(c.name, "vmm", Fail("Pool::Create", pool.status()));
+  absl::StatusOr<std::unique_ptr<vmm::Pool>> pool = vmm::CreateExportablePool(driver, options);
+  if (!pool.ok()) return PrintError(c.name, "vmm", Fail("CreateExportablePool", pool.status()));
   std::vector<std::vector<double>> times(kVmmSteps);
   for (int rep = 0; rep <= reps; ++rep) {
     double ns[kVmmSteps] = {};

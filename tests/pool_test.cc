@@ -25,6 +25,32 @@ using ::testing::HasSubstr;
 
 constexpr size_t kMiB = size_t{1} << 20;
 
+// Remembers which exported chunks a pool reported released, and which pools went away.
+class RecordingObserver : public ExportObserver {
+ public:
+  void ChunkReleased(uint64_t pool_id, uint64_t chunk_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_.push_back(chunk_id);
+  }
+  void PoolDestroyed(uint64_t pool_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    destroyed_.push_back(pool_id);
+  }
+  std::vector<uint64_t> released() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_;
+  }
+  std::vector<uint64_t> destroyed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return destroyed_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<uint64_t> released_;
+  std::vector<uint64_t> destroyed_;
+};
+
 // Each test gets its own driver: the host backend with a capacity the test chooses, or the
 // CUDA backend when VMM_POOL_TEST_BACKEND=cuda (capacity is then the GPU's).
 class PoolTest : public ::testing::Test {
@@ -53,9 +79,10 @@ class PoolTest : public ::testing::Test {
     return options;
   }
 
-  std::unique_ptr<Pool> MakePool(PoolOptions options = Exact()) {
+  std::unique_ptr<Pool> MakePool(PoolOptions options = Exact(),
+                                 ExportObserver* observer = nullptr) {
     if (options.reserve_size == 0) options.reserve_size = 1024 * kMiB;
-    auto pool = Pool::Create(driver_, options);
+    auto pool = Pool::Create(driver_, options, observer);
     EXPECT_TRUE(pool.ok()) << pool.status();
     return pool.ok() ? std::move(*pool) : nullptr;
   }
@@ -496,15 +523,14 @@ TEST_F(PoolTest, RecordStreamDelaysReuseUntilThatStreamIsDone) {
 // --- Export invariant ----------------------------------------------------------------------
 
 TEST_F(PoolTest, ExportedChunksAreNeverRecycled) {
-  auto pool = MakePool();
+  RecordingObserver observer;
+  auto pool = MakePool(Exact(), &observer);
   if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
   // One growth of 8 MiB holds a (2 MiB) and b (2 MiB) and 4 MiB of free space.
   void* a = Alloc(*pool, 8 * kMiB);
   ASSERT_TRUE(pool->Free(a).ok());
   a = Alloc(*pool, 2 * kMiB);
   void* b = Alloc(*pool, 2 * kMiB);
-  std::vector<uint64_t> released;
-  pool->AddChunkReleaseListener([&](uint64_t id) { released.push_back(id); });
   auto exported = pool->Export(a);
   ASSERT_TRUE(exported.ok()) << exported.status();
   ASSERT_EQ(exported->chunks.size(), 1u);
@@ -520,7 +546,7 @@ TEST_F(PoolTest, ExportedChunksAreNeverRecycled) {
   void* c = Alloc(*pool, 2 * kMiB);
   EXPECT_FALSE(reinterpret_cast<uintptr_t>(c) >= reinterpret_cast<uintptr_t>(a) &&
                reinterpret_cast<uintptr_t>(c) < reinterpret_cast<uintptr_t>(a) + 8 * kMiB);
-  EXPECT_TRUE(released.empty());
+  EXPECT_TRUE(observer.released().empty());
   // Once a is freed too, the chunk goes back to the driver.
   ASSERT_TRUE(pool->Free(a).ok());
   ASSERT_TRUE(driver_->SynchronizeDevice(0).ok());
@@ -528,7 +554,8 @@ TEST_F(PoolTest, ExportedChunksAreNeverRecycled) {
   auto d = Alloc(*pool, 512);  // gives the pool a chance to process completed events
   ASSERT_TRUE(pool->Free(d).ok());
   ASSERT_TRUE(pool->EmptyCache().ok());
-  EXPECT_EQ(released.size(), 1u);
+  EXPECT_EQ(observer.released(), std::vector<uint64_t>{exported->chunks[0].id})
+      << "the observer hears of the released exported chunk, once";
   s = pool->GetStats();
   EXPECT_EQ(s.exported_bytes.current, 0);
   EXPECT_EQ(s.reserved_bytes.current, 0);
@@ -559,55 +586,43 @@ TEST_F(PoolTest, ShareableBlocksGetChunksOfTheirOwn) {
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }
 
-// The pool's first POSIX-fd export sets up one smallest allocation exported as a kept fd (so
-// that later exports skip the driver's set-up); it is not a chunk and goes with the pool.
-// Fabric exports need none.
-TEST_F(PoolTest, FdExportsKeepOneAnchorAllocationUntilThePoolGoes) {
-  for (HandleRequest request : {HandleRequest::kPosixFd, HandleRequest::kFabric}) {
-    SCOPED_TRACE(request == HandleRequest::kPosixFd ? "posix_fd" : "fabric");
-    PoolOptions options = Exact();
-    options.handle_type = request;
-    options.reserve_size = 1024 * kMiB;
-    auto pool = Pool::Create(driver_, options);
-    if (!pool.ok()) {
-      ASSERT_EQ(request, HandleRequest::kFabric) << pool.status();
-      continue;  // no IMEX channel here
-    }
-    const size_t granularity = (*pool)->granularity();
-    void* a = Alloc(**pool, 2 * granularity);
-    void* b = Alloc(**pool, 2 * granularity);
-    const size_t before_export = DeviceFree();
-    ASSERT_TRUE((*pool)->Export(a).ok());
-    ASSERT_TRUE((*pool)->Export(b).ok());
-    const size_t anchor = request == HandleRequest::kPosixFd ? granularity : 0;
-    EXPECT_EQ(DeviceFree(), before_export - anchor) << "one anchor for both exports";
-    PoolStats s = (*pool)->GetStats();
-    EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(4 * granularity))
-        << "the anchor is not pool memory";
-    ASSERT_TRUE((*pool)->Free(a).ok());
-    ASSERT_TRUE((*pool)->Free(b).ok());
-    ASSERT_TRUE((*pool)->EmptyCache().ok());
-    EXPECT_EQ(DeviceFree(), free_at_start_ - anchor) << "the anchor stays while the pool lives";
-    pool->reset();
-    EXPECT_EQ(DeviceFree(), free_at_start_) << "and goes with it";
-  }
+// The observer hears of every exported chunk still held when the pool goes, then of the pool.
+TEST_F(PoolTest, ObserverHearsOfChunksReleasedWithThePool) {
+  RecordingObserver observer;
+  auto pool = MakePool(Exact(), &observer);
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  const uint64_t id = pool->id();
+  void* a = Alloc(*pool, 2 * kMiB);
+  void* b = Alloc(*pool, 6 * kMiB);  // not exported: not reported
+  auto exported = pool->Export(a);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  pool.reset();  // a and b still live: released with the pool
+  EXPECT_EQ(observer.released(), std::vector<uint64_t>{exported->chunks[0].id});
+  EXPECT_EQ(observer.destroyed(), std::vector<uint64_t>{id});
+  (void)b;
 }
 
-// Without memory left for the anchor, exports still work (only slower on CUDA).
-TEST_F(PoolTest, FdExportsWorkWhenTheAnchorCannotBeCreated) {
-  if (on_cuda_) GTEST_SKIP() << "needs a device whose memory the test can fill (host backend)";
-  PoolOptions options = Exact();
-  options.handle_type = HandleRequest::kPosixFd;
-  auto pool = MakePool(options);
-  void* all = Alloc(*pool, DeviceFree());  // the whole device
-  ASSERT_NE(all, nullptr);
-  ASSERT_EQ(DeviceFree(), 0u);
-  auto exported = pool->Export(all);
+// A visitor sees each chunk's handle under the pool's lock, and its error stops the export.
+TEST_F(PoolTest, ExportVisitorSeesEveryChunkAndItsErrorIsReturned) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  void* a = Alloc(*pool, 4 * kMiB);
+  std::vector<PhysHandle> seen;
+  auto exported = pool->Export(a, HandleType::kNone,
+                               [&](const ExportedChunk& c) -> absl::StatusOr<bool> {
+                                 seen.push_back(c.handle);
+                                 return true;
+                               });
   ASSERT_TRUE(exported.ok()) << exported.status();
-  EXPECT_GE(exported->chunks[0].fd, 0);
-  ASSERT_TRUE(pool->Free(all).ok());
-  ASSERT_TRUE(pool->EmptyCache().ok());
-  EXPECT_EQ(DeviceFree(), free_at_start_) << "no anchor was left behind";
+  ASSERT_EQ(seen.size(), exported->chunks.size());
+  EXPECT_NE(seen[0], 0u);
+  EXPECT_EQ(pool->GetStats().driver_export, static_cast<int64_t>(seen.size()));
+  auto failed = pool->Export(a, HandleType::kNone, [](const ExportedChunk&) -> absl::StatusOr<bool> {
+    return absl::UnavailableError("visitor says no");
+  });
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE(pool->Free(a).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }
 
 TEST_F(PoolTest, ReleaseThresholdTrimsOnFree) {

@@ -113,31 +113,46 @@ void ReadOnStream(void* arg) {
 
 void PauseOnStream(void*) { std::this_thread::sleep_for(std::chrono::microseconds(200)); }
 
+// A block exported with the chunks' shareable handles, as the sharing side makes them.
+struct ExportedWithHandles {
+  ExportedBlock block;
+  std::vector<ShareableHandle> handles;  // one per chunk, in order
+};
+
+absl::StatusOr<ExportedWithHandles> ExportWithHandles(Pool& pool, void* ptr) {
+  ExportedWithHandles out;
+  Driver& driver = *pool.driver();
+  VMM_ASSIGN_OR_RETURN(
+      out.block, pool.Export(ptr, HandleType::kNone,
+                             [&](const ExportedChunk& c) -> absl::StatusOr<bool> {
+                               VMM_ASSIGN_OR_RETURN(ShareableHandle h,
+                                                    driver.Export(c.handle, pool.handle_type()));
+                               out.handles.push_back(std::move(h));
+                               return true;
+                             }));
+  return out;
+}
+
 // Maps the chunks of an exported block at a new address through Import(), as another process
 // would, and returns the block's first 8 bytes as seen there.
-absl::StatusOr<uint64_t> ReadThroughImport(Driver& driver, const ExportedBlock& exported) {
+absl::StatusOr<uint64_t> ReadThroughImport(Driver& driver, const ExportedWithHandles& exported) {
   size_t total = 0;
-  for (const ExportedChunk& c : exported.chunks) total += c.size;
+  for (const ExportedChunk& c : exported.block.chunks) total += c.size;
   VMM_ASSIGN_OR_RETURN(DevPtr base, driver.Reserve(total, 0));
   std::vector<PhysHandle> handles;
   size_t mapped = 0;
   uint64_t first = 0;
   absl::Status status = [&]() -> absl::Status {
-    for (const ExportedChunk& c : exported.chunks) {
-      ShareableHandle handle;
-      handle.type = exported.handle_type;
-      if (handle.type == HandleType::kFabric) {
-        handle.fabric = c.fabric;
-      } else {
-        handle.fd.reset(::dup(c.fd));  // the pool keeps its own descriptor
-      }
-      VMM_ASSIGN_OR_RETURN(PhysHandle imported, driver.Import(handle));
+    for (size_t i = 0; i < exported.block.chunks.size(); ++i) {
+      const ExportedChunk& c = exported.block.chunks[i];
+      VMM_ASSIGN_OR_RETURN(PhysHandle imported, driver.Import(exported.handles[i]));
       handles.push_back(imported);
       VMM_RETURN_IF_ERROR(driver.Map(base + mapped, c.size, imported));
       mapped += c.size;
     }
     VMM_RETURN_IF_ERROR(driver.SetAccess(base, total, {0}));
-    std::memcpy(&first, reinterpret_cast<const void*>(base + exported.offset), sizeof first);
+    std::memcpy(&first, reinterpret_cast<const void*>(base + exported.block.offset),
+                sizeof first);
     return absl::OkStatus();
   }();
   if (mapped > 0) status.Update(driver.Unmap(base, mapped));
@@ -379,7 +394,13 @@ class Worker {
   void Export(size_t i) {
     if (!shared_->exportable) return Free(i);
     const Live& block = live_[i];
-    absl::StatusOr<ExportedBlock> exported = shared_->pool->Export(block.ptr);
+    const bool with_handles = rng_() % 4 == 0;
+    absl::StatusOr<ExportedWithHandles> with =
+        with_handles ? ExportWithHandles(*shared_->pool, block.ptr)
+                     : absl::StatusOr<ExportedWithHandles>(absl::UnknownError("unused"));
+    absl::StatusOr<ExportedBlock> exported =
+        with_handles ? (with.ok() ? absl::StatusOr<ExportedBlock>(with->block) : with.status())
+                     : shared_->pool->Export(block.ptr);
     if (!exported.ok()) return Fail(exported.status());
     EXPECT_EQ(exported->size, block.size);
     ASSERT_FALSE(exported->chunks.empty());
@@ -394,8 +415,8 @@ class Worker {
       exported_chunks_.insert(exported->chunks[c].id);
     }
     EXPECT_GE(spanned, exported->offset + exported->size);
-    if (rng_() % 4 != 0) return;
-    absl::StatusOr<uint64_t> seen = ReadThroughImport(*shared_->driver, *exported);
+    if (!with_handles) return;
+    absl::StatusOr<uint64_t> seen = ReadThroughImport(*shared_->driver, *with);
     if (!seen.ok()) return Fail(seen.status());
     EXPECT_EQ(*seen, block.stamp) << "an importer sees other data than the exporter";
     ++imports_checked_;
@@ -465,7 +486,7 @@ class PoolThreadsTest : public ::testing::Test {
   }
 
   void CreatePool(const PoolOptions& options) {
-    absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(driver_.get(), options);
+    absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(driver_.get(), options, &observer_);
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = std::move(*pool);
     shared_.pool = pool_.get();
@@ -504,9 +525,22 @@ class PoolThreadsTest : public ::testing::Test {
     EXPECT_EQ(driver_->GetMemInfo(0)->free, free_at_start_);
   }
 
+  // Chunks released after an export: each must be reported once.
+  class ReleasedChunks : public ExportObserver {
+   public:
+    void ChunkReleased(uint64_t pool_id, uint64_t chunk_id) override {
+      std::lock_guard<std::mutex> lock(mu);
+      ids.insert(chunk_id);
+    }
+    void PoolDestroyed(uint64_t pool_id) override {}
+    std::mutex mu;
+    std::multiset<uint64_t> ids;
+  };
+
   std::unique_ptr<Driver> driver_;
   size_t free_at_start_ = 0;
   Shared shared_;
+  ReleasedChunks observer_;  // outlives pool_
   std::unique_ptr<Pool> pool_;
 };
 
@@ -517,17 +551,7 @@ TEST_F(PoolThreadsTest, WorkersAllocateHandOffAndExportWhileAMonitorTrims) {
   options.release_threshold = 256 * kMiB;
   CreatePool(options);
   if (HasFatalFailure()) return;
-  // Chunks released after an export: each must be reported once. (Shared with the listener,
-  // which may outlive this scope if the test stops early.)
-  struct Released {
-    std::mutex mu;
-    std::multiset<uint64_t> ids;
-  };
-  auto released = std::make_shared<Released>();
-  pool_->AddChunkReleaseListener([released](uint64_t id) {
-    std::lock_guard<std::mutex> lock(released->mu);
-    released->ids.insert(id);
-  });
+  ReleasedChunks* released = &observer_;
 
   WorkerConfig config;
   config.ops = 4000 / kOpsScale;

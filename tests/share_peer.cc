@@ -163,7 +163,7 @@ int Export(int argc, char** argv, vmm::Driver* driver) {
   const std::string handle = Flag(argc, argv, "handle");
   if (handle == "posix_fd") options.handle_type = vmm::HandleRequest::kPosixFd;
   if (handle == "fabric") options.handle_type = vmm::HandleRequest::kFabric;
-  auto pool = vmm::Pool::Create(driver, options);
+  auto pool = vmm::CreateExportablePool(driver, options);
   if (!pool.ok()) return Fail(2, std::string(pool.status().ToString()));
   auto ptr = (*pool)->Allocate(size, 0);
   if (!ptr.ok()) return Fail(2, std::string(ptr.status().ToString()));

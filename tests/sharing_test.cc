@@ -52,7 +52,7 @@ class PoolFixture : public ::testing::TestWithParam<HandleRequest> {
     PoolOptions options;
     options.reserve_size = reserve;
     options.handle_type = GetParam();
-    auto pool = Pool::Create(driver_, options);
+    auto pool = CreateExportablePool(driver_, options);
     if (!pool.ok() && GetParam() == HandleRequest::kFabric) {
       GTEST_SKIP() << "fabric handles unavailable here: " << pool.status();
     }
@@ -160,7 +160,7 @@ TEST_P(SharingTest, BlocksSpanningManyChunksImportAsOneRange) {
   options.reserve_size = 1024 * kMiB;
   options.handle_type = GetParam();
   options.max_chunk = 2 * kMiB;  // a 9 MiB block spans five chunks
-  pool_ = std::move(*Pool::Create(driver_, options));
+  pool_ = std::move(*CreateExportablePool(driver_, options));
   void* a = Filled(9 * kMiB, 9);
   auto d = ExportBuffer(*pool_, a);
   ASSERT_TRUE(d.ok()) << d.status();

@@ -118,7 +118,7 @@ int Exporter(Driver* driver, int argc, char** argv) {
   if (size == 0) return Fail("--size", absl::InvalidArgumentError("expected e.g. 64M"));
   PoolOptions options;
   options.reserve_size = std::max<size_t>(size_t{8} << 30, 4 * size);
-  absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(driver, options);
+  absl::StatusOr<std::unique_ptr<Pool>> pool = CreateExportablePool(driver, options);
   if (!pool.ok()) return Fail("pool", pool.status());
   std::printf("vmm demo on the %s backend, device %s, handles: %s\n",
               std::string(driver->Name()).c_str(), (*pool)->device_uuid().c_str(),

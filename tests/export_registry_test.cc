@@ -1,0 +1,151 @@
+// Tests of the sharing side of exported memory (export_registry.h, fd_export_anchor.h) on the
+// host backend, each with a driver of its own so that free memory can be checked exactly.
+#include "allocator/export_registry.h"
+
+#include <memory>
+
+#include "absl/status/status.h"
+#include "allocator/fd_share.h"
+#include "allocator/host_driver.h"
+#include "allocator/pool.h"
+#include "allocator/sharing.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+class ExportRegistryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    driver_ = NewHostDriver(HostDriverOptions{2 * kMiB, 256 * kMiB});
+    free_at_start_ = DeviceFree();
+  }
+
+  std::unique_ptr<Pool> MakePool(HandleRequest handle_type) {
+    PoolOptions options;
+    options.growth_fraction = 0;
+    options.reserve_size = 1024 * kMiB;
+    options.handle_type = handle_type;
+    auto pool = CreateExportablePool(driver_.get(), options);
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    return pool.ok() ? std::move(*pool) : nullptr;
+  }
+
+  void* Alloc(Pool& pool, size_t size) {
+    auto p = pool.Allocate(size, 0);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *p : nullptr;
+  }
+
+  size_t DeviceFree() { return driver_->GetMemInfo(0)->free; }
+
+  ExportRegistry& registry() { return ExportRegistry::Process(); }
+
+  std::unique_ptr<Driver> driver_;
+  size_t free_at_start_ = 0;
+};
+
+TEST_F(ExportRegistryTest, HandlesAreCachedPerChunkAndDroppedWhenTheChunkGoes) {
+  auto pool = MakePool(HandleRequest::kPosixFd);
+  const size_t cached_before = registry().cached_handles();
+  const size_t fds_before = FdServer::Get().size();
+  void* a = Alloc(*pool, 8 * kMiB);
+  auto first = ExportBuffer(*pool, a);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto second = ExportBuffer(*pool, a);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(*first, *second) << "the same chunk gives the same handle";
+  EXPECT_EQ(registry().cached_handles(), cached_before + 1);
+  EXPECT_EQ(FdServer::Get().size(), fds_before + 1) << "one fd per chunk";
+  EXPECT_EQ(pool->GetStats().driver_export, 1) << "the driver exported the chunk once";
+  ASSERT_TRUE(pool->Free(a).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  EXPECT_EQ(registry().cached_handles(), cached_before) << "released chunk: handle dropped";
+  EXPECT_EQ(FdServer::Get().size(), fds_before) << "and its fd closed: nothing pinned";
+}
+
+TEST_F(ExportRegistryTest, FabricHandlesAreCachedAndDroppedToo) {
+  PoolOptions options;
+  options.handle_type = HandleRequest::kFabric;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreateExportablePool(driver_.get(), options);
+  if (!pool.ok()) GTEST_SKIP() << "no fabric handles here: " << pool.status();
+  const size_t cached_before = registry().cached_handles();
+  void* a = Alloc(**pool, 4 * kMiB);
+  auto d = ExportBuffer(**pool, a);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->handle_type(), HandleType::kFabric);
+  EXPECT_EQ(registry().cached_handles(), cached_before + 1);
+  pool->reset();  // the live block goes with the pool
+  EXPECT_EQ(registry().cached_handles(), cached_before);
+  EXPECT_EQ(DeviceFree(), free_at_start_);
+}
+
+TEST_F(ExportRegistryTest, PoolsNotMadeForExportAreRefused) {
+  PoolOptions options;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = Pool::Create(driver_.get(), options);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  void* a = Alloc(**pool, kMiB);
+  auto d = ExportBuffer(**pool, a);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(d.status().message(), HasSubstr("CreateExportablePool"));
+  ASSERT_TRUE((*pool)->Free(a).ok());
+}
+
+TEST_F(ExportRegistryTest, PoolsThatCannotExportSaySo) {
+  auto pool = MakePool(HandleRequest::kNone);
+  void* a = Alloc(*pool, kMiB);
+  auto d = ExportBuffer(*pool, a);
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(d.status().message(), HasSubstr("not exportable"));
+  ASSERT_TRUE(pool->Free(a).ok());
+}
+
+// The first POSIX-fd export of any pool sets up one smallest allocation exported as a kept fd
+// (so that later exports skip the driver's set-up), shared by every pool of the device while
+// one of them lives; it is not pool memory. Fabric exports need none.
+TEST_F(ExportRegistryTest, FdExportsKeepOneAnchorPerDeviceWhilePoolsLive) {
+  const size_t granularity = 2 * kMiB;
+  const size_t anchors_before = registry().fd_anchors();
+  auto first = MakePool(HandleRequest::kPosixFd);
+  auto second = MakePool(HandleRequest::kPosixFd);
+  void* a = Alloc(*first, 2 * granularity);
+  void* b = Alloc(*second, 2 * granularity);
+  const size_t before_export = DeviceFree();
+  ASSERT_TRUE(ExportBuffer(*first, a).ok());
+  ASSERT_TRUE(ExportBuffer(*second, b).ok());
+  EXPECT_EQ(DeviceFree(), before_export - granularity) << "one anchor for both pools";
+  EXPECT_EQ(registry().fd_anchors(), anchors_before + 1);
+  EXPECT_EQ(first->GetStats().reserved_bytes.current, static_cast<int64_t>(2 * granularity))
+      << "the anchor is not pool memory";
+  ASSERT_TRUE(first->Free(a).ok());
+  ASSERT_TRUE(second->Free(b).ok());
+  first.reset();
+  EXPECT_EQ(registry().fd_anchors(), anchors_before + 1) << "the anchor stays while a pool lives";
+  second.reset();
+  EXPECT_EQ(registry().fd_anchors(), anchors_before) << "and goes with the last one";
+  EXPECT_EQ(DeviceFree(), free_at_start_);
+}
+
+// Without memory left for the anchor, exports still work (only slower on CUDA).
+TEST_F(ExportRegistryTest, FdExportsWorkWhenTheAnchorCannotBeCreated) {
+  auto pool = MakePool(HandleRequest::kPosixFd);
+  void* all = Alloc(*pool, DeviceFree());  // the whole device
+  ASSERT_NE(all, nullptr);
+  ASSERT_EQ(DeviceFree(), 0u);
+  auto d = ExportBuffer(*pool, all);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->handle_type(), HandleType::kPosixFd);
+  ASSERT_TRUE(pool->Free(all).ok());
+  pool.reset();
+  EXPECT_EQ(DeviceFree(), free_at_start_) << "no anchor was left behind";
+}
+
+}  // namespace
+}  // namespace vmm

@@ -1,0 +1,106 @@
+// Tests of the one option parser (pool_options.h) and the one byte-size parser (byte_size.h).
+#include "allocator/pool_options.h"
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "allocator/byte_size.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+
+TEST(ByteSizeTest, ParsesNumbersWithUnits) {
+  EXPECT_EQ(*ParseByteSize("0"), 0u);
+  EXPECT_EQ(*ParseByteSize("4096"), 4096u);
+  EXPECT_EQ(*ParseByteSize("2K"), 2048u);
+  EXPECT_EQ(*ParseByteSize("512m"), 512u << 20);
+  EXPECT_EQ(*ParseByteSize(" 3G "), uint64_t{3} << 30);
+  EXPECT_EQ(*ParseByteSize("1T"), uint64_t{1} << 40);
+  EXPECT_EQ(*ParseByteSize("64MiB"), uint64_t{64} << 20);
+  EXPECT_EQ(*ParseByteSize("2KB"), 2048u);
+  EXPECT_EQ(*ParseByteSize("100B"), 100u);
+  EXPECT_EQ(*ParseByteSize("18446744073709551615"), UINT64_MAX);
+}
+
+TEST(ByteSizeTest, RejectsEverythingElseNamingTheText) {
+  for (const char* bad : {"", " ", "M", "-1", "+1", "1.5G", "1X", "0x10", "1 G", "iB", "5iB",
+                          "16777216T", "18446744073709551616", "1GG"}) {
+    absl::StatusOr<uint64_t> n = ParseByteSize(bad);
+    EXPECT_EQ(n.status().code(), absl::StatusCode::kInvalidArgument) << "'" << bad << "'";
+    EXPECT_THAT(n.status().message(), HasSubstr(std::string("'") + bad + "'"));
+  }
+}
+
+TEST(ByteSizeTest, FormatsForPeople) {
+  EXPECT_EQ(FormatBytes(0), "0 B");
+  EXPECT_EQ(FormatBytes(1023), "1023 B");
+  EXPECT_EQ(FormatBytes(1024), "1.00 KiB");
+  EXPECT_EQ(FormatBytes(int64_t{3} << 29), "1.50 GiB");
+  EXPECT_EQ(FormatBytes(-2048), "-2.00 KiB");
+}
+
+TEST(PoolOptionsTest, EmptyTextGivesTheDefaults) {
+  PoolOptions defaults;
+  defaults.growth_fraction = 0.25;
+  absl::StatusOr<PoolOptions> o = ParsePoolOptions("", defaults);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->growth_fraction, 0.25);
+  EXPECT_EQ(o->handle_type, HandleRequest::kAuto);
+}
+
+TEST(PoolOptionsTest, EveryKeyIsApplied) {
+  absl::StatusOr<PoolOptions> o = ParsePoolOptions(
+      "handle_type=posix_fd, reserve_size=8G, memory_limit=40G, release_threshold=1G,"
+      "small_size=512K, small_chunk=4M, growth_fraction=0.1, max_growth_extra=128M,"
+      "max_chunk=1G, peer_devices=1:2");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->handle_type, HandleRequest::kPosixFd);
+  EXPECT_EQ(o->reserve_size, size_t{8} << 30);
+  EXPECT_EQ(o->memory_limit, size_t{40} << 30);
+  EXPECT_EQ(o->release_threshold, size_t{1} << 30);
+  EXPECT_EQ(o->small_size, size_t{512} << 10);
+  EXPECT_EQ(o->small_chunk, size_t{4} << 20);
+  EXPECT_DOUBLE_EQ(o->growth_fraction, 0.1);
+  EXPECT_EQ(o->max_growth_extra, size_t{128} << 20);
+  EXPECT_EQ(o->max_chunk, size_t{1} << 30);
+  EXPECT_EQ(o->peer_devices, (std::vector<int>{1, 2}));
+  for (const char* name : {"auto", "none", "fabric"}) {
+    EXPECT_TRUE(ParsePoolOptions(std::string("handle_type=") + name).ok()) << name;
+  }
+}
+
+TEST(PoolOptionsTest, MalformedTextIsAnErrorNamingIt) {
+  struct Case {
+    const char* text;
+    const char* names;
+  };
+  for (const Case& c : {Case{"bogus=1", "unknown option 'bogus'"},
+                        Case{"memory_limit", "'memory_limit' has no value"},
+                        Case{"memory_limit=lots", "option memory_limit: 'lots'"},
+                        Case{"memory_limit=-1", "option memory_limit: '-1'"},
+                        Case{"growth_fraction=2", "option growth_fraction: '2'"},
+                        Case{"growth_fraction=nan", "option growth_fraction: 'nan'"},
+                        Case{"handle_type=ipc", "option handle_type: 'ipc'"},
+                        Case{"peer_devices=1:x", "option peer_devices: 'x'"},
+                        Case{"peer_devices=-1", "option peer_devices: '-1'"},
+                        Case{"max_chunk=1G,max_chunk=2G", "max_chunk is given twice"}}) {
+    absl::StatusOr<PoolOptions> o = ParsePoolOptions(c.text);
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
+    EXPECT_THAT(o.status().message(), HasSubstr(c.names)) << c.text;
+  }
+}
+
+TEST(PoolOptionsTest, HandleRequestsParse) {
+  EXPECT_EQ(ParseHandleRequest("auto"), HandleRequest::kAuto);
+  EXPECT_EQ(ParseHandleRequest("none"), HandleRequest::kNone);
+  EXPECT_EQ(ParseHandleRequest("posix_fd"), HandleRequest::kPosixFd);
+  EXPECT_EQ(ParseHandleRequest("fabric"), HandleRequest::kFabric);
+  EXPECT_EQ(ParseHandleRequest("Fabric"), std::nullopt);
+}
+
+}  // namespace
+}  // namespace vmm

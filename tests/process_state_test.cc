@@ -1,0 +1,135 @@
+// Tests of the process's pools and imports behind the C interface (process_state.h), on the
+// host backend. Each test uses a ProcessState of its own.
+#include "torch_plugin/process_state.h"
+
+#include <cstring>
+#include <string>
+
+#include "absl/status/status.h"
+#include "allocator/descriptor.h"
+#include "allocator/driver_factory.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr char kHostOptions[] = "reserve_size=256M";
+
+class ProcessStateTest : public ::testing::Test {
+ protected:
+  absl::StatusOr<int64_t> HostPool(absl::string_view options = kHostOptions) {
+    return state_.CreatePool(Backend::kHost, 0, options);
+  }
+  ProcessState state_;
+};
+
+TEST_F(ProcessStateTest, ExplicitPoolsAllocateFreeAndClose) {
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, false);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(state_.Owner(*p).pool, (*state_.FindPool(*id))->pool.get());
+  EXPECT_EQ(state_.AllPools().size(), 1u);
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  ASSERT_TRUE(state_.ClosePool(*id).ok());
+  EXPECT_EQ(state_.FindPool(*id).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(state_.AllPools().empty()) << "closed and empty: destroyed";
+}
+
+TEST_F(ProcessStateTest, AClosedPoolLivesUntilItsLastBlockIsFreed) {
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  void* a = *state_.PoolAllocate(*id, kMiB, 0, false);
+  void* b = *state_.PoolAllocate(*id, kMiB, 0, false);
+  ASSERT_TRUE(state_.ClosePool(*id).ok());
+  EXPECT_EQ(state_.ClosePool(*id).code(), absl::StatusCode::kInvalidArgument) << "twice";
+  EXPECT_EQ(state_.PoolAllocate(*id, kMiB, 0, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(state_.FreeBlock(a).ok());
+  EXPECT_EQ(state_.AllPools().size(), 1u) << "b still lives";
+  {
+    // A pool handed out stays valid while held, even when its last block goes meanwhile.
+    std::vector<ProcessState::PoolRef> held = state_.AllPools();
+    ASSERT_TRUE(state_.FreeBlock(b).ok());
+    EXPECT_TRUE(state_.AllPools().empty());
+    EXPECT_TRUE(held[0].pool->GetSnapshot().segments.size() >= 0u);
+  }
+  EXPECT_EQ(state_.FreeBlock(b).code(), absl::StatusCode::kInvalidArgument) << "double free";
+}
+
+TEST_F(ProcessStateTest, BadArgumentsAreInvalidArgument) {
+  EXPECT_EQ(HostPool("bogus=1").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.CreatePool(Backend::kHost, -1, "").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.CreatePool(Backend::kHost, 7, kHostOptions).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.DevicePool(-1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.DevicePool(ProcessState::kMaxDevices).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.SetMemoryFraction(0, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.SetMemoryFraction(1.5, 0).code(), absl::StatusCode::kInvalidArgument);
+  int local = 0;
+  EXPECT_EQ(state_.FreeBlock(&local).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(state_.Export(&local).status().message(), HasSubstr("does not belong to a vmm pool"));
+  EXPECT_EQ(state_.AddImportRef(12345, 1).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.GetImportInfo(12345).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.Import("not a descriptor", -1, std::nullopt, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(ProcessStateTest, ConfigureWorksOnlyBeforeTheFirstDevicePool) {
+  EXPECT_EQ(state_.Configure("growth_fraction=7").code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(state_.Configure("growth_fraction=0.5").ok());
+  setenv("VMM_BACKEND", "host", 1);
+  absl::StatusOr<Pool*> pool = state_.DevicePool(0);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_EQ(state_.DevicePoolIfAny(0), *pool);
+  EXPECT_EQ(state_.DevicePoolIfAny(1), nullptr);
+  EXPECT_EQ(state_.Configure("growth_fraction=0").code(), absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(state_.SetMemoryFraction(0.5, 0).ok());
+  unsetenv("VMM_BACKEND");
+}
+
+TEST_F(ProcessStateTest, ExportThenImportSharesTheBytesAndCountsReferences) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  void* p = *state_.PoolAllocate(*id, 4 * kMiB, 0, false);
+  std::memset(p, 0x5a, 4 * kMiB);
+  absl::StatusOr<BufferDescriptor> d = state_.Export(p);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->backend(), Backend::kHost);
+  // The backend comes from the descriptor: no backend argument needed.
+  absl::StatusOr<int64_t> import = state_.Import(d->Encode(), -1, std::nullopt, false);
+  ASSERT_TRUE(import.ok()) << import.status();
+  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->size, 4 * kMiB);
+  EXPECT_EQ(info->device, -1) << "host memory";
+  EXPECT_NE(info->ptr, reinterpret_cast<DevPtr>(p)) << "a mapping of its own";
+  EXPECT_EQ(reinterpret_cast<const unsigned char*>(info->ptr)[4 * kMiB - 1], 0x5a);
+  ASSERT_TRUE(state_.AddImportRef(*import, +1).ok());
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  EXPECT_EQ(state_.import_count(), 1u);
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  EXPECT_EQ(state_.import_count(), 0u) << "the last reference unmaps";
+  ASSERT_TRUE(state_.FreeBlock(p).ok());
+}
+
+TEST_F(ProcessStateTest, ImportingOnTheWrongBackendIsAClearError) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  void* p = *state_.PoolAllocate(*id, kMiB, 0, false);
+  absl::StatusOr<BufferDescriptor> d = state_.Export(p);
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<int64_t> import = state_.Import(d->Encode(), -1, Backend::kCuda, false);
+  EXPECT_FALSE(import.ok());
+  EXPECT_NE(import.status().code(), absl::StatusCode::kOk);
+  ASSERT_TRUE(state_.FreeBlock(p).ok());
+}
+
+}  // namespace
+}  // namespace vmm
