@@ -112,7 +112,7 @@ Pool::~Pool() {
     LogWarning(absl::StrCat("pool on device ", options_.device, " destroyed with ", live,
                             " live block(s); their memory is released"));
   }
-  chunks_.ReleaseAll([&](const Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  chunks_.ReleaseAll([&](const Chunk& chunk) {
     if (chunk.exported && observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
   });
   reclaim_.DestroyEvents();
