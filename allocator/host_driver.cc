@@ -58,6 +58,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "allocator/host_memfd.h"
+#include "allocator/host_streams.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
 #include "allocator/status_macros.h"
@@ -65,6 +67,20 @@
 
 namespace vmm {
 namespace {
+
+using host::CreateMemfd;
+using host::DecodeFabric;
+using host::DeviceIdHex;
+using host::EncodeFabric;
+using host::FabricFields;
+using host::Fstat;
+using host::FileIdentity;
+using host::IdentifyMemfd;
+using host::RandomTag;
+using host::ReadBootIdHex;
+using host::StableHash;
+using host::HostEvent;
+using host::HostStream;
 
 // --- Small helpers ------------------------------------------------------------------------
 
@@ -110,220 +126,6 @@ int DeviceCountFromEnv() {
 // The bit of `device` in an access mask.
 uint64_t DeviceBit(int device) { return uint64_t{1} << device; }
 
-// A condition variable for vmm::Mutex: Wait() must be called with `mu` held, which the
-// thread-safety analysis checks at the caller; callers loop on their condition.
-class CondVar {
- public:
-  void Wait(Mutex* mu) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    LockAdapter adapter{mu};
-    cv_.wait(adapter);
-  }
-  void NotifyAll() { cv_.notify_all(); }
-
- private:
-  // BasicLockable view of a held vmm::Mutex for std::condition_variable_any, which unlocks it
-  // while waiting and locks it again before returning.
-  struct LockAdapter {
-    Mutex* mu;
-    void lock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Lock(); }
-    void unlock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Unlock(); }
-  };
-  std::condition_variable_any cv_;
-};
-
-// --- Boot identity ------------------------------------------------------------------------
-
-// The 32 hex digits of /proc/sys/kernel/random/boot_id (same in every process during one
-// boot), or an empty string when it cannot be read.
-std::string ReadBootIdHex() {
-  UniqueFd fd(::open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC));
-  if (!fd.valid()) return "";
-  char buf[128];
-  ssize_t n = ::read(fd.get(), buf, sizeof(buf));
-  if (n <= 0) return "";
-  std::string hex;
-  for (ssize_t i = 0; i < n; ++i) {
-    if (absl::ascii_isxdigit(static_cast<unsigned char>(buf[i]))) {
-      hex.push_back(absl::ascii_tolower(static_cast<unsigned char>(buf[i])));
-    }
-  }
-  return hex.size() == 32 ? hex : "";
-}
-
-// FNV-1a, 64 bits: a stable hash (unlike absl::Hash, which is seeded per process), so that
-// every process of one boot computes the same value.
-uint64_t StableHash(absl::string_view s) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
-// The 32 hex digits of `device`'s UUID: the boot id for device 0, else the boot id's first
-// half and a hash of the boot id and the index, the same in every process of one boot.
-std::string DeviceIdHex(const std::string& boot_id_hex, int device) {
-  if (device == 0) return boot_id_hex;
-  const uint64_t hash = StableHash(absl::StrCat(boot_id_hex, "/device/", device));
-  return absl::StrCat(boot_id_hex.substr(0, 16), absl::Hex(hash, absl::kZeroPad16));
-}
-
-// --- The fabric handle ---------------------------------------------------------------------
-//
-// 64 bytes, little-endian:
-//   0 "VMMHOSTF"  8 u32 version (1)  12 u32 exporter pid  16 u32 fd in exporter
-//   20 u32 reserved (0)  24 u64 inode  32 u64 size  40 16-byte tag  56 u64 boot id hash
-
-constexpr char kFabricMagic[8] = {'V', 'M', 'M', 'H', 'O', 'S', 'T', 'F'};
-constexpr uint32_t kFabricVersion = 1;
-constexpr size_t kTagSize = 16;
-using Tag = std::array<uint8_t, kTagSize>;
-
-struct FabricFields {
-  uint32_t pid = 0;
-  uint32_t fd = 0;
-  uint64_t inode = 0;
-  uint64_t size = 0;
-  Tag tag{};
-  uint64_t boot_hash = 0;
-};
-
-void PutLe(uint8_t* out, uint64_t value, int bytes) {
-  for (int i = 0; i < bytes; ++i) out[i] = static_cast<uint8_t>(value >> (8 * i));
-}
-
-uint64_t GetLe(const uint8_t* in, int bytes) {
-  uint64_t value = 0;
-  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(in[i]) << (8 * i);
-  return value;
-}
-
-FabricHandle EncodeFabric(const FabricFields& f) {
-  FabricHandle h{};
-  std::memcpy(h.data(), kFabricMagic, sizeof(kFabricMagic));
-  PutLe(h.data() + 8, kFabricVersion, 4);
-  PutLe(h.data() + 12, f.pid, 4);
-  PutLe(h.data() + 16, f.fd, 4);
-  PutLe(h.data() + 20, 0, 4);
-  PutLe(h.data() + 24, f.inode, 8);
-  PutLe(h.data() + 32, f.size, 8);
-  std::memcpy(h.data() + 40, f.tag.data(), kTagSize);
-  PutLe(h.data() + 56, f.boot_hash, 8);
-  return h;
-}
-
-// Checks the fixed fields; InvalidArgument for anything that is not a version 1 host handle.
-absl::StatusOr<FabricFields> DecodeFabric(const FabricHandle& h) {
-  if (std::memcmp(h.data(), kFabricMagic, sizeof(kFabricMagic)) != 0) {
-    return absl::InvalidArgumentError("host: not a host fabric handle (bad magic)");
-  }
-  const uint64_t version = GetLe(h.data() + 8, 4);
-  if (version != kFabricVersion) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host: unsupported host fabric handle version ", version));
-  }
-  if (GetLe(h.data() + 20, 4) != 0) {
-    return absl::InvalidArgumentError("host: malformed host fabric handle (reserved field set)");
-  }
-  FabricFields f;
-  f.pid = static_cast<uint32_t>(GetLe(h.data() + 12, 4));
-  f.fd = static_cast<uint32_t>(GetLe(h.data() + 16, 4));
-  f.inode = GetLe(h.data() + 24, 8);
-  f.size = GetLe(h.data() + 32, 8);
-  std::memcpy(f.tag.data(), h.data() + 40, kTagSize);
-  f.boot_hash = GetLe(h.data() + 56, 8);
-  if (f.pid == 0 || f.pid > static_cast<uint32_t>(INT_MAX) ||
-      f.fd > static_cast<uint32_t>(INT_MAX) || f.size == 0) {
-    return absl::InvalidArgumentError("host: malformed host fabric handle (pid, fd or size)");
-  }
-  return f;
-}
-
-// --- memfd files ---------------------------------------------------------------------------
-
-constexpr absl::string_view kMemfdPrefix = "vmm-";
-
-std::string TagHex(const Tag& tag) {
-  return absl::BytesToHexString(
-      absl::string_view(reinterpret_cast<const char*>(tag.data()), tag.size()));
-}
-
-absl::StatusOr<Tag> RandomTag() {
-  Tag tag;
-  size_t filled = 0;
-  while (filled < tag.size()) {
-    ssize_t n = ::getrandom(tag.data() + filled, tag.size() - filled, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus("getrandom");
-    }
-    filled += static_cast<size_t>(n);
-  }
-  return tag;
-}
-
-// What a memfd is known by: its inode, size, and the tag in its name.
-struct FileIdentity {
-  uint64_t inode = 0;
-  uint64_t size = 0;
-  Tag tag{};
-};
-
-absl::StatusOr<struct stat> Fstat(int fd) {
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return ErrnoStatus("fstat");
-  return st;
-}
-
-// The target of /proc/self/fd/<fd>, e.g. "/memfd:vmm-<32 hex> (deleted)".
-absl::StatusOr<std::string> FdLinkTarget(int fd) {
-  const std::string path = absl::StrCat("/proc/self/fd/", fd);
-  char buf[512];
-  ssize_t n = ::readlink(path.c_str(), buf, sizeof(buf) - 1);
-  if (n < 0) return ErrnoStatus(absl::StrCat("readlink ", path));
-  return std::string(buf, static_cast<size_t>(n));
-}
-
-// The tag in a memfd link target "/memfd:vmm-<32 hex> (deleted)", if it has that form.
-bool ParseMemfdTag(absl::string_view link, Tag* tag) {
-  const std::string marker = absl::StrCat("/memfd:", kMemfdPrefix);
-  if (!absl::StartsWith(link, marker) || link.size() < marker.size() + 2 * kTagSize) {
-    return false;
-  }
-  const absl::string_view hex = link.substr(marker.size(), 2 * kTagSize);
-  for (char c : hex) {
-    if (!absl::ascii_isxdigit(static_cast<unsigned char>(c))) return false;
-  }
-  const std::string bytes = absl::HexStringToBytes(hex);
-  std::memcpy(tag->data(), bytes.data(), kTagSize);
-  return true;
-}
-
-// Identifies an open memfd made by a host driver (any process). InvalidArgument when `fd` is
-// not a non-empty regular file named "memfd:vmm-<32 hex>".
-absl::StatusOr<FileIdentity> IdentifyMemfd(int fd) {
-  VMM_ASSIGN_OR_RETURN(struct stat st, Fstat(fd));
-  VMM_ASSIGN_OR_RETURN(std::string link, FdLinkTarget(fd));
-  FileIdentity id;
-  if (!S_ISREG(st.st_mode) || st.st_size <= 0 || !ParseMemfdTag(link, &id.tag)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host: fd ", fd, " (", link, ") is not a host driver allocation"));
-  }
-  id.inode = static_cast<uint64_t>(st.st_ino);
-  id.size = static_cast<uint64_t>(st.st_size);
-  return id;
-}
-
-// A new memfd of `size` bytes named "vmm-<hex tag>".
-absl::StatusOr<UniqueFd> CreateMemfd(const Tag& tag, size_t size) {
-  const std::string name = absl::StrCat(kMemfdPrefix, TagHex(tag));
-  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC));
-  if (!fd.valid()) return ErrnoStatus("memfd_create");
-  if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) return ErrnoStatus("ftruncate");
-  return fd;
-}
-
 // Replaces [ptr, ptr+size) with inaccessible anonymous memory: a reservation's filler.
 absl::Status MapFiller(DevPtr ptr, size_t size) {
   void* p = ::mmap(ToPointer(ptr), size, PROT_NONE,
@@ -331,103 +133,6 @@ absl::Status MapFiller(DevPtr ptr, size_t size) {
   if (p == MAP_FAILED) return ErrnoStatus("mmap");
   return absl::OkStatus();
 }
-
-// --- Streams and events ----------------------------------------------------------------------
-
-// A worker thread that runs queued work in FIFO order.
-class HostStream {
- public:
-  HostStream() : worker_([this] { Run(); }) {}
-  ~HostStream() {
-    Stop();
-    worker_.join();
-  }
-  HostStream(const HostStream&) = delete;
-  HostStream& operator=(const HostStream&) = delete;
-
-  // Queues `work`; false once Stop() has begun.
-  bool Enqueue(std::function<void()> work) {
-    MutexLock lock(&mu_);
-    if (stopping_) return false;
-    queue_.push_back(std::move(work));
-    ++enqueued_;
-    cv_.NotifyAll();
-    return true;
-  }
-
-  // Waits until all work queued before the call has run.
-  void Synchronize() {
-    MutexLock lock(&mu_);
-    const uint64_t target = enqueued_;
-    while (completed_ < target) cv_.Wait(&mu_);
-  }
-
-  // Refuses new work, lets the queue drain and waits for the worker to finish. Idempotent.
-  void Stop() {
-    MutexLock lock(&mu_);
-    stopping_ = true;
-    cv_.NotifyAll();
-    while (!worker_done_) cv_.Wait(&mu_);
-  }
-
- private:
-  void Run() {
-    MutexLock lock(&mu_);
-    while (true) {
-      while (queue_.empty() && !stopping_) cv_.Wait(&mu_);
-      if (queue_.empty()) break;  // stopping, and drained
-      std::function<void()> work = std::move(queue_.front());
-      queue_.pop_front();
-      mu_.Unlock();
-      work();
-      mu_.Lock();
-      ++completed_;
-      cv_.NotifyAll();
-    }
-    worker_done_ = true;
-    cv_.NotifyAll();
-  }
-
-  Mutex mu_;
-  CondVar cv_;
-  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
-  uint64_t enqueued_ ABSL_GUARDED_BY(mu_) = 0;   // work items ever queued
-  uint64_t completed_ ABSL_GUARDED_BY(mu_) = 0;  // work items that have run
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  bool worker_done_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread worker_;  // last: starts after the members above exist
-};
-
-// An event: each Record() starts a new generation, and the marker of that generation, when
-// its stream reaches it, marks it reached. The event is done when the latest recorded
-// generation has been reached (a never-recorded event is done, as in CUDA).
-class HostEvent {
- public:
-  uint64_t Record() {
-    MutexLock lock(&mu_);
-    return ++recorded_;
-  }
-  void Reach(uint64_t generation) {
-    MutexLock lock(&mu_);
-    reached_ = std::max(reached_, generation);
-    cv_.NotifyAll();
-  }
-  bool Done() {
-    MutexLock lock(&mu_);
-    return reached_ >= recorded_;
-  }
-  void Wait() {
-    MutexLock lock(&mu_);
-    const uint64_t target = recorded_;
-    while (reached_ < target) cv_.Wait(&mu_);
-  }
-
- private:
-  Mutex mu_;
-  CondVar cv_;
-  uint64_t recorded_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t reached_ ABSL_GUARDED_BY(mu_) = 0;
-};
 
 // --- Access bookkeeping ----------------------------------------------------------------------
 
