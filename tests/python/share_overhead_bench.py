@@ -12,7 +12,7 @@ over --iters iterations, each timed with time.perf_counter_ns:
     loads       pickle.loads(payload): unpickling and the rebuild, import included (a fresh
                 mapping each time: the previous tensor is gone).
     import      the import C call alone (vmm_import through ctypes, then released untimed).
-    wrap        the tensor over an import alone (vmm_torch.sharing._wrap_import, the "wrap"
+    wrap        the tensor over an import alone (vmm_torch.sharing.wrap_import, the "wrap"
                 of share_latency.py), the import reference retained untimed.
 
     bazel run -c opt //tests/python:share_overhead_bench -- [--iters 2000] [--handle-type fabric]
@@ -32,7 +32,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 import vmm_torch
-from vmm_torch import _lib, reductions, sharing
+from vmm_torch import _lib, _signatures, reductions, sharing
 
 
 def median_us(fn, iters, setup=None, teardown=None):
@@ -78,14 +78,14 @@ def main(argv=None):
             vmm.vmm_import_release(ctypes.c_void_p(import_id))
 
         results["import_us"] = median_us(
-            lambda _: vmm.vmm_import(data, len(data), -1, b"host", 0), a.iters,
+            lambda _: vmm.vmm_import(data, len(data), -1, _signatures.BACKEND_HOST, 0), a.iters,
             teardown=release)
 
         # wrap over one import kept open (so that the mapping outlives each tensor).
-        import_id = sharing._import_id(data, None, "host")
+        import_id = sharing.import_descriptor(data, -1, _signatures.BACKEND_HOST)
         strides = tuple(t.stride())
         def wrap(_):
-            return sharing._wrap_import(import_id, shape, strides, 0, torch.float32)
+            return sharing.wrap_import(import_id, shape, strides, 0, torch.float32)
         results["wrap_us"] = median_us(
             wrap, a.iters, setup=lambda: _lib.check(vmm.vmm_import_retain(import_id)))
         release(import_id)

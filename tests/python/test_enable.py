@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vmm_torch
-from vmm_torch._lib import VmmError, error_from_status
+from vmm_torch._lib import VmmError, error_for
 from vmm_torch._options import format_options
 
 HAS_PLUGGABLE = hasattr(torch.cuda.memory, "CUDAPluggableAllocator")
@@ -29,17 +29,24 @@ def test_option_text():
 
 
 def test_error_mapping():
-    assert isinstance(error_from_status("INVALID_ARGUMENT: bad"), ValueError)
-    assert str(error_from_status("INVALID_ARGUMENT: bad")) == "bad"
-    oom = error_from_status("RESOURCE_EXHAUSTED: out of memory")
+    # By code (vmm_c.h's vmm_status_code), never by parsing the message.
+    bad = error_for(3, "bad")
+    assert type(bad) is ValueError and str(bad) == "bad"
+    oom = error_for(8, "out of memory")
     assert isinstance(oom, getattr(torch.cuda, "OutOfMemoryError", MemoryError))
-    stale = error_from_status("NOT_FOUND: stale handle of the owner GPU-1")
+    stale = error_for(5, "stale handle of the owner GPU-1")
     assert isinstance(stale, VmmError) and isinstance(stale, RuntimeError)
-    assert stale.code == "NOT_FOUND" and "GPU-1" in str(stale)
-    gone = error_from_status("UNAVAILABLE: exporter exited")
+    assert stale.code == "NOT_FOUND" and stale.code_value == 5
+    assert str(stale) == "stale handle of the owner GPU-1"
+    gone = error_for(14, "exporter exited")
     assert isinstance(gone, VmmError) and gone.code == "UNAVAILABLE"
-    odd = error_from_status("something without a code")
-    assert isinstance(odd, VmmError) and odd.code == "UNKNOWN"
+    state = error_for(9, "INVALID_ARGUMENT: looks like a code")  # the text is not read
+    assert isinstance(state, VmmError) and state.code == "FAILED_PRECONDITION"
+    for odd in (0, 99, -1):
+        error = error_for(odd, "odd")
+        assert isinstance(error, VmmError) and error.code == "UNKNOWN" and error.code_value == 2
+    assert VmmError("x").code == "UNKNOWN"
+    assert VmmError("x", "NOT_FOUND").code_value == 5
 
 
 def test_unknown_options_are_rejected():

@@ -151,10 +151,23 @@ def test_options_are_passed_and_checked():
         vmm_torch.Pool("host", memory_limit=True)
 
 
-def test_bad_devices():
-    for bad in ("tpu", -1, 1.5, "cuda:x", True):
-        with pytest.raises((ValueError, RuntimeError)):
-            vmm_torch.Pool(bad)
+@pytest.mark.parametrize("bad", ["tpu", -1, 1.5, 0.0, "cuda:x", True, False, "cuda:-1",
+                                 "host:99", "host:0", "cuda:1:2", "", None, 2**31, [0],
+                                 torch.device("meta")])
+def test_bad_devices_are_value_errors(bad):
+    # Checked in Python before any library call.
+    with pytest.raises(ValueError, match="device"):
+        vmm_torch.Pool(bad)
+
+
+def test_device_spellings():
+    from vmm_torch.pool import pool_device
+
+    assert pool_device("host") == pool_device(" HOST ") == pool_device("cpu") == ("host", 2, 0)
+    assert pool_device(torch.device("cpu")) == ("host", 2, 0)
+    assert pool_device(3) == pool_device("cuda:3") == pool_device(torch.device("cuda", 3)) \
+        == (3, 1, 3)
+    assert pool_device("cuda") == pool_device(torch.device("cuda")) == (0, 1, 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

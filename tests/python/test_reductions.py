@@ -12,7 +12,7 @@ import torch
 
 import vmm_torch
 from host_pools import filled, pool  # noqa: F401 (pool: a fixture)
-from vmm_torch import _lib, reductions, sharing
+from vmm_torch import _lib, _tensors, reductions, sharing
 
 MIB = 1 << 20
 
@@ -51,17 +51,21 @@ def import_is_open(import_id):
 def test_payload_is_flat(pool):
     t = filled(pool, (6, 8))
     rebuild, args = reductions.reduce_tensor(t[1:, 2:])
-    assert rebuild is reductions.rebuild_tensor_from_bytes
-    descriptor, dtype, shape, stride, offset, device_type, parameter, requires_grad = args
+    assert rebuild is reductions.rebuild_tensor_from_bytes is sharing.rebuild_tensor
+    assert len(args) == len(sharing.PAYLOAD_FIELDS)
+    descriptor, dtype, shape, stride, offset, device, parameter, requires_grad = args
     assert type(descriptor) is bytes
     parsed = vmm_torch.BufferDescriptor.from_bytes(descriptor)
     assert parsed.handle_type == pool.handle_type and parsed.size == 6 * 8 * 4
-    assert type(dtype) is int and reductions._dtype_from_code(dtype) == torch.float32
+    assert type(dtype) is int and _tensors.dtype_from_code(dtype) == torch.float32
     assert type(shape) is tuple and shape == (5, 6)
-    assert stride == (8, 1) and offset == 10 and device_type == "cpu"
+    assert stride == (8, 1) and offset == 10 and device == "cpu"
     assert parameter is False and requires_grad is False
-    # Smaller than the SharedTensor it replaces.
-    assert len(ForkingPickler.dumps(t)) < len(pickle.dumps(vmm_torch.export_tensor(t)))
+    # The payload a pickled SharedTensor carries (one format), with its own rebuild name.
+    rebuild_shared, shared_payload = vmm_torch.export_tensor(t[1:, 2:]).__reduce__()
+    assert rebuild_shared is sharing.rebuild_shared_tensor
+    assert shared_payload[1:] == args[1:]
+    assert len(ForkingPickler.dumps(t)) < 300
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -161,7 +165,12 @@ def _payload_args(t):
     (1, lambda d: 99, ValueError, "dtype"),
     (1, lambda d: -1, ValueError, "dtype"),
     (1, lambda d: "no_such_dtype", ValueError, "dtype"),
+    (1, lambda d: "__class__", ValueError, "dtype"),   # names are looked up, checked
+    (1, lambda d: "Tensor", ValueError, "dtype"),
+    (1, lambda d: 1.0, ValueError, "dtype"),
     (5, lambda d: "meta", ValueError, "device type"),
+    (5, lambda d: "cuda:-1", ValueError, "device type"),
+    (5, lambda d: None, ValueError, "device type"),
 ])
 def test_hostile_payloads_fail_cleanly(pool, field, value, error, match):
     t = filled(pool, (4, 4))
@@ -209,8 +218,8 @@ def test_stale_payload_names_the_owner():
 def test_import_info_and_wrap_import(pool):
     t = filled(pool, (16,))
     data = vmm_torch.export_tensor(t).descriptor.to_bytes()
-    import_id = sharing._import_id(data, None, "host")
-    ptr, size, device = sharing._import_info(import_id)
+    import_id = sharing.import_descriptor(data)
+    ptr, size, device = sharing.import_info(import_id)
     assert ptr != 0 and size == 64 and device == -1
     ops = _lib.load()
     # A failed wrap takes nothing over: the reference is still the caller's.

@@ -137,8 +137,88 @@ def test_forged_descriptor_gives_a_clean_error():
 
 def test_malformed_shared_tensor_state_is_refused(pool):
     t = filled(pool, (4,))
-    state = vmm_torch.export_tensor(t).__getstate__()
-    state["dtype"] = "not_a_dtype"
-    shared = SharedTensor.__new__(SharedTensor)
-    with pytest.raises(ValueError, match="dtype"):
-        shared.__setstate__(state)
+    state = list(vmm_torch.export_tensor(t).__getstate__())
+    for field, value, match in ((1, "not_a_dtype", "dtype"), (1, "__class__", "dtype"),
+                                (1, 1000, "dtype"), (5, "meta", "device type"),
+                                (5, "cuda:-1", "device type")):
+        bad = list(state)
+        bad[field] = value
+        shared = SharedTensor.__new__(SharedTensor)
+        with pytest.raises(ValueError, match=match):
+            shared.__setstate__(tuple(bad))
+    with pytest.raises(ValueError, match="fields"):
+        SharedTensor.from_payload(state[:5])
+    with pytest.raises(TypeError, match="descriptor"):
+        SharedTensor.from_payload([None] + state[1:])
+
+
+def test_shared_tensor_pickles_as_the_payload(pool):
+    """One payload format: a pickled SharedTensor carries what reduce_tensor sends."""
+    from vmm_torch import reductions, sharing
+
+    t = filled(pool, (6, 8))[1:, 2:]
+    shared = vmm_torch.export_tensor(t)
+    rebuild, payload = shared.__reduce__()
+    assert rebuild is sharing.rebuild_shared_tensor and payload == shared.payload
+    assert len(payload) == len(sharing.PAYLOAD_FIELDS)
+    _, reduced = reductions.reduce_tensor(t)
+    assert payload[1:] == reduced[1:]  # all but the (separately exported) descriptor bytes
+    assert type(payload[0]) is bytes and payload[0][:4] == b"VMMD"
+    opened = sharing.rebuild_tensor(*payload)  # what torch.multiprocessing's receiver runs
+    assert torch.equal(opened, t) and opened.stride() == t.stride()
+
+
+def test_no_python_decode_on_the_data_path(pool, monkeypatch):
+    """Exporting, pickling, unpickling and opening decode nothing in Python (vmm_import
+    decodes once, in C++); reading a descriptor field decodes once."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from vmm_torch import descriptors, reductions
+
+    decoded = []
+    real = descriptors.decode
+    monkeypatch.setattr(descriptors, "decode", lambda data: decoded.append(data) or real(data))
+    t = filled(pool, (4,))
+    shared = vmm_torch.export_tensor(t)
+    again = pickle.loads(pickle.dumps(shared))
+    assert torch.equal(again.open(), t)
+    rebuild, payload = reductions.reduce_tensor(t)
+    assert torch.equal(pickle.loads(ForkingPickler.dumps(Reduced(rebuild, payload))), t)
+    assert decoded == []
+    assert shared.descriptor.size == 16 and shared.descriptor.backend == "host"
+    assert again.storage_nbytes == 16  # from the descriptor
+    assert len(decoded) == 2  # once per SharedTensor, kept
+    d = FabricBufferDescriptor.from_handles([b"\x01" * 64], [MIB])  # built by C: trusted
+    assert len(decoded) == 2 and d.size == MIB and len(decoded) == 3
+
+
+class Reduced:
+    def __init__(self, rebuild, args):
+        self.reduced = (rebuild, args)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def test_legacy_dict_state_still_unpickles(pool):
+    t = filled(pool, (2, 2), torch.int16)
+    shared = vmm_torch.export_tensor(t)
+    state = {"descriptor": shared.descriptor.to_bytes(), "dtype": "int16", "shape": (2, 2),
+             "stride": (2, 1), "storage_offset": 0, "device_type": "cpu",
+             "storage_nbytes": 8, "device_index": None}
+    old = SharedTensor.__new__(SharedTensor)
+    old.__setstate__(state)
+    assert old == shared and torch.equal(old.open(), t)
+
+
+def test_import_buffer_backend_argument(pool):
+    t = filled(pool, (8,), torch.uint8)
+    descriptor = vmm_torch.export_tensor(t).descriptor
+    with vmm_torch.import_buffer(descriptor, backend="host") as buf:
+        assert buf.backend == "host" and buf.device == -1
+    with vmm_torch.import_buffer(descriptor) as buf:  # the descriptor's own backend
+        assert buf.backend == "host"
+    with pytest.raises(ValueError, match="backend"):
+        vmm_torch.import_buffer(descriptor, backend="tpu")
+    with pytest.raises(TypeError):
+        vmm_torch.import_buffer("not bytes")

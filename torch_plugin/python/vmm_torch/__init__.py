@@ -8,13 +8,19 @@ processes as multi-handle buffer descriptors.
     shared = vmm_torch.export_tensor(t)      # picklable; shared.open() in another process
     vmm_torch.install_reducers()             # torch.multiprocessing carries vmm tensors
     vmm_torch.dump_stats("vmm.json")         # python -m vmm_torch.stats summarize vmm.json
+    vmm_torch.parse_size("512M")             # 536870912: sizes as vmm's options read them
 
 Explicit pools (``vmm_torch.Pool(device)``, device a CUDA index or "host") work without
 enable(); "host" pools give CPU tensors in shareable memory, also where no GPU exists.
 The native libraries (libvmm.so, _C.so) are loaded on first use; see ``vmm_torch._lib``.
+
+Layers (each module imports only those above it): ``_signatures`` (the C interface's ctypes
+declaration), ``_options``, ``_tensors``, ``_registry`` -> ``_lib`` (loading, errors by code)
+-> ``descriptors``, ``allocator`` -> ``pool``, ``sharing`` -> ``reductions``,
+``distributed``.
 """
 
-from ._lib import VmmError, library_dir, load
+from ._lib import VmmError, library_dir, load, parse_size
 from .allocator import (
     backend,
     dump_stats,
@@ -64,6 +70,7 @@ __all__ = [
     "memory_reserved",
     "memory_snapshot",
     "memory_stats",
+    "parse_size",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",

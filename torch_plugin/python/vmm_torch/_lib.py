@@ -3,7 +3,7 @@
 Two libraries live next to this file (or in $VMM_LIB_DIR):
 
 - ``libvmm.so``: the allocator, its pools, imports and descriptors, behind a C interface that
-  this module binds with ctypes;
+  this module binds with ctypes (the declarations: ``vmm_torch._signatures``);
 - ``_C.so``: the LibTorch extension with the ``torch.ops.vmm`` operators and the functions
   PyTorch's ``CUDAPluggableAllocator`` calls. It does not link libvmm.so; ``torch.ops.vmm.bind``
   tells it which file to open, and since that is the file ctypes already loaded, both use the
@@ -16,78 +16,46 @@ which keeps the GIL. A ctypes call through ``vmm()`` releases the GIL, and a thr
 releases it (a queue's feeder thread pickling a tensor, say) may have to wait for another
 thread to hand it back; calls that can block (imports: mapping, fetching fds) still do.
 
+Errors: a failed call leaves a numeric code (``vmm_last_error_code``, an absl::StatusCode)
+and a message (``vmm_last_error``); :func:`error_for` maps the code to the Python exception:
+INVALID_ARGUMENT to ValueError, RESOURCE_EXHAUSTED to torch.cuda.OutOfMemoryError (or
+MemoryError), anything else to :class:`VmmError` carrying the code.
+
 Loading happens on first use (``load()``), so that ``import vmm_torch`` and the statistics
 command line work without the libraries.
 """
+
+from __future__ import annotations
 
 import ctypes
 import json
 import os
 import threading
+from typing import Any, Callable, NoReturn, Optional, Type
 
 import torch
 
+from . import _signatures
+from ._signatures import BACKEND_NAMES, STATUS_CODE_NAMES, STATUS_CODES
+
 LIBVMM_NAME = "libvmm.so"
 EXTENSION_NAME = "_C.so"
-
-_c_int = ctypes.c_int
-_c_int64 = ctypes.c_int64
-_c_size_t = ctypes.c_size_t
-_c_void_p = ctypes.c_void_p
-_c_char_p = ctypes.c_char_p
-
-# name: (restype, argtypes) of every vmm_c.h function this package calls. Functions returning
-# a string or buffer to release are declared as returning c_void_p.
-_SIGNATURES = {
-    "vmm_last_error": (_c_char_p, []),
-    "vmm_backend": (_c_char_p, []),
-    "vmm_release_buffer": (None, [_c_void_p]),
-    "vmm_configure": (_c_int, [_c_char_p]),
-    "vmm_empty_cache": (_c_int, [_c_int]),
-    "vmm_set_memory_fraction": (_c_int, [ctypes.c_double, _c_int]),
-    "vmm_stats_json": (_c_void_p, [_c_int]),
-    "vmm_reset_peak_stats": (_c_int, [_c_int]),
-    "vmm_reset_accumulated_stats": (_c_int, [_c_int]),
-    "vmm_snapshot_json": (_c_void_p, []),
-    "vmm_pool_create": (_c_int64, [_c_char_p, _c_char_p]),
-    "vmm_pool_destroy": (_c_int, [_c_int64]),
-    "vmm_pool_alloc": (_c_void_p, [_c_int64, _c_size_t, _c_void_p, _c_int]),
-    "vmm_pool_empty_cache": (_c_int, [_c_int64]),
-    "vmm_pool_stats_json": (_c_void_p, [_c_int64]),
-    "vmm_pool_handle_type": (_c_char_p, [_c_int64]),
-    "vmm_pool_device": (_c_int, [_c_int64]),
-    "vmm_block_free": (None, [_c_void_p]),
-    "vmm_owns": (_c_int, [_c_void_p]),
-    "vmm_export": (_c_int, [_c_void_p, ctypes.POINTER(_c_void_p), ctypes.POINTER(_c_size_t)]),
-    "vmm_import": (_c_int64, [_c_char_p, _c_size_t, _c_int, _c_char_p, _c_int]),
-    "vmm_import_info": (
-        _c_int,
-        [_c_int64, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(_c_size_t),
-         ctypes.POINTER(_c_int)],
-    ),
-    "vmm_import_retain": (_c_int, [_c_int64]),
-    "vmm_import_release": (None, [_c_void_p]),
-    "vmm_descriptor_from_handles": (
-        _c_int,
-        [_c_int, ctypes.POINTER(_c_char_p), ctypes.POINTER(_c_size_t),
-         ctypes.POINTER(_c_int64), _c_size_t, _c_int64, _c_char_p, _c_int64,
-         ctypes.POINTER(_c_void_p), ctypes.POINTER(_c_size_t)],
-    ),
-    "vmm_descriptor_json": (_c_void_p, [_c_char_p, _c_size_t]),
-}
 
 
 class Closable:
     """Gives a class with an idempotent close() the context-manager protocol, and closes it
     when it is collected (errors there are swallowed: the interpreter may be shutting down)."""
 
+    def close(self) -> None:  # overridden
+        pass
+
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self):
+    def __del__(self) -> None:
         try:
             self.close()
         except Exception:
@@ -97,35 +65,43 @@ class Closable:
 class VmmError(RuntimeError):
     """A failure reported by vmm's C library.
 
-    ``code`` is the status code ("NOT_FOUND", "UNAVAILABLE", "FAILED_PRECONDITION", ...): a
-    stale descriptor gives NOT_FOUND, an exporter that has exited UNAVAILABLE. Invalid
-    arguments are raised as ValueError and out-of-memory as torch.cuda.OutOfMemoryError (or
+    ``code`` is the status code's name ("NOT_FOUND", "UNAVAILABLE", "FAILED_PRECONDITION",
+    ...) and ``code_value`` its number (absl::StatusCode, vmm_c.h's vmm_status_code): a stale
+    descriptor gives NOT_FOUND, an exporter that has exited UNAVAILABLE. Invalid arguments
+    are raised as ValueError and out-of-memory as torch.cuda.OutOfMemoryError (or
     MemoryError) instead.
     """
 
-    def __init__(self, message, code="UNKNOWN"):
+    def __init__(self, message: str, code: Any = "UNKNOWN") -> None:
         super().__init__(message)
-        self.code = code
+        if isinstance(code, int) and not isinstance(code, bool):
+            value = code
+            name = STATUS_CODE_NAMES.get(code, "UNKNOWN")
+        else:
+            name = str(code)
+            value = STATUS_CODES.get(name, _signatures.UNKNOWN)
+        self.code: str = name
+        self.code_value: int = value
 
 
-def _out_of_memory_type():
+def out_of_memory_type() -> Type[Exception]:
+    """torch.cuda.OutOfMemoryError where this torch has it, else MemoryError."""
     oom = getattr(getattr(torch, "cuda", None), "OutOfMemoryError", None)
     return oom if oom is not None else MemoryError
 
 
-def error_from_status(text):
-    """Maps a status text "CODE: message" from vmm_last_error() to a Python exception."""
-    code, sep, message = text.partition(": ")
-    if not sep or not code.replace("_", "").isalpha() or not code.isupper():
-        code, message = "UNKNOWN", text
-    if code == "INVALID_ARGUMENT":
+def error_for(code: int, message: str) -> Exception:
+    """The Python exception for a failure with status `code` (vmm_status_code) and `message`."""
+    if code == _signatures.INVALID_ARGUMENT:
         return ValueError(message)
-    if code == "RESOURCE_EXHAUSTED":
-        return _out_of_memory_type()(message)
-    return VmmError(text, code)
+    if code == _signatures.RESOURCE_EXHAUSTED:
+        return out_of_memory_type()(message)
+    if code not in STATUS_CODE_NAMES or code == _signatures.OK:
+        code = _signatures.UNKNOWN
+    return VmmError(message, code)
 
 
-def library_dir():
+def library_dir() -> str:
     """Where libvmm.so and _C.so are looked for: $VMM_LIB_DIR, else this package's folder."""
     override = os.environ.get("VMM_LIB_DIR")
     if override:
@@ -133,12 +109,12 @@ def library_dir():
     return os.path.dirname(os.path.abspath(__file__))
 
 
-class _Libraries:
+class Libraries:
     """The loaded libraries: ``vmm`` (ctypes handle of libvmm.so), ``quick`` (the same library
     bound without releasing the GIL), the extension's path, and its operators ``wrap``,
     ``wrap_import`` and ``storage_info`` (their single overloads)."""
 
-    def __init__(self, directory):
+    def __init__(self, directory: str) -> None:
         self.libvmm_path = os.path.join(directory, LIBVMM_NAME)
         self.extension_path = os.path.join(directory, EXTENSION_NAME)
         for path in (self.libvmm_path, self.extension_path):
@@ -149,97 +125,104 @@ class _Libraries:
                     f"{LIBVMM_NAME} and {EXTENSION_NAME}")
         self.vmm = ctypes.CDLL(self.libvmm_path)
         self.quick = ctypes.PyDLL(self.libvmm_path)
-        for handle in (self.vmm, self.quick):
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                function = getattr(handle, name)
-                function.restype = restype
-                function.argtypes = argtypes
+        _signatures.declare(self.vmm)
+        _signatures.declare(self.quick)
         torch.ops.load_library(self.extension_path)
         torch.ops.vmm.bind(self.libvmm_path)
-        self.wrap = torch.ops.vmm.wrap.default
-        self.wrap_import = torch.ops.vmm.wrap_import.default
-        self.storage_info = torch.ops.vmm.storage_info.default
+        self.wrap: Callable[..., torch.Tensor] = torch.ops.vmm.wrap.default
+        self.wrap_import: Callable[..., torch.Tensor] = torch.ops.vmm.wrap_import.default
+        self.storage_info: Callable[[torch.Tensor], Any] = torch.ops.vmm.storage_info.default
 
 
-_loaded = None
+_loaded: Optional[Libraries] = None
 _load_lock = threading.Lock()
 
 
-def load():
+def load() -> Libraries:
     """Loads both libraries once per process and returns them."""
     global _loaded
     if _loaded is None:
         with _load_lock:
             if _loaded is None:
-                _loaded = _Libraries(library_dir())
+                _loaded = Libraries(library_dir())
     return _loaded
 
 
-def vmm():
+def vmm() -> ctypes.CDLL:
     """The ctypes handle of libvmm.so (loading it on first use)."""
     return load().vmm
 
 
-def quick():
+def quick() -> ctypes.CDLL:
     """libvmm.so bound with ctypes.PyDLL: the calls keep the GIL. For short calls only (see
     the module docstring); never for one that can block."""
     return load().quick
 
 
-def ops():
+def ops() -> Any:
     """torch.ops.vmm, the extension's operators (loading the libraries on first use)."""
     load()
     return torch.ops.vmm
 
 
-def last_error():
-    return (vmm().vmm_last_error() or b"").decode("utf-8", "replace")
+def last_error() -> str:
+    """The message of this thread's last vmm failure ("" if none)."""
+    return (quick().vmm_last_error() or b"").decode("utf-8", "replace")
 
 
-def raise_last_error(context=None):
+def last_error_code() -> int:
+    """The vmm_status_code of this thread's last vmm failure (0 if none)."""
+    return int(quick().vmm_last_error_code())
+
+
+def raise_last_error(context: Optional[str] = None) -> NoReturn:
     """Raises the exception that describes this thread's last vmm failure."""
-    error = error_from_status(last_error() or "UNKNOWN: vmm call failed")
+    code = last_error_code()
+    message = last_error()
+    if code == _signatures.OK:
+        code, message = _signatures.UNKNOWN, message or "vmm call failed"
     if context:
-        error.args = (f"{context}: {error.args[0]}",) + error.args[1:]
-    raise error
+        message = f"{context}: {message}"
+    raise error_for(code, message)
 
 
-def check(result, context=None):
+def check(result: int, context: Optional[str] = None) -> int:
     """Returns `result` of a function that gives 0 on success and -1 on failure."""
     if result != 0:
         raise_last_error(context)
     return result
 
 
-def check_id(result, context=None):
+def check_id(result: int, context: Optional[str] = None) -> int:
     """Returns `result` of a function that gives an id, or -1 on failure."""
     if result < 0:
         raise_last_error(context)
     return result
 
 
-def check_pointer(result, context=None):
+def check_pointer(result: Optional[int], context: Optional[str] = None) -> int:
     """Returns `result` (an address as int) of a function that gives NULL on failure."""
     if not result:
         raise_last_error(context)
     return result
 
 
-def take_string(pointer, context=None):
+def take_string(pointer: Optional[int], context: Optional[str] = None) -> str:
     """Reads and releases a NUL-terminated string the library returned."""
-    check_pointer(pointer, context)
+    address = check_pointer(pointer, context)
     try:
-        return ctypes.string_at(pointer).decode("utf-8", "replace")
+        return ctypes.string_at(address).decode("utf-8", "replace")
     finally:
-        vmm().vmm_release_buffer(pointer)
+        vmm().vmm_release_buffer(address)
 
 
-def take_json(pointer, context=None):
-    """Reads, releases and parses a JSON document the library returned."""
+def take_json(pointer: Optional[int], context: Optional[str] = None) -> Any:
+    """Reads, releases and parses a JSON document the library returned (statistics and
+    snapshots; never on the path that shares tensors)."""
     return json.loads(take_string(pointer, context))
 
 
-def take_buffer(pointer, length):
+def take_buffer(pointer: Any, length: int) -> bytes:
     """Reads and releases a buffer of `length` bytes the library returned."""
     try:
         return ctypes.string_at(pointer, length)
@@ -247,6 +230,28 @@ def take_buffer(pointer, length):
         quick().vmm_release_buffer(pointer)
 
 
-def backend():
+def backend_name(code: int) -> str:
+    """"cuda" or "host" for a vmm_backend value (ValueError for others)."""
+    name = BACKEND_NAMES.get(code)
+    if name is None:
+        raise ValueError(f"backend {code!r} is not VMM_BACKEND_CUDA or VMM_BACKEND_HOST")
+    return name
+
+
+def backend() -> str:
     """"cuda" when a CUDA driver and device are present, else "host" (VMM_BACKEND forces)."""
-    return vmm().vmm_backend().decode()
+    return backend_name(vmm().vmm_default_backend())
+
+
+def parse_size(text: str) -> int:
+    """A byte count from text, as vmm's options read sizes: "4096", "512M", "2G", "64MiB"
+    (a whole number; K, M, G and T are powers of 1024, either case; a B or iB may follow).
+    ValueError, naming the text, for anything else (fractions, signs, unknown suffixes, more
+    than 64 bits). Loads libvmm.so: the library holds the one parser."""
+    if not isinstance(text, str):
+        raise ValueError(f"size {text!r} is a {type(text).__name__}, expected a str")
+    if "\0" in text:
+        raise ValueError(f"size {text!r} contains a NUL character")
+    out = ctypes.c_uint64()
+    check(quick().vmm_parse_byte_size(text.encode("utf-8"), ctypes.byref(out)))
+    return int(out.value)

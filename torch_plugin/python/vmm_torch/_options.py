@@ -9,18 +9,21 @@ naming the key), so this module only spells Python values the way it reads them:
 - handle_type as a string.
 """
 
+from __future__ import annotations
+
 import numbers
+from typing import Any, Mapping
 
 _SEPARATORS = (",", "=")
 
 
-def _format_peer_devices(value):
+def _format_peer_devices(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return ":".join(_format_scalar("peer_devices", v) for v in value)
     return _format_scalar("peer_devices", value)
 
 
-def _format_scalar(key, value):
+def _format_scalar(key: str, value: Any) -> str:
     if isinstance(value, bool):
         raise ValueError(f"option {key}: {value!r} is a bool, expected a number or a string")
     if isinstance(value, numbers.Integral):
@@ -35,14 +38,14 @@ def _format_scalar(key, value):
         f"option {key}: {value!r} ({type(value).__name__}) is not a number or a string")
 
 
-def format_value(key, value):
+def format_value(key: str, value: Any) -> str:
     """The text of one option's value."""
     if key == "peer_devices":
         return _format_peer_devices(value)
     return _format_scalar(key, value)
 
 
-def format_options(options):
+def format_options(options: Mapping[str, Any]) -> str:
     """The option text for a dict of options, keys in sorted order (None values are skipped)."""
     items = []
     for key in sorted(options):

@@ -1,15 +1,20 @@
 """vmm as PyTorch's CUDA allocator, and the statistics of its device pools."""
 
+from __future__ import annotations
+
 import ctypes
 import json
 import os
 import threading
 import time
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _lib
+from . import _lib, _registry
 from ._options import format_options
+
+DeviceLike = Union[None, int, str, torch.device]
 
 # (method of torch._C._CUDAPluggableAllocator, function of _C.so) for the optional hooks.
 # Signatures (torch/csrc/cuda/Module.cpp): set_init_fn void(int device_count); set_reset_fn
@@ -23,23 +28,23 @@ _HOOKS = (
 )
 
 _enable_lock = threading.Lock()
-_enabled = None  # the _Enabled of this process, once enable() succeeded
+_enabled: Optional["_Enabled"] = None  # the _Enabled of this process, once enable() succeeded
 
 
 class _Enabled:
     """What enable() registered: its option text, PyTorch's allocator object, the hooks set."""
 
-    def __init__(self, options_text, allocator, hooks):
+    def __init__(self, options_text: str, allocator: Any, hooks: Tuple[str, ...]) -> None:
         self.options_text = options_text
         self.allocator = allocator
         self.hooks = hooks
 
 
-def _function_address(library, name):
+def _function_address(library: ctypes.CDLL, name: str) -> Optional[int]:
     return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
 
 
-def _set_hooks(pluggable, extension_path):
+def _set_hooks(pluggable: Any, extension_path: str) -> Tuple[str, ...]:
     """Passes the addresses of _C.so's hook functions to the hook setters this torch has.
     Returns the names of the hooks set."""
     native = pluggable.allocator()
@@ -54,7 +59,7 @@ def _set_hooks(pluggable, extension_path):
     return tuple(done)
 
 
-def _check_can_enable():
+def _check_can_enable() -> None:
     memory = torch.cuda.memory
     if not hasattr(memory, "CUDAPluggableAllocator") or not hasattr(
             memory, "change_current_allocator"):
@@ -74,7 +79,7 @@ def _check_can_enable():
             ".cuda().")
 
 
-def enable(**options):
+def enable(**options: Any) -> None:
     """Registers vmm as PyTorch's CUDA allocator for this process.
 
     Call it before CUDA is used (before the first CUDA tensor, ``torch.cuda`` query or
@@ -124,12 +129,12 @@ def enable(**options):
         _enabled = _Enabled(text, pluggable, hooks)
 
 
-def is_enabled():
+def is_enabled() -> bool:
     """Whether enable() has registered vmm as this process's CUDA allocator."""
     return _enabled is not None
 
 
-def enabled_hooks():
+def enabled_hooks() -> Tuple[str, ...]:
     """The hook setters enable() called on this torch (empty before enable())."""
     return _enabled.hooks if _enabled is not None else ()
 
@@ -137,7 +142,7 @@ def enabled_hooks():
 # --- Statistics ------------------------------------------------------------------------------
 
 
-def device_index(device=None):
+def device_index(device: DeviceLike = None) -> int:
     """A device pool's index from None (the current CUDA device, or 0 while CUDA is not
     initialised), an int, "cuda", "cuda:N" or a torch.device of type cuda."""
     if device is None:
@@ -145,9 +150,11 @@ def device_index(device=None):
     if isinstance(device, bool):
         raise ValueError(f"device {device!r} is not a CUDA device index")
     if isinstance(device, int):
-        if device < 0:
+        if not 0 <= device < 2**31:
             raise ValueError(f"device {device} is not a CUDA device index")
         return device
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device {device!r} is not a CUDA device")
     try:
         parsed = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -158,7 +165,7 @@ def device_index(device=None):
     return device_index(parsed.index)
 
 
-def _flatten(prefix, value, out):
+def _flatten(prefix: str, value: Any, out: Dict[str, Any]) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
             _flatten(f"{prefix}.{key}" if prefix else str(key), item, out)
@@ -166,16 +173,16 @@ def _flatten(prefix, value, out):
         out[prefix] = value
 
 
-def flatten_stats(document):
+def flatten_stats(document: Dict[str, Any]) -> Dict[str, Any]:
     """A stats document {"torch": {...}, "vmm": {...}} as one flat dict: its "torch" object,
     which has PyTorch's key names and the allocator's own figures under "vmm." (the "vmm"
     object holds the same figures by field name, for dump_stats)."""
-    out = {}
+    out: Dict[str, Any] = {}
     _flatten("", document.get("torch", {}), out)
     return dict(sorted(out.items()))
 
 
-def memory_stats(device=None):
+def memory_stats(device: DeviceLike = None) -> Dict[str, Any]:
     """Statistics of the device pool of `device` (default: the current device) as a dict.
 
     Keys follow ``torch.cuda.memory_stats()`` where the meaning is the same
@@ -187,46 +194,46 @@ def memory_stats(device=None):
     return flatten_stats(_lib.take_json(_lib.vmm().vmm_stats_json(index), "memory_stats"))
 
 
-def memory_allocated(device=None):
+def memory_allocated(device: DeviceLike = None) -> int:
     """Bytes held by live blocks of the device pool."""
     return memory_stats(device).get("allocated_bytes.all.current", 0)
 
 
-def max_memory_allocated(device=None):
+def max_memory_allocated(device: DeviceLike = None) -> int:
     return memory_stats(device).get("allocated_bytes.all.peak", 0)
 
 
-def memory_reserved(device=None):
+def memory_reserved(device: DeviceLike = None) -> int:
     """Physical bytes the device pool holds (cached memory included)."""
     return memory_stats(device).get("reserved_bytes.all.current", 0)
 
 
-def max_memory_reserved(device=None):
+def max_memory_reserved(device: DeviceLike = None) -> int:
     return memory_stats(device).get("reserved_bytes.all.peak", 0)
 
 
-def reset_peak_memory_stats(device=None):
+def reset_peak_memory_stats(device: DeviceLike = None) -> None:
     """Resets the peaks of the device pool's statistics to their current values."""
     _lib.check(_lib.vmm().vmm_reset_peak_stats(device_index(device)))
 
 
-def reset_accumulated_memory_stats(device=None):
+def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
     """Resets the cumulative ("allocated"/"freed") statistics of the device pool."""
     _lib.check(_lib.vmm().vmm_reset_accumulated_stats(device_index(device)))
 
 
-def empty_cache():
+def empty_cache() -> None:
     """Returns the cached (free) memory of every vmm pool, explicit pools included, to the
     driver."""
     _lib.check(_lib.vmm().vmm_empty_cache(-1), "empty_cache")
 
 
-def set_per_process_memory_fraction(fraction, device=None):
+def set_per_process_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
     """Caps the device pool at `fraction` (0 < fraction <= 1) of the device's memory."""
     _lib.check(_lib.vmm().vmm_set_memory_fraction(float(fraction), device_index(device)))
 
 
-def memory_snapshot():
+def memory_snapshot() -> Dict[str, Any]:
     """The state of every vmm pool in the structure of ``torch.cuda.memory._snapshot()``:
     {"segments": [{"device", "address", "total_size", "stream", "segment_type", "blocks":
     [{"address", "size", "requested_size", "state"}, ...]}, ...], "device_traces": [...]},
@@ -234,32 +241,31 @@ def memory_snapshot():
     return _lib.take_json(_lib.vmm().vmm_snapshot_json(), "memory_snapshot")
 
 
-def backend():
+def backend() -> str:
     """"cuda" or "host": the backend of the device pools (host where no GPU is present)."""
     return _lib.backend()
 
 
-def _device_pool_indices():
+def _device_pool_indices() -> List[int]:
     if backend() == "cuda" and torch.cuda.is_available():
         return list(range(torch.cuda.device_count()))
     return [0]
 
 
-def collect_stats():
-    """Everything dump_stats writes, as a dict."""
-    from . import pool  # pools register themselves there
-
+def collect_stats() -> Dict[str, Any]:
+    """Everything dump_stats writes, as a dict (explicit pools: those registered open in
+    vmm_torch._registry)."""
     return {
         "backend": backend(),
         "time": time.time(),
         "torch_version": torch.__version__,
         "stats": {str(d): memory_stats(d) for d in _device_pool_indices()},
-        "pools": pool.open_pool_stats(),
+        "pools": _registry.open_pool_stats(),
         "snapshot": memory_snapshot(),
     }
 
 
-def dump_stats(path):
+def dump_stats(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
     """Writes the statistics of the device pools and of the open explicit pools, and a
     snapshot of all pools, as JSON to `path`; returns the document.
 

@@ -37,14 +37,20 @@ descriptors may cross nodes: the driver supports importing fabric handles anywhe
 NVLink domain (with an IMEX channel on every node), but that is untested here.
 """
 
+from __future__ import annotations
+
 import collections
 import functools
 import socket
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
-from .sharing import export_tensor
+from .sharing import SharedTensor, export_tensor
+
+DeviceArg = Union[None, int, str, torch.device]
+Offer = Dict[str, Any]
 
 BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
 
@@ -61,20 +67,20 @@ class DistributedSharingError(RuntimeError):
     "all_gather"; ``failures`` maps each failing rank (global rank) to its list of reasons.
     """
 
-    def __init__(self, operation, failures):
+    def __init__(self, operation: str, failures: Dict[int, Iterable[str]]) -> None:
         self.operation = operation
         self.failures = {rank: list(reasons) for rank, reasons in sorted(failures.items())}
         super().__init__(_failure_message(operation, self.failures))
 
 
-def _rank_list(ranks):
+def _rank_list(ranks: Iterable[int]) -> str:
     ranks = [str(r) for r in ranks]
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(ranks[:-1]) + " and " + ranks[-1]
 
 
-def _failure_message(operation, failures):
+def _failure_message(operation: str, failures: Dict[int, List[str]]) -> str:
     lines = [f"vmm_torch.distributed.{operation} failed on {_rank_list(failures)}:"]
     for rank, reasons in failures.items():
         lines.extend(f"  rank {rank}: {reason}" for reason in reasons)
@@ -91,18 +97,18 @@ class NodeIdentity(collections.namedtuple("NodeIdentity", "hostname boot_id")):
 
     __slots__ = ()
 
-    def same_machine(self, other):
+    def same_machine(self, other: "NodeIdentity") -> bool:
         if self.boot_id and other.boot_id:
             return self.boot_id == other.boot_id
         return self.hostname == other.hostname
 
-    def describe(self):
+    def describe(self) -> str:
         boot = f" (boot id {self.boot_id[:8]})" if self.boot_id else ""
         return f"host {self.hostname}{boot}"
 
 
 @functools.lru_cache(maxsize=None)
-def _read_node_identity():
+def _read_node_identity() -> NodeIdentity:
     try:
         with open(BOOT_ID_PATH) as f:
             boot_id = f.read().strip() or None
@@ -111,12 +117,12 @@ def _read_node_identity():
     return NodeIdentity(socket.gethostname(), boot_id)
 
 
-def node_identity():
+def node_identity() -> NodeIdentity:
     """This process's :class:`NodeIdentity` (read once)."""
     return _read_node_identity()
 
 
-def _machine_bound_kind(shared):
+def _machine_bound_kind(shared: SharedTensor) -> Optional[str]:
     """What ties `shared` to the exporting machine (text for errors), or None for a
     descriptor that can cross nodes (CUDA fabric handles)."""
     if shared.descriptor.handle_type == "posix_fd":
@@ -126,7 +132,8 @@ def _machine_bound_kind(shared):
     return None
 
 
-def crossing_error(shared, exporter_rank, exporter_node, importer_rank, importer_node):
+def crossing_error(shared: SharedTensor, exporter_rank: int, exporter_node: NodeIdentity,
+                   importer_rank: int, importer_node: NodeIdentity) -> Optional[str]:
     """Why rank `importer_rank` cannot import `shared` from rank `exporter_rank` because
     they are on different nodes, or None when it may try."""
     if exporter_node.same_machine(importer_node):
@@ -139,18 +146,18 @@ def crossing_error(shared, exporter_rank, exporter_node, importer_rank, importer
             f"{FABRIC_HINT}")
 
 
-def _describe_exception(error):
+def _describe_exception(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _require_initialized():
+def _require_initialized() -> None:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "vmm_torch.distributed needs torch.distributed: call "
             "torch.distributed.init_process_group() first")
 
 
-def _ranks(group):
+def _ranks(group: Any) -> Tuple[int, int]:
     """(global rank, rank in `group`) of this process; ValueError if it is not a member."""
     _require_initialized()
     group_rank = dist.get_rank(group)
@@ -159,7 +166,7 @@ def _ranks(group):
     return dist.get_rank(), group_rank
 
 
-def _offer(tensor, what):
+def _offer(tensor: Optional[torch.Tensor], what: str) -> Offer:
     """The object this rank sends: its global rank, node and SharedTensor, or the error that
     prevented exporting `tensor` (`what` names the tensor in that error)."""
     offer = {"rank": dist.get_rank(), "node": node_identity(), "shared": None, "error": None}
@@ -176,7 +183,7 @@ def _offer(tensor, what):
     return offer
 
 
-def _import_device(shared, device):
+def _import_device(shared: SharedTensor, device: DeviceArg) -> DeviceArg:
     """The device to map `shared` on: `device` if given; for CUDA tensors this rank's current
     GPU (as torch.distributed's collectives deliver on each rank's own device; the memory
     stays on the exporting GPU and is reached over NVLink when that is another one)."""
@@ -185,7 +192,8 @@ def _import_device(shared, device):
     return torch.cuda.current_device()
 
 
-def _open_offer(offer, my_rank, device):
+def _open_offer(offer: Offer, my_rank: int,
+                device: DeviceArg) -> Tuple[Optional[torch.Tensor], Optional[str]]:
     """(tensor, None) with `offer`'s tensor imported here, or (None, reason)."""
     shared = offer["shared"]
     here = node_identity()
@@ -198,7 +206,7 @@ def _open_offer(offer, my_rank, device):
         return None, f"cannot import the tensor of rank {offer['rank']}: {_describe_exception(e)}"
 
 
-def _agree(operation, my_rank, reasons, group):
+def _agree(operation: str, my_rank: int, reasons: List[str], group: Any) -> None:
     """Collects every rank's failure reasons (the barrier that ends each call) and raises
     DistributedSharingError on all ranks if any rank has one."""
     statuses = [None] * dist.get_world_size(group)
@@ -208,7 +216,8 @@ def _agree(operation, my_rank, reasons, group):
         raise DistributedSharingError(operation, failures)
 
 
-def broadcast(tensor=None, src=0, group=None, device=None):
+def broadcast(tensor: Optional[torch.Tensor] = None, src: int = 0, group: Any = None,
+              device: DeviceArg = None) -> Optional[torch.Tensor]:
     """Shares rank `src`'s tensor with every rank of `group`, without copying it.
 
     On `src`, `tensor` must live in a vmm pool (a CUDA tensor of the enabled allocator, or a
@@ -247,7 +256,8 @@ def broadcast(tensor=None, src=0, group=None, device=None):
     return result
 
 
-def all_gather(tensor, group=None, device=None):
+def all_gather(tensor: torch.Tensor, group: Any = None,
+               device: DeviceArg = None) -> List[Optional[torch.Tensor]]:
     """Shares every rank's tensor with every rank of `group`, without copying.
 
     Each rank's `tensor` must live in a vmm pool; shapes and dtypes may differ between ranks.

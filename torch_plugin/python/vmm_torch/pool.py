@@ -1,71 +1,57 @@
 """Explicit vmm pools: tensors allocated from a pool of your own, on a GPU or on the host."""
 
-import threading
-import weakref
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
-from . import _lib
+from . import _lib, _registry
 from ._options import format_options
+from ._signatures import BACKEND_CUDA, BACKEND_HOST, HANDLE_TYPE_NAMES
+from ._tensors import ShapeLike, contiguous_strides, element_size, numel, shape_list
 from .allocator import flatten_stats
 
-_open_pools = weakref.WeakValueDictionary()  # pool id -> Pool
-_open_pools_lock = threading.Lock()
+PoolDevice = Union[int, str, torch.device]
+
+_CUDA_TEXT = re.compile(r"cuda(?::([0-9]+))?")
+_INT_MAX = 2**31 - 1
 
 
-def open_pool_stats():
-    """{pool id: {"device", "handle_type", "stats"}} of the explicit pools open now."""
-    with _open_pools_lock:
-        pools = list(_open_pools.items())
-    return {str(pool_id): pool.describe() for pool_id, pool in pools if not pool.closed}
+def _bad_device(device: Any) -> ValueError:
+    return ValueError(f"device {device!r} is neither \"host\" nor a CUDA device index")
 
 
-def contiguous_strides(shape):
-    """Row-major strides (in elements) of `shape`."""
-    strides = []
-    step = 1
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(extent, 1)
-    return list(reversed(strides))
+def _cuda_index(device: Any, index: Any) -> int:
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= _INT_MAX:
+        raise _bad_device(device)
+    return index
 
 
-def _shape_list(shape):
-    if isinstance(shape, int):
-        shape = (shape,)
-    out = []
-    for extent in shape:
-        if isinstance(extent, bool) or not isinstance(extent, int) or extent < 0:
-            raise ValueError(f"shape {tuple(shape)!r}: extents must be non-negative ints")
-        out.append(int(extent))
-    return out
-
-
-_element_sizes = {}
-
-
-def element_size(dtype):
-    """Bytes per element of `dtype`."""
-    if dtype not in _element_sizes:
-        _element_sizes[dtype] = torch.empty((), dtype=dtype).element_size()
-    return _element_sizes[dtype]
-
-
-def _device_text(device):
-    """("host" or the CUDA index, option text of the device) for Pool's `device`."""
-    if isinstance(device, str) and device.strip().lower() in ("host", "cpu"):
-        return "host", "host"
+def pool_device(device: PoolDevice) -> Tuple[Union[str, int], int, int]:
+    """(``Pool.device``, vmm_backend, device index) for Pool's `device`: "host" (or "cpu", a
+    CPU torch.device) is the host backend's device 0; a CUDA index, "cuda", "cuda:N" or a
+    CUDA torch.device is that CUDA device. ValueError for anything else (negative or huge
+    indices, "host:1", bools, floats)."""
+    if isinstance(device, str):
+        text = device.strip().lower()
+        if text in ("host", "cpu"):
+            return "host", BACKEND_HOST, 0
+        match = _CUDA_TEXT.fullmatch(text)
+        if match is None:
+            raise _bad_device(device)
+        index = _cuda_index(device, int(match.group(1) or 0))
+        return index, BACKEND_CUDA, index
     if isinstance(device, torch.device):
         if device.type == "cpu":
-            return "host", "host"
-        if device.type == "cuda":
-            device = 0 if device.index is None else device.index
-    if isinstance(device, str) and device.strip().lower().startswith("cuda"):
-        parsed = torch.device(device)
-        device = 0 if parsed.index is None else parsed.index
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise ValueError(f"device {device!r} is neither \"host\" nor a CUDA device index")
-    return device, str(device)
+            return "host", BACKEND_HOST, 0
+        if device.type != "cuda":
+            raise _bad_device(device)
+        index = _cuda_index(device, 0 if device.index is None else device.index)
+        return index, BACKEND_CUDA, index
+    index = _cuda_index(device, device)
+    return index, BACKEND_CUDA, index
 
 
 class Pool(_lib.Closable):
@@ -82,49 +68,56 @@ class Pool(_lib.Closable):
     a ``with`` block) closes the pool; its memory goes back once its last tensor is freed.
     """
 
-    def __init__(self, device, handle_type="auto", **options):
-        self._device, device_text = _device_text(device)
-        options = dict(options, handle_type=handle_type)
-        libs = _lib.load()
-        self._id = _lib.check_id(
-            libs.vmm.vmm_pool_create(device_text.encode(), format_options(options).encode()),
-            "Pool")
-        self._handle_type = libs.vmm.vmm_pool_handle_type(self._id).decode()
+    _id: Optional[int] = None
+
+    def __init__(self, device: PoolDevice, handle_type: str = "auto", **options: Any) -> None:
+        self._device, backend, index = pool_device(device)
+        text = format_options(dict(options, handle_type=handle_type))
+        vmm = _lib.vmm()
+        pool_id = _lib.check_id(vmm.vmm_pool_create(backend, index, text.encode()), "Pool")
+        code = vmm.vmm_pool_handle_type(pool_id)
+        if code < 0:
+            try:
+                _lib.raise_last_error("Pool")
+            finally:
+                vmm.vmm_pool_destroy(pool_id)
+        self._handle_type: str = HANDLE_TYPE_NAMES.get(code, str(code))
         self._torch_device = (torch.device("cpu") if self._device == "host"
-                              else torch.device("cuda", self._device))
-        with _open_pools_lock:
-            _open_pools[self._id] = self
+                              else torch.device("cuda", index))
+        self._id = pool_id
+        _registry.register(pool_id, self)
 
     @property
-    def device(self):
+    def device(self) -> Union[str, int]:
         """"host" or the CUDA device index."""
         return self._device
 
     @property
-    def handle_type(self):
+    def handle_type(self) -> str:
         """The handle type the pool's memory is exportable as: "fabric", "posix_fd" or
         "none"."""
         return self._handle_type
 
     @property
-    def closed(self):
+    def closed(self) -> bool:
         return self._id is None
 
     @property
-    def id(self):
+    def id(self) -> Optional[int]:
         return self._id
 
-    def _require_open(self):
+    def _require_open(self) -> int:
         if self._id is None:
             raise ValueError("the pool is closed")
         return self._id
 
-    def _stream(self):
+    def _stream(self) -> Optional[int]:
         if self._device == "host":
             return None
-        return torch.cuda.current_stream(self._device).cuda_stream or None
+        return torch.cuda.current_stream(self._torch_device).cuda_stream or None
 
-    def empty(self, shape, dtype=torch.float32, shareable=False):
+    def empty(self, shape: ShapeLike, dtype: torch.dtype = torch.float32,
+              shareable: bool = False) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape` and `dtype` in this pool.
 
         With ``shareable=True`` the block gets physical chunks of its own, so exporting it
@@ -132,51 +125,54 @@ class Pool(_lib.Closable):
         the current stream.
         """
         pool_id = self._require_open()
-        sizes = _shape_list(shape)
-        numel = 1
-        for extent in sizes:
-            numel *= extent
-        nbytes = numel * element_size(dtype)
-        vmm = _lib.vmm()
+        sizes = shape_list(shape)
+        nbytes = numel(sizes) * element_size(dtype)
+        libs = _lib.load()
         ptr = _lib.check_pointer(
-            vmm.vmm_pool_alloc(pool_id, max(nbytes, 1), self._stream(), int(bool(shareable))),
+            libs.vmm.vmm_pool_alloc(pool_id, max(nbytes, 1), self._stream(),
+                                    int(bool(shareable))),
             f"Pool.empty({tuple(sizes)}, {dtype})")
         try:
-            return _lib.load().wrap(ptr, nbytes, sizes, contiguous_strides(sizes), 0, dtype,
-                                    self._torch_device)
+            return libs.wrap(ptr, nbytes, sizes, contiguous_strides(sizes), 0, dtype,
+                             self._torch_device)
         except BaseException:
-            vmm.vmm_block_free(ptr)
+            libs.vmm.vmm_block_free(ptr)
             raise
 
-    def zeros(self, shape, dtype=torch.float32, shareable=False):
+    def zeros(self, shape: ShapeLike, dtype: torch.dtype = torch.float32,
+              shareable: bool = False) -> torch.Tensor:
         """Like empty(), filled with zeros."""
         return self.empty(shape, dtype, shareable).zero_()
 
-    def memory_stats(self):
+    def memory_stats(self) -> Dict[str, Any]:
         """The pool's statistics, with the keys of :func:`vmm_torch.memory_stats`."""
         pool_id = self._require_open()
         return flatten_stats(
             _lib.take_json(_lib.vmm().vmm_pool_stats_json(pool_id), "Pool.memory_stats"))
 
-    def empty_cache(self):
+    def empty_cache(self) -> None:
         """Returns the pool's entirely free chunks to the driver."""
         _lib.check(_lib.vmm().vmm_pool_empty_cache(self._require_open()), "Pool.empty_cache")
 
-    def describe(self):
+    def describe(self) -> Dict[str, Any]:
         """{"device", "handle_type", "stats"} (used by vmm_torch.dump_stats)."""
         return {"device": self._device, "handle_type": self._handle_type,
                 "stats": self.memory_stats()}
 
-    def close(self):
+    def close(self) -> None:
         """Closes the pool (idempotent). Tensors already allocated stay valid; the pool's
         memory goes back to the driver once the last of them is freed."""
         pool_id, self._id = self._id, None
         if pool_id is None:
             return
-        with _open_pools_lock:
-            _open_pools.pop(pool_id, None)
+        _registry.unregister(pool_id)
         _lib.check(_lib.vmm().vmm_pool_destroy(pool_id), "Pool.close")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "closed" if self._id is None else f"id={self._id}"
         return f"Pool(device={self._device!r}, handle_type={self._handle_type!r}, {state})"
+
+
+def open_pool_stats() -> Dict[str, Dict[str, Any]]:
+    """{pool id: {"device", "handle_type", "stats"}} of the explicit pools open now."""
+    return _registry.open_pool_stats()

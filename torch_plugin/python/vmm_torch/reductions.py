@@ -6,86 +6,47 @@ storage lives in a vmm pool into its buffer descriptor and metadata; the receivi
 imports the descriptor, mapping the same memory. Other tensors go through PyTorch's own
 reducer.
 
-The payload is kept small and flat because it is built and rebuilt per message: the
-descriptor's canonical bytes as vmm_export returned them (the receiver hands them straight
-to vmm_import, which parses and validates them), then dtype, shape, strides, storage offset,
-device type and the parameter / requires_grad flags as plain ints, tuples and strings. The
-receiver maps the buffer on the exporting device (found by its UUID in the descriptor) and
-takes the buffer's size from the import, so neither the device index nor the storage size
-travels.
+The payload is the one a pickled :class:`~vmm_torch.SharedTensor` carries, small and flat
+(see :mod:`vmm_torch.sharing`): the descriptor's canonical bytes as vmm_export returned them
+(the receiver hands them straight to vmm_import, which decodes and checks them once), then
+dtype code, shape, strides, storage offset, device, and the parameter / requires_grad flags.
+The rebuild function is :func:`vmm_torch.sharing.rebuild_tensor` (also
+``rebuild_tensor_from_bytes`` here, its former name). The receiver maps the buffer on the
+exporting device (found by its UUID in the descriptor) and takes the buffer's size from the
+import, so the storage size does not travel.
 
-The receiver needs nothing installed: the rebuild functions live in this module, which
-spawned processes import when unpickling. As with every vmm descriptor, the sender must keep
-the tensor alive until the receiver has opened it.
+The receiver needs nothing installed: unpickling imports the rebuild function's module. As
+with every vmm descriptor, the sender must keep the tensor alive until the receiver has
+opened it.
 """
 
+from __future__ import annotations
+
 from multiprocessing.reduction import ForkingPickler
+from typing import Any, Callable, Tuple
 
 import torch
 
 from . import _lib, sharing
 
+#: The rebuild function of the payload (kept under its former name).
+rebuild_tensor_from_bytes = sharing.rebuild_tensor
+
 _installed = False
 
-# Dtypes travel as their index in this table; others as their name. A table of names keeps
-# the indices the same in every process, whichever dtypes its torch has. Append only.
-_DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "uint8", "int8", "int16", "int32",
-                "int64", "bool", "complex64", "complex128")
-_DTYPES = tuple(getattr(torch, name, None) for name in _DTYPE_NAMES)
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(_DTYPES) if dtype is not None}
 
-# device type of the payload -> the backend that imports it.
-_BACKENDS = {"cuda": "cuda", "cpu": "host"}
-
-
-def _dtype_code(dtype):
-    code = _DTYPE_CODES.get(dtype)
-    return code if code is not None else sharing._dtype_name(dtype)
-
-
-def _dtype_from_code(code):
-    if type(code) is int and 0 <= code < len(_DTYPES) and _DTYPES[code] is not None:
-        return _DTYPES[code]
-    if isinstance(code, str):
-        return sharing._dtype_from_name(code)
-    raise ValueError(f"unknown dtype code {code!r}")
-
-
-def _finish(tensor, parameter, requires_grad):
-    if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    if requires_grad:
-        tensor.requires_grad_(True)
-    return tensor
-
-
-def rebuild_tensor_from_bytes(descriptor, dtype, shape, stride, storage_offset, device_type,
-                              parameter=False, requires_grad=False):
-    """Rebuilds a tensor that reduce_tensor sent (called by unpickling): imports `descriptor`
-    (canonical bytes; vmm_import rejects malformed ones with ValueError) and wraps a tensor
-    over it, which keeps the mapping alive while any view of it lives."""
-    dtype = _dtype_from_code(dtype)  # before the import: nothing to release on failure
-    backend = _BACKENDS.get(device_type)
-    if backend is None:
-        raise ValueError(f"device type {device_type!r} is not 'cuda' or 'cpu'")
-    # Module attributes, not imported names: bench/share_latency.py times these two.
-    import_id = sharing._import_id(descriptor, None, backend)
-    tensor = sharing._wrap_import(import_id, shape, stride, storage_offset, dtype)
-    return _finish(tensor, parameter, requires_grad)
-
-
-def _torch_reduce_tensor(tensor):
+def _torch_reduce_tensor(tensor: torch.Tensor) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
     from torch.multiprocessing import reductions
 
     return reductions.reduce_tensor(tensor)
 
 
-def reduce_tensor(tensor):
+def reduce_tensor(tensor: torch.Tensor) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
     """ForkingPickler reducer: vmm descriptors for tensors in vmm pools, else PyTorch's.
 
     One membership test (the storage's address, vmm_owns) and one export call; the GIL is
     kept throughout (see vmm_torch._lib), since this runs in a queue's feeder thread."""
-    base = sharing._vmm_storage_address(tensor)
+    base = sharing.vmm_storage_address(tensor)
     if not base:
         return _torch_reduce_tensor(tensor)
     requires_grad = tensor.requires_grad
@@ -93,13 +54,12 @@ def reduce_tensor(tensor):
         raise RuntimeError(
             "cannot send a non-leaf tensor that requires grad between processes; "
             "send tensor.detach() instead")
-    return (rebuild_tensor_from_bytes,
-            (sharing._export_bytes(base), _dtype_code(tensor.dtype), tuple(tensor.shape),
-             tensor.stride(), tensor.storage_offset(), "cuda" if tensor.is_cuda else "cpu",
-             isinstance(tensor, torch.nn.Parameter), requires_grad))
+    return (sharing.rebuild_tensor,
+            sharing.tensor_payload(tensor, base, isinstance(tensor, torch.nn.Parameter),
+                                   requires_grad))
 
 
-def install_reducers():
+def install_reducers() -> None:
     """Makes torch.multiprocessing carry tensors from vmm pools as vmm descriptors (CUDA
     tensors of the enabled allocator or of an explicit Pool, and CPU tensors of host pools).
     Idempotent; affects this process's pickling only."""
@@ -112,5 +72,6 @@ def install_reducers():
     _installed = True
 
 
-def reducers_installed():
+def reducers_installed() -> bool:
+    """Whether install_reducers() ran in this process."""
     return _installed

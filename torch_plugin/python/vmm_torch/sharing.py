@@ -11,227 +11,85 @@ Importer (any process)::
 
 The descriptor pins nothing: the exporter must keep the tensor alive until every importer has
 opened it. After that the importer's mapping is its own (the exporter may free or exit).
+
+The payload: a shared tensor travels as one flat tuple, the same for a pickled
+:class:`SharedTensor` and for a tensor sent through torch.multiprocessing
+(``vmm_torch.reductions``)::
+
+    (descriptor, dtype, shape, stride, storage_offset, device, parameter, requires_grad)
+
+- ``descriptor``: the canonical descriptor bytes as vmm_export returned them; the receiver
+  hands them straight to vmm_import, which decodes and checks them once, in C++;
+- ``dtype``: a stable code (``vmm_torch._tensors.dtype_code``: an index into a fixed table,
+  or the dtype's name for dtypes outside it, looked up and checked to be a torch.dtype);
+- ``shape``, ``stride`` (elements), ``storage_offset`` (elements): the view;
+- ``device``: "cpu" (a tensor of vmm's host backend) or "cuda:N" (exported from CUDA device
+  N; the importer maps on that device, found by the UUID the descriptor carries);
+- ``parameter``, ``requires_grad``: rebuild as torch.nn.Parameter / with requires_grad.
+
+:func:`rebuild_tensor` turns a payload into a tensor (it is what unpickling a
+torch.multiprocessing payload calls, and what ``SharedTensor.open()`` runs); the view is
+checked against the imported buffer (a received payload is hostile input).
 """
 
+from __future__ import annotations
+
 import ctypes
+import re
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _lib
-from .descriptors import BufferDescriptor, descriptor_from_bytes
-from .pool import contiguous_strides, element_size
+from ._signatures import BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS
+from ._tensors import (DtypeCode, contiguous_strides, dtype_code, dtype_from_code,
+                       dtype_from_name, element_size)
+from .descriptors import BufferDescriptor, as_bytes
+
+#: The payload's fields, in order (see the module docstring).
+PAYLOAD_FIELDS: Tuple[str, ...] = ("descriptor", "dtype", "shape", "stride", "storage_offset",
+                                   "device", "parameter", "requires_grad")
+Payload = Tuple[bytes, DtypeCode, Tuple[int, ...], Tuple[int, ...], int, str, bool, bool]
+DeviceArg = Union[None, int, str, torch.device]
+
+# Device type of the payload -> the backend that imports it.
+_BACKENDS: Dict[str, int] = {"cuda": BACKEND_CUDA, "cpu": BACKEND_HOST}
+_CUDA_DEVICE = re.compile(r"cuda(?::([0-9]{1,9}))?")
 
 
-def _descriptor_bytes(descriptor):
-    if isinstance(descriptor, BufferDescriptor):
-        return descriptor.to_bytes()
-    if isinstance(descriptor, (bytes, bytearray, memoryview)):
-        return bytes(descriptor)
-    raise TypeError(f"expected a buffer descriptor or its bytes, not {type(descriptor).__name__}")
+# --- Payload device field --------------------------------------------------------------------
 
 
-def _import_device(device):
-    """The device argument of vmm_import: -1 (the owner's device) or a CUDA index."""
-    if device is None:
-        return -1
-    if isinstance(device, torch.device):
-        if device.type == "cpu":
-            return -1
-        device = device.index if device.index is not None else 0
-    elif isinstance(device, str):
-        parsed = torch.device(device)
-        if parsed.type == "cpu":
-            return -1
-        device = parsed.index if parsed.index is not None else 0
-    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
-        raise ValueError(f"device {device!r} is not a CUDA device index")
-    return device
+def device_field(device_type: str, device_index: Optional[int] = None) -> str:
+    """The payload's device text: "cpu", "cuda" or "cuda:N"."""
+    if device_type == "cuda" and device_index is not None:
+        return f"cuda:{int(device_index)}"
+    return device_type
 
 
-def import_backend(descriptor, backend=None):
-    """The backend an import of `descriptor` uses: `backend` if given, else "host" for a
-    descriptor exported by vmm's host backend (owner "HOST-..."), else this process's
-    default backend (the rule vmm_import applies)."""
-    if backend:
-        if backend not in ("cuda", "host"):
-            raise ValueError(f"backend {backend!r} is not 'cuda' or 'host'")
-        return backend
-    owner = descriptor.owner_uuid if isinstance(descriptor, BufferDescriptor) else None
-    if owner is not None and owner.startswith("HOST-"):
-        return "host"
-    return _lib.backend()
+def parse_device_field(device: Any) -> Tuple[str, Optional[int]]:
+    """(device type, CUDA index or None) of a payload's device text; ValueError for anything
+    but "cpu", "cuda" and "cuda:N"."""
+    if device == "cpu":
+        return "cpu", None
+    if isinstance(device, str):
+        match = _CUDA_DEVICE.fullmatch(device)
+        if match is not None:
+            index = match.group(1)
+            return "cuda", None if index is None else int(index)
+    raise ValueError(f"device type {device!r} is not 'cuda' or 'cpu'")
 
 
-def _import_id(descriptor, device=None, backend=None):
-    """Imports `descriptor` (a BufferDescriptor or canonical bytes, which vmm_import parses
-    and validates: malformed bytes raise ValueError) and returns the import id (holding one
-    reference). Releases the GIL: an import maps memory and may fetch fds from the exporter."""
-    data = descriptor if type(descriptor) is bytes else _descriptor_bytes(descriptor)
-    return _lib.check_id(
-        _lib.vmm().vmm_import(data, len(data), _import_device(device),
-                              backend.encode() if backend else None, 0),
-        "import")
+# --- Storage and export ----------------------------------------------------------------------
 
 
-def _release(import_id):
-    _lib.vmm().vmm_import_release(ctypes.c_void_p(import_id))
-
-
-class ImportedBuffer(_lib.Closable):
-    """An imported buffer: ``ptr`` (address of its first byte), ``size`` (bytes), ``device``
-    (the CUDA device it is mapped on; -1 for the host backend) and ``backend`` ("cuda" or
-    "host"). ``close()`` (idempotent, also on leaving a ``with`` block) unmaps it once no
-    tensor made by ``as_tensor()`` uses it any more."""
-
-    def __init__(self, import_id, backend):
-        self._id = import_id
-        self.backend = backend
-        self.ptr, self.size, self.device = _import_info(import_id)
-
-    @property
-    def closed(self):
-        return self._id is None
-
-    def as_tensor(self, dtype=torch.uint8, shape=None):
-        """A tensor over the buffer (bytes as uint8 by default) that keeps the mapping alive
-        on its own, even after close()."""
-        if self._id is None:
-            raise ValueError("the imported buffer is closed")
-        itemsize = element_size(dtype)
-        if shape is None:
-            shape = [self.size // itemsize]
-        shape = list(shape)
-        _lib.check(_lib.quick().vmm_import_retain(self._id))
-        return _wrap_import(self._id, shape, contiguous_strides(shape), 0, dtype)
-
-    def close(self):
-        import_id, self._id = self._id, None
-        if import_id is not None:
-            _release(import_id)
-
-    def __repr__(self):
-        state = "closed" if self._id is None else f"ptr={self.ptr:#x}"
-        return f"ImportedBuffer({state}, size={self.size}, device={self.device})"
-
-
-def import_buffer(descriptor, device=None, backend=None):
-    """Imports a buffer descriptor (object or canonical bytes) and returns an ImportedBuffer.
-
-    `device`: the CUDA device to map on (default: the exporting device, found by UUID).
-    `backend`: "cuda" or "host" (default: from the descriptor's owner). Stale or forged
-    descriptors raise VmmError (code NOT_FOUND, or UNAVAILABLE when the exporting process has
-    exited) naming the owner; malformed ones raise ValueError.
-    """
-    if not isinstance(descriptor, BufferDescriptor):
-        descriptor = descriptor_from_bytes(_descriptor_bytes(descriptor))
-    backend = import_backend(descriptor, backend)
-    return ImportedBuffer(_import_id(descriptor, device, backend), backend)
-
-
-def _import_info(import_id):
-    """(address, size, device) of an import: device is the CUDA device it is mapped on, -1
-    for the host backend."""
-    ptr, size, device = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
-    _lib.check(_lib.quick().vmm_import_info(import_id, ctypes.byref(ptr), ctypes.byref(size),
-                                            ctypes.byref(device)), "import")
-    return ptr.value, size.value, device.value
-
-
-def _wrap_import(import_id, sizes, strides, storage_offset, dtype):
-    """A tensor over the buffer of import `import_id`, on the device it is mapped on (CPU for
-    the host backend), that releases one reference of the import when its storage dies (the
-    caller hands that reference over, also on failure). One operator call: it gets the
-    buffer's address, size and device from libvmm.so itself, and checks that the view (a
-    received payload is hostile input) lies inside the buffer."""
-    try:
-        return _lib.load().wrap_import(import_id, sizes, strides, storage_offset, dtype)
-    except BaseException:
-        _release(import_id)
-        raise
-
-
-def _dtype_from_name(name):
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def _dtype_name(dtype):
-    return str(dtype).replace("torch.", "")
-
-
-class SharedTensor:
-    """A tensor exported from a vmm pool: its buffer descriptor and the metadata to rebuild it.
-
-    Attributes: ``descriptor`` (a FabricBufferDescriptor or PosixFdBufferDescriptor),
-    ``dtype``, ``shape``, ``stride``, ``storage_offset`` (in elements), ``device_type``
-    ("cuda" or "cpu"), ``device_index`` (exporting CUDA device or None) and
-    ``storage_nbytes``. Picklable with plain pickle; ``open()`` imports it.
-    """
-
-    def __init__(self, descriptor, dtype, shape, stride, storage_offset, device_type,
-                 storage_nbytes, device_index=None):
-        if not isinstance(descriptor, BufferDescriptor):
-            raise TypeError("descriptor must be a FabricBufferDescriptor or "
-                            "PosixFdBufferDescriptor")
-        if device_type not in ("cuda", "cpu"):
-            raise ValueError(f"device_type {device_type!r} is not 'cuda' or 'cpu'")
-        self.descriptor = descriptor
-        self.dtype = dtype
-        self.shape = tuple(int(s) for s in shape)
-        self.stride = tuple(int(s) for s in stride)
-        self.storage_offset = int(storage_offset)
-        self.device_type = device_type
-        self.storage_nbytes = int(storage_nbytes)
-        self.device_index = device_index
-
-    def open(self, device=None):
-        """Imports the descriptor and returns a tensor over the shared memory with the
-        exported dtype, shape, strides and storage offset. The mapping lives as long as any
-        view of the returned tensor. `device`: CUDA device to map on (default: the
-        exporting device); ignored for CPU tensors."""
-        backend = "cuda" if self.device_type == "cuda" else "host"
-        import_id = _import_id(self.descriptor, device if backend == "cuda" else None, backend)
-        return _wrap_import(import_id, self.shape, self.stride, self.storage_offset, self.dtype)
-
-    def __getstate__(self):
-        return {
-            "descriptor": self.descriptor.to_bytes(),
-            "dtype": _dtype_name(self.dtype),
-            "shape": self.shape,
-            "stride": self.stride,
-            "storage_offset": self.storage_offset,
-            "device_type": self.device_type,
-            "storage_nbytes": self.storage_nbytes,
-            "device_index": self.device_index,
-        }
-
-    def __setstate__(self, state):
-        self.__init__(descriptor_from_bytes(state["descriptor"]),
-                      _dtype_from_name(state["dtype"]), state["shape"], state["stride"],
-                      state["storage_offset"], state["device_type"], state["storage_nbytes"],
-                      state.get("device_index"))
-
-    def __eq__(self, other):
-        if not isinstance(other, SharedTensor):
-            return NotImplemented
-        return self.__getstate__() == other.__getstate__()
-
-    def __repr__(self):
-        return (f"SharedTensor({self.descriptor.handle_type}, dtype={self.dtype}, "
-                f"shape={self.shape}, stride={self.stride}, "
-                f"storage_offset={self.storage_offset}, device_type={self.device_type!r}, "
-                f"storage_nbytes={self.storage_nbytes})")
-
-
-def storage_base(t):
+def storage_base(t: torch.Tensor) -> Tuple[int, int]:
     """(address, nbytes) of the storage of tensor `t`."""
     base, nbytes = _lib.load().storage_info(t)
     return int(base), int(nbytes)
 
 
-def _storage_address(t):
+def storage_address(t: torch.Tensor) -> int:
     """Address of the storage of tensor `t` if it is a strided CUDA or CPU tensor, else 0.
     Cheap: tensor attributes only, no operator call, where `t` has elements."""
     if t.layout is not torch.strided or not (t.is_cuda or t.is_cpu):
@@ -244,19 +102,21 @@ def _storage_address(t):
         return 0
 
 
-def _vmm_storage_address(t):
-    """Address of the storage of tensor `t` if it lies in a vmm pool, else 0."""
-    base = _storage_address(t)
+def vmm_storage_address(t: torch.Tensor) -> int:
+    """Address of the storage of tensor `t` if it lies in a vmm pool, else 0 (one ownership
+    test, keeping the GIL)."""
+    base = storage_address(t)
     return base if base and _lib.quick().vmm_owns(base) else 0
 
 
-def in_vmm_pool(t):
+def in_vmm_pool(t: Any) -> bool:
     """Whether `t`'s storage lies in a vmm pool (the enabled allocator or an explicit pool)."""
-    return isinstance(t, torch.Tensor) and _vmm_storage_address(t) != 0
+    return isinstance(t, torch.Tensor) and vmm_storage_address(t) != 0
 
 
-def _export_bytes(ptr):
-    """The descriptor bytes of the vmm block at `ptr` (vmm_export)."""
+def export_bytes(ptr: int) -> bytes:
+    """The descriptor bytes of the vmm block starting at `ptr` (vmm_export; the GIL is
+    kept)."""
     out = ctypes.c_void_p()
     length = ctypes.c_size_t()
     _lib.check(_lib.quick().vmm_export(ptr, ctypes.byref(out), ctypes.byref(length)),
@@ -264,7 +124,308 @@ def _export_bytes(ptr):
     return _lib.take_buffer(out, length.value)
 
 
-def export_tensor(t):
+def tensor_payload(t: torch.Tensor, base: int, parameter: bool = False,
+                   requires_grad: bool = False) -> Payload:
+    """The payload of tensor `t`, whose storage starts at `base` in a vmm pool (exports the
+    block)."""
+    return (export_bytes(base), dtype_code(t.dtype), tuple(t.shape), t.stride(),
+            t.storage_offset(), f"cuda:{t.get_device()}" if t.is_cuda else "cpu",
+            parameter, requires_grad)
+
+
+# --- Import ----------------------------------------------------------------------------------
+
+
+def import_descriptor(descriptor: bytes, device: int = -1,
+                      backend: int = BACKEND_DEFAULT) -> int:
+    """Imports canonical descriptor bytes (vmm_import decodes and checks them: malformed ones
+    raise ValueError) and returns the import id, holding one reference. `device`: the CUDA
+    device to map on (-1: the owner's); `backend`: a vmm_backend (0: the descriptor's own).
+    Releases the GIL: an import maps memory and may fetch fds from the exporter."""
+    return _lib.check_id(
+        _lib.vmm().vmm_import(descriptor, len(descriptor), device, backend, 0), "import")
+
+
+def import_info(import_id: int) -> Tuple[int, int, int]:
+    """(address, size, device) of an import: device is the CUDA device it is mapped on, -1
+    for the host backend."""
+    ptr, size, device = ctypes.c_uint64(), ctypes.c_size_t(), ctypes.c_int()
+    _lib.check(_lib.quick().vmm_import_info(import_id, ctypes.byref(ptr), ctypes.byref(size),
+                                            ctypes.byref(device)), "import")
+    return ptr.value, size.value, device.value
+
+
+def retain_import(import_id: int) -> None:
+    """Takes one more reference of an import."""
+    _lib.check(_lib.quick().vmm_import_retain(import_id), "import")
+
+
+def release_import(import_id: int) -> None:
+    """Releases one reference of an import (the mapping goes with the last)."""
+    _lib.vmm().vmm_import_release(ctypes.c_void_p(import_id))
+
+
+def wrap_import(import_id: int, shape: Sequence[int], stride: Sequence[int],
+                storage_offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over the buffer of import `import_id`, on the device it is mapped on (CPU for
+    the host backend), that releases one reference of the import when its storage dies (the
+    caller hands that reference over, also on failure). One operator call: it gets the
+    buffer's address, size and device from libvmm.so itself, and checks that the view (a
+    received payload is hostile input) lies inside the buffer."""
+    try:
+        return _lib.load().wrap_import(import_id, shape, stride, storage_offset, dtype)
+    except BaseException:
+        release_import(import_id)
+        raise
+
+
+def _import_device(device: DeviceArg) -> int:
+    """The device argument of vmm_import: -1 (the owner's device) or a CUDA index."""
+    if device is None:
+        return -1
+    if isinstance(device, torch.device):
+        if device.type == "cpu":
+            return -1
+        device = device.index if device.index is not None else 0
+    elif isinstance(device, str):
+        parsed = torch.device(device)
+        if parsed.type == "cpu":
+            return -1
+        device = parsed.index if parsed.index is not None else 0
+    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31:
+        raise ValueError(f"device {device!r} is not a CUDA device index")
+    return device
+
+
+def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offset: Any,
+             device: Any, parameter: Any, requires_grad: Any, map_device: int) -> torch.Tensor:
+    dtype = dtype_from_code(dtype)  # before the import: nothing to release on failure
+    device_type, _ = parse_device_field(device)
+    data = descriptor if type(descriptor) is bytes else as_bytes(descriptor)
+    # Module globals looked up per call: benchmarks may wrap them to time each step.
+    import_id = import_descriptor(data, map_device if device_type == "cuda" else -1,
+                                  _BACKENDS[device_type])
+    tensor = wrap_import(import_id, shape, stride, storage_offset, dtype)
+    if parameter:
+        return torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
+                   stride: Sequence[int], storage_offset: int, device: str,
+                   parameter: bool = False, requires_grad: bool = False) -> torch.Tensor:
+    """The tensor of a payload (the module docstring's fields, in order): imports the
+    descriptor and wraps a tensor over it, which keeps the mapping alive while any view of it
+    lives. What unpickling a torch.multiprocessing payload calls. Raises ValueError (or
+    TypeError) for a malformed payload, VmmError for a stale one, and leaves no import
+    behind."""
+    return _rebuild(descriptor, dtype, shape, stride, storage_offset, device, parameter,
+                    requires_grad, -1)
+
+
+class ImportedBuffer(_lib.Closable):
+    """An imported buffer: ``ptr`` (address of its first byte), ``size`` (bytes), ``device``
+    (the CUDA device it is mapped on; -1 for the host backend) and ``backend`` ("cuda" or
+    "host"). ``close()`` (idempotent, also on leaving a ``with`` block) unmaps it once no
+    tensor made by ``as_tensor()`` uses it any more."""
+
+    _id: Optional[int] = None
+
+    def __init__(self, import_id: int, backend: Optional[str] = None) -> None:
+        self._id = import_id
+        self.ptr, self.size, self.device = import_info(import_id)
+        self.backend: str = backend or ("host" if self.device < 0 else "cuda")
+
+    @property
+    def closed(self) -> bool:
+        return self._id is None
+
+    def as_tensor(self, dtype: torch.dtype = torch.uint8,
+                  shape: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """A tensor over the buffer (bytes as uint8 by default) that keeps the mapping alive
+        on its own, even after close()."""
+        if self._id is None:
+            raise ValueError("the imported buffer is closed")
+        if shape is None:
+            shape = [self.size // element_size(dtype)]
+        shape = list(shape)
+        retain_import(self._id)
+        return wrap_import(self._id, shape, contiguous_strides(shape), 0, dtype)
+
+    def close(self) -> None:
+        import_id, self._id = self._id, None
+        if import_id is not None:
+            release_import(import_id)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._id is None else f"ptr={self.ptr:#x}"
+        return f"ImportedBuffer({state}, size={self.size}, device={self.device})"
+
+
+def _backend_code(backend: Optional[str]) -> int:
+    if not backend:
+        return BACKEND_DEFAULT
+    code = BACKENDS.get(backend) if isinstance(backend, str) else None
+    if code is None:
+        raise ValueError(f"backend {backend!r} is not 'cuda' or 'host'")
+    return code
+
+
+def import_buffer(descriptor: Union[BufferDescriptor, bytes], device: DeviceArg = None,
+                  backend: Optional[str] = None) -> ImportedBuffer:
+    """Imports a buffer descriptor (object or canonical bytes) and returns an ImportedBuffer.
+
+    `device`: the CUDA device to map on (default: the exporting device, found by UUID).
+    `backend`: "cuda" or "host" (default: the descriptor's own, which vmm reads from it).
+    Stale or forged descriptors raise VmmError (code NOT_FOUND, or UNAVAILABLE when the
+    exporting process has exited) naming the owner; malformed ones raise ValueError.
+    """
+    if isinstance(descriptor, BufferDescriptor):
+        data = descriptor.to_bytes()
+    elif isinstance(descriptor, (bytes, bytearray, memoryview)):
+        data = bytes(descriptor)
+    else:
+        raise TypeError(
+            f"expected a buffer descriptor or its bytes, not {type(descriptor).__name__}")
+    code = _backend_code(backend)
+    return ImportedBuffer(import_descriptor(data, _import_device(device), code))
+
+
+# --- SharedTensor ----------------------------------------------------------------------------
+
+
+class SharedTensor:
+    """A tensor exported from a vmm pool: its buffer descriptor and the metadata to rebuild it.
+
+    Attributes: ``descriptor`` (a FabricBufferDescriptor or PosixFdBufferDescriptor, decoded
+    when first read), ``dtype``, ``shape``, ``stride``, ``storage_offset`` (in elements),
+    ``device_type`` ("cuda" or "cpu"), ``device_index`` (exporting CUDA device or None),
+    ``storage_nbytes`` and ``payload`` (the flat tuple it pickles as; see the module
+    docstring). Picklable with plain pickle; ``open()`` imports it.
+    """
+
+    def __init__(self, descriptor: BufferDescriptor, dtype: torch.dtype,
+                 shape: Sequence[int], stride: Sequence[int], storage_offset: int,
+                 device_type: str, storage_nbytes: Optional[int] = None,
+                 device_index: Optional[int] = None) -> None:
+        if not isinstance(descriptor, BufferDescriptor):
+            raise TypeError("descriptor must be a FabricBufferDescriptor or "
+                            "PosixFdBufferDescriptor")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+        self._set(descriptor.to_bytes(), descriptor, dtype, shape, stride, storage_offset,
+                  device_type, device_index, storage_nbytes)
+
+    _trusted = False  # descriptor bytes from this process's vmm_export
+
+    def _set(self, data: bytes, descriptor: Optional[BufferDescriptor], dtype: torch.dtype,
+             shape: Sequence[int], stride: Sequence[int], storage_offset: int,
+             device_type: str, device_index: Optional[int],
+             storage_nbytes: Optional[int]) -> None:
+        if device_type not in _BACKENDS:
+            raise ValueError(f"device_type {device_type!r} is not 'cuda' or 'cpu'")
+        self._data = data
+        self._descriptor = descriptor
+        self.dtype = dtype
+        self.shape = tuple(int(s) for s in shape)
+        self.stride = tuple(int(s) for s in stride)
+        self.storage_offset = int(storage_offset)
+        self.device_type = device_type
+        self.device_index = None if device_index is None else int(device_index)
+        self._storage_nbytes = None if storage_nbytes is None else int(storage_nbytes)
+
+    @classmethod
+    def from_payload(cls, payload: Sequence[Any]) -> "SharedTensor":
+        """The SharedTensor of a received payload (see the module docstring). Checks the
+        dtype, device and view fields; the descriptor bytes are checked when imported (by
+        vmm_import) or when ``descriptor`` is first read."""
+        return cls._from_payload(payload, None, False)
+
+    @classmethod
+    def _from_payload(cls, payload: Sequence[Any], storage_nbytes: Optional[int],
+                      trusted: bool) -> "SharedTensor":
+        if len(payload) != len(PAYLOAD_FIELDS):
+            raise ValueError(f"a shared tensor payload has {len(PAYLOAD_FIELDS)} fields, "
+                             f"not {len(payload)}")
+        data, code, shape, stride, storage_offset, device = payload[:6]
+        device_type, device_index = parse_device_field(device)
+        self = object.__new__(cls)
+        self._set(as_bytes(data), None, dtype_from_code(code), shape, stride, storage_offset,
+                  device_type, device_index, storage_nbytes)
+        self._trusted = trusted
+        return self
+
+    @property
+    def descriptor(self) -> BufferDescriptor:
+        """The buffer descriptor, decoded on first read (once)."""
+        descriptor = self._descriptor
+        if descriptor is None:
+            make = (BufferDescriptor.from_trusted_bytes if self._trusted
+                    else BufferDescriptor.from_bytes)
+            descriptor = self._descriptor = make(self._data)
+        return descriptor
+
+    @property
+    def storage_nbytes(self) -> int:
+        """Bytes of the exported storage (the descriptor's buffer size where not known)."""
+        if self._storage_nbytes is None:
+            self._storage_nbytes = self.descriptor.size
+        return self._storage_nbytes
+
+    @property
+    def payload(self) -> Payload:
+        """The flat tuple this tensor travels as (see the module docstring)."""
+        return (self._data, dtype_code(self.dtype), self.shape, self.stride,
+                self.storage_offset, device_field(self.device_type, self.device_index),
+                False, False)
+
+    def open(self, device: DeviceArg = None) -> torch.Tensor:
+        """Imports the descriptor and returns a tensor over the shared memory with the
+        exported dtype, shape, strides and storage offset. The mapping lives as long as any
+        view of the returned tensor. `device`: CUDA device to map on (default: the
+        exporting device); ignored for CPU tensors."""
+        map_device = _import_device(device) if self.device_type == "cuda" else -1
+        return _rebuild(*self.payload, map_device)
+
+    def __reduce__(self) -> Tuple[Any, Payload]:
+        return (rebuild_shared_tensor, self.payload)
+
+    def __getstate__(self) -> Payload:
+        return self.payload
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):  # pickles made before the flat payload
+            self._set(as_bytes(state["descriptor"]), None, dtype_from_name(state["dtype"]),
+                      state["shape"], state["stride"], state["storage_offset"],
+                      state["device_type"], state.get("device_index"),
+                      state.get("storage_nbytes"))
+            return
+        other = SharedTensor.from_payload(state)
+        self.__dict__.update(other.__dict__)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SharedTensor):
+            return NotImplemented
+        return self.payload == other.payload
+
+    def __hash__(self) -> int:
+        return hash(self.payload)
+
+    def __repr__(self) -> str:
+        return (f"SharedTensor({self.descriptor.handle_type}, dtype={self.dtype}, "
+                f"shape={self.shape}, stride={self.stride}, "
+                f"storage_offset={self.storage_offset}, device_type={self.device_type!r}, "
+                f"storage_nbytes={self.storage_nbytes})")
+
+
+def rebuild_shared_tensor(*payload: Any) -> SharedTensor:
+    """The SharedTensor of a payload (what unpickling a SharedTensor calls)."""
+    return SharedTensor.from_payload(payload)
+
+
+def export_tensor(t: torch.Tensor) -> SharedTensor:
     """Exports a tensor whose storage lives in a vmm pool and returns a SharedTensor.
 
     The whole storage is exported (views keep their offset and strides). The chunks the
@@ -276,9 +437,8 @@ def export_tensor(t):
         raise TypeError(f"export_tensor expects a torch.Tensor, not {type(t).__name__}")
     if t.layout != torch.strided:
         raise ValueError(f"export_tensor: {t.layout} tensors cannot be exported")
-    if t.device.type not in ("cuda", "cpu"):
+    if t.device.type not in _BACKENDS:
         raise ValueError(f"export_tensor: {t.device.type} tensors cannot be exported")
     base, nbytes = storage_base(t)
-    descriptor = descriptor_from_bytes(_export_bytes(base))
-    return SharedTensor(descriptor, t.dtype, t.shape, t.stride(), t.storage_offset(),
-                        t.device.type, nbytes, t.device.index if t.is_cuda else None)
+    # The bytes come from this process's vmm_export: trusted, decoded only if read.
+    return SharedTensor._from_payload(tensor_payload(t, base), nbytes, True)

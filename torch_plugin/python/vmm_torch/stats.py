@@ -12,17 +12,22 @@ snapshot as a pickle for https://pytorch.org/memory_viz.
 Only the dump file is read: the commands work without a GPU and without vmm's libraries.
 """
 
+from __future__ import annotations
+
 import argparse
 import datetime
 import html
 import json
 import pickle
 import sys
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+Document = Dict[str, Any]
 
 # --- Formatting helpers ----------------------------------------------------------------------
 
 
-def format_bytes(n):
+def format_bytes(n: Optional[float]) -> str:
     """1536 -> "1.5 KiB"."""
     n = float(n or 0)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -32,7 +37,7 @@ def format_bytes(n):
     return f"{n:.1f} TiB"
 
 
-def _table(rows, header=None):
+def _table(rows: List[Sequence[Any]], header: Optional[Sequence[Any]] = None) -> List[str]:
     """Left-aligned first column, right-aligned others."""
     rows = [header] + rows if header else rows
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
@@ -44,7 +49,7 @@ def _table(rows, header=None):
     return lines
 
 
-def load_dump(path):
+def load_dump(path: str) -> Document:
     with open(path) as f:
         document = json.load(f)
     if not isinstance(document, dict) or "snapshot" not in document:
@@ -52,7 +57,7 @@ def load_dump(path):
     return document
 
 
-def _stat(stats, key):
+def _stat(stats: Dict[str, Any], key: str) -> Any:
     return stats.get(key, 0) or 0
 
 
@@ -86,7 +91,7 @@ _COUNTERS = (
 )
 
 
-def summarize_stats(stats):
+def summarize_stats(stats: Dict[str, Any]) -> List[str]:
     """Text lines describing one pool's flat stats dict."""
     lines = _table(
         [(label, format_bytes(_stat(stats, f"{key}.current")),
@@ -103,11 +108,11 @@ def summarize_stats(stats):
     return lines
 
 
-def _block_state(block):
+def _block_state(block: Dict[str, Any]) -> str:
     return block.get("vmm_state") or block.get("state", "?")
 
 
-def _state_totals(blocks):
+def _state_totals(blocks: List[Dict[str, Any]]) -> Dict[str, Tuple[int, int]]:
     totals = {}
     for block in blocks:
         state = _block_state(block)
@@ -116,7 +121,7 @@ def _state_totals(blocks):
     return totals
 
 
-def summarize_segments(snapshot):
+def summarize_segments(snapshot: Dict[str, Any]) -> List[str]:
     """Text lines listing the snapshot's segments and the states of their blocks."""
     segments = snapshot.get("segments", [])
     lines = [f"Segments ({len(segments)})"]
@@ -132,7 +137,7 @@ def summarize_segments(snapshot):
     return lines + _table(rows, header=("device", "address", "size", "blocks", "block states"))
 
 
-def summarize(document):
+def summarize(document: Document) -> str:
     """The text report of a dump."""
     when = datetime.datetime.fromtimestamp(document.get("time", 0)).isoformat(" ", "seconds")
     lines = [f"vmm statistics: backend {document.get('backend', '?')}, "
@@ -172,7 +177,7 @@ td:first-child, th:first-child { text-align: left; }
 """
 
 
-def _stats_table(stats):
+def _stats_table(stats: Dict[str, Any]) -> str:
     rows = ["<tr><th></th><th>current</th><th>peak</th></tr>"]
     for label, key in _BYTE_ROWS:
         rows.append(f"<tr><td>{label}</td><td>{format_bytes(_stat(stats, key + '.current'))}"
@@ -189,7 +194,7 @@ def _stats_table(stats):
             f"fragmentation {frag:.1f}%, largest free block {largest}</p>")
 
 
-def _block_rect(block, x, width):
+def _block_rect(block: Dict[str, Any], x: float, width: float) -> str:
     state = _block_state(block)
     color = _COLORS.get(state, "#999999")
     title = (f"{state} at {hex(block.get('address') or 0)}: {format_bytes(block.get('size', 0))}"
@@ -199,7 +204,7 @@ def _block_rect(block, x, width):
             f"<title>{html.escape(title)}</title></rect>")
 
 
-def _segment_svg(segment):
+def _segment_svg(segment: Dict[str, Any]) -> str:
     total = max(segment.get("total_size", 0), 1)
     offset = 0
     rects = []
@@ -216,13 +221,13 @@ def _segment_svg(segment):
             f'height="{_BAR_HEIGHT}" role="img">{"".join(rects)}</svg></div>')
 
 
-def _legend():
+def _legend() -> str:
     items = "".join(f'<span><span class=swatch style="background:{color}"></span>'
                     f"{html.escape(state)}</span>" for state, color in _COLORS.items())
     return f"<p class=legend>{items}</p>"
 
 
-def render(document):
+def render(document: Document) -> str:
     """A self-contained HTML page of a dump: stats tables and one bar per segment."""
     parts = [f"<!DOCTYPE html><html><head><meta charset=utf-8><title>vmm memory</title>"
              f"<style>{_STYLE}</style></head><body>",
@@ -244,7 +249,7 @@ def render(document):
 # --- torch-viz -------------------------------------------------------------------------------
 
 
-def torch_snapshot(document):
+def torch_snapshot(document: Document) -> Dict[str, Any]:
     """The dump's snapshot as torch.cuda.memory._snapshot() gives it (vmm's extras removed)."""
     snapshot = {k: v for k, v in document["snapshot"].items() if k != "vmm_pools"}
     snapshot.setdefault("segments", [])
@@ -252,7 +257,7 @@ def torch_snapshot(document):
     return snapshot
 
 
-def _folded_page(title, stats_text, folded, note):
+def _folded_page(title: str, stats_text: str, folded: Any, note: str) -> str:
     return (f"<!DOCTYPE html><html><head><meta charset=utf-8><title>{html.escape(title)}</title>"
             f"</head><body><h1>{html.escape(title)}</h1><p>{html.escape(note)}</p>"
             f"<h2>torch.cuda._memory_viz.stats</h2><pre>{html.escape(stats_text)}</pre>"
@@ -260,7 +265,7 @@ def _folded_page(title, stats_text, folded, note):
             f"<pre>{html.escape(folded)}</pre></body></html>\n")
 
 
-def torch_viz_html(snapshot, viz=None):
+def torch_viz_html(snapshot: Dict[str, Any], viz: Any = None) -> Tuple[str, str]:
     """(html, text summary) rendered by this torch's torch.cuda._memory_viz.
 
     Raises RuntimeError when the module offers neither segment_plot nor segments."""
@@ -288,23 +293,23 @@ def torch_viz_html(snapshot, viz=None):
 # --- Command line ----------------------------------------------------------------------------
 
 
-def _write(path, text):
+def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
 
 
-def _cmd_summarize(args):
+def _cmd_summarize(args: argparse.Namespace) -> int:
     sys.stdout.write(summarize(load_dump(args.dump)))
     return 0
 
 
-def _cmd_render(args):
+def _cmd_render(args: argparse.Namespace) -> int:
     _write(args.output, render(load_dump(args.dump)))
     print(f"wrote {args.output}")
     return 0
 
 
-def _cmd_torch_viz(args):
+def _cmd_torch_viz(args: argparse.Namespace) -> int:
     snapshot = torch_snapshot(load_dump(args.dump))
     if args.pickle:
         with open(args.pickle, "wb") as f:
@@ -325,7 +330,7 @@ def _cmd_torch_viz(args):
     return 0
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m vmm_torch.stats",
         description="Read statistics dumps written by vmm_torch.dump_stats().")
@@ -345,7 +350,7 @@ def build_parser():
     return parser
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
