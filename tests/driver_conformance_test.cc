@@ -52,31 +52,13 @@
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 
 namespace vmm {
 namespace {
 
 using ::testing::HasSubstr;
-
-#define ASSERT_OK(expr)                                                        \
-  do {                                                                         \
-    const ::absl::Status assert_ok_status_ = (expr);                           \
-    ASSERT_TRUE(assert_ok_status_.ok()) << #expr << ": " << assert_ok_status_; \
-  } while (0)
-
-#define EXPECT_OK(expr)                                                        \
-  do {                                                                         \
-    const ::absl::Status expect_ok_status_ = (expr);                           \
-    EXPECT_TRUE(expect_ok_status_.ok()) << #expr << ": " << expect_ok_status_; \
-  } while (0)
-
-#define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
-  ASSERT_OK_AND_ASSIGN_IMPL_(VMM_CONCAT_(assert_statusor_, __LINE__), lhs, rexpr)
-#define ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, rexpr)             \
-  auto statusor = (rexpr);                                           \
-  ASSERT_TRUE(statusor.ok()) << #rexpr << ": " << statusor.status(); \
-  lhs = std::move(statusor).value()
 
 // Exit codes of driver_peer (driver_peer.cc).
 constexpr int kPeerOk = 0;
@@ -305,7 +287,9 @@ class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
   }
 
   void TearDown() override {
-    if (driver_ != nullptr && !IsHost()) EXPECT_OK(driver_->SynchronizeDevice(kDevice));
+    if (driver_ != nullptr && !IsHost()) {
+      EXPECT_OK(driver_->SynchronizeDevice(kDevice));
+    }
   }
 
   bool IsHost() const { return GetParam() == "host"; }
