@@ -2,8 +2,8 @@
 //
 // Each test runs twice: on the host backend (a fresh NewHostDriver() per test) and on the CUDA
 // backend (the process-wide GetCudaDriver()). Where there is no usable CUDA driver or GPU the
-// CUDA instances are skipped, unless VMM_REQUIRE_CUDA=1 (the GPU machine), which makes that a
-// failure. Device memory is only ever read and written through MemcpyAsync/MemsetAsync, since
+// CUDA instances are skipped, unless VMM_TEST_BACKEND=cuda (the GPU machine; test_backend.h),
+// which makes that a failure. Device memory is only ever read and written through MemcpyAsync/MemsetAsync, since
 // CUDA device pointers cannot be dereferenced on the host.
 //
 // Error codes: the host backend is held to the exact codes of driver.h. The CUDA backend maps
@@ -15,7 +15,7 @@
 //
 // Tests named TwoDevices* need a second device: on the host backend they use a driver that
 // emulates two (and VMM_HOST_DEVICES=2 for driver_peer); on CUDA they run where there are at
-// least two GPUs and are skipped elsewhere, also under VMM_REQUIRE_CUDA=1 (one GPU is not a
+// least two GPUs and are skipped elsewhere, also under VMM_TEST_BACKEND=cuda (one GPU is not a
 // broken machine).
 #include <fcntl.h>
 #include <poll.h>
@@ -54,6 +54,7 @@
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
+#include "tests/test_backend.h"
 
 namespace vmm {
 namespace {
@@ -72,11 +73,6 @@ DevPtr HostAddress(const void* p) { return static_cast<DevPtr>(reinterpret_cast<
 std::string FabricHex(const FabricHandle& handle) {
   return absl::BytesToHexString(
       absl::string_view(reinterpret_cast<const char*>(handle.data()), handle.size()));
-}
-
-bool CudaRequired() {
-  const char* require = std::getenv("VMM_REQUIRE_CUDA");
-  return require != nullptr && std::strcmp(require, "1") == 0;
 }
 
 // --- Device memory helpers ------------------------------------------------------------------
@@ -271,13 +267,14 @@ absl::StatusOr<PeerResult> RunPeer(const std::vector<std::string>& args,
 class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(const TestBackend selected, SelectedTestBackend());
     if (IsHost()) {
       owned_ = NewHostDriver();
       driver_ = owned_.get();
     } else {
       absl::StatusOr<Driver*> cuda = GetCudaDriver();
       if (!cuda.ok()) {
-        if (CudaRequired()) FAIL() << "VMM_REQUIRE_CUDA=1 but: " << cuda.status();
+        if (selected == TestBackend::kCuda) FAIL() << "VMM_TEST_BACKEND=cuda but: " << cuda.status();
         GTEST_SKIP() << "no CUDA backend: " << cuda.status();
       }
       driver_ = *cuda;

@@ -1,7 +1,8 @@
 // Sharing between processes: export, transport as bytes, import in another process, and the
 // seed's semantics — nothing pinned, importer independent after import, exporter unaffected
 // by a dying importer, clean errors for stale, forged and hostile descriptors. Runs on the
-// default backend (host in CI; VMM_BACKEND=cuda on the GPU machine), for both handle types.
+// backend of tests/test_backend.h (host in CI; VMM_TEST_BACKEND=cuda on the GPU machine), for
+// both handle types.
 //
 // TwoDeviceSharingTest exports from device 0 and imports on device 1, in this process and in
 // others. On the host backend it uses a driver that emulates two devices, and its helper
@@ -26,7 +27,9 @@
 #include "allocator/pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 #include "tests/subprocess.h"
+#include "tests/test_backend.h"
 
 namespace vmm {
 namespace {
@@ -88,9 +91,8 @@ class PoolFixture : public ::testing::TestWithParam<HandleRequest> {
 class SharingTest : public PoolFixture {
  protected:
   void SetUp() override {
-    absl::StatusOr<Driver*> driver = DefaultDriver();
-    ASSERT_TRUE(driver.ok()) << driver.status();
-    MakePool(*driver, 4096 * kMiB);
+    ASSERT_OK_AND_ASSIGN(Driver* driver, TestDriver());
+    MakePool(driver, 4096 * kMiB);
   }
 
   // Whether every byte of [ptr, ptr+size) is `value`.
@@ -372,8 +374,8 @@ bool Granted(Driver* driver, DevPtr at, int device) {
 class TwoDeviceSharingTest : public PoolFixture {
  protected:
   void SetUp() override {
-    absl::StatusOr<Driver*> driver = DefaultDriver();
-    ASSERT_TRUE(driver.ok()) << driver.status();
+    absl::StatusOr<Driver*> driver = TestDriver();
+    ASSERT_OK(driver);
     Driver* chosen = *driver;
     if ((*driver)->Name() == "host") {
       HostDriverOptions options;

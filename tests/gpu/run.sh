@@ -84,10 +84,10 @@ imex_channel() {
 
 cxx_suites() {
   local tag=$1
-  step "conformance_$tag" 180 env VMM_REQUIRE_CUDA=1 "$bin/driver_conformance_test"
+  step "conformance_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/driver_conformance_test"
   step "cuda_driver_$tag" 60 "$bin/cuda_driver_test"
-  step "pool_$tag" 120 env VMM_POOL_TEST_BACKEND=cuda "$bin/pool_test"
-  step "sharing_$tag" 180 env VMM_BACKEND=cuda "$bin/sharing_test"
+  step "pool_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/pool_test"
+  step "sharing_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/sharing_test"
   step "demo_$tag" 60 "$bin/vmm_demo" --size=256M --out="$logs/demo_$tag.json"
 }
 
@@ -192,9 +192,9 @@ phase_fanout() {
 # The C++ tests that need two devices (named TwoDevice*), plus HasAccess on one.
 multi_suites() {
   local tag=$1 filter='--gtest_filter=*TwoDevice*:*HasAccess*'
-  step "multi_conformance_$tag" 120 env VMM_REQUIRE_CUDA=1 "$bin/driver_conformance_test" "$filter"
-  step "multi_pool_$tag" 90 env VMM_POOL_TEST_BACKEND=cuda "$bin/pool_test" "$filter"
-  step "multi_sharing_$tag" 120 env VMM_BACKEND=cuda "$bin/sharing_test" "$filter"
+  step "multi_conformance_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/driver_conformance_test" "$filter"
+  step "multi_pool_$tag" 90 env VMM_TEST_BACKEND=cuda "$bin/pool_test" "$filter"
+  step "multi_sharing_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/sharing_test" "$filter"
 }
 
 # vmm_torch on PYTHONPATH, installed as phase_plugin does unless an earlier phase did.
