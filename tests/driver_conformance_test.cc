@@ -3,8 +3,8 @@
 // Each test runs twice: on the host backend (a fresh NewHostDriver() per test) and on the CUDA
 // backend (the process-wide GetCudaDriver()). Where there is no usable CUDA driver or GPU the
 // CUDA instances are skipped, unless VMM_TEST_BACKEND=cuda (the GPU machine; test_backend.h),
-// which makes that a failure. Device memory is only ever read and written through MemcpyAsync/MemsetAsync, since
-// CUDA device pointers cannot be dereferenced on the host.
+// which makes that a failure. Device memory is only ever read and written through
+// MemcpyAsync/MemsetAsync, since CUDA device pointers cannot be dereferenced on the host.
 //
 // Error codes: the host backend is held to the exact codes of driver.h. The CUDA backend maps
 // CUDA's own errors, which the CUDA documentation does not always pin down for a given
@@ -274,7 +274,9 @@ class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
     } else {
       absl::StatusOr<Driver*> cuda = GetCudaDriver();
       if (!cuda.ok()) {
-        if (selected == TestBackend::kCuda) FAIL() << "VMM_TEST_BACKEND=cuda but: " << cuda.status();
+        if (selected == TestBackend::kCuda) {
+          FAIL() << "VMM_TEST_BACKEND=cuda but: " << cuda.status();
+        }
         GTEST_SKIP() << "no CUDA backend: " << cuda.status();
       }
       driver_ = *cuda;

@@ -4,7 +4,8 @@
 //   EXPECT_OK(pool->Free(p));                          // Status or StatusOr
 //   ASSERT_OK(driver->Granularity(0));
 //   ASSERT_OK_AND_ASSIGN(void* p, pool->Allocate(64, 0));
-//   EXPECT_THAT(ImportBuffer(driver, d), StatusIs(absl::StatusCode::kNotFound, HasSubstr("freed")));
+//   EXPECT_THAT(ImportBuffer(driver, d),
+//               StatusIs(absl::StatusCode::kNotFound, HasSubstr("freed")));
 //   EXPECT_THAT(s, StatusIs(absl::StatusCode::kInvalidArgument));   // any message
 //
 // A failure prints the expression and the status. StatusIs' message matcher is any matcher of
