@@ -38,11 +38,8 @@ using ::testing::HasSubstr;
 
 constexpr size_t kMiB = size_t{1} << 20;
 
-std::string PeerPath() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  if (srcdir != nullptr) return std::string(srcdir) + "/vmm/tests/share_peer";
-  return "tests/share_peer";
-}
+// The other process: tools/vmm_peer (its import and export subcommands).
+std::string PeerPath() { return HelperProgramPath("tools/vmm_peer"); }
 
 // A pool of the parameter's handle type on some driver, with the checks every test ends with:
 // the pool's invariants, no import left open, and the driver's free memory back to its start.

@@ -44,7 +44,6 @@ mkdir -p "$OUT" "$logs"
 summary="$OUT/summary.txt"
 export PATH="/opt/torch/.venv/bin:$PATH" PYTHONUNBUFFERED=1 OUT
 export LD_LIBRARY_PATH="$root/.gpu/lib:${LD_LIBRARY_PATH:-}"
-export TEST_SRCDIR="$root/.gpu/runfiles"
 bin="$root/.gpu/bin"
 
 # step NAME SECONDS COMMAND...: output to $logs/NAME.log, one line in the summary, and the log
