@@ -53,7 +53,6 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 # How long the producer waits for the consumer's answer before giving up on the mode.
 RESULT_TIMEOUT_S = 60
@@ -70,10 +69,6 @@ def parse_cpus(text):
         first, _, last = part.partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
-
-
-def parse_size(text):
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
 
 
 def setup_mode(mode):
@@ -327,7 +322,14 @@ def main():
     p.add_argument("--breakdown", action="store_true",
                    help="also report where the latency goes (export, transit, import, ...)")
     a = p.parse_args()
-    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    # Imported here, in this process only: the producers of PyTorch's modes stay without vmm.
+    from vmm_torch import parse_size
+
+    try:
+        sizes = [parse_size(s) for s in a.sizes.split(",")]
+        bandwidth_size = parse_size(a.bandwidth_size)
+    except ValueError as e:
+        p.error(str(e))
     if a.cpus:
         os.sched_setaffinity(0, parse_cpus(a.cpus))
     ctx = mp.get_context("spawn")
@@ -337,7 +339,7 @@ def main():
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         q = ctx.Queue()
         # Each mode in its own producer process: the allocator is chosen per process.
-        args = (mode, sizes, a.reps, parse_size(a.bandwidth_size), a.breakdown, a.queue,
+        args = (mode, sizes, a.reps, bandwidth_size, a.breakdown, a.queue,
                 a.settle_ms / 1e3, a.consumer_wait, q)
         proc = ctx.Process(target=producer, args=args, name="producer")
         proc.start()

@@ -15,6 +15,7 @@ The native libraries (libvmm.so, _C.so) are loaded on first use; see ``vmm_torch
 """
 
 from ._lib import VmmError, library_dir, load
+from ._options import parse_size
 from .allocator import (
     backend,
     dump_stats,
@@ -64,6 +65,7 @@ __all__ = [
     "memory_reserved",
     "memory_snapshot",
     "memory_stats",
+    "parse_size",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_per_process_memory_fraction",

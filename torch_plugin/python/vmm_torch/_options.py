@@ -10,8 +10,26 @@ naming the key), so this module only spells Python values the way it reads them:
 """
 
 import numbers
+import re
 
 _SEPARATORS = (",", "=")
+_SIZE = re.compile(r"([0-9]+)(?:([KMGT])(?:I?B)?|B)?", re.IGNORECASE)
+_SIZE_SHIFTS = {None: 0, "K": 10, "M": 20, "G": 30, "T": 40}
+
+
+def parse_size(text):
+    """Bytes of a size: a whole number with an optional K, M, G or T suffix (powers of 1024,
+    either case) and an optional "B" or "iB" ("64M", "64MiB", "2KB", "512B", "512").
+    Surrounding whitespace is ignored. ValueError for anything else (the C library's grammar).
+    """
+    match = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if match is None:
+        raise ValueError(f"{text!r} is not a size in bytes (a whole number with an optional "
+                         "K, M, G or T suffix, e.g. 512M)")
+    value = int(match.group(1)) << _SIZE_SHIFTS[match.group(2) and match.group(2).upper()]
+    if value >= 1 << 64:
+        raise ValueError(f"{text!r} is not a size in bytes (more than 64 bits)")
+    return value
 
 
 def _format_peer_devices(value):
