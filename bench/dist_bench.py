@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """vmm_torch.distributed.broadcast / all_gather against torch.distributed's own (gloo).
 
-    python3 tests/gpu/dist_bench.py --ranks 4 --sizes 64M,1G            # GPU machine
-    python3 tests/gpu/dist_bench.py --host --ranks 3 --sizes 1M,16M     # anywhere (CPU)
+    python3 bench/dist_bench.py --ranks 4 --sizes 64M,1G            # GPU machine
+    python3 bench/dist_bench.py --host --ranks 3 --sizes 1M,16M     # anywhere (CPU)
 
 For each handle type (posix_fd, then fabric) it starts `--ranks` processes (spawn) that join a
 gloo process group. On the GPU each calls vmm_torch.enable(handle_type=...) before CUDA is
