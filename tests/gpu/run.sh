@@ -135,9 +135,10 @@ install_plugin() {
 # matching tests of the suites that have device-pair tests (no CUDA driver suite, no demo).
 cxx_suites() {
   local tag=$1 filter=${2:-}
-  step "conformance_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/driver_conformance_test" ${filter:+"$filter"}
-  step "pool_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/pool_test" ${filter:+"$filter"}
-  step "sharing_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/sharing_test" ${filter:+"$filter"}
+  local args=(${filter:+"$filter"})
+  step "conformance_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/driver_conformance_test" "${args[@]}"
+  step "pool_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/pool_test" "${args[@]}"
+  step "sharing_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/sharing_test" "${args[@]}"
   [[ -z "$filter" ]] || return 0
   step "cuda_driver_$tag" 60 "$bin/cuda_driver_test"
   step "demo_$tag" 60 env VMM_BACKEND=cuda "$bin/vmm_demo" --size=256M --out="$logs/demo_$tag.json"
