@@ -438,7 +438,7 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
     if (count == "num_device_free") device_free = delta;
   }
   if (device_alloc >= 0 && device_free >= 0) {
-    // SPEC §5 compares this sum (maps + unmaps) with PyTorch's expandable segments.
+    // docs/DESIGN.md §5 compares this sum (maps + unmaps) with PyTorch's expandable segments.
     Result(bench, name, adapter.Name(), "num_device_alloc_plus_free",
            static_cast<double>(device_alloc + device_free), "calls")
         .Merge(common)

@@ -47,6 +47,12 @@ if grep -q '"error"' "$tmp/import.jsonl"; then cat "$tmp/import.jsonl"; exit 1; 
 grep -q '"allocator": "bare_driver/align=64MiB", "metric": "critical_path_ns"' \
   "$tmp/import_align.jsonl" || { cat "$tmp/import_align.jsonl"; exit 1; }
 
+# A malformed size is refused with a message naming it.
+if "$bin/import_bench" --backend=host --sizes=8Q --reps=1 >/dev/null 2>"$tmp/bad_size.log"; then
+  echo "import_bench accepted --sizes=8Q"; exit 1
+fi
+grep -q "'8Q' is not a size in bytes" "$tmp/bad_size.log" || { cat "$tmp/bad_size.log"; exit 1; }
+
 # A malformed trace is refused with a message naming the line.
 printf 'a 1 100\nf 2\n' >"$tmp/bad.txt"
 if "$bin/replay" --trace="$tmp/bad.txt" --backend=host 2>"$tmp/bad.log"; then

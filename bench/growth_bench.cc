@@ -1,5 +1,5 @@
 // growth_bench: the cost of growing an empty pool, against the bare driver calls that map the
-// same chunks (SPEC §5: pool <= 1.5 x bare).
+// same chunks (docs/DESIGN.md §5: pool <= 1.5 x bare).
 //
 // For each chunk size it times, `--reps` times each and interleaved:
 //   - vmm:  one Pool::Allocate(grow) on a fresh, empty pool (PoolOptions::max_chunk = chunk),

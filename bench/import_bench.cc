@@ -1,5 +1,5 @@
 // import_bench: where the time of sharing a buffer between processes goes, driver call by
-// driver call, so that the importer's critical path (SPEC §5: import an 8 GiB buffer) can be
+// driver call, so that the importer's critical path (docs/DESIGN.md §5: import an 8 GiB buffer) can be
 // taken apart and the cheaper ways of issuing the same calls compared.
 //
 // For each handle type (--handle_types; a type that cannot be created and exported here, e.g.
@@ -27,7 +27,7 @@
 //     handles already exported); ImportBuffer maps the descriptor in this process
 //     (import_buffer_ns; for posix_fd this takes FetchFds' same-process shortcut, no socket)
 //     and the buffer is closed (close_ns); the block is freed (free_ns). Then a second process
-//     (this program, started once with --import_child) imports the same descriptor for real:
+//     (tools/vmm_peer import-loop, started once) imports the same descriptor for real:
 //     xproc_fd_fetch_ns (posix_fd: the fds fetched over the exporter's Unix socket alone),
 //     xproc_import_buffer_ns (ImportBuffer, socket fetch included) and xproc_close_ns, timed
 //     there.
@@ -45,7 +45,6 @@
 #include <cstdint>
 #include <optional>
 #include <cstdio>
-#include <iostream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -60,9 +59,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "allocator/byte_size.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver.h"
-#include "allocator/fd_share.h"
 #include "allocator/handle_probe.h"
 #include "allocator/pool.h"
 #include "allocator/sharing.h"
@@ -89,7 +88,6 @@ ABSL_FLAG(bool, keep_exported_fd, false,
           "whether the driver's cost of a first fd export is per export or set up once");
 ABSL_FLAG(bool, vmm_path, true, "also time Pool::Export + ImportBuffer");
 ABSL_FLAG(bool, cross_process, true, "also import the vmm descriptor in a second process");
-ABSL_FLAG(bool, import_child, false, "internal: be the second process (descriptors on stdin)");
 
 namespace {
 
@@ -116,21 +114,18 @@ void Warn(absl::string_view what, const absl::Status& s) {
                             what.data(), s.ToString().c_str());
 }
 
-// "64M" -> 64 MiB; K, M, G, T suffixes; 0 when malformed.
-size_t ParseBytes(std::string text) {
-  size_t shift = 0;
-  if (!text.empty()) {
-    const char* units = "KMGT";
-    for (int i = 0; i < 4; ++i) {
-      if (text.back() == units[i]) shift = 10 * (i + 1);
-    }
-    if (shift != 0) text.pop_back();
+// The value of a size flag (byte_size.h); InvalidArgument naming the flag when malformed.
+absl::StatusOr<size_t> ParseSizeFlag(absl::string_view flag, const std::string& text) {
+  absl::StatusOr<uint64_t> n = vmm::ParseByteSize(text);
+  if (!n.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--", flag, ": ", n.status().message()));
   }
-  uint64_t n = 0;
-  return absl::SimpleAtoi(text, &n) && n < (uint64_t{1} << (63 - shift)) ? n << shift : 0;
+  return static_cast<size_t>(*n);
 }
 
-std::string Bytes(size_t n) {
+// A size in result names: "64MiB", "2GiB", "1536KiB" — exact, the largest binary unit that
+// divides it (vmm::FormatBytes rounds to two decimals, for people; names must be exact).
+std::string SizeName(size_t n) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   int u = 0;
   while (u < 4 && n >= 1024 && n % 1024 == 0) n /= 1024, ++u;
@@ -342,63 +337,17 @@ double CriticalPath(const double ns[kSteps]) {
 
 // --- The second process -------------------------------------------------------------------
 
-// Reads hex descriptors, one a line; imports each and answers "ok FETCH_NS IMPORT_NS CLOSE_NS"
-// (FETCH_NS: posix_fd fds fetched over the socket alone, else 0) or "error MESSAGE".
-int RunImportChild(const std::string& backend) {
-  absl::StatusOr<Driver*> driver = vmm_bench::BenchDriver(backend, size_t{256} << 30);
-  absl::Status warm = driver.status();
-  if (warm.ok()) {  // the driver's context, before anything is timed
-    absl::StatusOr<size_t> g = (*driver)->Granularity(kDevice);
-    absl::StatusOr<DevPtr> p = g.ok() ? (*driver)->Reserve(*g, 0) : g.status();
-    warm = p.ok() ? (*driver)->Unreserve(*p, *g) : p.status();
-  }
-  std::printf("%s\n", warm.ok() ? "ready" : ("error " + warm.ToString()).c_str());
-  std::fflush(stdout);
-  if (!warm.ok()) return 1;
-  for (std::string line; std::getline(std::cin, line);) {
-    auto answer = [&]() -> absl::StatusOr<std::string> {
-      VMM_ASSIGN_OR_RETURN(vmm::BufferDescriptor d,
-                           vmm::BufferDescriptor::Decode(absl::HexStringToBytes(line)));
-      double fetch_ns = 0;
-      if (d.handle_type() == HandleType::kPosixFd) {
-        std::vector<vmm::FdToken> tokens;
-        for (const auto& bytes : d.handles()) {
-          VMM_ASSIGN_OR_RETURN(vmm::FdToken token, vmm::FdToken::Decode(bytes));
-          tokens.push_back(token);
-        }
-        const auto t = Clock::now();
-        absl::StatusOr<std::vector<vmm::UniqueFd>> fds = vmm::FetchFds(tokens);
-        fetch_ns = NsSince(t);
-        if (!fds.ok()) return Fail("FetchFds", fds.status());
-      }
-      auto t = Clock::now();
-      absl::StatusOr<std::unique_ptr<vmm::ImportedBuffer>> buffer =
-          vmm::ImportBuffer(*driver, d);
-      const double import_ns = NsSince(t);
-      if (!buffer.ok()) return Fail("ImportBuffer", buffer.status());
-      t = Clock::now();
-      buffer->reset();
-      const double close_ns = NsSince(t);
-      return absl::StrFormat("ok %.0f %.0f %.0f", fetch_ns, import_ns, close_ns);
-    }();
-    std::string out = answer.ok() ? *answer : "error " + answer.status().ToString();
-    for (char& c : out) c = c == '\n' ? ' ' : c;
-    std::printf("%s\n", out.c_str());
-    std::fflush(stdout);
-  }
-  return 0;
-}
-
 struct ChildTimes {
   double fetch_ns = 0, import_ns = 0, close_ns = 0;
 };
 
 class ImportChild {
  public:
-  // Starts the second process; an error when it does not come up.
+  // Starts the second process (vmm_peer import-loop: it answers each descriptor with "ok
+  // FETCH_NS IMPORT_NS CLOSE_NS"); an error when it does not come up.
   absl::Status Start(const std::string& backend) {
     process_ = std::make_unique<vmm::Subprocess>(std::vector<std::string>{
-        "/proc/self/exe", "--import_child", "--backend=" + backend});
+        vmm::HelperProgramPath("tools/vmm_peer"), "import-loop", "--backend=" + backend});
     const std::string line = process_->ReadLine();
     if (line == "ready") return absl::OkStatus();
     process_.reset();
@@ -495,7 +444,7 @@ void RunBare(Driver* driver, const Combination& c, size_t granularity, int reps,
   std::vector<Variant> variants = {{Variant::kBase, 1, "bare_driver"}};
   for (size_t alignment : alignments) {
     if (alignment > granularity) {
-      variants.push_back({Variant::kBase, 1, absl::StrCat("bare_driver/align=", Bytes(alignment)),
+      variants.push_back({Variant::kBase, 1, absl::StrCat("bare_driver/align=", SizeName(alignment)),
                           alignment});
     }
   }
@@ -617,7 +566,6 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Times sharing a buffer between processes, driver call by call.");
   absl::ParseCommandLine(argc, argv);
   RaiseFdLimit();
-  if (absl::GetFlag(FLAGS_import_child)) return RunImportChild(absl::GetFlag(FLAGS_backend));
 
   absl::StatusOr<Driver*> driver = vmm_bench::BenchDriver(absl::GetFlag(FLAGS_backend),
                                                           size_t{256} << 30);
@@ -633,8 +581,14 @@ int main(int argc, char** argv) {
   }
   const int reps = std::max(1, absl::GetFlag(FLAGS_reps));
   std::vector<size_t> sizes, chunks;  // chunk 0: whole
+  auto parse_size = [](absl::string_view flag, const std::string& text) -> size_t {
+    absl::StatusOr<size_t> n = ParseSizeFlag(flag, text);
+    if (n.ok()) return *n;
+    std::fprintf(stderr, "import_bench: %s\n", n.status().ToString().c_str());
+    std::exit(2);
+  };
   for (const std::string& s : absl::GetFlag(FLAGS_sizes)) {
-    sizes.push_back(ParseBytes(s));
+    sizes.push_back(parse_size("sizes", s));
     if (sizes.back() == 0 || sizes.back() % *granularity != 0) {
       std::fprintf(stderr, "import_bench: --sizes: %s is not a multiple of %zu\n", s.c_str(),
                    *granularity);
@@ -642,7 +596,7 @@ int main(int argc, char** argv) {
     }
   }
   for (const std::string& s : absl::GetFlag(FLAGS_chunk_sizes)) {
-    chunks.push_back(s == "whole" ? 0 : ParseBytes(s));
+    chunks.push_back(s == "whole" ? 0 : parse_size("chunk_sizes", s));
     if (s != "whole" && (chunks.back() == 0 || chunks.back() % *granularity != 0)) {
       std::fprintf(stderr, "import_bench: --chunk_sizes: %s is not whole or a multiple of %zu\n",
                    s.c_str(), *granularity);
@@ -661,7 +615,7 @@ int main(int argc, char** argv) {
   std::vector<size_t> alignments;
   for (const std::string& s : absl::GetFlag(FLAGS_reserve_alignments)) {
     if (s.empty()) continue;
-    alignments.push_back(ParseBytes(s));
+    alignments.push_back(parse_size("reserve_alignments", s));
     if (alignments.back() == 0 || (alignments.back() & (alignments.back() - 1)) != 0) {
       std::fprintf(stderr, "import_bench: --reserve_alignments: %s is not a power of two\n",
                    s.c_str());
@@ -715,8 +669,8 @@ int main(int argc, char** argv) {
         c.type = type;
         c.size = size;
         c.chunk = chunk_flag == 0 ? size : std::min(chunk_flag, size);
-        c.name = absl::StrCat("import_", Bytes(size), "/", type_name, "/chunk=",
-                              chunk_flag == 0 ? "whole" : Bytes(chunk_flag));
+        c.name = absl::StrCat("import_", SizeName(size), "/", type_name, "/chunk=",
+                              chunk_flag == 0 ? "whole" : SizeName(chunk_flag));
         const size_t count = (size + c.chunk - 1) / c.chunk;
         if (count > kMaxPieces) {
           PrintSkipped(c.name, absl::StrCat(count, " pieces, more than ", kMaxPieces));

@@ -21,7 +21,7 @@ Driver* GetDriver() {
 }
 
 // One allocate + free pair on the cached path, with `live` other blocks allocated and a
-// rotating choice of sizes: the figure SPEC §5 asks for (target <= 100 ns).
+// rotating choice of sizes: the figure docs/DESIGN.md §5 asks for (target <= 100 ns).
 void BM_CachedAllocFreePair(benchmark::State& state) {
   const size_t live = static_cast<size_t>(state.range(0));
   PoolOptions options;

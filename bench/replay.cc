@@ -5,7 +5,7 @@
 // Growth-policy options take comma-separated lists; every combination is replayed, so one
 // run studies the policy:
 //
-//   python3 ../shared/bench/training_trace.py > /tmp/trace.txt
+//   python3 bench/training_trace.py > /tmp/trace.txt
 //   bazel run -c opt //bench:replay -- --trace=/tmp/trace.txt --backend=host
 //       --growth_fraction=0,0.01,0.02,0.05 --max_growth_extra_mib=128,512,inf   (one line)
 //

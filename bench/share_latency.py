@@ -16,7 +16,7 @@ With --breakdown, each latency row is followed by a "share_breakdown" row: media
 microseconds of where the latency went, parts that add up to it. export: the pickling reducer
 in the producer (vmm's or PyTorch's reduce_tensor). transit: from the put until the consumer's
 rebuild function starts, less the export (queue feeder thread, pipe, unpickling up to the
-rebuild). import: the rebuild function (vmm's rebuild_tensor_from_bytes, split into
+rebuild). import: the rebuild function (vmm's sharing.rebuild_tensor, split into
 vmm_import, the C call, and wrap, the tensor over it; PyTorch's rebuild_cuda_tensor). unpickle_other: from the
 end of the rebuild until the queue's get returns. first_read: from then until tensor[0].item()
 returns. Timestamps are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for all processes).
@@ -53,7 +53,6 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 IMEX_CHANNEL = "/dev/nvidia-caps-imex-channels/channel0"
 # How long the producer waits for the consumer's answer before giving up on the mode.
 RESULT_TIMEOUT_S = 60
@@ -70,10 +69,6 @@ def parse_cpus(text):
         first, _, last = part.partition("-")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
-
-
-def parse_size(text):
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
 
 
 def setup_mode(mode):
@@ -133,15 +128,14 @@ def time_export(mode):
 
 def time_import(mode):
     """Times the rebuild of received tensors: unpickling looks the rebuild function up as a
-    module attribute, and the rebuild its helpers as attributes of vmm_torch.sharing."""
+    module attribute (vmm_torch.sharing.rebuild_tensor), and the rebuild its helpers as
+    attributes of vmm_torch.sharing."""
     if mode.startswith("vmm"):
-        import vmm_torch.reductions as reductions
         import vmm_torch.sharing as sharing
 
-        reductions.rebuild_tensor_from_bytes = timed(reductions.rebuild_tensor_from_bytes,
-                                                     "import")
-        sharing._import_id = timed(sharing._import_id, "vmm_import")
-        sharing._wrap_import = timed(sharing._wrap_import, "wrap")
+        sharing.rebuild_tensor = timed(sharing.rebuild_tensor, "import")
+        sharing.import_descriptor = timed(sharing.import_descriptor, "vmm_import")
+        sharing.wrap_import = timed(sharing.wrap_import, "wrap")
     else:
         import torch.multiprocessing.reductions as reductions
 
@@ -327,7 +321,14 @@ def main():
     p.add_argument("--breakdown", action="store_true",
                    help="also report where the latency goes (export, transit, import, ...)")
     a = p.parse_args()
-    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    # Imported here, in this process only: the producers of PyTorch's modes stay without vmm.
+    from vmm_torch import parse_size
+
+    try:
+        sizes = [parse_size(s) for s in a.sizes.split(",")]
+        bandwidth_size = parse_size(a.bandwidth_size)
+    except ValueError as e:
+        p.error(str(e))
     if a.cpus:
         os.sched_setaffinity(0, parse_cpus(a.cpus))
     ctx = mp.get_context("spawn")
@@ -337,7 +338,7 @@ def main():
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
         q = ctx.Queue()
         # Each mode in its own producer process: the allocator is chosen per process.
-        args = (mode, sizes, a.reps, parse_size(a.bandwidth_size), a.breakdown, a.queue,
+        args = (mode, sizes, a.reps, bandwidth_size, a.breakdown, a.queue,
                 a.settle_ms / 1e3, a.consumer_wait, q)
         proc = ctx.Process(target=producer, args=args, name="producer")
         proc.start()

@@ -1,6 +1,6 @@
 // torch_peer_bench: the workloads of alloc_workloads.h through PyTorch's CUDA caching
 // allocator (c10::cuda::CUDACachingAllocator::raw_alloc / raw_delete), for comparison with
-// vmm (SPEC §5). Built on the GPU machine against the installed torch by build_torch_peer.sh;
+// vmm (docs/DESIGN.md §5). Built on the GPU machine against the installed torch by build_torch_peer.sh;
 // not part of the Bazel build.
 //
 // The allocator's settings come from PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF), read by

@@ -1,5 +1,5 @@
 // vmm_peer_bench: the workloads of alloc_workloads.h for vmm and for the CUDA runtime's own
-// allocators, side by side in one process (SPEC §5). PyTorch's allocator is measured by
+// allocators, side by side in one process (docs/DESIGN.md §5). PyTorch's allocator is measured by
 // torch_peer_bench.cpp, which is built on the GPU machine; bench/report.py joins the results.
 //
 // Allocators (--allocators, comma separated):

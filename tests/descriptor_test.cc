@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 
 namespace vmm {
 
@@ -45,17 +46,12 @@ constexpr size_t kSizeAt = 16;
 constexpr size_t kOffsetAt = 24;
 constexpr size_t kSizesAt = 32;
 
-// Matches a failed StatusOr whose status is InvalidArgument with exactly `message`.
-MATCHER_P(FailsWith, message, "") {
-  const absl::Status& status = arg.status();
-  *result_listener << "status is " << status;
-  return status.code() == absl::StatusCode::kInvalidArgument && status.message() == message;
+// A failed StatusOr whose status is InvalidArgument with exactly `message`.
+auto FailsWith(const std::string& message) {
+  return StatusIs(absl::StatusCode::kInvalidArgument, message);
 }
 
-MATCHER(IsInvalidArgument, "") {
-  *result_listener << "status is " << arg.status();
-  return arg.status().code() == absl::StatusCode::kInvalidArgument;
-}
+auto IsInvalidArgument() { return StatusIs(absl::StatusCode::kInvalidArgument); }
 
 // A distinct 64-byte handle for each seed.
 std::string TestHandle(int seed) {

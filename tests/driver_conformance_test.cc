@@ -2,26 +2,22 @@
 //
 // Each test runs twice: on the host backend (a fresh NewHostDriver() per test) and on the CUDA
 // backend (the process-wide GetCudaDriver()). Where there is no usable CUDA driver or GPU the
-// CUDA instances are skipped, unless VMM_REQUIRE_CUDA=1 (the GPU machine), which makes that a
-// failure. Device memory is only ever read and written through MemcpyAsync/MemsetAsync, since
-// CUDA device pointers cannot be dereferenced on the host.
+// CUDA instances are skipped, unless VMM_TEST_BACKEND=cuda (the GPU machine; test_backend.h),
+// which makes that a failure. Device memory is only ever read and written through
+// MemcpyAsync/MemsetAsync, since CUDA device pointers cannot be dereferenced on the host.
 //
 // Error codes: the host backend is held to the exact codes of driver.h. The CUDA backend maps
 // CUDA's own errors, which the CUDA documentation does not always pin down for a given
 // mistake; there only the failure itself is checked, except where CUDA documents the error.
 //
-// The cross-process tests spawn tests/driver_peer (see driver_peer.cc for its flags and exit
-// codes), which imports what this process exported.
+// The cross-process tests spawn `vmm_peer driver-import` (see tools/vmm_peer.cc for its flags
+// and exit codes), which imports what this process exported.
 //
 // Tests named TwoDevices* need a second device: on the host backend they use a driver that
-// emulates two (and VMM_HOST_DEVICES=2 for driver_peer); on CUDA they run where there are at
-// least two GPUs and are skipped elsewhere, also under VMM_REQUIRE_CUDA=1 (one GPU is not a
+// emulates two (and VMM_HOST_DEVICES=2 for vmm_peer); on CUDA they run where there are at
+// least two GPUs and are skipped elsewhere, also under VMM_TEST_BACKEND=cuda (one GPU is not a
 // broken machine).
 #include <fcntl.h>
-#include <poll.h>
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -52,33 +48,16 @@
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 #include "tests/subprocess.h"
+#include "tests/test_backend.h"
 
 namespace vmm {
 namespace {
 
 using ::testing::HasSubstr;
 
-#define ASSERT_OK(expr)                                                        \
-  do {                                                                         \
-    const ::absl::Status assert_ok_status_ = (expr);                           \
-    ASSERT_TRUE(assert_ok_status_.ok()) << #expr << ": " << assert_ok_status_; \
-  } while (0)
-
-#define EXPECT_OK(expr)                                                        \
-  do {                                                                         \
-    const ::absl::Status expect_ok_status_ = (expr);                           \
-    EXPECT_TRUE(expect_ok_status_.ok()) << #expr << ": " << expect_ok_status_; \
-  } while (0)
-
-#define ASSERT_OK_AND_ASSIGN(lhs, rexpr) \
-  ASSERT_OK_AND_ASSIGN_IMPL_(VMM_CONCAT_(assert_statusor_, __LINE__), lhs, rexpr)
-#define ASSERT_OK_AND_ASSIGN_IMPL_(statusor, lhs, rexpr)             \
-  auto statusor = (rexpr);                                           \
-  ASSERT_TRUE(statusor.ok()) << #rexpr << ": " << statusor.status(); \
-  lhs = std::move(statusor).value()
-
-// Exit codes of driver_peer (driver_peer.cc).
+// Exit codes of vmm_peer (tools/vmm_peer.cc).
 constexpr int kPeerOk = 0;
 constexpr int kPeerImportFailed = 3;
 
@@ -86,15 +65,10 @@ constexpr int kDevice = 0;
 
 DevPtr HostAddress(const void* p) { return static_cast<DevPtr>(reinterpret_cast<uintptr_t>(p)); }
 
-// A fabric handle as driver_peer's --fabric flag takes it: 128 hex digits.
+// A fabric handle as vmm_peer's --fabric flag takes it: 128 hex digits.
 std::string FabricHex(const FabricHandle& handle) {
   return absl::BytesToHexString(
       absl::string_view(reinterpret_cast<const char*>(handle.data()), handle.size()));
-}
-
-bool CudaRequired() {
-  const char* require = std::getenv("VMM_REQUIRE_CUDA");
-  return require != nullptr && std::strcmp(require, "1") == 0;
 }
 
 // --- Device memory helpers ------------------------------------------------------------------
@@ -218,69 +192,17 @@ struct PeerResult {
   std::string output;  // its stdout and stderr
 };
 
-// tests/driver_peer: from the test's runfiles, else next to this binary.
-std::string PeerPath() {
-  if (const char* srcdir = std::getenv("TEST_SRCDIR"); srcdir != nullptr) {
-    std::string path = absl::StrCat(srcdir, "/vmm/tests/driver_peer");
-    if (::access(path.c_str(), X_OK) == 0) return path;
-  }
-  char self[4096];
-  ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
-  if (n <= 0) return "driver_peer";
-  std::string dir(self, static_cast<size_t>(n));
-  return absl::StrCat(dir.substr(0, dir.rfind('/')), "/driver_peer");
-}
-
-// Reads `fd` to its end, giving up after `timeout_ms` without output.
-absl::StatusOr<std::string> ReadAll(int fd, int timeout_ms) {
-  std::string out;
-  char buf[4096];
-  while (true) {
-    pollfd p{fd, POLLIN, 0};
-    const int ready = ::poll(&p, 1, timeout_ms);
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) return absl::DeadlineExceededError("driver_peer did not finish in time");
-    const ssize_t n = ::read(fd, buf, sizeof(buf));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return out;
-    out.append(buf, static_cast<size_t>(n));
-  }
-}
-
-// Runs driver_peer with `args` (descriptors without FD_CLOEXEC are inherited) and waits for it.
-// `env` adds "NAME=value" entries to its environment.
+// Runs `vmm_peer driver-import` with `args` (descriptors without FD_CLOEXEC are inherited) and
+// waits for it. `env` adds "NAME=value" entries to its environment.
 absl::StatusOr<PeerResult> RunPeer(const std::vector<std::string>& args,
                                    const std::vector<std::string>& env = {}) {
-  const std::string path = PeerPath();
-  std::vector<std::string> arg_strings = {path};
-  arg_strings.insert(arg_strings.end(), args.begin(), args.end());
-  std::vector<char*> argv = NullTerminated(arg_strings);
-  const std::vector<std::string> env_strings = EnvironmentWith(env);
-  std::vector<char*> envp = NullTerminated(env_strings);
-
-  int pipe_fds[2];
-  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) return absl::ErrnoToStatus(errno, "pipe2");
-  UniqueFd read_end(pipe_fds[0]);
-  UniqueFd write_end(pipe_fds[1]);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, write_end.get(), STDERR_FILENO);
-  pid_t pid = 0;
-  const int rc = ::posix_spawn(&pid, path.c_str(), &actions, nullptr, argv.data(), envp.data());
-  posix_spawn_file_actions_destroy(&actions);
-  if (rc != 0) return absl::ErrnoToStatus(rc, absl::StrCat("posix_spawn ", path));
-  write_end.reset();
-
-  absl::StatusOr<std::string> output = ReadAll(read_end.get(), /*timeout_ms=*/120000);
-  if (!output.ok()) ::kill(pid, SIGKILL);
-  int wstatus = 0;
-  while (::waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
-  }
-  if (!output.ok()) return output.status();
+  std::vector<std::string> argv = {HelperProgramPath("tools/vmm_peer"), "driver-import"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  Subprocess peer(argv, env, Subprocess::Output::kWithStderr);
+  if (!peer.started()) return absl::InternalError(absl::StrCat("could not start ", argv[0]));
   PeerResult result;
-  result.output = *std::move(output);
-  result.exit_code = WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : 128 + WTERMSIG(wstatus);
+  result.output = peer.ReadAll();
+  result.exit_code = peer.Wait();
   return result;
 }
 
@@ -289,13 +211,16 @@ absl::StatusOr<PeerResult> RunPeer(const std::vector<std::string>& args,
 class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(const TestBackend selected, SelectedTestBackend());
     if (IsHost()) {
       owned_ = NewHostDriver();
       driver_ = owned_.get();
     } else {
       absl::StatusOr<Driver*> cuda = GetCudaDriver();
       if (!cuda.ok()) {
-        if (CudaRequired()) FAIL() << "VMM_REQUIRE_CUDA=1 but: " << cuda.status();
+        if (selected == TestBackend::kCuda) {
+          FAIL() << "VMM_TEST_BACKEND=cuda but: " << cuda.status();
+        }
         GTEST_SKIP() << "no CUDA backend: " << cuda.status();
       }
       driver_ = *cuda;
@@ -305,7 +230,9 @@ class DriverConformanceTest : public ::testing::TestWithParam<std::string> {
   }
 
   void TearDown() override {
-    if (driver_ != nullptr && !IsHost()) EXPECT_OK(driver_->SynchronizeDevice(kDevice));
+    if (driver_ != nullptr && !IsHost()) {
+      EXPECT_OK(driver_->SynchronizeDevice(kDevice));
+    }
   }
 
   bool IsHost() const { return GetParam() == "host"; }
@@ -854,7 +781,7 @@ void DriverConformanceTest::CheckShareWithPeer(HandleType type, Driver* driver, 
                                    absl::StrCat("--size=", size), "--expect=90",
                                    "--write=165",  // 0x5a, then 0xa5
                                    absl::StrCat("--device=", peer_device)};
-  // The host backend of driver_peer emulates as many devices as the test's driver.
+  // The host backend of vmm_peer emulates as many devices as the test's driver.
   const std::vector<std::string> env = {
       absl::StrCat("VMM_HOST_DEVICES=", driver->Name() == "host" ? driver->DeviceCount() : 1)};
   UniqueFd inherited;

@@ -17,6 +17,8 @@
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+#include "tests/test_backend.h"
 
 namespace vmm {
 namespace {
@@ -50,6 +52,10 @@ bool Intact(const void* p, size_t size, uint8_t pattern) {
 void Sleep1ms(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(1)); }
 
 TEST_P(PoolStressTest, MatchesReferenceModel) {
+  ASSERT_OK_AND_ASSIGN(const TestBackend backend, SelectedTestBackend());
+  if (backend != TestBackend::kHost) {
+    GTEST_SKIP() << "host backend only: it reads blocks from the CPU";
+  }
   const uint32_t seed = GetParam();
   std::mt19937 rng(seed);
   std::unique_ptr<Driver> driver = NewHostDriver(HostDriverOptions{2 * kMiB, 768 * kMiB});

@@ -1,5 +1,5 @@
-// Unit tests of the caching pool on the host backend (the same suite runs on CUDA through
-// pool_cuda_test's driver choice: VMM_POOL_TEST_BACKEND=cuda). Tests named TwoDevices* use a
+// Unit tests of the caching pool on the host backend (the same suite runs on CUDA with
+// VMM_TEST_BACKEND=cuda, tests/test_backend.h). Tests named TwoDevices* use a
 // host backend that emulates two devices, or on CUDA run only where there are two GPUs.
 #include "allocator/pool.h"
 
@@ -17,6 +17,8 @@
 #include "allocator/host_driver.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+#include "tests/test_backend.h"
 
 namespace vmm {
 namespace {
@@ -52,20 +54,12 @@ class RecordingObserver : public ExportObserver {
 };
 
 // Each test gets its own driver: the host backend with a capacity the test chooses, or the
-// CUDA backend when VMM_POOL_TEST_BACKEND=cuda (capacity is then the GPU's).
+// CUDA backend when VMM_TEST_BACKEND=cuda (capacity is then the GPU's).
 class PoolTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    const char* backend = std::getenv("VMM_POOL_TEST_BACKEND");
-    if (backend != nullptr && std::string(backend) == "cuda") {
-      absl::StatusOr<Driver*> cuda = DriverByName("cuda");
-      ASSERT_TRUE(cuda.ok()) << cuda.status();
-      driver_ = *cuda;
-      on_cuda_ = true;
-    } else {
-      owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 256 * kMiB});
-      driver_ = owned_.get();
-    }
+    ASSERT_OK_AND_ASSIGN(driver_, TestDriver(HostDriverOptions{2 * kMiB, 256 * kMiB}, &owned_));
+    on_cuda_ = driver_->Name() == "cuda";
     auto info = driver_->GetMemInfo(0);
     ASSERT_TRUE(info.ok());
     free_at_start_ = info->free;

@@ -38,6 +38,8 @@
 #include "allocator/pool.h"
 #include "allocator/status_macros.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+#include "tests/test_backend.h"
 
 #if defined(__SANITIZE_THREAD__)
 #define VMM_UNDER_TSAN 1
@@ -469,6 +471,10 @@ class Worker {
 class PoolThreadsTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(const TestBackend backend, SelectedTestBackend());
+    if (backend != TestBackend::kHost) {
+      GTEST_SKIP() << "host backend only: it stamps blocks from the CPU";
+    }
     driver_ = NewHostDriver(HostDriverOptions{2 * kMiB, 2048 * kMiB});
     free_at_start_ = driver_->GetMemInfo(0)->free;
     shared_.driver = driver_.get();

@@ -1,7 +1,8 @@
 // Sharing between processes: export, transport as bytes, import in another process, and the
 // seed's semantics — nothing pinned, importer independent after import, exporter unaffected
 // by a dying importer, clean errors for stale, forged and hostile descriptors. Runs on the
-// default backend (host in CI; VMM_BACKEND=cuda on the GPU machine), for both handle types.
+// backend of tests/test_backend.h (host in CI; VMM_TEST_BACKEND=cuda on the GPU machine), for
+// both handle types.
 //
 // TwoDeviceSharingTest exports from device 0 and imports on device 1, in this process and in
 // others. On the host backend it uses a driver that emulates two devices, and its helper
@@ -26,7 +27,9 @@
 #include "allocator/pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 #include "tests/subprocess.h"
+#include "tests/test_backend.h"
 
 namespace vmm {
 namespace {
@@ -35,11 +38,8 @@ using ::testing::HasSubstr;
 
 constexpr size_t kMiB = size_t{1} << 20;
 
-std::string PeerPath() {
-  const char* srcdir = std::getenv("TEST_SRCDIR");
-  if (srcdir != nullptr) return std::string(srcdir) + "/vmm/tests/share_peer";
-  return "tests/share_peer";
-}
+// The other process: tools/vmm_peer (its import and export subcommands).
+std::string PeerPath() { return HelperProgramPath("tools/vmm_peer"); }
 
 // A pool of the parameter's handle type on some driver, with the checks every test ends with:
 // the pool's invariants, no import left open, and the driver's free memory back to its start.
@@ -88,9 +88,8 @@ class PoolFixture : public ::testing::TestWithParam<HandleRequest> {
 class SharingTest : public PoolFixture {
  protected:
   void SetUp() override {
-    absl::StatusOr<Driver*> driver = DefaultDriver();
-    ASSERT_TRUE(driver.ok()) << driver.status();
-    MakePool(*driver, 4096 * kMiB);
+    ASSERT_OK_AND_ASSIGN(Driver* driver, TestDriver());
+    MakePool(driver, 4096 * kMiB);
   }
 
   // Whether every byte of [ptr, ptr+size) is `value`.
@@ -372,8 +371,8 @@ bool Granted(Driver* driver, DevPtr at, int device) {
 class TwoDeviceSharingTest : public PoolFixture {
  protected:
   void SetUp() override {
-    absl::StatusOr<Driver*> driver = DefaultDriver();
-    ASSERT_TRUE(driver.ok()) << driver.status();
+    absl::StatusOr<Driver*> driver = TestDriver();
+    ASSERT_OK(driver);
     Driver* chosen = *driver;
     if ((*driver)->Name() == "host") {
       HostDriverOptions options;

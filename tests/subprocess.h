@@ -1,12 +1,15 @@
-// subprocess.h: runs a helper program with pipes on its stdin and stdout (tests only).
+// subprocess.h: runs a helper program with pipes on its stdin and stdout (tests, the demo and
+// the benchmarks).
 //
-//   Subprocess peer({"/path/share_peer", "import", "--descriptor=..."});
+//   Subprocess peer({HelperProgramPath("tools/vmm_peer"), "import", "--descriptor=..."});
 //   std::string line = peer.ReadLine();   // "" at end of output
 //   peer.WriteLine("check");
 //   int code = peer.Wait();                // exit code, or 128 + signal
 // posix_spawn starts a fresh program, which is safe after CUDA is initialised (no plain fork).
 // The child gets this process's environment, with the "NAME=value" entries of `env` added or
-// replacing those of the same name (e.g. {"VMM_HOST_DEVICES=2"}).
+// replacing those of the same name (e.g. {"VMM_HOST_DEVICES=2"}), and inherits the
+// descriptors that lack FD_CLOEXEC. With Output::kWithStderr its stderr goes to the same pipe
+// as its stdout (ReadAll() then collects both).
 #ifndef VMM_TESTS_SUBPROCESS_H_
 #define VMM_TESTS_SUBPROCESS_H_
 
@@ -19,6 +22,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -51,16 +55,49 @@ inline std::vector<char*> NullTerminated(const std::vector<std::string>& strings
   return out;
 }
 
+// The path of a program of this workspace, given as its path in the workspace (e.g.
+// "tools/vmm_peer"), built as a `data` dependency of the caller: under $TEST_SRCDIR/vmm/ (a
+// test, or any program run with TEST_SRCDIR set), under $RUNFILES_DIR/vmm/, under this
+// program's own runfiles (bazel run), else beside this program. The first that is an
+// executable file; the last candidate when none is (starting it then fails).
+inline std::string HelperProgramPath(const std::string& workspace_path) {
+  std::vector<std::string> candidates;
+  for (const char* variable : {"TEST_SRCDIR", "RUNFILES_DIR"}) {
+    const char* dir = std::getenv(variable);
+    if (dir != nullptr && dir[0] != '\0') {
+      candidates.push_back(std::string(dir) + "/vmm/" + workspace_path);
+    }
+  }
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n > 0) {
+    const std::string exe(self, static_cast<size_t>(n));
+    candidates.push_back(exe + ".runfiles/vmm/" + workspace_path);
+    const std::string name = workspace_path.substr(workspace_path.rfind('/') + 1);
+    candidates.push_back(exe.substr(0, exe.rfind('/') + 1) + name);
+  }
+  if (candidates.empty()) return workspace_path;
+  for (const std::string& path : candidates) {
+    if (access(path.c_str(), X_OK) == 0) return path;
+  }
+  return candidates.back();
+}
+
 class Subprocess {
  public:
+  // Where the child's stderr goes: this process's stderr, or the pipe of its stdout.
+  enum class Output { kStdout, kWithStderr };
+
   explicit Subprocess(const std::vector<std::string>& argv,
-                      const std::vector<std::string>& env = {}) {
+                      const std::vector<std::string>& env = {},
+                      Output output = Output::kStdout) {
     int in[2], out[2];
     if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0) std::abort();
     posix_spawn_file_actions_t actions;
     posix_spawn_file_actions_init(&actions);
     posix_spawn_file_actions_adddup2(&actions, in[0], 0);
     posix_spawn_file_actions_adddup2(&actions, out[1], 1);
+    if (output == Output::kWithStderr) posix_spawn_file_actions_adddup2(&actions, out[1], 2);
     std::vector<char*> args = NullTerminated(argv);
     const std::vector<std::string> env_strings = EnvironmentWith(env);
     std::vector<char*> envp = NullTerminated(env_strings);
@@ -88,6 +125,13 @@ class Subprocess {
     int c;
     while ((c = fgetc(from_child_)) != EOF && c != '\n') line.push_back(static_cast<char>(c));
     return line;
+  }
+  // The rest of the child's output, to its end.
+  std::string ReadAll() {
+    std::string text;
+    int c;
+    while ((c = fgetc(from_child_)) != EOF) text.push_back(static_cast<char>(c));
+    return text;
   }
   void WriteLine(const std::string& line) {
     const std::string text = line + "\n";

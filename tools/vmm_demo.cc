@@ -4,10 +4,10 @@
 //   VMM_BACKEND=host bazel run //tools:vmm_demo -- --size=256M --out=/tmp/vmm_stats.json
 //
 // The parent creates a pool, allocates a buffer and fills it with a pattern, exports it as a
-// descriptor, and starts a second process (this program again, with --import) that imports
-// the descriptor, checks every byte, and writes a marker into the first bytes. The parent
-// checks the marker, frees the buffer, prints a stats table and writes the stats and a
-// snapshot as JSON.
+// descriptor, and starts a second process (tools/vmm_peer import, found beside this program or
+// in its runfiles) that imports the descriptor, checks every byte, and writes a marker into
+// the first bytes. The parent checks the marker, frees the buffer, prints a stats table and
+// writes the stats and a snapshot as JSON.
 #include <unistd.h>
 
 #include <cstdio>
@@ -18,21 +18,22 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "allocator/byte_size.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
 #include "allocator/pool.h"
 #include "allocator/sharing.h"
 #include "allocator/stats_json.h"
 #include "tests/subprocess.h"
+#include "tools/byte_pattern.h"
 
 namespace vmm {
 namespace {
 
 constexpr uint8_t kMarker = 0xA5;
-
-uint8_t PatternAt(size_t i) { return static_cast<uint8_t>(i * 31 + 7); }
+constexpr size_t kMarkerSize = 4096;
 
 std::string Flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
   const std::string prefix = "--" + name + "=";
@@ -40,17 +41,6 @@ std::string Flag(int argc, char** argv, const std::string& name, const std::stri
     if (absl::StartsWith(argv[i], prefix)) return argv[i] + prefix.size();
   }
   return fallback;
-}
-
-size_t ParseSize(const std::string& text) {
-  size_t scale = 1;
-  std::string digits = text;
-  if (!digits.empty() && (digits.back() == 'M' || digits.back() == 'G' || digits.back() == 'K')) {
-    scale = digits.back() == 'K' ? 1 << 10 : digits.back() == 'M' ? 1 << 20 : size_t{1} << 30;
-    digits.pop_back();
-  }
-  size_t n = 0;
-  return absl::SimpleAtoi(digits, &n) ? n * scale : 0;
 }
 
 int Fail(const std::string& what, const absl::Status& status) {
@@ -63,29 +53,23 @@ absl::Status CopyOut(Driver* driver, DevPtr src, std::vector<uint8_t>& host) {
   return s.ok() ? driver->SynchronizeStream(0) : s;
 }
 
-// The second process: import, check, mark.
-int Importer(Driver* driver, const std::string& hex) {
-  absl::StatusOr<BufferDescriptor> d = BufferDescriptor::Decode(absl::HexStringToBytes(hex));
-  if (!d.ok()) return Fail("decode", d.status());
-  absl::StatusOr<std::unique_ptr<ImportedBuffer>> buffer = ImportBuffer(driver, *d);
-  if (!buffer.ok()) return Fail("import", buffer.status());
-  std::vector<uint8_t> host((*buffer)->size());
-  if (absl::Status s = CopyOut(driver, (*buffer)->ptr(), host); !s.ok()) return Fail("read", s);
-  for (size_t i = 0; i < host.size(); ++i) {
-    if (host[i] != PatternAt(i)) {
-      std::fprintf(stderr, "vmm_demo: byte %zu is %u, expected %u\n", i, host[i], PatternAt(i));
-      return 1;
-    }
+// The second process (vmm_peer import, on this driver's backend): imports the descriptor,
+// checks every byte against the pattern and writes the marker over the first bytes; its
+// output is printed here.
+absl::Status RunImporter(Driver* driver, const std::string& encoded) {
+  Subprocess child({HelperProgramPath("tools/vmm_peer"), "import",
+                    absl::StrCat("--backend=", driver->Name()),
+                    "--descriptor=" + absl::BytesToHexString(encoded), "--expect=pattern",
+                    absl::StrCat("--write=", kMarker), absl::StrCat("--write_size=", kMarkerSize)},
+                   {}, Subprocess::Output::kWithStderr);
+  if (!child.started()) return absl::InternalError("could not start tools/vmm_peer");
+  for (std::string line = child.ReadLine(); !line.empty(); line = child.ReadLine()) {
+    std::printf("  [second process] %s\n", line.c_str());
   }
-  absl::Status s = driver->MemsetAsync((*buffer)->ptr(), kMarker, 4096, 0);
-  if (s.ok()) s = driver->SynchronizeStream(0);
-  if (!s.ok()) return Fail("write", s);
-  std::printf("  [pid %d] imported %zu bytes (%zu handle(s), %s) from %s: all bytes match; "
-              "wrote a marker\n",
-              getpid(), host.size(), d->handles().size(),
-              std::string(HandleTypeName(d->handle_type())).c_str(),
-              d->owner_uuid().value_or("?").c_str());
-  return 0;
+  if (const int code = child.Wait(); code != 0) {
+    return absl::InternalError(absl::StrCat("the second process exited with ", code));
+  }
+  return absl::OkStatus();
 }
 
 void PrintStats(const PoolStats& s) {
@@ -109,13 +93,18 @@ void PrintStats(const PoolStats& s) {
 }
 
 int Exporter(Driver* driver, int argc, char** argv) {
-  const size_t size = ParseSize(Flag(argc, argv, "size", "64M"));
+  absl::StatusOr<uint64_t> size_flag = ParseByteSize(Flag(argc, argv, "size", "64M"));
+  if (!size_flag.ok()) return Fail("--size", size_flag.status());
+  if (*size_flag < 2 * kMarkerSize) {
+    return Fail("--size", absl::InvalidArgumentError(
+                              absl::StrCat("at least ", 2 * kMarkerSize, " bytes, e.g. 64M")));
+  }
+  const size_t size = *size_flag;
   // `bazel run` starts programs in their runfiles: write beside the user's checkout.
   const char* workspace = std::getenv("BUILD_WORKSPACE_DIRECTORY");
   const std::string out = Flag(argc, argv, "out",
                                workspace != nullptr ? std::string(workspace) + "/vmm_stats.json"
                                                     : "vmm_stats.json");
-  if (size == 0) return Fail("--size", absl::InvalidArgumentError("expected e.g. 64M"));
   PoolOptions options;
   options.reserve_size = std::max<size_t>(size_t{8} << 30, 4 * size);
   absl::StatusOr<std::unique_ptr<Pool>> pool = CreateExportablePool(driver, options);
@@ -133,7 +122,7 @@ int Exporter(Driver* driver, int argc, char** argv) {
   absl::StatusOr<void*> ptr = (*pool)->Allocate(size, 0);
   if (!ptr.ok()) return Fail("allocate", ptr.status());
   std::vector<uint8_t> host(size);
-  for (size_t i = 0; i < size; ++i) host[i] = PatternAt(i);
+  for (size_t i = 0; i < size; ++i) host[i] = PatternByte(i);
   const auto dev = reinterpret_cast<DevPtr>(*ptr);
   absl::Status s = driver->MemcpyAsync(dev, reinterpret_cast<DevPtr>(host.data()), size, 0);
   if (s.ok()) s = driver->SynchronizeStream(0);
@@ -146,14 +135,11 @@ int Exporter(Driver* driver, int argc, char** argv) {
   std::printf("  [pid %d] exported: %zu handle(s), descriptor of %zu bytes\n", getpid(),
               d->handles().size(), bytes.size());
 
-  Subprocess child({"/proc/self/exe", "--import=" + absl::BytesToHexString(bytes)});
-  for (std::string line = child.ReadLine(); !line.empty(); line = child.ReadLine()) {
-    std::printf("%s\n", line.c_str());
-  }
-  if (child.Wait() != 0) return Fail("import", absl::InternalError("the second process failed"));
+  if (s = RunImporter(driver, bytes); !s.ok()) return Fail("import", s);
 
   if (s = CopyOut(driver, dev, host); !s.ok()) return Fail("read back", s);
-  const bool marked = host[0] == kMarker && host[4095] == kMarker && host[4096] == PatternAt(4096);
+  const bool marked = host[0] == kMarker && host[kMarkerSize - 1] == kMarker &&
+                      host[kMarkerSize] == PatternByte(kMarkerSize);
   std::printf("  [pid %d] the second process's marker is %s\n", getpid(),
               marked ? "visible here: the memory is shared" : "MISSING");
   if (!marked) return 1;
@@ -175,6 +161,5 @@ int Exporter(Driver* driver, int argc, char** argv) {
 int main(int argc, char** argv) {
   absl::StatusOr<vmm::Driver*> driver = vmm::DefaultDriver();
   if (!driver.ok()) return vmm::Fail("driver", driver.status());
-  const std::string hex = vmm::Flag(argc, argv, "import", "");
-  return hex.empty() ? vmm::Exporter(*driver, argc, argv) : vmm::Importer(*driver, hex);
+  return vmm::Exporter(*driver, argc, argv);
 }

@@ -40,14 +40,9 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 PERIOD = 251  # the byte pattern repeats every PERIOD bytes
 SHARE_BYTES = (64 << 20) + 4097  # not a multiple of anything the allocator uses
 RUNS = 3
-
-
-def parse_size(text):
-    return int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
 
 
 def pattern(n, seed, device):
@@ -200,7 +195,8 @@ def run_bandwidth(vmm_torch, jobs, results, args, size):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--handle-type", default="auto", choices=("auto", "posix_fd", "fabric"))
-    p.add_argument("--sizes", default="256M,1G,4G")
+    p.add_argument("--sizes", default="256M,1G,4G",
+                   help="bandwidth sizes, comma-separated (empty: the share check alone)")
     p.add_argument("--timeout", type=float, default=300, help="seconds to wait for a result")
     p.add_argument("--out", default="", help="file to append the JSON lines to")
     args = p.parse_args()
@@ -212,6 +208,10 @@ def main():
         return 0
     import vmm_torch
 
+    try:
+        sizes = [vmm_torch.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError as e:
+        p.error(str(e))
     vmm_torch.enable(handle_type=args.handle_type, peer_devices=[1])
     vmm_torch.install_reducers()
     ctx = mp.get_context("spawn")
@@ -221,8 +221,8 @@ def main():
     ok = True
     try:
         ok &= run_share(vmm_torch, jobs, results, args)
-        for text in args.sizes.split(","):
-            ok &= run_bandwidth(vmm_torch, jobs, results, args, parse_size(text))
+        for size in sizes:
+            ok &= run_bandwidth(vmm_torch, jobs, results, args, size)
     except ConsumerFailed as e:
         emit({"test": "multi_gpu", "error": f"consumer failed:\n{e}"}, args.out)
         ok = False

@@ -3,28 +3,63 @@
 # device run carries (it is git-ignored). Then, on the GPU machine: tests/gpu/run.sh.
 #
 #   tests/gpu/prepare.sh
+#   BEFORE=<git-rev> tests/gpu/prepare.sh
+#
+# With BEFORE, pool_bench is also built at that revision, in a temporary git worktree (its own
+# Bazel workspace, removed afterwards), into .gpu/before/bin/, with the revision in
+# .gpu/before/REVISION: `tests/gpu/run.sh compare` then runs both builds' cached alloc+free
+# pair side by side.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+root=$PWD
 targets=(
-  //tests:driver_conformance_test //tests:driver_peer //tests:cuda_driver_test
-  //tests:pool_test //tests:sharing_test //tests:share_peer
-  //tools:vmm_demo
+  //tests:driver_conformance_test //tests:cuda_driver_test //tests:pool_test //tests:sharing_test
+  //tools:vmm_demo //tools:vmm_peer
   //bench:pool_bench //bench:replay //bench:growth_bench //bench:vmm_peer_bench //bench:import_bench
   //torch_plugin:python/vmm_torch/libvmm.so
 )
+
+# build_pool_bench_at REV DIR: pool_bench of revision REV, installed into DIR.
+build_pool_bench_at() {
+  local rev=$1 dir=$2 commit tmp
+  commit=$(git rev-parse --verify "$rev^{commit}") ||
+    { echo "prepare.sh: BEFORE=$rev is not a revision of this repository" >&2; return 1; }
+  tmp=$(mktemp -d)
+  git worktree add --detach "$tmp/src" "$commit" >/dev/null
+  [[ ! -f user.bazelrc ]] || cp user.bazelrc "$tmp/src/"
+  local status=0
+  (
+    cd "$tmp/src" &&
+      bazel build -c opt --strip=always //bench:pool_bench &&
+      mkdir -p "$dir" &&
+      install -m 0755 "$(bazel info -c opt bazel-bin 2>/dev/null)/bench/pool_bench" "$dir/"
+  ) || status=$?
+  # That workspace's Bazel server and output base go with it.
+  (cd "$tmp/src" && bazel clean --expunge >/dev/null 2>&1) || true
+  git worktree remove --force "$tmp/src"
+  rm -rf "$tmp"
+  [[ $status -eq 0 ]] || { echo "prepare.sh: building pool_bench at $rev failed" >&2; return 1; }
+  echo "$rev = $(git log -1 --format='%h %s' "$commit")" >"$(dirname "$dir")/REVISION"
+}
+
 bazel build -c opt --strip=always "${targets[@]}"
 bin=$(bazel info -c opt bazel-bin 2>/dev/null)
-rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib .gpu/runfiles/vmm/tests
+rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
 for t in driver_conformance_test cuda_driver_test pool_test sharing_test; do
   install -m 0755 "$bin/tests/$t" .gpu/bin/
 done
-# The helper programs the tests start, where they look for them ($TEST_SRCDIR/vmm/tests).
-install -m 0755 "$bin/tests/driver_peer" "$bin/tests/share_peer" .gpu/runfiles/vmm/tests/
-install -m 0755 "$bin/tools/vmm_demo" "$bin/bench/pool_bench" "$bin/bench/replay" \
-  "$bin/bench/growth_bench" "$bin/bench/vmm_peer_bench" "$bin/bench/import_bench" .gpu/bin/
+# vmm_peer, the second process of the tests, the demo and import_bench, sits beside them
+# (where they look for it when they are not run by Bazel: tests/subprocess.h).
+install -m 0755 "$bin/tools/vmm_demo" "$bin/tools/vmm_peer" .gpu/bin/
+install -m 0755 "$bin/bench/pool_bench" "$bin/bench/replay" "$bin/bench/growth_bench" \
+  "$bin/bench/vmm_peer_bench" "$bin/bench/import_bench" .gpu/bin/
 install -m 0644 "$bin/torch_plugin/python/vmm_torch/libvmm.so" .gpu/lib/
+if [[ -n "${BEFORE:-}" ]]; then
+  build_pool_bench_at "$BEFORE" "$root/.gpu/before/bin"
+fi
 # Debian's shared libraries the programs need that the GPU machine lacks (Abseil, Benchmark).
-for f in .gpu/bin/* .gpu/runfiles/vmm/tests/* .gpu/lib/libvmm.so; do
+for f in .gpu/bin/* .gpu/before/bin/* .gpu/lib/libvmm.so; do
+  [[ -e "$f" ]] || continue
   ldd "$f" | awk '/libabsl|libbenchmark/ {print $3}'
 done | sort -u | xargs -r cp -L -t .gpu/lib/
 python3 bench/training_trace.py > .gpu/trace.txt

@@ -1,42 +1,43 @@
 #!/usr/bin/env bash
-# The GPU machine's half of the test suite and the benchmarks, in one time-boxed script.
+# The GPU machine's half of the tests and the benchmarks, in one time-boxed script.
 #
-#   tests/gpu/run.sh PHASES...     (after tests/gpu/prepare.sh here; .gpu/ carried there)
+#   tests/gpu/run.sh PHASE...     (after tests/gpu/prepare.sh here; .gpu/ carried there)
 #
 # Phases, run in the order given:
-#   tests     C++ suites on the CUDA backend without an IMEX channel (POSIX fd fallback),
-#             then with one (fabric handles): conformance, pool, sharing, the demo.
-#   plugin    pip-installs vmm_torch against the machine's torch and runs its GPU tests.
-#   bench     allocator benchmarks beside PyTorch and cudaMallocAsync (bench/run_gpu_bench.sh).
-#   train     the training loop under native, expandable-segments and vmm allocators.
-#   latency   share latency (with its breakdown) and imported bandwidth against
-#             torch.multiprocessing, one step per mode: without an IMEX channel (vmm's automatic
-#             choice, PyTorch native, expandable segments), then with one (vmm fabric, automatic,
-#             fds; PyTorch native, expandable segments).
-#   fanout    one producer, 4 consumers, fabric and fds.
-#   dist      vmm_torch.distributed with several ranks on the GPU.
-#   final     one bounded run (set DEADLINE) of what the Python issues must show: IMEX channel,
-#             pip install, share latency per mode, fan-out, ranks, training.
-#   pair      the cached alloc+free pair of every peer alone (builds torch_peer_bench).
-#   multiprocess  the multi-process Python tests alone.
-#   diag      whether an error thrown inside a LibTorch extension reaches Python in a fresh
-#             process, per toolchain variant (tests/gpu/throw_min.py), and vmm's own extension.
-#   throwcheck  vmm's extension shares torch's C++ runtime, raises cleanly from an op and
-#             from the allocator hook (out of memory) (quick).
-#   probe     where share latency goes, with an IMEX channel: the import's driver calls for
-#             1 GiB and 8 GiB with the range reserved at wider alignments (import_bench), and
-#             share_latency.py --breakdown for vmm fabric and PyTorch native through each queue,
-#             with a consumer that sleeps until the tensor comes and one that polls.
-#   multi     two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
-#             pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) without
-#             and with an IMEX channel, and tests/gpu/multi_gpu.py (a cuda:0 tensor opened on
-#             cuda:1 by another process; imported peer-memory read bandwidth against PyTorch's
-#             peer copy). With one GPU the C++ tests report SKIPPED and the script a skip line.
+#   tests    the C++ suites on the CUDA backend (VMM_TEST_BACKEND=cuda: conformance, CUDA
+#            driver, pool, sharing) and the demo; first without an IMEX channel (channel 0
+#            removed if an earlier run made it: the POSIX fd fallback), then with one (fabric).
+#   python   pip-installs vmm_torch against the machine's torch and runs the Python suite, with
+#            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python).
+#   bench    the benchmarks, side by side with PyTorch; BENCH names the parts (default all):
+#              alloc    cached alloc+free pair, trace replay, growth and import
+#                       (bench/run_gpu_bench.sh), and pool_bench;
+#              latency  share latency (with its breakdown) and imported bandwidth per mode,
+#                       without an IMEX channel, then with one, then SHARE_ROUNDS (3) rounds in
+#                       all of vmm fabric and PyTorch native (SHARE_REPS repetitions, 7);
+#              fanout   one producer, 4 consumers, fabric and fds;
+#              dist     vmm_torch.distributed against torch.distributed, 4 ranks on the GPU;
+#              train    the training loop under native (twice), expandable-segments and vmm
+#                       (two growth policies) allocators, TRAIN_STEPS (300) steps, compared;
+#                       then the stats tools on vmm's dump.
+#   compare  the cached alloc+free pair (pool_bench) of this build and of .gpu/before (built
+#            by `BEFORE=<git-rev> tests/gpu/prepare.sh`), interleaved, COMPARE_ROUNDS (3)
+#            rounds: the before/after ratio from one run. Without .gpu/before, this build alone.
+#   multi    two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
+#            pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) and
+#            tests/gpu/multi_gpu.py (a cuda:0 tensor opened on cuda:1 by another process;
+#            imported peer-memory read bandwidth against PyTorch's peer copy), without then
+#            with an IMEX channel. With one GPU the C++ tests report SKIPPED and the script a
+#            skip line.
+# DEADLINE (seconds since the start) skips the steps that would begin after it and shortens
+# the last ones, e.g. `DEADLINE=390 BENCH="latency fanout dist train" TRAIN_STEPS=200
+# tests/gpu/run.sh bench` for one bounded run of the Python benchmarks.
 # Logs and results go to $OUT (one summary, results.log with every step's log as it ends, a
 # tarball of logs, and the key result files). Keep one call under the device's 10 minutes:
-# `tests plugin train` and `final` each took 4 to 5 minutes on an H200.
+# `tests python` takes about 5 minutes on an H200; `bench` with every part takes longer, so
+# split it with BENCH.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 root=$PWD
 OUT=${OUT:-/tmp/vmm_out}
 logs=/tmp/vmm_logs
@@ -44,8 +45,14 @@ mkdir -p "$OUT" "$logs"
 summary="$OUT/summary.txt"
 export PATH="/opt/torch/.venv/bin:$PATH" PYTHONUNBUFFERED=1 OUT
 export LD_LIBRARY_PATH="$root/.gpu/lib:${LD_LIBRARY_PATH:-}"
-export TEST_SRCDIR="$root/.gpu/runfiles"
 bin="$root/.gpu/bin"
+site=/tmp/vmm_site  # where vmm_torch is pip-installed
+channel=/dev/nvidia-caps-imex-channels/channel0
+
+# --- Shared steps ------------------------------------------------------------------------------
+
+# note TEXT...: one line in the summary (and on stdout).
+note() { echo "$*" | tee -a "$summary"; }
 
 # step NAME SECONDS COMMAND...: output to $logs/NAME.log, one line in the summary, and the log
 # appended to $OUT/results.log at once (so that it comes back even if the run is cut short).
@@ -54,7 +61,7 @@ step() {
   local name=$1 limit=$2
   shift 2
   if [[ -n "${DEADLINE:-}" && $SECONDS -ge $DEADLINE ]]; then
-    echo "$name: skipped (deadline)" | tee -a "$summary"
+    note "$name: skipped (deadline)"
     return
   fi
   if [[ -n "${DEADLINE:-}" && $((SECONDS + limit)) -gt $((DEADLINE + 60)) ]]; then
@@ -67,79 +74,42 @@ step() {
   local tests
   tests=$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$logs/$name.log" | tr '\n' ' ')
   [[ -n "$tests" ]] && line="$line $tests"
-  echo "$line" | tee -a "$summary"
+  note "$line"
   [[ $rc -eq 0 ]] || tail -n 8 "$logs/$name.log" | sed 's/^/    /' | tee -a "$summary"
   { echo "===== $name (rc=$rc)"; tail -c 20000 "$logs/$name.log"; } >>"$OUT/results.log"
 }
 
-imex_channel() {
+# The machine starts without an IMEX channel; with_imex_channel creates channel 0 (fabric
+# handles work from then on, in this call and in later calls while the machine stays up) and
+# without_imex_channel removes it again (vmm then falls back to POSIX fds).
+with_imex_channel() {
   local major
   major=$(awk '/nvidia-caps-imex-channels/{print $1}' /proc/devices)
-  [[ -n "$major" ]] || { echo "no nvidia-caps-imex-channels device" | tee -a "$summary"; return 1; }
-  mkdir -p /dev/nvidia-caps-imex-channels
-  [[ -e /dev/nvidia-caps-imex-channels/channel0 ]] ||
-    mknod /dev/nvidia-caps-imex-channels/channel0 c "$major" 0
-  echo "IMEX channel 0 created (major $major)" | tee -a "$summary"
+  [[ -n "$major" ]] || { note "no nvidia-caps-imex-channels device"; return 1; }
+  mkdir -p "$(dirname "$channel")"
+  [[ -e $channel ]] || mknod "$channel" c "$major" 0
+  note "IMEX channel 0 created (major $major)"
 }
 
-cxx_suites() {
-  local tag=$1
-  step "conformance_$tag" 180 env VMM_REQUIRE_CUDA=1 "$bin/driver_conformance_test"
-  step "cuda_driver_$tag" 60 "$bin/cuda_driver_test"
-  step "pool_$tag" 120 env VMM_POOL_TEST_BACKEND=cuda "$bin/pool_test"
-  step "sharing_$tag" 180 env VMM_BACKEND=cuda "$bin/sharing_test"
-  step "demo_$tag" 60 "$bin/vmm_demo" --size=256M --out="$logs/demo_$tag.json"
+without_imex_channel() {
+  if [[ -e $channel ]]; then
+    rm -f "$channel"
+    note "IMEX channel 0 removed"
+  else
+    note "no IMEX channel"
+  fi
 }
 
-phase_tests() {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$summary"
-  ls /dev/nvidia-caps-imex-channels 2>/dev/null | sed 's/^/existing IMEX: /' | tee -a "$summary"
-  cxx_suites no_imex
-  imex_channel && cxx_suites imex
+# each_channel FUNCTION: FUNCTION no_imex without an IMEX channel, then FUNCTION imex with one.
+each_channel() {
+  without_imex_channel
+  "$1" no_imex
+  if with_imex_channel; then "$1" imex; fi
 }
 
-phase_plugin() {
-  imex_channel  # the fabric tests need it whatever phases ran before
-  step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
-    --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
-  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  step pytest_gpu 330 python3 -m pytest -v -rfE tests/python
-}
-
-phase_bench() {
-  step bench 540 bench/run_gpu_bench.sh "$bin" "$root/.gpu/trace.txt" "$logs/bench"
-  step pool_bench 120 "$bin/pool_bench" --benchmark_min_time=0.5 \
-    --benchmark_out="$logs/pool_bench.json" --benchmark_out_format=json
-  cp "$logs/bench/report.md" "$OUT/bench_report.md" 2>/dev/null
-  cp "$logs/bench/import.jsonl" "$OUT/import.jsonl" 2>/dev/null
-}
-
-# train_runs STEPS SECONDS: the training loop under each allocator, and their comparison
-# (deterministic kernels: vmm's losses must equal native's bit for bit). Native runs twice:
-# native_repeat shows whether native itself is reproducible, the comparison's noise floor.
-train_runs() {
-  local steps=$1 limit=$2
-  step train_native "$limit" env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
-    --allocator native --steps "$steps" --out "$logs/train_native.json"
-  step train_native_repeat "$limit" env -u PYTORCH_CUDA_ALLOC_CONF python3 tests/gpu/train_loop.py \
-    --allocator native --label native_repeat --steps "$steps" --out "$logs/train_native_repeat.json"
-  step train_expandable "$limit" env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 \
-    tests/gpu/train_loop.py --allocator expandable --steps "$steps" --out "$logs/train_expandable.json"
-  step train_vmm "$limit" python3 tests/gpu/train_loop.py --allocator vmm --steps "$steps" \
-    --out "$logs/train_vmm.json" --dump "$logs/vmm_dump.json"
-  step train_vmm_fraction "$limit" python3 tests/gpu/train_loop.py --allocator vmm \
-    --label vmm_growth_fraction_0.05 --vmm-option growth_fraction=0.05 --steps "$steps" \
-    --out "$logs/train_vmm_fraction.json"
-  step train_compare 20 python3 tests/gpu/compare_training.py "$logs"/train_*.json
-}
-
-phase_train() {
-  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  train_runs "${TRAIN_STEPS:-300}" 300
-  step stats_summary 60 python3 -m vmm_torch.stats summarize "$logs/vmm_dump.json"
-  step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" -o "$OUT/vmm_stats.html"
-  step stats_torch_viz 120 python3 -m vmm_torch.stats torch-viz "$logs/vmm_dump.json" -o "$OUT/torch_viz.html"
-  cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
+gpu_info() {
+  nvidia-smi --query-gpu=index,name,driver_version,pci.bus_id,memory.total \
+    --format=csv,noheader | tee -a "$summary"
 }
 
 # The CPUs local to GPU 0 (its PCI device's NUMA node), e.g. 0-7; empty if unknown.
@@ -148,6 +118,56 @@ gpu_local_cpus() {
   bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>/dev/null | head -n 1 |
     tr 'A-Z' 'a-z' | sed 's/^0000\([0-9a-f]\{4\}:\)/\1/')
   cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null
+}
+
+# vmm_torch pip-installed from this tree into $site (afresh, once per call) and on PYTHONPATH.
+plugin_ready=
+install_plugin() {
+  [[ -z "$plugin_ready" ]] || return 0
+  plugin_ready=1
+  export PYTHONPATH="$site:${PYTHONPATH:-}"
+  rm -rf "$site"
+  step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
+    --no-build-isolation --no-deps --no-index --target "$site" ./torch_plugin/python
+}
+
+# cxx_suites TAG [GTEST_FILTER]: the C++ suites on the CUDA backend; with a filter, only the
+# matching tests of the suites that have device-pair tests (no CUDA driver suite, no demo).
+cxx_suites() {
+  local tag=$1 filter=${2:-}
+  local args=(${filter:+"$filter"})
+  step "conformance_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/driver_conformance_test" "${args[@]}"
+  step "pool_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/pool_test" "${args[@]}"
+  step "sharing_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/sharing_test" "${args[@]}"
+  [[ -z "$filter" ]] || return 0
+  step "cuda_driver_$tag" 60 "$bin/cuda_driver_test"
+  step "demo_$tag" 60 env VMM_BACKEND=cuda "$bin/vmm_demo" --size=256M --out="$logs/demo_$tag.json"
+}
+
+# --- tests -------------------------------------------------------------------------------------
+
+phase_tests() {
+  gpu_info
+  each_channel cxx_suites
+}
+
+# --- python ------------------------------------------------------------------------------------
+
+phase_python() {
+  with_imex_channel  # the fabric tests need it
+  install_plugin
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
+  step pytest 330 python3 -m pytest -v -rfE ${PYTEST_ARGS:-tests/python}
+}
+
+# --- bench -------------------------------------------------------------------------------------
+
+bench_alloc() {
+  step bench_alloc 540 bench/run_gpu_bench.sh "$bin" "$root/.gpu/trace.txt" "$logs/bench"
+  step pool_bench 120 "$bin/pool_bench" --benchmark_min_time=0.5 \
+    --benchmark_out="$logs/pool_bench.json" --benchmark_out_format=json
+  cp "$logs/bench/report.md" "$OUT/bench_report.md" 2>/dev/null
+  cp "$logs/bench/import.jsonl" "$OUT/import.jsonl" 2>/dev/null
 }
 
 # share_modes TAG MODES...: share_latency.py (with --breakdown) for each mode, one step each,
@@ -162,145 +182,152 @@ share_modes() {
   done
 }
 
-# Share latency and imported bandwidth per mode, each in its own run of share_latency.py.
-# Without an IMEX channel (channel 0 removed if an earlier phase made it): vmm's probe falls
-# back to POSIX fds (vmm-auto); then with one: fabric, fds forced, and PyTorch's modes again;
-# then vmm fabric and PyTorch native again, alternating, up to SHARE_ROUNDS (3) rounds in all
-# (each run is a new pair of processes: how much a figure moves between runs).
-phase_latency() {
-  ensure_plugin
-  echo "CPUs local to the GPU: $(gpu_local_cpus) of $(nproc); $(lscpu | grep -i 'numa node(s)')" |
-    tee -a "$summary"
-  rm -f /dev/nvidia-caps-imex-channels/channel0
-  echo "IMEX channel 0 removed" | tee -a "$summary"
-  share_modes no_imex vmm-auto torch-native torch-expandable
-  imex_channel
-  share_modes imex vmm-fabric vmm-auto vmm-fd torch-native torch-expandable
+# The modes of each channel state: without one, vmm's probe falls back to POSIX fds
+# (vmm-auto); with one, fabric, fds forced and the automatic choice.
+latency_modes() {
+  if [[ $1 == no_imex ]]; then
+    share_modes "$1" vmm-auto torch-native torch-expandable
+  else
+    share_modes "$1" vmm-fabric vmm-auto vmm-fd torch-native torch-expandable
+  fi
+}
+
+# Each run is a new pair of processes: the later rounds show how much a figure moves between
+# runs.
+bench_latency() {
+  note "CPUs local to the GPU: $(gpu_local_cpus) of $(nproc); $(lscpu | grep -i 'numa node(s)')"
+  each_channel latency_modes
   local round
   for ((round = 2; round <= ${SHARE_ROUNDS:-3}; round++)); do
     share_modes "imex_round$round" vmm-fabric torch-native
   done
 }
 
-phase_fanout() {
-  ensure_plugin
-  imex_channel
-  step fanout_fabric 90 python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G
-  step fanout_fd 90 python3 tests/gpu/fanout.py --handle-type posix_fd --sizes 64M,1G,8G
+bench_fanout() {
+  with_imex_channel
+  local type
+  for type in fabric posix_fd; do
+    step "fanout_$type" 90 python3 bench/fanout.py --handle-type "$type" --sizes 64M,1G,8G
+  done
 }
 
-# The C++ tests that need two devices (named TwoDevice*), plus HasAccess on one.
-multi_suites() {
-  local tag=$1 filter='--gtest_filter=*TwoDevice*:*HasAccess*'
-  step "multi_conformance_$tag" 120 env VMM_REQUIRE_CUDA=1 "$bin/driver_conformance_test" "$filter"
-  step "multi_pool_$tag" 90 env VMM_POOL_TEST_BACKEND=cuda "$bin/pool_test" "$filter"
-  step "multi_sharing_$tag" 120 env VMM_BACKEND=cuda "$bin/sharing_test" "$filter"
+bench_dist() {
+  step dist 300 python3 bench/dist_bench.py --ranks 4 --sizes 64M,1G
 }
 
-# vmm_torch on PYTHONPATH, installed as phase_plugin does unless an earlier phase did.
-ensure_plugin() {
-  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  python3 -c "import vmm_torch" 2>/dev/null && return 0
-  step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
-    --no-build-isolation --no-deps --no-index --target /tmp/vmm_site ./torch_plugin/python
+# train_run LABEL ENV... -- ARGS...: one training run, results in $logs/train_LABEL.json.
+train_run() {
+  local label=$1 envs=()
+  shift
+  while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+  shift
+  step "train_$label" 300 env "${envs[@]}" python3 bench/train_loop.py --label "$label" \
+    --steps "${TRAIN_STEPS:-300}" --out "$logs/train_$label.json" "$@"
+}
+
+# Deterministic kernels: vmm's losses must equal native's bit for bit. Native runs twice:
+# native_repeat shows whether native itself is reproducible, the comparison's noise floor.
+bench_train() {
+  rm -f "$logs"/train_*.json
+  train_run native -u PYTORCH_CUDA_ALLOC_CONF -- --allocator native
+  train_run native_repeat -u PYTORCH_CUDA_ALLOC_CONF -- --allocator native
+  train_run expandable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- --allocator expandable
+  train_run vmm -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm --dump "$logs/vmm_dump.json"
+  train_run vmm_growth_fraction_0.05 -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm \
+    --vmm-option growth_fraction=0.05
+  step train_compare 20 python3 bench/compare_training.py "$logs"/train_*.json
+  step stats_summary 60 python3 -m vmm_torch.stats summarize "$logs/vmm_dump.json"
+  step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" \
+    -o "$OUT/vmm_stats.html"
+  step stats_torch_viz 120 python3 -m vmm_torch.stats torch-viz "$logs/vmm_dump.json" \
+    -o "$OUT/torch_viz.html"
+  cp "$logs/vmm_dump.json" "$OUT/vmm_dump.json" 2>/dev/null
+}
+
+phase_bench() {
+  gpu_info
+  local part parts=${BENCH:-alloc latency fanout dist train}
+  for part in $parts; do
+    if [[ $(type -t "bench_$part") != function ]]; then
+      note "bench: unknown part '$part' (alloc latency fanout dist train)"
+      continue
+    fi
+    [[ $part == alloc ]] || install_plugin
+    note "--- bench $part"
+    "bench_$part"
+  done
+}
+
+# --- compare -----------------------------------------------------------------------------------
+
+# The cached alloc+free pair of pool_bench for this build (after) and .gpu/before (before),
+# interleaved round by round, which of the two goes first alternating; bench/pair_ratio.py
+# gives each build's median and after / before.
+phase_compare() {
+  local dir="$logs/compare" builds=(after) round b
+  rm -rf "$dir" && mkdir -p "$dir"
+  gpu_info
+  if [[ -x "$root/.gpu/before/bin/pool_bench" ]]; then
+    builds+=(before)
+    note "before: $(cat "$root/.gpu/before/REVISION" 2>/dev/null || echo '(revision unknown)')"
+  else
+    note "compare: no .gpu/before (BEFORE=<git-rev> tests/gpu/prepare.sh builds one):" \
+      "this build alone"
+  fi
+  for ((round = 1; round <= ${COMPARE_ROUNDS:-3}; round++)); do
+    local order=("${builds[@]}")
+    ((round % 2 == 0 && ${#builds[@]} == 2)) && order=(before after)
+    for b in "${order[@]}"; do
+      local exe="$bin/pool_bench"
+      [[ $b == before ]] && exe="$root/.gpu/before/bin/pool_bench"
+      step "compare_${b}_$round" 120 "$exe" --benchmark_filter=BM_CachedAllocFreePair \
+        --benchmark_min_time=0.5 --benchmark_repetitions=3 \
+        --benchmark_out="$dir/${b}_$round.json" --benchmark_out_format=json
+    done
+  done
+  local before_files=("$dir"/before_*.json)
+  [[ -e ${before_files[0]} ]] || before_files=()
+  python3 bench/pair_ratio.py --after "$dir"/after_*.json --before "${before_files[@]}" \
+    >"$OUT/compare.md" 2>>"$summary"
+  tee -a "$summary" <"$OUT/compare.md"
+}
+
+# --- multi -------------------------------------------------------------------------------------
+
+# The C++ tests that need two devices (named TwoDevice*, plus HasAccess on one) and
+# multi_gpu.py, with the handle type of the channel state.
+multi_checks() {
+  local tag=$1 type=posix_fd
+  [[ $tag == imex ]] && type=fabric
+  cxx_suites "multi_$tag" '--gtest_filter=*TwoDevice*:*HasAccess*'
+  step "multi_gpu_$type" 240 python3 tests/gpu/multi_gpu.py --handle-type "$type" \
+    --out "$logs/multi_gpu.jsonl"
 }
 
 phase_multi() {
-  nvidia-smi --query-gpu=index,name,pci.bus_id,memory.total --format=csv,noheader |
-    tee -a "$summary"
+  gpu_info
   nvidia-smi topo -m 2>/dev/null | head -n 3 | tee -a "$summary"
   local gpus
   gpus=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
-  [[ $gpus -ge 2 ]] || echo "multi: $gpus GPU(s): the two-GPU checks will skip" | tee -a "$summary"
-  multi_suites no_imex
-  ensure_plugin
-  step multi_gpu_posix_fd 240 python3 tests/gpu/multi_gpu.py --handle-type posix_fd \
-    --out "$logs/multi_gpu.jsonl"
-  if imex_channel; then
-    multi_suites imex
-    step multi_gpu_fabric 240 python3 tests/gpu/multi_gpu.py --handle-type fabric \
-      --out "$logs/multi_gpu.jsonl"
-  fi
+  [[ $gpus -ge 2 ]] || note "multi: $gpus GPU(s): the two-GPU checks will skip"
+  install_plugin
+  rm -f "$logs/multi_gpu.jsonl"
+  each_channel multi_checks
   grep -hE '"test": "(share_on_peer|bandwidth_summary|multi_gpu)"' "$logs/multi_gpu.jsonl" \
     2>/dev/null | tee -a "$summary"
   cp "$logs/multi_gpu.jsonl" "$OUT/multi_gpu.jsonl" 2>/dev/null
 }
 
-# One bounded run of what the issues must show from Python: sharing latency and fan-out,
-# ranks, and the training loop under each allocator (vmm with two growth policies).
-phase_final() {
-  DEADLINE=${DEADLINE:-390}
-  SHARE_REPS=${SHARE_REPS:-3} phase_latency
-  phase_fanout
-  step dist 90 python3 tests/gpu/dist_bench.py --ranks 3 --sizes 64M,1G --reps 3 --time-limit 80
-  train_runs "${TRAIN_STEPS:-200}" 60
-}
-
-# The cached alloc+free pair alone, every peer side by side (a short run).
-phase_pair() {
-  local b="$logs/pair"
-  mkdir -p "$b"
-  step build_torch_peer 150 bench/build_torch_peer.sh "$b/torch_peer_bench"
-  step pair_vmm 60 sh -c "'$bin/vmm_peer_bench' --allocators=vmm,cuda_malloc_async > '$b/vmm.jsonl'"
-  step pair_torch_native 40 sh -c "env -u PYTORCH_CUDA_ALLOC_CONF '$b/torch_peer_bench' > '$b/native.jsonl'"
-  step pair_torch_expandable 40 sh -c "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True '$b/torch_peer_bench' > '$b/expandable.jsonl'"
-  step pool_bench 40 "$bin/pool_bench" --benchmark_min_time=0.3
-  python3 bench/report.py "$b"/*.jsonl >"$OUT/pair_report.md" 2>>"$summary"
-  cat "$b"/*.jsonl >"$OUT/pair.jsonl"
-}
-
-phase_probe() {
-  imex_channel
-  ensure_plugin
-  step import_align 120 sh -c "'$bin/import_bench' --backend=cuda --sizes=1G,8G \
-    --handle_types=fabric --chunk_sizes=whole --threads=1 --reserve_alignments=512M,1G,8G \
-    --reps=7 > '$OUT/import_align.jsonl'"
-  local queue wait
-  for queue in queue simple; do
-    for wait in block poll; do
-      step "share_${queue}_$wait" 150 python3 bench/share_latency.py --breakdown \
-        --queue "$queue" --consumer-wait "$wait" --modes vmm-fabric,torch-native \
-        --sizes 64M,1G,8G --reps 9 --out "$OUT/share.jsonl"
-    done
-  done
-}
-
-# Whether errors thrown inside vmm's extension reach Python: the extension must share torch's
-# C++ runtime (it defines no __cxa_throw of its own), and a hostile view raises RuntimeError.
-phase_throwcheck() {
-  ensure_plugin
-  step ext_runtime 20 sh -c 'so=$(ls /tmp/vmm_site/vmm_torch/_C*.so); ldd "$so" | grep stdc;
-    n=$(nm -D --defined-only "$so" | grep -c __cxa_throw); echo "__cxa_throw defined: $n";
-    [ "$n" -eq 0 ]'
-  step throw_probe 60 python3 tests/gpu/throw_probe.py
-  step throw_probe_after_torch_error 60 python3 tests/gpu/throw_probe.py --torch-error-first
-  step oom_probe 60 python3 tests/gpu/oom_probe.py
-}
-
-# Which toolchains give LibTorch extensions whose errors reach Python (tests/gpu/throw_min.py),
-# then the same for vmm's own extension.
-phase_diag() {
-  ensure_plugin
-  step toolchain 30 sh -c 'which -a c++ g++; echo "CXX=${CXX:-}"; for f in libstdc++.so libstdc++.a; do echo "$f: $(c++ -print-file-name=$f)"; done; ldd "$(python3 -c "import torch,os;print(os.path.dirname(torch.__file__))")/lib/libc10.so" | grep -E "stdc|gcc"'
-  step throw_min 300 python3 tests/gpu/throw_min.py
-  phase_throwcheck
-}
-
-# The multi-process Python tests alone (quicker than `plugin` when only they changed).
-phase_multiprocess() {
-  ensure_plugin
-  step pytest_multiprocess 150 python3 -m pytest -q -x tests/python/test_multiprocess.py
-}
-
-phase_dist() {
-  export PYTHONPATH="/tmp/vmm_site:${PYTHONPATH:-}"
-  step dist 300 python3 tests/gpu/dist_bench.py --ranks 4 --sizes 64M,1G
-}
+# --- main --------------------------------------------------------------------------------------
 
 : >"$summary"
 for phase in "$@"; do
-  echo "=== phase $phase" | tee -a "$summary"
+  if [[ $(type -t "phase_$phase") != function ]]; then
+    note "unknown phase '$phase' (tests python bench compare multi)"
+    continue
+  fi
+  note "=== phase $phase"
   "phase_$phase"
 done
 tar czf "$OUT/logs.tgz" -C "$logs" . 2>/dev/null
-echo "done" | tee -a "$summary"
+note "done"

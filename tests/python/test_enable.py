@@ -13,6 +13,18 @@ from vmm_torch._options import format_options
 HAS_PLUGGABLE = hasattr(torch.cuda.memory, "CUDAPluggableAllocator")
 
 
+def test_parse_size_reads_the_byte_size_grammar():
+    assert vmm_torch.parse_size("512") == 512
+    assert vmm_torch.parse_size("64M") == 64 << 20
+    assert vmm_torch.parse_size(" 64MiB ") == 64 << 20
+    assert vmm_torch.parse_size("2kb") == 2048
+    assert vmm_torch.parse_size("512B") == 512
+    assert vmm_torch.parse_size("8T") == 8 << 40
+    for bad in ("", "M", "1.5G", "-1", "64X", "5iB", "1 M", "99999999999T", None, 64):
+        with pytest.raises(ValueError):
+            vmm_torch.parse_size(bad)
+
+
 def test_option_text():
     assert format_options({}) == ""
     assert format_options({"memory_limit": "40G", "handle_type": "posix_fd"}) == \

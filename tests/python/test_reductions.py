@@ -4,7 +4,9 @@ and hostile payloads (which must fail cleanly and leave no import behind)."""
 
 import ctypes
 import gc
+import os
 import pickle
+import sys
 from multiprocessing.reduction import ForkingPickler
 
 import pytest
@@ -239,6 +241,9 @@ def test_import_info_and_wrap_import(pool):
 
 
 def test_overhead_bench_runs():
+    # bench/ is on the path under Bazel (//bench:share_overhead_bench_lib); this finds it when
+    # pytest runs from a checkout.
+    sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
     import share_overhead_bench
 
     results = share_overhead_bench.main(["--iters", "3", "--shape", "16,16"])

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compares train_loop.py results: losses step by step, median step time, peak reserved.
 
-    python3 tests/gpu/compare_training.py native.json native_repeat.json expandable.json vmm.json
+    python3 bench/compare_training.py native.json native_repeat.json expandable.json vmm.json
 Each run's losses are compared with native's bit for bit (identical_steps, losses_identical)
 and by their largest difference. A second native run labelled native_repeat is native's own
 noise floor: when it is bit-identical to native (native is reproducible), exits nonzero unless

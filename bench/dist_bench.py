@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """vmm_torch.distributed.broadcast / all_gather against torch.distributed's own (gloo).
 
-    python3 tests/gpu/dist_bench.py --ranks 4 --sizes 64M,1G            # GPU machine
-    python3 tests/gpu/dist_bench.py --host --ranks 3 --sizes 1M,16M     # anywhere (CPU)
+    python3 bench/dist_bench.py --ranks 4 --sizes 64M,1G            # GPU machine
+    python3 bench/dist_bench.py --host --ranks 3 --sizes 1M,16M     # anywhere (CPU)
 
 For each handle type (posix_fd, then fabric) it starts `--ranks` processes (spawn) that join a
 gloo process group. On the GPU each calls vmm_torch.enable(handle_type=...) before CUDA is
@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 ELEMENT = torch.int32
 ELEMENT_BYTES = 4
 LARGE_BYTES = 512 << 20  # sizes from here on run at most LARGE_REPS repetitions
@@ -45,12 +44,13 @@ TIME_LIMIT_S = 220  # all launches together; the GPU run's step allows 300
 GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def parse_size(text):
-    """Bytes of a size like "64M" or "1G" (a multiple of 4)."""
-    text = text.strip().upper()
-    value = int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+def tensor_bytes(text):
+    """Bytes of a size like "64M" or "1G" (vmm_torch.parse_size), a positive multiple of 4."""
+    from vmm_torch import parse_size
+
+    value = parse_size(text)
     if value <= 0 or value % ELEMENT_BYTES:
-        raise argparse.ArgumentTypeError(f"size {text} is not a positive multiple of 4 bytes")
+        raise ValueError(f"size {text} is not a positive multiple of 4 bytes")
     return value
 
 
@@ -70,7 +70,10 @@ def parse_args(argv=None):
                    help="testing: rank 1 corrupts the first broadcast; must exit 1")
     args = p.parse_args(argv)
     args.size_texts = [s.strip() for s in args.sizes.split(",") if s.strip()]
-    args.size_bytes = [parse_size(s) for s in args.size_texts]
+    try:
+        args.size_bytes = [tensor_bytes(s) for s in args.size_texts]
+    except ValueError as e:
+        p.error(str(e))
     args.handle_type_list = [h.strip() for h in args.handle_types.split(",") if h.strip()]
     if args.ranks < 2:
         p.error("--ranks must be at least 2")

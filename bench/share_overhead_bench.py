@@ -15,9 +15,9 @@ over --iters iterations, each timed with time.perf_counter_ns:
     wrap        the tensor over an import alone (vmm_torch.sharing.wrap_import, the "wrap"
                 of share_latency.py), the import reference retained untimed.
 
-    bazel run -c opt //tests/python:share_overhead_bench -- [--iters 2000] [--handle-type fabric]
+    bazel run -c opt //bench:share_overhead_bench -- [--iters 2000] [--handle-type fabric]
 or, with the libraries built: PYTHONPATH=torch_plugin/python \
-    VMM_LIB_DIR=bazel-bin/torch_plugin/python/vmm_torch python3 tests/python/share_overhead_bench.py
+    VMM_LIB_DIR=bazel-bin/torch_plugin/python/vmm_torch python3 bench/share_overhead_bench.py
 """
 
 import argparse

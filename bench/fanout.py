@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One producer shares CUDA tensors with four consumers through torch.multiprocessing queues.
 
-    python3 tests/gpu/fanout.py --handle-type fabric --sizes 64M,1G,8G --consumers 4
+    python3 bench/fanout.py --handle-type fabric --sizes 64M,1G,8G --consumers 4
 
 The producer enables vmm and its reducers, fills each tensor with a pattern and puts it on
 every consumer's queue; each consumer checks every element against the pattern and reports
@@ -18,9 +18,6 @@ import time
 
 import torch
 import torch.multiprocessing as mp
-
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
 
 CHUNK = 1 << 28  # elements per step when filling or checking (bounds temporary memory)
 
@@ -70,6 +67,11 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     a = p.parse_args()
     import vmm_torch
+
+    try:
+        sizes = [vmm_torch.parse_size(s) for s in a.sizes.split(",")]
+    except ValueError as e:
+        p.error(str(e))
     vmm_torch.enable(handle_type=a.handle_type)
     vmm_torch.install_reducers()
     ctx = mp.get_context("spawn")
@@ -95,8 +97,7 @@ def main():
         return answers
 
     failed = not all(r["ok"] for r in send(2 << 20))  # warm-up, untimed
-    for text in a.sizes.split(","):
-        n = int(text[:-1]) * UNITS[text[-1]]
+    for n in sizes:
         rs = [r for _ in range(a.reps) for r in send(n)]
         lat = [r["latency_ns"] / 1e6 for r in rs]
         ok = all(r["ok"] for r in rs)

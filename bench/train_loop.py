@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A small transformer trained with variable sequence lengths, under one allocator (GPU).
 
-    python3 tests/gpu/train_loop.py --allocator native|expandable|vmm --steps 300 --out r.json
+    python3 bench/train_loop.py --allocator native|expandable|vmm --steps 300 --out r.json
 
 Each allocator runs in its own process (the allocator is chosen before CUDA starts). The
 same seed gives the same batches and initial weights, so the losses of different allocators
