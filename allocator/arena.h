@@ -82,13 +82,18 @@ class Arena {
 
   // Where to map memory so that a block of `n` bytes fits for `stream` with the fewest new
   // bytes (multiples of `granularity`). nullopt when no gap is large enough. `alone` plans a
-  // range that touches no free neighbour (for blocks that get chunks of their own).
+  // range that takes nothing from free neighbours (for blocks that get chunks of their own);
+  // the range may still border them (see CommitGrowth).
   std::optional<GrowthPlan> PlanGrowth(size_t n, Stream stream, size_t granularity,
                                        bool alone) const;
   // Grows `plan` by up to `extra` bytes (within its gap, away from its free neighbour).
   static void Extend(GrowthPlan& plan, size_t extra);
   // Turns the planned range into a free block tagged `stream`, merged with the free
-  // neighbours `stream` may use unless `alone`. Returns the block.
+  // neighbours `stream` may use unless `alone`. Returns the block. With `alone` the block may
+  // border a free block of the same tag without merging, which CheckInvariants reports as
+  // uncoalesced: the caller must Take the block at once and Retire whatever Take left of it
+  // (Pool::AllocateLocked does both for shareable blocks under its lock, so the pool never
+  // shows that state).
   Block* CommitGrowth(const GrowthPlan& plan, Stream stream, bool alone);
 
   // Turns [addr, addr + len), which must hold only free or retired blocks, into a gap.

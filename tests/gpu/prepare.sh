@@ -5,10 +5,11 @@
 #   tests/gpu/prepare.sh
 #   BEFORE=<git-rev> tests/gpu/prepare.sh
 #
-# With BEFORE, pool_bench is also built at that revision, in a temporary git worktree (its own
-# Bazel workspace, removed afterwards), into .gpu/before/bin/, with the revision in
-# .gpu/before/REVISION: `tests/gpu/run.sh compare` then runs both builds' cached alloc+free
-# pair side by side.
+# With BEFORE, that revision is also built, in a temporary git worktree (its own Bazel
+# workspace, removed afterwards): pool_bench into .gpu/before/bin/, libvmm.so into
+# .gpu/before/lib/, and its Python package sources and share_latency.py into .gpu/before/src/
+# (pip-installed there), with the revision in .gpu/before/REVISION: `tests/gpu/run.sh compare`
+# then runs both builds' cached alloc+free pair and share latency side by side.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 root=$PWD
@@ -19,8 +20,9 @@ targets=(
   //torch_plugin:python/vmm_torch/libvmm.so
 )
 
-# build_pool_bench_at REV DIR: pool_bench of revision REV, installed into DIR.
-build_pool_bench_at() {
+# build_before_at REV DIR: pool_bench (DIR/bin), libvmm.so (DIR/lib) and the Python package
+# sources with share_latency.py (DIR/src) of revision REV.
+build_before_at() {
   local rev=$1 dir=$2 commit tmp
   commit=$(git rev-parse --verify "$rev^{commit}") ||
     { echo "prepare.sh: BEFORE=$rev is not a revision of this repository" >&2; return 1; }
@@ -30,16 +32,22 @@ build_pool_bench_at() {
   local status=0
   (
     cd "$tmp/src" &&
-      bazel build -c opt --strip=always //bench:pool_bench &&
-      mkdir -p "$dir" &&
-      install -m 0755 "$(bazel info -c opt bazel-bin 2>/dev/null)/bench/pool_bench" "$dir/"
+      bazel build -c opt --strip=always //bench:pool_bench \
+        //torch_plugin:python/vmm_torch/libvmm.so &&
+      mkdir -p "$dir/bin" "$dir/lib" "$dir/src/bench" &&
+      install -m 0755 "$(bazel info -c opt bazel-bin 2>/dev/null)/bench/pool_bench" "$dir/bin/" &&
+      install -m 0644 \
+        "$(bazel info -c opt bazel-bin 2>/dev/null)/torch_plugin/python/vmm_torch/libvmm.so" \
+        "$dir/lib/" &&
+      git archive HEAD torch_plugin | tar -x -C "$dir/src" &&
+      cp bench/share_latency.py "$dir/src/bench/"
   ) || status=$?
   # That workspace's Bazel server and output base go with it.
   (cd "$tmp/src" && bazel clean --expunge >/dev/null 2>&1) || true
   git worktree remove --force "$tmp/src"
   rm -rf "$tmp"
-  [[ $status -eq 0 ]] || { echo "prepare.sh: building pool_bench at $rev failed" >&2; return 1; }
-  echo "$rev = $(git log -1 --format='%h %s' "$commit")" >"$(dirname "$dir")/REVISION"
+  [[ $status -eq 0 ]] || { echo "prepare.sh: building $rev failed" >&2; return 1; }
+  echo "$rev = $(git log -1 --format='%h %s' "$commit")" >"$dir/REVISION"
 }
 
 bazel build -c opt --strip=always "${targets[@]}"
@@ -55,10 +63,10 @@ install -m 0755 "$bin/bench/pool_bench" "$bin/bench/replay" "$bin/bench/growth_b
   "$bin/bench/vmm_peer_bench" "$bin/bench/import_bench" .gpu/bin/
 install -m 0644 "$bin/torch_plugin/python/vmm_torch/libvmm.so" .gpu/lib/
 if [[ -n "${BEFORE:-}" ]]; then
-  build_pool_bench_at "$BEFORE" "$root/.gpu/before/bin"
+  build_before_at "$BEFORE" "$root/.gpu/before"
 fi
 # Debian's shared libraries the programs need that the GPU machine lacks (Abseil, Benchmark).
-for f in .gpu/bin/* .gpu/before/bin/* .gpu/lib/libvmm.so; do
+for f in .gpu/bin/* .gpu/before/bin/* .gpu/lib/libvmm.so .gpu/before/lib/libvmm.so; do
   [[ -e "$f" ]] || continue
   ldd "$f" | awk '/libabsl|libbenchmark/ {print $3}'
 done | sort -u | xargs -r cp -L -t .gpu/lib/

@@ -8,7 +8,8 @@
 #            driver, pool, sharing) and the demo; first without an IMEX channel (channel 0
 #            removed if an earlier run made it: the POSIX fd fallback), then with one (fabric).
 #   python   pip-installs vmm_torch against the machine's torch and runs the Python suite, with
-#            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python).
+#            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python;
+#            REUSE_PLUGIN=1 keeps an install an earlier call on the same machine made).
 #   bench    the benchmarks, side by side with PyTorch; BENCH names the parts (default all):
 #              alloc    cached alloc+free pair, trace replay, growth and import
 #                       (bench/run_gpu_bench.sh), and pool_bench;
@@ -20,9 +21,12 @@
 #              train    the training loop under native (twice), expandable-segments and vmm
 #                       (two growth policies) allocators, TRAIN_STEPS (300) steps, compared;
 #                       then the stats tools on vmm's dump.
-#   compare  the cached alloc+free pair (pool_bench) of this build and of .gpu/before (built
-#            by `BEFORE=<git-rev> tests/gpu/prepare.sh`), interleaved, COMPARE_ROUNDS (3)
-#            rounds: the before/after ratio from one run. Without .gpu/before, this build alone.
+#   compare  this build against .gpu/before (built by `BEFORE=<git-rev> tests/gpu/prepare.sh`),
+#            interleaved, which goes first alternating: the cached alloc+free pair (pool_bench,
+#            COMPARE_ROUNDS (3) rounds), then share latency of vmm fabric handles at 64 MiB /
+#            1 GiB / 8 GiB (each build's own share_latency.py and package, SHARE_COMPARE_ROUNDS
+#            (2) rounds of SHARE_REPS (7)): after / before ratios from one run. Without
+#            .gpu/before, this build alone.
 #   multi    two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
 #            pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) and
 #            tests/gpu/multi_gpu.py (a cuda:0 tensor opened on cuda:1 by another process;
@@ -126,6 +130,11 @@ install_plugin() {
   [[ -z "$plugin_ready" ]] || return 0
   plugin_ready=1
   export PYTHONPATH="$site:${PYTHONPATH:-}"
+  # REUSE_PLUGIN=1: keep an install an earlier call on this machine made (same .gpu/).
+  if [[ -n "${REUSE_PLUGIN:-}" && -e "$site/vmm_torch/_C.so" ]]; then
+    note "vmm_torch: reusing the install in $site"
+    return 0
+  fi
   rm -rf "$site"
   step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
     --no-build-isolation --no-deps --no-index --target "$site" ./torch_plugin/python
@@ -290,6 +299,42 @@ phase_compare() {
   python3 bench/pair_ratio.py --after "$dir"/after_*.json --before "${before_files[@]}" \
     >"$OUT/compare.md" 2>>"$summary"
   tee -a "$summary" <"$OUT/compare.md"
+  compare_share "$dir"
+}
+
+# compare_share DIR: share latency (vmm fabric) of this build and of .gpu/before, each with its
+# own package (pip-installed into its own folder) and its own share_latency.py.
+compare_share() {
+  local dir=$1 before_site=/tmp/vmm_site_before builds=(after) round b cpus
+  with_imex_channel
+  install_plugin
+  if [[ -d "$root/.gpu/before/src/torch_plugin/python" ]]; then
+    rm -rf "$before_site"
+    step pip_install_before 300 env VMM_LIB="$root/.gpu/before/lib/libvmm.so" python3 -m pip \
+      install -q --no-build-isolation --no-deps --no-index --target "$before_site" \
+      "$root/.gpu/before/src/torch_plugin/python"
+    builds+=(before)
+  fi
+  cpus=$(gpu_local_cpus)
+  for ((round = 1; round <= ${SHARE_COMPARE_ROUNDS:-2}; round++)); do
+    local order=("${builds[@]}")
+    ((round % 2 == 0 && ${#builds[@]} == 2)) && order=(before after)
+    for b in "${order[@]}"; do
+      local script=bench/share_latency.py path=$site
+      if [[ $b == before ]]; then
+        script="$root/.gpu/before/src/bench/share_latency.py"
+        path=$before_site
+      fi
+      step "compare_share_${b}_$round" 150 env PYTHONPATH="$path" python3 "$script" \
+        --modes vmm-fabric --sizes 64M,1G,8G --reps "${SHARE_REPS:-7}" ${cpus:+--cpus "$cpus"} \
+        --out "$dir/share_$b.jsonl"
+    done
+  done
+  local before_file=()
+  [[ -e "$dir/share_before.jsonl" ]] && before_file=(--before "$dir/share_before.jsonl")
+  python3 bench/share_ratio.py --after "$dir/share_after.jsonl" "${before_file[@]}" \
+    >"$OUT/compare_share.md" 2>>"$summary"
+  tee -a "$summary" <"$OUT/compare_share.md"
 }
 
 # --- multi -------------------------------------------------------------------------------------
