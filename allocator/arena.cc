@@ -75,6 +75,28 @@ Block* Arena::Retire(Block* block) {
   return block;
 }
 
+size_t Arena::RetireFree(uintptr_t lo, uintptr_t hi) {
+  size_t retired = 0;
+  Block* b = BlockContaining(lo);
+  while (b != nullptr && b->addr < hi) {
+    Block* next = b->next;
+    if (b->state == BlockState::kFree) {
+      if (b->addr < lo) {
+        b = Split(b, lo);
+        next = b->next;
+      }
+      if (b->end() > hi) {
+        Split(b, hi);
+        next = nullptr;
+      }
+      retired += b->size;
+      Retire(b);
+    }
+    b = next;
+  }
+  return retired;
+}
+
 std::optional<Arena::GrowthPlan> Arena::PlanGrowth(size_t n, Stream stream, size_t granularity,
                                                    bool alone) const {
   auto usable = [&](const Block* b) { return !alone && UsableBy(b, stream); };

@@ -79,6 +79,9 @@ class Arena {
 
   // Marks `block` retired (not cached), merging with retired neighbours.
   Block* Retire(Block* block);
+  // Retires every free block inside [lo, hi), splitting those that cross its ends (what an
+  // exported chunk's free space becomes). Returns the bytes retired.
+  size_t RetireFree(uintptr_t lo, uintptr_t hi);
 
   // Where to map memory so that a block of `n` bytes fits for `stream` with the fewest new
   // bytes (multiples of `granularity`). nullopt when no gap is large enough. `alone` plans a

@@ -410,24 +410,7 @@ absl::Status Pool::ReleaseFreeChunks(bool any_stream, size_t target) {
 
 void Pool::RetireChunkSpace(uintptr_t chunk_addr) {
   const uintptr_t chunk_end = chunk_addr + chunks_.find(chunk_addr)->second.size;
-  Arena& arena = ArenaOf(chunk_addr);
-  Block* b = arena.BlockContaining(chunk_addr);
-  while (b != nullptr && b->addr < chunk_end) {
-    Block* next = b->next;
-    if (b->state == BlockState::kFree) {
-      if (b->addr < chunk_addr) {
-        b = arena.Split(b, chunk_addr);
-        next = b->next;
-      }
-      if (b->end() > chunk_end) {
-        arena.Split(b, chunk_end);
-        next = nullptr;
-      }
-      retired_bytes_ += static_cast<int64_t>(b->size);
-      arena.Retire(b);
-    }
-    b = next;
-  }
+  retired_bytes_ += static_cast<int64_t>(ArenaOf(chunk_addr).RetireFree(chunk_addr, chunk_end));
 }
 
 absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end) {

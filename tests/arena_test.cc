@@ -1346,23 +1346,13 @@ TEST(ArenaRandomTest, RandomOperationsAgainstAUnitModel) {
       const size_t first = (rng() % (kUnits / kGranule)) * kGranule;
       const uintptr_t lo = addr_of(first);
       const uintptr_t hi = addr_of(first + kGranule);
-      Block* b = arena.BlockContaining(lo);
-      while (b != nullptr && b->addr < hi) {
-        Block* next = b->next;
-        if (b->state == BlockState::kFree) {
-          if (b->addr < lo) {
-            b = arena.Split(b, lo);
-            next = b->next;
-          }
-          if (b->end() > hi) {
-            arena.Split(b, hi);
-            next = nullptr;
-          }
-          set_units(b->addr, b->size, Unit{BlockState::kRetired, kAnyStream, 0});
-          arena.Retire(b);
-        }
-        b = next;
+      size_t expected = 0;
+      for (size_t u = first; u < first + kGranule; ++u) {
+        if (model[u].state != BlockState::kFree) continue;
+        model[u] = Unit{BlockState::kRetired, kAnyStream, 0};
+        expected += kUnit;
       }
+      EXPECT_EQ(arena.RetireFree(lo, hi), expected) << "step " << step;
     }
     ASSERT_NO_FATAL_FAILURE(check(step, name));
     for (const auto& [id, b] : allocations) ASSERT_EQ(arena.live().Find(b->addr), b);

@@ -25,35 +25,13 @@
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/scoped_env.h"
 
 namespace vmm {
 namespace {
 
 using ::testing::HasSubstr;
 using ::testing::MatchesRegex;
-
-// Sets (or, with nullopt, unsets) an environment variable for the lifetime of the object.
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, std::optional<std::string> value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    Set(value);
-  }
-  ~ScopedEnv() { Set(old_); }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  void Set(const std::optional<std::string>& value) {
-    if (value.has_value()) {
-      setenv(name_, value->c_str(), /*overwrite=*/1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  const char* name_;
-  std::optional<std::string> old_;
-};
 
 bool CudaAvailable() { return GetCudaDriver().ok(); }
 

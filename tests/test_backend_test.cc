@@ -10,6 +10,7 @@
 #include "allocator/driver.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/scoped_env.h"
 #include "tests/status_matchers.h"
 
 namespace vmm {
@@ -18,24 +19,12 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
-// Sets VMM_TEST_BACKEND (unsets it for nullptr) for the scope, then restores it.
-class ScopedTestBackend {
+// VMM_TEST_BACKEND set to `value` (unset for nullptr) for the scope.
+class ScopedTestBackend : public ScopedEnv {
  public:
-  explicit ScopedTestBackend(const char* value) {
-    if (const char* old = std::getenv(kTestBackendVariable); old != nullptr) old_ = old;
-    Set(value);
-  }
-  ~ScopedTestBackend() { Set(old_.has_value() ? old_->c_str() : nullptr); }
-
- private:
-  static void Set(const char* value) {
-    if (value == nullptr) {
-      ::unsetenv(kTestBackendVariable);
-    } else {
-      ::setenv(kTestBackendVariable, value, 1);
-    }
-  }
-  std::optional<std::string> old_;
+  explicit ScopedTestBackend(const char* value)
+      : ScopedEnv(kTestBackendVariable,
+                  value == nullptr ? std::nullopt : std::optional<std::string>(value)) {}
 };
 
 TEST(TestBackendTest, UnsetEmptyOrHostIsTheHostBackend) {
