@@ -60,7 +60,11 @@ std::atomic<uint64_t> next_pool_id{1};
 }  // namespace
 
 Pool::Pool(Driver* driver, const PoolOptions& options, ExportObserver* observer)
-    : driver_(driver), observer_(observer), id_(next_pool_id.fetch_add(1)), options_(options) {}
+    : driver_(driver),
+      observer_(observer),
+      id_(next_pool_id.fetch_add(1)),
+      fork_generation_(ForkGeneration()),
+      options_(options) {}
 
 absl::Status Pool::Init() {
   const int device = options_.device;
@@ -151,6 +155,7 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::Cache(Arena& arena, Block* block)
 }
 
 absl::StatusOr<void*> Pool::Allocate(size_t size, Stream stream) {
+  if (ABSL_PREDICT_FALSE(made_before_fork())) return ForkedError("pool");
   MutexLock lock(&mu_);
   // The cached path: a fit in the cache, nothing pending.
   if (ABSL_PREDICT_TRUE(!reclaim_.has_pending() && size <= reserve_size_)) {
@@ -165,6 +170,7 @@ absl::StatusOr<void*> Pool::Allocate(size_t size, Stream stream) {
 }
 
 absl::StatusOr<void*> Pool::AllocateShareable(size_t size, Stream stream) {
+  if (made_before_fork()) return ForkedError("pool");
   MutexLock lock(&mu_);
   if (handle_type_ == HandleType::kNone) {
     return absl::FailedPreconditionError(
@@ -465,6 +471,7 @@ void Pool::SetMemoryLimit(size_t bytes) {
 }
 
 absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisitor visit) {
+  if (made_before_fork()) return ForkedError("pool");
   MutexLock lock(&mu_);
   const Block* block = LiveBlock(ptr);
   if (block == nullptr) {

@@ -43,6 +43,11 @@
 // arena.h / free_blocks.h / block_index.h (blocks, free bins, live index), pool_introspection.cc
 // (stats, snapshot, invariants), pool_options.h (options and their text form).
 //
+// fork(). A pool belongs to the process that made it: in a forked child, Allocate,
+// AllocateShareable and Export fail with FailedPrecondition (fork_guard.h), since parent and
+// child would otherwise hand out the same bytes. Free, stats and teardown still work there, on
+// the child's copy of the bookkeeping (blocks made before the fork may be freed).
+//
 // Thread safety: all methods are thread safe (one mutex). The cached path (a fit in the cache)
 // makes no driver call and no system call.
 #ifndef VMM_ALLOCATOR_POOL_H_
@@ -62,6 +67,7 @@
 #include "allocator/chunk_map.h"
 #include "allocator/driver.h"
 #include "allocator/export_observer.h"
+#include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/pool_options.h"
 #include "allocator/stats.h"
@@ -142,6 +148,8 @@ class Pool {
   }
   // Unique among the pools of this process.
   uint64_t id() const { return id_; }
+  // Whether this process is a fork() child of the one that made the pool (no lock taken).
+  bool made_before_fork() const { return ForkGeneration() != fork_generation_; }
   int device() const { return options_.device; }
   Driver* driver() const { return driver_; }
   ExportObserver* observer() const { return observer_; }
@@ -199,6 +207,7 @@ class Pool {
   Driver* const driver_;
   ExportObserver* const observer_;
   const uint64_t id_;
+  const uint64_t fork_generation_;  // ForkGeneration() when the pool was made
   PoolOptions options_;
   size_t granularity_ = 0;
   HandleType handle_type_ = HandleType::kNone;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/driver_factory.h"
 #include "allocator/pool_options.h"
@@ -41,6 +42,8 @@ ProcessState::~ProcessState() {
     MutexLock lock(&mu_);
     imports_.clear();
     explicit_.clear();
+    for (Pool* pool : abandoned_) delete pool;
+    abandoned_.clear();
   }
   for (auto& p : device_pools_) delete p.exchange(nullptr);
 }
@@ -59,9 +62,13 @@ absl::Status ProcessState::Configure(absl::string_view text) {
 absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   Pool* pool = device_pools_[device].load(std::memory_order_acquire);
-  if (pool != nullptr) return pool;
+  if (ABSL_PREDICT_TRUE(pool != nullptr && !pool->made_before_fork())) return pool;
   MutexLock lock(&mu_);
   pool = device_pools_[device].load(std::memory_order_relaxed);
+  if (pool != nullptr && pool->made_before_fork()) {
+    AbandonParentsDevicePools();
+    pool = nullptr;
+  }
   if (pool != nullptr) return pool;
   VMM_ASSIGN_OR_RETURN(Driver * driver, DefaultDriver());
   PoolOptions options = options_;
@@ -77,6 +84,16 @@ absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   device_pools_[device].store(pool, std::memory_order_release);
   any_device_pool_ = true;
   return pool;
+}
+
+void ProcessState::AbandonParentsDevicePools() {
+  for (auto& p : device_pools_) {
+    Pool* pool = p.load(std::memory_order_relaxed);
+    if (pool == nullptr || !pool->made_before_fork()) continue;
+    abandoned_.push_back(pool);
+    p.store(nullptr, std::memory_order_release);
+  }
+  any_device_pool_ = false;
 }
 
 Pool* ProcessState::DevicePoolIfAny(int device) const {
@@ -159,6 +176,9 @@ ProcessState::PoolRef ProcessState::Owner(const void* ptr) {
   MutexLock lock(&mu_);
   for (auto& [id, e] : explicit_) {
     if (e->pool->Contains(ptr)) return PoolRef{e->pool.get(), e};
+  }
+  for (Pool* pool : abandoned_) {
+    if (pool->Contains(ptr)) return PoolRef{pool, nullptr};
   }
   return PoolRef{};
 }

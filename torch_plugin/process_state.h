@@ -13,6 +13,11 @@
 //   - imported buffers, by id, reference counted (a tensor's storage holds one reference).
 // Every pool is made by CreateExportablePool (sharing.h), so every block can be exported.
 //
+// fork(): a forked child gets device pools of its own on its first allocation; its parent's
+// stay, never used for allocation again, so that blocks made before the fork can still be
+// freed (and read: on the host backend they are the parent's memory, shared). Explicit pools
+// made before the fork refuse to allocate or export in the child (Pool: FailedPrecondition).
+//
 // Errors: InvalidArgument for bad ids, devices, options and pointers; FailedPrecondition for
 // calls in the wrong state (Configure after the first allocation); the pools' and the driver's
 // errors otherwise. Thread safe: one mutex guards the maps; device pools are found without it.
@@ -122,6 +127,8 @@ class ProcessState {
   };
 
   absl::Status ApplyFraction(Pool& pool, double fraction);
+  // In a forked child: moves the parent's device pools to abandoned_.
+  void AbandonParentsDevicePools() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::array<std::atomic<Pool*>, kMaxDevices> device_pools_{};
   mutable Mutex mu_;
@@ -131,6 +138,8 @@ class ProcessState {
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
+  // Device pools of the parent of this forked process: found by Owner for frees, never freed.
+  std::vector<Pool*> abandoned_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace vmm
