@@ -114,8 +114,7 @@ ChunkMap::Map::const_iterator ChunkMap::FirstEndingAfter(uintptr_t addr) const {
   return c;
 }
 
-bool ChunkMap::OverlapsExported(uintptr_t addr, uintptr_t end) const {
-  if (exported_ == 0) return false;
+bool ChunkMap::AnyExportedIn(uintptr_t addr, uintptr_t end) const {
   for (auto c = FirstEndingAfter(addr); c != chunks_.end() && c->first < end; ++c) {
     if (c->second.exported) return true;
   }

@@ -75,8 +75,11 @@ class ChunkMap {
   Map::const_iterator Containing(uintptr_t addr) const;
   // The first chunk that ends after `addr` (the one holding it, or the next), or end().
   Map::const_iterator FirstEndingAfter(uintptr_t addr) const;
-  // Whether an exported chunk overlaps [addr, end).
-  bool OverlapsExported(uintptr_t addr, uintptr_t end) const;
+  // Whether an exported chunk overlaps [addr, end). Inline and one compare while no chunk is
+  // exported (the cached Free path asks it).
+  bool OverlapsExported(uintptr_t addr, uintptr_t end) const {
+    return exported_ != 0 && AnyExportedIn(addr, end);
+  }
 
   Map::iterator begin() { return chunks_.begin(); }
   Map::iterator end() { return chunks_.end(); }
@@ -91,6 +94,7 @@ class ChunkMap {
 
  private:
   void Forget(Map::iterator it, PoolStats& stats);
+  bool AnyExportedIn(uintptr_t addr, uintptr_t end) const;
 
   Config config_;
   Map chunks_;

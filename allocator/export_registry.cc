@@ -15,22 +15,23 @@ ExportRegistry& ExportRegistry::Process() {
   return *registry;
 }
 
-absl::StatusOr<bool> ExportRegistry::HandleFor(Pool& pool, HandleType type,
-                                               const ExportedChunk& chunk,
-                                               std::array<uint8_t, kDescriptorHandleSize>& out) {
+absl::Status ExportRegistry::HandleFor(Pool& pool, HandleType type, const ExportedChunk& chunk,
+                                       std::array<uint8_t, kDescriptorHandleSize>& out,
+                                       bool* called_driver) {
   const Key key{pool.id(), chunk.id};
   {
     MutexLock lock(&mu_);
     auto it = cached_.find(key);
     if (it != cached_.end()) {
       out = it->second.handle;
-      return false;
+      return absl::OkStatus();
     }
   }
   // The chunk cannot go away meanwhile: the caller holds the pool's lock.
   if (type == HandleType::kPosixFd) {
     anchors_.Hold(pool.id(), pool.driver(), pool.device(), pool.granularity());
   }
+  *called_driver = true;
   VMM_ASSIGN_OR_RETURN(ShareableHandle shared, pool.driver()->Export(chunk.handle, type));
   Cached cached;
   if (type == HandleType::kFabric) {
@@ -43,7 +44,7 @@ absl::StatusOr<bool> ExportRegistry::HandleFor(Pool& pool, HandleType type,
   MutexLock lock(&mu_);
   cached_[key] = cached;
   out = cached.handle;
-  return true;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<BufferDescriptor> ExportRegistry::Export(Pool& pool, void* ptr) {
@@ -57,12 +58,12 @@ absl::StatusOr<BufferDescriptor> ExportRegistry::Export(Pool& pool, void* ptr) {
   const HandleType type = pool.handle_type();
   VMM_ASSIGN_OR_RETURN(
       ExportedBlock block,
-      pool.Export(ptr, HandleType::kNone, [&](const ExportedChunk& chunk) -> absl::StatusOr<bool> {
+      pool.Export(ptr, HandleType::kNone, [&](const ExportedChunk& chunk, bool* called_driver) {
         std::array<uint8_t, kDescriptorHandleSize> handle;
-        VMM_ASSIGN_OR_RETURN(bool exported, HandleFor(pool, type, chunk, handle));
+        VMM_RETURN_IF_ERROR(HandleFor(pool, type, chunk, handle, called_driver));
         handles.emplace_back(reinterpret_cast<const char*>(handle.data()), handle.size());
         sizes.push_back(static_cast<int64_t>(chunk.size));
-        return exported;
+        return absl::OkStatus();
       }));
   return BufferDescriptor::FromHandles(block.handle_type, handles, sizes,
                                        static_cast<int64_t>(block.size), pool.device_uuid(),

@@ -61,9 +61,9 @@ class ExportRegistry final : public ExportObserver {
   using Key = std::pair<uint64_t, uint64_t>;  // pool id, chunk id
 
   // The descriptor handle of `chunk`, made and cached on first use. Runs under the pool's lock
-  // (Pool::Export's visitor); returns whether it called Driver::Export.
-  absl::StatusOr<bool> HandleFor(Pool& pool, HandleType type, const ExportedChunk& chunk,
-                                 std::array<uint8_t, kDescriptorHandleSize>& out);
+  // (Pool::Export's visitor); sets `*called_driver` when it called Driver::Export.
+  absl::Status HandleFor(Pool& pool, HandleType type, const ExportedChunk& chunk,
+                         std::array<uint8_t, kDescriptorHandleSize>& out, bool* called_driver);
 
   mutable Mutex mu_;
   absl::flat_hash_map<Key, Cached> cached_ ABSL_GUARDED_BY(mu_);

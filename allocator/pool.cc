@@ -502,8 +502,11 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
     e.addr = c->first;
     e.size = c->second.size;
     e.handle = c->second.handle;
-    VMM_ASSIGN_OR_RETURN(const bool exported_by_driver, visit(e));
-    if (exported_by_driver) ++stats_.driver_export;
+    bool called_driver = false;
+    absl::Status visited = visit(e, &called_driver);
+    if (called_driver) ++stats_.driver_export;
+    VMM_RETURN_IF_ERROR(visited);
+    e.handle = 0;
     out.chunks.push_back(e);
   }
   ++stats_.num_exports;
@@ -511,7 +514,7 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
 }
 
 absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
-  return Export(ptr, type, [](const ExportedChunk&) -> absl::StatusOr<bool> { return false; });
+  return Export(ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); });
 }
 
 }  // namespace vmm

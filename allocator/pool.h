@@ -80,7 +80,7 @@ struct ExportedChunk {
   uint64_t id = 0;  // unique in this pool for its lifetime
   uintptr_t addr = 0;
   size_t size = 0;
-  PhysHandle handle = 0;  // valid while the visitor runs (the pool's lock is held)
+  PhysHandle handle = 0;  // only while Export's visitor runs (the pool's lock held); else 0
 };
 
 // What Export() returns: the chunks a block spans, in address order, and where it starts.
@@ -124,12 +124,14 @@ class Pool {
 
   // Marks the chunks the live block starting at `ptr` spans as exported (export invariant)
   // and calls `visit` for each, in address order, with the pool's lock held: the visitor may
-  // call the driver (e.g. Driver::Export of the chunk's handle) but not this pool, and returns
-  // whether it called Driver::Export (counted in the stats' driver_export). A visitor error
-  // stops the export and is returned (the chunks stay marked). InvalidArgument for an unknown
-  // pointer; FailedPrecondition when the pool's memory is not exportable as `type` (kNone:
-  // the pool's type).
-  using ChunkVisitor = absl::FunctionRef<absl::StatusOr<bool>(const ExportedChunk&)>;
+  // call the driver (e.g. Driver::Export of the chunk's handle) but not this pool, and sets
+  // `*called_driver` when it called Driver::Export, also when that failed (counted in the
+  // stats' driver_export). A visitor error stops the export and is returned (the chunks stay
+  // marked). InvalidArgument for an unknown pointer; FailedPrecondition when the pool's memory
+  // is not exportable as `type` (kNone: the pool's type). The returned chunks' `handle` is 0:
+  // a handle is valid only while the visitor runs.
+  using ChunkVisitor =
+      absl::FunctionRef<absl::Status(const ExportedChunk& chunk, bool* called_driver)>;
   absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type, ChunkVisitor visit);
   // Export without a visitor: marks the chunks and describes them (no shareable handles).
   absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type = HandleType::kNone);

@@ -100,7 +100,7 @@ std::vector<BufferDescriptor> SampleDescriptors() {
   return samples;
 }
 
-// ---- FromHandles(): the errors the spec lists, one test each. ----
+// ---- FromHandles(): the errors descriptor.h lists (docs/DESIGN.md §1), one test each. ----
 
 TEST(FromHandlesTest, CountsDiffer) {
   EXPECT_THAT(FabricBufferDescriptor::FromHandles(TestHandles(2), {64, 64, 64}),

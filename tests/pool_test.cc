@@ -602,19 +602,23 @@ TEST_F(PoolTest, ExportVisitorSeesEveryChunkAndItsErrorIsReturned) {
   if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
   void* a = Alloc(*pool, 4 * kMiB);
   std::vector<PhysHandle> seen;
-  auto exported = pool->Export(a, HandleType::kNone,
-                               [&](const ExportedChunk& c) -> absl::StatusOr<bool> {
-                                 seen.push_back(c.handle);
-                                 return true;
-                               });
+  auto exported = pool->Export(a, HandleType::kNone, [&](const ExportedChunk& c, bool* driver) {
+    seen.push_back(c.handle);
+    *driver = true;
+    return absl::OkStatus();
+  });
   ASSERT_TRUE(exported.ok()) << exported.status();
   ASSERT_EQ(seen.size(), exported->chunks.size());
   EXPECT_NE(seen[0], 0u);
   EXPECT_EQ(pool->GetStats().driver_export, static_cast<int64_t>(seen.size()));
-  auto failed = pool->Export(a, HandleType::kNone, [](const ExportedChunk&) -> absl::StatusOr<bool> {
+  EXPECT_EQ(exported->chunks[0].handle, 0u) << "a handle is valid only inside the visitor";
+  auto failed = pool->Export(a, HandleType::kNone, [](const ExportedChunk&, bool* driver) {
+    *driver = true;  // the driver was called, and failed
     return absl::UnavailableError("visitor says no");
   });
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(pool->GetStats().driver_export, static_cast<int64_t>(seen.size()) + 1)
+      << "a failed driver call counts too";
   ASSERT_TRUE(pool->Free(a).ok());
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }

@@ -126,11 +126,12 @@ absl::StatusOr<ExportedWithHandles> ExportWithHandles(Pool& pool, void* ptr) {
   Driver& driver = *pool.driver();
   VMM_ASSIGN_OR_RETURN(
       out.block, pool.Export(ptr, HandleType::kNone,
-                             [&](const ExportedChunk& c) -> absl::StatusOr<bool> {
+                             [&](const ExportedChunk& c, bool* called_driver) -> absl::Status {
+                               *called_driver = true;
                                VMM_ASSIGN_OR_RETURN(ShareableHandle h,
                                                     driver.Export(c.handle, pool.handle_type()));
                                out.handles.push_back(std::move(h));
-                               return true;
+                               return absl::OkStatus();
                              }));
   return out;
 }

@@ -3,7 +3,10 @@
 #include "torch_plugin/process_state.h"
 
 #include <cstring>
+#include <atomic>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "allocator/descriptor.h"
@@ -129,6 +132,45 @@ TEST_F(ProcessStateTest, ImportingOnTheWrongBackendIsAClearError) {
   EXPECT_FALSE(import.ok());
   EXPECT_NE(import.status().code(), absl::StatusCode::kOk);
   ASSERT_TRUE(state_.FreeBlock(p).ok());
+}
+
+// A GPU buffer imported where only the host backend is: the error names the owner (the
+// default backend is asked, and ImportBuffer says it cannot map that owner's memory).
+TEST_F(ProcessStateTest, AGpuBufferOnTheHostBackendIsRefusedNamingItsOwner) {
+  setenv("VMM_BACKEND", "host", 1);
+  absl::StatusOr<BufferDescriptor> d = BufferDescriptor::FromHandles(
+      HandleType::kFabric, {std::string(64, '\1')}, {int64_t{2} << 20}, std::nullopt,
+      std::string("GPU-12345678-aaaa-bbbb-cccc-0123456789ab"));
+  ASSERT_TRUE(d.ok()) << d.status();
+  absl::StatusOr<int64_t> import = state_.Import(d->Encode(), -1, std::nullopt, false);
+  EXPECT_EQ(import.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(import.status().message(), HasSubstr("GPU-12345678"));
+  unsetenv("VMM_BACKEND");
+}
+
+// Closing a pool while other threads allocate from it never destroys it under an allocation:
+// every block handed out stays valid and is freed, and the pool goes with the last one.
+TEST_F(ProcessStateTest, ClosingAPoolWhileOthersAllocateIsSafe) {
+  for (int round = 0; round < 20; ++round) {
+    absl::StatusOr<int64_t> id = HostPool("reserve_size=64M");
+    ASSERT_TRUE(id.ok()) << id.status();
+    std::atomic<int> freed_bad{0};
+    std::vector<std::thread> threads;
+    for (int t = 0; t < 3; ++t) {
+      threads.emplace_back([&] {
+        for (int i = 0; i < 20; ++i) {
+          absl::StatusOr<void*> p = state_.PoolAllocate(*id, 4096, 0, false);
+          if (!p.ok()) continue;  // closed meanwhile: a clean refusal
+          std::memset(*p, 0x3c, 4096);
+          if (!state_.FreeBlock(*p).ok()) freed_bad.fetch_add(1);
+        }
+      });
+    }
+    EXPECT_TRUE(state_.ClosePool(*id).ok());
+    for (std::thread& t : threads) t.join();
+    EXPECT_EQ(freed_bad.load(), 0);
+    EXPECT_TRUE(state_.AllPools().empty());
+  }
 }
 
 }  // namespace

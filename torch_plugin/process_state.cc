@@ -38,13 +38,19 @@ ProcessState::ProcessState() {
 }
 
 ProcessState::~ProcessState() {
+  // Moved out under the lock, destroyed after it (as everywhere else).
+  std::map<int64_t, OpenImport> imports;
+  std::map<int64_t, std::shared_ptr<ExplicitPool>> pools;
+  std::vector<Pool*> abandoned;
   {
     MutexLock lock(&mu_);
-    imports_.clear();
-    explicit_.clear();
-    for (Pool* pool : abandoned_) delete pool;
-    abandoned_.clear();
+    imports.swap(imports_);
+    pools.swap(explicit_);
+    abandoned.swap(abandoned_);
   }
+  imports.clear();
+  pools.clear();
+  for (Pool* pool : abandoned) delete pool;
   for (auto& p : device_pools_) delete p.exchange(nullptr);
 }
 
@@ -160,12 +166,38 @@ absl::Status ProcessState::ClosePool(int64_t id) {
 
 absl::StatusOr<void*> ProcessState::PoolAllocate(int64_t id, size_t size, Stream stream,
                                                  bool shareable) {
-  VMM_ASSIGN_OR_RETURN(std::shared_ptr<ExplicitPool> entry, FindPool(id));
+  // The block is counted before it exists, under the lock that ClosePool takes, so that a
+  // pool closed meanwhile is not destroyed under the allocation.
+  std::shared_ptr<ExplicitPool> entry;
+  {
+    MutexLock lock(&mu_);
+    auto it = explicit_.find(id);
+    if (it == explicit_.end() || it->second->closed) {
+      return absl::InvalidArgumentError(absl::StrCat("no open pool ", id));
+    }
+    entry = it->second;
+    ++entry->live;
+  }
   Pool& pool = *entry->pool;
-  VMM_ASSIGN_OR_RETURN(void* ptr, shareable ? pool.AllocateShareable(size, stream)
-                                            : pool.Allocate(size, stream));
-  ++entry->live;
+  absl::StatusOr<void*> ptr =
+      shareable ? pool.AllocateShareable(size, stream) : pool.Allocate(size, stream);
+  if (!ptr.ok()) BlockGone(entry);
   return ptr;
+}
+
+void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
+  if (entry->live.fetch_sub(1) != 1) return;
+  // The last live block of an explicit pool: destroy the pool if it was closed.
+  std::shared_ptr<ExplicitPool> doomed;  // destroyed after the lock is released
+  MutexLock lock(&mu_);
+  if (!entry->closed) return;
+  for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
+    if (it->second == entry) {
+      doomed = std::move(it->second);
+      explicit_.erase(it);
+      break;
+    }
+  }
 }
 
 ProcessState::PoolRef ProcessState::Owner(const void* ptr) {
@@ -200,18 +232,7 @@ absl::Status ProcessState::FreeBlock(void* ptr) {
         "free of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ", which no vmm pool allocated"));
   }
   VMM_RETURN_IF_ERROR(owner.pool->Free(ptr));
-  if (owner.keep == nullptr || owner.keep->live.fetch_sub(1) != 1) return absl::OkStatus();
-  // The last live block of an explicit pool: destroy the pool if it was closed.
-  std::shared_ptr<ExplicitPool> doomed;
-  MutexLock lock(&mu_);
-  if (!owner.keep->closed) return absl::OkStatus();
-  for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
-    if (it->second == owner.keep) {
-      doomed = std::move(it->second);
-      explicit_.erase(it);
-      break;
-    }
-  }
+  if (owner.keep != nullptr) BlockGone(owner.keep);
   return absl::OkStatus();
 }
 
@@ -228,7 +249,10 @@ absl::StatusOr<BufferDescriptor> ProcessState::Export(const void* ptr) {
 absl::StatusOr<int64_t> ProcessState::Import(absl::string_view bytes, int device,
                                              std::optional<Backend> backend, bool pidfd) {
   VMM_ASSIGN_OR_RETURN(BufferDescriptor d, BufferDescriptor::Decode(bytes));
-  if (!backend.has_value()) backend = d.backend();
+  // The caller's backend; else the host backend for the host backend's buffers, and the
+  // default one for everything else (ImportBuffer then names the owner when it cannot map
+  // the buffer, e.g. a GPU buffer in a process without CUDA).
+  if (!backend.has_value() && d.backend() == Backend::kHost) backend = Backend::kHost;
   Driver* driver = nullptr;
   if (backend.has_value()) {
     VMM_ASSIGN_OR_RETURN(driver, DriverFor(*backend));

@@ -51,8 +51,8 @@ class ProcessState {
   // A pool made by CreatePool: it lives until it is closed and its last block is freed.
   struct ExplicitPool {
     std::unique_ptr<Pool> pool;
-    std::atomic<int64_t> live{0};  // blocks handed out and not yet freed
-    bool closed = false;           // guarded by the state's mutex
+    std::atomic<int64_t> live{0};  // blocks handed out (or being allocated) and not yet freed
+    bool closed = false;           // read and written only under ProcessState::mu_
   };
   // A pool handed out by AllPools or Owner; `keep` holds an explicit pool alive (null for
   // device pools, which never go away).
@@ -82,8 +82,8 @@ class ProcessState {
   absl::Status SetMemoryFraction(double fraction, int device);
 
   // --- Explicit pools -----------------------------------------------------------------------
-  // Creates a pool on `backend`'s `device` (kHost: device 0 of the host backend). Returns its
-  // id (> 0).
+  // Creates a pool on `backend`'s `device` (the host backend has one device unless
+  // VMM_HOST_DEVICES says more). Returns its id (> 0).
   absl::StatusOr<int64_t> CreatePool(Backend backend, int device, absl::string_view options);
   // Closes pool `id`; it is destroyed now if no block of it is live, else with its last one.
   absl::Status ClosePool(int64_t id);
@@ -113,8 +113,10 @@ class ProcessState {
     size_t size = 0;
     int device = -1;  // the CUDA device it is mapped on, -1 for the host backend
   };
+  // InvalidArgument for an unknown id.
   absl::StatusOr<ImportInfo> GetImportInfo(int64_t id);
   // Adds `delta` references to import `id`; the mapping goes with the last one.
+  // InvalidArgument for an unknown id.
   absl::Status AddImportRef(int64_t id, int delta);
   // Imports alive (tests).
   size_t import_count();
@@ -127,6 +129,9 @@ class ProcessState {
   };
 
   absl::Status ApplyFraction(Pool& pool, double fraction);
+  // A block of `entry` went (freed, or its allocation failed): destroys the pool if it was
+  // closed and this was its last block.
+  void BlockGone(const std::shared_ptr<ExplicitPool>& entry);
   // In a forked child: moves the parent's device pools to abandoned_.
   void AbandonParentsDevicePools() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

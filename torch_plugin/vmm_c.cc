@@ -23,14 +23,27 @@
 namespace vmm {
 namespace {
 
-static_assert(VMM_INVALID_ARGUMENT == static_cast<int>(absl::StatusCode::kInvalidArgument) &&
-                  VMM_NOT_FOUND == static_cast<int>(absl::StatusCode::kNotFound) &&
-                  VMM_RESOURCE_EXHAUSTED == static_cast<int>(absl::StatusCode::kResourceExhausted) &&
-                  VMM_FAILED_PRECONDITION ==
-                      static_cast<int>(absl::StatusCode::kFailedPrecondition) &&
-                  VMM_UNAVAILABLE == static_cast<int>(absl::StatusCode::kUnavailable) &&
-                  VMM_UNAUTHENTICATED == static_cast<int>(absl::StatusCode::kUnauthenticated),
-              "vmm_status_code must mirror absl::StatusCode");
+// vmm_status_code mirrors absl::StatusCode value by value.
+#define VMM_SAME_CODE(c, absl_name) \
+  static_assert(c == static_cast<int>(absl::StatusCode::absl_name), #c " must mirror absl");
+VMM_SAME_CODE(VMM_OK, kOk)
+VMM_SAME_CODE(VMM_CANCELLED, kCancelled)
+VMM_SAME_CODE(VMM_UNKNOWN, kUnknown)
+VMM_SAME_CODE(VMM_INVALID_ARGUMENT, kInvalidArgument)
+VMM_SAME_CODE(VMM_DEADLINE_EXCEEDED, kDeadlineExceeded)
+VMM_SAME_CODE(VMM_NOT_FOUND, kNotFound)
+VMM_SAME_CODE(VMM_ALREADY_EXISTS, kAlreadyExists)
+VMM_SAME_CODE(VMM_PERMISSION_DENIED, kPermissionDenied)
+VMM_SAME_CODE(VMM_RESOURCE_EXHAUSTED, kResourceExhausted)
+VMM_SAME_CODE(VMM_FAILED_PRECONDITION, kFailedPrecondition)
+VMM_SAME_CODE(VMM_ABORTED, kAborted)
+VMM_SAME_CODE(VMM_OUT_OF_RANGE, kOutOfRange)
+VMM_SAME_CODE(VMM_UNIMPLEMENTED, kUnimplemented)
+VMM_SAME_CODE(VMM_INTERNAL, kInternal)
+VMM_SAME_CODE(VMM_UNAVAILABLE, kUnavailable)
+VMM_SAME_CODE(VMM_DATA_LOSS, kDataLoss)
+VMM_SAME_CODE(VMM_UNAUTHENTICATED, kUnauthenticated)
+#undef VMM_SAME_CODE
 static_assert(VMM_HANDLE_POSIX_FD == static_cast<int>(HandleType::kPosixFd) &&
                   VMM_HANDLE_FABRIC == static_cast<int>(HandleType::kFabric) &&
                   VMM_HANDLE_NONE == static_cast<int>(HandleType::kNone),

@@ -5,7 +5,9 @@
  * explicit pools, and imported buffers. Load it once per process (ctypes, dlopen).
  *
  * Errors: functions returning int give 0 on success and -1 on failure; functions returning a
- * pointer or an id give NULL / -1. vmm_last_error_code() then gives the failure's code (a
+ * pointer or an id give NULL / -1 (vmm_pool_device: -2). vmm_stats_json, vmm_snapshot_json,
+ * vmm_reset_*_stats and the deleters (vmm_block_free, vmm_import_release, which log their
+ * errors) do not fail. vmm_last_error_code() then gives the failure's code (a
  * vmm_status_code, the numeric absl::StatusCode) and vmm_last_error() its message (per
  * thread; the message names what failed and does not repeat the code). Codes by meaning:
  * VMM_INVALID_ARGUMENT for bad input, VMM_RESOURCE_EXHAUSTED for out of memory,
@@ -17,7 +19,8 @@
  * memory_limit=40G,peer_devices=1:2" (allocator/pool_options.h: keys handle_type
  * (auto|none|posix_fd|fabric), reserve_size, memory_limit, release_threshold, small_size,
  * small_chunk, growth_fraction, max_growth_extra, max_chunk, peer_devices). Sizes accept K, M,
- * G and T suffixes (powers of 1024). An unknown key or malformed value is an error naming it.
+ * G and T suffixes (powers of 1024; "64MiB" and "2KB" too). An unknown key, a key given twice
+ * or a malformed value (also "1 K" or "+5") is an error naming it.
  * Device pools (the registered allocator) default to growth_fraction=0 (exact growth, the
  * smallest footprint); explicit pools take the allocator's defaults.
  *
@@ -111,8 +114,8 @@ char* vmm_snapshot_json(void);
 
 /* --- Explicit pools ------------------------------------------------------------------- */
 
-/* Creates a pool on `device` of `backend` (VMM_BACKEND_HOST: device 0 of the host backend;
- * VMM_BACKEND_DEFAULT: the best available). Returns its id (> 0). */
+/* Creates a pool on `device` of `backend` (VMM_BACKEND_DEFAULT: the best available; the host
+ * backend has one device unless VMM_HOST_DEVICES says more). Returns its id (> 0). */
 int64_t vmm_pool_create(int backend, int device, const char* options);
 /* Closes the pool; its memory goes back once its last block is freed. */
 int vmm_pool_destroy(int64_t pool);
