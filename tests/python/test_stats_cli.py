@@ -1,13 +1,18 @@
-"""dump_stats and `python -m vmm_torch.stats` (summarize, render, torch-viz) on a real dump."""
+"""dump_stats and `python -m vmm_torch.stats` (summarize, render, torch-viz) on a real dump,
+on hostile dumps (escaped output, one-line failures), and dump_stats' file handling."""
 
+import copy
 import gc
+import html.parser
 import json
 import os
 import pickle
+import stat
 import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import vmm_torch
 from vmm_torch import stats as stats_cli
@@ -132,3 +137,71 @@ def test_format_bytes():
     assert stats_cli.format_bytes(1536) == "1.5 KiB"
     assert stats_cli.format_bytes(3 * MIB) == "3.0 MiB"
     assert stats_cli.format_bytes(5 << 40) == "5.0 TiB"
+
+
+# --- dump_stats writes files safely ------------------------------------------------------------
+
+
+def _names(directory):
+    return sorted(os.listdir(directory))
+
+
+def test_dump_stats_writes_through_a_symlink(tmp_path):
+    target = tmp_path / "real.json"
+    target.write_text("old")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    vmm_torch.dump_stats(link)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert "snapshot" in json.loads(target.read_text())
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(tmp_path / "new.json")  # a link to a file not there yet
+    vmm_torch.dump_stats(dangling)
+    assert dangling.is_symlink() and "snapshot" in json.loads((tmp_path / "new.json").read_text())
+    assert _names(tmp_path) == ["dangling.json", "link.json", "new.json", "real.json"]
+
+
+def test_dump_stats_refuses_to_replace_what_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    (tmp_path / "dir").mkdir()
+    for path in (fifo, link, tmp_path / "dir"):
+        with pytest.raises(FileExistsError, match="not a regular file"):
+            vmm_torch.dump_stats(path)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and link.is_symlink()
+    assert _names(tmp_path) == ["dir", "fifo", "link"]
+    if os.path.exists("/dev/null"):  # a device node: refused, never replaced
+        with pytest.raises(FileExistsError, match="character device"):
+            vmm_torch.dump_stats("/dev/null")
+        assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+@pytest.mark.parametrize("fail_in", ["json.dump", "os.replace"])
+def test_dump_stats_leaves_no_temporary_file(tmp_path, monkeypatch, fail_in):
+    module, name = fail_in.split(".")
+    real = getattr({"json": json, "os": os}[module], name)
+
+    def broken(*args, **kwargs):
+        if fail_in == "json.dump":
+            args[1].write("{partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr({"json": json, "os": os}[module], name, broken)
+    (tmp_path / "keep.json").write_text("old")
+    with pytest.raises(OSError, match="No space"):
+        vmm_torch.dump_stats(tmp_path / "keep.json")
+    monkeypatch.setattr({"json": json, "os": os}[module], name, real)
+    assert _names(tmp_path) == ["keep.json"] and (tmp_path / "keep.json").read_text() == "old"
+
+
+def test_dump_stats_path_types(tmp_path):
+    vmm_torch.dump_stats(os.fsencode(tmp_path / "bytes.json"))
+    vmm_torch.dump_stats(tmp_path / "pathlike.json")
+    vmm_torch.dump_stats(str(tmp_path / "str.json"))
+    assert _names(tmp_path) == ["bytes.json", "pathlike.json", "str.json"]
+    for bad in (3, None, 1.5, ["x"], True):
+        with pytest.raises(TypeError, match="path"):
+            vmm_torch.dump_stats(bad)
+    assert _names(tmp_path) == ["bytes.json", "pathlike.json", "str.json"]

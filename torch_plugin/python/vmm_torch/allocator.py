@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -12,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _lib, _registry
+from ._files import PathArg, write_file
 from ._options import format_options
 
 DeviceLike = Union[None, int, str, torch.device]
@@ -265,18 +265,20 @@ def collect_stats() -> Dict[str, Any]:
     }
 
 
-def dump_stats(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+def dump_stats(path: PathArg) -> Dict[str, Any]:
     """Writes the statistics of the device pools and of the open explicit pools, and a
     snapshot of all pools, as JSON to `path`; returns the document.
 
     Layout: {"backend", "time", "torch_version", "stats": {device: memory_stats(device)},
     "pools": {pool id: {"device", "handle_type", "stats"}}, "snapshot": memory_snapshot()}.
     Read it back with ``python -m vmm_torch.stats summarize|render|torch-viz PATH``.
+
+    `path` is a str, bytes or os.PathLike (TypeError otherwise). The file is written whole
+    (a temporary file beside it, renamed over it; removed on any failure). A symlink is
+    written through: its final target is replaced, the link stays. Anything that exists and
+    is not a regular file (a directory, a device node, a FIFO) is refused with
+    FileExistsError and left alone.
     """
     document = collect_stats()
-    path = os.fspath(path)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(document, f, indent=1)
-    os.replace(temporary, path)
+    write_file(path, lambda f: json.dump(document, f, indent=1))
     return document
