@@ -27,7 +27,7 @@ LAYERS = {
     "_tensors": 0,     # shapes, strides, dtype codes
     "_registry": 0,    # the open explicit pools
     "_files": 0,       # writing output files whole (dump_stats, the stats command line)
-    "stats": 0,        # the dump reader (no libraries)
+    "stats": 1,        # the dump reader (no libraries; writes with _files)
     "_lib": 1,         # loading, errors by code, call helpers
     "descriptors": 2,
     "allocator": 2,
