@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _lib, _registry
+from ._devices import bad_device, parse_device
 from ._files import PathArg, write_file
 from ._options import format_options
 
@@ -144,25 +145,15 @@ def enabled_hooks() -> Tuple[str, ...]:
 
 def device_index(device: DeviceLike = None) -> int:
     """A device pool's index from None (the current CUDA device, or 0 while CUDA is not
-    initialised), an int, "cuda", "cuda:N" or a torch.device of type cuda."""
+    initialised), an int, "cuda", "cuda:N" or a torch.device of type cuda. ValueError for
+    anything else (vmm_torch._devices), the host included."""
     if device is None:
         return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    if isinstance(device, bool):
-        raise ValueError(f"device {device!r} is not a CUDA device index")
-    if isinstance(device, int):
-        if not 0 <= device < 2**31:
-            raise ValueError(f"device {device} is not a CUDA device index")
-        return device
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device {device!r} is not a CUDA device")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a CUDA device") from e
-    if parsed.type != "cuda":
-        raise ValueError(f"device {device!r} is not a CUDA device (device pools are per GPU; "
-                         f"use Pool.memory_stats() for a host pool)")
-    return device_index(parsed.index)
+    kind, index = parse_device(device)
+    if kind != "cuda":
+        raise bad_device(device, "a CUDA device (device pools are per GPU; use "
+                                 "Pool.memory_stats() for a host pool)")
+    return device_index(None) if index is None else index  # "cuda": the current device
 
 
 def _flatten(prefix: str, value: Any, out: Dict[str, Any]) -> None:

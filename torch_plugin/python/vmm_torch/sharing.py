@@ -41,6 +41,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
+from ._devices import parse_device
 from ._signatures import BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS
 from ._tensors import (DtypeCode, contiguous_strides, dtype_code, dtype_from_code,
                        dtype_from_name, element_size)
@@ -180,21 +181,15 @@ def wrap_import(import_id: int, shape: Sequence[int], stride: Sequence[int],
 
 
 def _import_device(device: DeviceArg) -> int:
-    """The device argument of vmm_import: -1 (the owner's device) or a CUDA index."""
+    """The device argument of vmm_import: -1 (the owner's device: None, or the host) or a
+    CUDA index ("cuda" alone is device 0). ValueError for anything that is not a device
+    (vmm_torch._devices), never torch's RuntimeError."""
     if device is None:
         return -1
-    if isinstance(device, torch.device):
-        if device.type == "cpu":
-            return -1
-        device = device.index if device.index is not None else 0
-    elif isinstance(device, str):
-        parsed = torch.device(device)
-        if parsed.type == "cpu":
-            return -1
-        device = parsed.index if parsed.index is not None else 0
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31:
-        raise ValueError(f"device {device!r} is not a CUDA device index")
-    return device
+    kind, index = parse_device(device)
+    if kind == "host":
+        return -1
+    return 0 if index is None else index
 
 
 def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offset: Any,
@@ -386,7 +381,9 @@ class SharedTensor:
         exported dtype, shape, strides and storage offset. The mapping lives as long as any
         view of the returned tensor. `device`: CUDA device to map on (default: the
         exporting device); ignored for CPU tensors."""
-        map_device = _import_device(device) if self.device_type == "cuda" else -1
+        map_device = _import_device(device)  # checked also where it is ignored
+        if self.device_type != "cuda":
+            map_device = -1
         return _rebuild(*self.payload, map_device)
 
     def __reduce__(self) -> Tuple[Any, Payload]:
