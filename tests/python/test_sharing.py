@@ -269,3 +269,15 @@ def test_host_device_arguments_of_imports(pool, device):
     assert torch.equal(vmm_torch.export_tensor(t).open(device=device), t)
     with _import_with(t, device) as buf:
         assert buf.device == -1
+
+
+def test_as_tensor_shapes_are_checked(pool):
+    t = filled(pool, (16,), torch.uint8)
+    with vmm_torch.import_buffer(vmm_torch.export_tensor(t).descriptor) as buf:
+        for shape, error in (((10**30,), ValueError), ((2**62, 2**62), ValueError),
+                             ((2.5,), TypeError), ((-1,), ValueError), ((17,), ValueError)):
+            with pytest.raises(error):
+                buf.as_tensor(shape=shape)
+        with pytest.raises(TypeError, match="dtype"):
+            buf.as_tensor(dtype="uint8")
+        assert torch.equal(buf.as_tensor(shape=(4, 4)).view(16), t)
