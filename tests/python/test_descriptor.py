@@ -219,3 +219,21 @@ def test_repr_is_readable():
 def test_exports_are_module_level():
     assert vmm_torch.FabricBufferDescriptor is FabricBufferDescriptor
     assert vmm_torch.PosixFdBufferDescriptor is PosixFdBufferDescriptor
+
+
+def test_offset_none_is_the_default():
+    # Every optional argument of from_handles takes None for its default (as size does).
+    for cls in (FabricBufferDescriptor, PosixFdBufferDescriptor):
+        d = cls.from_handles([H0], [MIB], offset=None)
+        assert d.offset == 0 and d == cls.from_handles([H0], [MIB])
+        assert d == cls.from_handles([H0], [MIB], size=None, owner_uuid=None, offset=None)
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, "10", b"1", [0]])
+def test_offset_not_an_integer(bad):
+    check_error(r"^offset is .*expected an integer$", [H0], [MIB], offset=bad)
+
+
+def test_offset_beyond_int64():
+    check_error(r"^offset 9223372036854775808 is outside", [H0], [MIB], offset=2**63)
+    check_error(r"^offset -1 is outside", [H0], [MIB], offset=-1)

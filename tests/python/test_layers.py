@@ -26,7 +26,9 @@ LAYERS = {
     "_options": 0,     # option text
     "_tensors": 0,     # shapes, strides, dtype codes
     "_registry": 0,    # the open explicit pools
-    "stats": 0,        # the dump reader (no libraries)
+    "_devices": 0,     # device arguments
+    "_files": 0,       # writing output files whole (dump_stats, the stats command line)
+    "stats": 1,        # the dump reader (no libraries; writes with _files)
     "_lib": 1,         # loading, errors by code, call helpers
     "descriptors": 2,
     "allocator": 2,

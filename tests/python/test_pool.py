@@ -50,10 +50,52 @@ def test_shapes(pool):
     assert pool.empty(()).shape == ()
     assert pool.empty((0, 3)).numel() == 0
     assert pool.empty(torch.Size([2, 3])).shape == (2, 3)
+    assert pool.empty((torch.tensor(3), 2)).shape == (3, 2)  # ints by __index__, as torch
     with pytest.raises(ValueError):
         pool.empty((-1, 3))
-    with pytest.raises(ValueError):
+    with pytest.raises(TypeError):
         pool.empty((2.5,))
+
+
+# Extents that are not ints are TypeErrors, as in PyTorch.
+NOT_INT_SHAPES = [(2.5,), (True,), (None,), ("3",), None, "abc", 2.5, (1, [2])]
+
+
+@pytest.mark.parametrize("shape", NOT_INT_SHAPES, ids=repr)
+def test_shapes_that_are_not_ints_are_type_errors(pool, shape):
+    with pytest.raises(TypeError):
+        torch.empty(shape)  # PyTorch's kind of error for the same shape
+    with pytest.raises(TypeError, match="shape"):
+        pool.empty(shape)
+
+
+# Shapes whose byte size (or a stride) overflows 64 bits: ValueError, never a wrapped size
+# reaching the library nor torch's "Expected int ... found int".
+OVERFLOWING_SHAPES = [(2**62, 2**62), (10**30,), (2**64,), (2**63,), (2**61,), (2**32, 2**31),
+                      (0, 2**40, 2**40), (2**63 - 1, 2), (0, 2**64)]
+
+
+@pytest.mark.parametrize("shape", OVERFLOWING_SHAPES, ids=repr)
+def test_shapes_whose_size_overflows_are_value_errors(pool, shape):
+    before = pool.memory_stats()["num_ooms"]
+    with pytest.raises(ValueError, match=r"shape .*(bits|more than 2\*\*63 - 1)"):
+        pool.empty(shape)
+    assert pool.memory_stats()["num_ooms"] == before  # refused before the library
+
+
+@pytest.mark.parametrize("shape,dtype", [((-1, 3), torch.float32), ((3, -2), torch.uint8),
+                                         ((-(2**70),), torch.uint8)], ids=repr)
+def test_negative_extents_are_value_errors(pool, shape, dtype):
+    with pytest.raises(ValueError, match="non-negative"):
+        pool.empty(shape, dtype=dtype)
+
+
+def test_representable_but_too_large_is_out_of_memory(pool):
+    oom = getattr(torch.cuda, "OutOfMemoryError", MemoryError)
+    with pytest.raises(oom, match="out of memory"):
+        pool.empty((2**60,), dtype=torch.float32)  # 2**62 bytes: fits in 64 bits
+    with pytest.raises(TypeError, match="dtype"):
+        pool.empty((4,), dtype="float32")
 
 
 def test_tensor_frees_its_block(pool):
@@ -153,7 +195,8 @@ def test_options_are_passed_and_checked():
 
 @pytest.mark.parametrize("bad", ["tpu", -1, 1.5, 0.0, "cuda:x", True, False, "cuda:-1",
                                  "host:99", "host:0", "cuda:1:2", "", None, 2**31, [0],
-                                 torch.device("meta")])
+                                 torch.device("meta"), torch.device("cpu", 1), "cpu:3",
+                                 b"cuda", "cuda:99999999999", "meta"])
 def test_bad_devices_are_value_errors(bad):
     # Checked in Python before any library call.
     with pytest.raises(ValueError, match="device"):

@@ -222,3 +222,62 @@ def test_import_buffer_backend_argument(pool):
         vmm_torch.import_buffer(descriptor, backend="tpu")
     with pytest.raises(TypeError):
         vmm_torch.import_buffer("not bytes")
+
+
+# Device arguments that are not devices: ValueError from every function that takes one (torch's
+# RuntimeError from torch.device() must not leak out).
+BAD_DEVICES = ["tpu", -1, 1.5, "cuda:x", True, False, "cuda:-1", "host:99", "host:0",
+               "cuda:1:2", "", 2**31, 2**40, [0], torch.device("meta"), torch.device("cpu", 1),
+               "cpu:3", b"cuda", "cuda:99999999999", "meta", "cuda:0 junk", object()]
+
+
+def _open_with(t, device):
+    return vmm_torch.export_tensor(t).open(device=device)
+
+
+def _import_with(t, device):
+    return vmm_torch.import_buffer(vmm_torch.export_tensor(t).descriptor, device=device)
+
+
+def _import_bytes_with(t, device):
+    data = vmm_torch.export_tensor(t).descriptor.to_bytes()
+    return vmm_torch.import_buffer(data, device=device)
+
+
+DEVICE_TAKERS = {  # each called with a shareable tensor of a host pool (kept alive) and device
+    "Pool": lambda t, device: vmm_torch.Pool(device),
+    "import_buffer": _import_with,
+    "import_buffer(bytes)": _import_bytes_with,
+    "SharedTensor.open": _open_with,
+    "memory_stats": lambda t, device: vmm_torch.memory_stats(device),
+    "reset_peak_memory_stats": lambda t, device: vmm_torch.reset_peak_memory_stats(device),
+}
+
+
+@pytest.mark.parametrize("taker", sorted(DEVICE_TAKERS))
+@pytest.mark.parametrize("bad", BAD_DEVICES, ids=repr)
+def test_bad_device_arguments_are_value_errors(pool, taker, bad):
+    t = filled(pool, (4,))
+    with pytest.raises(ValueError, match="device"):
+        DEVICE_TAKERS[taker](t, bad)
+
+
+@pytest.mark.parametrize("device", [None, "host", "cpu", " CPU ", torch.device("cpu"),
+                                    torch.device("cpu", 0)], ids=repr)
+def test_host_device_arguments_of_imports(pool, device):
+    t = filled(pool, (4,))
+    assert torch.equal(vmm_torch.export_tensor(t).open(device=device), t)
+    with _import_with(t, device) as buf:
+        assert buf.device == -1
+
+
+def test_as_tensor_shapes_are_checked(pool):
+    t = filled(pool, (16,), torch.uint8)
+    with vmm_torch.import_buffer(vmm_torch.export_tensor(t).descriptor) as buf:
+        for shape, error in (((10**30,), ValueError), ((2**62, 2**62), ValueError),
+                             ((2.5,), TypeError), ((-1,), ValueError), ((17,), ValueError)):
+            with pytest.raises(error):
+                buf.as_tensor(shape=shape)
+        with pytest.raises(TypeError, match="dtype"):
+            buf.as_tensor(dtype="uint8")
+        assert torch.equal(buf.as_tensor(shape=(4, 4)).view(16), t)

@@ -82,29 +82,31 @@ void FreeBlock(void* ptr) { vmm.block_free(ptr); }
 void ReleaseImport(void* context) { vmm.import_release(context); }
 
 // Fails unless a view of `sizes`/`strides` at `storage_offset` (elements of `itemsize` bytes)
-// lies inside `nbytes` bytes. Overflow-safe: the values come from other processes.
+// lies inside `nbytes` bytes. Overflow-safe: the values come from other processes. Failures
+// are bad arguments: c10::ValueError, which Python sees as ValueError.
 void CheckViewFits(at::IntArrayRef sizes, at::IntArrayRef strides, int64_t storage_offset,
                    int64_t itemsize, int64_t nbytes) {
-  TORCH_CHECK(sizes.size() == strides.size(), "vmm.wrap: ", sizes.size(), " sizes but ",
-              strides.size(), " strides");
-  TORCH_CHECK(storage_offset >= 0, "vmm.wrap: negative storage offset");
+  TORCH_CHECK_VALUE(sizes.size() == strides.size(), "vmm.wrap: ", sizes.size(),
+                    " sizes but ", strides.size(), " strides");
+  TORCH_CHECK_VALUE(storage_offset >= 0, "vmm.wrap: negative storage offset");
   int64_t last = storage_offset;  // index of the last element the view reaches
   bool empty = false;
   for (size_t i = 0; i < sizes.size(); ++i) {
-    TORCH_CHECK(sizes[i] >= 0 && strides[i] >= 0, "vmm.wrap: negative size or stride");
+    TORCH_CHECK_VALUE(sizes[i] >= 0 && strides[i] >= 0, "vmm.wrap: negative size or stride");
     if (sizes[i] == 0) empty = true;
     int64_t reach = 0;
-    TORCH_CHECK(!__builtin_mul_overflow(sizes[i] == 0 ? 0 : sizes[i] - 1, strides[i], &reach) &&
-                    !__builtin_add_overflow(last, reach, &last),
-                "vmm.wrap: the view's extent overflows");
+    TORCH_CHECK_VALUE(
+        !__builtin_mul_overflow(sizes[i] == 0 ? 0 : sizes[i] - 1, strides[i], &reach) &&
+            !__builtin_add_overflow(last, reach, &last),
+        "vmm.wrap: the view's extent overflows");
   }
   if (empty) return;
   int64_t end = 0;
-  TORCH_CHECK(!__builtin_add_overflow(last, int64_t{1}, &end) &&
-                  !__builtin_mul_overflow(end, itemsize, &end),
-              "vmm.wrap: the view's extent overflows");
-  TORCH_CHECK(end <= nbytes, "vmm.wrap: the view needs ", end, " bytes, the storage has ",
-              nbytes);
+  TORCH_CHECK_VALUE(!__builtin_add_overflow(last, int64_t{1}, &end) &&
+                        !__builtin_mul_overflow(end, itemsize, &end),
+                    "vmm.wrap: the view's extent overflows");
+  TORCH_CHECK_VALUE(end <= nbytes, "vmm.wrap: the view needs ", end,
+                    " bytes, the storage has ", nbytes);
 }
 
 // PyTorch sets its CUDA state up (allocator, streams) when the first CUDA tensor of a
@@ -128,8 +130,8 @@ at::Tensor TensorOver(void* data, int64_t nbytes, at::IntArrayRef sizes,
   TORCH_CHECK(nbytes >= 0, "vmm.wrap: negative nbytes");
   TORCH_CHECK(device.is_cpu() || (device.is_cuda() && device.has_index()),
               "vmm.wrap: device ", device, " is neither the CPU nor an indexed CUDA device");
-  TORCH_CHECK(dtype != at::ScalarType::Undefined && !c10::isQIntType(dtype),
-              "vmm.wrap: dtype ", dtype, " cannot be wrapped");
+  TORCH_CHECK_VALUE(dtype != at::ScalarType::Undefined && !c10::isQIntType(dtype),
+                    "vmm.wrap: dtype ", dtype, " cannot be wrapped");
   CheckViewFits(sizes, strides, storage_offset, static_cast<int64_t>(c10::elementSize(dtype)),
                 nbytes);
   if (device.is_cuda()) InitCudaOnce(device);

@@ -6,8 +6,10 @@ Imports torch only (a bottom layer of the package).
 
 from __future__ import annotations
 
+import collections.abc
 import numbers
-from typing import Dict, Iterable, List, Sequence, Tuple, Union
+import operator
+from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 
@@ -69,18 +71,37 @@ def contiguous_strides(shape: Sequence[int]) -> List[int]:
     return list(reversed(strides))
 
 
+INT64_MAX = 2**63 - 1
+MAX_DIMS = 64  # more than any tensor needs; bounds the work a received payload can ask for
+
+
+def _extent(value: Any, shape: Any) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"shape {shape!r}: extents must be ints, not bool")
+    try:
+        extent = operator.index(value)
+    except TypeError:
+        raise TypeError(f"shape {shape!r}: extents must be ints, not "
+                        f"{type(value).__name__}") from None
+    if extent < 0:
+        raise ValueError(f"shape {shape!r}: extents must be non-negative")
+    if extent > INT64_MAX:
+        raise ValueError(f"shape {shape!r}: extent {extent} does not fit in 64 bits")
+    return extent
+
+
 def shape_list(shape: ShapeLike) -> List[int]:
-    """`shape` (an int or a sequence of ints) as a list; ValueError for negative or non-int
-    extents."""
-    if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
-        shape = (int(shape),)
+    """`shape` (an int or a sequence of ints) as a list. As PyTorch: TypeError for extents
+    that are not ints (floats, bools, None, strings); ValueError for negative extents,
+    extents beyond 2**63 - 1, and more than MAX_DIMS dimensions."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (numbers.Integral, collections.abc.Iterable)):
+        raise TypeError(f"shape {shape!r} is not an int or a sequence of ints")
+    if isinstance(shape, numbers.Integral):
+        shape = (shape,)
     shape = tuple(shape)
-    out = []
-    for extent in shape:
-        if isinstance(extent, bool) or not isinstance(extent, numbers.Integral) or extent < 0:
-            raise ValueError(f"shape {shape!r}: extents must be non-negative ints")
-        out.append(int(extent))
-    return out
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+    return [_extent(extent, shape) for extent in shape]
 
 
 def numel(shape: Sequence[int]) -> int:
@@ -89,6 +110,44 @@ def numel(shape: Sequence[int]) -> int:
     for extent in shape:
         n *= extent
     return n
+
+
+def tensor_nbytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of a contiguous tensor of `shape` (non-negative extents) and `itemsize`;
+    ValueError if that, or one of its strides, does not fit in a signed 64-bit integer (the
+    product overflows: no memory could hold it, and PyTorch could not describe it)."""
+    reach = itemsize  # bytes spanned by the largest stride times its extent
+    for extent in shape:
+        reach *= max(extent, 1)
+    nbytes = numel(shape) * itemsize
+    if reach > INT64_MAX or nbytes > INT64_MAX:
+        raise ValueError(f"shape {tuple(shape)!r} of {itemsize}-byte elements needs "
+                         f"{max(reach, nbytes)} bytes, more than 2**63 - 1")
+    return nbytes
+
+
+def view_ints(values: Any, name: str) -> Tuple[int, ...]:
+    """A received payload's shape or strides as a tuple of ints: a list or tuple (TypeError
+    otherwise) of at most MAX_DIMS ints (TypeError for other types, bools included;
+    ValueError beyond the signed 64-bit range). Whether the view fits its buffer is checked
+    by the wrap_import operator."""
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} is a {type(values).__name__}, expected a tuple of ints")
+    if len(values) > MAX_DIMS:
+        raise ValueError(f"{name} has {len(values)} dimensions, more than {MAX_DIMS}")
+    return tuple(view_int(v, name) for v in values)
+
+
+def view_int(value: Any, name: str) -> int:
+    """A received payload's int (an extent, stride or storage offset): TypeError unless an
+    int (bools refused), ValueError outside the signed 64-bit range."""
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}: {type(value).__name__} {value!r:.60}, expected an int")
+        value = int(value)
+    if not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise ValueError(f"{name}: {value} does not fit in 64 bits")
+    return value
 
 
 _element_sizes: Dict[torch.dtype, int] = {}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -12,6 +11,8 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from . import _lib, _registry
+from ._devices import bad_device, parse_device
+from ._files import PathArg, write_file
 from ._options import format_options
 
 DeviceLike = Union[None, int, str, torch.device]
@@ -144,25 +145,15 @@ def enabled_hooks() -> Tuple[str, ...]:
 
 def device_index(device: DeviceLike = None) -> int:
     """A device pool's index from None (the current CUDA device, or 0 while CUDA is not
-    initialised), an int, "cuda", "cuda:N" or a torch.device of type cuda."""
+    initialised), an int, "cuda", "cuda:N" or a torch.device of type cuda. ValueError for
+    anything else (vmm_torch._devices), the host included."""
     if device is None:
         return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-    if isinstance(device, bool):
-        raise ValueError(f"device {device!r} is not a CUDA device index")
-    if isinstance(device, int):
-        if not 0 <= device < 2**31:
-            raise ValueError(f"device {device} is not a CUDA device index")
-        return device
-    if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device {device!r} is not a CUDA device")
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device {device!r} is not a CUDA device") from e
-    if parsed.type != "cuda":
-        raise ValueError(f"device {device!r} is not a CUDA device (device pools are per GPU; "
-                         f"use Pool.memory_stats() for a host pool)")
-    return device_index(parsed.index)
+    kind, index = parse_device(device)
+    if kind != "cuda":
+        raise bad_device(device, "a CUDA device (device pools are per GPU; use "
+                                 "Pool.memory_stats() for a host pool)")
+    return device_index(None) if index is None else index  # "cuda": the current device
 
 
 def _flatten(prefix: str, value: Any, out: Dict[str, Any]) -> None:
@@ -265,18 +256,20 @@ def collect_stats() -> Dict[str, Any]:
     }
 
 
-def dump_stats(path: Union[str, "os.PathLike[str]"]) -> Dict[str, Any]:
+def dump_stats(path: PathArg) -> Dict[str, Any]:
     """Writes the statistics of the device pools and of the open explicit pools, and a
     snapshot of all pools, as JSON to `path`; returns the document.
 
     Layout: {"backend", "time", "torch_version", "stats": {device: memory_stats(device)},
     "pools": {pool id: {"device", "handle_type", "stats"}}, "snapshot": memory_snapshot()}.
     Read it back with ``python -m vmm_torch.stats summarize|render|torch-viz PATH``.
+
+    `path` is a str, bytes or os.PathLike (TypeError otherwise). The file is written whole
+    (a temporary file beside it, renamed over it; removed on any failure). A symlink is
+    written through: its final target is replaced, the link stays. Anything that exists and
+    is not a regular file (a directory, a device node, a FIFO) is refused with
+    FileExistsError and left alone.
     """
     document = collect_stats()
-    path = os.fspath(path)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "w") as f:
-        json.dump(document, f, indent=1)
-    os.replace(temporary, path)
+    write_file(path, lambda f: json.dump(document, f, indent=1))
     return document

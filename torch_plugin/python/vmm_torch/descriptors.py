@@ -225,7 +225,7 @@ class BufferDescriptor:
     @classmethod
     def from_handles(cls, handles: Iterable[BytesLike], sizes: Iterable[int], *,
                      size: Optional[int] = None, owner_uuid: Optional[str] = None,
-                     offset: int = 0) -> "BufferDescriptor":
+                     offset: Optional[int] = 0) -> "BufferDescriptor":
         """Builds a descriptor from handles received through a transport of your own.
 
         Args:
@@ -234,7 +234,7 @@ class BufferDescriptor:
             size: buffer size, between zero and the sum of sizes; by default the sum
                 (less ``offset``).
             owner_uuid: the exporting device's UUID, used to name the owner in errors.
-            offset: where the buffer starts inside the allocations (default 0).
+            offset: where the buffer starts inside the allocations (default 0; None is 0).
 
         Raises:
             ValueError: if the counts differ, a handle is not 64 bytes, an allocation size
@@ -255,6 +255,8 @@ class BufferDescriptor:
         size_ints = _size_list(sizes)
         size = _optional_int("size", size)
         offset = _optional_int("offset", offset)
+        if offset is None:  # as the default
+            offset = 0
         owner = _owner_text(owner_uuid)
         if offset > _INT64_MAX or offset < _INT64_MIN:
             raise _out_of_range("offset", offset, sum(size_ints))

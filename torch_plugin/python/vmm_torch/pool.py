@@ -2,55 +2,28 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any, Dict, Optional, Tuple, Union
 
 import torch
 
 from . import _lib, _registry
+from ._devices import parse_device
 from ._options import format_options
 from ._signatures import BACKEND_CUDA, BACKEND_HOST, HANDLE_TYPE_NAMES
-from ._tensors import ShapeLike, contiguous_strides, element_size, numel, shape_list
+from ._tensors import ShapeLike, contiguous_strides, element_size, shape_list, tensor_nbytes
 from .allocator import flatten_stats
 
 PoolDevice = Union[int, str, torch.device]
-
-_CUDA_TEXT = re.compile(r"cuda(?::([0-9]+))?")
-_INT_MAX = 2**31 - 1
-
-
-def _bad_device(device: Any) -> ValueError:
-    return ValueError(f"device {device!r} is neither \"host\" nor a CUDA device index")
-
-
-def _cuda_index(device: Any, index: Any) -> int:
-    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= _INT_MAX:
-        raise _bad_device(device)
-    return index
-
 
 def pool_device(device: PoolDevice) -> Tuple[Union[str, int], int, int]:
     """(``Pool.device``, vmm_backend, device index) for Pool's `device`: "host" (or "cpu", a
     CPU torch.device) is the host backend's device 0; a CUDA index, "cuda", "cuda:N" or a
     CUDA torch.device is that CUDA device. ValueError for anything else (negative or huge
-    indices, "host:1", bools, floats)."""
-    if isinstance(device, str):
-        text = device.strip().lower()
-        if text in ("host", "cpu"):
-            return "host", BACKEND_HOST, 0
-        match = _CUDA_TEXT.fullmatch(text)
-        if match is None:
-            raise _bad_device(device)
-        index = _cuda_index(device, int(match.group(1) or 0))
-        return index, BACKEND_CUDA, index
-    if isinstance(device, torch.device):
-        if device.type == "cpu":
-            return "host", BACKEND_HOST, 0
-        if device.type != "cuda":
-            raise _bad_device(device)
-        index = _cuda_index(device, 0 if device.index is None else device.index)
-        return index, BACKEND_CUDA, index
-    index = _cuda_index(device, device)
+    indices, "host:1", bools, floats; vmm_torch._devices)."""
+    kind, index = parse_device(device)
+    if kind == "host":
+        return "host", BACKEND_HOST, 0
+    index = 0 if index is None else index
     return index, BACKEND_CUDA, index
 
 
@@ -123,10 +96,16 @@ class Pool(_lib.Closable):
         With ``shareable=True`` the block gets physical chunks of its own, so exporting it
         retires no memory that other tensors could use. On CUDA the block is allocated for
         the current stream.
+
+        Extents are ints (TypeError otherwise, as in PyTorch); a negative extent, or a shape
+        whose byte size (or a stride) does not fit in 64 bits, is a ValueError; a size the
+        pool cannot hold is torch.cuda.OutOfMemoryError.
         """
         pool_id = self._require_open()
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
         sizes = shape_list(shape)
-        nbytes = numel(sizes) * element_size(dtype)
+        nbytes = tensor_nbytes(sizes, element_size(dtype))
         libs = _lib.load()
         ptr = _lib.check_pointer(
             libs.vmm.vmm_pool_alloc(pool_id, max(nbytes, 1), self._stream(),

@@ -41,9 +41,11 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _lib
+from ._devices import parse_device
 from ._signatures import BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS
-from ._tensors import (DtypeCode, contiguous_strides, dtype_code, dtype_from_code,
-                       dtype_from_name, element_size)
+from ._tensors import (INT64_MAX, DtypeCode, contiguous_strides, dtype_code, dtype_from_code,
+                       dtype_from_name, element_size, numel, shape_list, tensor_nbytes,
+                       view_int, view_ints)
 from .descriptors import BufferDescriptor, as_bytes
 
 #: The payload's fields, in order (see the module docstring).
@@ -180,34 +182,61 @@ def wrap_import(import_id: int, shape: Sequence[int], stride: Sequence[int],
 
 
 def _import_device(device: DeviceArg) -> int:
-    """The device argument of vmm_import: -1 (the owner's device) or a CUDA index."""
+    """The device argument of vmm_import: -1 (the owner's device: None, or the host) or a
+    CUDA index ("cuda" alone is device 0). ValueError for anything that is not a device
+    (vmm_torch._devices), never torch's RuntimeError."""
     if device is None:
         return -1
-    if isinstance(device, torch.device):
-        if device.type == "cpu":
-            return -1
-        device = device.index if device.index is not None else 0
-    elif isinstance(device, str):
-        parsed = torch.device(device)
-        if parsed.type == "cpu":
-            return -1
-        device = parsed.index if parsed.index is not None else 0
-    if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < 2**31:
-        raise ValueError(f"device {device!r} is not a CUDA device index")
-    return device
+    kind, index = parse_device(device)
+    if kind == "host":
+        return -1
+    return 0 if index is None else index
+
+
+def _flag(value: Any, name: str) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"payload field {name} is a {type(value).__name__}, expected a bool")
+    return value
+
+
+def check_view(shape: Any, stride: Any, storage_offset: Any, dtype: torch.dtype,
+               requires_grad: Any = False
+               ) -> Tuple[Tuple[int, ...], Tuple[int, ...], int]:
+    """A received view's fields as ints, checked before anything is imported: TypeError for
+    fields of the wrong type (shape and stride are lists or tuples of ints, the storage
+    offset an int), ValueError for values beyond 64 bits, more than MAX_DIMS dimensions, an
+    element count beyond 2**63 - 1, and requires_grad on a dtype that cannot have gradients.
+    Signs and whether the view fits the buffer are checked by the wrap_import operator
+    (ValueError)."""
+    shape = view_ints(shape, "shape")
+    stride = view_ints(stride, "stride")
+    storage_offset = view_int(storage_offset, "storage_offset")
+    if all(extent >= 0 for extent in shape) and numel(shape) > INT64_MAX:
+        raise ValueError(f"shape {shape!r} has more than 2**63 - 1 elements")
+    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+        raise ValueError(f"requires_grad on a tensor of {dtype}: only floating point and "
+                         f"complex tensors can require gradients")
+    return shape, stride, storage_offset
 
 
 def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offset: Any,
              device: Any, parameter: Any, requires_grad: Any, map_device: int) -> torch.Tensor:
-    dtype = dtype_from_code(dtype)  # before the import: nothing to release on failure
+    # Every field is checked before the import, so that these failures have nothing to
+    # release; the import's own failures and the operator's (the view must fit the buffer)
+    # release it.
+    dtype = dtype_from_code(dtype)
     device_type, _ = parse_device_field(device)
+    parameter = _flag(parameter, "parameter")
+    requires_grad = _flag(requires_grad, "requires_grad")
+    shape, stride, storage_offset = check_view(shape, stride, storage_offset, dtype,
+                                               requires_grad)
     data = descriptor if type(descriptor) is bytes else as_bytes(descriptor)
     # Module globals looked up per call: benchmarks may wrap them to time each step.
     import_id = import_descriptor(data, map_device if device_type == "cuda" else -1,
                                   _BACKENDS[device_type])
     tensor = wrap_import(import_id, shape, stride, storage_offset, dtype)
     if parameter:
-        return torch.nn.Parameter(tensor, requires_grad=bool(requires_grad))
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
@@ -218,9 +247,13 @@ def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
                    parameter: bool = False, requires_grad: bool = False) -> torch.Tensor:
     """The tensor of a payload (the module docstring's fields, in order): imports the
     descriptor and wraps a tensor over it, which keeps the mapping alive while any view of it
-    lives. What unpickling a torch.multiprocessing payload calls. Raises ValueError (or
-    TypeError) for a malformed payload, VmmError for a stale one, and leaves no import
-    behind."""
+    lives. What unpickling a torch.multiprocessing payload calls.
+
+    A payload is hostile input. Raises TypeError for a field of the wrong type (flags are
+    bools, shape and stride lists or tuples of ints), ValueError for a malformed one (bytes
+    that are not a descriptor, an unknown dtype or device, a view that does not fit the
+    buffer, values beyond 64 bits), VmmError for a stale or forged descriptor, and leaves no
+    import behind on any failure."""
     return _rebuild(descriptor, dtype, shape, stride, storage_offset, device, parameter,
                     requires_grad, -1)
 
@@ -248,9 +281,12 @@ class ImportedBuffer(_lib.Closable):
         on its own, even after close()."""
         if self._id is None:
             raise ValueError("the imported buffer is closed")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
         if shape is None:
             shape = [self.size // element_size(dtype)]
-        shape = list(shape)
+        shape = shape_list(shape)
+        tensor_nbytes(shape, element_size(dtype))  # ValueError if it overflows 64 bits
         retain_import(self._id)
         return wrap_import(self._id, shape, contiguous_strides(shape), 0, dtype)
 
@@ -296,6 +332,10 @@ def import_buffer(descriptor: Union[BufferDescriptor, bytes], device: DeviceArg 
 # --- SharedTensor ----------------------------------------------------------------------------
 
 
+_LEGACY_STATE_KEYS = ("descriptor", "dtype", "shape", "stride", "storage_offset",
+                      "device_type")
+
+
 class SharedTensor:
     """A tensor exported from a vmm pool: its buffer descriptor and the metadata to rebuild it.
 
@@ -329,12 +369,14 @@ class SharedTensor:
         self._data = data
         self._descriptor = descriptor
         self.dtype = dtype
-        self.shape = tuple(int(s) for s in shape)
-        self.stride = tuple(int(s) for s in stride)
-        self.storage_offset = int(storage_offset)
+        self.shape, self.stride, self.storage_offset = check_view(
+            tuple(shape) if isinstance(shape, torch.Size) else shape, stride, storage_offset,
+            dtype)
         self.device_type = device_type
-        self.device_index = None if device_index is None else int(device_index)
-        self._storage_nbytes = None if storage_nbytes is None else int(storage_nbytes)
+        self.device_index = None if device_index is None else view_int(device_index,
+                                                                        "device_index")
+        self._storage_nbytes = (None if storage_nbytes is None
+                                else view_int(storage_nbytes, "storage_nbytes"))
 
     @classmethod
     def from_payload(cls, payload: Sequence[Any]) -> "SharedTensor":
@@ -386,7 +428,9 @@ class SharedTensor:
         exported dtype, shape, strides and storage offset. The mapping lives as long as any
         view of the returned tensor. `device`: CUDA device to map on (default: the
         exporting device); ignored for CPU tensors."""
-        map_device = _import_device(device) if self.device_type == "cuda" else -1
+        map_device = _import_device(device)  # checked also where it is ignored
+        if self.device_type != "cuda":
+            map_device = -1
         return _rebuild(*self.payload, map_device)
 
     def __reduce__(self) -> Tuple[Any, Payload]:
@@ -397,6 +441,9 @@ class SharedTensor:
 
     def __setstate__(self, state: Any) -> None:
         if isinstance(state, dict):  # pickles made before the flat payload
+            missing = [key for key in _LEGACY_STATE_KEYS if key not in state]
+            if missing:
+                raise ValueError(f"a shared tensor's state lacks {', '.join(missing)}")
             self._set(as_bytes(state["descriptor"]), None, dtype_from_name(state["dtype"]),
                       state["shape"], state["stride"], state["storage_offset"],
                       state["device_type"], state.get("device_index"),
