@@ -40,6 +40,7 @@ build_before_at() {
         "$(bazel info -c opt bazel-bin 2>/dev/null)/torch_plugin/python/vmm_torch/libvmm.so" \
         "$dir/lib/" &&
       git archive HEAD torch_plugin | tar -x -C "$dir/src" &&
+      find "$dir/src" -name "BUILD*" -delete &&
       cp bench/share_latency.py "$dir/src/bench/"
   ) || status=$?
   # That workspace's Bazel server and output base go with it.
