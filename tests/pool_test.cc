@@ -294,6 +294,30 @@ TEST_F(PoolTest, TrimsTheCacheThenRetriesBeforeFailing) {
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }
 
+// The handle-type probe needs one granule: on a full device it learns nothing, and the pool
+// must not be made with a type chosen from that (it would stay unshareable for good).
+TEST_F(PoolTest, CreationOnAFullDeviceFailsRatherThanChoosingNoSharing) {
+  if (on_cuda_) GTEST_SKIP() << "fills the host backend's small capacity";
+  ASSERT_OK_AND_ASSIGN(PhysHandle filler, driver_->Create(0, DeviceFree(), 0));
+  for (HandleRequest request :
+       {HandleRequest::kAuto, HandleRequest::kPosixFd, HandleRequest::kFabric}) {
+    PoolOptions options = Exact();
+    options.reserve_size = 64 * kMiB;
+    options.handle_type = request;
+    EXPECT_THAT(Pool::Create(driver_, options),
+                StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("out of memory")));
+  }
+  PoolOptions none = Exact();
+  none.reserve_size = 64 * kMiB;
+  none.handle_type = HandleRequest::kNone;
+  EXPECT_OK(Pool::Create(driver_, none)) << "no probe, nothing to learn";
+  ASSERT_OK(driver_->Release(filler));
+  // Once memory is free the same request resolves to a shareable type.
+  auto pool = MakePool();
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->handle_type(), HandleType::kFabric);
+}
+
 TEST_F(PoolTest, MemoryLimitBoundsTheReservedBytes) {
   PoolOptions options = Exact();
   options.memory_limit = 32 * kMiB;
