@@ -11,11 +11,14 @@
 #include "allocator/sharing.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -34,6 +37,7 @@
 namespace vmm {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr size_t kMiB = size_t{1} << 20;
@@ -294,6 +298,92 @@ TEST_P(SharingTest, HostileDescriptorsFailCleanlyAndLeakNothing) {
   ASSERT_TRUE(pool_->Free(a).ok());
 }
 
+// Map entries this process holds (lines of /proc/self/maps).
+size_t MapCount() {
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (f == nullptr) return 0;
+  size_t lines = 0;
+  for (int c; (c = std::fgetc(f)) != EOF;) lines += c == '\n';
+  std::fclose(f);
+  return lines;
+}
+
+// A descriptor of `copies` copies of `real`'s first handle, each of its first size.
+absl::StatusOr<BufferDescriptor> Repeated(const BufferDescriptor& real, size_t copies,
+                                          const std::string& owner) {
+  const std::string handle(reinterpret_cast<const char*>(real.handles()[0].data()), 64);
+  std::vector<std::string> handles(copies, handle);
+  std::vector<int64_t> sizes(copies, static_cast<int64_t>(real.sizes()[0]));
+  return BufferDescriptor::FromHandles(real.handle_type(), handles, sizes, std::nullopt, owner);
+}
+
+// After a refused hostile import, the process still does everything: allocates, creates a
+// pool, imports a valid descriptor and starts a thread.
+void ExpectTheProcessStillWorks(Driver* driver, Pool& pool, const BufferDescriptor& valid) {
+  auto p = pool.Allocate(3 * kMiB, 0);
+  ASSERT_OK(p);
+  EXPECT_OK(pool.Free(*p));
+  PoolOptions options;
+  options.reserve_size = 64 * kMiB;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> another, CreateExportablePool(driver, options));
+  auto q = another->Allocate(kMiB, 0);
+  ASSERT_OK(q);
+  EXPECT_OK(another->Free(*q));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> imported, ImportBuffer(driver, valid));
+  EXPECT_EQ(imported->size(), valid.size());
+  bool ran = false;
+  std::thread([&ran] { ran = true; }).join();
+  EXPECT_TRUE(ran);
+}
+
+TEST_P(SharingTest, ADescriptorPastTheMapLimitIsRefusedUpFront) {
+  void* a = Filled(2 * kMiB, 3);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor real, ExportBuffer(*pool_, a));
+  const size_t copies = 300;
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor hostile, Repeated(real, copies, pool_->device_uuid()));
+  // A limit the process is 100 maps short of, beside the headroom: 300 do not fit.
+  ImportOptions options;
+  options.max_map_count = MapCount() + kMapCountHeadroom + 100;
+  const size_t maps_before = MapCount();
+  auto refused = ImportBuffer(driver_, hostile, options);
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                AllOf(HasSubstr("mapping 300 handles"), HasSubstr("map limit"),
+                                      HasSubstr(absl::StrCat(options.max_map_count)))));
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  EXPECT_LE(MapCount(), maps_before + 2) << "the refused import left maps behind";
+  ExpectTheProcessStillWorks(driver_, *pool_, real);
+  // Under the real limit the same descriptor fits, maps and unmaps cleanly.
+  const size_t settled = MapCount();  // the thread's cached stack and such stay
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> fits, ImportBuffer(driver_, hostile));
+  EXPECT_EQ(fits->mapped_size(), copies * real.sizes()[0]);
+  EXPECT_GE(MapCount(), settled + copies);
+  fits.reset();
+  EXPECT_LE(MapCount(), settled + 2);
+  ASSERT_OK(pool_->Free(a));
+}
+
+TEST_P(SharingTest, AHugeDescriptorOfOneRepeatedHandleIsRefusedQuickly) {
+  void* a = Filled(2 * kMiB, 4);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor real, ExportBuffer(*pool_, a));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor hostile, Repeated(real, 200000, pool_->device_uuid()));
+  // Through the bytes, as an importer gets it: the decoder's own limits let it through.
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor decoded, BufferDescriptor::Decode(hostile.Encode()));
+  const size_t maps_before = MapCount();
+  const auto start = std::chrono::steady_clock::now();
+  auto refused = ImportBuffer(driver_, decoded);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kInvalidArgument,
+                                AllOf(HasSubstr("200000 handles"),
+                                      HasSubstr(absl::StrCat(kMaxImportHandles)),
+                                      HasSubstr(pool_->device_uuid()))));
+  EXPECT_LT(seconds, 1.0) << "refused only after trying";
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  EXPECT_LE(MapCount(), maps_before + 2) << "the refused import left maps behind";
+  ExpectTheProcessStillWorks(driver_, *pool_, real);
+  ASSERT_OK(pool_->Free(a));
+}
+
 TEST_P(SharingTest, FdsCanAlsoBeFetchedWithPidfd) {
   if (GetParam() != HandleRequest::kPosixFd) GTEST_SKIP() << "fd handles only";
   Subprocess exporter({PeerPath(), "export", "--size=" + std::to_string(2 * kMiB), "--fill=21",
@@ -317,6 +407,31 @@ TEST_P(SharingTest, FdsCanAlsoBeFetchedWithPidfd) {
   imported->reset();
   exporter.WriteLine("exit");
   EXPECT_EQ(exporter.Wait(), 0);
+}
+
+// An open import of many copies of one handle costs the importer its memory once, so pools
+// created meanwhile work and stay shareable (they did not when each copy was counted: the
+// handle-type probe found the device full and the pool became unshareable for good).
+TEST(SharingAccountingTest, DuplicatedHandlesDoNotUseUpTheImportersMemory) {
+  HostDriverOptions host;
+  host.capacity = 256 * kMiB;
+  std::unique_ptr<Driver> driver = NewHostDriver(host);
+  PoolOptions options;
+  options.reserve_size = 256 * kMiB;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> exporter, CreateExportablePool(driver.get(), options));
+  ASSERT_OK_AND_ASSIGN(void* a, exporter->Allocate(2 * kMiB, 0));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor real, ExportBuffer(*exporter, a));
+  // 400 MiB of mappings of one 2 MiB allocation, on a 256 MiB device.
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor copies, Repeated(real, 200, exporter->device_uuid()));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> open, ImportBuffer(driver.get(), copies));
+  EXPECT_EQ(driver->GetMemInfo(0)->free, 254 * kMiB);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> meanwhile, CreateExportablePool(driver.get(), options));
+  EXPECT_EQ(meanwhile->handle_type(), exporter->handle_type());
+  ASSERT_OK_AND_ASSIGN(void* b, meanwhile->AllocateShareable(64 * kMiB, 0));
+  EXPECT_OK(ExportBuffer(*meanwhile, b));
+  EXPECT_OK(meanwhile->Free(b));
+  open.reset();
+  EXPECT_OK(exporter->Free(a));
 }
 
 INSTANTIATE_TEST_SUITE_P(HandleTypes, SharingTest,
