@@ -79,6 +79,12 @@ absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   return pool;
 }
 
+absl::StatusOr<void*> ProcessState::DeviceAllocate(int device, size_t size, Stream stream) {
+  VMM_RETURN_IF_ERROR(CheckRequestSize(size));
+  VMM_ASSIGN_OR_RETURN(Pool * pool, DevicePool(device));
+  return pool->Allocate(size, stream);
+}
+
 Pool* ProcessState::DevicePoolIfAny(int device) const {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   return device_pools_[device].load(std::memory_order_acquire);
@@ -143,6 +149,7 @@ absl::Status ProcessState::ClosePool(int64_t id) {
 
 absl::StatusOr<void*> ProcessState::PoolAllocate(int64_t id, size_t size, Stream stream,
                                                  bool shareable) {
+  VMM_RETURN_IF_ERROR(CheckRequestSize(size));
   VMM_ASSIGN_OR_RETURN(std::shared_ptr<ExplicitPool> entry, FindPool(id));
   Pool& pool = *entry->pool;
   VMM_ASSIGN_OR_RETURN(void* ptr, shareable ? pool.AllocateShareable(size, stream)
