@@ -920,7 +920,9 @@ UniqueFd LookalikeMemfd(const uint8_t* tag, size_t size, int seals) {
   UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | (seals != 0 ? MFD_ALLOW_SEALING : 0)));
   EXPECT_TRUE(fd.valid());
   EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(size)), 0);
-  if (seals != 0) EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  if (seals != 0) {
+    EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  }
   return fd;
 }
 

@@ -10,6 +10,12 @@
 // elsewhere).
 #include "allocator/sharing.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -439,6 +445,81 @@ INSTANTIATE_TEST_SUITE_P(HandleTypes, SharingTest,
                          [](const auto& info) {
                            return info.param == HandleRequest::kFabric ? "fabric" : "posix_fd";
                          });
+
+// --- The fd server's answers ------------------------------------------------------------------
+
+// Fds open /dev/null until the process has none left below its (lowered) limit; closing them
+// and restoring the limit on destruction.
+class FdsExhausted {
+ public:
+  FdsExhausted() {
+    getrlimit(RLIMIT_NOFILE, &saved_);
+    rlimit low = saved_;
+    low.rlim_cur = std::min<rlim_t>(saved_.rlim_cur, 512);
+    setrlimit(RLIMIT_NOFILE, &low);
+    for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) held_.push_back(fd);
+  }
+  ~FdsExhausted() {
+    for (int fd : held_) ::close(fd);
+    setrlimit(RLIMIT_NOFILE, &saved_);
+  }
+
+ private:
+  rlimit saved_{};
+  std::vector<int> held_;
+};
+
+// An exporter that holds the memory but cannot duplicate its fd (out of fds) says so; the
+// handle is not stale.
+TEST(FdShareTest, AnExporterOutOfFdsSaysSoRatherThanStale) {
+  UniqueFd memfd(::memfd_create("vmm-fd-share-test", MFD_CLOEXEC));
+  ASSERT_TRUE(memfd.valid());
+  ASSERT_OK_AND_ASSIGN(FdToken token, FdServer::Get().Register(std::move(memfd)));
+  absl::StatusOr<std::vector<UniqueFd>> fetched;
+  {
+    FdsExhausted exhausted;
+    fetched = FetchFds({token});
+  }
+  EXPECT_THAT(fetched, StatusIs(absl::StatusCode::kUnavailable,
+                                AllOf(HasSubstr("could not duplicate"),
+                                      HasSubstr("Too many open files"))));
+  EXPECT_OK(FetchFds({token})) << "works again once fds are free";
+  FdServer::Get().Unregister(token.key);
+}
+
+// An importer of another user is refused by the exporter's fd server; it says so instead of
+// "Connection reset by peer". Needs root, to run the two processes as two other users.
+TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
+  if (geteuid() != 0 || ::access("/usr/bin/setpriv", X_OK) != 0) {
+    GTEST_SKIP() << "needs root and setpriv to run two processes as two other users";
+  }
+  // A copy of vmm_peer that the other users can run (the runfiles may be under /root).
+  char dir[] = "/tmp/vmm-peer-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  ASSERT_EQ(::chmod(dir, 0755), 0);
+  const std::string peer = absl::StrCat(dir, "/vmm_peer");
+  ASSERT_EQ(std::system(absl::StrCat("cp ", PeerPath(), " ", peer, " && chmod 755 ", peer).c_str()), 0);
+  auto as_user = [&](int uid, std::vector<std::string> args) {
+    std::vector<std::string> argv = {"/usr/bin/setpriv", absl::StrCat("--reuid=", uid),
+                                     absl::StrCat("--regid=", uid), "--clear-groups", peer};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  };
+  Subprocess exporter(as_user(65534, {"export", "--size=2M", "--fill=5", "--handle=posix_fd",
+                                      "--backend=host"}));
+  const std::string hex = exporter.ReadLine();
+  ASSERT_FALSE(hex.empty()) << "the exporter failed";
+  Subprocess importer(
+      as_user(65533, {"import", "--descriptor=" + hex, "--expect=5", "--backend=host"}), {},
+      Subprocess::Output::kWithStderr);
+  const std::string output = importer.ReadAll();
+  EXPECT_EQ(importer.Wait(), 3) << output;
+  EXPECT_THAT(output, HasSubstr("refused: not the same user")) << output;
+  EXPECT_THAT(output, HasSubstr("PERMISSION_DENIED")) << output;
+  exporter.WriteLine("exit");
+  EXPECT_EQ(exporter.Wait(), 0);
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+}
 
 // --- Two devices ---------------------------------------------------------------------------
 
