@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -35,7 +36,16 @@ constexpr size_t kRequestEntry = 8 + 16;
 constexpr size_t kMaxRequest = 8 + 4 + kBatch * kRequestEntry;
 constexpr size_t kMaxReply = 8 + 4 + kBatch * 4;
 
-enum FetchStatus : uint32_t { kOk = 0, kUnknown = 1 };
+// A reply entry: kOk, kUnknown (stale or forged token), or kDupFailed with the errno of the
+// exporter's failed dup in the upper 16 bits (its own fds ran out: EMFILE, ENFILE).
+enum FetchStatus : uint32_t { kOk = 0, kUnknown = 1, kDupFailed = 2 };
+
+// The reply entry for a lookup that gave `fd`, or -1 with `err` (ENOENT: no such token).
+uint32_t ReplyCode(int fd, int err) {
+  if (fd >= 0) return kOk;
+  if (err == ENOENT) return kUnknown;
+  return kDupFailed | (static_cast<uint32_t>(err & 0xffff) << 16);
+}
 
 void PutU32(uint8_t* p, uint32_t v) {
   for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
@@ -228,12 +238,18 @@ class FdServer::Impl {
     return entries_.size();
   }
 
-  // A duplicate of the registered fd, or -1 when the key or nonce does not match.
-  int Lookup(uint64_t key, const uint8_t* nonce) {
+  // A duplicate of the registered fd, or -1 with *err: ENOENT when the key or nonce does not
+  // match, else the dup's errno (EMFILE: this process is out of fds).
+  int Lookup(uint64_t key, const uint8_t* nonce, int* err) {
     MutexLock lock(&mu_);
     auto it = entries_.find(key);
-    if (it == entries_.end() || std::memcmp(it->second.nonce.data(), nonce, 16) != 0) return -1;
-    return fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0);
+    if (it == entries_.end() || std::memcmp(it->second.nonce.data(), nonce, 16) != 0) {
+      *err = ENOENT;
+      return -1;
+    }
+    const int fd = fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0);
+    *err = fd < 0 ? errno : 0;
+    return fd;
   }
 
   uint32_t pid() const { return pid_; }
@@ -300,8 +316,9 @@ class FdServer::Impl {
       std::vector<int> fds;
       for (uint32_t i = 0; i < count; ++i) {
         const uint8_t* entry = &request[12 + i * kRequestEntry];
-        const int fd = Lookup(GetU64(entry), entry + 8);
-        PutU32(&reply[12 + 4 * i], fd >= 0 ? kOk : kUnknown);
+        int err = 0;
+        const int fd = Lookup(GetU64(entry), entry + 8, &err);
+        PutU32(&reply[12 + 4 * i], ReplyCode(fd, err));
         if (fd >= 0) {
           owned.emplace_back(fd);
           fds.push_back(fd);
@@ -352,6 +369,35 @@ absl::Status Stale(size_t index, uint32_t pid) {
       " holds no such memory (it was released, or the handle was not exported there)"));
 }
 
+// The exporter holds the memory but could not duplicate its fd (its own fds ran out): no
+// fault of the handle, and it may work once the exporter has closed some.
+absl::Status ExporterCouldNotDup(size_t index, uint32_t pid, int err) {
+  return absl::UnavailableError(absl::StrCat(
+      "the exporting process (pid ", pid, ") could not duplicate the fd of handle ", index, ": ",
+      std::strerror(err), " (the exporter's own resources; retry once it has freed some)"));
+}
+
+// The error of a failed lookup of handle `index` (ReplyCode's entry `code`).
+absl::Status LookupFailed(size_t index, uint32_t pid, uint32_t code) {
+  if ((code & 0xffff) == kDupFailed) return ExporterCouldNotDup(index, pid, code >> 16);
+  return Stale(index, pid);
+}
+
+// The server answers only processes of its own user (or root) and closes the connection on
+// any other. When an exchange with `pid` failed and that process runs as another user, that
+// is why: PermissionDenied saying so; else `cause`.
+absl::Status RefusedOrCause(uint32_t pid, absl::Status cause) {
+  struct stat st;
+  const std::string proc = absl::StrCat("/proc/", pid);
+  if (cause.ok() || geteuid() == 0 || ::stat(proc.c_str(), &st) != 0 || st.st_uid == geteuid()) {
+    return cause;
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      "the exporting process (pid ", pid, ") refused: not the same user (it runs as uid ",
+      st.st_uid, ", this process as uid ", geteuid(),
+      "); fds are served only to the same user or root (", cause.message(), ")"));
+}
+
 // Fetches one batch of tokens of one server over `sock`.
 absl::Status FetchBatch(int sock, absl::Span<const FdToken> tokens, size_t first_index,
                         std::vector<UniqueFd>* out) {
@@ -371,7 +417,8 @@ absl::Status FetchBatch(int sock, absl::Span<const FdToken> tokens, size_t first
   }
   size_t next_fd = 0;
   for (size_t i = 0; i < tokens.size(); ++i) {
-    if (GetU32(&reply[12 + 4 * i]) != kOk) return Stale(first_index + i, tokens[i].pid);
+    const uint32_t code = GetU32(&reply[12 + 4 * i]);
+    if (code != kOk) return LookupFailed(first_index + i, tokens[i].pid, code);
     if (next_fd >= fds.size()) return absl::InternalError("fd transfer: fds missing in reply");
     out->push_back(std::move(fds[next_fd++]));
   }
@@ -402,7 +449,8 @@ absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> to
     }
     for (size_t b = start; b < end; b += kBatch) {
       const size_t n = std::min(kBatch, end - b);
-      VMM_RETURN_IF_ERROR(FetchBatch(sock.get(), tokens.subspan(b, n), b, &out));
+      VMM_RETURN_IF_ERROR(RefusedOrCause(
+          tokens[start].pid, FetchBatch(sock.get(), tokens.subspan(b, n), b, &out)));
     }
     start = end;
   }
@@ -450,8 +498,9 @@ absl::StatusOr<std::vector<UniqueFd>> FetchFds(absl::Span<const FdToken> tokens,
   for (const FdToken& t : tokens) all_local &= t.pid == static_cast<uint32_t>(getpid());
   if (all_local) {
     for (size_t i = 0; i < tokens.size(); ++i) {
-      const int fd = FdServer::Get().LookupLocal(tokens[i]);
-      if (fd < 0) return Stale(i, tokens[i].pid);
+      int err = 0;
+      const int fd = FdServer::Get().LookupLocal(tokens[i], &err);
+      if (fd < 0) return LookupFailed(i, tokens[i].pid, ReplyCode(fd, err));
       out.emplace_back(fd);
     }
     return out;
@@ -459,10 +508,15 @@ absl::StatusOr<std::vector<UniqueFd>> FetchFds(absl::Span<const FdToken> tokens,
   return how == FdFetch::kPidfd ? FetchByPidfd(tokens) : FetchBySocket(tokens);
 }
 
-int FdServer::LookupLocal(const FdToken& token) {
+int FdServer::LookupLocal(const FdToken& token, int* err) {
   Impl* server = impl();
-  if (token.server_id != server->server_id()) return -1;
-  return server->Lookup(token.key, token.nonce.data());
+  int ignored = 0;
+  if (err == nullptr) err = &ignored;
+  if (token.server_id != server->server_id()) {
+    *err = ENOENT;
+    return -1;
+  }
+  return server->Lookup(token.key, token.nonce.data(), err);
 }
 
 }  // namespace vmm

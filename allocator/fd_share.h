@@ -11,7 +11,9 @@
 //     processes.
 // Like a fabric handle, a token pins nothing: the exporter unregisters an fd when it releases
 // the memory, and a later fetch fails cleanly as stale (NotFound). If the exporter has
-// exited, the fetch fails with Unavailable. Tokens from another machine (boot id) are refused.
+// exited, or cannot duplicate the fd because its own fds ran out, the fetch fails with
+// Unavailable saying which. An exporter of another user refuses: PermissionDenied saying so.
+// Tokens from another machine (boot id) are refused.
 #ifndef VMM_ALLOCATOR_FD_SHARE_H_
 #define VMM_ALLOCATOR_FD_SHARE_H_
 
@@ -52,8 +54,9 @@ class FdServer {
   void Unregister(uint64_t key);
   // Registered fds (for tests and stats).
   size_t size();
-  // A duplicate of the fd `token` names if this process registered it, else -1.
-  int LookupLocal(const FdToken& token);
+  // A duplicate of the fd `token` names if this process registered it, else -1 with *err
+  // (when given) ENOENT, or the dup's errno when it failed (EMFILE: out of fds).
+  int LookupLocal(const FdToken& token, int* err = nullptr);
 
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
@@ -66,8 +69,9 @@ class FdServer {
 };
 
 // Fetches the fds named by `tokens` (in order). Errors: InvalidArgument (tokens from another
-// machine), Unavailable (exporter gone), NotFound (stale or forged token), or the system
-// call's error.
+// machine), Unavailable (exporter gone, or it could not duplicate the fd for lack of its own
+// fds: the message says which), NotFound (stale or forged token), PermissionDenied (the
+// exporter runs as another user and refused), or the system call's error.
 absl::StatusOr<std::vector<UniqueFd>> FetchFds(absl::Span<const FdToken> tokens,
                                                FdFetch how = FdFetch::kSocket);
 

@@ -32,6 +32,19 @@ absl::Status ProbeHandleType(Driver& driver, int device, size_t granularity, Han
   return driver.Release(handle);
 }
 
+namespace {
+
+// The probe of `type` failed because the device is full: nothing is learnt about the type, so
+// nothing is chosen (a pool made now would keep the wrong type for good).
+absl::Status DeviceFull(Driver& driver, int device, HandleType type, const absl::Status& probe) {
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "cannot tell whether ", driver.Name(), " device ", device, " can share memory as ",
+      HandleTypeName(type), " handles: it is out of memory for the one-granule probe (",
+      probe.message(), "); free memory and try again"));
+}
+
+}  // namespace
+
 absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t granularity,
                                              HandleRequest request) {
   switch (request) {
@@ -42,6 +55,7 @@ absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t 
       const HandleType type =
           request == HandleRequest::kFabric ? HandleType::kFabric : HandleType::kPosixFd;
       absl::Status probe = ProbeHandleType(driver, device, granularity, type);
+      if (absl::IsResourceExhausted(probe)) return DeviceFull(driver, device, type, probe);
       if (!probe.ok()) {
         return absl::FailedPreconditionError(absl::StrCat(
             HandleTypeName(type), " handles are unavailable on ", driver.Name(), " device ",
@@ -54,7 +68,11 @@ absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t 
   }
   absl::Status fabric = ProbeHandleType(driver, device, granularity, HandleType::kFabric);
   if (fabric.ok()) return HandleType::kFabric;
+  if (absl::IsResourceExhausted(fabric)) {
+    return DeviceFull(driver, device, HandleType::kFabric, fabric);
+  }
   absl::Status fd = ProbeHandleType(driver, device, granularity, HandleType::kPosixFd);
+  if (absl::IsResourceExhausted(fd)) return DeviceFull(driver, device, HandleType::kPosixFd, fd);
   if (fd.ok()) {
     LogWarningOnce("fabric-fallback",
                    absl::StrCat("fabric handles are unavailable (", fabric.message(),

@@ -41,7 +41,11 @@ absl::Status ProbeHandleType(Driver& driver, int device, size_t granularity, Han
 // ResolveHandleType turns a request into the type to create memory with: kNone → kNone; kFabric
 // or kPosixFd → that type if the probe passes, else FailedPrecondition naming the cause;
 // kAuto → fabric, else POSIX fd (warning once that sharing falls back to fds), else kNone
-// (warning once that memory is not shareable).
+// (warning once that memory is not shareable). A probe that fails for lack of memory
+// (ResourceExhausted) decides nothing: the result is then ResourceExhausted, for every request
+// but kNone, rather than a fallback that a pool would keep for good (a pool created while an
+// import or another pool fills the device would silently become unshareable). Pool creation
+// therefore fails on a full device; creating the pool again once memory is free works.
 absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t granularity,
                                              HandleRequest request);
 

@@ -7,15 +7,23 @@
 // mutex; the system calls that change the address space run under it too, so that two
 // threads can never map over each other.
 //
-// Accounting: an allocation's bytes count against the capacity from Create() or Import() until
-// it is both released and unmapped. Imports count too (each is a reference to physical memory
-// in this driver's books) but, as in CUDA, are never refused for lack of capacity, so free
-// bytes stop at 0. An exported POSIX fd keeps the file alive but is not counted.
+// Accounting: a physical allocation's bytes count against the capacity once, from the first
+// Create() or Import() of its memfd in this driver until the last table entry for that file
+// (by inode) is both released and unmapped, however many imports and mappings reference it:
+// importing one handle 33,000 times costs its size once. Imports of memory not yet counted
+// count too but, as in CUDA, are never refused for lack of capacity, so free bytes stop at 0.
+// An exported POSIX fd keeps the file alive but is not counted.
 //
 // A fabric handle names the exporter's descriptor as /proc/<pid>/fd/<fd>, so an import needs
 // the exporter alive, still holding the allocation (not released), and the right to open its
 // /proc entries (the same user). Everything else about the file (inode, size, the random tag
-// in the memfd's name) is checked after opening it.
+// in the memfd's name) is checked after opening it: an fd that names another file now (the
+// exporter released the allocation and the number was reused) is a stale handle (NotFound);
+// only bytes that cannot be a handle are InvalidArgument.
+//
+// Seals: every memfd is sealed against shrinking and growing (and further seals) right after
+// it is sized, so no process can truncate it under a mapping (SIGBUS); Import, by fd or by
+// fabric handle, refuses a file without those seals (PermissionDenied).
 //
 // Streams are worker threads with a FIFO of work; events are generation counters that a
 // marker queued on a stream advances. Stream 0 runs its work at once on the calling thread.
@@ -239,7 +247,8 @@ class HostDriver final : public Driver {
   // The allocation `handle` names, unless unknown or released (InvalidArgument).
   absl::StatusOr<Allocation*> LiveAllocation(absl::string_view call, PhysHandle handle)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds an allocation to the table and the accounting; returns its new id.
+  // Adds an allocation to the table and, unless its file is already counted, its bytes to the
+  // accounting; returns its new id.
   PhysHandle AddAllocation(Allocation allocation) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Erases `handle` once it is released and unmapped, returning its bytes to the capacity.
   void MaybeFree(PhysHandle handle) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -273,7 +282,9 @@ class HostDriver final : public Driver {
 
   Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;  // ids of allocations, streams and events
-  size_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t live_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the files in files_, each counted once
+  // Table entries per memfd (by inode): a file's bytes count while it has any.
+  absl::flat_hash_map<uint64_t, int> files_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<PhysHandle, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
   std::map<DevPtr, size_t> reservations_ ABSL_GUARDED_BY(mu_);  // start -> size
   MappingMap mappings_ ABSL_GUARDED_BY(mu_);                    // start -> mapping
@@ -372,7 +383,7 @@ absl::StatusOr<HostDriver::Allocation*> HostDriver::LiveAllocation(absl::string_
 
 PhysHandle HostDriver::AddAllocation(Allocation allocation) {
   const PhysHandle id = next_id_++;
-  live_bytes_ += allocation.size;
+  if (files_[allocation.identity.inode]++ == 0) live_bytes_ += allocation.size;
   allocations_.emplace(id, std::move(allocation));
   return id;
 }
@@ -380,7 +391,11 @@ PhysHandle HostDriver::AddAllocation(Allocation allocation) {
 void HostDriver::MaybeFree(PhysHandle handle) {
   auto it = allocations_.find(handle);
   if (it == allocations_.end() || !it->second.released || it->second.map_count > 0) return;
-  live_bytes_ -= it->second.size;
+  auto file = files_.find(it->second.identity.inode);
+  if (--file->second == 0) {
+    live_bytes_ -= it->second.size;
+    files_.erase(file);
+  }
   allocations_.erase(it);
 }
 
@@ -652,6 +667,10 @@ absl::StatusOr<PhysHandle> HostDriver::ImportPosixFd(int fd) {
   allocation.fd.reset(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
   if (!allocation.fd.valid()) return ErrnoStatus("fcntl(F_DUPFD_CLOEXEC)");
   VMM_ASSIGN_OR_RETURN(allocation.identity, IdentifyMemfd(allocation.fd.get()));
+  if (absl::Status sealed = host::CheckSealed(fd); !sealed.ok()) {
+    return absl::Status(sealed.code(), absl::StrCat("host: Import: fd ", fd, ": ",
+                                                    sealed.message()));
+  }
   allocation.size = allocation.identity.size;
   allocation.handle_types = kPosixFdBit | kFabricBit;
   MutexLock lock(&mu_);
@@ -677,9 +696,12 @@ absl::StatusOr<PhysHandle> HostDriver::ImportFabric(const FabricHandle& handle) 
 
 absl::StatusOr<UniqueFd> HostDriver::OpenFabricTarget(const FabricFields& f) const {
   const std::string path = absl::StrCat("/proc/", f.pid, "/fd/", f.fd);
-  auto stale = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("host: Import: stale or forged handle: ", path, " ", what));
+  // The exporter's fd now names another file: it released the allocation and the number was
+  // reused (or the handle never named a host allocation: the two look the same from here).
+  auto released = [&](absl::string_view what) {
+    return absl::NotFoundError(absl::StrCat(
+        "host: Import: stale handle: the exporter (pid ", f.pid,
+        ") released the allocation; ", path, " ", what));
   };
   // stat()/open() failed: ENOENT means the process or its descriptor is gone; anything else
   // (EACCES: another user's process) means it cannot be reached from here.
@@ -700,15 +722,24 @@ absl::StatusOr<UniqueFd> HostDriver::OpenFabricTarget(const FabricFields& f) con
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return unreachable("stat");
   if (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_ino) != f.inode) {
-    return stale("is another file");
+    return released("is another file now");
   }
   UniqueFd fd(::open(path.c_str(), O_RDWR | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
   if (!fd.valid()) return unreachable("open");
   // The fd in the exporter may have changed between stat() and open(): check what we got.
   absl::StatusOr<FileIdentity> id = IdentifyMemfd(fd.get());
-  if (!id.ok()) return stale("is not a host driver allocation");
-  if (id->inode != f.inode || id->size != f.size || id->tag != f.tag) {
-    return stale("does not match the handle's inode, size or tag");
+  if (!id.ok()) return released("is not a host driver allocation now");
+  if (id->inode != f.inode || id->tag != f.tag) {
+    return released("is another host driver allocation now (inode or tag differ)");
+  }
+  // The file the handle names, but not as the handle describes it: forged bytes.
+  if (id->size != f.size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "host: Import: forged handle: it says ", f.size, " bytes, ", path, " has ", id->size));
+  }
+  if (absl::Status sealed = host::CheckSealed(fd.get()); !sealed.ok()) {
+    return absl::Status(sealed.code(), absl::StrCat("host: Import: ", path, ": ",
+                                                    sealed.message()));
   }
   return fd;
 }

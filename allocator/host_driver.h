@@ -6,7 +6,10 @@
 // SetAccess is mprotect. Export gives a duplicated fd (kPosixFd) or a 64-byte handle that is
 // plain bytes (kFabric) which another process of the same user imports by opening the
 // exporter's fd through /proc; the handle names the file's inode and a random tag kept in the
-// memfd's name, so a stale or forged handle is refused cleanly. Streams are worker threads
+// memfd's name, so a stale handle (NotFound, also when the exporter's fd number now names
+// another file) or a forged one is refused cleanly. Every memfd is sealed against resizing
+// when created, and imports refuse unsealed files, so no process holding one can truncate it
+// under another's mapping (SIGBUS). Streams are worker threads
 // that run their queued work in order; events complete when their stream reaches them, so
 // stream-ordering logic is tested for real.
 //
@@ -22,7 +25,8 @@
 // device.
 //
 // Out of memory is simulated by a capacity: Create() past it returns ResourceExhausted, and
-// GetMemInfo() reports capacity minus the bytes of live physical allocations.
+// GetMemInfo() reports capacity minus the bytes of live physical allocations, each memfd
+// counted once however many imports and mappings of it this driver holds.
 #ifndef VMM_ALLOCATOR_HOST_DRIVER_H_
 #define VMM_ALLOCATOR_HOST_DRIVER_H_
 

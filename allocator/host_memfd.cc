@@ -187,13 +187,28 @@ absl::StatusOr<FileIdentity> IdentifyMemfd(int fd) {
   return id;
 }
 
-// A new memfd of `size` bytes named "vmm-<hex tag>".
+// A new memfd of `size` bytes named "vmm-<hex tag>", sealed with kRequiredSeals.
 absl::StatusOr<UniqueFd> CreateMemfd(const Tag& tag, size_t size) {
   const std::string name = absl::StrCat(kMemfdPrefix, TagHex(tag));
-  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC));
+  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING));
   if (!fd.valid()) return ErrnoStatus("memfd_create");
   if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) return ErrnoStatus("ftruncate");
+  if (::fcntl(fd.get(), F_ADD_SEALS, kRequiredSeals) != 0) return ErrnoStatus("fcntl(F_ADD_SEALS)");
   return fd;
+}
+
+// PermissionDenied unless `fd` carries every seal of kRequiredSeals.
+absl::Status CheckSealed(int fd) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (seals >= 0 && (seals & kRequiredSeals) == kRequiredSeals) return absl::OkStatus();
+  const std::string why =
+      seals < 0 ? absl::StrCat("it cannot be sealed (", std::strerror(errno), ")")
+                : absl::StrCat("its seals are 0x", absl::Hex(seals), ", not 0x",
+                               absl::Hex(kRequiredSeals), " (shrink, grow, seal)");
+  return absl::PermissionDeniedError(absl::StrCat(
+      "refusing to map a memfd that is not sealed against resizing: ", why,
+      "; it could be truncated under the mapping, and touching the lost pages kills the "
+      "process (SIGBUS)"));
 }
 
 }  // namespace host

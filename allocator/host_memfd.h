@@ -12,6 +12,7 @@
 #ifndef VMM_ALLOCATOR_HOST_MEMFD_H_
 #define VMM_ALLOCATOR_HOST_MEMFD_H_
 
+#include <fcntl.h>
 #include <sys/stat.h>
 
 #include <array>
@@ -68,8 +69,16 @@ struct FileIdentity {
 absl::StatusOr<FileIdentity> IdentifyMemfd(int fd);
 // fstat(2) as a status.
 absl::StatusOr<struct stat> Fstat(int fd);
-// A new memfd of `size` bytes named "vmm-<hex tag>" (close-on-exec).
+// The seals every host memfd carries from its creation on: its size can never change, so no
+// process holding it (through an export, or /proc/<pid>/fd) can truncate it under another's
+// mapping (SIGBUS), and no further seal (F_SEAL_WRITE) can be added.
+constexpr int kRequiredSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+// A new memfd of `size` bytes named "vmm-<hex tag>" (close-on-exec), sealed with
+// kRequiredSeals right after it is sized.
 absl::StatusOr<UniqueFd> CreateMemfd(const Tag& tag, size_t size);
+// PermissionDenied, saying why, unless `fd` carries every seal of kRequiredSeals: importers
+// refuse to map a file that could be resized under them.
+absl::Status CheckSealed(int fd);
 
 }  // namespace host
 }  // namespace vmm

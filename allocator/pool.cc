@@ -28,6 +28,24 @@ inline size_t RoundUp(size_t n, size_t multiple) {
 
 }  // namespace
 
+namespace {
+
+// FormatBytes of a request, which may be past what int64_t holds.
+std::string RequestBytes(size_t size) {
+  return size <= static_cast<size_t>(std::numeric_limits<int64_t>::max())
+             ? FormatBytes(static_cast<int64_t>(size))
+             : std::string("over 8 EiB");
+}
+
+}  // namespace
+
+absl::Status CheckRequestSize(size_t size) {
+  if (size < kMaxRequestBytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "requested ", size, " bytes (", RequestBytes(size), "), more than any device holds (",
+      FormatBytes(kMaxRequestBytes), ", the whole address space)"));
+}
+
 absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOptions& options,
                                                     ExportObserver* observer) {
   if (driver == nullptr) return absl::InvalidArgumentError("Pool::Create: no driver");
@@ -74,15 +92,14 @@ absl::Status Pool::Init() {
                        ResolveHandleType(*driver_, device, granularity_, options_.handle_type));
   options_.max_chunk = std::max(granularity_, options_.max_chunk / granularity_ * granularity_);
   options_.small_chunk = RoundUp(options_.small_chunk, granularity_);
+  VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   size_t reserve = options_.reserve_size;
-  if (reserve == 0) {
-    VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
-    reserve = 2 * info.total;
-  }
+  if (reserve == 0) reserve = 2 * info.total;
   // The small arena takes an eighth of the range, at least one small chunk.
   const size_t small = std::max(options_.small_chunk, RoundUp(reserve / 8, granularity_));
   reserve_size_ = small + std::max(granularity_, RoundUp(reserve - std::min(reserve, small),
                                                           granularity_));
+  max_request_ = std::min(reserve_size_, info.total);
   VMM_ASSIGN_OR_RETURN(DevPtr base, driver_->Reserve(reserve_size_, granularity_));
   base_ = static_cast<uintptr_t>(base);
   // Allocated blocks of the large arena are larger than small_size, or alone in a chunk, so
@@ -180,11 +197,13 @@ absl::StatusOr<void*> Pool::AllocateShareable(size_t size, Stream stream) {
 }
 
 absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shareable) {
-  if (size > reserve_size_) {
-    ++stats_.num_ooms;
-    return absl::ResourceExhaustedError(
-        absl::StrCat("out of memory: requested ", size, " bytes (", FormatBytes(size),
-                     "), more than the pool's whole address range; ", Summary()));
+  // Before anything is reclaimed, trimmed or mapped: no freeing would make room for it.
+  if (size > max_request_) {
+    VMM_RETURN_IF_ERROR(CheckRequestSize(size));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "requested ", size, " bytes (", RequestBytes(size), "), more than ",
+        size > reserve_size_ ? "the pool's whole address range (" : "the device's whole memory (",
+        FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());

@@ -91,6 +91,13 @@ struct ExportedBlock {
   HandleType handle_type = HandleType::kNone;
 };
 
+// Bytes no device holds: 2^47, the whole user address space of x86-64. Callers that would
+// create a pool (reserving its range) to serve a request check it first (CheckRequestSize).
+inline constexpr size_t kMaxRequestBytes = size_t{1} << 47;
+// InvalidArgument for a request of kMaxRequestBytes or more: it is no out-of-memory (freeing
+// memory would never make room), so it must not be reported as one.
+absl::Status CheckRequestSize(size_t size);
+
 class Pool {
  public:
   // Reserves the address range and probes the handle type (handle_probe.h). `observer`, if
@@ -108,7 +115,9 @@ class Pool {
   Pool& operator=(const Pool&) = delete;
 
   // Returns at least `size` bytes (512-byte aligned) usable on `stream`. ResourceExhausted when
-  // the memory cannot be found even after releasing the cache.
+  // the memory cannot be found even after releasing the cache. InvalidArgument, before anything
+  // is reclaimed, trimmed or mapped, for a request no state of the pool could serve: more than
+  // the device's whole memory or the pool's whole address range (CheckRequestSize too).
   absl::StatusOr<void*> Allocate(size_t size, Stream stream);
   // Like Allocate, in chunks of its own that no other block shares, ready to export.
   // FailedPrecondition when the pool's memory is not exportable.
@@ -216,6 +225,9 @@ class Pool {
   std::string device_uuid_;
   uintptr_t base_ = 0;  // the reserved range
   size_t reserve_size_ = 0;
+  // The largest request the pool could ever serve: the smaller of the device's whole memory
+  // and the pool's address range (set by Init).
+  size_t max_request_ = 0;
 
   mutable Mutex mu_;
   Arena small_ ABSL_GUARDED_BY(mu_);

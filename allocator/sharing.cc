@@ -1,12 +1,21 @@
 #include "allocator/sharing.h"
 
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <string>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "allocator/export_registry.h"
+#include "allocator/unique_fd.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
 #include "allocator/status_macros.h"
@@ -33,9 +42,10 @@ class ImportedBuffer::Mapping {
       : driver_(driver), device_(device), base_(base), size_(size), key_(std::move(key)) {}
   ~Mapping();
 
-  // Adds one mapped piece (for unmapping in order).
-  void AddPiece(DevPtr ptr, size_t size) { pieces_.emplace_back(ptr, size); }
-  // Unmaps every piece and frees the range; reports the first error.
+  // Records that the next `size` bytes after those mapped so far are mapped (pieces are
+  // mapped in address order from the base, so the mapped part is always a prefix).
+  void AddPiece(size_t size) { mapped_ += size; }
+  // Unmaps the mapped prefix in one call and frees the range; reports the first error.
   absl::Status Close();
 
   DevPtr base() const { return base_; }
@@ -49,7 +59,7 @@ class ImportedBuffer::Mapping {
   const DevPtr base_;
   const size_t size_;
   const std::string key_;  // empty: not in the cache
-  std::vector<std::pair<DevPtr, size_t>> pieces_;
+  size_t mapped_ = 0;  // bytes mapped from base_
   bool closed_ = false;
 };
 
@@ -102,11 +112,11 @@ absl::Status ImportedBuffer::Mapping::Close() {
   if (closed_) return absl::OkStatus();
   closed_ = true;
   if (!key_.empty()) MappingCache::Get().Remove(key_, this);
+  // One call for all the pieces: on the host backend one mmap puts the reservation's filler
+  // back over them, which needs no new map entry, so it works even when the process has run
+  // out of them (a piece-by-piece unmap could fail there and leave the mappings).
   absl::Status first;
-  for (auto it = pieces_.rbegin(); it != pieces_.rend(); ++it) {
-    absl::Status s = driver_->Unmap(it->first, it->second);
-    if (first.ok()) first = s;
-  }
+  if (mapped_ > 0) first = driver_->Unmap(base_, mapped_);
   absl::Status s = driver_->Unreserve(base_, size_);
   if (first.ok()) first = s;
   --open_mappings;
@@ -200,6 +210,90 @@ absl::Status CheckImportable(Driver* driver, const BufferDescriptor& d, size_t g
   return absl::OkStatus();
 }
 
+// --- What one import may map ---------------------------------------------------------------
+
+// The kernel's default vm.max_map_count, assumed when /proc/sys/vm/max_map_count is unreadable.
+constexpr size_t kDefaultMaxMapCount = 65530;
+
+// The newline characters of the file at `path` (read to its end), or an error naming it.
+absl::StatusOr<size_t> CountLines(const char* path) {
+  UniqueFd fd(::open(path, O_RDONLY | O_CLOEXEC));
+  if (!fd.valid()) return absl::ErrnoToStatus(errno, absl::StrCat("open ", path));
+  char buf[16384];
+  size_t lines = 0;
+  for (;;) {
+    const ssize_t n = ::read(fd.get(), buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::ErrnoToStatus(errno, absl::StrCat("read ", path));
+    if (n == 0) return lines;
+    for (ssize_t i = 0; i < n; ++i) lines += buf[i] == '\n';
+  }
+}
+
+// vm.max_map_count: the most map entries a process may hold.
+size_t MaxMapCount() {
+  UniqueFd fd(::open("/proc/sys/vm/max_map_count", O_RDONLY | O_CLOEXEC));
+  char buf[32];
+  const ssize_t n = fd.valid() ? ::read(fd.get(), buf, sizeof(buf) - 1) : -1;
+  size_t value = 0;
+  if (n <= 0 || !absl::SimpleAtoi(absl::StripAsciiWhitespace(absl::string_view(buf, n)), &value)) {
+    return kDefaultMaxMapCount;
+  }
+  return value;
+}
+
+// The fds open in this process (entries of /proc/self/fd, less the one reading it).
+absl::StatusOr<size_t> CountOpenFds() {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return absl::ErrnoToStatus(errno, "opendir /proc/self/fd");
+  size_t count = 0;
+  while (const dirent* entry = ::readdir(dir)) count += entry->d_name[0] != '.';
+  ::closedir(dir);
+  return count > 0 ? count - 1 : 0;
+}
+
+// ResourceExhausted unless `handles` more map entries fit under the map limit (`limit`, 0:
+// vm.max_map_count) beside the process's current maps, with kMapCountHeadroom to spare.
+absl::Status CheckMapBudget(size_t handles, size_t limit) {
+  if (limit == 0) limit = MaxMapCount();
+  VMM_ASSIGN_OR_RETURN(size_t maps, CountLines("/proc/self/maps"));
+  if (maps + handles + kMapCountHeadroom <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "mapping ", handles, " handles would exceed this process's map limit: it holds ", maps,
+      " maps, the limit (vm.max_map_count) is ", limit, ", and ", kMapCountHeadroom,
+      " are kept free for the rest of the process"));
+}
+
+// ResourceExhausted unless `handles` more fds fit under RLIMIT_NOFILE beside the open ones,
+// with kFdHeadroom to spare.
+absl::Status CheckFdBudget(size_t handles) {
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
+    return absl::OkStatus();
+  }
+  VMM_ASSIGN_OR_RETURN(size_t open, CountOpenFds());
+  if (open + handles + kFdHeadroom <= limit.rlim_cur) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "fetching ", handles, " fds would exceed this process's open-file limit: ", open,
+      " fds are open, the limit (RLIMIT_NOFILE) is ", limit.rlim_cur, ", and ", kFdHeadroom,
+      " are kept free for the rest of the process"));
+}
+
+// Refuses, before anything is fetched or reserved, a descriptor whose import this process
+// cannot hold (sharing.h: what one import may map).
+absl::Status CheckImportBudget(const BufferDescriptor& d, const ImportOptions& options) {
+  const size_t handles = d.handles().size();
+  if (handles > kMaxImportHandles) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the descriptor has ", handles, " handles; one import maps at most ", kMaxImportHandles,
+        " (vmm's exports carry one per chunk, a handful per buffer)"));
+  }
+  if (handles <= kUncountedImportHandles) return absl::OkStatus();
+  VMM_RETURN_IF_ERROR(CheckMapBudget(handles, options.max_map_count));
+  if (d.handle_type() == HandleType::kPosixFd) VMM_RETURN_IF_ERROR(CheckFdBudget(handles));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
     Driver* driver, const BufferDescriptor& d, int device, size_t granularity,
     const ImportOptions& options, std::string key) {
@@ -216,7 +310,7 @@ absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
     // The mapping keeps the memory; this reference is not needed either way.
     absl::Status released = driver->Release(physical);
     VMM_RETURN_IF_ERROR(mapped);
-    mapping->AddPiece(at, d.sizes()[i]);
+    mapping->AddPiece(d.sizes()[i]);
     VMM_RETURN_IF_ERROR(released);
     at += d.sizes()[i];
   }
@@ -237,6 +331,7 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(Driver* driver,
   absl::StatusOr<size_t> granularity = driver->Granularity(*device);
   if (!granularity.ok()) return Owned(d, granularity.status());
   if (absl::Status ok = CheckImportable(driver, d, *granularity); !ok.ok()) return Owned(d, ok);
+  if (absl::Status ok = CheckImportBudget(d, options); !ok.ok()) return Owned(d, ok);
   std::string key;
   if (options.share_mappings) {
     key = CacheKey(driver, *device, d, options.peer_devices);

@@ -24,7 +24,23 @@
 // while a mapping is open shares that mapping; another device or peer list maps them again.
 // Every failure — stale, forged or malformed descriptors, a gone exporter, driver errors — is
 // a clean status whose message names the owner (descriptor's owner UUID), and leaves nothing
-// mapped or reserved.
+// mapped or reserved: the mapped part of the range is unmapped in one call (on the host
+// backend one mmap of the reservation's filler, which cannot fail for lack of map entries),
+// then the range is unreserved.
+//
+// What one import may map is bounded before anything is fetched, reserved or mapped, so that
+// a hostile descriptor (one live handle repeated 70,000 times, say) cannot use up the
+// process's map entries or fds and leave it unable to allocate, create pools or start threads:
+//   - at most kMaxImportHandles handles (InvalidArgument naming the count and the cap): each
+//     costs a driver import and a map (cuMemMap on CUDA, a kernel map entry on the host), and
+//     vmm's own exports carry one handle per chunk, a handful per block;
+//   - the mappings must fit under the process's map limit (/proc/sys/vm/max_map_count) beside
+//     the maps it has (/proc/self/maps), leaving kMapCountHeadroom free for everything else
+//     (ResourceExhausted naming the count and the limit: the process is too full now);
+//   - for POSIX-fd descriptors, the fds fetched must likewise fit under the open-file limit
+//     (RLIMIT_NOFILE) beside the fds open, leaving kFdHeadroom (ResourceExhausted).
+// The last two are counted only for imports of more than kUncountedImportHandles handles;
+// smaller ones fit in the headroom, and reading /proc would slow every import down.
 #ifndef VMM_ALLOCATOR_SHARING_H_
 #define VMM_ALLOCATOR_SHARING_H_
 
@@ -50,6 +66,15 @@ absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
 // or the pool was not made to export), or the driver's export error.
 absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr);
 
+// The most handles one import maps (see the file comment).
+inline constexpr size_t kMaxImportHandles = 16384;
+// Map entries an import leaves free under vm.max_map_count, for threads, malloc and libraries.
+inline constexpr size_t kMapCountHeadroom = 4096;
+// Fds an import of POSIX-fd handles leaves free under RLIMIT_NOFILE.
+inline constexpr size_t kFdHeadroom = 256;
+// Imports of at most this many handles skip counting the process's maps and fds.
+inline constexpr size_t kUncountedImportHandles = 64;
+
 struct ImportOptions {
   // Device to map on; -1: the local device whose UUID is the owner's, else device 0. It may
   // be another device than the one holding the memory (the exporter's): the mapping is then
@@ -64,6 +89,9 @@ struct ImportOptions {
   FdFetch fd_fetch = FdFetch::kSocket;
   // Share an open mapping of the same handles instead of mapping them again.
   bool share_mappings = true;
+  // The process's map limit the budget check uses; 0: /proc/sys/vm/max_map_count. Tests set
+  // a small one to reach the limit without exhausting the process.
+  size_t max_map_count = 0;
 };
 
 class ImportedBuffer {

@@ -18,7 +18,11 @@
 // least two GPUs and are skipped elsewhere, also under VMM_TEST_BACKEND=cuda (one GPU is not a
 // broken machine).
 #include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <cerrno>
 
 #include <atomic>
 #include <chrono>
@@ -874,9 +878,9 @@ TEST_P(DriverConformanceTest, HostFabricHandleTamperingIsDetected) {
       {"pid", 14, absl::StatusCode::kNotFound, "stale"},  // no such process
       {"fd", 17, absl::StatusCode::kNotFound, "stale"},   // no such descriptor
       {"reserved", 20, absl::StatusCode::kInvalidArgument, "malformed"},
-      {"inode", 24, absl::StatusCode::kInvalidArgument, "stale or forged"},
-      {"size", 33, absl::StatusCode::kInvalidArgument, "stale or forged"},
-      {"tag", 40, absl::StatusCode::kInvalidArgument, "stale or forged"},
+      {"inode", 24, absl::StatusCode::kNotFound, "stale"},   // the fd names another file
+      {"size", 33, absl::StatusCode::kInvalidArgument, "forged"},  // the file, misdescribed
+      {"tag", 40, absl::StatusCode::kNotFound, "stale"},     // another allocation
       {"boot id", 56, absl::StatusCode::kFailedPrecondition, "another machine"},
   };
   for (const Case& c : cases) {
@@ -896,6 +900,159 @@ TEST_P(DriverConformanceTest, HostFabricHandleTamperingIsDetected) {
   ASSERT_OK(driver()->Release(imported));
   ASSERT_OK(driver()->Release(imported_again));
   ASSERT_OK(buffer->Free());
+}
+
+// The bytes of a host fabric handle (host_memfd.h) at `offset`, little-endian.
+void PutLe(FabricHandle& h, size_t offset, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) h[offset + i] = static_cast<uint8_t>(value >> (8 * i));
+}
+uint64_t GetLe(const FabricHandle& h, size_t offset, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(h[offset + i]) << (8 * i);
+  return value;
+}
+
+// A memfd named as the host backend names its own ("vmm-" and the 32 hex digits of `tag`),
+// `size` bytes, with `seals` added (MFD_ALLOW_SEALING only when there are any).
+UniqueFd LookalikeMemfd(const uint8_t* tag, size_t size, int seals) {
+  const std::string name = absl::StrCat(
+      "vmm-", absl::BytesToHexString(absl::string_view(reinterpret_cast<const char*>(tag), 16)));
+  UniqueFd fd(::memfd_create(name.c_str(), MFD_CLOEXEC | (seals != 0 ? MFD_ALLOW_SEALING : 0)));
+  EXPECT_TRUE(fd.valid());
+  EXPECT_EQ(::ftruncate(fd.get(), static_cast<off_t>(size)), 0);
+  if (seals != 0) {
+    EXPECT_EQ(::fcntl(fd.get(), F_ADD_SEALS, seals), 0);
+  }
+  return fd;
+}
+
+// Exported memory cannot be resized by anyone holding it, through the exported fd or the
+// exporter's own fd in /proc: truncating it would kill every process mapping it (SIGBUS).
+TEST_P(DriverConformanceTest, HostMemfdsAreSealedAgainstResizing) {
+  if (!IsHost()) GTEST_SKIP() << "the host backend's memfds";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer,
+                       Buffer::Make(driver(), gran_, kPosixFdBit | kFabricBit));
+  ASSERT_OK(Fill(driver(), buffer->va(), 0x5c, gran_));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle fd, driver()->Export(buffer->handle(), HandleType::kPosixFd));
+  for (off_t size : {off_t{0}, static_cast<off_t>(gran_ / 2), static_cast<off_t>(2 * gran_)}) {
+    errno = 0;
+    EXPECT_EQ(::ftruncate(fd.fd.get(), size), -1) << "resized to " << size;
+    EXPECT_EQ(errno, EPERM);
+  }
+  ASSERT_OK_AND_ASSIGN(ShareableHandle fabric,
+                       driver()->Export(buffer->handle(), HandleType::kFabric));
+  const std::string path = absl::StrCat("/proc/self/fd/", GetLe(fabric.fabric, 16, 4));
+  UniqueFd reopened(::open(path.c_str(), O_RDWR | O_CLOEXEC));
+  ASSERT_TRUE(reopened.valid()) << path;
+  errno = 0;
+  EXPECT_EQ(::ftruncate(reopened.get(), 0), -1);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(::fcntl(reopened.get(), F_ADD_SEALS, F_SEAL_WRITE), -1) << "further seals refused";
+  EXPECT_TRUE(AllBytesAre(driver(), buffer->va(), gran_, 0x5c));
+  ASSERT_OK(buffer->Free());
+}
+
+// A memfd named like the host backend's but not sealed (or not fully) is refused, whether it
+// comes as an fd or through a forged fabric handle naming it in this process's /proc.
+TEST_P(DriverConformanceTest, HostImportRefusesAnUnsealedMemfd) {
+  if (!IsHost()) GTEST_SKIP() << "the host backend's memfds";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), gran_, kFabricBit));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle real,
+                       driver()->Export(buffer->handle(), HandleType::kFabric));
+  const size_t start = FreeBytes();
+  for (int seals : {0, F_SEAL_GROW | F_SEAL_SEAL, F_SEAL_SHRINK | F_SEAL_GROW}) {
+    SCOPED_TRACE(absl::StrCat("seals 0x", absl::Hex(seals)));
+    UniqueFd lookalike = LookalikeMemfd(real.fabric.data() + 40, gran_, seals);
+    ShareableHandle by_fd;
+    by_fd.type = HandleType::kPosixFd;
+    by_fd.fd.reset(::fcntl(lookalike.get(), F_DUPFD_CLOEXEC, 0));
+    EXPECT_THAT(driver()->Import(by_fd),
+                StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("not sealed")));
+    // The real handle, pointed at the lookalike: same pid, tag and size; its fd and inode.
+    ShareableHandle forged;
+    forged.type = HandleType::kFabric;
+    forged.fabric = real.fabric;
+    struct stat st;
+    ASSERT_EQ(::fstat(lookalike.get(), &st), 0);
+    PutLe(forged.fabric, 16, static_cast<uint64_t>(lookalike.get()), 4);
+    PutLe(forged.fabric, 24, static_cast<uint64_t>(st.st_ino), 8);
+    EXPECT_THAT(driver()->Import(forged),
+                StatusIs(absl::StatusCode::kPermissionDenied, HasSubstr("not sealed")));
+  }
+  EXPECT_EQ(FreeBytes(), start);
+  // A lookalike sealed as the backend seals its own is accepted: the check is the seals.
+  UniqueFd sealed =
+      LookalikeMemfd(real.fabric.data() + 40, gran_, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  ShareableHandle by_fd;
+  by_fd.type = HandleType::kPosixFd;
+  by_fd.fd.reset(::fcntl(sealed.get(), F_DUPFD_CLOEXEC, 0));
+  ASSERT_OK_AND_ASSIGN(PhysHandle accepted, driver()->Import(by_fd));
+  ASSERT_OK(driver()->Release(accepted));
+  ASSERT_OK(buffer->Free());
+}
+
+// A fabric handle whose fd number the exporter has since reused for another file is stale
+// (NotFound, as when the fd is gone), not malformed (InvalidArgument).
+TEST_P(DriverConformanceTest, HostFabricHandleWhoseFdWasReusedIsStale) {
+  if (!IsHost()) GTEST_SKIP() << "the host backend's fabric handles";
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> other, Buffer::Make(driver(), gran_, kPosixFdBit));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle other_fd,
+                       driver()->Export(other->handle(), HandleType::kPosixFd));
+  UniqueFd regular(::open("/proc/self/exe", O_RDONLY | O_CLOEXEC));
+  ASSERT_TRUE(regular.valid());
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  UniqueFd pipe_read(pipe_fds[0]), pipe_write(pipe_fds[1]);
+  struct Case {
+    const char* what;
+    int file;
+  };
+  for (const Case& c : {Case{"another host allocation", other_fd.fd.get()},
+                        Case{"a regular file", regular.get()}, Case{"a pipe", pipe_read.get()}}) {
+    SCOPED_TRACE(c.what);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer,
+                         Buffer::Make(driver(), gran_, kFabricBit));
+    ASSERT_OK_AND_ASSIGN(ShareableHandle stale,
+                         driver()->Export(buffer->handle(), HandleType::kFabric));
+    ASSERT_OK(buffer->Free());  // the exporter's fd is closed...
+    const int number = static_cast<int>(GetLe(stale.fabric, 16, 4));
+    ASSERT_EQ(::dup3(c.file, number, O_CLOEXEC), number);  // ...and its number reused
+    EXPECT_THAT(driver()->Import(stale),
+                StatusIs(absl::StatusCode::kNotFound, HasSubstr("stale")));
+    ::close(number);
+  }
+  ASSERT_OK(other->Free());
+}
+
+// Imports of one physical allocation, however many and however often mapped, count its bytes
+// once: duplicated handles must not use up the capacity of the importing driver.
+TEST_P(DriverConformanceTest, HostImportsOfOneAllocationCountItOnce) {
+  if (!IsHost()) GTEST_SKIP() << "the host backend's capacity";
+  HostDriverOptions options;
+  options.granularity = gran_;
+  options.capacity = 8 * gran_;
+  std::unique_ptr<Driver> small = NewHostDriver(options);
+  ASSERT_OK_AND_ASSIGN(PhysHandle original, small->Create(kDevice, 2 * gran_, kFabricBit));
+  ASSERT_OK_AND_ASSIGN(ShareableHandle shared, small->Export(original, HandleType::kFabric));
+  std::vector<PhysHandle> imports;
+  for (int i = 0; i < 100; ++i) {
+    ASSERT_OK_AND_ASSIGN(PhysHandle imported, small->Import(shared));
+    imports.push_back(imported);
+  }
+  const int mapped = 5;
+  ASSERT_OK_AND_ASSIGN(DevPtr va, small->Reserve(mapped * 2 * gran_, 0));
+  for (int i = 0; i < mapped; ++i) ASSERT_OK(small->Map(va + i * 2 * gran_, 2 * gran_, imports[i]));
+  for (PhysHandle imported : imports) ASSERT_OK(small->Release(imported));
+  EXPECT_EQ(small->GetMemInfo(kDevice)->free, 6 * gran_);
+  // The rest of the capacity is still there to create.
+  ASSERT_OK_AND_ASSIGN(PhysHandle rest, small->Create(kDevice, 6 * gran_, 0));
+  ASSERT_OK(small->Release(rest));
+  // The bytes stay counted while any mapping or the original is left, and only then return.
+  ASSERT_OK(small->Release(original));
+  EXPECT_EQ(small->GetMemInfo(kDevice)->free, 6 * gran_);
+  ASSERT_OK(small->Unmap(va, mapped * 2 * gran_));
+  EXPECT_EQ(small->GetMemInfo(kDevice)->free, 8 * gran_);
+  ASSERT_OK(small->Unreserve(va, mapped * 2 * gran_));
 }
 
 // --- Streams and events -------------------------------------------------------------------------

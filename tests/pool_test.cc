@@ -294,6 +294,54 @@ TEST_F(PoolTest, TrimsTheCacheThenRetriesBeforeFailing) {
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }
 
+// The handle-type probe needs one granule: on a full device it learns nothing, and the pool
+// must not be made with a type chosen from that (it would stay unshareable for good).
+TEST_F(PoolTest, CreationOnAFullDeviceFailsRatherThanChoosingNoSharing) {
+  if (on_cuda_) GTEST_SKIP() << "fills the host backend's small capacity";
+  ASSERT_OK_AND_ASSIGN(PhysHandle filler, driver_->Create(0, DeviceFree(), 0));
+  for (HandleRequest request :
+       {HandleRequest::kAuto, HandleRequest::kPosixFd, HandleRequest::kFabric}) {
+    PoolOptions options = Exact();
+    options.reserve_size = 64 * kMiB;
+    options.handle_type = request;
+    EXPECT_THAT(Pool::Create(driver_, options),
+                StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("out of memory")));
+  }
+  PoolOptions none = Exact();
+  none.reserve_size = 64 * kMiB;
+  none.handle_type = HandleRequest::kNone;
+  EXPECT_OK(Pool::Create(driver_, none)) << "no probe, nothing to learn";
+  ASSERT_OK(driver_->Release(filler));
+  // Once memory is free the same request resolves to a shareable type.
+  auto pool = MakePool();
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->handle_type(), HandleType::kFabric);
+}
+
+// A request no state of the pool could serve is bad input, not an out-of-memory: refused
+// before the cache is trimmed or anything is reserved or mapped.
+TEST_F(PoolTest, ARequestNoDeviceCouldHoldIsInvalidAndTouchesNothing) {
+  auto pool = MakePool();  // 1 GiB of address range
+  void* cached = Alloc(*pool, 8 * kMiB);
+  ASSERT_OK(pool->Free(cached));
+  const int64_t reserved = pool->GetStats().reserved_bytes.current;
+  std::vector<size_t> sizes = {size_t{1} << 47, (size_t{1} << 47) + 1, SIZE_MAX, 2048 * kMiB};
+  if (!on_cuda_) sizes.push_back(512 * kMiB);  // inside the range, past the 256 MiB device
+  for (size_t size : sizes) {
+    SCOPED_TRACE(size);
+    EXPECT_THAT(pool->Allocate(size, 0),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than")));
+    EXPECT_THAT(pool->AllocateShareable(size, 0), StatusIs(absl::StatusCode::kInvalidArgument));
+  }
+  EXPECT_THAT(CheckRequestSize(size_t{1} << 47), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_OK(CheckRequestSize((size_t{1} << 47) - 1));
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_ooms, 0);
+  EXPECT_EQ(s.num_alloc_retries, 0);
+  EXPECT_EQ(s.reserved_bytes.current, reserved) << "the cache was trimmed for it";
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
 TEST_F(PoolTest, MemoryLimitBoundsTheReservedBytes) {
   PoolOptions options = Exact();
   options.memory_limit = 32 * kMiB;

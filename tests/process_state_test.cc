@@ -43,6 +43,23 @@ TEST_F(ProcessStateTest, ExplicitPoolsAllocateFreeAndClose) {
   EXPECT_TRUE(state_.AllPools().empty()) << "closed and empty: destroyed";
 }
 
+TEST_F(ProcessStateTest, ARequestNoDeviceCouldHoldIsInvalidBeforeAnyPoolExists) {
+  for (size_t size : {size_t{1} << 47, SIZE_MAX}) {
+    absl::StatusOr<void*> p = state_.DeviceAllocate(0, size, 0);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << p.status();
+    EXPECT_THAT(p.status().message(), HasSubstr("more than any device holds"));
+  }
+  EXPECT_EQ(state_.DevicePoolIfAny(0), nullptr) << "a pool was created (and its range reserved)";
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  EXPECT_EQ(state_.PoolAllocate(*id, size_t{1} << 47, 0, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<void*> fine = state_.DeviceAllocate(0, kMiB, 0);
+  ASSERT_TRUE(fine.ok()) << fine.status();
+  EXPECT_TRUE(state_.FreeBlock(*fine).ok());
+  ASSERT_TRUE(state_.ClosePool(*id).ok());
+}
+
 TEST_F(ProcessStateTest, AClosedPoolLivesUntilItsLastBlockIsFreed) {
   absl::StatusOr<int64_t> id = HostPool();
   ASSERT_TRUE(id.ok()) << id.status();

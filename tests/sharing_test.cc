@@ -10,12 +10,21 @@
 // elsewhere).
 #include "allocator/sharing.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -34,6 +43,7 @@
 namespace vmm {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 constexpr size_t kMiB = size_t{1} << 20;
@@ -294,6 +304,99 @@ TEST_P(SharingTest, HostileDescriptorsFailCleanlyAndLeakNothing) {
   ASSERT_TRUE(pool_->Free(a).ok());
 }
 
+// Map entries of this process whose line in /proc/self/maps contains `what` (all: "").
+size_t MapCount(const std::string& what = "") {
+  FILE* f = std::fopen("/proc/self/maps", "r");
+  if (f == nullptr) return 0;
+  size_t count = 0;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    count += std::strstr(line, what.c_str()) != nullptr;
+  }
+  std::fclose(f);
+  return count;
+}
+
+// Maps of host backend memory (memfds named "vmm-..."): what an import adds. Counted rather
+// than all maps, which the sanitizers' allocators also add to.
+size_t MemfdMaps() { return MapCount("/memfd:vmm-"); }
+
+// A descriptor of `copies` copies of `real`'s first handle, each of its first size.
+absl::StatusOr<BufferDescriptor> Repeated(const BufferDescriptor& real, size_t copies,
+                                          const std::string& owner) {
+  const std::string handle(reinterpret_cast<const char*>(real.handles()[0].data()), 64);
+  std::vector<std::string> handles(copies, handle);
+  std::vector<int64_t> sizes(copies, static_cast<int64_t>(real.sizes()[0]));
+  return BufferDescriptor::FromHandles(real.handle_type(), handles, sizes, std::nullopt, owner);
+}
+
+// After a refused hostile import, the process still does everything: allocates, creates a
+// pool, imports a valid descriptor and starts a thread.
+void ExpectTheProcessStillWorks(Driver* driver, Pool& pool, const BufferDescriptor& valid) {
+  auto p = pool.Allocate(3 * kMiB, 0);
+  ASSERT_OK(p);
+  EXPECT_OK(pool.Free(*p));
+  PoolOptions options;
+  options.reserve_size = 64 * kMiB;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> another, CreateExportablePool(driver, options));
+  auto q = another->Allocate(kMiB, 0);
+  ASSERT_OK(q);
+  EXPECT_OK(another->Free(*q));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> imported, ImportBuffer(driver, valid));
+  EXPECT_EQ(imported->size(), valid.size());
+  bool ran = false;
+  std::thread([&ran] { ran = true; }).join();
+  EXPECT_TRUE(ran);
+}
+
+TEST_P(SharingTest, ADescriptorPastTheMapLimitIsRefusedUpFront) {
+  void* a = Filled(2 * kMiB, 3);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor real, ExportBuffer(*pool_, a));
+  const size_t copies = 300;
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor hostile, Repeated(real, copies, pool_->device_uuid()));
+  // A limit the process is 100 maps short of, beside the headroom: 300 do not fit.
+  ImportOptions options;
+  options.max_map_count = MapCount() + kMapCountHeadroom + 100;
+  const size_t maps_before = MemfdMaps();
+  auto refused = ImportBuffer(driver_, hostile, options);
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                AllOf(HasSubstr("mapping 300 handles"), HasSubstr("map limit"),
+                                      HasSubstr(absl::StrCat(options.max_map_count)))));
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  EXPECT_EQ(MemfdMaps(), maps_before) << "the refused import left maps behind";
+  ExpectTheProcessStillWorks(driver_, *pool_, real);
+  // Under the real limit the same descriptor fits, maps and unmaps cleanly.
+  const size_t settled = MemfdMaps();  // the pool may keep a chunk it grew meanwhile
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> fits, ImportBuffer(driver_, hostile));
+  EXPECT_EQ(fits->mapped_size(), copies * real.sizes()[0]);
+  EXPECT_EQ(MemfdMaps(), settled + copies);
+  fits.reset();
+  EXPECT_EQ(MemfdMaps(), settled);
+  ASSERT_OK(pool_->Free(a));
+}
+
+TEST_P(SharingTest, AHugeDescriptorOfOneRepeatedHandleIsRefusedQuickly) {
+  void* a = Filled(2 * kMiB, 4);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor real, ExportBuffer(*pool_, a));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor hostile, Repeated(real, 200000, pool_->device_uuid()));
+  // Through the bytes, as an importer gets it: the decoder's own limits let it through.
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor decoded, BufferDescriptor::Decode(hostile.Encode()));
+  const size_t maps_before = MemfdMaps();
+  const auto start = std::chrono::steady_clock::now();
+  auto refused = ImportBuffer(driver_, decoded);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kInvalidArgument,
+                                AllOf(HasSubstr("200000 handles"),
+                                      HasSubstr(absl::StrCat(kMaxImportHandles)),
+                                      HasSubstr(pool_->device_uuid()))));
+  EXPECT_LT(seconds, 1.0) << "refused only after trying";
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  EXPECT_EQ(MemfdMaps(), maps_before) << "the refused import left maps behind";
+  ExpectTheProcessStillWorks(driver_, *pool_, real);
+  ASSERT_OK(pool_->Free(a));
+}
+
 TEST_P(SharingTest, FdsCanAlsoBeFetchedWithPidfd) {
   if (GetParam() != HandleRequest::kPosixFd) GTEST_SKIP() << "fd handles only";
   Subprocess exporter({PeerPath(), "export", "--size=" + std::to_string(2 * kMiB), "--fill=21",
@@ -319,11 +422,111 @@ TEST_P(SharingTest, FdsCanAlsoBeFetchedWithPidfd) {
   EXPECT_EQ(exporter.Wait(), 0);
 }
 
+// An open import of many copies of one handle costs the importer its memory once, so pools
+// created meanwhile work and stay shareable (they did not when each copy was counted: the
+// handle-type probe found the device full and the pool became unshareable for good).
+TEST(SharingAccountingTest, DuplicatedHandlesDoNotUseUpTheImportersMemory) {
+  HostDriverOptions host;
+  host.capacity = 256 * kMiB;
+  std::unique_ptr<Driver> driver = NewHostDriver(host);
+  PoolOptions options;
+  options.reserve_size = 256 * kMiB;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> exporter, CreateExportablePool(driver.get(), options));
+  ASSERT_OK_AND_ASSIGN(void* a, exporter->Allocate(2 * kMiB, 0));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor real, ExportBuffer(*exporter, a));
+  // 400 MiB of mappings of one 2 MiB allocation, on a 256 MiB device.
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor copies, Repeated(real, 200, exporter->device_uuid()));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> open, ImportBuffer(driver.get(), copies));
+  EXPECT_EQ(driver->GetMemInfo(0)->free, 254 * kMiB);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> meanwhile, CreateExportablePool(driver.get(), options));
+  EXPECT_EQ(meanwhile->handle_type(), exporter->handle_type());
+  ASSERT_OK_AND_ASSIGN(void* b, meanwhile->AllocateShareable(64 * kMiB, 0));
+  EXPECT_OK(ExportBuffer(*meanwhile, b));
+  EXPECT_OK(meanwhile->Free(b));
+  open.reset();
+  EXPECT_OK(exporter->Free(a));
+}
+
 INSTANTIATE_TEST_SUITE_P(HandleTypes, SharingTest,
                          ::testing::Values(HandleRequest::kPosixFd, HandleRequest::kFabric),
                          [](const auto& info) {
                            return info.param == HandleRequest::kFabric ? "fabric" : "posix_fd";
                          });
+
+// --- The fd server's answers ------------------------------------------------------------------
+
+// Fds open /dev/null until the process has none left below its (lowered) limit; closing them
+// and restoring the limit on destruction.
+class FdsExhausted {
+ public:
+  FdsExhausted() {
+    getrlimit(RLIMIT_NOFILE, &saved_);
+    rlimit low = saved_;
+    low.rlim_cur = std::min<rlim_t>(saved_.rlim_cur, 512);
+    setrlimit(RLIMIT_NOFILE, &low);
+    for (int fd; (fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC)) >= 0;) held_.push_back(fd);
+  }
+  ~FdsExhausted() {
+    for (int fd : held_) ::close(fd);
+    setrlimit(RLIMIT_NOFILE, &saved_);
+  }
+
+ private:
+  rlimit saved_{};
+  std::vector<int> held_;
+};
+
+// An exporter that holds the memory but cannot duplicate its fd (out of fds) says so; the
+// handle is not stale.
+TEST(FdShareTest, AnExporterOutOfFdsSaysSoRatherThanStale) {
+  UniqueFd memfd(::memfd_create("vmm-fd-share-test", MFD_CLOEXEC));
+  ASSERT_TRUE(memfd.valid());
+  ASSERT_OK_AND_ASSIGN(FdToken token, FdServer::Get().Register(std::move(memfd)));
+  absl::StatusOr<std::vector<UniqueFd>> fetched;
+  {
+    FdsExhausted exhausted;
+    fetched = FetchFds({token});
+  }
+  EXPECT_THAT(fetched, StatusIs(absl::StatusCode::kUnavailable,
+                                AllOf(HasSubstr("could not duplicate"),
+                                      HasSubstr("Too many open files"))));
+  EXPECT_OK(FetchFds({token})) << "works again once fds are free";
+  FdServer::Get().Unregister(token.key);
+}
+
+// An importer of another user is refused by the exporter's fd server; it says so instead of
+// "Connection reset by peer". Needs root, to run the two processes as two other users.
+TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
+  if (geteuid() != 0 || ::access("/usr/bin/setpriv", X_OK) != 0) {
+    GTEST_SKIP() << "needs root and setpriv to run two processes as two other users";
+  }
+  // A copy of vmm_peer that the other users can run (the runfiles may be under /root).
+  char dir[] = "/tmp/vmm-peer-XXXXXX";
+  ASSERT_NE(::mkdtemp(dir), nullptr);
+  ASSERT_EQ(::chmod(dir, 0755), 0);
+  const std::string peer = absl::StrCat(dir, "/vmm_peer");
+  ASSERT_EQ(std::system(absl::StrCat("cp ", PeerPath(), " ", peer, " && chmod 755 ", peer).c_str()), 0);
+  auto as_user = [&](int uid, std::vector<std::string> args) {
+    std::vector<std::string> argv = {"/usr/bin/setpriv", absl::StrCat("--reuid=", uid),
+                                     absl::StrCat("--regid=", uid), "--clear-groups", peer};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return argv;
+  };
+  Subprocess exporter(as_user(65534, {"export", "--size=2M", "--fill=5", "--handle=posix_fd",
+                                      "--backend=host"}));
+  const std::string hex = exporter.ReadLine();
+  ASSERT_FALSE(hex.empty()) << "the exporter failed";
+  Subprocess importer(
+      as_user(65533, {"import", "--descriptor=" + hex, "--expect=5", "--backend=host"}), {},
+      Subprocess::Output::kWithStderr);
+  const std::string output = importer.ReadAll();
+  EXPECT_EQ(importer.Wait(), 3) << output;
+  EXPECT_THAT(output, HasSubstr("refused: not the same user")) << output;
+  EXPECT_THAT(output, HasSubstr("PERMISSION_DENIED")) << output;
+  exporter.WriteLine("exit");
+  EXPECT_EQ(exporter.Wait(), 0);
+  std::system(absl::StrCat("rm -rf ", dir).c_str());
+}
 
 // --- Two devices ---------------------------------------------------------------------------
 

@@ -102,6 +102,12 @@ void ProcessState::AbandonParentsDevicePools() {
   any_device_pool_ = false;
 }
 
+absl::StatusOr<void*> ProcessState::DeviceAllocate(int device, size_t size, Stream stream) {
+  VMM_RETURN_IF_ERROR(CheckRequestSize(size));
+  VMM_ASSIGN_OR_RETURN(Pool * pool, DevicePool(device));
+  return pool->Allocate(size, stream);
+}
+
 Pool* ProcessState::DevicePoolIfAny(int device) const {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   return device_pools_[device].load(std::memory_order_acquire);
@@ -166,6 +172,7 @@ absl::Status ProcessState::ClosePool(int64_t id) {
 
 absl::StatusOr<void*> ProcessState::PoolAllocate(int64_t id, size_t size, Stream stream,
                                                  bool shareable) {
+  VMM_RETURN_IF_ERROR(CheckRequestSize(size));
   // The block is counted before it exists, under the lock that ClosePool takes, so that a
   // pool closed meanwhile is not destroyed under the allocation.
   std::shared_ptr<ExplicitPool> entry;

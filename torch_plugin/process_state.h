@@ -77,6 +77,9 @@ class ProcessState {
   absl::StatusOr<Pool*> DevicePool(int device);
   // The device pool of `device` if it exists, else null.
   Pool* DevicePoolIfAny(int device) const;
+  // Allocates from the device pool of `device` (created on first use). A request no device
+  // could hold (CheckRequestSize) is InvalidArgument before the pool is created.
+  absl::StatusOr<void*> DeviceAllocate(int device, size_t size, Stream stream);
   // Caps `device`'s pool at `fraction` (0 < fraction <= 1) of the device's memory, now or when
   // the pool is created.
   absl::Status SetMemoryFraction(double fraction, int device);
@@ -89,7 +92,7 @@ class ProcessState {
   absl::Status ClosePool(int64_t id);
   // The open pool `id`.
   absl::StatusOr<std::shared_ptr<ExplicitPool>> FindPool(int64_t id);
-  // Allocates from pool `id`, counting the block as live.
+  // Allocates from pool `id`, counting the block as live (errors as DeviceAllocate's).
   absl::StatusOr<void*> PoolAllocate(int64_t id, size_t size, Stream stream, bool shareable);
 
   // --- Any pool -----------------------------------------------------------------------------

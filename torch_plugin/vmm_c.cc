@@ -145,9 +145,8 @@ int vmm_configure(const char* options) {
 }
 
 void* vmm_alloc(size_t size, int device, void* stream) {
-  absl::StatusOr<vmm::Pool*> pool = State().DevicePool(device);
-  if (!pool.ok()) return vmm::FailNull<void>(pool.status());
-  absl::StatusOr<void*> p = (*pool)->Allocate(size, reinterpret_cast<vmm::Stream>(stream));
+  absl::StatusOr<void*> p =
+      State().DeviceAllocate(device, size, reinterpret_cast<vmm::Stream>(stream));
   if (!p.ok()) return vmm::FailNull<void>(p.status());
   return *p;
 }

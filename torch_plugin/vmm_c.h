@@ -93,7 +93,8 @@ int vmm_parse_byte_size(const char* text, uint64_t* out);
 /* Sets the options of device pools created from now on. Fails once a device pool exists. */
 int vmm_configure(const char* options);
 /* `size` bytes on `device` for `stream` (a cudaStream_t / CUstream; NULL: default stream).
- * NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED). */
+ * NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED; more than the device's whole
+ * memory, checked before anything is reserved: VMM_INVALID_ARGUMENT). */
 void* vmm_alloc(size_t size, int device, void* stream);
 /* Frees a block of a device pool (device < 0: find it). */
 int vmm_free(void* ptr, int device);

@@ -90,12 +90,20 @@ def test_negative_extents_are_value_errors(pool, shape, dtype):
         pool.empty(shape, dtype=dtype)
 
 
-def test_representable_but_too_large_is_out_of_memory(pool):
-    oom = getattr(torch.cuda, "OutOfMemoryError", MemoryError)
-    with pytest.raises(oom, match="out of memory"):
-        pool.empty((2**60,), dtype=torch.float32)  # 2**62 bytes: fits in 64 bits
+def test_representable_but_too_large_for_any_device_is_a_value_error(pool):
+    # 2**62 bytes fit in 64 bits but no device holds them: a bad request, not out of memory.
+    with pytest.raises(ValueError, match="more than any device holds"):
+        pool.empty((2**60,), dtype=torch.float32)
     with pytest.raises(TypeError, match="dtype"):
         pool.empty((4,), dtype="float32")
+
+
+def test_more_than_the_pool_may_hold_is_out_of_memory():
+    oom = getattr(torch.cuda, "OutOfMemoryError", MemoryError)
+    with vmm_torch.Pool("host", memory_limit="8M") as small:
+        with pytest.raises(oom, match="out of memory"):
+            small.empty((64 * MIB,), dtype=torch.uint8)
+        assert vmm_torch.in_vmm_pool(small.empty((MIB,), dtype=torch.uint8))
 
 
 def test_tensor_frees_its_block(pool):
