@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -9,32 +10,45 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
+#include <chrono>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "allocator/log.h"
+#include "allocator/fd_share_internal.h"
 #include "allocator/mutex.h"
 #include "allocator/status_macros.h"
 
 namespace vmm {
 namespace {
 
+using fd_share_internal::FdRequestEntry;
+using fd_share_internal::kMaxRequestSize;
+using fd_share_internal::kRequestEntrySize;
+using fd_share_internal::kRequestHeaderSize;
+
 constexpr char kTokenMagic[8] = {'V', 'M', 'M', 'F', 'D', 'T', 'O', 'K'};
 constexpr uint32_t kTokenVersion = 1;
 constexpr char kRequestMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q'};
 constexpr char kReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'S', 'P'};
-// Fds per message (the kernel's limit, SCM_MAX_FD, is 253).
-constexpr size_t kBatch = 250;
-constexpr size_t kRequestEntry = 8 + 16;
-constexpr size_t kMaxRequest = 8 + 4 + kBatch * kRequestEntry;
+constexpr char kErrorReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'E', 'R', 'R'};
+constexpr size_t kMaxErrorMessage = 512;
+constexpr size_t kBatch = fd_share_internal::kMaxTokensPerRequest;
 constexpr size_t kMaxReply = 8 + 4 + kBatch * 4;
+
+using Clock = std::chrono::steady_clock;
+using fd_share_internal::kMaxConnections;
+using fd_share_internal::kRequestDeadline;
 
 // A reply entry: kOk, kUnknown (stale or forged token), or kDupFailed with the errno of the
 // exporter's failed dup in the upper 16 bits (its own fds ran out: EMFILE, ENFILE).
@@ -84,12 +98,29 @@ void RandomBytes(uint8_t* out, size_t n) {
 socklen_t ServerAddress(uint32_t pid, uint64_t server_id, sockaddr_un* addr) {
   std::memset(addr, 0, sizeof(*addr));
   addr->sun_family = AF_UNIX;
-  const std::string name = absl::StrFormat("vmm-fd-%u-%016x", pid, server_id);
+  const std::string name = fd_share_internal::ServerSocketName(pid, server_id);
   std::memcpy(addr->sun_path + 1, name.data(), name.size());  // sun_path[0] = 0: abstract
   return static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
 }
 
-absl::Status SendMessage(int sock, const uint8_t* data, size_t len, absl::Span<const int> fds) {
+// The error of a failed send or receive on a socket, by meaning: DeadlineExceeded when the
+// socket's timeout passed (or, with MSG_DONTWAIT, nothing could be done now), Unavailable when
+// the peer closed the connection, else the system call's error.
+absl::Status SocketError(absl::string_view call) {
+  const int err = errno;
+  if (err == EAGAIN || err == EWOULDBLOCK) {
+    return absl::DeadlineExceededError(absl::StrCat(call, ": timed out"));
+  }
+  if (err == EPIPE || err == ECONNRESET || err == ENOTCONN) {
+    return absl::UnavailableError(absl::StrCat(call, ": the peer closed the connection"));
+  }
+  return absl::ErrnoToStatus(err, call);
+}
+
+// Sends one message with `fds` (SCM_RIGHTS). `flags` adds to MSG_NOSIGNAL (the server passes
+// MSG_DONTWAIT). Errors as SocketError.
+absl::Status SendMessage(int sock, const uint8_t* data, size_t len, absl::Span<const int> fds,
+                         int flags = 0) {
   iovec iov{const_cast<uint8_t*>(data), len};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -105,16 +136,17 @@ absl::Status SendMessage(int sock, const uint8_t* data, size_t len, absl::Span<c
     cmsg->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
     std::memcpy(CMSG_DATA(cmsg), fds.data(), sizeof(int) * fds.size());
   }
-  while (sendmsg(sock, &msg, MSG_NOSIGNAL) < 0) {
-    if (errno != EINTR) return Errno("sendmsg");
+  while (sendmsg(sock, &msg, MSG_NOSIGNAL | flags) < 0) {
+    if (errno != EINTR) return SocketError("sendmsg");
   }
   return absl::OkStatus();
 }
 
-// Receives one message (and the fds passed with it, close-on-exec). Returns its length;
-// 0 means the peer closed the connection.
+// Receives one message (and the fds passed with it, close-on-exec; closed when `fds` is null).
+// Returns its length; 0 means the peer closed the connection. InvalidArgument when the message
+// is longer than `cap` or carries more fds than kBatch; socket errors as SocketError.
 absl::StatusOr<size_t> ReceiveMessage(int sock, uint8_t* data, size_t cap,
-                                      std::vector<UniqueFd>* fds) {
+                                      std::vector<UniqueFd>* fds, int flags = 0) {
   iovec iov{data, cap};
   msghdr msg{};
   msg.msg_iov = &iov;
@@ -123,8 +155,8 @@ absl::StatusOr<size_t> ReceiveMessage(int sock, uint8_t* data, size_t cap,
   msg.msg_control = control.empty() ? nullptr : control.data();
   msg.msg_controllen = control.size();
   ssize_t got;
-  while ((got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC)) < 0) {
-    if (errno != EINTR) return Errno("recvmsg");
+  while ((got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags)) < 0) {
+    if (errno != EINTR) return SocketError("recvmsg");
   }
   for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
     if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
@@ -139,14 +171,18 @@ absl::StatusOr<size_t> ReceiveMessage(int sock, uint8_t* data, size_t cap,
       }
     }
   }
-  if ((msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) != 0) {
-    return absl::InternalError("fd transfer: message truncated");
+  if ((msg.msg_flags & MSG_TRUNC) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("message longer than ", cap, " bytes"));
+  }
+  if ((msg.msg_flags & MSG_CTRUNC) != 0) {
+    return absl::InvalidArgumentError("message with fds that were not asked for");
   }
   return static_cast<size_t>(got);
 }
 
-void SetTimeouts(int sock, int seconds) {
-  timeval tv{seconds, 0};
+void SetTimeouts(int sock, std::chrono::milliseconds timeout) {
+  timeval tv{static_cast<time_t>(timeout.count() / 1000),
+             static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
@@ -201,6 +237,76 @@ absl::StatusOr<FdToken> FdToken::Decode(absl::Span<const uint8_t> bytes) {
   return t;
 }
 
+namespace fd_share_internal {
+
+std::string ServerSocketName(uint32_t pid, uint64_t server_id) {
+  return absl::StrFormat("vmm-fd-%u-%016x", pid, server_id);
+}
+
+std::vector<uint8_t> EncodeFdRequest(absl::Span<const FdRequestEntry> entries) {
+  std::vector<uint8_t> out(kRequestHeaderSize + entries.size() * kRequestEntrySize);
+  std::memcpy(out.data(), kRequestMagic, 8);
+  PutU32(&out[8], static_cast<uint32_t>(entries.size()));
+  for (size_t i = 0; i < entries.size(); ++i) {
+    uint8_t* entry = &out[kRequestHeaderSize + i * kRequestEntrySize];
+    PutU64(entry, entries[i].key);
+    std::memcpy(entry + 8, entries[i].nonce.data(), 16);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() < kRequestHeaderSize) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fd request of ", bytes.size(), " bytes is shorter than its ", kRequestHeaderSize,
+        "-byte header"));
+  }
+  if (std::memcmp(bytes.data(), kRequestMagic, 8) != 0) {
+    return absl::InvalidArgumentError("not a vmm fd request (bad magic)");
+  }
+  const uint32_t count = GetU32(&bytes[8]);
+  if (count == 0 || count > kMaxTokensPerRequest) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "fd request for ", count, " tokens (1 to ", kMaxTokensPerRequest, " per request)"));
+  }
+  if (bytes.size() != kRequestHeaderSize + size_t{count} * kRequestEntrySize) {
+    return absl::InvalidArgumentError(absl::StrCat("fd request of ", bytes.size(),
+                                                   " bytes does not hold its ", count,
+                                                   " tokens"));
+  }
+  std::vector<FdRequestEntry> entries(count);
+  for (size_t i = 0; i < count; ++i) {
+    const uint8_t* entry = &bytes[kRequestHeaderSize + i * kRequestEntrySize];
+    entries[i].key = GetU64(entry);
+    std::memcpy(entries[i].nonce.data(), entry + 8, 16);
+  }
+  return entries;
+}
+
+std::vector<uint8_t> EncodeFdErrorReply(const absl::Status& error) {
+  const absl::string_view message = error.message().substr(0, kMaxErrorMessage);
+  std::vector<uint8_t> out(12 + message.size());
+  std::memcpy(out.data(), kErrorReplyMagic, 8);
+  PutU32(&out[8], static_cast<uint32_t>(error.code()));
+  std::memcpy(out.data() + 12, message.data(), message.size());
+  return out;
+}
+
+std::optional<absl::Status> DecodeFdErrorReply(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() < 12 || std::memcmp(bytes.data(), kErrorReplyMagic, 8) != 0) {
+    return std::nullopt;
+  }
+  const uint32_t code = GetU32(&bytes[8]);
+  const absl::string_view message(reinterpret_cast<const char*>(bytes.data()) + 12,
+                                  std::min(bytes.size() - 12, kMaxErrorMessage));
+  // A code this build does not know (or OK, which is no error) reads as kUnknown.
+  const bool known = code > 0 && code <= static_cast<uint32_t>(absl::StatusCode::kUnauthenticated);
+  return absl::Status(known ? static_cast<absl::StatusCode>(code) : absl::StatusCode::kUnknown,
+                      message);
+}
+
+}  // namespace fd_share_internal
+
 // --- The server -------------------------------------------------------------------------
 
 class FdServer::Impl {
@@ -238,8 +344,8 @@ class FdServer::Impl {
     return entries_.size();
   }
 
-  // A duplicate of the registered fd, or -1 with *err: ENOENT when the key or nonce does not
-  // match, else the dup's errno (EMFILE: this process is out of fds).
+  // A duplicate of the registered fd, or -1 with `*err` ENOENT when the key or nonce does not
+  // match, or the errno of the failed duplication.
   int Lookup(uint64_t key, const uint8_t* nonce, int* err) {
     MutexLock lock(&mu_);
     auto it = entries_.find(key);
@@ -261,8 +367,52 @@ class FdServer::Impl {
     std::array<uint8_t, 16> nonce;
   };
 
+  // One client connection: its socket and when its next request must have arrived.
+  struct Connection {
+    UniqueFd fd;
+    Clock::time_point deadline;
+  };
+
+  // When to try accept4 again after it failed for want of fds, buffers or memory (or for an
+  // unexpected reason): a pause of 10 ms that doubles up to 200 ms while failures last (1 s
+  // for unexpected errors), so that a process out of fds neither spins nor stops serving.
+  // Says once per run of failures what happened, and when accepting works again. Used by the
+  // serving thread only.
+  class AcceptBackoff {
+   public:
+    bool Ready(Clock::time_point now) const { return now >= resume_; }
+    Clock::time_point resume() const { return resume_; }
+
+    void Failed(int err, Clock::time_point now) {
+      const bool transient = err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM;
+      pause_ = transient ? std::min(pause_ * 2, kMaxPause) : std::chrono::milliseconds(1000);
+      resume_ = now + pause_;
+      if (failures_++ == 0) {
+        LogError(absl::StrCat("fd server: cannot accept a connection (",
+                              absl::ErrnoToStatus(err, "accept4").message(), "); retrying in ",
+                              pause_.count(), " ms and on: importers of this process's memory "
+                              "wait until it succeeds"));
+      }
+    }
+
+    void Succeeded() {
+      if (failures_ == 0) return;
+      LogWarning(absl::StrCat("fd server: accepting connections again after ", failures_,
+                              " failed attempts"));
+      failures_ = 0;
+      pause_ = kFirstPause / 2;
+    }
+
+   private:
+    static constexpr std::chrono::milliseconds kFirstPause{10};
+    static constexpr std::chrono::milliseconds kMaxPause{200};
+    std::chrono::milliseconds pause_ = kFirstPause / 2;
+    Clock::time_point resume_;
+    uint64_t failures_ = 0;
+  };
+
   absl::Status Start() {
-    listen_.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    listen_.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!listen_.valid()) return Errno("socket");
     sockaddr_un addr;
     const socklen_t len = ServerAddress(pid_, server_id_, &addr);
@@ -272,18 +422,76 @@ class FdServer::Impl {
     return absl::OkStatus();
   }
 
+  // The serving loop, for the life of the process; nothing ends it. One thread polls the
+  // listening socket (while below kMaxConnections and not backing off) and every connection,
+  // answers each request as it arrives and closes connections that hang up, fail, send what
+  // is not a request, or miss their deadline. Only poll blocks, so no client delays another.
   void Serve() {
+    std::vector<Connection> conns;
+    AcceptBackoff backoff;
+    std::vector<uint8_t> request(kMaxRequestSize);
+    std::vector<pollfd> polled;
     for (;;) {
-      UniqueFd conn(accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      Clock::time_point now = Clock::now();
+      CloseLate(&conns, now);
+      const bool accepting = conns.size() < kMaxConnections && backoff.Ready(now);
+      polled.clear();
+      polled.push_back(pollfd{accepting ? listen_.get() : -1, POLLIN, 0});  // -1: skipped
+      for (const Connection& c : conns) polled.push_back(pollfd{c.fd.get(), POLLIN, 0});
+      if (poll(polled.data(), polled.size(), PollTimeout(conns, backoff, now)) < 0) {
+        if (errno != EINTR) {
+          LogWarningOnce("fd-server-poll", Errno("fd server: poll").message());
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        continue;
+      }
+      // From the back, so that closing a connection (moving the last one into its place)
+      // leaves the entries still to visit where they were.
+      for (size_t i = conns.size(); i-- > 0;) {
+        if (polled[i + 1].revents == 0 || ServeRequest(conns[i], request)) continue;
+        conns[i] = std::move(conns.back());
+        conns.pop_back();
+      }
+      if ((polled[0].revents & POLLIN) != 0) AcceptPending(&conns, &backoff);
+    }
+  }
+
+  // Closes the connections whose deadline has passed.
+  static void CloseLate(std::vector<Connection>* conns, Clock::time_point now) {
+    conns->erase(std::remove_if(conns->begin(), conns->end(),
+                                [now](const Connection& c) { return c.deadline <= now; }),
+                 conns->end());
+  }
+
+  // Milliseconds until the earliest deadline or the end of an accept pause; -1: none.
+  static int PollTimeout(const std::vector<Connection>& conns, const AcceptBackoff& backoff,
+                         Clock::time_point now) {
+    std::optional<Clock::time_point> wake;
+    if (!backoff.Ready(now)) wake = backoff.resume();
+    for (const Connection& c : conns) {
+      if (!wake.has_value() || c.deadline < *wake) wake = c.deadline;
+    }
+    if (!wake.has_value()) return -1;
+    const auto ms = std::chrono::ceil<std::chrono::milliseconds>(*wake - now).count();
+    return static_cast<int>(std::max<int64_t>(0, ms));
+  }
+
+  // Accepts waiting connections while below the cap. EINTR and ECONNABORTED retry at once;
+  // any other failure (EMFILE, ENFILE, ENOBUFS, ENOMEM, or unexpected) pauses accepting
+  // (AcceptBackoff) and leaves the connection waiting in the backlog.
+  void AcceptPending(std::vector<Connection>* conns, AcceptBackoff* backoff) {
+    while (conns->size() < kMaxConnections) {
+      UniqueFd conn(accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
       if (!conn.valid()) {
-        if (errno == EINTR || errno == ECONNABORTED) continue;
-        LogError(absl::StrCat("fd server stopped: ", Errno("accept4").message()));
+        const int err = errno;
+        if (err == EAGAIN || err == EWOULDBLOCK) return;  // none waiting
+        if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
+        backoff->Failed(err, Clock::now());
         return;
       }
+      backoff->Succeeded();
       if (!PeerAllowed(conn.get())) continue;
-      SetTimeouts(conn.get(), 5);
-      absl::Status served = Answer(conn.get());
-      if (!served.ok()) LogWarning(absl::StrCat("fd server: ", served.message()));
+      conns->push_back(Connection{std::move(conn), Clock::now() + kRequestDeadline});
     }
   }
 
@@ -295,44 +503,72 @@ class FdServer::Impl {
     return cred.uid == getuid() || cred.uid == 0;
   }
 
-  // Answers requests on one connection until the peer closes it.
-  absl::Status Answer(int conn) {
-    std::vector<uint8_t> request(kMaxRequest);
-    for (;;) {
-      VMM_ASSIGN_OR_RETURN(size_t len,
-                           ReceiveMessage(conn, request.data(), request.size(), nullptr));
-      if (len == 0) return absl::OkStatus();
-      if (len < 12 || std::memcmp(request.data(), kRequestMagic, 8) != 0) {
-        return absl::InvalidArgumentError("malformed request");
+  // Reads and answers one request of a connection that poll found ready, renewing its
+  // deadline. False when the connection is to be closed: the peer closed it or it failed, or
+  // it sent something that is not a request (answered first with an error reply).
+  bool ServeRequest(Connection& conn, std::vector<uint8_t>& request) {
+    absl::StatusOr<size_t> len =
+        ReceiveMessage(conn.fd.get(), request.data(), request.size(), nullptr, MSG_DONTWAIT);
+    if (!len.ok()) {
+      if (len.status().code() == absl::StatusCode::kDeadlineExceeded) return true;  // none yet
+      // Too long, or with fds: not a request.
+      if (len.status().code() == absl::StatusCode::kInvalidArgument) {
+        RefuseRequest(conn.fd.get(), len.status());
       }
-      const uint32_t count = GetU32(&request[8]);
-      if (count > kBatch || len != 12 + count * kRequestEntry) {
-        return absl::InvalidArgumentError("malformed request length");
-      }
-      std::vector<uint8_t> reply(12 + 4 * count);
-      std::memcpy(reply.data(), kReplyMagic, 8);
-      PutU32(&reply[8], count);
-      std::vector<UniqueFd> owned;
-      std::vector<int> fds;
-      for (uint32_t i = 0; i < count; ++i) {
-        const uint8_t* entry = &request[12 + i * kRequestEntry];
-        int err = 0;
-        const int fd = Lookup(GetU64(entry), entry + 8, &err);
-        PutU32(&reply[12 + 4 * i], ReplyCode(fd, err));
-        if (fd >= 0) {
-          owned.emplace_back(fd);
-          fds.push_back(fd);
-        }
-      }
-      VMM_RETURN_IF_ERROR(SendMessage(conn, reply.data(), reply.size(), fds));
+      return false;
     }
+    if (*len == 0) return false;  // closed by the peer
+    absl::StatusOr<std::vector<FdRequestEntry>> entries =
+        fd_share_internal::DecodeFdRequest(absl::MakeConstSpan(request.data(), *len));
+    if (!entries.ok()) {
+      RefuseRequest(conn.fd.get(), entries.status());
+      return false;
+    }
+    const absl::Status sent = Answer(conn.fd.get(), *entries);
+    if (!sent.ok()) {
+      // The client not reading its replies (DeadlineExceeded) or gone is its own affair.
+      if (sent.code() != absl::StatusCode::kDeadlineExceeded &&
+          sent.code() != absl::StatusCode::kUnavailable) {
+        LogWarning(absl::StrCat("fd server: cannot send a reply: ", sent.message()));
+      }
+      return false;
+    }
+    conn.deadline = Clock::now() + kRequestDeadline;
+    return true;
+  }
+
+  // Tells the client why its request cannot be read (best effort: it may be gone).
+  static void RefuseRequest(int conn, const absl::Status& why) {
+    const std::vector<uint8_t> reply = fd_share_internal::EncodeFdErrorReply(
+        absl::Status(why.code(), absl::StrCat("fd request: ", why.message())));
+    SendMessage(conn, reply.data(), reply.size(), {}, MSG_DONTWAIT).IgnoreError();
+  }
+
+  // Sends the reply to one request: each token's status, and the fds found, in order.
+  absl::Status Answer(int conn, absl::Span<const FdRequestEntry> entries) {
+    const uint32_t count = static_cast<uint32_t>(entries.size());
+    std::vector<uint8_t> reply(12 + 4 * count);
+    std::memcpy(reply.data(), kReplyMagic, 8);
+    PutU32(&reply[8], count);
+    std::vector<UniqueFd> owned;
+    std::vector<int> fds;
+    for (uint32_t i = 0; i < count; ++i) {
+      int err = 0;
+      const int fd = Lookup(entries[i].key, entries[i].nonce.data(), &err);
+      PutU32(&reply[12 + 4 * i], ReplyCode(fd, err));
+      if (fd >= 0) {
+        owned.emplace_back(fd);
+        fds.push_back(fd);
+      }
+    }
+    return SendMessage(conn, reply.data(), reply.size(), fds, MSG_DONTWAIT);
   }
 
   const uint32_t pid_;
   uint64_t server_id_ = 0;
   UniqueFd listen_;
   absl::Status start_;
-  Mutex mu_;
+  Mutex mu_;  // guards the registry; the serving thread's state is its own
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
@@ -363,6 +599,9 @@ size_t FdServer::size() { return impl()->size(); }
 
 namespace {
 
+// How long an importer waits to connect and for each reply.
+constexpr std::chrono::milliseconds kFetchTimeout = std::chrono::seconds(10);
+
 absl::Status Stale(size_t index, uint32_t pid) {
   return absl::NotFoundError(absl::StrCat(
       "stale or forged handle ", index, ": process ", pid,
@@ -377,9 +616,11 @@ absl::Status ExporterCouldNotDup(size_t index, uint32_t pid, int err) {
       std::strerror(err), " (the exporter's own resources; retry once it has freed some)"));
 }
 
-// The error of a failed lookup of handle `index` (ReplyCode's entry `code`).
-absl::Status LookupFailed(size_t index, uint32_t pid, uint32_t code) {
-  if ((code & 0xffff) == kDupFailed) return ExporterCouldNotDup(index, pid, code >> 16);
+// The outcome of token `index` (exported by process `pid`) as the server's reply states it
+// (ReplyCode's entry): the one place that reads a reply's per-token status.
+absl::Status TokenStatus(uint32_t status, size_t index, uint32_t pid) {
+  if (status == kOk) return absl::OkStatus();
+  if ((status & 0xffff) == kDupFailed) return ExporterCouldNotDup(index, pid, status >> 16);
   return Stale(index, pid);
 }
 
@@ -398,34 +639,75 @@ absl::Status RefusedOrCause(uint32_t pid, absl::Status cause) {
       "); fds are served only to the same user or root (", cause.message(), ")"));
 }
 
-// Fetches one batch of tokens of one server over `sock`.
-absl::Status FetchBatch(int sock, absl::Span<const FdToken> tokens, size_t first_index,
-                        std::vector<UniqueFd>* out) {
-  std::vector<uint8_t> request(12 + tokens.size() * kRequestEntry);
-  std::memcpy(request.data(), kRequestMagic, 8);
-  PutU32(&request[8], static_cast<uint32_t>(tokens.size()));
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    PutU64(&request[12 + i * kRequestEntry], tokens[i].key);
-    std::memcpy(&request[12 + i * kRequestEntry + 8], tokens[i].nonce.data(), 16);
+// The importer's error when the exchange with process `pid`'s server failed: it did not
+// answer in time (DeadlineExceeded), it closed the connection (Unavailable), or the system
+// call's own error.
+absl::Status ExchangeError(const absl::Status& error, uint32_t pid,
+                           std::chrono::milliseconds timeout) {
+  switch (error.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the exporting process ", pid, " did not answer the fd request within ",
+          timeout.count(), " ms (it may be stopped, or its fd server overloaded): ",
+          error.message()));
+    case absl::StatusCode::kUnavailable:
+      return absl::UnavailableError(absl::StrCat(
+          "the exporting process ", pid, " closed the connection without answering (it exited, "
+          "or no longer serves its fds): its memory cannot be imported (", error.message(), ")"));
+    default:
+      return absl::Status(error.code(), absl::StrCat("fetching fds from process ", pid, ": ",
+                                                     error.message()));
   }
-  VMM_RETURN_IF_ERROR(SendMessage(sock, request.data(), request.size(), {}));
-  std::vector<uint8_t> reply(kMaxReply);
-  std::vector<UniqueFd> fds;
-  VMM_ASSIGN_OR_RETURN(size_t len, ReceiveMessage(sock, reply.data(), reply.size(), &fds));
-  if (len != 12 + 4 * tokens.size() || std::memcmp(reply.data(), kReplyMagic, 8) != 0) {
-    return absl::InternalError("fd transfer: malformed reply from the exporter");
+}
+
+// Reads the reply to a request for `tokens` (of process `pid`; the first is token
+// `first_index` of the fetch) and appends its fds to `out`.
+absl::Status ReadReply(absl::Span<const uint8_t> reply, absl::Span<const FdToken> tokens,
+                       size_t first_index, uint32_t pid, std::vector<UniqueFd>& fds,
+                       std::vector<UniqueFd>* out) {
+  if (std::optional<absl::Status> refused = fd_share_internal::DecodeFdErrorReply(reply)) {
+    return absl::Status(refused->code(), absl::StrCat("the exporting process ", pid,
+                                                      " refused the fd request: ",
+                                                      refused->message()));
+  }
+  if (reply.size() != 12 + 4 * tokens.size() || std::memcmp(reply.data(), kReplyMagic, 8) != 0 ||
+      GetU32(&reply[8]) != tokens.size()) {
+    return absl::InternalError(
+        absl::StrCat("fd transfer: malformed reply from the exporting process ", pid));
   }
   size_t next_fd = 0;
   for (size_t i = 0; i < tokens.size(); ++i) {
-    const uint32_t code = GetU32(&reply[12 + 4 * i]);
-    if (code != kOk) return LookupFailed(first_index + i, tokens[i].pid, code);
-    if (next_fd >= fds.size()) return absl::InternalError("fd transfer: fds missing in reply");
+    VMM_RETURN_IF_ERROR(TokenStatus(GetU32(&reply[12 + 4 * i]), first_index + i, pid));
+    if (next_fd >= fds.size()) {
+      return absl::InternalError(
+          absl::StrCat("fd transfer: fds missing in the reply of process ", pid));
+    }
     out->push_back(std::move(fds[next_fd++]));
   }
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> tokens) {
+// Fetches one batch of tokens of one server over `sock`.
+absl::Status FetchBatch(int sock, absl::Span<const FdToken> tokens, size_t first_index,
+                        std::chrono::milliseconds timeout, std::vector<UniqueFd>* out) {
+  const uint32_t pid = tokens[0].pid;
+  std::vector<FdRequestEntry> entries(tokens.size());
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    entries[i] = FdRequestEntry{tokens[i].key, tokens[i].nonce};
+  }
+  const std::vector<uint8_t> request = fd_share_internal::EncodeFdRequest(entries);
+  const absl::Status sent = SendMessage(sock, request.data(), request.size(), {});
+  if (!sent.ok()) return ExchangeError(sent, pid, timeout);
+  std::vector<uint8_t> reply(kMaxReply);
+  std::vector<UniqueFd> fds;
+  const absl::StatusOr<size_t> len = ReceiveMessage(sock, reply.data(), reply.size(), &fds);
+  if (!len.ok()) return ExchangeError(len.status(), pid, timeout);
+  if (*len == 0) return ExchangeError(absl::UnavailableError("end of stream"), pid, timeout);
+  return ReadReply(absl::MakeConstSpan(reply.data(), *len), tokens, first_index, pid, fds, out);
+}
+
+absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> tokens,
+                                                    std::chrono::milliseconds timeout) {
   std::vector<UniqueFd> out;
   for (size_t start = 0; start < tokens.size();) {
     // A run of tokens served by the same process.
@@ -434,23 +716,24 @@ absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> to
            tokens[end].server_id == tokens[start].server_id) {
       ++end;
     }
+    const uint32_t pid = tokens[start].pid;
     UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
     if (!sock.valid()) return Errno("socket");
-    SetTimeouts(sock.get(), 10);
+    SetTimeouts(sock.get(), timeout);
     sockaddr_un addr;
-    const socklen_t len = ServerAddress(tokens[start].pid, tokens[start].server_id, &addr);
+    const socklen_t len = ServerAddress(pid, tokens[start].server_id, &addr);
     if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
       if (errno == ECONNREFUSED || errno == ENOENT) {
         return absl::UnavailableError(absl::StrCat(
-            "the exporting process ", tokens[start].pid,
+            "the exporting process ", pid,
             " is gone (or no longer serves its fds): its memory cannot be imported"));
       }
-      return Errno("connect");
+      return ExchangeError(SocketError("connect"), pid, timeout);
     }
     for (size_t b = start; b < end; b += kBatch) {
       const size_t n = std::min(kBatch, end - b);
       VMM_RETURN_IF_ERROR(RefusedOrCause(
-          tokens[start].pid, FetchBatch(sock.get(), tokens.subspan(b, n), b, &out)));
+          tokens[start].pid, FetchBatch(sock.get(), tokens.subspan(b, n), b, timeout, &out)));
     }
     start = end;
   }
@@ -500,12 +783,17 @@ absl::StatusOr<std::vector<UniqueFd>> FetchFds(absl::Span<const FdToken> tokens,
     for (size_t i = 0; i < tokens.size(); ++i) {
       int err = 0;
       const int fd = FdServer::Get().LookupLocal(tokens[i], &err);
-      if (fd < 0) return LookupFailed(i, tokens[i].pid, ReplyCode(fd, err));
+      if (fd < 0) return TokenStatus(ReplyCode(fd, err), i, tokens[i].pid);
       out.emplace_back(fd);
     }
     return out;
   }
-  return how == FdFetch::kPidfd ? FetchByPidfd(tokens) : FetchBySocket(tokens);
+  return how == FdFetch::kPidfd ? FetchByPidfd(tokens) : FetchBySocket(tokens, kFetchTimeout);
+}
+
+absl::StatusOr<std::vector<UniqueFd>> fd_share_internal::FetchFdsBySocket(
+    absl::Span<const FdToken> tokens, std::chrono::milliseconds timeout) {
+  return FetchBySocket(tokens, timeout);
 }
 
 int FdServer::LookupLocal(const FdToken& token, int* err) {

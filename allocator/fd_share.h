@@ -43,7 +43,9 @@ struct FdToken {
 enum class FdFetch { kSocket, kPidfd };
 
 // The process's server of registered fds (a thread, started on first use, restarted in a
-// forked child).
+// forked child). It serves every connection at once from one poll loop, closes a connection
+// that sends no request within 2 s, and keeps serving when accept fails for want of fds
+// (fd_share_internal.h has its limits and wire format).
 class FdServer {
  public:
   static FdServer& Get();
@@ -69,9 +71,11 @@ class FdServer {
 };
 
 // Fetches the fds named by `tokens` (in order). Errors: InvalidArgument (tokens from another
-// machine), Unavailable (exporter gone, or it could not duplicate the fd for lack of its own
-// fds: the message says which), NotFound (stale or forged token), PermissionDenied (the
-// exporter runs as another user and refused), or the system call's error.
+// machine), Unavailable (exporter gone, it closed the connection without answering, or it
+// could not duplicate the fd for lack of its own fds: the message says which),
+// DeadlineExceeded (the exporter did not answer within 10 s), NotFound (stale or forged token),
+// PermissionDenied (the exporter runs as another user and refused), or the system call's
+// error; those of the socket name the exporter's pid.
 absl::StatusOr<std::vector<UniqueFd>> FetchFds(absl::Span<const FdToken> tokens,
                                                FdFetch how = FdFetch::kSocket);
 

@@ -1,0 +1,347 @@
+// The fd server under hostile and unlucky clients, in this process over loopback Unix sockets:
+// accept failing for lack of fds, idle and slow clients, malformed requests, the connection
+// cap; and the importer's errors when a server never answers or hangs up. Each test is bounded
+// (a few seconds at most); the server's limits are fd_share_internal::kRequestDeadline and
+// kMaxConnections.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "allocator/fd_share.h"
+#include "allocator/fd_share_internal.h"
+#include "allocator/unique_fd.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+constexpr char kReplyMagic[] = "VMMFDRSP";
+
+// Registers a memfd holding `marker` with the process's server and returns its token.
+FdToken RegisterMarked(uint8_t marker) {
+  UniqueFd fd(memfd_create("fd_share_test", MFD_CLOEXEC));
+  EXPECT_TRUE(fd.valid());
+  EXPECT_EQ(pwrite(fd.get(), &marker, 1, 0), 1);
+  absl::StatusOr<FdToken> token = FdServer::Get().Register(std::move(fd));
+  EXPECT_OK(token);
+  return token.ok() ? *token : FdToken{};
+}
+
+// The byte at offset 0 of `fd`, or -1.
+int FirstByte(const UniqueFd& fd) {
+  uint8_t byte = 0;
+  return pread(fd.get(), &byte, 1, 0) == 1 ? byte : -1;
+}
+
+fd_share_internal::FdRequestEntry EntryOf(const FdToken& token) {
+  return fd_share_internal::FdRequestEntry{token.key, token.nonce};
+}
+
+// Fetches `token` over the socket (never the local shortcut) and checks the fd's marker;
+// returns how long it took.
+Clock::duration FetchAndCheck(const FdToken& token, uint8_t marker, milliseconds timeout) {
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<std::vector<UniqueFd>> fds =
+      fd_share_internal::FetchFdsBySocket({token}, timeout);
+  const Clock::duration took = Clock::now() - start;
+  EXPECT_OK(fds);
+  if (fds.ok() && fds->size() == 1) {
+    EXPECT_EQ(FirstByte((*fds)[0]), marker);
+  } else if (fds.ok()) {
+    ADD_FAILURE() << fds->size() << " fds for one token";
+  }
+  return took;
+}
+
+// A hand-driven client of a server at (pid, server_id): sends raw messages, reads raw replies.
+class RawClient {
+ public:
+  RawClient(uint32_t pid, uint64_t server_id)
+      : sock_(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0)) {
+    EXPECT_TRUE(sock_.valid());
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string name = fd_share_internal::ServerSocketName(pid, server_id);
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    len_ = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    addr_ = addr;
+  }
+  // A client of this process's server.
+  explicit RawClient(const FdToken& token) : RawClient(token.pid, token.server_id) {}
+
+  bool Connect() {
+    return connect(sock_.get(), reinterpret_cast<const sockaddr*>(&addr_), len_) == 0;
+  }
+  bool Send(const std::vector<uint8_t>& bytes) {
+    return send(sock_.get(), bytes.data(), bytes.size(), MSG_NOSIGNAL) ==
+           static_cast<ssize_t>(bytes.size());
+  }
+  // The next message (fds passed with it are closed); empty when the server closed the
+  // connection; DeadlineExceeded when nothing came within `timeout`.
+  absl::StatusOr<std::vector<uint8_t>> Receive(milliseconds timeout) {
+    timeval tv{static_cast<time_t>(timeout.count() / 1000),
+               static_cast<suseconds_t>(timeout.count() % 1000 * 1000)};
+    setsockopt(sock_.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    std::vector<uint8_t> data(4096);
+    std::vector<char> control(CMSG_SPACE(sizeof(int) * 253));
+    iovec iov{data.data(), data.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+    const ssize_t got = recvmsg(sock_.get(), &msg, MSG_CMSG_CLOEXEC);
+    if (got < 0) {
+      return absl::DeadlineExceededError(absl::StrCat("recvmsg: ", std::strerror(errno)));
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      for (size_t i = 0; i < (c->cmsg_len - CMSG_LEN(0)) / sizeof(int); ++i) {
+        int fd;
+        std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        close(fd);
+      }
+    }
+    data.resize(static_cast<size_t>(got));
+    return data;
+  }
+  int fd() const { return sock_.get(); }
+
+ private:
+  UniqueFd sock_;
+  sockaddr_un addr_{};
+  socklen_t len_ = 0;
+};
+
+// Whether `reply` is a successful answer to a one-token request.
+::testing::AssertionResult IsOkReply(const absl::StatusOr<std::vector<uint8_t>>& reply) {
+  if (!reply.ok()) return ::testing::AssertionFailure() << reply.status();
+  if (reply->size() != 16 || std::memcmp(reply->data(), kReplyMagic, 8) != 0) {
+    return ::testing::AssertionFailure() << "not a one-token reply (" << reply->size()
+                                         << " bytes)";
+  }
+  if ((*reply)[12] != 0) return ::testing::AssertionFailure() << "the token was not found";
+  return ::testing::AssertionSuccess();
+}
+
+TEST(FdServerTest, AnIdleClientDelaysNoFetch) {
+  const FdToken token = RegisterMarked(11);
+  RawClient idle(token);
+  ASSERT_TRUE(idle.Connect());
+  std::this_thread::sleep_for(milliseconds(100));  // the server has accepted it
+  const Clock::duration took = FetchAndCheck(token, 11, milliseconds(3000));
+  EXPECT_LT(took, milliseconds(1000));
+  FdServer::Get().Unregister(token.key);
+}
+
+TEST(FdServerTest, ASlowClientDelaysNoFetch) {
+  const FdToken token = RegisterMarked(12);
+  // A request every 200 ms on one connection, for 2 s (a request is one message: a client
+  // cannot send part of one, so "slow" means requests that trickle in).
+  std::atomic<int> answered{0};
+  std::thread slow([&] {
+    RawClient client(token);
+    if (!client.Connect()) return;
+    for (int i = 0; i < 10; ++i) {
+      if (!client.Send(fd_share_internal::EncodeFdRequest({EntryOf(token)}))) return;
+      if (IsOkReply(client.Receive(milliseconds(3000)))) ++answered;
+      std::this_thread::sleep_for(milliseconds(200));
+    }
+  });
+  std::this_thread::sleep_for(milliseconds(300));  // the slow client is being served
+  const Clock::duration took = FetchAndCheck(token, 12, milliseconds(4000));
+  EXPECT_LT(took, milliseconds(1000));
+  slow.join();
+  EXPECT_EQ(answered.load(), 10) << "the slow client is served too";
+  FdServer::Get().Unregister(token.key);
+}
+
+TEST(FdServerTest, AMalformedRequestGetsAnErrorAndOnlyItsConnectionCloses) {
+  const FdToken token = RegisterMarked(13);
+  RawClient other(token);
+  ASSERT_TRUE(other.Connect());
+  const std::vector<std::vector<uint8_t>> malformed = {
+      {'h', 'e', 'l', 'l', 'o'},
+      {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q', 0, 0, 0, 0},             // no tokens
+      {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q', 2, 0, 0, 0, 1, 2, 3},    // short of its count
+      std::vector<uint8_t>(fd_share_internal::kMaxRequestSize + 1, 'x'),  // too long
+  };
+  for (const std::vector<uint8_t>& request : malformed) {
+    SCOPED_TRACE(absl::StrCat(request.size(), "-byte request"));
+    RawClient bad(token);
+    ASSERT_TRUE(bad.Connect());
+    ASSERT_TRUE(bad.Send(request));
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply, bad.Receive(milliseconds(2000)));
+    std::optional<absl::Status> error = fd_share_internal::DecodeFdErrorReply(reply);
+    ASSERT_TRUE(error.has_value()) << "no error reply (" << reply.size() << " bytes)";
+    EXPECT_THAT(*error, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fd request")));
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> after, bad.Receive(milliseconds(2000)));
+    EXPECT_TRUE(after.empty()) << "the connection is closed after the error";
+  }
+  // The other connection, open all along, is still served; so are new ones.
+  ASSERT_TRUE(other.Send(fd_share_internal::EncodeFdRequest({EntryOf(token)})));
+  EXPECT_TRUE(IsOkReply(other.Receive(milliseconds(2000))));
+  EXPECT_LT(FetchAndCheck(token, 13, milliseconds(3000)), milliseconds(1000));
+  FdServer::Get().Unregister(token.key);
+}
+
+TEST(FdServerTest, AnIdleConnectionIsClosedAfterTheRequestDeadline) {
+  const FdToken token = RegisterMarked(14);
+  RawClient idle(token);
+  ASSERT_TRUE(idle.Connect());
+  const Clock::time_point start = Clock::now();
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply,
+                       idle.Receive(fd_share_internal::kRequestDeadline + milliseconds(1500)));
+  EXPECT_TRUE(reply.empty()) << "closed without a reply";
+  EXPECT_GE(Clock::now() - start, fd_share_internal::kRequestDeadline - milliseconds(100));
+  FdServer::Get().Unregister(token.key);
+}
+
+TEST(FdServerTest, BeyondTheConnectionCapClientsWaitForAFreeSlot) {
+  const FdToken token = RegisterMarked(15);
+  std::vector<RawClient> idle;
+  idle.reserve(fd_share_internal::kMaxConnections);
+  for (size_t i = 0; i < fd_share_internal::kMaxConnections; ++i) {
+    idle.emplace_back(token);
+    ASSERT_TRUE(idle.back().Connect());
+  }
+  std::this_thread::sleep_for(milliseconds(100));
+  // Served once the idle connections pass their deadline.
+  const Clock::duration took =
+      FetchAndCheck(token, 15, fd_share_internal::kRequestDeadline + milliseconds(2000));
+  EXPECT_LT(took, fd_share_internal::kRequestDeadline + milliseconds(1000));
+  FdServer::Get().Unregister(token.key);
+}
+
+// A stand-in server at an address of this process, which accepts and then either holds each
+// connection without answering or closes it at once.
+class FakeServer {
+ public:
+  explicit FakeServer(bool hang_up) : sock_(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0)) {
+    token_.pid = static_cast<uint32_t>(getpid());
+    token_.boot_hash = BootHash();
+    token_.server_id = 0x5eed0000u + static_cast<uint64_t>(hang_up);
+    token_.key = 1;
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string name = fd_share_internal::ServerSocketName(token_.pid, token_.server_id);
+    std::memcpy(addr.sun_path + 1, name.data(), name.size());
+    const auto len = static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + 1 + name.size());
+    EXPECT_EQ(bind(sock_.get(), reinterpret_cast<const sockaddr*>(&addr), len), 0);
+    EXPECT_EQ(listen(sock_.get(), 4), 0);
+    thread_ = std::thread([this, hang_up] {
+      UniqueFd conn(accept4(sock_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      if (hang_up) conn.reset();
+      while (!done_.load()) std::this_thread::sleep_for(milliseconds(10));
+    });
+  }
+  ~FakeServer() {
+    done_.store(true);
+    thread_.join();
+  }
+  const FdToken& token() const { return token_; }
+
+ private:
+  UniqueFd sock_;
+  FdToken token_;
+  std::atomic<bool> done_{false};
+  std::thread thread_;
+};
+
+TEST(FdFetchTest, AServerThatNeverAnswersIsDeadlineExceededNamingThePid) {
+  FakeServer silent(/*hang_up=*/false);
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<std::vector<UniqueFd>> fds =
+      fd_share_internal::FetchFdsBySocket({silent.token()}, milliseconds(300));
+  EXPECT_THAT(fds, StatusIs(absl::StatusCode::kDeadlineExceeded,
+                            HasSubstr(absl::StrCat("process ", getpid()))));
+  EXPECT_LT(Clock::now() - start, milliseconds(2000));
+}
+
+TEST(FdFetchTest, AServerThatHangsUpIsUnavailableNamingThePid) {
+  FakeServer rude(/*hang_up=*/true);
+  absl::StatusOr<std::vector<UniqueFd>> fds =
+      fd_share_internal::FetchFdsBySocket({rude.token()}, milliseconds(2000));
+  EXPECT_THAT(fds, StatusIs(absl::StatusCode::kUnavailable,
+                            HasSubstr(absl::StrCat("process ", getpid()))));
+}
+
+TEST(FdFetchTest, NoServerIsUnavailable) {
+  FdToken token;
+  token.pid = static_cast<uint32_t>(getpid());
+  token.boot_hash = BootHash();
+  token.server_id = 0xdeadu;
+  EXPECT_THAT(fd_share_internal::FetchFdsBySocket({token}, milliseconds(500)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));
+}
+
+// The highest fd open in this process.
+int HighestOpenFd() {
+  int highest = 2;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    highest = std::max(highest, std::stoi(entry.path().filename().string()));
+  }
+  return highest;
+}
+
+// Runs last in this file: before accept errors were retried, it stopped the server for good.
+TEST(FdServerTest, AcceptFailingForLackOfFdsIsRetried) {
+  const FdToken token = RegisterMarked(16);
+  RawClient client(token);  // its socket exists before the process runs out of fds
+  // Lower the fd limit just above what is open, and fill the rest.
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+  rlimit low = saved;
+  low.rlim_cur = static_cast<rlim_t>(HighestOpenFd() + 8);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  // Twice, taking also the fds that the server closes meanwhile (connections of earlier
+  // tests), so that none is free when the client connects.
+  std::vector<UniqueFd> filler;
+  int full_errno = 0;
+  for (int round = 0; round < 2; ++round) {
+    for (;;) {
+      UniqueFd fd(fcntl(client.fd(), F_DUPFD_CLOEXEC, 0));
+      if (!fd.valid()) break;
+      filler.push_back(std::move(fd));
+    }
+    full_errno = errno;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  // The server's accept4 of this connection fails with EMFILE (connect takes no new fd here).
+  const bool connected = client.Connect();
+  const bool sent =
+      connected && client.Send(fd_share_internal::EncodeFdRequest({EntryOf(token)}));
+  std::this_thread::sleep_for(milliseconds(300));
+  filler.clear();
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+  ASSERT_EQ(full_errno, EMFILE);
+  ASSERT_TRUE(connected);
+  ASSERT_TRUE(sent);
+  // The waiting client is answered once fds are free again, and later fetches work.
+  EXPECT_TRUE(IsOkReply(client.Receive(milliseconds(2000))));
+  EXPECT_LT(FetchAndCheck(token, 16, milliseconds(2000)), milliseconds(1000));
+  FdServer::Get().Unregister(token.key);
+}
+
+}  // namespace
+}  // namespace vmm
