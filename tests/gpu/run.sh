@@ -25,8 +25,8 @@
 #            interleaved, which goes first alternating: the cached alloc+free pair (pool_bench,
 #            COMPARE_ROUNDS (3) rounds), then share latency of vmm fabric handles at 64 MiB /
 #            1 GiB / 8 GiB (each build's own share_latency.py and package, SHARE_COMPARE_ROUNDS
-#            (2) rounds of SHARE_REPS (7)): after / before ratios from one run. Without
-#            .gpu/before, this build alone.
+#            (2) rounds of SHARE_REPS (7); COMPARE_IMEX=0: without an IMEX channel, POSIX fds):
+#            after / before ratios from one run. Without .gpu/before, this build alone.
 #   multi    two GPUs (the nvidia-h200-x2 machine): the C++ two-device tests (peer access of
 #            pools, imports on the other GPU, process A on GPU 0 / process B on GPU 1) and
 #            tests/gpu/multi_gpu.py (a cuda:0 tensor opened on cuda:1 by another process;
@@ -305,8 +305,14 @@ phase_compare() {
 # compare_share DIR: share latency (vmm fabric) of this build and of .gpu/before, each with its
 # own package (pip-installed into its own folder) and its own share_latency.py.
 compare_share() {
-  local dir=$1 before_site=/tmp/vmm_site_before builds=(after) round b cpus
-  with_imex_channel
+  local dir=$1 before_site=/tmp/vmm_site_before builds=(after) round b cpus mode=vmm-fabric
+  # COMPARE_IMEX=0: without an IMEX channel, where vmm shares through POSIX fds (vmm-auto).
+  if [[ ${COMPARE_IMEX:-1} == 0 ]]; then
+    without_imex_channel
+    mode=vmm-auto
+  else
+    with_imex_channel
+  fi
   install_plugin
   if [[ -d "$root/.gpu/before/src/torch_plugin/python" ]]; then
     rm -rf "$before_site"
@@ -326,7 +332,7 @@ compare_share() {
         path=$before_site
       fi
       step "compare_share_${b}_$round" 150 env PYTHONPATH="$path" python3 "$script" \
-        --modes vmm-fabric --sizes 64M,1G,8G --reps "${SHARE_REPS:-7}" ${cpus:+--cpus "$cpus"} \
+        --modes "$mode" --sizes 64M,1G,8G --reps "${SHARE_REPS:-7}" ${cpus:+--cpus "$cpus"} \
         --out "$dir/share_$b.jsonl"
     done
   done
