@@ -296,6 +296,8 @@ TEST_P(SharingTest, HostileDescriptorsFailCleanlyAndLeakNothing) {
     EXPECT_EQ(OpenImportMappings(), 0u);
     EXPECT_EQ(driver_->GetMemInfo(0)->free, free_before) << "leak after a hostile import";
   }
+  std::printf("hostile imports (%s): device free memory %zu bytes before, %zu after\n",
+              std::string(driver_->Name()).c_str(), free_before, driver_->GetMemInfo(0)->free);
   // Truncated and corrupted encodings never get as far as the driver.
   const std::string bytes = real->Encode();
   for (size_t n = 0; n < bytes.size(); n += 7) {
