@@ -172,10 +172,11 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::Cache(Arena& arena, Block* block)
 }
 
 absl::StatusOr<void*> Pool::Allocate(size_t size, Stream stream) {
-  if (ABSL_PREDICT_FALSE(made_before_fork())) return ForkedError("pool");
   MutexLock lock(&mu_);
-  // The cached path: a fit in the cache, nothing pending.
-  if (ABSL_PREDICT_TRUE(!reclaim_.has_pending() && size <= reserve_size_)) {
+  // The cached path: a fit in the cache, nothing pending, and this is the process that made
+  // the pool (AllocateLocked says why not, after a fork()).
+  if (ABSL_PREDICT_TRUE(!reclaim_.has_pending() && size <= reserve_size_ &&
+                        !made_before_fork())) {
     const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
     Arena& arena = ArenaFor(n);
     if (Block* block = arena.BestFit(stream, n); ABSL_PREDICT_TRUE(block != nullptr)) {
@@ -187,7 +188,6 @@ absl::StatusOr<void*> Pool::Allocate(size_t size, Stream stream) {
 }
 
 absl::StatusOr<void*> Pool::AllocateShareable(size_t size, Stream stream) {
-  if (made_before_fork()) return ForkedError("pool");
   MutexLock lock(&mu_);
   if (handle_type_ == HandleType::kNone) {
     return absl::FailedPreconditionError(
@@ -197,6 +197,8 @@ absl::StatusOr<void*> Pool::AllocateShareable(size_t size, Stream stream) {
 }
 
 absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shareable) {
+  // A pool belongs to the process that made it (fork_guard.h).
+  if (ABSL_PREDICT_FALSE(made_before_fork())) return ForkedError("pool");
   // Before anything is reclaimed, trimmed or mapped: no freeing would make room for it.
   if (size > max_request_) {
     VMM_RETURN_IF_ERROR(CheckRequestSize(size));
