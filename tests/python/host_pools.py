@@ -1,4 +1,5 @@
-"""Test helpers shared by the sharing tests: host pools of each handle type, filled tensors."""
+"""Test helpers shared by the sharing tests: host pools of each handle type, filled tensors,
+and hand-made payloads."""
 import pytest
 import torch
 
@@ -19,3 +20,19 @@ def filled(pool, shape, dtype=torch.float32):
     t = pool.empty(shape, dtype=dtype, shareable=True)
     t.copy_(torch.arange(t.numel()).to(dtype).view(shape))
     return t
+
+
+class Reduced:
+    """Pickles as the given (rebuild, args) pair: a payload as another process would send."""
+
+    def __init__(self, rebuild, args):
+        self.reduced = (rebuild, args)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def next_id():
+    """The id the next import (or pool) of this process will get (they share one counter)."""
+    with vmm_torch.Pool("host") as probe:
+        return probe.id + 1

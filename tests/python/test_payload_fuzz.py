@@ -20,27 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import vmm_torch
+from host_pools import Reduced, next_id
 from vmm_torch import _lib, _tensors, sharing
 
 ALLOWED = (ValueError, TypeError, vmm_torch.VmmError, OverflowError)
 FUZZ = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
-
-
-class Reduced:
-    """Pickles as the given (rebuild, args) pair: a payload as another process would send."""
-
-    def __init__(self, rebuild, args):
-        self.reduced = (rebuild, args)
-
-    def __reduce__(self):
-        return self.reduced
-
-
-def next_id():
-    """The id the library hands out next (imports and pools share the counter)."""
-    with vmm_torch.Pool("host") as probe:
-        return probe.id + 1
 
 
 def open_imports(first, last):

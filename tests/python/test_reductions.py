@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vmm_torch
-from host_pools import filled, pool  # noqa: F401 (pool: a fixture)
+from host_pools import Reduced, filled, next_id, pool  # noqa: F401 (pool: a fixture)
 from vmm_torch import _lib, _tensors, reductions, sharing
 
 MIB = 1 << 20
@@ -26,22 +26,6 @@ def reducers():
 
 def round_trip(t):
     return pickle.loads(ForkingPickler.dumps(t))
-
-
-class Reduced:
-    """Pickles as the given (rebuild, args) pair: a payload as another process would send."""
-
-    def __init__(self, rebuild, args):
-        self.reduced = (rebuild, args)
-
-    def __reduce__(self):
-        return self.reduced
-
-
-def next_id():
-    """The id the next import (or pool) of this process will get."""
-    with vmm_torch.Pool("host") as probe:
-        return probe.id + 1
 
 
 def import_is_open(import_id):
