@@ -9,11 +9,11 @@
 //   - CudaDriver: the Driver implementation.
 //   - GetCudaDriver(): the process-wide instance.
 //
-// Contexts. Each device's primary context (the one the CUDA runtime and PyTorch use) is
+// Contexts. The primary context of each device (the one the CUDA runtime and PyTorch use) is
 // retained the first time a call needs it and kept for the life of the process; it is never
 // released, so nothing is torn down at exit. Which context a call runs in:
 //   - Calls that name a device (Create, GetMemInfo, CreateStream, CreateEvent,
-//     SynchronizeDevice) run in that device's primary context.
+//     SynchronizeDevice) run in the primary context of that device.
 //   - Calls on an event, or on a stream that this backend created, run in the primary context
 //     of the device it was created on (remembered in a small map).
 //   - Calls that take only addresses or handles (Reserve, Unreserve, Map, Unmap, SetAccess,
@@ -443,7 +443,7 @@ class CudaDriver final : public Driver {
   // Leaves the thread's current context in place if there is one, else makes a borrowed
   // primary context current within `scope` (see the file comment).
   absl::Status EnterAnyContext(ScopedContext& scope) ABSL_LOCKS_EXCLUDED(context_mu_);
-  // The context for work on `stream`: its device's if this backend created it, else as
+  // The context for work on `stream`: that of its device if this backend created it, else as
   // EnterAnyContext().
   absl::Status EnterStreamContext(Stream stream, ScopedContext& scope)
       ABSL_LOCKS_EXCLUDED(mu_, context_mu_);

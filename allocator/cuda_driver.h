@@ -2,7 +2,7 @@
 //
 // libcuda.so.1 is opened at run time (dlopen) and every entry point is looked up once through
 // cuGetProcAddress, so vmm builds and runs on machines without a driver. Calls that need a
-// context make the device's primary context current for their duration (the context PyTorch
+// context make the primary context of the device current for their duration (the context PyTorch
 // and the CUDA runtime use), and restore what was current before.
 //
 // Every failing CUresult becomes an absl::Status naming the call and the CUDA error name, e.g.

@@ -2,7 +2,7 @@
 //
 // A buffer exported by vmm spans one or more physical allocations. Its descriptor holds one
 // opaque 64-byte handle per allocation, in address order, each allocation's size, the buffer's
-// size, the buffer's byte offset inside the first allocation, and the exporting device's UUID.
+// size, the buffer's byte offset inside the first allocation, and the UUID of the exporting device.
 // Two kinds share one shape:
 //   - FabricBufferDescriptor: CUDA fabric handles (valid across processes and, with an NVLink
 //     fabric, nodes). Nothing is pinned: a descriptor parked in a queue keeps no memory alive.

@@ -105,7 +105,7 @@ class Driver {
   // Number of devices, numbered 0..DeviceCount()-1 (the host backend emulates one unless
   // told otherwise; see host_driver.h).
   virtual int DeviceCount() const = 0;
-  // The device's UUID as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-..."), or "HOST-..." for the
+  // The UUID of the device as nvidia-smi prints it ("GPU-xxxxxxxx-xxxx-..."), or "HOST-..." for the
   // host backend. InvalidArgument for a bad device index.
   virtual absl::StatusOr<std::string> DeviceUuid(int device) = 0;
   // The allocation granularity of `device` in bytes (a power of two).

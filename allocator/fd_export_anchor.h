@@ -30,7 +30,7 @@ namespace vmm {
 class FdExportAnchors {
  public:
   // Hold makes sure the anchor of (`driver`, `device`) exists and counts pool `pool_id` as
-  // holding it (again for the same pool: no effect). `granularity`: the device's.
+  // holding it (again for the same pool: no effect). `granularity`: that of the device.
   void Hold(uint64_t pool_id, Driver* driver, int device, size_t granularity);
   // Drop stops pool `pool_id` holding its anchor; the last holder's drop releases it.
   void Drop(uint64_t pool_id);

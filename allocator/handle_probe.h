@@ -1,4 +1,4 @@
-// handle_probe.h: which shareable handle type a device's memory can really be created with.
+// handle_probe.h: which shareable handle type memory of a device can really be created with.
 //
 // A device may report fabric handles as supported and still refuse to create memory
 // exportable as fabric (no IMEX channel): the only reliable test is to create one granule and

@@ -20,7 +20,7 @@
 // records which devices were granted each mapped byte, which HasAccess reports. Everything
 // else is shared by all devices: the granularity, the capacity and GetMemInfo() (the same
 // figures for every device), the streams and events (SynchronizeDevice(d) waits for the
-// streams of every device), and the memory itself, which every device's work (and the CPU)
+// streams of every device), and the memory itself, which the work of every device (and the CPU)
 // can touch once any device has been granted access: access is recorded, not enforced per
 // device.
 //

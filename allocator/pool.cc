@@ -204,7 +204,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     VMM_RETURN_IF_ERROR(CheckRequestSize(size));
     return absl::InvalidArgumentError(absl::StrCat(
         "requested ", size, " bytes (", RequestBytes(size), "), more than ",
-        size > reserve_size_ ? "the pool's whole address range (" : "the device's whole memory (",
+        size > reserve_size_ ? "the pool's whole address range (" : "the whole memory of the device (",
         FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);

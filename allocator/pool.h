@@ -117,7 +117,7 @@ class Pool {
   // Returns at least `size` bytes (512-byte aligned) usable on `stream`. ResourceExhausted when
   // the memory cannot be found even after releasing the cache. InvalidArgument, before anything
   // is reclaimed, trimmed or mapped, for a request no state of the pool could serve: more than
-  // the device's whole memory or the pool's whole address range (CheckRequestSize too).
+  // the whole memory of the device or the pool's whole address range (CheckRequestSize too).
   absl::StatusOr<void*> Allocate(size_t size, Stream stream);
   // Like Allocate, in chunks of its own that no other block shares, ready to export.
   // FailedPrecondition when the pool's memory is not exportable.
@@ -225,7 +225,7 @@ class Pool {
   std::string device_uuid_;
   uintptr_t base_ = 0;  // the reserved range
   size_t reserve_size_ = 0;
-  // The largest request the pool could ever serve: the smaller of the device's whole memory
+  // The largest request the pool could ever serve: the smaller of the whole memory of the device
   // and the pool's address range (set by Init).
   size_t max_request_ = 0;
 

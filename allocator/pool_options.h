@@ -23,9 +23,9 @@ namespace vmm {
 struct PoolOptions {
   int device = 0;
   HandleRequest handle_type = HandleRequest::kAuto;
-  // Virtual address space to reserve; 0 means twice the device's memory.
+  // Virtual address space to reserve; 0 means twice the memory of the device.
   size_t reserve_size = 0;
-  // Most physical bytes the pool may hold; 0 means no limit beyond the device's.
+  // Most physical bytes the pool may hold; 0 means no limit beyond the size of the device.
   size_t memory_limit = 0;
   // Free bytes the pool keeps cached when it could release memory on Free; SIZE_MAX keeps all.
   size_t release_threshold = SIZE_MAX;

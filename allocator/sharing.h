@@ -12,7 +12,7 @@
 //
 // Export marks the chunks the block spans as exported (the pool's export invariant) and
 // describes them: one handle per chunk in address order, the chunk sizes, the block's offset
-// in the first chunk, its size, and the exporting device's UUID. Fabric handles are the
+// in the first chunk, its size, and the UUID of the exporting device. Fabric handles are the
 // driver's bytes; POSIX fds are registered with this process's FdServer and described by
 // tokens (fd_share.h); ExportRegistry (export_registry.h) caches both per chunk. Nothing is pinned: once the exporter frees the block and its chunks go
 // back to the driver, the descriptor is stale.

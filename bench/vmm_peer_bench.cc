@@ -5,7 +5,7 @@
 // Allocators (--allocators, comma separated):
 //   vmm                a vmm Pool on the CUDA backend, stream 0 (--backend=host: the host
 //                      backend, for a smoke run on a machine without a GPU).
-//   cuda_malloc_async  cudaMallocAsync / cudaFreeAsync on one stream from the device's default
+//   cuda_malloc_async  cudaMallocAsync / cudaFreeAsync on one stream from the default
 //                      memory pool, release threshold set to the maximum so that it caches.
 //                      Peak reserved from cudaMemPoolAttrReservedMemHigh; its driver calls are
 //                      not visible, so no counts.
@@ -61,7 +61,7 @@ bool CudaOk(cudaError_t err, const char* what) {
   return false;
 }
 
-// cudaMallocAsync from the device's default pool, on a stream of its own.
+// cudaMallocAsync from the default pool, on a stream of its own.
 class CudaMallocAsyncAdapter {
  public:
   ~CudaMallocAsyncAdapter() {

@@ -292,7 +292,7 @@ absl::StatusOr<DriverImportOptions> ParseDriverImport(const Flags& flags) {
 // Imports, maps, checks and writes, then undoes it all; an exit code.
 int DriverImport(Driver* driver, const DriverImportOptions& options) {
   const int device = options.device;
-  // First, so that on CUDA the calls below work in this device's context (cuda_driver.cc).
+  // First, so that on CUDA the calls below work in the context of this device (cuda_driver.cc).
   absl::StatusOr<Stream> stream = driver->CreateStream(device);
   if (!stream.ok()) return Fail(kMapFailed, "CreateStream", stream.status());
 
@@ -383,7 +383,7 @@ int Import(Driver* driver, const ImportCommand& command) {
   absl::StatusOr<BufferDescriptor> descriptor = BufferDescriptor::Decode(command.descriptor);
   if (!descriptor.ok()) return Fail(kImportFailed, "Decode", descriptor.status());
   // A stream of the import device first when it is known, so that on CUDA the import works in
-  // that device's context rather than creating one on device 0 (cuda_driver.cc).
+  // the context of that device rather than creating one on device 0 (cuda_driver.cc).
   const int device = command.options.device;
   absl::StatusOr<Stream> stream = device >= 0 ? driver->CreateStream(device) : Stream{0};
   if (!stream.ok()) return Fail(kSetupFailed, "CreateStream", stream.status());

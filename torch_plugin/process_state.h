@@ -80,7 +80,7 @@ class ProcessState {
   // Allocates from the device pool of `device` (created on first use). A request no device
   // could hold (CheckRequestSize) is InvalidArgument before the pool is created.
   absl::StatusOr<void*> DeviceAllocate(int device, size_t size, Stream stream);
-  // Caps `device`'s pool at `fraction` (0 < fraction <= 1) of the device's memory, now or when
+  // Caps `device`'s pool at `fraction` (0 < fraction <= 1) of the memory of the device, now or when
   // the pool is created.
   absl::Status SetMemoryFraction(double fraction, int device);
 

@@ -93,8 +93,8 @@ int vmm_parse_byte_size(const char* text, uint64_t* out);
 /* Sets the options of device pools created from now on. Fails once a device pool exists. */
 int vmm_configure(const char* options);
 /* `size` bytes on `device` for `stream` (a cudaStream_t / CUstream; NULL: default stream).
- * NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED; more than the device's whole
- * memory, checked before anything is reserved: VMM_INVALID_ARGUMENT). */
+ * NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED; more than the whole memory of the
+ * device, checked before anything is reserved: VMM_INVALID_ARGUMENT). */
 void* vmm_alloc(size_t size, int device, void* stream);
 /* Frees a block of a device pool (device < 0: find it). */
 int vmm_free(void* ptr, int device);
@@ -102,7 +102,7 @@ int vmm_free(void* ptr, int device);
 int vmm_record_stream(void* ptr, void* stream);
 /* Releases the cached memory of `device`'s pool (device < 0: all pools, explicit ones too). */
 int vmm_empty_cache(int device);
-/* Caps `device`'s pool at `fraction` of the device's memory (0 < fraction <= 1). */
+/* Caps `device`'s pool at `fraction` of the memory of the device (0 < fraction <= 1). */
 int vmm_set_memory_fraction(double fraction, int device);
 /* Stats of `device`'s pool as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused
  * device gives zeros. */

@@ -37,7 +37,7 @@
 # the last ones, e.g. `DEADLINE=390 BENCH="latency fanout dist train" TRAIN_STEPS=200
 # tests/gpu/run.sh bench` for one bounded run of the Python benchmarks.
 # Logs and results go to $OUT (one summary, results.log with every step's log as it ends, a
-# tarball of logs, and the key result files). Keep one call under the device's 10 minutes:
+# tarball of logs, and the key result files). Keep one invocation under 10 minutes:
 # `tests python` takes about 5 minutes on an H200; `bench` with every part takes longer, so
 # split it with BENCH.
 set -uo pipefail
@@ -116,7 +116,7 @@ gpu_info() {
     --format=csv,noheader | tee -a "$summary"
 }
 
-# The CPUs local to GPU 0 (its PCI device's NUMA node), e.g. 0-7; empty if unknown.
+# The CPUs local to GPU 0 (the NUMA node of its PCI device), e.g. 0-7; empty if unknown.
 gpu_local_cpus() {
   local bus
   bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader 2>/dev/null | head -n 1 |

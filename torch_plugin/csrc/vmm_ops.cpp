@@ -119,7 +119,7 @@ void InitCudaOnce(c10::Device device) {
 }
 
 // A tensor over [data, data + nbytes) with `sizes`, `strides` and `storage_offset`, built
-// directly like at::from_blob: no placeholder tensor from the device's allocator (on CUDA a
+// directly like at::from_blob: no placeholder tensor from the allocator of the device (on CUDA a
 // malloc and a free through CUDAPluggableAllocator, with device guards, per call), no set_
 // through the dispatcher. `deleter(context)` runs when the storage dies.
 // Everything that can fail happens before the storage takes the memory over, so that a

@@ -220,7 +220,7 @@ def empty_cache() -> None:
 
 
 def set_per_process_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
-    """Caps the device pool at `fraction` (0 < fraction <= 1) of the device's memory."""
+    """Caps the device pool at `fraction` (0 < fraction <= 1) of the memory of the device."""
     _lib.check(_lib.vmm().vmm_set_memory_fraction(float(fraction), device_index(device)))
 
 

@@ -2,7 +2,7 @@
 
 A buffer spans one or more physical allocations. Its descriptor holds one opaque 64-byte
 handle per allocation in address order, the allocation sizes, the buffer's size and offset
-inside the allocations, and the exporting device's UUID (used in error messages). Two kinds
+inside the allocations, and the UUID of the exporting device (used in error messages). Two kinds
 share this shape:
 
 - ``FabricBufferDescriptor``: CUDA fabric handles (``handle_type == "fabric"``);
@@ -233,7 +233,7 @@ class BufferDescriptor:
             sizes: one positive allocation size per handle, in the same order.
             size: buffer size, between zero and the sum of sizes; by default the sum
                 (less ``offset``).
-            owner_uuid: the exporting device's UUID, used to name the owner in errors.
+            owner_uuid: the UUID of the exporting device, used to name the owner in errors.
             offset: where the buffer starts inside the allocations (default 0; None is 0).
 
         Raises:
