@@ -233,6 +233,11 @@ std::vector<ProcessState::PoolRef> ProcessState::AllPools() {
 }
 
 absl::Status ProcessState::FreeBlock(void* ptr) {
+  if (DeferFreeIfHeld(ptr)) return absl::OkStatus();
+  return FreeBlockNow(ptr);
+}
+
+absl::Status ProcessState::FreeBlockNow(void* ptr) {
   PoolRef owner = Owner(ptr);
   if (owner.pool == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -272,6 +277,7 @@ absl::StatusOr<int64_t> ProcessState::Import(absl::string_view bytes, int device
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<ImportedBuffer> buffer, ImportBuffer(driver, d, options));
   MutexLock lock(&mu_);
   const int64_t id = next_id_++;
+  imports_by_ptr_.emplace(buffer->ptr(), id);
   imports_[id] = OpenImport{std::move(buffer), driver->backend() == Backend::kHost, 1};
   return id;
 }
@@ -292,6 +298,13 @@ absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
   it->second.refs += delta;
   if (it->second.refs <= 0) {
     doomed = std::move(it->second.buffer);
+    auto [first, last] = imports_by_ptr_.equal_range(doomed->ptr());
+    for (auto at = first; at != last; ++at) {
+      if (at->second == id) {
+        imports_by_ptr_.erase(at);
+        break;
+      }
+    }
     imports_.erase(it);
   }
   return absl::OkStatus();

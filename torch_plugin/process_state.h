@@ -10,7 +10,13 @@
 //     training that gave the smallest peak reserved) and living as long as the process;
 //   - explicit pools, by id: ClosePool closes one, and it is destroyed once its last block is
 //     freed (BlockFreed), so tensors outlive the Python object that made them;
-//   - imported buffers, by id, reference counted (a tensor's storage holds one reference).
+//   - imported buffers, by id, reference counted (a tensor's storage holds one reference);
+//   - sends (process_sends.cc): exports for one receiver, held until it acknowledges them or
+//     their lease ends (SendLedger): a pool block's free is deferred meanwhile (BlockHolds), an
+//     import keeps one more reference. A block that shares a physical chunk with another
+//     live block is not sent in place (its receiver would see that block's bytes): the caller
+//     moves it to a block of its own (AllocateBeside) first. Imports are forwarded with this
+//     process's handles (ReExportImport).
 // Every pool is made by CreateExportablePool (sharing.h), so every block can be exported.
 //
 // fork(): a forked child gets device pools of its own on its first allocation; its parent's
@@ -33,6 +39,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/optimization.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -40,7 +47,9 @@
 #include "allocator/driver.h"
 #include "allocator/mutex.h"
 #include "allocator/pool.h"
+#include "allocator/send_ledger.h"
 #include "allocator/sharing.h"
+#include "torch_plugin/block_holds.h"
 
 namespace vmm {
 
@@ -124,12 +133,43 @@ class ProcessState {
   // Imports alive (tests).
   size_t import_count();
 
+  // --- Sends (process_sends.cc) ------------------------------------------------------------
+  enum class SendKind { kNotVmm, kInPlace, kRelocate, kImport, kNotExportable };
+  // How the storage starting at `ptr` can be sent (never fails: kNotVmm for what vmm does not
+  // know, or an address inside a block).
+  SendKind KindOfSend(const void* ptr);
+  // A block of at least `size` bytes in chunks of its own from the pool that owns `ptr`, for
+  // `stream` (where a kRelocate block moves to). InvalidArgument if no pool owns `ptr`.
+  absl::StatusOr<void*> AllocateBeside(const void* ptr, size_t size, Stream stream);
+  struct Send {
+    BufferDescriptor descriptor;
+    SendLedger::Ticket ticket{};
+  };
+  // Exports the storage starting at `ptr` (kInPlace or kImport) for one receiver and holds it
+  // until the ticket is acknowledged or the lease ends. FailedPrecondition for a block that
+  // shares its chunks or a pool that cannot export; InvalidArgument for anything else.
+  absl::StatusOr<Send> ExportSend(const void* ptr);
+  // The free path: whether `ptr` is held by a send (then its free happens at the last
+  // release, and the caller must not free it). One atomic load while nothing is held.
+  bool DeferFreeIfHeld(const void* ptr) {
+    return ABSL_PREDICT_FALSE(holds_.any()) && holds_.DeferFree(ptr);
+  }
+  BlockHolds& block_holds() { return holds_; }
+
  private:
   struct OpenImport {
     std::unique_ptr<ImportedBuffer> buffer;
     bool host = false;  // imported through the host backend (CPU memory)
     int64_t refs = 1;
   };
+
+  // Frees a block of any pool, held or not (FreeBlock without the hold check).
+  absl::Status FreeBlockNow(void* ptr);
+  // A send of the block at `ptr` ended (acknowledged or expired): drops its hold and frees the
+  // block if its owner freed it meanwhile.
+  void ReleaseBlockHold(const void* ptr);
+  // The import whose buffer starts at `ptr`, with one more reference (0 if none).
+  int64_t RetainImportAt(const void* ptr);
 
   absl::Status ApplyFraction(Pool& pool, double fraction);
   // A block of `entry` went (freed, or its allocation failed): destroys the pool if it was
@@ -146,6 +186,11 @@ class ProcessState {
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
+  // Imports by buffer address (several imports of one buffer share an address).
+  std::multimap<DevPtr, int64_t> imports_by_ptr_ ABSL_GUARDED_BY(mu_);
+  BlockHolds holds_;
+  // Held by sends' release callbacks (weakly): a state destroyed first (tests) is not touched.
+  std::shared_ptr<ProcessState*> self_ = std::make_shared<ProcessState*>(this);
   // Device pools of the parent of this forked process: found by Owner for frees, never freed.
   std::vector<Pool*> abandoned_ ABSL_GUARDED_BY(mu_);
 };

@@ -3,6 +3,7 @@
 // (stored per thread as a code and a message). No logic lives here.
 #include "torch_plugin/vmm_c.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -12,10 +13,13 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "allocator/byte_size.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
 #include "allocator/log.h"
+#include "allocator/send_ledger.h"
 #include "allocator/stats_json.h"
 #include "nlohmann/json.hpp"
 #include "torch_plugin/process_state.h"
@@ -153,6 +157,7 @@ void* vmm_alloc(size_t size, int device, void* stream) {
 
 int vmm_free(void* ptr, int device) {
   if (ptr == nullptr) return 0;
+  if (State().DeferFreeIfHeld(ptr)) return 0;  // a send holds it: freed at its release
   vmm::Pool* pool = device >= 0 ? State().DevicePoolIfAny(device) : nullptr;
   if (pool != nullptr && pool->Contains(ptr)) return vmm::Check(pool->Free(ptr));
   return vmm::Check(State().FreeBlock(ptr));
@@ -275,6 +280,70 @@ int vmm_export(const void* ptr, uint8_t** out, size_t* out_len) {
   absl::StatusOr<vmm::BufferDescriptor> d = State().Export(ptr);
   if (!d.ok()) return vmm::Fail(d.status());
   return vmm::CopyBytes(d->Encode(), out, out_len);
+}
+
+int vmm_send_kind(const void* ptr) {
+  switch (State().KindOfSend(ptr)) {
+    case vmm::ProcessState::SendKind::kNotVmm: return VMM_SEND_NOT_VMM;
+    case vmm::ProcessState::SendKind::kInPlace: return VMM_SEND_IN_PLACE;
+    case vmm::ProcessState::SendKind::kRelocate: return VMM_SEND_RELOCATE;
+    case vmm::ProcessState::SendKind::kImport: return VMM_SEND_IMPORT;
+    case vmm::ProcessState::SendKind::kNotExportable: return VMM_SEND_NOT_EXPORTABLE;
+  }
+  return VMM_SEND_NOT_VMM;
+}
+
+void* vmm_alloc_beside(const void* ptr, size_t size, void* stream) {
+  absl::StatusOr<void*> block =
+      State().AllocateBeside(ptr, size, reinterpret_cast<vmm::Stream>(stream));
+  if (!block.ok()) {
+    vmm::Fail(block.status());
+    return nullptr;
+  }
+  return *block;
+}
+
+int vmm_export_send(const void* ptr, uint8_t** out, size_t* out_len, uint8_t* ticket) {
+  if (out == nullptr || out_len == nullptr || ticket == nullptr) {
+    return vmm::Fail(absl::InvalidArgumentError("vmm_export_send: null output"));
+  }
+  absl::StatusOr<vmm::ProcessState::Send> send = State().ExportSend(ptr);
+  if (!send.ok()) return vmm::Fail(send.status());
+  std::memcpy(ticket, send->ticket.data(), send->ticket.size());
+  return vmm::CopyBytes(send->descriptor.Encode(), out, out_len);
+}
+
+int vmm_send_ack(const uint8_t* ticket, size_t len) {
+  if (ticket == nullptr) return vmm::Fail(absl::InvalidArgumentError("null ticket"));
+  return vmm::Check(vmm::AckSend(absl::MakeConstSpan(ticket, len)));
+}
+
+int vmm_send_set_lease(double seconds) {
+  if (!(seconds > 0) || seconds > 1e9) {
+    return vmm::Fail(absl::InvalidArgumentError(
+        absl::StrCat("a send's lease is a positive number of seconds, not ", seconds)));
+  }
+  vmm::SendLedger::Get().SetLease(absl::Seconds(seconds));
+  return 0;
+}
+
+int vmm_send_stats_get(vmm_send_stats* out) {
+  if (out == nullptr) return vmm::Fail(absl::InvalidArgumentError("null output"));
+  const vmm::SendLedger::Stats stats = vmm::SendLedger::Get().GetStats();
+  out->held = stats.held;
+  out->held_bytes = stats.held_bytes;
+  out->peak_held_bytes = stats.peak_held_bytes;
+  out->holds = stats.holds;
+  out->acked = stats.acked;
+  out->expired = stats.expired;
+  out->lease_seconds = absl::ToDoubleSeconds(vmm::SendLedger::Get().lease());
+  return 0;
+}
+
+int64_t vmm_send_wait(double timeout_seconds) {
+  const absl::Duration timeout =
+      timeout_seconds > 0 ? absl::Seconds(std::min(timeout_seconds, 1e9)) : absl::ZeroDuration();
+  return static_cast<int64_t>(vmm::SendLedger::Get().WaitUntilEmpty(timeout));
 }
 
 int64_t vmm_import(const uint8_t* descriptor, size_t len, int device, int backend, int pidfd) {

@@ -152,6 +152,58 @@ int vmm_import_retain(int64_t import_id);
 /* (A tensor deleter: takes the id as a pointer-sized integer.) */
 void vmm_import_release(void* import_id);
 
+/* --- Sends (torch.multiprocessing and other one-receiver transfers) ------------------
+ * A send is an export whose memory stays valid until its receiver has imported it, even
+ * when the sender frees the tensor at once: the sender holds it (a pool block's free is
+ * deferred; an import keeps one more reference) until the receiver acknowledges the send's
+ * ticket (vmm_send_ack) or the send's lease ends (vmm_send_set_lease; default 600 s, or
+ * VMM_SEND_LEASE_S). See docs/DESIGN.md §3 and §4 (send holds). */
+
+/* How the storage starting at `ptr` can be sent. */
+enum vmm_send_kind {
+  VMM_SEND_NOT_VMM = 0,        /* not vmm memory: another sharing mechanism's business */
+  VMM_SEND_IN_PLACE = 1,       /* a pool block alone in its chunks: exported as it is */
+  VMM_SEND_RELOCATE = 2,       /* a pool block sharing a chunk with another live block:
+                                  move it (vmm_alloc_beside, copy, swap) before sending */
+  VMM_SEND_IMPORT = 3,         /* an imported buffer: forwarded with this process's handles */
+  VMM_SEND_NOT_EXPORTABLE = 4  /* a block of a pool whose handle type is none */
+};
+
+/* Bytes of a send's ticket. */
+#define VMM_TICKET_BYTES 64
+
+/* The vmm_send_kind of the storage starting at `ptr` (never fails: VMM_SEND_NOT_VMM for
+ * anything vmm does not know, including addresses inside a block). */
+int vmm_send_kind(const void* ptr);
+/* A block of at least `size` bytes in chunks of its own, from the pool that owns `ptr`, for
+ * `stream`: where a VMM_SEND_RELOCATE block moves to. Freed with vmm_block_free. */
+void* vmm_alloc_beside(const void* ptr, size_t size, void* stream);
+/* Exports the storage starting at `ptr` (VMM_SEND_IN_PLACE or VMM_SEND_IMPORT) for one
+ * receiver and holds it until that receiver acknowledges `ticket` (VMM_TICKET_BYTES written)
+ * or the lease ends. The descriptor's bytes in *out (vmm_release_buffer).
+ * VMM_FAILED_PRECONDITION for a block sharing its chunks or of a pool that cannot export. */
+int vmm_export_send(const void* ptr, uint8_t** out, size_t* out_len, uint8_t* ticket);
+/* The receiver's acknowledgement of a send (after importing it, or failing to): the sender
+ * lets go of the memory. VMM_UNAVAILABLE when the sender is gone, VMM_NOT_FOUND when it no
+ * longer holds the send (acknowledged or expired), VMM_INVALID_ARGUMENT for bytes that are
+ * not a ticket of this machine. */
+int vmm_send_ack(const uint8_t* ticket, size_t len);
+/* The lease of sends made from now on, in seconds (> 0). */
+int vmm_send_set_lease(double seconds);
+/* This process's sends: held now, and totals. */
+typedef struct vmm_send_stats {
+  uint64_t held;            /* sends held now */
+  uint64_t held_bytes;      /* bytes they hold */
+  uint64_t peak_held_bytes; /* most bytes held at once */
+  uint64_t holds;           /* sends made */
+  uint64_t acked;           /* sends acknowledged by their receiver */
+  uint64_t expired;         /* sends whose lease ended first */
+  double lease_seconds;     /* the lease of new sends */
+} vmm_send_stats;
+int vmm_send_stats_get(vmm_send_stats* out);
+/* Waits until no send is held or `timeout_seconds` pass; returns the sends still held. */
+int64_t vmm_send_wait(double timeout_seconds);
+
 /* A descriptor's fields, as vmm_descriptor_decode fills them. */
 typedef struct vmm_descriptor_fields {
   int32_t handle_type;  /* VMM_HANDLE_POSIX_FD or VMM_HANDLE_FABRIC */

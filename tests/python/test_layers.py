@@ -36,6 +36,7 @@ LAYERS = {
     "sharing": 3,
     "reductions": 4,
     "distributed": 4,
+    "autoenable": 5,
     "__init__": 5,
 }
 

@@ -20,6 +20,11 @@
 //       come from libvmm.so (vmm_import_info), not from Python. Takes nothing over on failure.
 //   storage_info(Tensor t) -> (int data_ptr, int nbytes)
 //       Where the tensor's storage starts and how big it is (across torch versions).
+//   swap_storage(Tensor a, Tensor b) -> ()
+//       Swaps the memory under the storages of `a` and `b` (same device, same byte size):
+//       every view of either storage now reads the other's memory, and each memory is still
+//       freed by its own deleter. How a block that shares its chunks moves to chunks of its
+//       own before it is sent (vmm_torch.sharing.relocate_storage). Nothing changes on error.
 // Exported C functions for CUDAPluggableAllocator: vmm_torch_malloc, vmm_torch_free,
 // vmm_torch_init, vmm_torch_empty_cache, vmm_torch_memory_fraction, vmm_torch_record_stream.
 #include <dlfcn.h>
@@ -179,6 +184,20 @@ std::tuple<int64_t, int64_t> StorageInfo(const at::Tensor& t) {
   return {reinterpret_cast<int64_t>(s.data()), static_cast<int64_t>(s.nbytes())};
 }
 
+void SwapStorage(const at::Tensor& a, const at::Tensor& b) {
+  c10::StorageImpl* x = a.storage().unsafeGetStorageImpl();
+  c10::StorageImpl* y = b.storage().unsafeGetStorageImpl();
+  TORCH_CHECK_VALUE(x != nullptr && y != nullptr, "vmm.swap_storage: a tensor has no storage");
+  if (x == y) return;
+  TORCH_CHECK_VALUE(x->nbytes() == y->nbytes(), "vmm.swap_storage: storages of ", x->nbytes(),
+                    " and ", y->nbytes(), " bytes");
+  TORCH_CHECK_VALUE(x->device() == y->device(), "vmm.swap_storage: storages on ", x->device(),
+                    " and ", y->device());
+  c10::DataPtr from_x = x->set_data_ptr(c10::DataPtr(nullptr, x->device()));
+  c10::DataPtr from_y = y->set_data_ptr(std::move(from_x));
+  x->set_data_ptr_noswap(std::move(from_y));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(vmm, m) {
@@ -190,6 +209,7 @@ TORCH_LIBRARY(vmm, m) {
         "ScalarType dtype) -> Tensor",
         &WrapImport);
   m.def("storage_info(Tensor t) -> (int, int)", &StorageInfo);
+  m.def("swap_storage(Tensor a, Tensor b) -> ()", &SwapStorage);
 }
 
 // --- CUDAPluggableAllocator entry points ----------------------------------------------------

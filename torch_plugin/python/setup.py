@@ -9,6 +9,9 @@
   both must use one C++ runtime. A compiler that links its runtime statically by default
   (``/opt/gcc/bin/g++`` on our GPU machine) otherwise gives an extension whose every thrown
   error kills the process (SIGSEGV) instead of raising RuntimeError in Python.
+- ``vmm_torch_autoenable.pth`` and its module ``_vmm_torch_autoenable`` go to site-packages:
+  with ``VMM_TORCH_ENABLE`` set, every Python process of the environment enables vmm when it
+  imports torch (see that module); unset, they cost one environment lookup per interpreter.
 - vmm's C library ``libvmm.so`` is copied into the package: from ``$VMM_LIB`` (a path to the
   file) or, when that is unset, from a Bazel build of
   ``//torch_plugin:python/vmm_torch/libvmm.so`` in this repository (extra Bazel arguments in
@@ -23,6 +26,7 @@ import shutil
 import subprocess
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension, library_paths
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -111,6 +115,19 @@ class BuildExt(BuildExtension.with_options(no_python_abi_suffix=True)):
                 _copy(source, os.path.join(folder, name))
 
 
+class BuildPy(build_py):
+    """Also puts vmm_torch_autoenable.pth at the top of the build, so that it lands in
+    site-packages, where Python runs it at every interpreter start (VMM_TORCH_ENABLE)."""
+
+    def run(self):
+        super().run()
+        os.makedirs(self.build_lib, exist_ok=True)
+        self.copy_file(os.path.join(HERE, PTH_FILE), os.path.join(self.build_lib, PTH_FILE))
+
+
+PTH_FILE = "vmm_torch_autoenable.pth"
+
+
 def _include_dirs():
     """The repository (for torch_plugin/vmm_c.h), and CUDA's headers when found."""
     cuda = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
@@ -126,6 +143,7 @@ setup(
     description="CUDA virtual-memory caching allocator for PyTorch, with tensor sharing "
                 "between processes as buffer descriptors",
     packages=["vmm_torch"],
+    py_modules=["_vmm_torch_autoenable"],
     package_data={"vmm_torch": ["py.typed"]},
     python_requires=">=3.8",
     ext_modules=[
@@ -138,7 +156,7 @@ setup(
             libraries=["dl"],
         )
     ],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
     entry_points={"console_scripts": ["vmm-stats = vmm_torch.stats:main"]},
     zip_safe=False,
 )

@@ -82,7 +82,24 @@ ENUMS: Dict[str, Dict[str, int]] = {
         "VMM_HANDLE_FABRIC": HANDLE_FABRIC,
     },
 }
-DEFINES: Dict[str, int] = {"VMM_HANDLE_BYTES": HANDLE_BYTES}
+#: enum vmm_send_kind.
+SEND_NOT_VMM = 0
+SEND_IN_PLACE = 1
+SEND_RELOCATE = 2
+SEND_IMPORT = 3
+SEND_NOT_EXPORTABLE = 4
+ENUMS["vmm_send_kind"] = {
+    "VMM_SEND_NOT_VMM": SEND_NOT_VMM,
+    "VMM_SEND_IN_PLACE": SEND_IN_PLACE,
+    "VMM_SEND_RELOCATE": SEND_RELOCATE,
+    "VMM_SEND_IMPORT": SEND_IMPORT,
+    "VMM_SEND_NOT_EXPORTABLE": SEND_NOT_EXPORTABLE,
+}
+
+#: VMM_TICKET_BYTES: bytes of a send's ticket.
+TICKET_BYTES = 64
+
+DEFINES: Dict[str, int] = {"VMM_HANDLE_BYTES": HANDLE_BYTES, "VMM_TICKET_BYTES": TICKET_BYTES}
 
 
 # --- Struct ----------------------------------------------------------------------------------
@@ -106,8 +123,23 @@ class DescriptorFields(ctypes.Structure):
     ]
 
 
+class SendStats(ctypes.Structure):
+    """struct vmm_send_stats, as vmm_send_stats_get fills it."""
+
+    _fields_ = [
+        ("held", ctypes.c_uint64),
+        ("held_bytes", ctypes.c_uint64),
+        ("peak_held_bytes", ctypes.c_uint64),
+        ("holds", ctypes.c_uint64),
+        ("acked", ctypes.c_uint64),
+        ("expired", ctypes.c_uint64),
+        ("lease_seconds", ctypes.c_double),
+    ]
+
+
 #: C struct name -> its ctypes.Structure.
-STRUCTS: Dict[str, Type[ctypes.Structure]] = {"vmm_descriptor_fields": DescriptorFields}
+STRUCTS: Dict[str, Type[ctypes.Structure]] = {"vmm_descriptor_fields": DescriptorFields,
+                                              "vmm_send_stats": SendStats}
 
 
 # --- Functions -------------------------------------------------------------------------------
@@ -157,6 +189,13 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_import_info": (_int, [_int64, _P(ctypes.c_uint64), _P(_size_t), _P(_int)]),
     "vmm_import_retain": (_int, [_int64]),
     "vmm_import_release": (None, [_void_p]),
+    "vmm_send_kind": (_int, [_void_p]),
+    "vmm_alloc_beside": (_void_p, [_void_p, _size_t, _void_p]),
+    "vmm_export_send": (_int, [_void_p, _P(_void_p), _P(_size_t), _char_p]),
+    "vmm_send_ack": (_int, [_char_p, _size_t]),
+    "vmm_send_set_lease": (_int, [ctypes.c_double]),
+    "vmm_send_stats_get": (_int, [_P(SendStats)]),
+    "vmm_send_wait": (_int64, [ctypes.c_double]),
     "vmm_descriptor_decode": (_int, [_char_p, _size_t, _P(DescriptorFields)]),
     "vmm_descriptor_fields_release": (None, [_P(DescriptorFields)]),
     "vmm_descriptor_from_handles": (

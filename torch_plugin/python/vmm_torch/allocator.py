@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
+import os
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -30,15 +32,43 @@ _HOOKS = (
 
 _enable_lock = threading.Lock()
 _enabled: Optional["_Enabled"] = None  # the _Enabled of this process, once enable() succeeded
+_receive_checked = False  # enable_for_receive() has run in this process
+_log = logging.getLogger("vmm_torch")
+
+#: The environment variable that enables vmm in every process of a program (see
+#: environment_options): "1" for the default options, option text such as
+#: "handle_type=posix_fd,memory_limit=40G", or "0" to keep vmm off even where a process
+#: receives a vmm tensor before using CUDA.
+ENABLE_VARIABLE = "VMM_TORCH_ENABLE"
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
 
 
 class _Enabled:
-    """What enable() registered: its option text, PyTorch's allocator object, the hooks set."""
+    """What enable() registered: its option text, PyTorch's allocator object, the hooks set,
+    and whether it was enabled implicitly (from the environment or on receiving a tensor),
+    so that an explicit enable() may still choose the options."""
 
-    def __init__(self, options_text: str, allocator: Any, hooks: Tuple[str, ...]) -> None:
+    def __init__(self, options_text: str, allocator: Any, hooks: Tuple[str, ...],
+                 implicit: bool) -> None:
         self.options_text = options_text
         self.allocator = allocator
         self.hooks = hooks
+        self.implicit = implicit
+
+
+def environment_options() -> Optional[str]:
+    """The option text VMM_TORCH_ENABLE asks for ("" for the defaults), or None when it is
+    unset, empty or off."""
+    value = os.environ.get(ENABLE_VARIABLE, "").strip()
+    if not value or value.lower() in _OFF:
+        return None
+    return "" if value.lower() in _ON else value
+
+
+def environment_forbids() -> bool:
+    """Whether VMM_TORCH_ENABLE is set to off ("0", "false", "no", "off")."""
+    return os.environ.get(ENABLE_VARIABLE, "").strip().lower() in _OFF
 
 
 def _function_address(library: ctypes.CDLL, name: str) -> Optional[int]:
@@ -99,7 +129,9 @@ def enable(**options: Any) -> None:
     - ``peer_devices``: list of other device indices granted access to the memory.
 
     Unknown options and malformed values raise ValueError naming them. Calling enable() again
-    with the same options does nothing; with other options it raises RuntimeError.
+    with the same options does nothing; with other options it raises RuntimeError, unless vmm
+    was enabled implicitly (by VMM_TORCH_ENABLE, or because this process received a vmm
+    tensor before using CUDA) and has not allocated yet: then these options apply.
 
     It creates ``torch.cuda.memory.CUDAPluggableAllocator`` over ``vmm_torch_malloc`` and
     ``vmm_torch_free`` of the extension _C.so, sets the optional hooks this torch supports
@@ -109,15 +141,31 @@ def enable(**options: Any) -> None:
     reach vmm. ``torch.cuda.memory_stats()`` does not (PyTorch does not ask pluggable
     allocators for statistics): use ``vmm_torch.memory_stats()``.
     """
+    _enable_text(format_options(options), implicit=False)
+
+
+def _enable_text(text: str, implicit: bool) -> None:
     global _enabled
-    text = format_options(options)
     with _enable_lock:
         if _enabled is not None:
             if _enabled.options_text == text:
+                if not implicit:
+                    _enabled.implicit = False
                 return
-            raise RuntimeError(
-                f"vmm_torch.enable() was already called with options "
-                f"{_enabled.options_text!r}; the allocator cannot be reconfigured")
+            if implicit:
+                return
+            if not _enabled.implicit:
+                raise RuntimeError(
+                    f"vmm_torch.enable() was already called with options "
+                    f"{_enabled.options_text!r}; the allocator cannot be reconfigured")
+            # Enabled implicitly: the options still apply if no device pool exists yet.
+            if _lib.vmm().vmm_configure(text.encode()) != 0:
+                raise RuntimeError(
+                    f"vmm was enabled with options {_enabled.options_text!r} (from "
+                    f"{ENABLE_VARIABLE} or on receiving a tensor) and has allocated since; "
+                    f"enable({text!r}) comes too late: {_lib.last_error()}")
+            _enabled.options_text, _enabled.implicit = text, False
+            return
         libs = _lib.load()
         # Options first, so that bad ones are reported as such on any torch; they only
         # apply to device pools created later.
@@ -127,7 +175,50 @@ def enable(**options: Any) -> None:
             libs.extension_path, "vmm_torch_malloc", "vmm_torch_free")
         hooks = _set_hooks(pluggable, libs.extension_path)
         torch.cuda.memory.change_current_allocator(pluggable)
-        _enabled = _Enabled(text, pluggable, hooks)
+        _enabled = _Enabled(text, pluggable, hooks, implicit)
+
+
+def can_enable() -> bool:
+    """Whether enable() could succeed now: a CUDA build of PyTorch with pluggable allocators,
+    and CUDA not yet initialised in this process."""
+    memory = torch.cuda.memory
+    return (hasattr(memory, "CUDAPluggableAllocator")
+            and hasattr(memory, "change_current_allocator")
+            and hasattr(torch._C, "_cuda_customAllocator")
+            and not torch.cuda.is_initialized())
+
+
+def enable_from_environment() -> bool:
+    """Enables vmm with VMM_TORCH_ENABLE's options if it asks for it and this PyTorch can
+    (a CUDA build, CUDA not yet initialised); returns whether vmm is enabled. Malformed
+    options raise ValueError."""
+    text = environment_options()
+    if text is None:
+        return _enabled is not None
+    if _enabled is None and not can_enable():
+        return False
+    _enable_text(text, implicit=True)
+    return True
+
+
+def enable_for_receive() -> None:
+    """Called before a vmm CUDA tensor is imported: a process that has not used CUDA yet takes
+    vmm as its allocator (VMM_TORCH_ENABLE's options), so that importing a tensor — which
+    initialises PyTorch's CUDA state — does not lock in PyTorch's allocator before the
+    process's own enable() call (a tensor passed as an argument of ``Process(...)`` is
+    unpickled before the target runs). Nothing happens with VMM_TORCH_ENABLE=0, once vmm is
+    enabled, or where it cannot be; never raises. Cheap after the first call."""
+    global _receive_checked
+    if _receive_checked:
+        return
+    _receive_checked = True
+    if _enabled is not None or environment_forbids():
+        return
+    try:
+        if can_enable():
+            _enable_text(environment_options() or "", implicit=True)
+    except Exception as error:  # the import works with any allocator; say why, go on
+        _log.warning("vmm_torch: could not enable vmm before importing a tensor: %s", error)
 
 
 def is_enabled() -> bool:

@@ -1,77 +1,174 @@
-"""torch.multiprocessing integration: tensors from vmm pools travel as vmm descriptors.
+"""torch.multiprocessing integration: tensors of vmm memory travel as vmm sends.
 
 After :func:`install_reducers`, pickling with ``multiprocessing.reduction.ForkingPickler``
 (what ``torch.multiprocessing`` queues, pipes and process arguments use) turns a tensor whose
-storage lives in a vmm pool into its buffer descriptor and metadata; the receiving process
-imports the descriptor, mapping the same memory. Other tensors go through PyTorch's own
-reducer.
+storage is vmm memory into a *send*: its buffer descriptor, metadata and a ticket (the payload
+of :mod:`vmm_torch.sharing`). The receiving process imports the descriptor, mapping the same
+memory, and acknowledges the ticket. Other tensors go through PyTorch's own reducer.
 
-The payload is the one a pickled :class:`~vmm_torch.SharedTensor` carries, small and flat
-(see :mod:`vmm_torch.sharing`): the descriptor's canonical bytes as vmm_export returned them
-(the receiver hands them straight to vmm_import, which decodes and checks them once), then
-dtype code, shape, strides, storage offset, device, and the parameter / requires_grad flags.
-The rebuild function is :func:`vmm_torch.sharing.rebuild_tensor` (also
-``rebuild_tensor_from_bytes`` here, its former name). The receiver maps the buffer on the
-exporting device (found by its UUID in the descriptor) and takes the buffer's size from the
-import, so the storage size does not travel.
+What a send promises (docs/DESIGN.md §3, §4 "send holds"):
 
-The receiver needs nothing installed: unpickling imports the rebuild function's module. As
-with every vmm descriptor, the sender must keep the tensor alive until the receiver has
-opened it.
+- **Lifetime.** The sender holds the memory until the receiver has imported it, so
+  ``queue.put(t); del t`` is safe, with either handle type; then the receiver's mapping is its
+  own. A receiver that never reads (or dies) holds nothing forever: the send's lease ends
+  after 600 s (``vmm_torch.set_send_lease``, or VMM_SEND_LEASE_S), and held sends show in
+  ``vmm_torch.send_stats()``. No ``ipc_collect()`` is needed.
+- **Isolation.** A tensor that shares a physical chunk with another live tensor is moved into
+  chunks of its own (copied on the current stream, its storage swapped; its views follow) so
+  that the receiver sees no other tensor's bytes.
+- **Forwarding.** A received vmm tensor can be sent on (A -> B -> C): C maps A's memory through
+  B's handles, with the same lifetime guarantee.
+- **No silent loss.** A tensor that cannot travel (a pool with ``handle_type="none"``, a
+  non-leaf tensor that requires grad) fails in ``Queue.put`` with a clear error where the
+  object is a tensor or holds tensors in lists, tuples and dicts (``Queue.put`` checks them
+  once the reducers are installed); anything else that fails in a queue's feeder thread is
+  delivered to the receiver as that error, raised by ``queue.get()``, never dropped.
+
+The receiver needs nothing installed: unpickling imports the rebuild function's module. A
+receiving process that has not used CUDA yet enables vmm first (unless VMM_TORCH_ENABLE=0),
+so that its own later ``vmm_torch.enable()`` still works.
 """
 
 from __future__ import annotations
 
+import multiprocessing.queues
+import threading
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
 from . import _lib, sharing
+from ._signatures import SEND_NOT_EXPORTABLE, SEND_NOT_VMM
 
 #: The rebuild function of the payload (kept under its former name).
 rebuild_tensor_from_bytes = sharing.rebuild_tensor
 
 _installed = False
+_install_lock = threading.Lock()
+
+#: The name multiprocessing gives a Queue's feeder thread: what it fails to pickle, it prints
+#: and drops.
+_FEEDER_THREAD = "QueueFeederThread"
+#: How far Queue.put looks into containers for tensors that cannot travel.
+_CHECK_DEPTH = 4
+_CHECK_ITEMS = 10_000
+
+Reduction = Tuple[Callable[..., Any], Tuple[Any, ...]]
 
 
-def _torch_reduce_tensor(tensor: torch.Tensor) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
+def _torch_reduce_tensor(tensor: torch.Tensor) -> Reduction:
     from torch.multiprocessing import reductions
 
     return reductions.reduce_tensor(tensor)
 
 
-def reduce_tensor(tensor: torch.Tensor) -> Tuple[Callable[..., Any], Tuple[Any, ...]]:
-    """ForkingPickler reducer: vmm descriptors for tensors in vmm pools, else PyTorch's.
+def _non_leaf_error() -> RuntimeError:
+    return RuntimeError(
+        "cannot send a non-leaf tensor that requires grad to another process (autograd "
+        "graphs do not cross processes); send tensor.detach() instead")
 
-    One membership test (the storage's address, vmm_owns) and one export call; the GIL is
-    kept throughout (see vmm_torch._lib), since this runs in a queue's feeder thread."""
-    base = sharing.vmm_storage_address(tensor)
-    if not base:
+
+def _reduce(tensor: torch.Tensor) -> Reduction:
+    base = sharing.storage_address(tensor)
+    kind = sharing.send_kind(base)
+    if kind == SEND_NOT_VMM:
         return _torch_reduce_tensor(tensor)
     requires_grad = tensor.requires_grad
     if requires_grad and not tensor.is_leaf:
-        raise RuntimeError(
-            "cannot send a non-leaf tensor that requires grad between processes; "
-            "send tensor.detach() instead")
+        raise _non_leaf_error()
     return (sharing.rebuild_tensor,
-            sharing.tensor_payload(tensor, base, isinstance(tensor, torch.nn.Parameter),
-                                   requires_grad))
+            sharing.send_payload(tensor, base, kind, isinstance(tensor, torch.nn.Parameter),
+                                 requires_grad))
+
+
+def reduce_tensor(tensor: torch.Tensor) -> Reduction:
+    """ForkingPickler reducer: a vmm send for vmm memory (pool blocks and imports), else
+    PyTorch's reducer. The GIL is kept throughout (see vmm_torch._lib): this runs in a
+    queue's feeder thread. There, a failure becomes a payload that raises it in the receiver
+    (the feeder would print and drop it); elsewhere it raises in the caller."""
+    try:
+        return _reduce(tensor)
+    except Exception as error:
+        if threading.current_thread().name != _FEEDER_THREAD:
+            raise
+        return (sharing.raise_send_error, (type(error).__name__, str(error)))
+
+
+# --- Queue.put: errors in the caller ---------------------------------------------------------
+
+
+def check_sendable(obj: Any) -> None:
+    """Raises what sending `obj` would raise for the tensors it is or holds (in lists, tuples,
+    sets and dict values, up to _CHECK_DEPTH levels and _CHECK_ITEMS objects): RuntimeError for
+    a non-leaf tensor that requires grad, VmmError for memory of a pool that cannot export."""
+    budget = [_CHECK_ITEMS]
+
+    def visit(value: Any, depth: int) -> None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return
+        if isinstance(value, torch.Tensor):
+            _check_tensor(value)
+        elif depth < _CHECK_DEPTH:
+            if isinstance(value, (list, tuple, set, frozenset)):
+                for item in value:
+                    visit(item, depth + 1)
+            elif isinstance(value, dict):
+                for item in value.values():
+                    visit(item, depth + 1)
+
+    visit(obj, 0)
+
+
+def _check_tensor(tensor: torch.Tensor) -> None:
+    if tensor.requires_grad and not tensor.is_leaf:
+        raise _non_leaf_error()
+    if sharing.send_kind(sharing.storage_address(tensor)) == SEND_NOT_EXPORTABLE:
+        sharing.send_payload(tensor, 0, SEND_NOT_EXPORTABLE)  # raises the one message
+
+
+_original_puts: Dict[type, Callable[..., Any]] = {}
+
+
+def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
+    def checked_put(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        check_sendable(obj)
+        return put(self, obj, *args, **kwargs)
+
+    checked_put.__wrapped__ = put  # type: ignore[attr-defined]
+    checked_put.__doc__ = put.__doc__
+    return checked_put
+
+
+def _patch_queue_puts() -> None:
+    """Queue.put (and JoinableQueue.put) pickle in a feeder thread, too late to fail in the
+    caller: they check tensors first."""
+    for queue_type in (multiprocessing.queues.Queue, multiprocessing.queues.JoinableQueue):
+        put = queue_type.__dict__.get("put")
+        if put is None or queue_type in _original_puts:
+            continue
+        _original_puts[queue_type] = put
+        queue_type.put = _checked(put)
 
 
 def install_reducers() -> None:
-    """Makes torch.multiprocessing carry tensors from vmm pools as vmm descriptors (CUDA
-    tensors of the enabled allocator or of an explicit Pool, and CPU tensors of host pools).
+    """Makes torch.multiprocessing carry tensors of vmm memory as vmm sends (CUDA tensors of
+    the enabled allocator or of an explicit Pool, CPU tensors of host pools, and tensors
+    received from another process), and makes ``Queue.put`` check what cannot travel.
     Idempotent; affects this process's pickling only."""
     global _installed
     import torch.multiprocessing  # noqa: F401  (registers PyTorch's reducers first)
 
-    _lib.load()  # now, not in the first reducer call (a queue's feeder thread)
-    for tensor_type in (torch.Tensor, torch.nn.Parameter):
-        ForkingPickler.register(tensor_type, reduce_tensor)
-    _installed = True
+    with _install_lock:
+        _lib.load()  # now, not in the first reducer call (a queue's feeder thread)
+        for tensor_type in (torch.Tensor, torch.nn.Parameter):
+            ForkingPickler.register(tensor_type, reduce_tensor)
+        _patch_queue_puts()
+        _installed = True
 
 
 def reducers_installed() -> bool:
     """Whether install_reducers() ran in this process."""
     return _installed
+

@@ -9,14 +9,19 @@ Importer (any process)::
 
     t = pickle.loads(received).open()       # a tensor over the same memory
 
-The descriptor pins nothing: the exporter must keep the tensor alive until every importer has
-opened it. After that the importer's mapping is its own (the exporter may free or exit).
+A SharedTensor's descriptor pins nothing: the exporter must keep the tensor alive until every
+importer has opened it. After that the importer's mapping is its own (the exporter may free or
+exit). A *send* (:func:`send_payload`, what torch.multiprocessing uses once
+``vmm_torch.install_reducers()`` ran) is held by the sender until its receiver has imported it
+and acknowledged the send's ticket, or until the send's lease ends (``set_send_lease``; 600 s
+by default): the sender may drop the tensor at once.
 
 The payload: a shared tensor travels as one flat tuple, the same for a pickled
 :class:`SharedTensor` and for a tensor sent through torch.multiprocessing
 (``vmm_torch.reductions``)::
 
-    (descriptor, dtype, shape, stride, storage_offset, device, parameter, requires_grad)
+    (descriptor, dtype, shape, stride, storage_offset, device, parameter, requires_grad
+     [, ticket])
 
 - ``descriptor``: the canonical descriptor bytes as vmm_export returned them; the receiver
   hands them straight to vmm_import, which decodes and checks them once, in C++;
@@ -25,7 +30,9 @@ The payload: a shared tensor travels as one flat tuple, the same for a pickled
 - ``shape``, ``stride`` (elements), ``storage_offset`` (elements): the view;
 - ``device``: "cpu" (a tensor of vmm's host backend) or "cuda:N" (exported from CUDA device
   N; the importer maps on that device, found by the UUID the descriptor carries);
-- ``parameter``, ``requires_grad``: rebuild as torch.nn.Parameter / with requires_grad.
+- ``parameter``, ``requires_grad``: rebuild as torch.nn.Parameter / with requires_grad;
+- ``ticket`` (sends only): 64 bytes the receiver acknowledges to the sender once it has
+  imported the descriptor (or failed to), so that the sender lets go of the memory.
 
 :func:`rebuild_tensor` turns a payload into a tensor (it is what unpickling a
 torch.multiprocessing payload calls, and what ``SharedTensor.open()`` runs); the view is
@@ -35,14 +42,17 @@ checked against the imported buffer (a received payload is hostile input).
 from __future__ import annotations
 
 import ctypes
+import logging
 import re
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _lib
+from . import _lib, allocator
 from ._devices import parse_device
-from ._signatures import BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS
+from ._signatures import (BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS, SEND_IMPORT,
+                          SEND_IN_PLACE, SEND_NOT_EXPORTABLE, SEND_NOT_VMM, SEND_RELOCATE,
+                          TICKET_BYTES, SendStats)
 from ._tensors import (INT64_MAX, DtypeCode, contiguous_strides, dtype_code, dtype_from_code,
                        dtype_from_name, element_size, numel, shape_list, tensor_nbytes,
                        view_int, view_ints)
@@ -51,7 +61,13 @@ from .descriptors import BufferDescriptor, as_bytes
 #: The payload's fields, in order (see the module docstring).
 PAYLOAD_FIELDS: Tuple[str, ...] = ("descriptor", "dtype", "shape", "stride", "storage_offset",
                                    "device", "parameter", "requires_grad")
+#: A send's payload adds the ticket.
+SEND_PAYLOAD_FIELDS: Tuple[str, ...] = PAYLOAD_FIELDS + ("ticket",)
 Payload = Tuple[bytes, DtypeCode, Tuple[int, ...], Tuple[int, ...], int, str, bool, bool]
+SendPayload = Tuple[bytes, DtypeCode, Tuple[int, ...], Tuple[int, ...], int, str, bool, bool,
+                    bytes]
+
+_log = logging.getLogger("vmm_torch")
 DeviceArg = Union[None, int, str, torch.device]
 
 # Device type of the payload -> the backend that imports it.
@@ -133,6 +149,116 @@ def tensor_payload(t: torch.Tensor, base: int, parameter: bool = False,
     return (export_bytes(base), dtype_code(t.dtype), tuple(t.shape), t.stride(),
             t.storage_offset(), f"cuda:{t.get_device()}" if t.is_cuda else "cpu",
             parameter, requires_grad)
+
+
+# --- Sends -----------------------------------------------------------------------------------
+
+
+def send_kind(base: int) -> int:
+    """The vmm_send_kind of the storage starting at `base` (one call, keeping the GIL)."""
+    return _lib.quick().vmm_send_kind(base) if base else SEND_NOT_VMM
+
+
+def _stream_of(t: torch.Tensor) -> Optional[int]:
+    return torch.cuda.current_stream(t.device).cuda_stream or None if t.is_cuda else None
+
+
+def relocate_storage(t: torch.Tensor, base: int) -> int:
+    """Moves the storage of `t` (a vmm block starting at `base` that shares a physical chunk
+    with another live block) into chunks of its own, so that sending it exposes no other
+    tensor's bytes; returns the new address. The bytes are copied on the current stream and
+    the old block is freed after that copy (stream-ordered); every view of the storage follows
+    (its address changes, as after ``Tensor.set_``)."""
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    stream = _stream_of(t)
+    libs = _lib.load()
+    ptr = _lib.check_pointer(libs.vmm.vmm_alloc_beside(base, max(nbytes, 1), stream), "send")
+    device = t.device if t.is_cuda else torch.device("cpu")
+    try:
+        donor = libs.wrap(ptr, nbytes, [nbytes], [1], 0, torch.uint8, device)
+    except BaseException:
+        libs.vmm.vmm_block_free(ptr)
+        raise
+    source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
+    donor.copy_(source)
+    if stream is not None:
+        _lib.check(libs.quick.vmm_record_stream(base, stream), "send")
+    libs.swap_storage(source, donor)  # donor now holds the old block, freed with it
+    return ptr
+
+
+def export_send(base: int) -> Tuple[bytes, bytes]:
+    """(descriptor bytes, ticket) of a send of the storage starting at `base` (a block alone
+    in its chunks, or an import): held until the receiver acknowledges the ticket or the
+    lease ends."""
+    out = ctypes.c_void_p()
+    length = ctypes.c_size_t()
+    ticket = ctypes.create_string_buffer(TICKET_BYTES)
+    _lib.check(_lib.quick().vmm_export_send(base, ctypes.byref(out), ctypes.byref(length),
+                                            ticket), "send")
+    return _lib.take_buffer(out, length.value), ticket.raw
+
+
+def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
+                 requires_grad: bool = False) -> SendPayload:
+    """The payload of a send of `t`, whose storage starts at `base` and can be sent as `kind`
+    (send_kind): a block sharing its chunks is relocated first; an imported tensor is
+    forwarded (the receiver maps the original exporter's memory). VmmError
+    (FAILED_PRECONDITION) for a tensor of a pool whose handle type is none."""
+    if kind == SEND_NOT_EXPORTABLE:
+        raise _lib.VmmError(
+            "cannot send this tensor to another process: its vmm pool was made with "
+            "handle_type='none' (not shareable); allocate it from a shareable pool, or send "
+            "a copy (tensor.clone() outside that pool)", "FAILED_PRECONDITION")
+    if kind == SEND_RELOCATE:
+        base = relocate_storage(t, base)
+    elif kind not in (SEND_IN_PLACE, SEND_IMPORT):
+        raise ValueError(f"send kind {kind} of a tensor that is not vmm memory")
+    data, ticket = export_send(base)
+    return (data, dtype_code(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
+            f"cuda:{t.get_device()}" if t.is_cuda else "cpu", parameter, requires_grad, ticket)
+
+
+def ack_send(ticket: bytes) -> bool:
+    """Tells the sender of `ticket` that its send was received; False (logged at debug level)
+    when the sender is gone or no longer holds it, which is no error for the receiver."""
+    result = _lib.vmm().vmm_send_ack(ticket, len(ticket))
+    if result != 0:
+        _log.debug("vmm_torch: acknowledging a send: %s", _lib.last_error())
+        return False
+    return True
+
+
+def set_send_lease(seconds: float) -> None:
+    """How long this process holds a send whose receiver has not acknowledged it (sends made
+    from now on). Default 600 s, or VMM_SEND_LEASE_S."""
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+        raise TypeError(f"the lease is a number of seconds, not {type(seconds).__name__}")
+    _lib.check(_lib.vmm().vmm_send_set_lease(float(seconds)), "set_send_lease")
+
+
+def send_stats() -> Dict[str, Any]:
+    """This process's sends: ``held`` and ``held_bytes`` (held now, waiting for receivers),
+    ``peak_held_bytes``, totals ``holds``, ``acked``, ``expired``, and ``lease_seconds``."""
+    stats = SendStats()
+    _lib.check(_lib.vmm().vmm_send_stats_get(ctypes.byref(stats)), "send_stats")
+    return {name: getattr(stats, name) for name, _ in SendStats._fields_}
+
+
+def wait_for_sends(timeout: float) -> int:
+    """Waits until every send of this process was acknowledged (or expired), at most
+    `timeout` seconds; returns the sends still held."""
+    return int(_lib.vmm().vmm_send_wait(float(timeout)))
+
+
+def raise_send_error(kind: str, message: str) -> None:
+    """What a receiver unpickles where the sender could not send a tensor from a queue's
+    feeder thread: the sender's error, raised in the receiver (nothing is dropped)."""
+    types = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError,
+             "VmmError": _lib.VmmError}
+    error_type = types.get(kind if isinstance(kind, str) else "", RuntimeError)
+    raise error_type(f"the sending process could not send this tensor: {message}")
 
 
 # --- Import ----------------------------------------------------------------------------------
@@ -219,21 +345,39 @@ def check_view(shape: Any, stride: Any, storage_offset: Any, dtype: torch.dtype,
     return shape, stride, storage_offset
 
 
+def _check_ticket(ticket: Any) -> Optional[bytes]:
+    if ticket is None:
+        return None
+    if type(ticket) is not bytes:
+        raise TypeError(f"payload field ticket is a {type(ticket).__name__}, expected bytes")
+    if len(ticket) != TICKET_BYTES:
+        raise ValueError(f"payload field ticket has {len(ticket)} bytes, not {TICKET_BYTES}")
+    return ticket
+
+
 def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offset: Any,
-             device: Any, parameter: Any, requires_grad: Any, map_device: int) -> torch.Tensor:
+             device: Any, parameter: Any, requires_grad: Any, map_device: int,
+             ticket: Any = None) -> torch.Tensor:
     # Every field is checked before the import, so that these failures have nothing to
     # release; the import's own failures and the operator's (the view must fit the buffer)
-    # release it.
-    dtype = dtype_from_code(dtype)
-    device_type, _ = parse_device_field(device)
-    parameter = _flag(parameter, "parameter")
-    requires_grad = _flag(requires_grad, "requires_grad")
-    shape, stride, storage_offset = check_view(shape, stride, storage_offset, dtype,
-                                               requires_grad)
-    data = descriptor if type(descriptor) is bytes else as_bytes(descriptor)
-    # Module globals looked up per call: benchmarks may wrap them to time each step.
-    import_id = import_descriptor(data, map_device if device_type == "cuda" else -1,
-                                  _BACKENDS[device_type])
+    # release it. A send's ticket is acknowledged once the import is done or has failed.
+    ticket = _check_ticket(ticket)
+    try:
+        dtype = dtype_from_code(dtype)
+        device_type, _ = parse_device_field(device)
+        parameter = _flag(parameter, "parameter")
+        requires_grad = _flag(requires_grad, "requires_grad")
+        shape, stride, storage_offset = check_view(shape, stride, storage_offset, dtype,
+                                                   requires_grad)
+        data = descriptor if type(descriptor) is bytes else as_bytes(descriptor)
+        if device_type == "cuda":
+            allocator.enable_for_receive()
+        # Module globals looked up per call: benchmarks may wrap them to time each step.
+        import_id = import_descriptor(data, map_device if device_type == "cuda" else -1,
+                                      _BACKENDS[device_type])
+    finally:
+        if ticket is not None:
+            ack_send(ticket)
     tensor = wrap_import(import_id, shape, stride, storage_offset, dtype)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
@@ -244,7 +388,8 @@ def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offse
 
 def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
                    stride: Sequence[int], storage_offset: int, device: str,
-                   parameter: bool = False, requires_grad: bool = False) -> torch.Tensor:
+                   parameter: bool = False, requires_grad: bool = False,
+                   ticket: Optional[bytes] = None) -> torch.Tensor:
     """The tensor of a payload (the module docstring's fields, in order): imports the
     descriptor and wraps a tensor over it, which keeps the mapping alive while any view of it
     lives. What unpickling a torch.multiprocessing payload calls.
@@ -253,9 +398,10 @@ def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
     bools, shape and stride lists or tuples of ints), ValueError for a malformed one (bytes
     that are not a descriptor, an unknown dtype or device, a view that does not fit the
     buffer, values beyond 64 bits), VmmError for a stale or forged descriptor, and leaves no
-    import behind on any failure."""
+    import behind on any failure. A send's `ticket` is acknowledged to the sender once the
+    descriptor is imported (or its import failed), so that the sender lets go of it."""
     return _rebuild(descriptor, dtype, shape, stride, storage_offset, device, parameter,
-                    requires_grad, -1)
+                    requires_grad, -1, ticket)
 
 
 class ImportedBuffer(_lib.Closable):

@@ -1,0 +1,106 @@
+// ProcessState's sends (process_state.h): exports held for one receiver.
+#include <memory>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "allocator/log.h"
+#include "allocator/status_macros.h"
+#include "torch_plugin/process_state.h"
+
+namespace vmm {
+
+ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
+  if (ptr == nullptr) return SendKind::kNotVmm;
+  PoolRef owner = Owner(ptr);
+  if (owner.pool != nullptr) {
+    if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
+    absl::StatusOr<bool> shares = owner.pool->SharesChunks(ptr);
+    if (!shares.ok()) return SendKind::kNotVmm;  // not the start of a live block
+    return *shares ? SendKind::kRelocate : SendKind::kInPlace;
+  }
+  MutexLock lock(&mu_);
+  return imports_by_ptr_.count(reinterpret_cast<DevPtr>(ptr)) != 0 ? SendKind::kImport
+                                                                    : SendKind::kNotVmm;
+}
+
+absl::StatusOr<void*> ProcessState::AllocateBeside(const void* ptr, size_t size,
+                                                   Stream stream) {
+  VMM_RETURN_IF_ERROR(CheckRequestSize(size));
+  PoolRef owner = Owner(ptr);
+  if (owner.pool == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "allocating beside ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+        ", which no vmm pool allocated"));
+  }
+  if (owner.keep == nullptr) return owner.pool->AllocateShareable(size, stream);
+  // An explicit pool counts its live blocks (it is destroyed with the last once closed).
+  ++owner.keep->live;
+  absl::StatusOr<void*> block = owner.pool->AllocateShareable(size, stream);
+  if (!block.ok()) BlockGone(owner.keep);
+  return block;
+}
+
+int64_t ProcessState::RetainImportAt(const void* ptr) {
+  MutexLock lock(&mu_);
+  auto at = imports_by_ptr_.find(reinterpret_cast<DevPtr>(ptr));
+  if (at == imports_by_ptr_.end()) return 0;
+  ++imports_.at(at->second).refs;
+  return at->second;
+}
+
+absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
+  std::weak_ptr<ProcessState*> self = self_;
+  PoolRef owner = Owner(ptr);
+  if (owner.pool != nullptr) {
+    VMM_ASSIGN_OR_RETURN(bool shares, owner.pool->SharesChunks(ptr));
+    if (shares) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sending the block at ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+          ": it shares a physical chunk with another live block, whose bytes its receiver "
+          "would see; move it to a block of its own first (vmm_alloc_beside)"));
+    }
+    VMM_ASSIGN_OR_RETURN(BufferDescriptor d, ExportBuffer(*owner.pool, const_cast<void*>(ptr)));
+    holds_.Hold(ptr);
+    absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(
+        d.size(), [self, ptr, keep = owner.keep]() {
+          if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
+        });
+    if (!ticket.ok()) {
+      ReleaseBlockHold(ptr);
+      return ticket.status();
+    }
+    return Send{std::move(d), *ticket};
+  }
+  const int64_t id = RetainImportAt(ptr);
+  if (id == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "sending ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+        ": neither a vmm pool block nor an imported buffer"));
+  }
+  ImportedBuffer* buffer = nullptr;
+  {
+    MutexLock lock(&mu_);
+    buffer = imports_.at(id).buffer.get();  // alive: the reference just taken holds it
+  }
+  absl::StatusOr<BufferDescriptor> d = ReExportImport(*buffer);
+  if (!d.ok()) {
+    (void)AddImportRef(id, -1);
+    return d.status();
+  }
+  absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(d->size(), [self, id]() {
+    if (auto state = self.lock()) (void)(*state)->AddImportRef(id, -1);
+  });
+  if (!ticket.ok()) {
+    (void)AddImportRef(id, -1);
+    return ticket.status();
+  }
+  return Send{*std::move(d), *ticket};
+}
+
+void ProcessState::ReleaseBlockHold(const void* ptr) {
+  if (!holds_.Release(ptr)) return;
+  absl::Status freed = FreeBlockNow(const_cast<void*>(ptr));
+  if (!freed.ok()) LogError(freed.message());
+}
+
+}  // namespace vmm
