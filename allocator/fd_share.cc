@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -27,6 +28,7 @@
 #include "allocator/log.h"
 #include "allocator/fd_share_internal.h"
 #include "allocator/mutex.h"
+#include "allocator/send_ledger.h"
 #include "allocator/status_macros.h"
 
 namespace vmm {
@@ -36,12 +38,15 @@ using fd_share_internal::FdRequestEntry;
 using fd_share_internal::kMaxRequestSize;
 using fd_share_internal::kRequestEntrySize;
 using fd_share_internal::kRequestHeaderSize;
+using fd_share_internal::RandomBytes;
 
 constexpr char kTokenMagic[8] = {'V', 'M', 'M', 'F', 'D', 'T', 'O', 'K'};
 constexpr uint32_t kTokenVersion = 1;
 constexpr char kRequestMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q'};
 constexpr char kReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'S', 'P'};
 constexpr char kErrorReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'E', 'R', 'R'};
+constexpr char kAckRequestMagic[8] = {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q'};
+constexpr char kAckReplyMagic[8] = {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'S'};
 constexpr size_t kMaxErrorMessage = 512;
 constexpr size_t kBatch = fd_share_internal::kMaxTokensPerRequest;
 constexpr size_t kMaxReply = 8 + 4 + kBatch * 4;
@@ -79,20 +84,6 @@ uint64_t GetU64(const uint8_t* p) {
 }
 
 absl::Status Errno(absl::string_view call) { return absl::ErrnoToStatus(errno, call); }
-
-void RandomBytes(uint8_t* out, size_t n) {
-  while (n > 0) {
-    const ssize_t got = getrandom(out, n, 0);
-    if (got <= 0) {
-      if (errno == EINTR) continue;
-      LogError("getrandom failed; using a weaker source");
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(rand());  // NOLINT
-      return;
-    }
-    out += got;
-    n -= static_cast<size_t>(got);
-  }
-}
 
 // The abstract-namespace socket address of the server of process `pid`.
 socklen_t ServerAddress(uint32_t pid, uint64_t server_id, sockaddr_un* addr) {
@@ -211,7 +202,8 @@ std::array<uint8_t, 64> FdToken::Encode() const {
   PutU64(&out[32], key);
   std::memcpy(&out[40], nonce.data(), 16);
   PutU32(&out[56], fd);
-  return out;  // bytes 60..63 stay zero
+  out[60] = static_cast<uint8_t>(kind);
+  return out;  // bytes 61..63 stay zero
 }
 
 absl::StatusOr<FdToken> FdToken::Decode(absl::Span<const uint8_t> bytes) {
@@ -226,7 +218,12 @@ absl::StatusOr<FdToken> FdToken::Decode(absl::Span<const uint8_t> bytes) {
     return absl::InvalidArgumentError(
         absl::StrCat("unsupported fd token version ", GetU32(&bytes[8])));
   }
-  if (GetU32(&bytes[60]) != 0) return absl::InvalidArgumentError("fd token: reserved bytes set");
+  if (bytes[60] > static_cast<uint8_t>(FdToken::Kind::kSendHold)) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown fd token kind ", bytes[60]));
+  }
+  if (bytes[61] != 0 || bytes[62] != 0 || bytes[63] != 0) {
+    return absl::InvalidArgumentError("fd token: reserved bytes set");
+  }
   FdToken t;
   t.pid = GetU32(&bytes[12]);
   t.boot_hash = GetU64(&bytes[16]);
@@ -234,18 +231,37 @@ absl::StatusOr<FdToken> FdToken::Decode(absl::Span<const uint8_t> bytes) {
   t.key = GetU64(&bytes[32]);
   std::memcpy(t.nonce.data(), &bytes[40], 16);
   t.fd = GetU32(&bytes[56]);
+  t.kind = static_cast<FdToken::Kind>(bytes[60]);
   return t;
 }
 
 namespace fd_share_internal {
 
+void RandomBytes(uint8_t* out, size_t n) {
+  while (n > 0) {
+    const ssize_t got = getrandom(out, n, 0);
+    if (got <= 0) {
+      if (errno == EINTR) continue;
+      LogError("getrandom failed; using a weaker source");
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(rand());  // NOLINT
+      return;
+    }
+    out += got;
+    n -= static_cast<size_t>(got);
+  }
+}
+
 std::string ServerSocketName(uint32_t pid, uint64_t server_id) {
   return absl::StrFormat("vmm-fd-%u-%016x", pid, server_id);
 }
 
-std::vector<uint8_t> EncodeFdRequest(absl::Span<const FdRequestEntry> entries) {
+namespace {
+
+// A request of `magic` for `entries` (fetch and ack requests share the layout).
+std::vector<uint8_t> EncodeRequest(const char (&magic)[8],
+                                   absl::Span<const FdRequestEntry> entries) {
   std::vector<uint8_t> out(kRequestHeaderSize + entries.size() * kRequestEntrySize);
-  std::memcpy(out.data(), kRequestMagic, 8);
+  std::memcpy(out.data(), magic, 8);
   PutU32(&out[8], static_cast<uint32_t>(entries.size()));
   for (size_t i = 0; i < entries.size(); ++i) {
     uint8_t* entry = &out[kRequestHeaderSize + i * kRequestEntrySize];
@@ -255,22 +271,26 @@ std::vector<uint8_t> EncodeFdRequest(absl::Span<const FdRequestEntry> entries) {
   return out;
 }
 
-absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uint8_t> bytes) {
+// Reads a request of `magic`; `what` names it in errors ("fd request").
+absl::StatusOr<std::vector<FdRequestEntry>> DecodeRequest(const char (&magic)[8],
+                                                          absl::string_view what,
+                                                          absl::Span<const uint8_t> bytes) {
   if (bytes.size() < kRequestHeaderSize) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "fd request of ", bytes.size(), " bytes is shorter than its ", kRequestHeaderSize,
-        "-byte header"));
+    return absl::InvalidArgumentError(absl::StrCat(what, " of ", bytes.size(),
+                                                   " bytes is shorter than its ",
+                                                   kRequestHeaderSize, "-byte header"));
   }
-  if (std::memcmp(bytes.data(), kRequestMagic, 8) != 0) {
-    return absl::InvalidArgumentError("not a vmm fd request (bad magic)");
+  if (std::memcmp(bytes.data(), magic, 8) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("not a vmm ", what, " (bad magic)"));
   }
   const uint32_t count = GetU32(&bytes[8]);
-  if (count == 0 || count > kMaxTokensPerRequest) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "fd request for ", count, " tokens (1 to ", kMaxTokensPerRequest, " per request)"));
+  if (count == 0 || count > fd_share_internal::kMaxTokensPerRequest) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " for ", count, " tokens (1 to ",
+                     fd_share_internal::kMaxTokensPerRequest, " per request)"));
   }
   if (bytes.size() != kRequestHeaderSize + size_t{count} * kRequestEntrySize) {
-    return absl::InvalidArgumentError(absl::StrCat("fd request of ", bytes.size(),
+    return absl::InvalidArgumentError(absl::StrCat(what, " of ", bytes.size(),
                                                    " bytes does not hold its ", count,
                                                    " tokens"));
   }
@@ -283,12 +303,65 @@ absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uin
   return entries;
 }
 
+}  // namespace
+
+std::vector<uint8_t> EncodeFdRequest(absl::Span<const FdRequestEntry> entries) {
+  return EncodeRequest(kRequestMagic, entries);
+}
+
+absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uint8_t> bytes) {
+  return DecodeRequest(kRequestMagic, "fd request", bytes);
+}
+
+std::vector<uint8_t> EncodeAckRequest(absl::Span<const FdRequestEntry> entries) {
+  return EncodeRequest(kAckRequestMagic, entries);
+}
+
+absl::StatusOr<std::vector<FdRequestEntry>> DecodeAckRequest(absl::Span<const uint8_t> bytes) {
+  return DecodeRequest(kAckRequestMagic, "ack request", bytes);
+}
+
+bool IsAckRequest(absl::Span<const uint8_t> bytes) {
+  return bytes.size() >= 8 && std::memcmp(bytes.data(), kAckRequestMagic, 8) == 0;
+}
+
+std::vector<uint8_t> EncodeAckReply(const std::vector<bool>& acknowledged) {
+  std::vector<uint8_t> out(12 + 4 * acknowledged.size());
+  std::memcpy(out.data(), kAckReplyMagic, 8);
+  PutU32(&out[8], static_cast<uint32_t>(acknowledged.size()));
+  for (size_t i = 0; i < acknowledged.size(); ++i) {
+    PutU32(&out[12 + 4 * i], acknowledged[i] ? kAckOk : kAckUnknown);
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<bool>> DecodeAckReply(absl::Span<const uint8_t> bytes,
+                                                 size_t count) {
+  if (bytes.size() < 12 || std::memcmp(bytes.data(), kAckReplyMagic, 8) != 0) {
+    return absl::InvalidArgumentError("not a vmm ack reply (bad magic or short)");
+  }
+  if (GetU32(&bytes[8]) != count || bytes.size() != 12 + 4 * count) {
+    return absl::InvalidArgumentError(absl::StrCat("ack reply of ", bytes.size(),
+                                                   " bytes does not answer ", count,
+                                                   " entries"));
+  }
+  std::vector<bool> acknowledged(count);
+  for (size_t i = 0; i < count; ++i) {
+    const uint32_t status = GetU32(&bytes[12 + 4 * i]);
+    if (status != kAckOk && status != kAckUnknown) {
+      return absl::InvalidArgumentError(absl::StrCat("ack reply: unknown status ", status));
+    }
+    acknowledged[i] = status == kAckOk;
+  }
+  return acknowledged;
+}
+
 std::vector<uint8_t> EncodeFdErrorReply(const absl::Status& error) {
   const absl::string_view message = error.message().substr(0, kMaxErrorMessage);
   std::vector<uint8_t> out(12 + message.size());
   std::memcpy(out.data(), kErrorReplyMagic, 8);
   PutU32(&out[8], static_cast<uint32_t>(error.code()));
-  std::memcpy(out.data() + 12, message.data(), message.size());
+  if (!message.empty()) std::memcpy(out.data() + 12, message.data(), message.size());
   return out;
 }
 
@@ -358,6 +431,23 @@ class FdServer::Impl {
     return fd;
   }
 
+  absl::StatusOr<FdToken> Address() {
+    VMM_RETURN_IF_ERROR(start_);
+    FdToken t;
+    t.pid = pid_;
+    t.boot_hash = BootHash();
+    t.server_id = server_id_;
+    return t;
+  }
+
+  // Makes poll return (best effort: a counter already full will still wake it).
+  void Wake() {
+    if (!wake_.valid()) return;
+    const uint64_t one = 1;
+    while (write(wake_.get(), &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+  }
+
   uint32_t pid() const { return pid_; }
   uint64_t server_id() const { return server_id_; }
 
@@ -418,42 +508,76 @@ class FdServer::Impl {
     const socklen_t len = ServerAddress(pid_, server_id_, &addr);
     if (bind(listen_.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) return Errno("bind");
     if (listen(listen_.get(), 64) != 0) return Errno("listen");
+    wake_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (!wake_.valid()) return Errno("eventfd");
     std::thread([this] { Serve(); }).detach();  // lives as long as the process
     return absl::OkStatus();
   }
 
   // The serving loop, for the life of the process; nothing ends it. One thread polls the
-  // listening socket (while below kMaxConnections and not backing off) and every connection,
-  // answers each request as it arrives and closes connections that hang up, fail, send what
-  // is not a request, or miss their deadline. Only poll blocks, so no client delays another.
+  // listening socket (while below kMaxConnections and not backing off), the wake-up eventfd
+  // and every connection, answers each request as it arrives and closes connections that hang
+  // up, fail, send what is not a request, or miss their deadline. Only poll blocks, so no
+  // client delays another. While the send ledger holds anything, poll waits at most until
+  // its next deadline and never more than a second, and each turn ends the holds whose lease
+  // is over (their release runs on this thread, no lock of the server held).
   void Serve() {
     std::vector<Connection> conns;
     AcceptBackoff backoff;
     std::vector<uint8_t> request(kMaxRequestSize);
     std::vector<pollfd> polled;
+    SendLedger& ledger = SendLedger::Get();
     for (;;) {
+      ledger.ExpireDue();
+      const int ledger_timeout = LedgerTimeout(ledger.NextDeadline());
       Clock::time_point now = Clock::now();
       CloseLate(&conns, now);
       const bool accepting = conns.size() < kMaxConnections && backoff.Ready(now);
       polled.clear();
       polled.push_back(pollfd{accepting ? listen_.get() : -1, POLLIN, 0});  // -1: skipped
+      polled.push_back(pollfd{wake_.get(), POLLIN, 0});
       for (const Connection& c : conns) polled.push_back(pollfd{c.fd.get(), POLLIN, 0});
-      if (poll(polled.data(), polled.size(), PollTimeout(conns, backoff, now)) < 0) {
+      int timeout = PollTimeout(conns, backoff, now);
+      if (ledger_timeout >= 0 && (timeout < 0 || ledger_timeout < timeout)) {
+        timeout = ledger_timeout;
+      }
+      if (poll(polled.data(), polled.size(), timeout) < 0) {
         if (errno != EINTR) {
           LogWarningOnce("fd-server-poll", Errno("fd server: poll").message());
           std::this_thread::sleep_for(std::chrono::milliseconds(10));
         }
         continue;
       }
+      if ((polled[1].revents & POLLIN) != 0) {
+        uint64_t count = 0;
+        while (read(wake_.get(), &count, sizeof(count)) < 0 && errno == EINTR) {
+        }
+      }
       // From the back, so that closing a connection (moving the last one into its place)
       // leaves the entries still to visit where they were.
       for (size_t i = conns.size(); i-- > 0;) {
-        if (polled[i + 1].revents == 0 || ServeRequest(conns[i], request)) continue;
+        if (polled[i + kFirstConnection].revents == 0 || ServeRequest(conns[i], request)) {
+          continue;
+        }
         conns[i] = std::move(conns.back());
         conns.pop_back();
       }
       if ((polled[0].revents & POLLIN) != 0) AcceptPending(&conns, &backoff);
     }
+  }
+
+  // Where the connections start in the polled set (after the listening socket and the
+  // wake-up eventfd).
+  static constexpr size_t kFirstConnection = 2;
+
+  // Milliseconds poll may wait for the send ledger's next deadline `due`: until it, at most a
+  // second (so a hold is never missed for long); -1 when the ledger holds nothing.
+  static int LedgerTimeout(absl::Time due) {
+    if (due == absl::InfiniteFuture()) return -1;
+    const absl::Duration left = due - absl::Now();
+    if (left <= absl::ZeroDuration()) return 0;
+    if (left >= absl::Seconds(1)) return 1000;
+    return static_cast<int>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))));
   }
 
   // Closes the connections whose deadline has passed.
@@ -503,9 +627,10 @@ class FdServer::Impl {
     return cred.uid == getuid() || cred.uid == 0;
   }
 
-  // Reads and answers one request of a connection that poll found ready, renewing its
-  // deadline. False when the connection is to be closed: the peer closed it or it failed, or
-  // it sent something that is not a request (answered first with an error reply).
+  // Reads and answers one request (a fetch or an ack) of a connection that poll found ready,
+  // renewing its deadline. False when the connection is to be closed: the peer closed it or
+  // it failed, or it sent something that is not a request (answered first with an error
+  // reply).
   bool ServeRequest(Connection& conn, std::vector<uint8_t>& request) {
     absl::StatusOr<size_t> len =
         ReceiveMessage(conn.fd.get(), request.data(), request.size(), nullptr, MSG_DONTWAIT);
@@ -513,18 +638,21 @@ class FdServer::Impl {
       if (len.status().code() == absl::StatusCode::kDeadlineExceeded) return true;  // none yet
       // Too long, or with fds: not a request.
       if (len.status().code() == absl::StatusCode::kInvalidArgument) {
-        RefuseRequest(conn.fd.get(), len.status());
+        RefuseRequest(conn.fd.get(), "fd request", len.status());
       }
       return false;
     }
     if (*len == 0) return false;  // closed by the peer
+    const absl::Span<const uint8_t> bytes = absl::MakeConstSpan(request.data(), *len);
+    const bool ack = fd_share_internal::IsAckRequest(bytes);
     absl::StatusOr<std::vector<FdRequestEntry>> entries =
-        fd_share_internal::DecodeFdRequest(absl::MakeConstSpan(request.data(), *len));
+        ack ? fd_share_internal::DecodeAckRequest(bytes) : fd_share_internal::DecodeFdRequest(bytes);
     if (!entries.ok()) {
-      RefuseRequest(conn.fd.get(), entries.status());
+      RefuseRequest(conn.fd.get(), ack ? "ack request" : "fd request", entries.status());
       return false;
     }
-    const absl::Status sent = Answer(conn.fd.get(), *entries);
+    const absl::Status sent =
+        ack ? AnswerAcks(conn.fd.get(), *entries) : Answer(conn.fd.get(), *entries);
     if (!sent.ok()) {
       // The client not reading its replies (DeadlineExceeded) or gone is its own affair.
       if (sent.code() != absl::StatusCode::kDeadlineExceeded &&
@@ -537,10 +665,11 @@ class FdServer::Impl {
     return true;
   }
 
-  // Tells the client why its request cannot be read (best effort: it may be gone).
-  static void RefuseRequest(int conn, const absl::Status& why) {
+  // Tells the client why its `what` ("fd request") cannot be read (best effort: it may be
+  // gone).
+  static void RefuseRequest(int conn, absl::string_view what, const absl::Status& why) {
     const std::vector<uint8_t> reply = fd_share_internal::EncodeFdErrorReply(
-        absl::Status(why.code(), absl::StrCat("fd request: ", why.message())));
+        absl::Status(why.code(), absl::StrCat(what, ": ", why.message())));
     SendMessage(conn, reply.data(), reply.size(), {}, MSG_DONTWAIT).IgnoreError();
   }
 
@@ -564,9 +693,22 @@ class FdServer::Impl {
     return SendMessage(conn, reply.data(), reply.size(), fds, MSG_DONTWAIT);
   }
 
+  // Acknowledges each hold of an ack request to the send ledger, in order (their releases
+  // run here, with no lock of the server held: they may register or unregister fds), then
+  // sends the reply.
+  static absl::Status AnswerAcks(int conn, absl::Span<const FdRequestEntry> entries) {
+    std::vector<bool> acknowledged(entries.size());
+    for (size_t i = 0; i < entries.size(); ++i) {
+      acknowledged[i] = SendLedger::Get().Ack(entries[i].key, entries[i].nonce).ok();
+    }
+    const std::vector<uint8_t> reply = fd_share_internal::EncodeAckReply(acknowledged);
+    return SendMessage(conn, reply.data(), reply.size(), {}, MSG_DONTWAIT);
+  }
+
   const uint32_t pid_;
   uint64_t server_id_ = 0;
   UniqueFd listen_;
+  UniqueFd wake_;  // an eventfd: written to make poll return (WakeForLedger)
   absl::Status start_;
   Mutex mu_;  // guards the registry; the serving thread's state is its own
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
@@ -594,6 +736,8 @@ absl::StatusOr<FdToken> FdServer::Register(UniqueFd fd) {
 }
 void FdServer::Unregister(uint64_t key) { impl()->Unregister(key); }
 size_t FdServer::size() { return impl()->size(); }
+absl::StatusOr<FdToken> FdServer::Address() { return impl()->Address(); }
+void FdServer::WakeForLedger() { impl()->Wake(); }
 
 // --- The client -------------------------------------------------------------------------
 
@@ -706,6 +850,27 @@ absl::Status FetchBatch(int sock, absl::Span<const FdToken> tokens, size_t first
   return ReadReply(absl::MakeConstSpan(reply.data(), *len), tokens, first_index, pid, fds, out);
 }
 
+// A socket connected to the fd server of process `pid` with id `server_id`, with `timeout`
+// for sending and receiving on it. Unavailable when no such server listens (the process is
+// gone, or no longer serves), else ExchangeError's errors.
+absl::StatusOr<UniqueFd> ConnectToServer(uint32_t pid, uint64_t server_id,
+                                         std::chrono::milliseconds timeout) {
+  UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!sock.valid()) return Errno("socket");
+  SetTimeouts(sock.get(), timeout);
+  sockaddr_un addr;
+  const socklen_t len = ServerAddress(pid, server_id, &addr);
+  if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+    if (errno == ECONNREFUSED || errno == ENOENT) {
+      return absl::UnavailableError(absl::StrCat(
+          "the exporting process ", pid,
+          " is gone (or no longer serves its fds): its memory cannot be imported"));
+    }
+    return ExchangeError(SocketError("connect"), pid, timeout);
+  }
+  return sock;
+}
+
 absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> tokens,
                                                     std::chrono::milliseconds timeout) {
   std::vector<UniqueFd> out;
@@ -716,20 +881,8 @@ absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> to
            tokens[end].server_id == tokens[start].server_id) {
       ++end;
     }
-    const uint32_t pid = tokens[start].pid;
-    UniqueFd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
-    if (!sock.valid()) return Errno("socket");
-    SetTimeouts(sock.get(), timeout);
-    sockaddr_un addr;
-    const socklen_t len = ServerAddress(pid, tokens[start].server_id, &addr);
-    if (connect(sock.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
-      if (errno == ECONNREFUSED || errno == ENOENT) {
-        return absl::UnavailableError(absl::StrCat(
-            "the exporting process ", pid,
-            " is gone (or no longer serves its fds): its memory cannot be imported"));
-      }
-      return ExchangeError(SocketError("connect"), pid, timeout);
-    }
+    VMM_ASSIGN_OR_RETURN(UniqueFd sock,
+                         ConnectToServer(tokens[start].pid, tokens[start].server_id, timeout));
     for (size_t b = start; b < end; b += kBatch) {
       const size_t n = std::min(kBatch, end - b);
       VMM_RETURN_IF_ERROR(RefusedOrCause(
@@ -768,6 +921,12 @@ absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tok
 }  // namespace
 
 absl::StatusOr<std::vector<UniqueFd>> FetchFds(absl::Span<const FdToken> tokens, FdFetch how) {
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i].kind != FdToken::Kind::kFd) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("handle ", i, " is a send ticket, not an fd token: it names no fd"));
+    }
+  }
   for (const FdToken& t : tokens) {
     if (t.boot_hash != BootHash()) {
       return absl::InvalidArgumentError(
@@ -796,11 +955,84 @@ absl::StatusOr<std::vector<UniqueFd>> fd_share_internal::FetchFdsBySocket(
   return FetchBySocket(tokens, timeout);
 }
 
+// --- The ack client ---------------------------------------------------------------------
+
+namespace {
+
+// The error of an ack exchange with process `pid` that failed as `error`.
+absl::Status AckExchangeError(const absl::Status& error, uint32_t pid,
+                              std::chrono::milliseconds timeout) {
+  switch (error.code()) {
+    case absl::StatusCode::kDeadlineExceeded:
+      return absl::DeadlineExceededError(absl::StrCat(
+          "the exporting process ", pid, " did not answer the ack within ", timeout.count(),
+          " ms: ", error.message()));
+    case absl::StatusCode::kUnavailable:
+      return absl::UnavailableError(absl::StrCat(
+          "the exporting process ", pid, " closed the connection without answering the ack (",
+          error.message(), ")"));
+    default:
+      return absl::Status(error.code(), absl::StrCat("acknowledging to process ", pid, ": ",
+                                                     error.message()));
+  }
+}
+
+// Sends one ack request of at most kBatch entries over `sock` and reads its reply into `out`.
+absl::Status AckBatch(int sock, uint32_t pid, absl::Span<const FdRequestEntry> entries,
+                      std::chrono::milliseconds timeout, std::vector<bool>* out) {
+  const std::vector<uint8_t> request = fd_share_internal::EncodeAckRequest(entries);
+  const absl::Status sent = SendMessage(sock, request.data(), request.size(), {});
+  if (!sent.ok()) return AckExchangeError(sent, pid, timeout);
+  std::vector<uint8_t> reply(kMaxReply);
+  const absl::StatusOr<size_t> len = ReceiveMessage(sock, reply.data(), reply.size(), nullptr);
+  if (!len.ok()) return AckExchangeError(len.status(), pid, timeout);
+  if (*len == 0) return AckExchangeError(absl::UnavailableError("end of stream"), pid, timeout);
+  const absl::Span<const uint8_t> bytes = absl::MakeConstSpan(reply.data(), *len);
+  if (std::optional<absl::Status> refused = fd_share_internal::DecodeFdErrorReply(bytes)) {
+    return absl::Status(refused->code(), absl::StrCat("the exporting process ", pid,
+                                                      " refused the ack: ",
+                                                      refused->message()));
+  }
+  absl::StatusOr<std::vector<bool>> acknowledged =
+      fd_share_internal::DecodeAckReply(bytes, entries.size());
+  if (!acknowledged.ok()) {
+    return absl::InternalError(absl::StrCat("malformed ack reply from the exporting process ",
+                                            pid, ": ", acknowledged.status().message()));
+  }
+  out->insert(out->end(), acknowledged->begin(), acknowledged->end());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<bool>> fd_share_internal::AckBySocket(
+    uint32_t pid, uint64_t server_id, absl::Span<const FdRequestEntry> entries,
+    std::chrono::milliseconds timeout) {
+  std::vector<bool> out;
+  if (entries.empty()) return out;
+  absl::StatusOr<UniqueFd> sock = ConnectToServer(pid, server_id, timeout);
+  if (!sock.ok()) {
+    if (sock.status().code() == absl::StatusCode::kUnavailable) {
+      return absl::UnavailableError(absl::StrCat(
+          "the exporting process ", pid, " is gone (or no longer serves): nothing to "
+          "acknowledge, it released what it held when it exited"));
+    }
+    return sock.status();
+  }
+  out.reserve(entries.size());
+  for (size_t b = 0; b < entries.size(); b += kBatch) {
+    const size_t n = std::min(kBatch, entries.size() - b);
+    VMM_RETURN_IF_ERROR(
+        RefusedOrCause(pid, AckBatch(sock->get(), pid, entries.subspan(b, n), timeout, &out)));
+  }
+  return out;
+}
+
 int FdServer::LookupLocal(const FdToken& token, int* err) {
   Impl* server = impl();
   int ignored = 0;
   if (err == nullptr) err = &ignored;
-  if (token.server_id != server->server_id()) {
+  if (token.kind != FdToken::Kind::kFd || token.server_id != server->server_id()) {
     *err = ENOENT;
     return -1;
   }

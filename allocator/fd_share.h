@@ -14,6 +14,13 @@
 // exited, or cannot duplicate the fd because its own fds ran out, the fetch fails with
 // Unavailable saying which. An exporter of another user refuses: PermissionDenied saying so.
 // Tokens from another machine (boot id) are refused.
+//
+// The same 64 bytes, of kind kSendHold, are the tickets of the send ledger (send_ledger.h): its
+// key and nonce name a hold in the exporter's SendLedger, a registry apart from the fds, which
+// the server consults only for ack requests (fd_share_internal.h). A ticket never fetches an
+// fd and an fd token is never acknowledged: each client refuses the other kind before it sends
+// anything (InvalidArgument), and the server looks each request's keys up only in its own
+// registry, where the random nonce of the other would not match.
 #ifndef VMM_ALLOCATOR_FD_SHARE_H_
 #define VMM_ALLOCATOR_FD_SHARE_H_
 
@@ -27,16 +34,24 @@
 
 namespace vmm {
 
+// Encoding (64 bytes, little endian): "VMMFDTOK" | version u32 (1) | pid u32 | boot hash u64 |
+// server id u64 | key u64 | nonce 16 | fd u32 | kind u8 | 3 zero bytes.
 struct FdToken {
+  // What the key names in the exporter: a registered fd (FetchFds), or a hold of its send
+  // ledger (AckSend, send_ledger.h). Fd tokens have kind 0, the byte they always had there.
+  enum class Kind : uint8_t { kFd = 0, kSendHold = 1 };
+
   uint32_t pid = 0;         // exporting process
   uint64_t boot_hash = 0;   // machine identity (boot id)
   uint64_t server_id = 0;   // random per FdServer start: names its socket
   uint64_t key = 0;         // registry key in that server
   std::array<uint8_t, 16> nonce{};  // random per registration
-  uint32_t fd = 0;          // the fd number in the exporter (for kPidfd)
+  uint32_t fd = 0;          // the fd number in the exporter (for kPidfd); 0 in a ticket
+  Kind kind = Kind::kFd;
 
   std::array<uint8_t, 64> Encode() const;
-  // InvalidArgument when the bytes are not a token (wrong magic, version or reserved bytes).
+  // InvalidArgument when the bytes are not a token (wrong length, magic, version or kind, or
+  // reserved bytes set). Canonical: a token decodes only from the bytes it encodes to.
   static absl::StatusOr<FdToken> Decode(absl::Span<const uint8_t> bytes);
 };
 
@@ -45,7 +60,9 @@ enum class FdFetch { kSocket, kPidfd };
 // The process's server of registered fds (a thread, started on first use, restarted in a
 // forked child). It serves every connection at once from one poll loop, closes a connection
 // that sends no request within 2 s, and keeps serving when accept fails for want of fds
-// (fd_share_internal.h has its limits and wire format).
+// (fd_share_internal.h has its limits and wire format). It also answers the acks of the send
+// ledger (send_ledger.h) and, while the ledger holds anything, wakes at least once a second to
+// end the holds whose lease is over; it calls the ledger with none of its own locks held.
 class FdServer {
  public:
   static FdServer& Get();
@@ -60,6 +77,14 @@ class FdServer {
   // (when given) ENOENT, or the dup's errno when it failed (EMFILE: out of fds).
   int LookupLocal(const FdToken& token, int* err = nullptr);
 
+  // A token that addresses this server (its pid, boot hash and server id; key 0), starting
+  // the server if needed: the send ledger's tickets carry it. Errors: those of starting it
+  // (the failed system call's).
+  absl::StatusOr<FdToken> Address();
+  // Makes the serving loop read the send ledger's next deadline now, when a hold that ends
+  // sooner than any other was made (the loop may be blocked with no deadline to wait for).
+  void WakeForLedger();
+
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
 
@@ -71,7 +96,7 @@ class FdServer {
 };
 
 // Fetches the fds named by `tokens` (in order). Errors: InvalidArgument (tokens from another
-// machine), Unavailable (exporter gone, it closed the connection without answering, or it
+// machine, or a send ticket among them), Unavailable (exporter gone, it closed the connection without answering, or it
 // could not duplicate the fd for lack of its own fds: the message says which),
 // DeadlineExceeded (the exporter did not answer within 10 s), NotFound (stale or forged token),
 // PermissionDenied (the exporter runs as another user and refused), or the system call's

@@ -5,6 +5,14 @@
 //   "VMMFDREQ" | count (u32, 1..kMaxTokensPerRequest) | count x (key u64 | nonce 16 bytes)
 // (little endian). The server answers each request with one reply message (fd_share.cc), or,
 // for a request it cannot read, with an error message and then closes the connection.
+//
+// An ack request (send_ledger.h: the receiver has imported what a ticket held) has the same
+// shape with its own magic, its entries naming holds of the exporter's send ledger:
+//   "VMMACKRQ" | count (u32, 1..kMaxTokensPerRequest) | count x (key u64 | nonce 16 bytes)
+// and is answered with one message, one status per entry (kAckOk, or kAckUnknown: no such
+// hold, whether stale, already acknowledged, expired or forged):
+//   "VMMACKRS" | count (u32) | count x status (u32)
+// A connection may send requests of both kinds, one at a time, under the same deadline.
 #ifndef VMM_ALLOCATOR_FD_SHARE_INTERNAL_H_
 #define VMM_ALLOCATOR_FD_SHARE_INTERNAL_H_
 
@@ -32,7 +40,8 @@ inline constexpr size_t kRequestEntrySize = 8 + 16;
 inline constexpr size_t kMaxRequestSize =
     kRequestHeaderSize + kMaxTokensPerRequest * kRequestEntrySize;
 
-// One token of a request: what the server needs to find and check a registered fd.
+// One token of a request: what the server needs to find and check a registered fd (or, in an
+// ack request, a hold of the send ledger).
 struct FdRequestEntry {
   uint64_t key = 0;
   std::array<uint8_t, 16> nonce{};
@@ -56,6 +65,27 @@ std::vector<uint8_t> EncodeFdRequest(absl::Span<const FdRequestEntry> entries);
 // not matching the count). Pure: a request decodes to entries that encode to the same bytes.
 absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uint8_t> bytes);
 
+// The bytes of an ack request for `entries` (at most kMaxTokensPerRequest of them).
+std::vector<uint8_t> EncodeAckRequest(absl::Span<const FdRequestEntry> entries);
+
+// Reads one ack request, as strictly as DecodeFdRequest (InvalidArgument saying what is
+// wrong; a request decodes to entries that encode to the same bytes).
+absl::StatusOr<std::vector<FdRequestEntry>> DecodeAckRequest(absl::Span<const uint8_t> bytes);
+
+// Whether `bytes` begins with the ack request's magic (which decoder the server uses).
+bool IsAckRequest(absl::Span<const uint8_t> bytes);
+
+// The statuses of an ack reply's entries.
+inline constexpr uint32_t kAckOk = 0;
+inline constexpr uint32_t kAckUnknown = 1;
+
+// The ack reply for `acknowledged` (one flag per entry of the request).
+std::vector<uint8_t> EncodeAckReply(const std::vector<bool>& acknowledged);
+// Reads the reply to an ack request of `count` entries: for each, whether the hold was
+// acknowledged. InvalidArgument when the bytes are not such a reply (magic, count, length, a
+// status other than kAckOk or kAckUnknown).
+absl::StatusOr<std::vector<bool>> DecodeAckReply(absl::Span<const uint8_t> bytes, size_t count);
+
 // The server's answer to a request it cannot read, before it closes the connection:
 //   "VMMFDERR" | code (u32, an absl::StatusCode) | message (the rest, at most 512 bytes).
 std::vector<uint8_t> EncodeFdErrorReply(const absl::Status& error);
@@ -66,6 +96,20 @@ std::optional<absl::Status> DecodeFdErrorReply(absl::Span<const uint8_t> bytes);
 // those locally), with `timeout` for connecting and for each reply. Errors as FetchFds.
 absl::StatusOr<std::vector<UniqueFd>> FetchFdsBySocket(absl::Span<const FdToken> tokens,
                                                        std::chrono::milliseconds timeout);
+
+// Acknowledges the holds `entries` to the fd server of process `pid` with id `server_id`: one
+// connection, one request per kMaxTokensPerRequest entries, `timeout` for connecting and for
+// each reply. For each entry, whether the exporter knew the hold. Errors (each naming the
+// pid): Unavailable (the exporter is gone, or closed the connection without answering),
+// DeadlineExceeded, PermissionDenied (it runs as another user and refused), the code of its
+// error reply, Internal (a malformed reply), or the system call's error.
+absl::StatusOr<std::vector<bool>> AckBySocket(uint32_t pid, uint64_t server_id,
+                                              absl::Span<const FdRequestEntry> entries,
+                                              std::chrono::milliseconds timeout);
+
+// Fills `out` with `n` random bytes (getrandom; a weaker source, with an error logged, if it
+// fails): the nonces of fds and holds, and server ids.
+void RandomBytes(uint8_t* out, size_t n);
 
 // The abstract Unix socket address (without its leading NUL byte) of the fd server of process
 // `pid` with id `server_id`.

@@ -1,11 +1,12 @@
-// Fuzz target for what the fd server reads from other processes: a request
-// (fd_share_internal::DecodeFdRequest), and for the importer, an error reply
-// (DecodeFdErrorReply) and a token (FdToken::Decode).
+// Fuzz target for what the fd server reads from other processes: a fetch request
+// (fd_share_internal::DecodeFdRequest) and an ack request (DecodeAckRequest); and for the
+// importer and the acknowledging receiver, an error reply (DecodeFdErrorReply), an ack reply
+// (DecodeAckReply) and a token or ticket (FdToken::Decode).
 //
-// Beyond "does not crash" (with ASan and UBSan): a request that decodes holds 1 to
-// kMaxTokensPerRequest tokens and encodes back to exactly the input; a token likewise; a
-// rejected request is InvalidArgument with a message; an error reply never reads as OK. A
-// violation traps, so libFuzzer records the input.
+// Beyond "does not crash" (with ASan and UBSan): a request of either kind that decodes holds 1
+// to kMaxTokensPerRequest tokens and encodes back to exactly the input; a token and an ack
+// reply likewise; a rejected request is InvalidArgument with a message; an error reply never
+// reads as OK. A violation traps, so libFuzzer records the input.
 //
 // Built with --config=fuzz this links libFuzzer; otherwise fuzz_replay_main.cc supplies a
 // main() that runs the target over files (see fd_request_fuzzer_corpus_test).
@@ -45,6 +46,44 @@ void FuzzRequest(absl::Span<const uint8_t> bytes) {
   Check(absl::MakeConstSpan(encoded) == bytes, "EncodeFdRequest(DecodeFdRequest(bytes)) != bytes");
 }
 
+void FuzzAckRequest(absl::Span<const uint8_t> bytes) {
+  absl::StatusOr<std::vector<fd_share_internal::FdRequestEntry>> entries =
+      fd_share_internal::DecodeAckRequest(bytes);
+  if (!entries.ok()) {
+    Check(entries.status().code() == absl::StatusCode::kInvalidArgument,
+          "DecodeAckRequest failed with a code other than InvalidArgument");
+    Check(!entries.status().message().empty(), "DecodeAckRequest failed without a message");
+    return;
+  }
+  Check(fd_share_internal::IsAckRequest(bytes), "an ack request the server would not route");
+  Check(!entries->empty() && entries->size() <= fd_share_internal::kMaxTokensPerRequest,
+        "an ack request of no tokens, or of more than a request holds");
+  const std::vector<uint8_t> encoded = fd_share_internal::EncodeAckRequest(*entries);
+  Check(absl::MakeConstSpan(encoded) == bytes,
+        "EncodeAckRequest(DecodeAckRequest(bytes)) != bytes");
+}
+
+// An ack reply read for the count its header claims (and for one entry).
+void FuzzAckReply(absl::Span<const uint8_t> bytes) {
+  std::vector<size_t> counts = {1};
+  if (bytes.size() >= 12) {
+    counts.push_back(size_t{bytes[8]} | size_t{bytes[9]} << 8 | size_t{bytes[10]} << 16 |
+                     size_t{bytes[11]} << 24);
+  }
+  for (size_t count : counts) {
+    absl::StatusOr<std::vector<bool>> acknowledged =
+        fd_share_internal::DecodeAckReply(bytes, count);
+    if (!acknowledged.ok()) {
+      Check(acknowledged.status().code() == absl::StatusCode::kInvalidArgument,
+            "DecodeAckReply failed with a code other than InvalidArgument");
+      continue;
+    }
+    Check(acknowledged->size() == count, "an ack reply of another count than asked");
+    const std::vector<uint8_t> encoded = fd_share_internal::EncodeAckReply(*acknowledged);
+    Check(absl::MakeConstSpan(encoded) == bytes, "EncodeAckReply(DecodeAckReply(bytes)) != bytes");
+  }
+}
+
 void FuzzErrorReply(absl::Span<const uint8_t> bytes) {
   const std::optional<absl::Status> error = fd_share_internal::DecodeFdErrorReply(bytes);
   if (!error.has_value()) return;
@@ -71,6 +110,8 @@ void FuzzToken(absl::Span<const uint8_t> bytes) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const absl::Span<const uint8_t> bytes(data, size);
   vmm::FuzzRequest(bytes);
+  vmm::FuzzAckRequest(bytes);
+  vmm::FuzzAckReply(bytes);
   vmm::FuzzErrorReply(bytes);
   vmm::FuzzToken(bytes);
   return 0;

@@ -1,6 +1,7 @@
 // The fd server under hostile and unlucky clients, in this process over loopback Unix sockets:
-// accept failing for lack of fds, idle and slow clients, malformed requests, the connection
-// cap; and the importer's errors when a server never answers or hangs up. Each test is bounded
+// accept failing for lack of fds, idle and slow clients, malformed requests (fetches and acks),
+// the connection cap; the importer's errors when a server never answers or hangs up; the
+// token's kinds and the ack request's encoding. Each test is bounded
 // (a few seconds at most); the server's limits are fd_share_internal::kRequestDeadline and
 // kMaxConnections.
 #include <fcntl.h>
@@ -10,6 +11,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -23,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "allocator/fd_share.h"
 #include "allocator/fd_share_internal.h"
+#include "allocator/send_ledger.h"
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -205,6 +208,76 @@ TEST(FdServerTest, AMalformedRequestGetsAnErrorAndOnlyItsConnectionCloses) {
   FdServer::Get().Unregister(token.key);
 }
 
+TEST(FdServerTest, AMalformedAckRequestGetsAnErrorAndItsConnectionCloses) {
+  const FdToken token = RegisterMarked(17);
+  const std::vector<std::vector<uint8_t>> malformed = {
+      {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q'},                        // no count
+      {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q', 0, 0, 0, 0},             // no tokens
+      {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q', 1, 0, 0, 0, 1, 2, 3},    // short of its count
+      {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q', 251, 0, 0, 0},           // more than a request
+  };
+  for (const std::vector<uint8_t>& request : malformed) {
+    SCOPED_TRACE(absl::StrCat(request.size(), "-byte request"));
+    RawClient bad(token);
+    ASSERT_TRUE(bad.Connect());
+    ASSERT_TRUE(bad.Send(request));
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply, bad.Receive(milliseconds(2000)));
+    std::optional<absl::Status> error = fd_share_internal::DecodeFdErrorReply(reply);
+    ASSERT_TRUE(error.has_value()) << "no error reply (" << reply.size() << " bytes)";
+    EXPECT_THAT(*error, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ack request")));
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> after, bad.Receive(milliseconds(2000)));
+    EXPECT_TRUE(after.empty()) << "the connection is closed after the error";
+  }
+  EXPECT_LT(FetchAndCheck(token, 17, milliseconds(3000)), milliseconds(1000));
+  FdServer::Get().Unregister(token.key);
+}
+
+TEST(FdServerTest, OneConnectionMayAckAndFetchInTurn) {
+  const FdToken token = RegisterMarked(18);
+  std::atomic<int> released{0};
+  ASSERT_OK_AND_ASSIGN(const SendLedger::Ticket bytes,
+                       SendLedger::Get().Hold(1, [&released] { ++released; }));
+  ASSERT_OK_AND_ASSIGN(const FdToken ticket, FdToken::Decode(bytes));
+  EXPECT_EQ(ticket.kind, FdToken::Kind::kSendHold);
+  EXPECT_EQ(ticket.pid, token.pid);
+  EXPECT_EQ(ticket.server_id, token.server_id);
+  RawClient client(token);
+  ASSERT_TRUE(client.Connect());
+  // An fd's key and nonce name no hold, a hold's name no fd; the hold is acknowledged once.
+  ASSERT_TRUE(client.Send(fd_share_internal::EncodeAckRequest(
+      {EntryOf(token), EntryOf(ticket), EntryOf(ticket)})));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply, client.Receive(milliseconds(2000)));
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> acked, fd_share_internal::DecodeAckReply(reply, 3));
+  EXPECT_EQ(acked, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(released.load(), 1);
+  ASSERT_TRUE(client.Send(fd_share_internal::EncodeFdRequest({EntryOf(ticket)})));
+  ASSERT_OK_AND_ASSIGN(reply, client.Receive(milliseconds(2000)));
+  ASSERT_EQ(reply.size(), 16u);
+  EXPECT_EQ(reply[12], 1) << "a hold's key and nonce fetch nothing";
+  ASSERT_TRUE(client.Send(fd_share_internal::EncodeFdRequest({EntryOf(token)})));
+  EXPECT_TRUE(IsOkReply(client.Receive(milliseconds(2000))));
+  FdServer::Get().Unregister(token.key);
+}
+
+TEST(FdServerTest, AckBySocketBatchesAndNamesAGoneExporter) {
+  std::atomic<int> released{0};
+  std::vector<fd_share_internal::FdRequestEntry> entries;
+  FdToken first;
+  for (int i = 0; i < 600; ++i) {  // three requests on one connection
+    ASSERT_OK_AND_ASSIGN(const SendLedger::Ticket bytes,
+                         SendLedger::Get().Hold(1, [&released] { ++released; }));
+    ASSERT_OK_AND_ASSIGN(first, FdToken::Decode(bytes));
+    entries.push_back(EntryOf(first));
+  }
+  ASSERT_OK_AND_ASSIGN(std::vector<bool> acked,
+                       fd_share_internal::AckBySocket(first.pid, first.server_id, entries,
+                                                      milliseconds(5000)));
+  EXPECT_EQ(std::count(acked.begin(), acked.end(), true), 600);
+  EXPECT_EQ(released.load(), 600);
+  EXPECT_THAT(fd_share_internal::AckBySocket(first.pid, 0xdeadu, entries, milliseconds(500)),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));
+}
+
 TEST(FdServerTest, AnIdleConnectionIsClosedAfterTheRequestDeadline) {
   const FdToken token = RegisterMarked(14);
   RawClient idle(token);
@@ -293,6 +366,59 @@ TEST(FdFetchTest, NoServerIsUnavailable) {
   token.server_id = 0xdeadu;
   EXPECT_THAT(fd_share_internal::FetchFdsBySocket({token}, milliseconds(500)),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));
+}
+
+TEST(FdTokenTest, KindsRoundTripAndUnknownKindsAreRefused) {
+  FdToken token;
+  token.pid = 7;
+  token.key = 9;
+  token.fd = 3;
+  for (FdToken::Kind kind : {FdToken::Kind::kFd, FdToken::Kind::kSendHold}) {
+    token.kind = kind;
+    const std::array<uint8_t, 64> bytes = token.Encode();
+    EXPECT_EQ(bytes[60], static_cast<uint8_t>(kind));
+    ASSERT_OK_AND_ASSIGN(const FdToken decoded, FdToken::Decode(bytes));
+    EXPECT_EQ(decoded.kind, kind);
+    EXPECT_EQ(decoded.Encode(), bytes);
+  }
+  std::array<uint8_t, 64> bytes = token.Encode();
+  bytes[60] = 2;
+  EXPECT_THAT(FdToken::Decode(bytes), StatusIs(absl::StatusCode::kInvalidArgument,
+                                               HasSubstr("kind")));
+  bytes = token.Encode();
+  bytes[63] = 1;
+  EXPECT_THAT(FdToken::Decode(bytes), StatusIs(absl::StatusCode::kInvalidArgument,
+                                               HasSubstr("reserved")));
+}
+
+TEST(AckRequestTest, RoundTripsAndIsStrict) {
+  const std::vector<fd_share_internal::FdRequestEntry> entries = {
+      {1, {}}, {~uint64_t{0}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}}};
+  const std::vector<uint8_t> bytes = fd_share_internal::EncodeAckRequest(entries);
+  EXPECT_TRUE(fd_share_internal::IsAckRequest(bytes));
+  EXPECT_FALSE(fd_share_internal::IsAckRequest(fd_share_internal::EncodeFdRequest(entries)));
+  ASSERT_OK_AND_ASSIGN(const auto decoded, fd_share_internal::DecodeAckRequest(bytes));
+  EXPECT_EQ(decoded, entries);
+  // A fetch request is not an ack request, nor the other way round.
+  EXPECT_THAT(fd_share_internal::DecodeAckRequest(fd_share_internal::EncodeFdRequest(entries)),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad magic")));
+  EXPECT_THAT(fd_share_internal::DecodeFdRequest(bytes),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad magic")));
+  std::vector<uint8_t> longer = bytes;
+  longer.push_back(0);
+  EXPECT_THAT(fd_share_internal::DecodeAckRequest(longer),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  // Replies: the statuses read back; another count or status is refused.
+  const std::vector<uint8_t> reply = fd_share_internal::EncodeAckReply({true, false});
+  ASSERT_OK_AND_ASSIGN(const std::vector<bool> acked,
+                       fd_share_internal::DecodeAckReply(reply, 2));
+  EXPECT_EQ(acked, (std::vector<bool>{true, false}));
+  EXPECT_THAT(fd_share_internal::DecodeAckReply(reply, 3),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  std::vector<uint8_t> odd = reply;
+  odd[12] = 7;
+  EXPECT_THAT(fd_share_internal::DecodeAckReply(odd, 2),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("status")));
 }
 
 // The highest fd open in this process.

@@ -1,0 +1,378 @@
+#include "allocator/send_ledger.h"
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/container/btree_set.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "allocator/fd_share.h"
+#include "allocator/fd_share_internal.h"
+#include "allocator/log.h"
+#include "allocator/mutex.h"
+#include "allocator/status_macros.h"
+
+namespace vmm {
+namespace {
+
+using Nonce = std::array<uint8_t, 16>;
+using Release = absl::AnyInvocable<void() &&>;
+
+// How long a receiver waits to connect to the exporter and for each reply.
+constexpr std::chrono::milliseconds kAckTimeout = std::chrono::seconds(2);
+
+// Compares nonces in time that does not depend on where they differ.
+bool SameNonce(const Nonce& a, const Nonce& b) {
+  uint8_t diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<uint8_t>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+// The lease VMM_SEND_LEASE_S asks for (read once), else the default; a malformed value is
+// said once and the default used.
+absl::Duration LeaseFromEnvironment() {
+  const char* text = std::getenv("VMM_SEND_LEASE_S");
+  if (text == nullptr || text[0] == '\0') return send_ledger_internal::kDefaultLease;
+  absl::StatusOr<absl::Duration> lease = send_ledger_internal::ParseLeaseSeconds(text);
+  if (!lease.ok()) {
+    LogWarningOnce("send-lease", absl::StrCat("VMM_SEND_LEASE_S: ", lease.status().message(),
+                                              "; using the default lease of ",
+                                              absl::FormatDuration(
+                                                  send_ledger_internal::kDefaultLease)));
+    return send_ledger_internal::kDefaultLease;
+  }
+  return *lease;
+}
+
+// BasicLockable view of a held vmm::Mutex for std::condition_variable_any, which unlocks it
+// while waiting and locks it again before returning.
+struct LockAdapter {
+  Mutex* mu;
+  void lock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Lock(); }
+  void unlock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Unlock(); }
+};
+
+}  // namespace
+
+namespace send_ledger_internal {
+
+absl::StatusOr<absl::Duration> ParseLeaseSeconds(absl::string_view text) {
+  double seconds = 0;
+  if (!absl::SimpleAtod(text, &seconds) || !std::isfinite(seconds) || seconds <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("lease \"", text, "\" is not a positive number of seconds"));
+  }
+  return absl::Seconds(seconds);
+}
+
+}  // namespace send_ledger_internal
+
+// The ledger's state, under one lock. Releases are moved out under the lock and run after it
+// is dropped; `releasing_` counts those running, so that WaitUntilEmpty waits for them too.
+class SendLedger::Impl {
+ public:
+  struct Entry {
+    Nonce nonce;
+    uint64_t bytes = 0;
+    absl::Time deadline;
+    Release release;
+  };
+  using Holds = absl::flat_hash_map<uint64_t, Entry>;
+
+  Impl() : lease_(LeaseFromEnvironment()) {}
+
+  // Adds a hold; true when it ends sooner than every other (the fd server must look again).
+  bool Add(uint64_t bytes, const Nonce& nonce, Release release, uint64_t* key) {
+    MutexLock lock(&mu_);
+    *key = next_key_++;
+    const absl::Time deadline = absl::Now() + lease_;
+    const bool soonest = deadlines_.empty() || deadline < deadlines_.begin()->first;
+    holds_.emplace(*key, Entry{nonce, bytes, deadline, std::move(release)});
+    deadlines_.insert({deadline, *key});
+    stats_.held_bytes += bytes;
+    stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, stats_.held_bytes);
+    ++stats_.holds;
+    return soonest;
+  }
+
+  // Ends the hold (key, nonce) as acknowledged and returns its release; false if none.
+  bool TakeAcked(uint64_t key, const Nonce& nonce, Release* release) {
+    MutexLock lock(&mu_);
+    auto it = holds_.find(key);
+    if (it == holds_.end() || !SameNonce(it->second.nonce, nonce)) return false;
+    ++stats_.acked;
+    *release = Remove(it);
+    return true;
+  }
+
+  // Ends the holds whose lease is over and returns their releases.
+  std::vector<Release> TakeExpired() {
+    std::vector<Release> out;
+    MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      out.push_back(Remove(holds_.find(deadlines_.begin()->second)));
+    }
+    stats_.expired += out.size();
+    return out;
+  }
+
+  // Runs releases taken by TakeAcked or TakeExpired, no lock held, then counts them done.
+  void Run(std::vector<Release>& releases) {
+    for (Release& release : releases) {
+      if (release) std::move(release)();
+    }
+    MutexLock lock(&mu_);
+    releasing_ -= releases.size();
+    if (OutstandingLocked() == 0) emptied_->notify_all();
+  }
+
+  absl::Time NextDeadline() {
+    MutexLock lock(&mu_);
+    return deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
+  }
+
+  void SetLease(absl::Duration lease) {
+    MutexLock lock(&mu_);
+    lease_ = lease;
+  }
+
+  absl::Duration lease() {
+    MutexLock lock(&mu_);
+    return lease_;
+  }
+
+  size_t WaitUntilEmpty(absl::Duration timeout) {
+    const auto until = absl::ToChronoTime(absl::Now() + timeout);
+    MutexLock lock(&mu_);
+    while (OutstandingLocked() > 0 && std::chrono::system_clock::now() < until) {
+      LockAdapter adapter{&mu_};
+      emptied_->wait_until(adapter, until);
+    }
+    return OutstandingLocked();
+  }
+
+  Stats GetStats() {
+    MutexLock lock(&mu_);
+    Stats stats = stats_;
+    stats.held = holds_.size();
+    return stats;
+  }
+
+  // pthread_atfork handlers: the lock is held across fork(), so that the child finds the
+  // state whole; the child then starts with an empty ledger.
+  void LockForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_.Lock(); }
+  void UnlockInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_.Unlock(); }
+  void ForgetParentInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    // The parent's holds are the parent's: their releases never run here, and they are not
+    // destroyed either (what they capture belongs to the parent), so they are kept aside.
+    static auto* parents_holds = new std::vector<Holds>();
+    parents_holds->push_back(std::move(holds_));
+    holds_ = Holds();
+    deadlines_.clear();
+    releasing_ = 0;
+    stats_ = Stats();
+    // A thread of the parent may have been inside the condition variable: a fresh one.
+    emptied_ = new std::condition_variable_any();
+    mu_.Unlock();
+  }
+
+ private:
+  // Removes the hold at `it` (which exists) and returns its release, counted as running.
+  Release Remove(Holds::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Release release = std::move(it->second.release);
+    deadlines_.erase({it->second.deadline, it->first});
+    stats_.held_bytes -= it->second.bytes;
+    holds_.erase(it);
+    ++releasing_;
+    return release;
+  }
+
+  size_t OutstandingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return holds_.size() + releasing_;
+  }
+
+  Mutex mu_;
+  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::Duration lease_ ABSL_GUARDED_BY(mu_);
+  Holds holds_ ABSL_GUARDED_BY(mu_);
+  // (deadline, key) of every hold, soonest first.
+  absl::btree_set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
+  size_t releasing_ ABSL_GUARDED_BY(mu_) = 0;
+  Stats stats_ ABSL_GUARDED_BY(mu_);  // `held` is holds_.size(), filled in by GetStats
+  // Notified when nothing is outstanding; replaced (never freed) in a forked child.
+  std::condition_variable_any* emptied_ ABSL_GUARDED_BY(mu_) =
+      new std::condition_variable_any();
+};
+
+namespace {
+
+// The ledger, for the fork handlers (set once, before they are installed).
+SendLedger* ledger_for_fork = nullptr;
+
+}  // namespace
+
+SendLedger& SendLedger::Get() {
+  static auto* ledger = new SendLedger();
+  return *ledger;
+}
+
+SendLedger::SendLedger() : impl_(new Impl()) {
+  ledger_for_fork = this;
+  pthread_atfork([] { ledger_for_fork->impl_->LockForFork(); },
+                 [] { ledger_for_fork->impl_->UnlockInParent(); },
+                 [] { ledger_for_fork->impl_->ForgetParentInChild(); });
+}
+
+absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release release) {
+  VMM_ASSIGN_OR_RETURN(FdToken ticket, FdServer::Get().Address());
+  ticket.kind = FdToken::Kind::kSendHold;
+  fd_share_internal::RandomBytes(ticket.nonce.data(), ticket.nonce.size());
+  if (impl_->Add(bytes, ticket.nonce, std::move(release), &ticket.key)) {
+    FdServer::Get().WakeForLedger();
+  }
+  return ticket.Encode();
+}
+
+absl::Status SendLedger::Ack(uint64_t key, const std::array<uint8_t, 16>& nonce) {
+  std::vector<Release> release(1);
+  if (!impl_->TakeAcked(key, nonce, &release[0])) {
+    return absl::NotFoundError(absl::StrCat("no such hold: ", key));
+  }
+  impl_->Run(release);
+  return absl::OkStatus();
+}
+
+size_t SendLedger::ExpireDue() {
+  std::vector<Release> releases = impl_->TakeExpired();
+  if (releases.empty()) return 0;
+  impl_->Run(releases);
+  return releases.size();
+}
+
+absl::Time SendLedger::NextDeadline() { return impl_->NextDeadline(); }
+
+void SendLedger::SetLease(absl::Duration lease) {
+  if (lease <= absl::ZeroDuration()) {
+    LogWarning(absl::StrCat("SendLedger::SetLease(", absl::FormatDuration(lease),
+                            "): a lease must be positive; keeping ",
+                            absl::FormatDuration(impl_->lease())));
+    return;
+  }
+  impl_->SetLease(lease);
+}
+
+absl::Duration SendLedger::lease() { return impl_->lease(); }
+
+size_t SendLedger::WaitUntilEmpty(absl::Duration timeout) {
+  return impl_->WaitUntilEmpty(timeout);
+}
+
+SendLedger::Stats SendLedger::GetStats() { return impl_->GetStats(); }
+
+// --- The receiver's half ------------------------------------------------------------------
+
+namespace {
+
+// The ticket `index` decoded, or InvalidArgument saying why it is none.
+absl::StatusOr<FdToken> DecodeTicket(absl::Span<const uint8_t> bytes, size_t index) {
+  absl::StatusOr<FdToken> token = FdToken::Decode(bytes);
+  if (!token.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ticket ", index, " is not a send ticket: ", token.status().message()));
+  }
+  if (token->kind != FdToken::Kind::kSendHold) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ticket ", index, " is an fd token, not a send ticket"));
+  }
+  if (token->boot_hash != BootHash()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ticket ", index, " comes from another machine: sends are acknowledged only on the "
+        "machine that made them"));
+  }
+  return *token;
+}
+
+absl::Status NotHeld(size_t index, uint32_t pid) {
+  return absl::NotFoundError(absl::StrCat(
+      "process ", pid, " holds nothing for ticket ", index,
+      " (it was already acknowledged, or its lease ended)"));
+}
+
+// Acknowledges the tickets `indices` of `tokens`, all of one exporter, into `statuses`.
+void AckOneExporter(absl::Span<const FdToken> tokens, const std::vector<size_t>& indices,
+                    std::vector<absl::Status>* statuses) {
+  const FdToken& first = tokens[indices[0]];
+  if (first.pid == static_cast<uint32_t>(getpid())) {  // this process's own: no socket
+    for (size_t i : indices) {
+      if (!SendLedger::Get().Ack(tokens[i].key, tokens[i].nonce).ok()) {
+        (*statuses)[i] = NotHeld(i, tokens[i].pid);
+      }
+    }
+    return;
+  }
+  std::vector<fd_share_internal::FdRequestEntry> entries;
+  entries.reserve(indices.size());
+  for (size_t i : indices) entries.push_back({tokens[i].key, tokens[i].nonce});
+  absl::StatusOr<std::vector<bool>> acknowledged =
+      fd_share_internal::AckBySocket(first.pid, first.server_id, entries, kAckTimeout);
+  for (size_t j = 0; j < indices.size(); ++j) {
+    if (!acknowledged.ok()) {
+      (*statuses)[indices[j]] = acknowledged.status();
+    } else if (!(*acknowledged)[j]) {
+      (*statuses)[indices[j]] = NotHeld(indices[j], first.pid);
+    }
+  }
+}
+
+}  // namespace
+
+absl::Status AckSend(absl::Span<const uint8_t> ticket) {
+  VMM_ASSIGN_OR_RETURN(FdToken token, DecodeTicket(ticket, 0));
+  std::vector<absl::Status> statuses(1);
+  AckOneExporter({token}, {0}, &statuses);
+  return statuses[0];
+}
+
+absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets) {
+  std::vector<absl::Status> statuses(tickets.size());
+  std::vector<FdToken> tokens(tickets.size());
+  // The tickets of each exporter (pid, server id), exporters in order of first appearance.
+  std::vector<std::vector<size_t>> exporters;
+  absl::flat_hash_map<std::pair<uint32_t, uint64_t>, size_t> exporter_of;
+  for (size_t i = 0; i < tickets.size(); ++i) {
+    absl::StatusOr<FdToken> token = DecodeTicket(tickets[i], i);
+    if (!token.ok()) {
+      statuses[i] = token.status();
+      continue;
+    }
+    tokens[i] = *token;
+    auto [it, added] = exporter_of.try_emplace({token->pid, token->server_id}, exporters.size());
+    if (added) exporters.emplace_back();
+    exporters[it->second].push_back(i);
+  }
+  for (const std::vector<size_t>& indices : exporters) {
+    AckOneExporter(tokens, indices, &statuses);
+  }
+  size_t failed = 0;
+  const absl::Status* first = nullptr;
+  for (const absl::Status& status : statuses) {
+    if (status.ok()) continue;
+    if (failed++ == 0) first = &status;
+  }
+  if (failed <= 1) return first == nullptr ? absl::OkStatus() : *first;
+  return absl::Status(first->code(), absl::StrCat(failed, " of ", tickets.size(),
+                                                  " tickets failed; the first: ",
+                                                  first->message()));
+}
+
+}  // namespace vmm

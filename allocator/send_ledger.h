@@ -1,0 +1,122 @@
+// send_ledger.h: keeping memory that was sent to another process valid until the receiver has
+// imported it.
+//
+// A sender may drop what it sent at once (`queue.put(t); del t`), before the receiver has
+// imported it. So the sender registers a *hold* with the process's SendLedger, whose release
+// callback drops what keeps the memory alive, and puts the hold's 64-byte *ticket* in the
+// payload. Once the receiver has imported the memory it acknowledges the ticket (AckSend): one
+// message to the exporter's fd server (fd_share.h), which acknowledges the hold here and runs
+// its release. A receiver that never acknowledges (it died, or never read the payload) does
+// not pin the memory for the sender's whole life: each hold ends after a *lease* (600 s, or
+// VMM_SEND_LEASE_S seconds, read once, a malformed value warned about once and ignored;
+// SetLease changes it), and its release runs then.
+//
+// Failures: Hold fails only when the fd server cannot start; an ack that cannot be delivered
+// (AckSend's errors, below) leaves the hold to its lease, so memory is never released early
+// and never held past the lease.
+//
+// A ticket is an FdToken (fd_share.h) of kind kSendHold: the exporter's pid, boot hash and fd
+// server id address its socket as for fds, and its key and random 16-byte nonce name the hold
+// in this ledger, a registry apart from the server's fds. Ack requests look keys up only here
+// and fetches only among the fds, and each client refuses a token of the other kind, so a
+// ticket never fetches an fd and an fd token never acknowledges a hold.
+//
+// Each release runs exactly once, with no lock of the ledger (or of the fd server) held, on
+// the thread that ended the hold: the fd server's thread for acks from other processes and
+// for leases, the caller's for Ack, AckSend of a ticket of this process, and ExpireDue; so a
+// release should be quick (on the server's thread it delays other clients) and must not throw.
+// It may call the fd server and the ledger (register or unregister fds, make holds). A
+// fork()ed child starts with an empty ledger: it never runs (nor destroys) its parent's
+// releases; the parent's holds stay the parent's.
+#ifndef VMM_ALLOCATOR_SEND_LEDGER_H_
+#define VMM_ALLOCATOR_SEND_LEDGER_H_
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+#include "absl/functional/any_invocable.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+
+namespace vmm {
+
+// The process's holds on memory it sent (see file comment). Thread safe.
+class SendLedger {
+ public:
+  static SendLedger& Get();  // process-wide, never destroyed
+
+  using Ticket = std::array<uint8_t, 64>;
+
+  // Registers a hold of `bytes` whose `release` runs exactly once, without any ledger lock
+  // held: when the receiver acks the ticket, when the lease ends, or never in a forked child
+  // (a child drops its parent's holds without running them). Starts the fd server if needed.
+  // Errors: those of starting the server (the failed system call's).
+  absl::StatusOr<Ticket> Hold(uint64_t bytes, absl::AnyInvocable<void() &&> release);
+
+  // Server side: the hold (key, nonce) was acknowledged; runs its release before returning.
+  // NotFound if no such hold (stale, already acked or expired, or a forged nonce: which is
+  // not said).
+  absl::Status Ack(uint64_t key, const std::array<uint8_t, 16>& nonce);
+
+  // Releases the holds whose lease has ended; returns how many. The fd server's loop calls
+  // it at least once a second while holds exist.
+  size_t ExpireDue();
+
+  // The soonest lease end, or absl::InfiniteFuture() with no holds.
+  absl::Time NextDeadline();
+
+  // The lease of holds made from now on. A lease that is not positive is refused (a warning,
+  // and the lease stays as it was).
+  void SetLease(absl::Duration lease);
+  absl::Duration lease();
+
+  // Waits until no hold is outstanding (every release has returned) or `timeout` passes;
+  // returns the holds left.
+  size_t WaitUntilEmpty(absl::Duration timeout);
+
+  struct Stats {
+    uint64_t held = 0, held_bytes = 0, peak_held_bytes = 0;  // now / peak
+    uint64_t holds = 0, acked = 0, expired = 0;              // totals
+  };
+  Stats GetStats();
+
+  SendLedger(const SendLedger&) = delete;
+  SendLedger& operator=(const SendLedger&) = delete;
+
+ private:
+  SendLedger();
+  class Impl;
+  Impl* const impl_;
+};
+
+// The receiver's half: acknowledges `ticket` to the exporter named in it (connects to its fd
+// server socket, one request, waits for the reply, at most about 2 s; a ticket of this very
+// process is acknowledged without the socket). InvalidArgument if the bytes are not a ticket
+// (an fd token is not one) or come from another machine (boot hash); Unavailable if the
+// exporter is gone; NotFound if the exporter does not know the hold (already acked or
+// expired); DeadlineExceeded if it does not answer in time; PermissionDenied if it runs as
+// another user and refused.
+absl::Status AckSend(absl::Span<const uint8_t> ticket);
+
+// Acknowledges many tickets (possibly of several exporters) with one connection per exporter
+// (one request per 250 tickets). Every ticket is tried; OK when all were acknowledged, else
+// the error (as AckSend's) of the first ticket that failed, saying how many failed.
+absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets);
+
+namespace send_ledger_internal {
+
+// The default lease, when VMM_SEND_LEASE_S is unset or malformed.
+inline constexpr absl::Duration kDefaultLease = absl::Seconds(600);
+
+// Reads a lease in seconds, as VMM_SEND_LEASE_S holds it ("600", "0.5"). InvalidArgument,
+// naming the text, for anything but a positive finite number.
+absl::StatusOr<absl::Duration> ParseLeaseSeconds(absl::string_view text);
+
+}  // namespace send_ledger_internal
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_SEND_LEDGER_H_

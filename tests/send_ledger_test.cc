@@ -1,0 +1,492 @@
+// The send ledger: holds released exactly once when a receiver in another process acknowledges
+// them or when their lease ends; stale, forged and foreign tickets; an exporter that is gone;
+// releases that call back into the fd server; many holds; fork(); threads holding and
+// acknowledging at once (run under ThreadSanitizer in CI). Receivers are forked children
+// (which start no threads: the parent's fd server answers them), each reporting by its exit
+// code. Every test leaves the process's ledger empty and its lease as it found them.
+#include "allocator/send_ledger.h"
+
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "allocator/fd_share.h"
+#include "allocator/fd_share_internal.h"
+#include "allocator/mutex.h"
+#include "allocator/unique_fd.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+#include "tests/subprocess.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::HasSubstr;
+using Ticket = SendLedger::Ticket;
+
+// Runs `child` in a forked process and returns its exit code (0: every check in it held).
+template <typename F>
+int InForkedChild(F child) {
+  const pid_t pid = fork();
+  if (pid == 0) _exit(child());
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The exit code that reports `status` from a child: its code's number.
+int CodeOf(const absl::Status& status) { return static_cast<int>(status.code()); }
+
+// Acknowledges `ticket` from a forked child; the status code it got.
+absl::StatusCode AckFromChild(const Ticket& ticket) {
+  return static_cast<absl::StatusCode>(
+      InForkedChild([&] { return CodeOf(AckSend(ticket)); }));
+}
+
+FdToken Decoded(const Ticket& ticket) {
+  absl::StatusOr<FdToken> token = FdToken::Decode(ticket);
+  EXPECT_OK(token);
+  return token.ok() ? *token : FdToken{};
+}
+
+// Waits up to `timeout` for `condition`; whether it held.
+template <typename F>
+bool Eventually(F condition, absl::Duration timeout) {
+  const absl::Time until = absl::Now() + timeout;
+  while (!condition()) {
+    if (absl::Now() >= until) return false;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  return true;
+}
+
+class SendLedgerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    lease_ = SendLedger::Get().lease();
+    before_ = SendLedger::Get().GetStats();
+    ASSERT_EQ(before_.held, 0u) << "an earlier test left holds";
+  }
+  void TearDown() override {
+    SendLedger::Get().SetLease(lease_);
+    EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  }
+
+  // A hold of `bytes` whose release counts into `runs`.
+  Ticket HoldCounted(uint64_t bytes, std::atomic<int>* runs) {
+    absl::StatusOr<Ticket> ticket = SendLedger::Get().Hold(bytes, [runs] { ++*runs; });
+    EXPECT_OK(ticket);
+    return ticket.ok() ? *ticket : Ticket{};
+  }
+
+  absl::Duration lease_;
+  SendLedger::Stats before_;
+};
+
+TEST_F(SendLedgerTest, AnAckFromAnotherProcessRunsTheReleaseOnce) {
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(1000, &runs);
+  SendLedger::Stats held = SendLedger::Get().GetStats();
+  EXPECT_EQ(held.held, 1u);
+  EXPECT_EQ(held.held_bytes, before_.held_bytes + 1000);
+  EXPECT_GE(held.peak_held_bytes, held.held_bytes);
+  EXPECT_EQ(held.holds, before_.holds + 1);
+  EXPECT_NE(SendLedger::Get().NextDeadline(), absl::InfiniteFuture());
+
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  EXPECT_EQ(runs.load(), 1) << "the release ran before the reply";
+  const SendLedger::Stats after = SendLedger::Get().GetStats();
+  EXPECT_EQ(after.held, 0u);
+  EXPECT_EQ(after.held_bytes, 0u);
+  EXPECT_EQ(after.acked, before_.acked + 1);
+  EXPECT_EQ(after.expired, before_.expired);
+  EXPECT_EQ(SendLedger::Get().NextDeadline(), absl::InfiniteFuture());
+
+  // A second ack is stale, from another process or from this one.
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kNotFound);
+  EXPECT_THAT(AckSend(ticket), StatusIs(absl::StatusCode::kNotFound,
+                                        HasSubstr("already acknowledged")));
+  EXPECT_EQ(runs.load(), 1);
+  EXPECT_EQ(SendLedger::Get().GetStats().acked, before_.acked + 1);
+}
+
+TEST_F(SendLedgerTest, AnAckOfThisProcessNeedsNoSocketAndTheSecondIsNotFound) {
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(64, &runs);
+  EXPECT_OK(AckSend(ticket));
+  EXPECT_EQ(runs.load(), 1);
+  EXPECT_THAT(AckSend(ticket), StatusIs(absl::StatusCode::kNotFound));
+  const FdToken token = Decoded(ticket);
+  EXPECT_THAT(SendLedger::Get().Ack(token.key, token.nonce),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(runs.load(), 1);
+}
+
+TEST_F(SendLedgerTest, AForgedNonceIsNotFoundAndReleasesNothing) {
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(64, &runs);
+  Ticket forged = ticket;
+  forged[40] ^= 1;  // the nonce's first byte
+  EXPECT_EQ(AckFromChild(forged), absl::StatusCode::kNotFound);
+  EXPECT_THAT(AckSend(forged), StatusIs(absl::StatusCode::kNotFound));
+  // A key that was never handed out reads the same.
+  Ticket unknown = ticket;
+  unknown[32] ^= 0x80;
+  EXPECT_EQ(AckFromChild(unknown), absl::StatusCode::kNotFound);
+  EXPECT_EQ(runs.load(), 0);
+  EXPECT_EQ(SendLedger::Get().GetStats().held, 1u);
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  EXPECT_EQ(runs.load(), 1);
+}
+
+TEST_F(SendLedgerTest, ALeaseEndsWithoutFurtherCalls) {
+  std::atomic<int> runs{0};
+  SendLedger::Get().SetLease(absl::Milliseconds(200));
+  EXPECT_EQ(SendLedger::Get().lease(), absl::Milliseconds(200));
+  const absl::Time start = absl::Now();
+  const Ticket ticket = HoldCounted(4096, &runs);
+  SendLedger::Get().SetLease(lease_);  // later holds only
+  EXPECT_LE(SendLedger::Get().NextDeadline(), start + absl::Milliseconds(300));
+  // Nothing here calls the ledger: the fd server's loop ends the hold.
+  EXPECT_TRUE(Eventually([&] { return runs.load() == 1; }, absl::Milliseconds(1500)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(190));
+  const SendLedger::Stats after = SendLedger::Get().GetStats();
+  EXPECT_EQ(after.expired, before_.expired + 1);
+  EXPECT_EQ(after.acked, before_.acked);
+  EXPECT_EQ(after.held_bytes, 0u);
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kNotFound);
+  EXPECT_EQ(runs.load(), 1);
+}
+
+TEST_F(SendLedgerTest, ExpireDueEndsOnlyHoldsPastTheirLease) {
+  std::atomic<int> short_runs{0}, long_runs{0};
+  SendLedger::Get().SetLease(absl::Milliseconds(50));
+  HoldCounted(1, &short_runs);
+  SendLedger::Get().SetLease(absl::Seconds(60));
+  const Ticket long_held = HoldCounted(1, &long_runs);
+  absl::SleepFor(absl::Milliseconds(60));
+  SendLedger::Get().ExpireDue();  // returns 0 if the server's loop was first
+  EXPECT_EQ(short_runs.load(), 1);
+  EXPECT_EQ(long_runs.load(), 0);
+  EXPECT_EQ(SendLedger::Get().ExpireDue(), 0u);
+  EXPECT_OK(AckSend(long_held));
+  EXPECT_EQ(long_runs.load(), 1);
+}
+
+TEST_F(SendLedgerTest, ALeaseThatIsNotPositiveIsRefused) {
+  SendLedger::Get().SetLease(absl::ZeroDuration());
+  SendLedger::Get().SetLease(absl::Seconds(-1));
+  EXPECT_EQ(SendLedger::Get().lease(), lease_);
+}
+
+TEST_F(SendLedgerTest, AnExporterThatIsGoneIsUnavailableAtOnce) {
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(1, &runs);
+  const pid_t gone = fork();
+  if (gone == 0) _exit(0);
+  ASSERT_EQ(waitpid(gone, nullptr, 0), gone);
+  FdToken token = Decoded(ticket);
+  token.pid = static_cast<uint32_t>(gone);
+  const absl::Time start = absl::Now();
+  EXPECT_THAT(AckSend(token.Encode()),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr(absl::StrCat(gone))));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(500));
+  EXPECT_EQ(runs.load(), 0);
+  EXPECT_OK(AckSend(ticket));
+}
+
+TEST_F(SendLedgerTest, BytesThatAreNotATicketAreInvalidArgument) {
+  const std::vector<uint8_t> garbage(64, 0xab);
+  EXPECT_THAT(AckSend(garbage), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(AckSend(std::vector<uint8_t>(10, 0)), StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(AckSend({}), StatusIs(absl::StatusCode::kInvalidArgument));
+  // An fd token is not a ticket, and a ticket does not fetch an fd.
+  UniqueFd memfd(memfd_create("send_ledger_test", MFD_CLOEXEC));
+  ASSERT_OK_AND_ASSIGN(FdToken fd_token, FdServer::Get().Register(std::move(memfd)));
+  EXPECT_THAT(AckSend(fd_token.Encode()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fd token")));
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(1, &runs);
+  EXPECT_THAT(FetchFds({Decoded(ticket)}),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("send ticket")));
+  EXPECT_EQ(FdServer::Get().LookupLocal(Decoded(ticket)), -1);
+  // A ticket of another machine.
+  FdToken foreign = Decoded(ticket);
+  foreign.boot_hash ^= 1;
+  EXPECT_THAT(AckSend(foreign.Encode()),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("another machine")));
+  EXPECT_EQ(runs.load(), 0);
+  EXPECT_OK(AckSend(ticket));
+  FdServer::Get().Unregister(fd_token.key);
+}
+
+TEST_F(SendLedgerTest, WaitUntilEmptyReturnsWhenTheLastHoldIsAcked) {
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(1, &runs);
+  std::thread acker([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    EXPECT_OK(AckSend(ticket));
+  });
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(10)), 0u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  EXPECT_EQ(runs.load(), 1) << "the release has returned";
+  acker.join();
+}
+
+TEST_F(SendLedgerTest, WaitUntilEmptyTimesOutWithHoldsLeft) {
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(1, &runs);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Milliseconds(200)), 1u);
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(190));
+  EXPECT_OK(AckSend(ticket));
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::ZeroDuration()), 0u);
+}
+
+TEST_F(SendLedgerTest, AReleaseMayUseTheFdServerAndTheLedger) {
+  // Each release registers and unregisters an fd and makes a hold of its own (acknowledged
+  // below): the fd server's thread runs it for an ack and for a lease, holding no lock.
+  std::atomic<int> runs{0};
+  std::atomic<int> nested_runs{0};
+  std::vector<Ticket> nested;
+  Mutex nested_mu;
+  auto release = [&] {
+    UniqueFd memfd(memfd_create("send_ledger_test", MFD_CLOEXEC));
+    absl::StatusOr<FdToken> token = FdServer::Get().Register(std::move(memfd));
+    if (token.ok()) FdServer::Get().Unregister(token->key);
+    absl::StatusOr<Ticket> inner = SendLedger::Get().Hold(1, [&] { ++nested_runs; });
+    if (inner.ok()) {
+      MutexLock lock(&nested_mu);
+      nested.push_back(*inner);
+    }
+    ++runs;
+  };
+  ASSERT_OK_AND_ASSIGN(const Ticket acked, SendLedger::Get().Hold(1, release));
+  EXPECT_EQ(AckFromChild(acked), absl::StatusCode::kOk);
+  EXPECT_EQ(runs.load(), 1);
+
+  SendLedger::Get().SetLease(absl::Milliseconds(100));
+  ASSERT_OK(SendLedger::Get().Hold(1, release).status());
+  SendLedger::Get().SetLease(lease_);
+  EXPECT_TRUE(Eventually([&] { return runs.load() == 2; }, absl::Milliseconds(1500)));
+
+  std::vector<Ticket> inner;
+  {
+    MutexLock lock(&nested_mu);
+    inner = nested;
+  }
+  ASSERT_EQ(inner.size(), 2u);
+  EXPECT_OK(AckSends(inner));
+  EXPECT_EQ(nested_runs.load(), 2);
+}
+
+TEST_F(SendLedgerTest, TenThousandHoldsAreAckedInBatches) {
+  constexpr int kHolds = 10000;
+  std::atomic<int> runs{0};
+  std::vector<Ticket> tickets;
+  tickets.reserve(kHolds);
+  const absl::Time start = absl::Now();
+  for (int i = 0; i < kHolds; ++i) tickets.push_back(HoldCounted(1024, &runs));
+  const absl::Duration hold_time = absl::Now() - start;
+  EXPECT_EQ(SendLedger::Get().GetStats().held_bytes, uint64_t{kHolds} * 1024);
+  const absl::Time acked_at = absl::Now();
+  EXPECT_EQ(InForkedChild([&] { return CodeOf(AckSends(tickets)); }), 0);
+  const absl::Duration ack_time = absl::Now() - acked_at;
+  EXPECT_EQ(runs.load(), kHolds);
+  const SendLedger::Stats after = SendLedger::Get().GetStats();
+  EXPECT_EQ(after.held_bytes, 0u);
+  EXPECT_GE(after.peak_held_bytes, uint64_t{kHolds} * 1024);
+  EXPECT_EQ(after.acked, before_.acked + kHolds);
+  EXPECT_LT(hold_time, absl::Seconds(5));
+  EXPECT_LT(ack_time, absl::Seconds(5));
+  std::printf("%d holds: made in %s, acknowledged from another process in %s\n", kHolds,
+              absl::FormatDuration(hold_time).c_str(), absl::FormatDuration(ack_time).c_str());
+}
+
+TEST_F(SendLedgerTest, AckSendsReportsTheFirstFailureAndAcksTheRest) {
+  std::atomic<int> runs{0};
+  std::vector<Ticket> tickets = {HoldCounted(1, &runs), HoldCounted(1, &runs),
+                                 HoldCounted(1, &runs)};
+  tickets[1][40] ^= 1;  // forged
+  tickets.push_back(Ticket{});  // not a ticket
+  EXPECT_THAT(AckSends(tickets),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("2 of 4 tickets failed")));
+  EXPECT_EQ(runs.load(), 2);
+  tickets[1][40] ^= 1;
+  EXPECT_OK(AckSends(absl::MakeConstSpan(tickets).subspan(1, 1)));
+  EXPECT_EQ(runs.load(), 3);
+  EXPECT_OK(AckSends({}));
+}
+
+TEST_F(SendLedgerTest, AForkedChildHasAnEmptyLedgerAndRunsNoReleaseOfItsParent) {
+  // The parent's releases count, by the process that ran them, into memory the child shares.
+  struct Runs {
+    std::atomic<int> in_parent{0};
+    std::atomic<int> in_child{0};
+  };
+  void* memory = mmap(nullptr, sizeof(Runs), PROT_READ | PROT_WRITE,
+                      MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(memory, MAP_FAILED);
+  Runs* runs = new (memory) Runs();
+  const pid_t parent = getpid();
+  auto count = [runs, parent] { ++(getpid() == parent ? runs->in_parent : runs->in_child); };
+  SendLedger::Get().SetLease(absl::Milliseconds(100));
+  ASSERT_OK_AND_ASSIGN(const Ticket expiring, SendLedger::Get().Hold(1 << 20, count));
+  SendLedger::Get().SetLease(lease_);
+  ASSERT_OK_AND_ASSIGN(const Ticket kept, SendLedger::Get().Hold(1 << 20, count));
+  const FdToken token = Decoded(kept);
+  const int code = InForkedChild([&] {
+    SendLedger& ledger = SendLedger::Get();
+    const SendLedger::Stats stats = ledger.GetStats();
+    if (stats.held != 0 || stats.held_bytes != 0 || stats.holds != 0) return 1;
+    if (ledger.NextDeadline() != absl::InfiniteFuture()) return 2;
+    absl::SleepFor(absl::Milliseconds(150));  // past the first hold's lease
+    if (ledger.ExpireDue() != 0) return 3;
+    if (ledger.Ack(token.key, token.nonce).code() != absl::StatusCode::kNotFound) return 4;
+    if (ledger.WaitUntilEmpty(absl::ZeroDuration()) != 0) return 5;
+    return 0;
+  });
+  EXPECT_EQ(code, 0);
+  // The parent's holds are still the parent's: one ends by its lease, one by an ack.
+  EXPECT_TRUE(Eventually([&] { return runs->in_parent.load() == 1; }, absl::Milliseconds(1500)));
+  EXPECT_OK(AckSend(kept));
+  EXPECT_EQ(runs->in_parent.load(), 2);
+  EXPECT_EQ(runs->in_child.load(), 0);
+  EXPECT_THAT(AckSend(expiring), StatusIs(absl::StatusCode::kNotFound));
+  munmap(memory, sizeof(Runs));
+}
+
+TEST_F(SendLedgerTest, ForkWhileOtherThreadsHoldAndAck) {
+  std::atomic<bool> stop{false};
+  std::atomic<int> runs{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 2; ++t) {
+    threads.emplace_back([&] {
+      while (!stop.load()) {
+        absl::StatusOr<Ticket> ticket = SendLedger::Get().Hold(8, [&] { ++runs; });
+        if (ticket.ok()) {
+          EXPECT_OK(AckSend(*ticket));
+        }
+      }
+    });
+  }
+  for (int i = 0; i < 20; ++i) {
+    EXPECT_EQ(InForkedChild([] {
+                const SendLedger::Stats stats = SendLedger::Get().GetStats();
+                if (stats.held != 0 || stats.held_bytes != 0) return 1;
+                return SendLedger::Get().WaitUntilEmpty(absl::ZeroDuration()) == 0 ? 0 : 2;
+              }),
+              0);
+  }
+  stop.store(true);
+  for (std::thread& t : threads) t.join();
+  EXPECT_GT(runs.load(), 0);
+}
+
+TEST_F(SendLedgerTest, ThreadsHoldAndAckConcurrently) {
+  constexpr int kThreads = 6;
+  constexpr int kPerThread = 300;
+  std::atomic<int> runs{0};
+  std::atomic<bool> done{false};
+  // A thread that keeps reading the ledger and ending due holds while the others work.
+  std::thread observer([&] {
+    while (!done.load()) {
+      SendLedger::Get().ExpireDue();
+      SendLedger::Get().NextDeadline();
+      const SendLedger::Stats stats = SendLedger::Get().GetStats();
+      EXPECT_LE(stats.held_bytes, stats.peak_held_bytes);
+    }
+  });
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::vector<Ticket> pending;
+      for (int i = 0; i < kPerThread; ++i) {
+        absl::StatusOr<Ticket> ticket = SendLedger::Get().Hold(16, [&] { ++runs; });
+        ASSERT_OK(ticket);
+        pending.push_back(*ticket);
+        if (pending.size() < 10) continue;
+        if (t % 2 == 0) {
+          // Through this process's own fd server, as another process would.
+          const FdToken first = Decoded(pending[0]);
+          std::vector<fd_share_internal::FdRequestEntry> entries;
+          for (const Ticket& p : pending) {
+            const FdToken token = Decoded(p);
+            entries.push_back({token.key, token.nonce});
+          }
+          absl::StatusOr<std::vector<bool>> acked = fd_share_internal::AckBySocket(
+              first.pid, first.server_id, entries, std::chrono::milliseconds(5000));
+          ASSERT_OK(acked);
+          EXPECT_EQ(std::count(acked->begin(), acked->end(), true), 10);
+        } else {
+          EXPECT_OK(AckSends(pending));
+        }
+        pending.clear();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  done.store(true);
+  observer.join();
+  EXPECT_EQ(runs.load(), kThreads * kPerThread);
+  const SendLedger::Stats after = SendLedger::Get().GetStats();
+  EXPECT_EQ(after.held, 0u);
+  EXPECT_EQ(after.held_bytes, 0u);
+  EXPECT_EQ(after.acked, before_.acked + kThreads * kPerThread);
+}
+
+TEST(SendLeaseTest, ParsesPositiveSeconds) {
+  using send_ledger_internal::ParseLeaseSeconds;
+  EXPECT_EQ(ParseLeaseSeconds("600").value_or(absl::ZeroDuration()), absl::Seconds(600));
+  EXPECT_EQ(ParseLeaseSeconds("0.25").value_or(absl::ZeroDuration()), absl::Milliseconds(250));
+  EXPECT_EQ(ParseLeaseSeconds(" 2 ").value_or(absl::ZeroDuration()), absl::Seconds(2));
+  for (const char* bad : {"", "0", "-1", "abc", "10s", "inf", "nan", "1e400"}) {
+    EXPECT_THAT(ParseLeaseSeconds(bad),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("positive number")))
+        << bad;
+  }
+}
+
+// Run by LeaseComesFromTheEnvironment in a fresh process: prints the lease it found.
+TEST(SendLeaseTest, PrintLease) {
+  if (std::getenv("SEND_LEDGER_TEST_PRINT_LEASE") == nullptr) GTEST_SKIP();
+  std::printf("lease=%s\n", absl::FormatDuration(SendLedger::Get().lease()).c_str());
+}
+
+TEST(SendLeaseTest, LeaseComesFromTheEnvironment) {
+  struct Case {
+    const char* value;
+    const char* lease;
+    bool warns;
+  };
+  for (const Case& c : {Case{"2.5", "lease=2.5s", false}, Case{"later", "lease=10m", true},
+                        Case{"0", "lease=10m", true}}) {
+    Subprocess self({"/proc/self/exe", "--gtest_filter=SendLeaseTest.PrintLease"},
+                    {absl::StrCat("VMM_SEND_LEASE_S=", c.value), "SEND_LEDGER_TEST_PRINT_LEASE=1",
+                     "VMM_LOG_LEVEL=warning", "GTEST_OUTPUT=", "TEST_PREMATURE_EXIT_FILE="},
+                    Subprocess::Output::kWithStderr);
+    ASSERT_TRUE(self.started());
+    const std::string output = self.ReadAll();
+    EXPECT_EQ(self.Wait(), 0) << output;
+    EXPECT_THAT(output, HasSubstr(c.lease)) << c.value;
+    EXPECT_EQ(output.find("VMM_SEND_LEASE_S") != std::string::npos, c.warns) << output;
+  }
+}
+
+}  // namespace
+}  // namespace vmm
