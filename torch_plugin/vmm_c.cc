@@ -19,6 +19,7 @@
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
 #include "allocator/log.h"
+#include "allocator/send_acker.h"
 #include "allocator/send_ledger.h"
 #include "allocator/stats_json.h"
 #include "nlohmann/json.hpp"
@@ -282,6 +283,13 @@ int vmm_export(const void* ptr, uint8_t** out, size_t* out_len) {
   return vmm::CopyBytes(d->Encode(), out, out_len);
 }
 
+namespace {
+// Seconds from C as a duration: NaN and negative as zero, huge ones capped.
+absl::Duration Timeout(double seconds) {
+  return seconds > 0 ? absl::Seconds(std::min(seconds, 1e9)) : absl::ZeroDuration();
+}
+}  // namespace
+
 int vmm_send_kind(const void* ptr) {
   switch (State().KindOfSend(ptr)) {
     case vmm::ProcessState::SendKind::kNotVmm: return VMM_SEND_NOT_VMM;
@@ -318,6 +326,21 @@ int vmm_send_ack(const uint8_t* ticket, size_t len) {
   return vmm::Check(vmm::AckSend(absl::MakeConstSpan(ticket, len)));
 }
 
+int vmm_send_ack_later(const uint8_t* ticket, size_t len) {
+  if (ticket == nullptr || len != VMM_TICKET_BYTES) {
+    return vmm::Fail(absl::InvalidArgumentError(
+        absl::StrCat("a send's ticket has ", VMM_TICKET_BYTES, " bytes, not ", len)));
+  }
+  vmm::SendLedger::Ticket t;
+  std::memcpy(t.data(), ticket, t.size());
+  vmm::AckSendLater(t);
+  return 0;
+}
+
+int64_t vmm_send_ack_flush(double timeout_seconds) {
+  return static_cast<int64_t>(vmm::FlushAcks(Timeout(timeout_seconds)));
+}
+
 int vmm_send_set_lease(double seconds) {
   if (!(seconds > 0) || seconds > 1e9) {
     return vmm::Fail(absl::InvalidArgumentError(
@@ -341,9 +364,7 @@ int vmm_send_stats_get(vmm_send_stats* out) {
 }
 
 int64_t vmm_send_wait(double timeout_seconds) {
-  const absl::Duration timeout =
-      timeout_seconds > 0 ? absl::Seconds(std::min(timeout_seconds, 1e9)) : absl::ZeroDuration();
-  return static_cast<int64_t>(vmm::SendLedger::Get().WaitUntilEmpty(timeout));
+  return static_cast<int64_t>(vmm::SendLedger::Get().WaitUntilEmpty(Timeout(timeout_seconds)));
 }
 
 int64_t vmm_import(const uint8_t* descriptor, size_t len, int device, int backend, int pidfd) {

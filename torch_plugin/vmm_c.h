@@ -188,6 +188,12 @@ int vmm_export_send(const void* ptr, uint8_t** out, size_t* out_len, uint8_t* ti
  * longer holds the send (acknowledged or expired), VMM_INVALID_ARGUMENT for bytes that are
  * not a ticket of this machine. */
 int vmm_send_ack(const uint8_t* ticket, size_t len);
+/* vmm_send_ack without waiting: the ticket is queued and a background thread acknowledges it
+ * (batched per sender). VMM_INVALID_ARGUMENT for a length other than VMM_TICKET_BYTES. */
+int vmm_send_ack_later(const uint8_t* ticket, size_t len);
+/* Waits until every queued acknowledgement has been sent, at most `timeout_seconds`; returns
+ * how many are still queued. */
+int64_t vmm_send_ack_flush(double timeout_seconds);
 /* The lease of sends made from now on, in seconds (> 0). */
 int vmm_send_set_lease(double seconds);
 /* This process's sends: held now, and totals. */

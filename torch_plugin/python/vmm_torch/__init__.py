@@ -7,6 +7,7 @@ processes as multi-handle buffer descriptors.
     vmm_torch.memory_stats()                 # PyTorch's key names plus "vmm." extras
     shared = vmm_torch.export_tensor(t)      # picklable; shared.open() in another process
     vmm_torch.install_reducers()             # torch.multiprocessing carries vmm tensors
+    # or, for every process of a program: VMM_TORCH_ENABLE=1 python train.py
     vmm_torch.dump_stats("vmm.json")         # python -m vmm_torch.stats summarize vmm.json
     vmm_torch.parse_size("512M")             # 536870912: sizes as vmm's options read them
 
@@ -36,13 +37,15 @@ from .allocator import (
     memory_stats,
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
+    send_stats,
     set_per_process_memory_fraction,
 )
 from .descriptors import BufferDescriptor, FabricBufferDescriptor, PosixFdBufferDescriptor
 from .pool import Pool
 from .reductions import install_reducers
 from . import distributed  # vmm_torch.distributed: broadcast, all_gather across ranks
-from .sharing import ImportedBuffer, SharedTensor, export_tensor, import_buffer, in_vmm_pool
+from .sharing import (ImportedBuffer, SharedTensor, export_tensor, import_buffer, in_vmm_pool,
+                      set_send_lease, wait_for_sends)
 
 __all__ = [
     "BufferDescriptor",
@@ -73,7 +76,10 @@ __all__ = [
     "parse_size",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
+    "send_stats",
     "set_per_process_memory_fraction",
+    "set_send_lease",
+    "wait_for_sends",
 ]
 
 __version__ = "0.1.0"

@@ -193,6 +193,8 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_alloc_beside": (_void_p, [_void_p, _size_t, _void_p]),
     "vmm_export_send": (_int, [_void_p, _P(_void_p), _P(_size_t), _char_p]),
     "vmm_send_ack": (_int, [_char_p, _size_t]),
+    "vmm_send_ack_later": (_int, [_char_p, _size_t]),
+    "vmm_send_ack_flush": (_int64, [ctypes.c_double]),
     "vmm_send_set_lease": (_int, [ctypes.c_double]),
     "vmm_send_stats_get": (_int, [_P(SendStats)]),
     "vmm_send_wait": (_int64, [ctypes.c_double]),

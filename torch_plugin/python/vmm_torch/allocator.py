@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _lib, _registry
+from . import _lib, _registry, _signatures
 from ._devices import bad_device, parse_device
 from ._files import PathArg, write_file
 from ._options import format_options
@@ -270,10 +270,24 @@ def memory_stats(device: DeviceLike = None) -> Dict[str, Any]:
     Keys follow ``torch.cuda.memory_stats()`` where the meaning is the same
     (``allocated_bytes.all.current``, ``reserved_bytes.all.peak``, ``num_device_alloc``,
     ...); the allocator's own figures (driver calls, fragmentation, largest free block,
-    exported bytes, ...) follow under ``vmm.``. A device vmm has not used gives zeros.
+    exported bytes, ...) follow under ``vmm.``, and the process's sends (held for receivers
+    that have not imported them yet: ``vmm.sends.held_bytes``, ...; see :func:`send_stats`)
+    under ``vmm.sends.``. A device vmm has not used gives zeros.
     """
     index = device_index(device)
-    return flatten_stats(_lib.take_json(_lib.vmm().vmm_stats_json(index), "memory_stats"))
+    stats = flatten_stats(_lib.take_json(_lib.vmm().vmm_stats_json(index), "memory_stats"))
+    stats.update((f"vmm.sends.{name}", value) for name, value in send_stats().items())
+    return stats
+
+
+def send_stats() -> Dict[str, Any]:
+    """This process's sends (tensors sent through torch.multiprocessing): ``held`` and
+    ``held_bytes`` (held now, until their receivers import them or their lease ends),
+    ``peak_held_bytes``, the totals ``holds``, ``acked`` and ``expired``, and
+    ``lease_seconds`` (the lease of new sends)."""
+    stats = _signatures.SendStats()
+    _lib.check(_lib.vmm().vmm_send_stats_get(ctypes.byref(stats)), "send_stats")
+    return {name: getattr(stats, name) for name, _ in _signatures.SendStats._fields_}
 
 
 def memory_allocated(device: DeviceLike = None) -> int:
@@ -343,6 +357,7 @@ def collect_stats() -> Dict[str, Any]:
         "torch_version": torch.__version__,
         "stats": {str(d): memory_stats(d) for d in _device_pool_indices()},
         "pools": _registry.open_pool_stats(),
+        "sends": send_stats(),
         "snapshot": memory_snapshot(),
     }
 

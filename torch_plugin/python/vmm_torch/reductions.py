@@ -18,6 +18,8 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
   that the receiver sees no other tensor's bytes.
 - **Forwarding.** A received vmm tensor can be sent on (A -> B -> C): C maps A's memory through
   B's handles, with the same lifetime guarantee.
+- **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
+  (VMM_SEND_EXIT_WAIT_S) for the receivers of its sends, since its memory goes with it.
 - **No silent loss.** A tensor that cannot travel (a pool with ``handle_type="none"``, a
   non-leaf tensor that requires grad) fails in ``Queue.put`` with a clear error where the
   object is a tensor or holds tensors in lists, tuples and dicts (``Queue.put`` checks them
@@ -31,7 +33,10 @@ so that its own later ``vmm_torch.enable()`` still works.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing.queues
+import multiprocessing.util
+import os
 import threading
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Tuple
@@ -54,7 +59,12 @@ _FEEDER_THREAD = "QueueFeederThread"
 _CHECK_DEPTH = 4
 _CHECK_ITEMS = 10_000
 
+#: How long a process waits at exit for the receivers of its sends (VMM_SEND_EXIT_WAIT_S).
+EXIT_WAIT_VARIABLE = "VMM_SEND_EXIT_WAIT_S"
+DEFAULT_EXIT_WAIT_S = 10.0
+
 Reduction = Tuple[Callable[..., Any], Tuple[Any, ...]]
+_log = logging.getLogger("vmm_torch")
 
 
 def _torch_reduce_tensor(tensor: torch.Tensor) -> Reduction:
@@ -152,6 +162,35 @@ def _patch_queue_puts() -> None:
         queue_type.put = _checked(put)
 
 
+def exit_wait_seconds() -> float:
+    """VMM_SEND_EXIT_WAIT_S as seconds (default 10; 0 waits not at all)."""
+    text = os.environ.get(EXIT_WAIT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_EXIT_WAIT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        _log.warning("vmm_torch: %s=%r is not a number of seconds; using %s", EXIT_WAIT_VARIABLE,
+                     text, DEFAULT_EXIT_WAIT_S)
+        return DEFAULT_EXIT_WAIT_S
+    return value
+
+
+def _wait_for_receivers() -> None:
+    """At exit, after multiprocessing has flushed the queues' feeder threads (their finalizers
+    run first): gives the receivers of this process's sends time to import them, since the
+    memory goes with the process."""
+    if sharing.send_stats()["held"] == 0:
+        return
+    left = sharing.wait_for_sends(exit_wait_seconds())
+    if left:
+        _log.warning("vmm_torch: exiting with %d sent tensor(s) that no receiver has imported; "
+                     "importing them will fail (keep the sender alive until they are "
+                     "received, or raise %s)", left, EXIT_WAIT_VARIABLE)
+
+
 def install_reducers() -> None:
     """Makes torch.multiprocessing carry tensors of vmm memory as vmm sends (CUDA tensors of
     the enabled allocator or of an explicit Pool, CPU tensors of host pools, and tensors
@@ -165,6 +204,9 @@ def install_reducers() -> None:
         for tensor_type in (torch.Tensor, torch.nn.Parameter):
             ForkingPickler.register(tensor_type, reduce_tensor)
         _patch_queue_puts()
+        if not _installed:
+            # After the queues' feeder threads are joined (their finalizers: priority -5).
+            multiprocessing.util.Finalize(None, _wait_for_receivers, exitpriority=-10)
         _installed = True
 
 

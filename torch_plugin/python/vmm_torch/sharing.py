@@ -43,16 +43,18 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing.util
 import re
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _lib, allocator
+from .allocator import send_stats  # noqa: F401  (re-exported: sends are this module's)
 from ._devices import parse_device
 from ._signatures import (BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS, SEND_IMPORT,
                           SEND_IN_PLACE, SEND_NOT_EXPORTABLE, SEND_NOT_VMM, SEND_RELOCATE,
-                          TICKET_BYTES, SendStats)
+                          TICKET_BYTES)
 from ._tensors import (INT64_MAX, DtypeCode, contiguous_strides, dtype_code, dtype_from_code,
                        dtype_from_name, element_size, numel, shape_list, tensor_nbytes,
                        view_int, view_ints)
@@ -220,14 +222,35 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
             f"cuda:{t.get_device()}" if t.is_cuda else "cpu", parameter, requires_grad, ticket)
 
 
-def ack_send(ticket: bytes) -> bool:
-    """Tells the sender of `ticket` that its send was received; False (logged at debug level)
-    when the sender is gone or no longer holds it, which is no error for the receiver."""
+def ack_send(ticket: bytes, wait: bool = False) -> bool:
+    """Tells the sender of `ticket` that its send was received. By default the ticket is
+    queued and a background thread of libvmm.so sends it (batched per sender; flushed at
+    exit), so the receiver does not wait; with ``wait=True`` it is sent now and the result
+    returned: False (logged at debug level) when the sender is gone or no longer holds it,
+    which is no error for the receiver."""
+    global _flush_registered
+    if not wait:
+        _lib.check(_lib.quick().vmm_send_ack_later(ticket, len(ticket)), "receive")
+        if not _flush_registered:
+            _flush_registered = True
+            multiprocessing.util.Finalize(None, flush_acks, exitpriority=0)
+        return True
     result = _lib.vmm().vmm_send_ack(ticket, len(ticket))
     if result != 0:
         _log.debug("vmm_torch: acknowledging a send: %s", _lib.last_error())
         return False
     return True
+
+
+_flush_registered = False
+#: How long a process waits at exit for its queued acknowledgements to go out.
+ACK_FLUSH_TIMEOUT_S = 5.0
+
+
+def flush_acks(timeout: float = ACK_FLUSH_TIMEOUT_S) -> int:
+    """Waits until this process's queued acknowledgements are sent; returns how many are
+    left."""
+    return int(_lib.vmm().vmm_send_ack_flush(float(timeout)))
 
 
 def set_send_lease(seconds: float) -> None:
@@ -236,14 +259,6 @@ def set_send_lease(seconds: float) -> None:
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
         raise TypeError(f"the lease is a number of seconds, not {type(seconds).__name__}")
     _lib.check(_lib.vmm().vmm_send_set_lease(float(seconds)), "set_send_lease")
-
-
-def send_stats() -> Dict[str, Any]:
-    """This process's sends: ``held`` and ``held_bytes`` (held now, waiting for receivers),
-    ``peak_held_bytes``, totals ``holds``, ``acked``, ``expired``, and ``lease_seconds``."""
-    stats = SendStats()
-    _lib.check(_lib.vmm().vmm_send_stats_get(ctypes.byref(stats)), "send_stats")
-    return {name: getattr(stats, name) for name, _ in SendStats._fields_}
 
 
 def wait_for_sends(timeout: float) -> int:
