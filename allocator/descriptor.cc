@@ -393,9 +393,13 @@ absl::StatusOr<BufferDescriptor> BufferDescriptor::Decode(absl::string_view byte
   return descriptor;
 }
 
+std::string OwnerForMessages(const std::optional<std::string>& owner_uuid) {
+  if (!owner_uuid.has_value() || owner_uuid->empty()) return "an unknown owner";
+  return absl::StrCat("the owner ", absl::CHexEscape(*owner_uuid));
+}
+
 std::string BufferDescriptor::OwnerForMessages() const {
-  if (!owner_uuid_.has_value() || owner_uuid_->empty()) return "an unknown owner";
-  return absl::StrCat("the owner ", absl::CHexEscape(*owner_uuid_));
+  return vmm::OwnerForMessages(owner_uuid_);
 }
 
 }  // namespace vmm

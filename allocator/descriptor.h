@@ -116,6 +116,10 @@ class BufferDescriptor {
   std::optional<std::string> owner_uuid_;
 };
 
+// "the owner GPU-..." or "an unknown owner", as BufferDescriptor::OwnerForMessages gives it,
+// for a buffer known only by its owner UUID.
+std::string OwnerForMessages(const std::optional<std::string>& owner_uuid);
+
 // The descriptor of a buffer exported with fabric handles (handle_type() == kFabric).
 struct FabricBufferDescriptor {
   static absl::StatusOr<BufferDescriptor> FromHandles(

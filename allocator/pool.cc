@@ -155,6 +155,14 @@ Block* Pool::LiveBlock(const void* ptr) {
   return ArenaOf(addr).live().Find(addr);
 }
 
+absl::StatusOr<Block*> Pool::LiveBlockFor(const void* ptr, const char* what) {
+  Block* block = LiveBlock(ptr);
+  if (block != nullptr) return block;
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, " of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+                   ", which is not the start of a live block of this pool"));
+}
+
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::TakeBlock(Arena& arena, Block* block, size_t n,
                                                          size_t requested, Stream stream) {
   arena.Take(block, n, kMinBlock);
@@ -536,6 +544,45 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
 
 absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
   return Export(ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); });
+}
+
+namespace {
+
+// Whether `block` holds bytes of a block that callers still use: allocated, or freed while
+// other streams still use it.
+bool Occupied(const Block* block) {
+  return block->state == BlockState::kAllocated || block->state == BlockState::kPendingFree;
+}
+
+}  // namespace
+
+absl::StatusOr<bool> Pool::SharesChunks(const void* ptr) {
+  MutexLock lock(&mu_);
+  VMM_ASSIGN_OR_RETURN(const Block* block, LiveBlockFor(ptr, "SharesChunks"));
+  // Chunks between the first and the last are covered by the block alone; only those two can
+  // hold others. Blocks tile the arena in address order, so the neighbours inside them are
+  // next to the block in its list.
+  auto first = std::as_const(chunks_).Containing(block->addr);
+  auto last = std::as_const(chunks_).Containing(block->end() - 1);
+  if (first == chunks_.end() || last == chunks_.end()) {
+    return absl::InternalError(absl::StrCat("SharesChunks: the live block at ",
+                                            absl::Hex(block->addr), " is not backed by chunks"));
+  }
+  const uintptr_t lo = first->first;
+  const uintptr_t hi = last->first + last->second.size;
+  for (const Block* b = block->prev; b != nullptr && b->end() > lo; b = b->prev) {
+    if (Occupied(b)) return true;
+  }
+  for (const Block* b = block->next; b != nullptr && b->addr < hi; b = b->next) {
+    if (Occupied(b)) return true;
+  }
+  return false;
+}
+
+absl::StatusOr<size_t> Pool::BlockSize(const void* ptr) {
+  MutexLock lock(&mu_);
+  VMM_ASSIGN_OR_RETURN(const Block* block, LiveBlockFor(ptr, "BlockSize"));
+  return block->requested;
 }
 
 }  // namespace vmm

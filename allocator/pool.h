@@ -30,8 +30,10 @@
 //
 // Export invariant. Exporting a block marks every chunk it spans as exported: the free space
 // in those chunks is retired at once, blocks freed there later are retired too, and a chunk is
-// released to the driver as soon as nothing in it is allocated, so an importer can never see
-// another allocation's data. AllocateShareable() gives a block chunks of its own.
+// released to the driver as soon as nothing in it is allocated, so no later allocation can
+// land where an importer sees it. Blocks already live in those chunks stay visible to the
+// importer: SharesChunks() says whether a block has such neighbours, and AllocateShareable()
+// gives a block chunks of its own.
 //
 // Export invariant, continued. The pool knows nothing of handles, fds or descriptors: Export
 // marks chunks and lets a visitor see each chunk's physical handle under the pool's lock, and
@@ -145,6 +147,19 @@ class Pool {
   // Export without a visitor: marks the chunks and describes them (no shareable handles).
   absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type = HandleType::kNone);
 
+  // Whether any physical chunk the live block at `ptr` spans also holds another live block,
+  // so that exporting it would show an importer that block's bytes. A block freed while other
+  // streams still use it (record_stream) counts as live until they are done; free and retired
+  // space does not count. A block from AllocateShareable never shares. Callers that must not
+  // expose other blocks move such a block into chunks of its own (AllocateShareable, copy)
+  // before exporting it. Walks only the neighbouring blocks inside the block's first and last
+  // chunk; no driver call. InvalidArgument if `ptr` is not the start of a live block.
+  absl::StatusOr<bool> SharesChunks(const void* ptr);
+  // The bytes asked for when the live block at `ptr` was allocated (what Export describes as
+  // the buffer's size; the block itself is rounded up to 512 bytes). InvalidArgument if `ptr`
+  // is not the start of a live block.
+  absl::StatusOr<size_t> BlockSize(const void* ptr);
+
   PoolStats GetStats() const;
   void ResetPeakStats();
   void ResetAccumulatedStats();
@@ -178,6 +193,9 @@ class Pool {
   Arena& ArenaOf(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The allocated block starting at `ptr`, or nullptr.
   Block* LiveBlock(const void* ptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // LiveBlock, or InvalidArgument naming `what` (the caller's operation) when there is none.
+  absl::StatusOr<Block*> LiveBlockFor(const void* ptr, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hands out `n` bytes of `block` (kFree), splitting off the rest.
   void TakeBlock(Arena& arena, Block* block, size_t n, size_t requested, Stream stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

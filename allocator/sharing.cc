@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "allocator/export_registry.h"
+#include "allocator/kept_handles.h"
 #include "allocator/unique_fd.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
@@ -36,22 +37,39 @@ absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr) {
 // --- Import -------------------------------------------------------------------------------
 
 // One contiguous mapping of imported handles; shared by the imports of the same handles.
+// Built by one thread (MapHandles) before any other sees it; then only `kept()` changes, and
+// that is thread safe.
 class ImportedBuffer::Mapping {
  public:
-  Mapping(Driver* driver, int device, DevPtr base, size_t size, std::string key)
-      : driver_(driver), device_(device), base_(base), size_(size), key_(std::move(key)) {}
+  Mapping(Driver* driver, int device, DevPtr base, size_t size, HandleType type, std::string key)
+      : driver_(driver),
+        device_(device),
+        base_(base),
+        size_(size),
+        key_(std::move(key)),
+        kept_(driver, type) {}
   ~Mapping();
 
   // Records that the next `size` bytes after those mapped so far are mapped (pieces are
-  // mapped in address order from the base, so the mapped part is always a prefix).
-  void AddPiece(size_t size) { mapped_ += size; }
-  // Unmaps the mapped prefix in one call and frees the range; reports the first error.
+  // mapped in address order from the base, so the mapped part is always a prefix), from
+  // `fetched`, imported as `imported`: what a re-export needs of them is kept until Close
+  // (the error is that of releasing an imported handle not needed; the piece counts anyway).
+  absl::Status AddPiece(size_t size, ShareableHandle fetched, PhysHandle imported) {
+    mapped_ += size;
+    sizes_.push_back(size);
+    return kept_.Add(std::move(fetched), imported);
+  }
+  // Unmaps the mapped prefix in one call, releases what was kept for re-exports, and frees
+  // the range; reports the first error.
   absl::Status Close();
 
   DevPtr base() const { return base_; }
   size_t size() const { return size_; }
   int device() const { return device_; }
   const std::string& key() const { return key_; }
+  // The sizes of the pieces mapped, in address order.
+  const std::vector<uint64_t>& sizes() const { return sizes_; }
+  KeptHandles& kept() { return kept_; }
 
  private:
   Driver* const driver_;
@@ -60,6 +78,8 @@ class ImportedBuffer::Mapping {
   const size_t size_;
   const std::string key_;  // empty: not in the cache
   size_t mapped_ = 0;  // bytes mapped from base_
+  std::vector<uint64_t> sizes_;
+  KeptHandles kept_;
   bool closed_ = false;
 };
 
@@ -117,8 +137,11 @@ absl::Status ImportedBuffer::Mapping::Close() {
   // out of them (a piece-by-piece unmap could fail there and leave the mappings).
   absl::Status first;
   if (mapped_ > 0) first = driver_->Unmap(base_, mapped_);
-  absl::Status s = driver_->Unreserve(base_, size_);
-  if (first.ok()) first = s;
+  // The imported handles go after the mapping (both orders keep the memory until both are
+  // gone; this one never leaves a mapping whose handle was released), and with them the fds
+  // registered for re-exports.
+  first.Update(kept_.Release());
+  first.Update(driver_->Unreserve(base_, size_));
   --open_mappings;
   return first;
 }
@@ -126,6 +149,7 @@ absl::Status ImportedBuffer::Mapping::Close() {
 ImportedBuffer::~ImportedBuffer() = default;
 DevPtr ImportedBuffer::ptr() const { return mapping_->base() + offset_; }
 int ImportedBuffer::device() const { return mapping_->device(); }
+HandleType ImportedBuffer::handle_type() const { return mapping_->kept().type(); }
 DevPtr ImportedBuffer::mapping_base() const { return mapping_->base(); }
 size_t ImportedBuffer::mapped_size() const { return mapping_->size(); }
 
@@ -267,6 +291,7 @@ absl::Status CheckMapBudget(size_t handles, size_t limit) {
 // ResourceExhausted unless `handles` more fds fit under RLIMIT_NOFILE beside the open ones,
 // with kFdHeadroom to spare.
 absl::Status CheckFdBudget(size_t handles) {
+  if (handles == 0) return absl::OkStatus();
   rlimit limit{};
   if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) {
     return absl::OkStatus();
@@ -274,14 +299,24 @@ absl::Status CheckFdBudget(size_t handles) {
   VMM_ASSIGN_OR_RETURN(size_t open, CountOpenFds());
   if (open + handles + kFdHeadroom <= limit.rlim_cur) return absl::OkStatus();
   return absl::ResourceExhaustedError(absl::StrCat(
-      "fetching ", handles, " fds would exceed this process's open-file limit: ", open,
-      " fds are open, the limit (RLIMIT_NOFILE) is ", limit.rlim_cur, ", and ", kFdHeadroom,
-      " are kept free for the rest of the process"));
+      "keeping ", handles, " fds for this import would exceed this process's open-file "
+      "limit: ", open, " fds are open, the limit (RLIMIT_NOFILE) is ", limit.rlim_cur, ", and ",
+      kFdHeadroom, " are kept free for the rest of the process"));
+}
+
+// The fds an import of `d` keeps open while it is mapped (kept_handles.h): the fds fetched
+// for a POSIX-fd descriptor; for a fabric one on the host backend, the files of the imported
+// handles (a CUDA handle holds no fd).
+size_t KeptFds(Driver* driver, const BufferDescriptor& d) {
+  if (d.handle_type() == HandleType::kPosixFd) return d.handles().size();
+  if (driver->backend() == Backend::kHost) return d.handles().size();
+  return 0;
 }
 
 // Refuses, before anything is fetched or reserved, a descriptor whose import this process
 // cannot hold (sharing.h: what one import may map).
-absl::Status CheckImportBudget(const BufferDescriptor& d, const ImportOptions& options) {
+absl::Status CheckImportBudget(Driver* driver, const BufferDescriptor& d,
+                               const ImportOptions& options) {
   const size_t handles = d.handles().size();
   if (handles > kMaxImportHandles) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -290,8 +325,7 @@ absl::Status CheckImportBudget(const BufferDescriptor& d, const ImportOptions& o
   }
   if (handles <= kUncountedImportHandles) return absl::OkStatus();
   VMM_RETURN_IF_ERROR(CheckMapBudget(handles, options.max_map_count));
-  if (d.handle_type() == HandleType::kPosixFd) VMM_RETURN_IF_ERROR(CheckFdBudget(handles));
-  return absl::OkStatus();
+  return CheckFdBudget(KeptFds(driver, d));
 }
 
 absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
@@ -300,18 +334,19 @@ absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
   VMM_ASSIGN_OR_RETURN(std::vector<ShareableHandle> handles, Handles(d, options.fd_fetch));
   VMM_ASSIGN_OR_RETURN(DevPtr base, driver->Reserve(d.mapped_size(), granularity));
   ++open_mappings;
-  auto mapping = std::make_shared<ImportedBuffer::Mapping>(driver, device, base,
-                                                           d.mapped_size(), std::move(key));
-  // From here on, a failure unmaps and unreserves through the mapping's destructor.
+  auto mapping = std::make_shared<ImportedBuffer::Mapping>(
+      driver, device, base, d.mapped_size(), d.handle_type(), std::move(key));
+  // From here on, a failure unmaps, releases what was kept and unreserves through the
+  // mapping's destructor.
   DevPtr at = base;
   for (size_t i = 0; i < handles.size(); ++i) {
     VMM_ASSIGN_OR_RETURN(PhysHandle physical, driver->Import(handles[i]));
     absl::Status mapped = driver->Map(at, d.sizes()[i], physical);
-    // The mapping keeps the memory; this reference is not needed either way.
-    absl::Status released = driver->Release(physical);
-    VMM_RETURN_IF_ERROR(mapped);
-    mapping->AddPiece(d.sizes()[i]);
-    VMM_RETURN_IF_ERROR(released);
+    if (!mapped.ok()) {
+      (void)driver->Release(physical);  // nothing maps it: the mapping's error is the one
+      return mapped;
+    }
+    VMM_RETURN_IF_ERROR(mapping->AddPiece(d.sizes()[i], std::move(handles[i]), physical));
     at += d.sizes()[i];
   }
   std::vector<int> devices = {device};
@@ -331,19 +366,46 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(Driver* driver,
   absl::StatusOr<size_t> granularity = driver->Granularity(*device);
   if (!granularity.ok()) return Owned(d, granularity.status());
   if (absl::Status ok = CheckImportable(driver, d, *granularity); !ok.ok()) return Owned(d, ok);
-  if (absl::Status ok = CheckImportBudget(d, options); !ok.ok()) return Owned(d, ok);
+  if (absl::Status ok = CheckImportBudget(driver, d, options); !ok.ok()) return Owned(d, ok);
   std::string key;
   if (options.share_mappings) {
     key = CacheKey(driver, *device, d, options.peer_devices);
     if (auto open = MappingCache::Get().Find(key)) {
-      return std::unique_ptr<ImportedBuffer>(new ImportedBuffer(open, d.offset(), d.size(), true));
+      return std::unique_ptr<ImportedBuffer>(
+          new ImportedBuffer(open, d.offset(), d.size(), true, d.owner_uuid()));
     }
   }
   absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> mapping =
       MapHandles(driver, d, *device, *granularity, options, key);
   if (!mapping.ok()) return Owned(d, mapping.status());
   if (!key.empty()) MappingCache::Get().Add(key, *mapping);
-  return std::unique_ptr<ImportedBuffer>(new ImportedBuffer(*mapping, d.offset(), d.size(), false));
+  return std::unique_ptr<ImportedBuffer>(
+      new ImportedBuffer(*mapping, d.offset(), d.size(), false, d.owner_uuid()));
+}
+
+// --- Re-export ------------------------------------------------------------------------------
+
+absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer) {
+  ImportedBuffer::Mapping& mapping = *buffer.mapping_;
+  auto owned = [&](const absl::Status& cause) {
+    return absl::Status(cause.code(),
+                        absl::StrCat("re-exporting an imported buffer of ",
+                                     OwnerForMessages(buffer.owner_uuid()), ": ", cause.message()));
+  };
+  absl::StatusOr<std::vector<BufferDescriptor::Handle>> handles = mapping.kept().Describe();
+  if (!handles.ok()) return owned(handles.status());
+  std::vector<std::string> bytes;
+  std::vector<int64_t> sizes;
+  bytes.reserve(handles->size());
+  for (size_t i = 0; i < handles->size(); ++i) {
+    bytes.emplace_back(reinterpret_cast<const char*>((*handles)[i].data()), (*handles)[i].size());
+    sizes.push_back(static_cast<int64_t>(mapping.sizes()[i]));
+  }
+  absl::StatusOr<BufferDescriptor> d = BufferDescriptor::FromHandles(
+      mapping.kept().type(), bytes, sizes, static_cast<int64_t>(buffer.size()),
+      buffer.owner_uuid(), static_cast<int64_t>(buffer.offset_));
+  if (!d.ok()) return owned(d.status());
+  return d;
 }
 
 }  // namespace vmm

@@ -18,10 +18,13 @@
 // back to the driver, the descriptor is stale.
 //
 // Import reserves exactly the bytes it maps, maps every handle in order as one contiguous
-// range, sets access once (for ImportOptions::device and peer_devices), and drops its handle
-// references (the mapping holds the memory). From then on the importer is independent of the
-// exporter. Importing the same handles again in this process, for the same device and peers,
-// while a mapping is open shares that mapping; another device or peer list maps them again.
+// range, and sets access once (for ImportOptions::device and peer_devices). The mapping holds
+// the memory: from then on the importer is independent of the exporter. It also keeps, until
+// it is unmapped, what sending the buffer on needs (kept_handles.h: the fds it fetched, or
+// the imported fabric handles), so ReExportImport can describe the same memory to a third
+// process after the exporter has freed it or exited. Importing the same handles again in this
+// process, for the same device and peers, while a mapping is open shares that mapping (and
+// what it keeps); another device or peer list maps them again.
 // Every failure — stale, forged or malformed descriptors, a gone exporter, driver errors — is
 // a clean status whose message names the owner (descriptor's owner UUID), and leaves nothing
 // mapped or reserved: the mapped part of the range is unmapped in one call (on the host
@@ -37,8 +40,10 @@
 //   - the mappings must fit under the process's map limit (/proc/sys/vm/max_map_count) beside
 //     the maps it has (/proc/self/maps), leaving kMapCountHeadroom free for everything else
 //     (ResourceExhausted naming the count and the limit: the process is too full now);
-//   - for POSIX-fd descriptors, the fds fetched must likewise fit under the open-file limit
-//     (RLIMIT_NOFILE) beside the fds open, leaving kFdHeadroom (ResourceExhausted).
+//   - the fds the mapping keeps (one per handle for POSIX-fd descriptors, the fds fetched; on
+//     the host backend one per handle for fabric ones too, the imported files) must likewise
+//     fit under the open-file limit (RLIMIT_NOFILE) beside the fds open, leaving kFdHeadroom
+//     (ResourceExhausted).
 // The last two are counted only for imports of more than kUncountedImportHandles handles;
 // smaller ones fit in the headroom, and reading /proc would slow every import down.
 #ifndef VMM_ALLOCATOR_SHARING_H_
@@ -46,6 +51,8 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -109,25 +116,52 @@ class ImportedBuffer {
   size_t mapped_size() const;
   // Whether this import shares another import's mapping.
   bool shared() const { return shared_; }
+  // The handle type of the imported descriptor.
+  HandleType handle_type() const;
+  // The owner UUID of the imported descriptor (the device that first exported the memory).
+  const std::optional<std::string>& owner_uuid() const { return owner_uuid_; }
 
   class Mapping;
 
  private:
   friend absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(
       Driver* driver, const BufferDescriptor& descriptor, const ImportOptions& options);
-  ImportedBuffer(std::shared_ptr<Mapping> mapping, size_t offset, size_t size, bool shared)
-      : mapping_(std::move(mapping)), offset_(offset), size_(size), shared_(shared) {}
+  friend absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer);
+  ImportedBuffer(std::shared_ptr<Mapping> mapping, size_t offset, size_t size, bool shared,
+                 std::optional<std::string> owner_uuid)
+      : mapping_(std::move(mapping)),
+        offset_(offset),
+        size_(size),
+        shared_(shared),
+        owner_uuid_(std::move(owner_uuid)) {}
 
   std::shared_ptr<Mapping> mapping_;
   size_t offset_;
   size_t size_;
   bool shared_;
+  std::optional<std::string> owner_uuid_;
 };
 
 // Imports `descriptor` through `driver`; see the file comment. The buffer is unmapped when
 // the returned object (and every other import sharing its mapping) is destroyed.
 absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(
     Driver* driver, const BufferDescriptor& descriptor, const ImportOptions& options = {});
+
+// Describes the imported buffer for another process: the same chunks (sizes, offset, size,
+// owner UUID) with handles this process exports from its own import: fabric bytes, or POSIX fds
+// registered with this process's FdServer (tokens naming this process). Cached per mapping: the
+// first call exports, later ones reuse; the fds are unregistered when the mapping goes.
+// Errors: FailedPrecondition (the import's handle type is none / the driver cannot export
+// imported handles — say which), the driver's export error.
+//
+// The receiver imports the descriptor as any other; the memory is the original exporter's,
+// held by this process's mapping, so it works after that exporter has freed the buffer or
+// exited, and goes stale (NotFound, or Unavailable once this process has exited) when every
+// import sharing the mapping here is gone. POSIX-fd buffers forward the fds the import fetched
+// (no driver call, so also on CUDA, whose driver refuses to export an imported handle); fabric
+// buffers are exported by the driver from the kept imported handles (the host backend does; on
+// CUDA that refusal is FailedPrecondition). Every error names the owner. Thread safe.
+absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer);
 
 // Open mappings made by ImportBuffer in this process (tests and stats).
 size_t OpenImportMappings();

@@ -3,8 +3,10 @@
 // Each seed runs thousands of random operations — allocations of mixed sizes on three
 // streams, frees, record_stream, exports, shareable allocations, cache trims, busy streams —
 // and checks after each one that live blocks never overlap, that every block's contents
-// survive until it is freed, that the pool's counters match the model, and (every few steps)
-// every invariant of the pool's bookkeeping.
+// survive until it is freed, that the pool's counters match the model, and (every few steps,
+// and at each export) every invariant of the pool's bookkeeping, the size of a live block,
+// and whether it shares its chunks with other blocks (against a brute-force answer from the
+// pool's snapshot).
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -12,6 +14,7 @@
 #include <memory>
 #include <random>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "allocator/host_driver.h"
@@ -50,6 +53,38 @@ bool Intact(const void* p, size_t size, uint8_t pattern) {
 }
 
 void Sleep1ms(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(1)); }
+
+// Whether another block in use (allocated, or freed while a stream still uses it) lies in a
+// chunk that the block at `p` spans, worked out by brute force from the pool's snapshot.
+bool SharesChunksBySnapshot(const Snapshot& snapshot, uintptr_t p) {
+  size_t size = 0;
+  for (const SegmentInfo& segment : snapshot.segments) {
+    for (const BlockInfo& block : segment.blocks) {
+      if (block.addr == p) size = block.size;
+    }
+  }
+  EXPECT_GT(size, 0u) << "no block at " << p << " in the snapshot";
+  std::vector<std::pair<uintptr_t, uintptr_t>> spanned;
+  for (const SegmentInfo& segment : snapshot.segments) {
+    for (const ChunkInfo& chunk : segment.chunks) {
+      if (chunk.addr < p + size && p < chunk.addr + chunk.size) {
+        spanned.emplace_back(chunk.addr, chunk.addr + chunk.size);
+      }
+    }
+  }
+  for (const SegmentInfo& segment : snapshot.segments) {
+    for (const BlockInfo& block : segment.blocks) {
+      if (block.addr == p || (block.state != BlockState::kAllocated &&
+                              block.state != BlockState::kPendingFree)) {
+        continue;
+      }
+      for (const auto& [lo, hi] : spanned) {
+        if (block.addr < hi && lo < block.addr + block.size) return true;
+      }
+    }
+  }
+  return false;
+}
 
 TEST_P(PoolStressTest, MatchesReferenceModel) {
   ASSERT_OK_AND_ASSIGN(const TestBackend backend, SelectedTestBackend());
@@ -132,6 +167,11 @@ TEST_P(PoolStressTest, MatchesReferenceModel) {
                                      streams[rng() % streams.size()]).ok());
     } else if (op < 96 && exportable) {
       auto it = pick();
+      // Whether exporting it would show other blocks, before and after (marking changes
+      // nothing of that).
+      const bool shares = SharesChunksBySnapshot(pool->GetSnapshot(), it->first);
+      ASSERT_OK_AND_ASSIGN(bool answer, pool->SharesChunks(reinterpret_cast<void*>(it->first)));
+      EXPECT_EQ(answer, shares) << "block at " << it->first;
       auto exported = pool->Export(reinterpret_cast<void*>(it->first));
       ASSERT_TRUE(exported.ok()) << exported.status();
       ASSERT_FALSE(exported->chunks.empty());
@@ -146,6 +186,8 @@ TEST_P(PoolStressTest, MatchesReferenceModel) {
         spanned += exported->chunks[i].size;
       }
       EXPECT_GE(spanned, exported->offset + exported->size);
+      ASSERT_OK_AND_ASSIGN(answer, pool->SharesChunks(reinterpret_cast<void*>(it->first)));
+      EXPECT_EQ(answer, shares) << "exporting changed whether the block shares its chunks";
     } else if (op < 97) {
       ASSERT_TRUE(pool->EmptyCache().ok());
     } else {
@@ -157,6 +199,16 @@ TEST_P(PoolStressTest, MatchesReferenceModel) {
     ASSERT_EQ(stats.allocated_bytes.current, model_bytes);
     if (step % 25 == 0) {
       ASSERT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+      if (!live.empty()) {
+        // Not through `rng`, so that the operations stay those the seed always gave.
+        auto it = std::next(live.begin(), static_cast<long>(step / 25 % live.size()));
+        const void* p = reinterpret_cast<void*>(it->first);
+        ASSERT_OK_AND_ASSIGN(bool answer, pool->SharesChunks(p));
+        EXPECT_EQ(answer, SharesChunksBySnapshot(pool->GetSnapshot(), it->first))
+            << "block at " << it->first;
+        ASSERT_OK_AND_ASSIGN(size_t size, pool->BlockSize(p));
+        EXPECT_EQ(size, it->second.size);
+      }
     }
   }
   for (auto& [p, block] : live) {

@@ -628,6 +628,116 @@ TEST_F(PoolTest, ShareableBlocksGetChunksOfTheirOwn) {
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
 }
 
+// --- Whether a block shares its chunks -------------------------------------------------------
+
+// Pool::SharesChunks of `ptr`, failing the test (and answering false) on an error.
+bool Shares(Pool& pool, const void* ptr) {
+  absl::StatusOr<bool> shares = pool.SharesChunks(ptr);
+  EXPECT_TRUE(shares.ok()) << shares.status();
+  return shares.ok() && *shares;
+}
+
+TEST_F(PoolTest, ABlockInChunksOfItsOwnSharesNothing) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  void* before = Alloc(*pool, 3 * kMiB);
+  ASSERT_OK_AND_ASSIGN(void* alone, pool->AllocateShareable(3 * kMiB + 100, 0));
+  void* after = Alloc(*pool, 3 * kMiB);
+  EXPECT_FALSE(Shares(*pool, alone)) << "only retired slack shares its chunk";
+  EXPECT_OK(pool->Export(alone).status());
+  EXPECT_FALSE(Shares(*pool, alone)) << "exporting changes nothing";
+  ASSERT_OK_AND_ASSIGN(size_t size, pool->BlockSize(alone));
+  EXPECT_EQ(size, 3 * kMiB + 100) << "the bytes asked for";
+  for (void* p : {before, alone, after}) EXPECT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolTest, SmallBlocksInOneChunkShareItWhileBothLive) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 1000);
+  void* b = Alloc(*pool, 5000);  // beside a in the same small chunk
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(b), reinterpret_cast<uintptr_t>(a) + 1024);
+  EXPECT_TRUE(Shares(*pool, a));
+  EXPECT_TRUE(Shares(*pool, b));
+  ASSERT_OK_AND_ASSIGN(size_t size, pool->BlockSize(b));
+  EXPECT_EQ(size, 5000u);
+  EXPECT_OK(pool->Free(b));
+  EXPECT_FALSE(Shares(*pool, a)) << "free space does not count";
+  EXPECT_OK(pool->Free(a));
+}
+
+TEST_F(PoolTest, ALargeBlockSharesOnlyWhatItsEndChunksHold) {
+  PoolOptions options = Exact();
+  options.max_chunk = 2 * kMiB;  // 8 MiB is four chunks
+  auto pool = MakePool(options);
+  void* all = Alloc(*pool, 8 * kMiB);
+  ASSERT_OK(pool->Free(all));
+  const auto base = reinterpret_cast<uintptr_t>(all);
+  // a spans chunks 0-2 ([0, 5 MiB)); b sits in chunks 2-3 ([5 MiB, 7 MiB)).
+  void* a = Alloc(*pool, 5 * kMiB);
+  void* b = Alloc(*pool, 2 * kMiB);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(a), base);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(b), base + 5 * kMiB);
+  EXPECT_TRUE(Shares(*pool, a)) << "its last chunk holds b";
+  EXPECT_TRUE(Shares(*pool, b)) << "its first chunk holds a";
+  ASSERT_OK(pool->Free(b));
+  EXPECT_FALSE(Shares(*pool, a));
+  ASSERT_OK(pool->Free(a));
+  // a fills chunks 0-1 exactly; b and c sit in chunks 2 and 3, beside but not inside them.
+  a = Alloc(*pool, 4 * kMiB);
+  b = Alloc(*pool, 2 * kMiB);
+  void* c = Alloc(*pool, 2 * kMiB);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(b), base + 4 * kMiB);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(c), base + 6 * kMiB);
+  EXPECT_FALSE(Shares(*pool, a));
+  EXPECT_FALSE(Shares(*pool, b));
+  EXPECT_FALSE(Shares(*pool, c));
+  for (void* p : {a, b, c}) EXPECT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolTest, BlocksInExportedChunksAndPendingFreesCount) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  void* a = Alloc(*pool, 1000);
+  void* b = Alloc(*pool, 2000);
+  ASSERT_OK(pool->Export(a).status());
+  EXPECT_TRUE(Shares(*pool, a)) << "b is still live in a's exported chunk";
+  EXPECT_TRUE(Shares(*pool, b));
+  Stream s = *driver_->CreateStream(0);
+  {
+    StreamGate gate(driver_, s);
+    ASSERT_OK(pool->RecordStream(b, s));
+    ASSERT_OK(pool->Free(b));
+    EXPECT_TRUE(Shares(*pool, a)) << "s may still be using b's bytes";
+    gate.Release();
+    ASSERT_OK(driver_->SynchronizeStream(s));
+  }
+  void* c = Alloc(*pool, 512);  // finishes the pending free: b's space is retired
+  EXPECT_FALSE(Shares(*pool, a));
+  EXPECT_OK(pool->Free(c));
+  EXPECT_OK(pool->Free(a));
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(driver_->DestroyStream(s));
+}
+
+TEST_F(PoolTest, SharesChunksAndBlockSizeRefuseWhatIsNotALiveBlock) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 3 * kMiB);
+  void* freed = Alloc(*pool, 1000);
+  ASSERT_OK(pool->Free(freed));
+  int on_the_stack = 0;
+  const void* bad[] = {nullptr, static_cast<char*>(a) + 512, freed, &on_the_stack,
+                       static_cast<char*>(a) + 3 * kMiB};
+  for (const void* p : bad) {
+    EXPECT_THAT(pool->SharesChunks(p).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("not the start of a live")))
+        << p;
+    EXPECT_THAT(pool->BlockSize(p).status(), StatusIs(absl::StatusCode::kInvalidArgument)) << p;
+  }
+  EXPECT_OK(pool->Free(a));
+}
+
 // The observer hears of every exported chunk still held when the pool goes, then of the pool.
 TEST_F(PoolTest, ObserverHearsOfChunksReleasedWithThePool) {
   RecordingObserver observer;

@@ -8,6 +8,10 @@
 // others. On the host backend it uses a driver that emulates two devices, and its helper
 // processes get VMM_HOST_DEVICES=2; on CUDA it runs only where there are two GPUs (skipped
 // elsewhere).
+//
+// ReExportTest sends an import on (A -> B -> C, ReExportImport): C reads A's bytes through B
+// after A has freed them or exited, and B's descriptor goes stale with B's import. On CUDA
+// only POSIX-fd buffers can be sent on (its driver does not export imported handles).
 #include "allocator/sharing.h"
 
 #include <fcntl.h>
@@ -17,6 +21,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +38,7 @@
 #include "allocator/driver_factory.h"
 #include "allocator/fd_share.h"
 #include "allocator/host_driver.h"
+#include "allocator/kept_handles.h"
 #include "allocator/pool.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -530,6 +536,305 @@ TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
   exporter.WriteLine("exit");
   EXPECT_EQ(exporter.Wait(), 0);
   std::system(absl::StrCat("rm -rf ", dir).c_str());
+}
+
+// --- Re-export: A -> B -> C ----------------------------------------------------------------
+
+// A driver that forwards every call to another and counts the exports it is asked for.
+class CountingDriver final : public Driver {
+ public:
+  explicit CountingDriver(Driver* inner) : inner_(inner) {}
+  int exports() const { return exports_.load(); }
+
+  Backend backend() const override { return inner_->backend(); }
+  int DeviceCount() const override { return inner_->DeviceCount(); }
+  absl::StatusOr<std::string> DeviceUuid(int d) override { return inner_->DeviceUuid(d); }
+  absl::StatusOr<size_t> Granularity(int d) override { return inner_->Granularity(d); }
+  absl::StatusOr<bool> SupportsHandleType(int d, HandleType t) override {
+    return inner_->SupportsHandleType(d, t);
+  }
+  absl::StatusOr<MemInfo> GetMemInfo(int d) override { return inner_->GetMemInfo(d); }
+  absl::StatusOr<PhysHandle> Create(int d, size_t size, uint32_t types) override {
+    return inner_->Create(d, size, types);
+  }
+  absl::Status Release(PhysHandle h) override { return inner_->Release(h); }
+  absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override {
+    return inner_->Reserve(size, alignment);
+  }
+  absl::Status Unreserve(DevPtr p, size_t size) override { return inner_->Unreserve(p, size); }
+  absl::Status Map(DevPtr p, size_t size, PhysHandle h) override { return inner_->Map(p, size, h); }
+  absl::Status Unmap(DevPtr p, size_t size) override { return inner_->Unmap(p, size); }
+  absl::Status SetAccess(DevPtr p, size_t size, absl::Span<const int> devices) override {
+    return inner_->SetAccess(p, size, devices);
+  }
+  absl::StatusOr<bool> HasAccess(DevPtr p, int d) override { return inner_->HasAccess(p, d); }
+  absl::StatusOr<ShareableHandle> Export(PhysHandle h, HandleType t) override {
+    ++exports_;
+    return inner_->Export(h, t);
+  }
+  absl::StatusOr<PhysHandle> Import(const ShareableHandle& h) override { return inner_->Import(h); }
+  absl::StatusOr<Stream> CreateStream(int d) override { return inner_->CreateStream(d); }
+  absl::Status DestroyStream(Stream s) override { return inner_->DestroyStream(s); }
+  absl::Status SynchronizeStream(Stream s) override { return inner_->SynchronizeStream(s); }
+  absl::Status SynchronizeDevice(int d) override { return inner_->SynchronizeDevice(d); }
+  absl::StatusOr<Event> CreateEvent(int d) override { return inner_->CreateEvent(d); }
+  absl::Status DestroyEvent(Event e) override { return inner_->DestroyEvent(e); }
+  absl::Status RecordEvent(Event e, Stream s) override { return inner_->RecordEvent(e, s); }
+  absl::StatusOr<bool> EventDone(Event e) override { return inner_->EventDone(e); }
+  absl::Status SynchronizeEvent(Event e) override { return inner_->SynchronizeEvent(e); }
+  absl::Status LaunchHostFunc(Stream s, void (*fn)(void*), void* arg) override {
+    return inner_->LaunchHostFunc(s, fn, arg);
+  }
+  absl::Status MemcpyAsync(DevPtr dst, DevPtr src, size_t n, Stream s) override {
+    return inner_->MemcpyAsync(dst, src, n, s);
+  }
+  absl::Status MemsetAsync(DevPtr dst, uint8_t v, size_t n, Stream s) override {
+    return inner_->MemsetAsync(dst, v, n, s);
+  }
+
+ private:
+  Driver* const inner_;
+  std::atomic<int> exports_{0};
+};
+
+// B is this process unless a test says otherwise: it imports what A (a pool of this process,
+// or a vmm_peer export) exported and sends it on to C (vmm_peer import).
+class ReExportTest : public SharingTest {
+ protected:
+  void SetUp() override {
+    SharingTest::SetUp();
+    if (pool_ == nullptr) return;  // skipped
+    if (driver_->backend() == Backend::kCuda && GetParam() == HandleRequest::kFabric) {
+      GTEST_SKIP() << "the CUDA driver does not export imported handles: fabric imports cannot "
+                      "be sent on (ReExportImport is FailedPrecondition there)";
+    }
+  }
+
+  std::string HandleFlag() const {
+    return GetParam() == HandleRequest::kFabric ? "--handle=fabric" : "--handle=posix_fd";
+  }
+  bool fds() const { return GetParam() == HandleRequest::kPosixFd; }
+
+  // The same buffer as `original`, described by another process (other handles).
+  static void ExpectSameBuffer(const BufferDescriptor& sent_on, const BufferDescriptor& original) {
+    EXPECT_EQ(sent_on.handle_type(), original.handle_type());
+    EXPECT_EQ(sent_on.sizes(), original.sizes());
+    EXPECT_EQ(sent_on.size(), original.size());
+    EXPECT_EQ(sent_on.offset(), original.offset());
+    EXPECT_EQ(sent_on.owner_uuid(), original.owner_uuid());
+    EXPECT_NE(sent_on.handles(), original.handles()) << "the handles are this process's own";
+  }
+
+  // A (vmm_peer export) exports `size` bytes of 61; B (this process) imports and re-exports
+  // them; A frees the buffer and, if `exporter_exits`, exits; C imports B's descriptor, reads
+  // A's bytes and writes its own, which B sees. Dropping B's import leaves nothing behind.
+  void SendOnAfterTheExporterGoes(bool exporter_exits) {
+    const size_t fds_before = FdServer::Get().size();
+    const size_t size = 6 * kMiB;
+    Subprocess a({PeerPath(), "export", "--size=" + std::to_string(size), "--fill=61",
+                  HandleFlag()});
+    const std::string hex = a.ReadLine();
+    ASSERT_FALSE(hex.empty()) << "the exporter failed";
+    ASSERT_OK_AND_ASSIGN(BufferDescriptor from_a,
+                         BufferDescriptor::Decode(absl::HexStringToBytes(hex)));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, from_a));
+    EXPECT_EQ(b->handle_type(), from_a.handle_type());
+    ASSERT_OK_AND_ASSIGN(BufferDescriptor from_b, ReExportImport(*b));
+    ExpectSameBuffer(from_b, from_a);
+    EXPECT_EQ(FdServer::Get().size(), fds_before + (fds() ? from_b.handles().size() : 0));
+    a.WriteLine("free");
+    EXPECT_EQ(a.ReadLine(), "freed");
+    if (exporter_exits) {
+      a.WriteLine("exit");
+      EXPECT_EQ(a.Wait(), 0);
+    }
+    Subprocess c({PeerPath(), "import", "--descriptor=" + Hex(from_b), "--expect=61",
+                  "--write=62"});
+    EXPECT_THAT(c.ReadLine(), HasSubstr("ok"));
+    EXPECT_EQ(c.Wait(), 0) << "C could not read A's bytes through B";
+    EXPECT_TRUE(AllBytes(b->ptr(), size, 62)) << "B does not see C's writes";
+    b.reset();
+    EXPECT_EQ(FdServer::Get().size(), fds_before);
+    EXPECT_EQ(OpenImportMappings(), 0u);
+    if (!exporter_exits) {
+      a.WriteLine("exit");
+      EXPECT_EQ(a.Wait(), 0);
+    }
+  }
+};
+
+TEST_P(ReExportTest, CReadsABytesThroughBAfterAFreesThem) { SendOnAfterTheExporterGoes(false); }
+
+TEST_P(ReExportTest, CReadsABytesThroughBAfterAExits) { SendOnAfterTheExporterGoes(true); }
+
+TEST_P(ReExportTest, ReExportingAgainReusesTheFirstExport) {
+  pool_.reset();
+  PoolOptions options;
+  options.reserve_size = 1024 * kMiB;
+  options.handle_type = GetParam();
+  options.max_chunk = 2 * kMiB;  // a 9 MiB block spans five chunks
+  ASSERT_OK_AND_ASSIGN(pool_, CreateExportablePool(driver_, options));
+  void* a = Filled(9 * kMiB, 23);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  ASSERT_EQ(d.handles().size(), 5u);
+  CountingDriver counting(driver_);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(&counting, d));
+  const size_t fds_before = FdServer::Get().size();
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor first, ReExportImport(*b));
+  ExpectSameBuffer(first, d);
+  // Fds are sent on as the import fetched them (no driver call); fabric handles are exported
+  // by the driver, once each.
+  const int exports = counting.exports();
+  EXPECT_EQ(exports, fds() ? 0 : 5);
+  const size_t registered = FdServer::Get().size();
+  EXPECT_EQ(registered, fds_before + (fds() ? 5 : 0));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor second, ReExportImport(*b));
+  EXPECT_EQ(second, first);
+  EXPECT_EQ(counting.exports(), exports) << "a second driver export";
+  EXPECT_EQ(FdServer::Get().size(), registered) << "a second registration";
+  // An import sharing the mapping shares what it sent on.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> shared, ImportBuffer(&counting, d));
+  EXPECT_TRUE(shared->shared());
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor third, ReExportImport(*shared));
+  EXPECT_EQ(third, first);
+  EXPECT_EQ(counting.exports(), exports);
+  // Each works in another process.
+  for (const BufferDescriptor* sent_on : {&first, &second}) {
+    Subprocess c({PeerPath(), "import", "--descriptor=" + Hex(*sent_on), "--expect=23"});
+    EXPECT_EQ(c.Wait(), 0);
+  }
+  b.reset();
+  EXPECT_EQ(FdServer::Get().size(), registered) << "still in use by the shared import";
+  shared.reset();
+  EXPECT_EQ(FdServer::Get().size(), fds_before);
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  ASSERT_OK(pool_->Free(a));
+}
+
+TEST_P(ReExportTest, OnceBDropsTheImportItsDescriptorIsStale) {
+  const size_t fds_before = FdServer::Get().size();
+  Subprocess a({PeerPath(), "export", "--size=" + std::to_string(4 * kMiB), "--fill=44",
+                HandleFlag()});
+  const std::string hex = a.ReadLine();
+  ASSERT_FALSE(hex.empty()) << "the exporter failed";
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor from_a,
+                       BufferDescriptor::Decode(absl::HexStringToBytes(hex)));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, from_a));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor from_b, ReExportImport(*b));
+  a.WriteLine("free");  // from now on B's mapping alone holds the memory
+  EXPECT_EQ(a.ReadLine(), "freed");
+  b.reset();
+  EXPECT_EQ(FdServer::Get().size(), fds_before) << "re-exported fds left registered";
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  const size_t free_before = driver_->GetMemInfo(0)->free;
+  // C gets a clean error naming the owner; so does an import here.
+  Subprocess c({PeerPath(), "import", "--descriptor=" + Hex(from_b), "--expect=44"}, {},
+               Subprocess::Output::kWithStderr);
+  const std::string output = c.ReadAll();
+  EXPECT_EQ(c.Wait(), 3) << output;
+  EXPECT_THAT(output, HasSubstr("NOT_FOUND")) << output;
+  EXPECT_THAT(output, HasSubstr(*from_a.owner_uuid())) << output;
+  auto here = ImportBuffer(driver_, from_b);
+  ASSERT_FALSE(here.ok());
+  EXPECT_TRUE(absl::IsNotFound(here.status()) || absl::IsUnavailable(here.status()))
+      << here.status();
+  EXPECT_EQ(OpenImportMappings(), 0u);
+  EXPECT_EQ(driver_->GetMemInfo(0)->free, free_before);
+  a.WriteLine("exit");
+  EXPECT_EQ(a.Wait(), 0);
+}
+
+// B is another process (vmm_peer reexport): A, this process, frees; C reads A's bytes through
+// B and writes, B sees it; after B drops the import, and after B exits, C is refused.
+TEST_P(ReExportTest, AnotherProcessSendsTheBufferOn) {
+  void* a = Filled(3 * kMiB, 51);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  Subprocess b({PeerPath(), "reexport", "--descriptor=" + Hex(d), "--expect=51"});
+  const std::string from_b = b.ReadLine();
+  ASSERT_FALSE(from_b.empty()) << "B failed";
+  ASSERT_OK(pool_->Free(a));
+  ASSERT_OK(pool_->EmptyCache());
+  EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 0) << "A still holds the memory";
+  b.WriteLine("again");
+  EXPECT_EQ(b.ReadLine(), from_b) << "the second re-export differs from the first";
+  Subprocess c({PeerPath(), "import", "--descriptor=" + from_b, "--expect=51", "--write=52"});
+  EXPECT_THAT(c.ReadLine(), HasSubstr("ok"));
+  EXPECT_EQ(c.Wait(), 0);
+  b.WriteLine("expect 52");
+  EXPECT_EQ(b.ReadLine(), "match") << "B does not see C's writes";
+  b.WriteLine("drop");
+  EXPECT_EQ(b.ReadLine(), "dropped 0") << "B left fds registered";
+  Subprocess after_drop({PeerPath(), "import", "--descriptor=" + from_b, "--expect=52"});
+  EXPECT_EQ(after_drop.Wait(), 3);
+  b.WriteLine("exit");
+  EXPECT_EQ(b.Wait(), 0);
+  Subprocess after_exit({PeerPath(), "import", "--descriptor=" + from_b, "--expect=52"});
+  EXPECT_EQ(after_exit.Wait(), 3);
+}
+
+// Threads sending on imports that share one mapping all get the one descriptor, made once.
+TEST_P(ReExportTest, ThreadsReExportingTogetherShareOneExport) {
+  void* a = Filled(2 * kMiB, 9);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> one, ImportBuffer(driver_, d));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> two, ImportBuffer(driver_, d));
+  ASSERT_TRUE(two->shared());
+  const size_t fds_before = FdServer::Get().size();
+  std::vector<std::string> encoded(8);
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < encoded.size(); ++i) {
+    threads.emplace_back([&, i] {
+      absl::StatusOr<BufferDescriptor> sent_on = ReExportImport(i % 2 ? *one : *two);
+      if (sent_on.ok()) encoded[i] = sent_on->Encode();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const std::string& e : encoded) EXPECT_EQ(e, encoded[0]);
+  EXPECT_FALSE(encoded[0].empty());
+  EXPECT_EQ(FdServer::Get().size(), fds_before + (fds() ? 1 : 0));
+  one.reset();
+  two.reset();
+  EXPECT_EQ(FdServer::Get().size(), fds_before);
+  ASSERT_OK(pool_->Free(a));
+}
+
+// A re-export that fails (here: no fd left to duplicate) registers nothing and can be retried.
+TEST_P(ReExportTest, AFailedReExportLeavesNothingRegisteredAndCanBeRetried) {
+  if (!fds()) GTEST_SKIP() << "fd handles only";
+  void* a = Filled(2 * kMiB, 8);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, d));
+  const size_t fds_before = FdServer::Get().size();
+  absl::StatusOr<BufferDescriptor> refused;
+  {
+    FdsExhausted exhausted;
+    refused = ReExportImport(*b);
+  }
+  EXPECT_THAT(refused, StatusIs(absl::StatusCode::kResourceExhausted,
+                                AllOf(HasSubstr("re-exporting an imported buffer of the owner"),
+                                      HasSubstr(pool_->device_uuid()))));
+  EXPECT_EQ(FdServer::Get().size(), fds_before);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor sent_on, ReExportImport(*b));
+  ExpectSameBuffer(sent_on, d);
+  b.reset();
+  EXPECT_EQ(FdServer::Get().size(), fds_before);
+  ASSERT_OK(pool_->Free(a));
+}
+
+INSTANTIATE_TEST_SUITE_P(HandleTypes, ReExportTest,
+                         ::testing::Values(HandleRequest::kPosixFd, HandleRequest::kFabric),
+                         [](const auto& info) {
+                           return info.param == HandleRequest::kFabric ? "fabric" : "posix_fd";
+                         });
+
+// What an import keeps cannot describe memory of handle type none.
+TEST(KeptHandlesTest, HandleTypeNoneHasNothingToSendOn) {
+  ASSERT_OK_AND_ASSIGN(Driver* driver, TestDriver());
+  KeptHandles kept(driver, HandleType::kNone);
+  EXPECT_THAT(kept.Describe(), StatusIs(absl::StatusCode::kFailedPrecondition,
+                                        HasSubstr("handle type is none")));
+  EXPECT_OK(kept.Release());
+  EXPECT_THAT(kept.Describe(), StatusIs(absl::StatusCode::kFailedPrecondition));
 }
 
 // --- Two devices ---------------------------------------------------------------------------

@@ -27,6 +27,14 @@
 //       "freed"), "expect BYTE" answers "match" when every byte equals BYTE (else
 //       "mismatch: ..."), "exit" exits.
 //
+//   vmm_peer reexport --descriptor=HEX [--expect=BYTE|pattern] [--backend=NAME]
+//       The middle process of A -> B -> C: ImportBuffer of an encoded descriptor (checks every
+//       byte equals `expect` when given), then ReExportImport, and prints the new descriptor
+//       as hex. Then obeys lines on stdin: "again" prints the descriptor of another
+//       ReExportImport (the cached one), "expect BYTE" answers "match" when every byte of the
+//       import equals BYTE (else "mismatch: ..."), "drop" closes the import (answers
+//       "dropped N": N fds left registered with this process's FdServer), "exit" exits.
+//
 //   vmm_peer import-loop [--backend=NAME]
 //       Prints "ready" once the driver is up, then reads hex descriptors, one a line, imports
 //       each and answers "ok FETCH_NS IMPORT_NS CLOSE_NS" (FETCH_NS: the fds of a posix_fd
@@ -40,7 +48,7 @@
 // Exit codes (the tests rely on them); on failure the step and the status go to stderr:
 //   0 ok, 1 usage, 2 setup failed (driver, stream, pool, allocation, fill), 3 the import was
 //   refused (stale, forged or malformed), 4 mapping or access failed, 5 the bytes are wrong,
-//   6 the write failed, 7 cleanup failed.
+//   6 the write failed, 7 cleanup failed, 8 the re-export failed.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -86,6 +94,7 @@ enum ExitCode : int {
   kMismatch = 5,
   kWriteFailed = 6,
   kCleanupFailed = 7,
+  kReExportFailed = 8,
 };
 
 // The subcommand being run, for messages.
@@ -525,6 +534,63 @@ int RunExport(const std::vector<std::string>& args) {
   return Export(*driver, *command);
 }
 
+// --- reexport ---------------------------------------------------------------------------------
+
+int ReExport(Driver* driver, const Flags& flags) {
+  absl::StatusOr<BufferDescriptor> descriptor =
+      BufferDescriptor::Decode(absl::HexStringToBytes(flags.Get("descriptor")));
+  if (!descriptor.ok()) return Fail(kImportFailed, "Decode", descriptor.status());
+  absl::StatusOr<std::unique_ptr<ImportedBuffer>> buffer = ImportBuffer(driver, *descriptor);
+  if (!buffer.ok()) return Fail(kImportFailed, "ImportBuffer", buffer.status());
+  if (flags.Has("expect")) {
+    absl::StatusOr<Expected> expected = ParseExpected(flags);
+    if (!expected.ok()) return Fail(kUsage, "usage", expected.status());
+    if (absl::Status s = CheckBytes(driver, (*buffer)->ptr(), (*buffer)->size(), *expected, 0);
+        !s.ok()) {
+      return Fail(kMismatch, "check", s);
+    }
+  }
+  auto print_reexport = [&]() {
+    absl::StatusOr<BufferDescriptor> again = ReExportImport(**buffer);
+    if (!again.ok()) return Fail(kReExportFailed, "ReExportImport", again.status());
+    PrintLine(absl::BytesToHexString(again->Encode()));
+    return static_cast<int>(kOk);
+  };
+  if (int code = print_reexport(); code != kOk) return code;
+  for (std::string line; std::getline(std::cin, line);) {
+    if (line == "again") {
+      if (*buffer == nullptr) return Fail(kUsage, "stdin", absl::FailedPreconditionError("dropped"));
+      if (int code = print_reexport(); code != kOk) return code;
+    } else if (absl::StartsWith(line, "expect ")) {
+      int value = 0;
+      if (*buffer == nullptr || !absl::SimpleAtoi(line.substr(7), &value) || value < 0 ||
+          value > 255) {
+        return Fail(kUsage, "stdin", absl::InvalidArgumentError("bad expect line: " + line));
+      }
+      const absl::Status s = CheckBytes(driver, (*buffer)->ptr(), (*buffer)->size(),
+                                        Expected{false, static_cast<uint8_t>(value)}, 0);
+      PrintLine(s.ok() ? "match" : absl::StrCat("mismatch: ", s.message()));
+    } else if (line == "drop") {
+      buffer->reset();
+      PrintLine(absl::StrCat("dropped ", FdServer::Get().size()));
+    } else if (line == "exit") {
+      break;
+    }
+  }
+  return kOk;
+}
+
+int RunReExport(const std::vector<std::string>& args) {
+  absl::StatusOr<Flags> flags = Flags::Parse(args, {"backend", "descriptor", "expect"}, {});
+  if (!flags.ok()) return Fail(kUsage, "usage", flags.status());
+  if (!flags->Has("descriptor")) {
+    return Fail(kUsage, "usage", absl::InvalidArgumentError("--descriptor=HEX is required"));
+  }
+  absl::StatusOr<Driver*> driver = PeerDriver(*flags);
+  if (!driver.ok()) return Fail(kSetupFailed, "driver", driver.status());
+  return ReExport(*driver, *flags);
+}
+
 // --- import-loop ------------------------------------------------------------------------------
 
 using Clock = std::chrono::steady_clock;
@@ -595,7 +661,8 @@ int RunImportLoop(const std::vector<std::string>& args) {
 
 int Usage() {
   std::fprintf(stderr,
-               "usage: vmm_peer driver-import|import|export|import-loop --flag=value...\n"
+               "usage: vmm_peer driver-import|import|export|reexport|import-loop "
+               "--flag=value...\n"
                "(tools/vmm_peer.cc describes each subcommand)\n");
   return kUsage;
 }
@@ -608,6 +675,7 @@ int Run(int argc, char** argv) {
   if (command == "driver-import") return RunDriverImport(args);
   if (command == "import") return RunImport(args);
   if (command == "export") return RunExport(args);
+  if (command == "reexport") return RunReExport(args);
   if (command == "import-loop") return RunImportLoop(args);
   return Usage();
 }

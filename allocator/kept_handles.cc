@@ -1,0 +1,125 @@
+#include "allocator/kept_handles.h"
+
+#include <fcntl.h>
+
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "allocator/fd_share.h"
+#include "allocator/log.h"
+#include "allocator/status_macros.h"
+
+namespace vmm {
+
+KeptHandles::~KeptHandles() {
+  absl::Status released = Release();
+  if (!released.ok()) {
+    LogError(absl::StrCat("releasing the handles an import kept: ", released.message()));
+  }
+}
+
+absl::Status KeptHandles::Add(ShareableHandle fetched, PhysHandle imported) {
+  Piece piece;
+  absl::Status released;
+  if (type_ == HandleType::kFabric) {
+    piece.handle = imported;
+  } else {
+    piece.fd = std::move(fetched.fd);
+    if (imported != 0) released = driver_->Release(imported);
+  }
+  MutexLock lock(&mu_);
+  pieces_.push_back(std::move(piece));
+  return released;
+}
+
+absl::StatusOr<BufferDescriptor::Handle> KeptHandles::DescribePiece(const Piece& piece,
+                                                                    std::vector<uint64_t>& keys) {
+  BufferDescriptor::Handle out{};
+  if (type_ == HandleType::kPosixFd) {
+    UniqueFd copy(::fcntl(piece.fd.get(), F_DUPFD_CLOEXEC, 0));
+    if (!copy.valid()) {
+      return absl::ErrnoToStatus(errno, "duplicating a kept fd (fcntl F_DUPFD_CLOEXEC)");
+    }
+    VMM_ASSIGN_OR_RETURN(FdToken token, FdServer::Get().Register(std::move(copy)));
+    keys.push_back(token.key);
+    return token.Encode();
+  }
+  absl::StatusOr<ShareableHandle> exported = driver_->Export(piece.handle, HandleType::kFabric);
+  if (!exported.ok()) {
+    if (driver_->backend() == Backend::kCuda && absl::IsInvalidArgument(exported.status())) {
+      // What the CUDA driver answers for an imported handle (seen on driver 580 for both
+      // handle types): not bad input of the caller's, a limit of the driver.
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the cuda driver does not export handles this process imported (",
+          exported.status().message(),
+          "); a fabric buffer cannot be sent on by an importer: send the original descriptor "
+          "while its exporter holds the memory"));
+    }
+    return exported.status();
+  }
+  std::memcpy(out.data(), exported->fabric.data(), kFabricHandleSize);
+  return out;
+}
+
+absl::StatusOr<std::vector<BufferDescriptor::Handle>> KeptHandles::Describe() {
+  MutexLock lock(&mu_);
+  if (described_.has_value()) return *described_;
+  if (type_ != HandleType::kPosixFd && type_ != HandleType::kFabric) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the import's handle type is ", HandleTypeName(type_), ": there is nothing to send on"));
+  }
+  if (released_) {
+    return absl::FailedPreconditionError("the import's mapping is closed");
+  }
+  std::vector<BufferDescriptor::Handle> handles;
+  std::vector<uint64_t> keys;
+  absl::Status failed;
+  for (const Piece& piece : pieces_) {
+    absl::StatusOr<BufferDescriptor::Handle> handle = DescribePiece(piece, keys);
+    if (!handle.ok()) {
+      failed = absl::Status(handle.status().code(),
+                            absl::StrCat("piece ", handles.size(), " of ", pieces_.size(), ": ",
+                                         handle.status().message()));
+      break;
+    }
+    handles.push_back(*handle);
+  }
+  if (!failed.ok()) {
+    for (uint64_t key : keys) FdServer::Get().Unregister(key);
+    return failed;
+  }
+  fd_keys_ = std::move(keys);
+  described_ = handles;
+  return handles;
+}
+
+absl::Status KeptHandles::Release() {
+  std::vector<Piece> pieces;
+  std::vector<uint64_t> keys;
+  {
+    MutexLock lock(&mu_);
+    if (released_) return absl::OkStatus();
+    released_ = true;
+    pieces = std::move(pieces_);
+    pieces_.clear();
+    keys = std::move(fd_keys_);
+    fd_keys_.clear();
+    described_.reset();
+  }
+  // Registered duplicates first, so no fetch finds them once the memory may be gone.
+  for (uint64_t key : keys) FdServer::Get().Unregister(key);
+  absl::Status first;
+  for (Piece& piece : pieces) {
+    if (piece.handle != 0) first.Update(driver_->Release(piece.handle));
+  }
+  return first;  // the kept fds close with `pieces`
+}
+
+size_t KeptHandles::size() const {
+  MutexLock lock(&mu_);
+  return pieces_.size();
+}
+
+}  // namespace vmm
