@@ -78,11 +78,20 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
         ": neither a vmm pool block nor an imported buffer"));
   }
   ImportedBuffer* buffer = nullptr;
+  std::shared_ptr<const BufferDescriptor> received;
   {
     MutexLock lock(&mu_);
-    buffer = imports_.at(id).buffer.get();  // alive: the reference just taken holds it
+    const OpenImport& import = imports_.at(id);  // alive: the reference just taken holds it
+    buffer = import.buffer.get();
+    received = import.received;
   }
   absl::StatusOr<BufferDescriptor> d = ReExportImport(*buffer);
+  if (!d.ok() && d.status().code() == absl::StatusCode::kFailedPrecondition &&
+      received->handle_type() == HandleType::kFabric) {
+    // The CUDA driver exports no imported handle; the exporter's fabric handles stay
+    // importable while the memory lives, which this import (held below) guarantees.
+    d = *received;
+  }
   if (!d.ok()) {
     (void)AddImportRef(id, -1);
     return d.status();

@@ -278,7 +278,8 @@ absl::StatusOr<int64_t> ProcessState::Import(absl::string_view bytes, int device
   MutexLock lock(&mu_);
   const int64_t id = next_id_++;
   imports_by_ptr_.emplace(buffer->ptr(), id);
-  imports_[id] = OpenImport{std::move(buffer), driver->backend() == Backend::kHost, 1};
+  imports_[id] = OpenImport{std::move(buffer), driver->backend() == Backend::kHost, 1,
+                           std::make_shared<const BufferDescriptor>(std::move(d))};
   return id;
 }
 

@@ -161,6 +161,9 @@ class ProcessState {
     std::unique_ptr<ImportedBuffer> buffer;
     bool host = false;  // imported through the host backend (CPU memory)
     int64_t refs = 1;
+    // What was imported: forwarded as it is where the driver cannot export imported handles
+    // (CUDA fabric handles; see ExportSend).
+    std::shared_ptr<const BufferDescriptor> received;
   };
 
   // Frees a block of any pool, held or not (FreeBlock without the hold check).

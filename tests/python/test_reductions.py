@@ -6,6 +6,7 @@ import ctypes
 import gc
 import os
 import pickle
+import time
 import sys
 from multiprocessing.reduction import ForkingPickler
 
@@ -38,8 +39,9 @@ def test_payload_is_flat(pool):
     t = filled(pool, (6, 8))
     rebuild, args = reductions.reduce_tensor(t[1:, 2:])
     assert rebuild is reductions.rebuild_tensor_from_bytes is sharing.rebuild_tensor
-    assert len(args) == len(sharing.PAYLOAD_FIELDS)
-    descriptor, dtype, shape, stride, offset, device, parameter, requires_grad = args
+    assert len(args) == len(sharing.SEND_PAYLOAD_FIELDS)
+    descriptor, dtype, shape, stride, offset, device, parameter, requires_grad, ticket = args
+    assert type(ticket) is bytes and len(ticket) == 64
     assert type(descriptor) is bytes
     parsed = vmm_torch.BufferDescriptor.from_bytes(descriptor)
     assert parsed.handle_type == pool.handle_type and parsed.size == 6 * 8 * 4
@@ -50,8 +52,8 @@ def test_payload_is_flat(pool):
     # The payload a pickled SharedTensor carries (one format), with its own rebuild name.
     rebuild_shared, shared_payload = vmm_torch.export_tensor(t[1:, 2:]).__reduce__()
     assert rebuild_shared is sharing.rebuild_shared_tensor
-    assert shared_payload[1:] == args[1:]
-    assert len(ForkingPickler.dumps(t)) < 300
+    assert shared_payload[1:] == args[1:len(shared_payload)]
+    assert len(ForkingPickler.dumps(t)) < 400
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -130,10 +132,15 @@ def test_other_tensors_use_torch_reducers():
     assert not vmm_torch.in_vmm_pool(torch.eye(3).to_sparse())
 
 
-def test_imported_tensors_are_not_reexported(pool):
-    again = round_trip(filled(pool, (4,)))
-    assert not vmm_torch.in_vmm_pool(again)
-    assert reductions.reduce_tensor(again)[0] is not reductions.rebuild_tensor_from_bytes
+def test_imported_tensors_are_forwarded_as_vmm_sends(pool):
+    original = filled(pool, (4,))
+    again = round_trip(original)
+    assert not vmm_torch.in_vmm_pool(again)  # an import, not a pool block
+    rebuild, args = reductions.reduce_tensor(again)
+    assert rebuild is reductions.rebuild_tensor_from_bytes
+    third = rebuild(*args)
+    third.add_(1)
+    assert torch.equal(original, third) and torch.equal(again, third)
 
 
 def _payload_args(t):
@@ -199,12 +206,48 @@ def test_hostile_views_fail_cleanly_and_release_the_import(pool, field, value):
     assert not import_is_open(import_id)  # ... and was released
 
 
-def test_stale_payload_names_the_owner():
+def _eventually(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_sent_tensor_outlives_its_sender_until_received():
+    """put-then-delete: the send holds the block until the receiver has imported it."""
     with vmm_torch.Pool("host", handle_type="fabric") as p:
-        t = p.empty((MIB,), dtype=torch.uint8, shareable=True)
+        t = p.empty((MIB,), dtype=torch.uint8)
+        t.fill_(7)
         payload = ForkingPickler.dumps(t)
+        held = vmm_torch.send_stats()
+        assert held["held"] >= 1 and held["held_bytes"] >= MIB
         del t
         gc.collect()
+        p.empty_cache()
+        received = pickle.loads(payload)
+        assert int(received.sum()) == 7 * MIB
+        assert sharing.flush_acks(5) == 0
+        # Acknowledged: the sender let go.
+        assert _eventually(lambda: vmm_torch.send_stats()["acked"] == held["acked"] + 1)
+        assert vmm_torch.send_stats()["held"] == held["held"] - 1
+        del received
+
+
+def test_a_send_nobody_receives_ends_with_its_lease_and_goes_stale():
+    with vmm_torch.Pool("host", handle_type="fabric") as p:
+        before = vmm_torch.send_stats()
+        vmm_torch.set_send_lease(0.3)
+        try:
+            t = p.empty((MIB,), dtype=torch.uint8, shareable=True)
+            payload = ForkingPickler.dumps(t)
+        finally:
+            vmm_torch.set_send_lease(600)
+        del t
+        gc.collect()
+        assert _eventually(lambda: vmm_torch.send_stats()["expired"] == before["expired"] + 1)
+        assert vmm_torch.send_stats()["held_bytes"] == before["held_bytes"]
         p.empty_cache()
         with pytest.raises(vmm_torch.VmmError) as info:
             pickle.loads(payload)
@@ -241,7 +284,7 @@ def test_overhead_bench_runs():
     import share_overhead_bench
 
     results = share_overhead_bench.main(["--iters", "3", "--shape", "16,16"])
-    assert results["payload_bytes"] < 300 and results["wrap_us"] > 0
+    assert results["payload_bytes"] < 400 and results["wrap_us"] > 0
 
 
 def test_requires_grad_on_an_integer_dtype_is_refused_before_the_import(pool):

@@ -37,6 +37,7 @@ ARGUMENT_TYPES = {
     "uint64_t*": {P(ctypes.c_uint64)},
     "size_t*": {P(ctypes.c_size_t)},
     "vmm_descriptor_fields*": {P(_signatures.DescriptorFields)},
+    "vmm_send_stats*": {P(_signatures.SendStats)},
 }
 # Results: a "char*" (not const) is a string to release, so it must stay a plain pointer.
 RESULT_TYPES = {
@@ -54,6 +55,7 @@ FIELD_TYPES = {
     "uint8_t*": {P(ctypes.c_uint8), ctypes.c_void_p},
     "uint64_t*": {P(ctypes.c_uint64), ctypes.c_void_p},
     "char*": {ctypes.c_void_p, P(ctypes.c_char)},  # with a length: may hold NULs
+    "double": {ctypes.c_double},
 }
 
 

@@ -20,6 +20,8 @@
 //       come from libvmm.so (vmm_import_info), not from Python. Takes nothing over on failure.
 //   storage_info(Tensor t) -> (int data_ptr, int nbytes)
 //       Where the tensor's storage starts and how big it is (across torch versions).
+//   storage_bytes(Tensor t) -> Tensor
+//       A flat uint8 view of the whole storage of `t` (across torch versions).
 //   swap_storage(Tensor a, Tensor b) -> ()
 //       Swaps the memory under the storages of `a` and `b` (same device, same byte size):
 //       every view of either storage now reads the other's memory, and each memory is still
@@ -184,6 +186,13 @@ std::tuple<int64_t, int64_t> StorageInfo(const at::Tensor& t) {
   return {reinterpret_cast<int64_t>(s.data()), static_cast<int64_t>(s.nbytes())};
 }
 
+at::Tensor StorageBytes(const at::Tensor& t) {
+  const c10::Storage& s = t.storage();
+  at::Tensor out = at::empty({0}, t.options().dtype(at::kByte));
+  out.set_(s, 0, {static_cast<int64_t>(s.nbytes())}, {1});
+  return out;
+}
+
 void SwapStorage(const at::Tensor& a, const at::Tensor& b) {
   c10::StorageImpl* x = a.storage().unsafeGetStorageImpl();
   c10::StorageImpl* y = b.storage().unsafeGetStorageImpl();
@@ -209,6 +218,7 @@ TORCH_LIBRARY(vmm, m) {
         "ScalarType dtype) -> Tensor",
         &WrapImport);
   m.def("storage_info(Tensor t) -> (int, int)", &StorageInfo);
+  m.def("storage_bytes(Tensor t) -> Tensor", &StorageBytes);
   m.def("swap_storage(Tensor a, Tensor b) -> ()", &SwapStorage);
 }
 

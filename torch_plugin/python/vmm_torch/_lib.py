@@ -112,7 +112,7 @@ def library_dir() -> str:
 class Libraries:
     """The loaded libraries: ``vmm`` (ctypes handle of libvmm.so), ``quick`` (the same library
     bound without releasing the GIL), the extension's path, and its operators ``wrap``,
-    ``wrap_import``, ``storage_info`` and ``swap_storage`` (their single overloads)."""
+    ``wrap_import``, ``storage_info``, ``storage_bytes`` and ``swap_storage`` (their single overloads)."""
 
     def __init__(self, directory: str) -> None:
         self.libvmm_path = os.path.join(directory, LIBVMM_NAME)
@@ -132,6 +132,8 @@ class Libraries:
         self.wrap: Callable[..., torch.Tensor] = torch.ops.vmm.wrap.default
         self.wrap_import: Callable[..., torch.Tensor] = torch.ops.vmm.wrap_import.default
         self.storage_info: Callable[[torch.Tensor], Any] = torch.ops.vmm.storage_info.default
+        self.storage_bytes: Callable[[torch.Tensor], torch.Tensor] = (
+            torch.ops.vmm.storage_bytes.default)
         self.swap_storage: Callable[[torch.Tensor, torch.Tensor], None] = (
             torch.ops.vmm.swap_storage.default)
 

@@ -171,10 +171,10 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
     tensor's bytes; returns the new address. The bytes are copied on the current stream and
     the old block is freed after that copy (stream-ordered); every view of the storage follows
     (its address changes, as after ``Tensor.set_``)."""
-    storage = t.untyped_storage()
-    nbytes = storage.nbytes()
-    stream = _stream_of(t)
     libs = _lib.load()
+    source = libs.storage_bytes(t)
+    nbytes = source.numel()
+    stream = _stream_of(t)
     ptr = _lib.check_pointer(libs.vmm.vmm_alloc_beside(base, max(nbytes, 1), stream), "send")
     device = t.device if t.is_cuda else torch.device("cpu")
     try:
@@ -182,7 +182,6 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
     except BaseException:
         libs.vmm.vmm_block_free(ptr)
         raise
-    source = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
     donor.copy_(source)
     if stream is not None:
         _lib.check(libs.quick.vmm_record_stream(base, stream), "send")
