@@ -8,8 +8,12 @@
 #            driver, pool, sharing) and the demo; first without an IMEX channel (channel 0
 #            removed if an earlier run made it: the POSIX fd fallback), then with one (fabric).
 #   python   pip-installs vmm_torch against the machine's torch and runs the Python suite, with
-#            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python;
-#            REUSE_PLUGIN=1 keeps an install an earlier call on the same machine made).
+#            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python but the
+#            parity suite; REUSE_PLUGIN=1 keeps an install an earlier call on the same machine
+#            made).
+#   parity   the torch.multiprocessing parity suite (tests/python/test_mp_parity.py) in its
+#            five modes (native-cpu, vmm-host, native, vmm-fabric, vmm-fd; VMM_PARITY_MODES
+#            picks some), with an IMEX channel; the case x mode table goes to $OUT/parity.md.
 #   bench    the benchmarks, side by side with PyTorch; BENCH names the parts (default all):
 #              alloc    cached alloc+free pair, trace replay, growth and import
 #                       (bench/run_gpu_bench.sh), and pool_bench;
@@ -166,7 +170,18 @@ phase_python() {
   with_imex_channel  # the fabric tests need it
   install_plugin
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-  step pytest 330 python3 -m pytest -v -rfE ${PYTEST_ARGS:-tests/python}
+  step pytest 330 python3 -m pytest -v -rfE \
+    ${PYTEST_ARGS:-tests/python --ignore=tests/python/test_mp_parity.py}
+}
+
+# --- parity ------------------------------------------------------------------------------------
+
+phase_parity() {
+  with_imex_channel  # vmm-fabric needs it
+  install_plugin
+  step parity 540 env VMM_PARITY_TABLE="$OUT/parity.md" VMM_PARITY_MODE_LIMIT=240 \
+    python3 -m pytest -v -rfEs tests/python/test_mp_parity.py
+  [[ ! -e "$OUT/parity.md" ]] || tee -a "$summary" <"$OUT/parity.md"
 }
 
 # --- bench -------------------------------------------------------------------------------------
@@ -374,7 +389,7 @@ phase_multi() {
 : >"$summary"
 for phase in "$@"; do
   if [[ $(type -t "phase_$phase") != function ]]; then
-    note "unknown phase '$phase' (tests python bench compare multi)"
+    note "unknown phase '$phase' (tests python parity bench compare multi)"
     continue
   fi
   note "=== phase $phase"
