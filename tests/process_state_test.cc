@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
+#include "allocator/send_ledger.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -188,6 +189,97 @@ TEST_F(ProcessStateTest, ClosingAPoolWhileOthersAllocateIsSafe) {
     EXPECT_EQ(freed_bad.load(), 0);
     EXPECT_TRUE(state_.AllPools().empty());
   }
+}
+
+// --- Sends ---------------------------------------------------------------------------------
+
+TEST_F(ProcessStateTest, ASentBlockIsFreedOnlyOnceItsReceiverAcknowledges) {
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(p.ok()) << p.status();
+  std::memset(*p, 0x5a, kMiB);
+  ASSERT_EQ(state_.KindOfSend(*p), ProcessState::SendKind::kInPlace);
+  absl::StatusOr<ProcessState::Send> send = state_.ExportSend(*p);
+  ASSERT_TRUE(send.ok()) << send.status();
+  const Pool* pool = state_.Owner(*p).pool;
+  const uint64_t live = pool->GetStats().allocated_bytes.current;
+  // The owner frees at once: deferred while the send is held.
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  EXPECT_EQ(state_.block_holds().deferred(), 1u);
+  EXPECT_EQ(pool->GetStats().allocated_bytes.current, live);
+  // The receiver imports (here, in this process), then acknowledges.
+  absl::StatusOr<int64_t> import =
+      state_.Import(send->descriptor.Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(import.ok()) << import.status();
+  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(info->ptr)[kMiB - 1], 0x5a);
+  ASSERT_TRUE(AckSend(send->ticket).ok());
+  EXPECT_EQ(state_.block_holds().held(), 0u);
+  EXPECT_LT(pool->GetStats().allocated_bytes.current, live) << "freed at the acknowledgement";
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(info->ptr)[0], 0x5a) << "the import is its own";
+  EXPECT_EQ(AckSend(send->ticket).code(), absl::StatusCode::kNotFound) << "only once";
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+}
+
+TEST_F(ProcessStateTest, BlocksSharingAChunkAreRelocatedNotSentInPlace) {
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> a = state_.PoolAllocate(*id, 4096, 0, false);
+  absl::StatusOr<void*> b = state_.PoolAllocate(*id, 4096, 0, false);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(state_.KindOfSend(*a), ProcessState::SendKind::kRelocate);
+  EXPECT_EQ(state_.ExportSend(*a).status().code(), absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<void*> moved = state_.AllocateBeside(*a, 4096, 0);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(state_.KindOfSend(*moved), ProcessState::SendKind::kInPlace);
+  EXPECT_EQ(state_.KindOfSend(static_cast<char*>(*a) + 8), ProcessState::SendKind::kNotVmm);
+  int local = 0;
+  EXPECT_EQ(state_.KindOfSend(&local), ProcessState::SendKind::kNotVmm);
+  for (void* p : {*a, *b, *moved}) ASSERT_TRUE(state_.FreeBlock(p).ok());
+}
+
+TEST_F(ProcessStateTest, ABlockOfAPoolWithoutHandlesCannotBeSent) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=none");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, false);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(state_.KindOfSend(*p), ProcessState::SendKind::kNotExportable);
+  EXPECT_FALSE(state_.ExportSend(*p).ok());
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+}
+
+TEST_F(ProcessStateTest, AnImportIsForwardedAndHeldUntilAcknowledged) {
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(p.ok());
+  std::memset(*p, 0x33, kMiB);
+  absl::StatusOr<BufferDescriptor> exported = state_.Export(*p);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  absl::StatusOr<int64_t> import =
+      state_.Import(exported->Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(import.ok()) << import.status();
+  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
+  ASSERT_TRUE(info.ok());
+  const void* at = reinterpret_cast<const void*>(info->ptr);
+  ASSERT_EQ(state_.KindOfSend(at), ProcessState::SendKind::kImport);
+  absl::StatusOr<ProcessState::Send> forward = state_.ExportSend(at);
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  // The original goes, and so does the forwarder's own reference: the send holds the import.
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  EXPECT_EQ(state_.import_count(), 1u);
+  absl::StatusOr<int64_t> third =
+      state_.Import(forward->descriptor.Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(third.ok()) << third.status();
+  absl::StatusOr<ProcessState::ImportInfo> third_info = state_.GetImportInfo(*third);
+  ASSERT_TRUE(third_info.ok());
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(third_info->ptr)[7], 0x33);
+  ASSERT_TRUE(AckSend(forward->ticket).ok());
+  ASSERT_TRUE(state_.AddImportRef(*third, -1).ok());
+  EXPECT_EQ(state_.import_count(), 0u) << "the forwarding hold ended with the acknowledgement";
 }
 
 }  // namespace

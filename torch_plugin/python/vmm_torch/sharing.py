@@ -216,7 +216,15 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
         base = relocate_storage(t, base)
     elif kind not in (SEND_IN_PLACE, SEND_IMPORT):
         raise ValueError(f"send kind {kind} of a tensor that is not vmm memory")
-    data, ticket = export_send(base)
+    try:
+        data, ticket = export_send(base)
+    except _lib.VmmError as error:
+        # Another thread allocated into the block's chunk since send_kind looked (this one
+        # may be a queue's feeder thread): move it after all. A moved block's chunks hold
+        # nothing else, ever, so the second export cannot fail for that.
+        if kind != SEND_IN_PLACE or error.code != "FAILED_PRECONDITION":
+            raise
+        data, ticket = export_send(relocate_storage(t, base))
     return (data, dtype_code(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
             f"cuda:{t.get_device()}" if t.is_cuda else "cpu", parameter, requires_grad, ticket)
 
