@@ -377,7 +377,7 @@ class DeviceMonitor:
 
 
 def kill_tree(proc):
-    """SIGKILL to the process group of `proc` (its own session): the mode's runner and its
+    """SIGKILL to the process group that `proc` leads: the mode's runner and its
     spawned processes."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
