@@ -21,6 +21,10 @@
 #                       without an IMEX channel, then with one, then SHARE_ROUNDS (3) rounds in
 #                       all of vmm fabric and PyTorch native (SHARE_REPS repetitions, 7);
 #              fanout   one producer, 4 consumers, fabric and fds;
+#              chain    bench/mp_chain.py: CHAIN_COUNT (100000) small tensors through three
+#                       processes (create, clone and forward, sum) in native, vmm-fabric (with
+#                       an IMEX channel) and vmm-fd, each mode stopped after CHAIN_TIMEOUT (120)
+#                       s and reported as not finished; chain.json and chain.md in $OUT;
 #              dist     vmm_torch.distributed against torch.distributed, 4 ranks on the GPU;
 #              train    the training loop under native (twice), expandable-segments and vmm
 #                       (two growth policies) allocators, TRAIN_STEPS (300) steps, compared;
@@ -235,6 +239,18 @@ bench_fanout() {
   done
 }
 
+# Three modes in one step, each bounded by CHAIN_TIMEOUT (native PyTorch passed 100,000 tensors
+# in about 41 s on an H200, about 2,400 a second); a mode that does not finish in it is reported
+# as such. Lower CHAIN_COUNT rather than raise the timeout past the 10 minutes of one call.
+bench_chain() {
+  with_imex_channel
+  local limit=${CHAIN_TIMEOUT:-120}
+  step chain $((3 * (limit + 40))) python3 bench/mp_chain.py --modes native,vmm-fabric,vmm-fd \
+    --count "${CHAIN_COUNT:-100000}" --timeout "$limit" --json "$OUT/chain.json" \
+    --markdown "$OUT/chain.md"
+  [[ -e "$OUT/chain.md" ]] && tee -a "$summary" <"$OUT/chain.md"
+}
+
 bench_dist() {
   step dist 300 python3 bench/dist_bench.py --ranks 4 --sizes 64M,1G
 }
@@ -270,10 +286,10 @@ bench_train() {
 
 phase_bench() {
   gpu_info
-  local part parts=${BENCH:-alloc latency fanout dist train}
+  local part parts=${BENCH:-alloc latency fanout chain dist train}
   for part in $parts; do
     if [[ $(type -t "bench_$part") != function ]]; then
-      note "bench: unknown part '$part' (alloc latency fanout dist train)"
+      note "bench: unknown part '$part' (alloc latency fanout chain dist train)"
       continue
     fi
     [[ $part == alloc ]] || install_plugin
