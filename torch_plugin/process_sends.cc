@@ -8,6 +8,17 @@
 #include "torch_plugin/process_state.h"
 
 namespace vmm {
+namespace {
+
+// The physical bytes a send holds: whole chunks, not only the tensor's bytes (a small tensor
+// moved for its send holds a chunk of its own).
+uint64_t HeldBytes(const BufferDescriptor& d) {
+  uint64_t bytes = 0;
+  for (uint64_t size : d.sizes()) bytes += size;
+  return bytes;
+}
+
+}  // namespace
 
 ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
   if (ptr == nullptr) return SendKind::kNotVmm;
@@ -62,7 +73,7 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
     VMM_ASSIGN_OR_RETURN(BufferDescriptor d, ExportBuffer(*owner.pool, const_cast<void*>(ptr)));
     holds_.Hold(ptr);
     absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(
-        d.size(), [self, ptr, keep = owner.keep]() {
+        HeldBytes(d), [self, ptr, keep = owner.keep]() {
           if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
         });
     if (!ticket.ok()) {
@@ -96,7 +107,7 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
     (void)AddImportRef(id, -1);
     return d.status();
   }
-  absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(d->size(), [self, id]() {
+  absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(HeldBytes(*d), [self, id]() {
     if (auto state = self.lock()) (void)(*state)->AddImportRef(id, -1);
   });
   if (!ticket.ok()) {

@@ -199,7 +199,7 @@ int vmm_send_set_lease(double seconds);
 /* This process's sends: held now, and totals. */
 typedef struct vmm_send_stats {
   uint64_t held;            /* sends held now */
-  uint64_t held_bytes;      /* bytes they hold */
+  uint64_t held_bytes;      /* physical bytes they hold (whole chunks) */
   uint64_t peak_held_bytes; /* most bytes held at once */
   uint64_t holds;           /* sends made */
   uint64_t acked;           /* sends acknowledged by their receiver */

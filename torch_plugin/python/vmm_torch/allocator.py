@@ -283,7 +283,7 @@ def memory_stats(device: DeviceLike = None) -> Dict[str, Any]:
 def send_stats() -> Dict[str, Any]:
     """This process's sends (tensors sent through torch.multiprocessing): ``held`` and
     ``held_bytes`` (held now, until their receivers import them or their lease ends),
-    ``peak_held_bytes``, the totals ``holds``, ``acked`` and ``expired``, and
+    ``peak_held_bytes`` (physical bytes: whole chunks), the totals ``holds``, ``acked`` and ``expired``, and
     ``lease_seconds`` (the lease of new sends)."""
     stats = _signatures.SendStats()
     _lib.check(_lib.vmm().vmm_send_stats_get(ctypes.byref(stats)), "send_stats")
