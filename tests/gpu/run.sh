@@ -183,7 +183,8 @@ phase_python() {
 phase_parity() {
   with_imex_channel  # vmm-fabric needs it
   install_plugin
-  step parity 540 env VMM_PARITY_TABLE="$OUT/parity.md" VMM_PARITY_MODE_LIMIT=240 \
+  step parity 540 env VMM_PARITY_TABLE="$OUT/parity.md" \
+    VMM_PARITY_MODE_LIMIT="${VMM_PARITY_MODE_LIMIT:-240}" VMM_PARITY_PARALLEL="${VMM_PARITY_PARALLEL:-1}" \
     python3 -m pytest -v -rfEs tests/python/test_mp_parity.py
   [[ ! -e "$OUT/parity.md" ]] || tee -a "$summary" <"$OUT/parity.md"
 }

@@ -12,11 +12,13 @@ installed with ``pip --target``), it is made one for the mode's processes: a use
 (PYTHONUSERBASE) holding the .pth and its module, or, where the interpreter has no user site
 (a virtual environment), a sitecustomize that adds a folder holding them as a site folder.
 
-VMM_PARITY_MODES (comma-separated) runs only those modes. With VMM_PARITY_TABLE set to a path,
+VMM_PARITY_MODES (comma-separated) runs only those modes; VMM_PARITY_PARALLEL=1 runs them at
+once. With VMM_PARITY_TABLE set to a path,
 the module writes a Markdown table of every (case, mode) there at the end: "pass" (with the
 case's notes), "fail: reason", "n/a: reason", or "not run".
 """
 
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -37,6 +39,9 @@ import mp_parity_cases as cases
 SELECTED = [m for m in os.environ.get("VMM_PARITY_MODES", "").split(",") if m] or cases.MODES
 #: Longest run of one mode (all its cases); each case has its own, shorter, alarm.
 MODE_LIMIT = float(os.environ.get("VMM_PARITY_MODE_LIMIT", "600"))
+#: VMM_PARITY_PARALLEL=1 runs the selected modes at once (each in its own process tree), for
+#: a machine where the time of one run is short: the cases' waits overlap.
+PARALLEL = os.environ.get("VMM_PARITY_PARALLEL") == "1"
 PTH_NAME = "vmm_torch_autoenable.pth"
 HOOK_MODULE = "_vmm_torch_autoenable"
 
@@ -198,6 +203,11 @@ def _run_mode(mode, workdir):
 @pytest.fixture(scope="module")
 def mode_results(tmp_path_factory):
     def get(mode):
+        if PARALLEL and not _results:
+            folders = {m: str(tmp_path_factory.mktemp(m)) for m in SELECTED}
+            with concurrent.futures.ThreadPoolExecutor(len(SELECTED)) as pool:
+                done = pool.map(lambda m: _run_mode(m, folders[m]), SELECTED)
+                _results.update(zip(SELECTED, done))
         if mode not in _results:
             _results[mode] = _run_mode(mode, str(tmp_path_factory.mktemp(mode)))
         return _results[mode]
