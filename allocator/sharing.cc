@@ -59,8 +59,12 @@ class ImportedBuffer::Mapping {
     sizes_.push_back(size);
     return kept_.Add(std::move(fetched), imported);
   }
-  // Unmaps the mapped prefix in one call, releases what was kept for re-exports, and frees
-  // the range; reports the first error.
+  // The devices granted access to the whole mapping: their work may use it until Close.
+  void Granted(std::vector<int> devices) { granted_ = std::move(devices); }
+  // Waits for the work of the devices granted access (kernels reading a tensor over the
+  // import may still run when its last view dies), then unmaps the mapped prefix in one
+  // call, releases what was kept for re-exports, and frees the range; reports the first
+  // error.
   absl::Status Close();
 
   DevPtr base() const { return base_; }
@@ -81,6 +85,7 @@ class ImportedBuffer::Mapping {
   std::vector<uint64_t> sizes_;
   KeptHandles kept_;
   bool closed_ = false;
+  std::vector<int> granted_;  // devices with access (set once the import is complete)
 };
 
 namespace {
@@ -136,7 +141,10 @@ absl::Status ImportedBuffer::Mapping::Close() {
   // back over them, which needs no new map entry, so it works even when the process has run
   // out of them (a piece-by-piece unmap could fail there and leave the mappings).
   absl::Status first;
-  if (mapped_ > 0) first = driver_->Unmap(base_, mapped_);
+  // Unmapping under work that still reads or writes the range is an illegal address on the
+  // device: finish it first (a tensor's deleter knows none of the streams it was used on).
+  for (int device : granted_) first.Update(driver_->SynchronizeDevice(device));
+  if (mapped_ > 0) first.Update(driver_->Unmap(base_, mapped_));
   // The imported handles go after the mapping (both orders keep the memory until both are
   // gone; this one never leaves a mapping whose handle was released), and with them the fds
   // registered for re-exports.
@@ -352,6 +360,7 @@ absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
   std::vector<int> devices = {device};
   devices.insert(devices.end(), options.peer_devices.begin(), options.peer_devices.end());
   VMM_RETURN_IF_ERROR(driver->SetAccess(base, d.mapped_size(), devices));
+  mapping->Granted(std::move(devices));
   return mapping;
 }
 

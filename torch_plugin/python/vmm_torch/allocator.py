@@ -131,7 +131,8 @@ def enable(**options: Any) -> None:
     Unknown options and malformed values raise ValueError naming them. Calling enable() again
     with the same options does nothing; with other options it raises RuntimeError, unless vmm
     was enabled implicitly (by VMM_TORCH_ENABLE, or because this process received a vmm
-    tensor before using CUDA) and has not allocated yet: then these options apply.
+    tensor before using CUDA): then a plain ``enable()`` keeps the options in force, and
+    other options apply if vmm has not allocated yet.
 
     It creates ``torch.cuda.memory.CUDAPluggableAllocator`` over ``vmm_torch_malloc`` and
     ``vmm_torch_free`` of the extension _C.so, sets the optional hooks this torch supports
@@ -153,6 +154,11 @@ def _enable_text(text: str, implicit: bool) -> None:
                     _enabled.implicit = False
                 return
             if implicit:
+                return
+            if _enabled.implicit and not text:
+                # A plain enable() where VMM_TORCH_ENABLE (or a receive) enabled vmm already:
+                # those options stand.
+                _enabled.implicit = False
                 return
             if not _enabled.implicit:
                 raise RuntimeError(
