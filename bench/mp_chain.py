@@ -183,6 +183,33 @@ class Setup:
         return out
 
 
+#: Each role writes how far it got to its progress file every this many tensors, so that a
+#: mode stopped at its timeout still says which stage kept up and how fast it went.
+PROGRESS_EVERY = 1000
+
+
+def write_progress(folder, role, done, started_ns):
+    """Records that `role` has handled `done` tensors (atomically: write, then rename)."""
+    if not folder:
+        return
+    path = os.path.join(folder, f"progress-{role}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"done": done, "seconds": (time.perf_counter_ns() - started_ns) / 1e9}, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_progress(folder):
+    """{role: {"done", "seconds"}} of what the roles recorded."""
+    found = {}
+    for role in ("S", "M", "R"):
+        try:
+            with open(os.path.join(folder, f"progress-{role}.json")) as f:
+                found[role] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    return found
+
+
 def worker(role, config, q_in, q_out, results, start, done):
     """One process of the chain; every message on `results` is (kind, role, data)."""
     try:
@@ -191,26 +218,34 @@ def worker(role, config, q_in, q_out, results, start, done):
         start.wait()
         count, numel, limit = config["count"], config["numel"], config["limit"]
         dtype = getattr(torch, config["dtype"])
+        folder = config.get("progress")
+        began = time.perf_counter_ns()
         if role == "S":
-            t0 = time.perf_counter_ns()
+            t0 = began
             for i in range(count):
                 t = setup.make(numel, dtype, i % limit)
                 q_out.put(t)
                 del t
+                if (i + 1) % PROGRESS_EVERY == 0:
+                    write_progress(folder, role, i + 1, began)
             results.put(("sent", role, {"t0_ns": t0}))
         elif role == "M":
-            for _ in range(count):
+            for i in range(count):
                 t = q_in.get()
                 c = setup.clone(t)
                 del t
                 q_out.put(c)
                 del c
+                if (i + 1) % PROGRESS_EVERY == 0:
+                    write_progress(folder, role, i + 1, began)
         else:
             acc = torch.zeros((), dtype=torch.float64, device=setup.device)
-            for _ in range(count):
+            for i in range(count):
                 t = q_in.get()
                 acc += t.sum(dtype=torch.float64)
                 del t
+                if (i + 1) % PROGRESS_EVERY == 0:
+                    write_progress(folder, role, i + 1, began)
             total = acc.item()
             results.put(("finished", role, {"t1_ns": time.perf_counter_ns(), "sum": total}))
         done.wait()
@@ -397,7 +432,7 @@ def measure(mode, args, monitor):
         command = [sys.executable, os.path.abspath(__file__), "--run-mode", mode,
                    "--result", result, "--count", str(args.count), "--size", args.size,
                    "--dtype", args.dtype, "--depth", str(args.depth),
-                   "--vmm-options", args.vmm_options]
+                   "--vmm-options", args.vmm_options, "--progress", tmp]
         begin = time.monotonic()
         proc = subprocess.Popen(command, stdout=sys.stderr, start_new_session=True)
         try:
@@ -405,6 +440,7 @@ def measure(mode, args, monitor):
         except subprocess.TimeoutExpired:
             row["error"] = f"did not finish in {args.timeout} s (its processes were killed)"
             row["timed_out"] = True
+            row["progress"] = read_progress(tmp)
         kill_tree(proc)
         proc.wait()
         row["runner_seconds"] = time.monotonic() - begin
@@ -459,6 +495,11 @@ def markdown(rows, args):
         else:
             if row.get("timed_out"):
                 state = f"did not finish in {args.timeout:g} s"
+                got = row.get("progress") or {}
+                if got:
+                    state += " (" + ", ".join(
+                        f"{role} {p['done']} in {p['seconds']:.0f} s"
+                        for role, p in sorted(got.items())) + ")"
             else:
                 error = (row.get("error") or "no result").strip().splitlines()
                 reason = error[0] if len(error) == 1 else f"{error[0]} {error[-1]}"
@@ -487,6 +528,7 @@ def parse_args(argv=None):
     p.add_argument("--markdown", default="", help="write the table here too")
     p.add_argument("--run-mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--progress", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         dtype = parse_dtype(args.dtype)
@@ -513,7 +555,7 @@ def main(argv=None):
     if args.run_mode:  # one mode, in a subprocess of the top level
         config = {"mode": args.run_mode, "count": args.count, "numel": args.numel,
                   "limit": args.limit, "dtype": args.dtype, "depth": args.depth,
-                  "vmm_options": args.vmm_options}
+                  "vmm_options": args.vmm_options, "progress": args.progress}
         row = run_mode(config)
         with open(args.result, "w") as f:
             json.dump(row, f)
