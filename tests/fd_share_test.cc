@@ -179,6 +179,26 @@ TEST(FdServerTest, ASlowClientDelaysNoFetch) {
   FdServer::Get().Unregister(token.key);
 }
 
+
+// Sends each of `malformed` on a connection of its own to the server of `token`: each gets an
+// InvalidArgument error reply that says `what`, then its connection is closed.
+void ExpectErrorRepliesAndClose(const FdToken& token,
+                                const std::vector<std::vector<uint8_t>>& malformed,
+                                const std::string& what) {
+  for (const std::vector<uint8_t>& request : malformed) {
+    SCOPED_TRACE(absl::StrCat(request.size(), "-byte request"));
+    RawClient bad(token);
+    ASSERT_TRUE(bad.Connect());
+    ASSERT_TRUE(bad.Send(request));
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply, bad.Receive(milliseconds(2000)));
+    std::optional<absl::Status> error = fd_share_internal::DecodeFdErrorReply(reply);
+    ASSERT_TRUE(error.has_value()) << "no error reply (" << reply.size() << " bytes)";
+    EXPECT_THAT(*error, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(what)));
+    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> after, bad.Receive(milliseconds(2000)));
+    EXPECT_TRUE(after.empty()) << "the connection is closed after the error";
+  }
+}
+
 TEST(FdServerTest, AMalformedRequestGetsAnErrorAndOnlyItsConnectionCloses) {
   const FdToken token = RegisterMarked(13);
   RawClient other(token);
@@ -189,18 +209,7 @@ TEST(FdServerTest, AMalformedRequestGetsAnErrorAndOnlyItsConnectionCloses) {
       {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q', 2, 0, 0, 0, 1, 2, 3},    // short of its count
       std::vector<uint8_t>(fd_share_internal::kMaxRequestSize + 1, 'x'),  // too long
   };
-  for (const std::vector<uint8_t>& request : malformed) {
-    SCOPED_TRACE(absl::StrCat(request.size(), "-byte request"));
-    RawClient bad(token);
-    ASSERT_TRUE(bad.Connect());
-    ASSERT_TRUE(bad.Send(request));
-    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply, bad.Receive(milliseconds(2000)));
-    std::optional<absl::Status> error = fd_share_internal::DecodeFdErrorReply(reply);
-    ASSERT_TRUE(error.has_value()) << "no error reply (" << reply.size() << " bytes)";
-    EXPECT_THAT(*error, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("fd request")));
-    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> after, bad.Receive(milliseconds(2000)));
-    EXPECT_TRUE(after.empty()) << "the connection is closed after the error";
-  }
+  ExpectErrorRepliesAndClose(token, malformed, "fd request");
   // The other connection, open all along, is still served; so are new ones.
   ASSERT_TRUE(other.Send(fd_share_internal::EncodeFdRequest({EntryOf(token)})));
   EXPECT_TRUE(IsOkReply(other.Receive(milliseconds(2000))));
@@ -216,18 +225,7 @@ TEST(FdServerTest, AMalformedAckRequestGetsAnErrorAndItsConnectionCloses) {
       {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q', 1, 0, 0, 0, 1, 2, 3},    // short of its count
       {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q', 251, 0, 0, 0},           // more than a request
   };
-  for (const std::vector<uint8_t>& request : malformed) {
-    SCOPED_TRACE(absl::StrCat(request.size(), "-byte request"));
-    RawClient bad(token);
-    ASSERT_TRUE(bad.Connect());
-    ASSERT_TRUE(bad.Send(request));
-    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply, bad.Receive(milliseconds(2000)));
-    std::optional<absl::Status> error = fd_share_internal::DecodeFdErrorReply(reply);
-    ASSERT_TRUE(error.has_value()) << "no error reply (" << reply.size() << " bytes)";
-    EXPECT_THAT(*error, StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("ack request")));
-    ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> after, bad.Receive(milliseconds(2000)));
-    EXPECT_TRUE(after.empty()) << "the connection is closed after the error";
-  }
+  ExpectErrorRepliesAndClose(token, malformed, "ack request");
   EXPECT_LT(FetchAndCheck(token, 17, milliseconds(3000)), milliseconds(1000));
   FdServer::Get().Unregister(token.key);
 }

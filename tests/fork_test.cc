@@ -14,23 +14,13 @@
 #include "allocator/pool.h"
 #include "allocator/sharing.h"
 #include "gtest/gtest.h"
+#include "tests/subprocess.h"
 #include "torch_plugin/process_state.h"
 
 namespace vmm {
 namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
-
-// Runs `child` in a forked process and returns its exit code (0: every check in it held).
-// The child reports a failed check by its exit code, since gtest's state is the parent's.
-template <typename F>
-int InForkedChild(F child) {
-  const pid_t pid = fork();
-  if (pid == 0) _exit(child());
-  int status = 0;
-  if (waitpid(pid, &status, 0) != pid) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
 
 class ForkTest : public ::testing::Test {
  protected:

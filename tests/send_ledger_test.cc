@@ -38,16 +38,6 @@ namespace {
 using ::testing::HasSubstr;
 using Ticket = SendLedger::Ticket;
 
-// Runs `child` in a forked process and returns its exit code (0: every check in it held).
-template <typename F>
-int InForkedChild(F child) {
-  const pid_t pid = fork();
-  if (pid == 0) _exit(child());
-  int status = 0;
-  if (waitpid(pid, &status, 0) != pid) return -1;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
 // The exit code that reports `status` from a child: its code's number.
 int CodeOf(const absl::Status& status) { return static_cast<int>(status.code()); }
 

@@ -614,6 +614,17 @@ class ReExportTest : public SharingTest {
     return GetParam() == HandleRequest::kFabric ? "--handle=fabric" : "--handle=posix_fd";
   }
   bool fds() const { return GetParam() == HandleRequest::kPosixFd; }
+  // The arguments of a vmm_peer that exports `size` bytes of `fill` with this test's handles.
+  std::vector<std::string> ExporterArgs(size_t size, int fill) const {
+    return {PeerPath(), "export", "--size=" + std::to_string(size),
+            "--fill=" + std::to_string(fill), HandleFlag()};
+  }
+  // The descriptor an exporter started with ExporterArgs prints first.
+  static absl::StatusOr<BufferDescriptor> ExportedBy(Subprocess& exporter) {
+    const std::string hex = exporter.ReadLine();
+    if (hex.empty()) return absl::InternalError("the exporter failed");
+    return BufferDescriptor::Decode(absl::HexStringToBytes(hex));
+  }
 
   // The same buffer as `original`, described by another process (other handles).
   static void ExpectSameBuffer(const BufferDescriptor& sent_on, const BufferDescriptor& original) {
@@ -631,12 +642,8 @@ class ReExportTest : public SharingTest {
   void SendOnAfterTheExporterGoes(bool exporter_exits) {
     const size_t fds_before = FdServer::Get().size();
     const size_t size = 6 * kMiB;
-    Subprocess a({PeerPath(), "export", "--size=" + std::to_string(size), "--fill=61",
-                  HandleFlag()});
-    const std::string hex = a.ReadLine();
-    ASSERT_FALSE(hex.empty()) << "the exporter failed";
-    ASSERT_OK_AND_ASSIGN(BufferDescriptor from_a,
-                         BufferDescriptor::Decode(absl::HexStringToBytes(hex)));
+    Subprocess a(ExporterArgs(size, 61));
+    ASSERT_OK_AND_ASSIGN(BufferDescriptor from_a, ExportedBy(a));
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, from_a));
     EXPECT_EQ(b->handle_type(), from_a.handle_type());
     ASSERT_OK_AND_ASSIGN(BufferDescriptor from_b, ReExportImport(*b));
@@ -713,12 +720,8 @@ TEST_P(ReExportTest, ReExportingAgainReusesTheFirstExport) {
 
 TEST_P(ReExportTest, OnceBDropsTheImportItsDescriptorIsStale) {
   const size_t fds_before = FdServer::Get().size();
-  Subprocess a({PeerPath(), "export", "--size=" + std::to_string(4 * kMiB), "--fill=44",
-                HandleFlag()});
-  const std::string hex = a.ReadLine();
-  ASSERT_FALSE(hex.empty()) << "the exporter failed";
-  ASSERT_OK_AND_ASSIGN(BufferDescriptor from_a,
-                       BufferDescriptor::Decode(absl::HexStringToBytes(hex)));
+  Subprocess a(ExporterArgs(4 * kMiB, 44));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor from_a, ExportedBy(a));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, from_a));
   ASSERT_OK_AND_ASSIGN(BufferDescriptor from_b, ReExportImport(*b));
   a.WriteLine("free");  // from now on B's mapping alone holds the memory

@@ -157,6 +157,18 @@ class Subprocess {
   bool waited_ = false;
 };
 
+// Runs `child` (returning an int) in a forked process and returns its exit code, or 128 +
+// signal. The child reports a failed check by its exit code, since gtest's state is the
+// parent's; it must not start threads where the parent has many (the fork copies one).
+template <typename F>
+int InForkedChild(F child) {
+  const pid_t pid = fork();
+  if (pid == 0) _exit(child());
+  int status = 0;
+  if (waitpid(pid, &status, 0) != pid) return -1;
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
 }  // namespace vmm
 
 #endif  // VMM_TESTS_SUBPROCESS_H_
