@@ -174,3 +174,28 @@ def gpu_enable_twice(results):
         results.put("reconfigured")
     except RuntimeError as e:
         results.put(str(e))
+
+
+def read_after_done(q, results):
+    """Receives a tensor, then waits for "done" (its sender finished writing to it), and
+    replies what the tensor holds then (test_sends.py)."""
+    import vmm_torch
+
+    vmm_torch.install_reducers()
+    t = q.get(timeout=60)
+    assert q.get(timeout=60) == "done"
+    results.put(t.tolist())
+
+
+def put_and_exit(q, handle_type):
+    """In a forked or spawned child: puts a host-pool tensor holding 5s, drops it and returns
+    at once (the process exits); the parent reads it afterwards (test_sends.py)."""
+    import vmm_torch
+
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host", handle_type=handle_type) as pool:
+        t = pool.empty((1024,))
+        other = pool.empty((1024,))  # shares t's chunk: t moves before it is sent
+        t.fill_(5)
+        q.put(t)
+        del t, other

@@ -40,25 +40,38 @@ def _after_torch() -> None:
 
 
 class _TorchImportHook:
-    """A meta path finder that finds nothing itself: when ``torch`` is about to be imported it
-    removes itself, lets the other finders find torch, and runs _after_torch() once torch's
-    module has executed."""
+    """A meta path finder that finds nothing itself: asked for ``torch``, it lets the finders
+    after it find it and wraps the loader's exec_module, so that _after_torch() runs once
+    torch's module has executed. It stays in place until that happens: a mere lookup
+    (``importlib.util.find_spec("torch")``, which libraries use to probe for torch) executes
+    nothing, and the real import asks again."""
+
+    def __init__(self):
+        self._done = False
 
     def find_spec(self, name, path=None, target=None):  # noqa: D401 (importlib protocol)
-        if name != "torch":
+        if name != "torch" or self._done:
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(name)
+        spec = None
+        for finder in list(sys.meta_path):
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
         loader = getattr(spec, "loader", None)
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec
         execute = loader.exec_module
+        hook = self
 
         def exec_module(module):
             execute(module)
+            if hook._done:
+                return
+            hook._done = True
+            if hook in sys.meta_path:
+                sys.meta_path.remove(hook)
             _after_torch()
 
         loader.exec_module = exec_module

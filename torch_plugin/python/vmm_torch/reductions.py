@@ -15,7 +15,12 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
   ``vmm_torch.send_stats()``. No ``ipc_collect()`` is needed.
 - **Isolation.** A tensor that shares a physical chunk with another live tensor is moved into
   chunks of its own (copied on the current stream, its storage swapped; its views follow) so
-  that the receiver sees no other tensor's bytes.
+  that the receiver sees no other tensor's bytes. The move happens in the sending thread:
+  ``Queue.put`` moves the tensors it can see before handing the object to its feeder thread;
+  a tensor that would need moving in the feeder thread (deeper than ``Queue.put`` looks)
+  reaches the receiver as an error instead, since its owner may still be writing to it.
+- **Ordering.** Before a CUDA tensor's descriptor is made, the sender synchronizes the device,
+  so the receiver reads what the sender's streams wrote before the send.
 - **Forwarding.** A received vmm tensor can be sent on (A -> B -> C): C maps A's memory through
   B's handles, with the same lifetime guarantee.
 - **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
@@ -38,13 +43,14 @@ import multiprocessing.queues
 import multiprocessing.util
 import os
 import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Dict, Tuple
 
 import torch
 
 from . import _lib, sharing
-from ._signatures import SEND_NOT_EXPORTABLE, SEND_NOT_VMM
+from ._signatures import SEND_NOT_EXPORTABLE, SEND_NOT_VMM, SEND_RELOCATE
 
 #: The rebuild function of the payload (kept under its former name).
 rebuild_tensor_from_bytes = sharing.rebuild_tensor
@@ -79,6 +85,10 @@ def _non_leaf_error() -> RuntimeError:
         "graphs do not cross processes); send tensor.detach() instead")
 
 
+def _on_feeder_thread() -> bool:
+    return threading.current_thread().name == _FEEDER_THREAD
+
+
 def _reduce(tensor: torch.Tensor) -> Reduction:
     base = sharing.storage_address(tensor)
     kind = sharing.send_kind(base)
@@ -87,6 +97,14 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
     requires_grad = tensor.requires_grad
     if requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
+    if kind == SEND_RELOCATE and _on_feeder_thread():
+        # Moving it here would race with its owner, who may still write to it (put returned).
+        raise _lib.VmmError(
+            "this tensor shares a physical chunk with other tensors and must move to memory of "
+            "its own before it is sent, which Queue.put does for the tensors it can see (a "
+            f"tensor, or inside lists, tuples, sets, dicts and objects' attributes, "
+            f"{_CHECK_DEPTH} levels deep); put it less deep, or send tensor.clone()",
+            "FAILED_PRECONDITION")
     return (sharing.rebuild_tensor,
             sharing.send_payload(tensor, base, kind, isinstance(tensor, torch.nn.Parameter),
                                  requires_grad))
@@ -100,18 +118,22 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     try:
         return _reduce(tensor)
     except Exception as error:
-        if threading.current_thread().name != _FEEDER_THREAD:
+        if not _on_feeder_thread():
             raise
-        return (sharing.raise_send_error, (type(error).__name__, str(error)))
+        return (sharing.raise_send_error,
+                (type(error).__name__, str(error), getattr(error, "code", None)))
 
 
 # --- Queue.put: errors in the caller ---------------------------------------------------------
 
 
-def check_sendable(obj: Any) -> None:
-    """Raises what sending `obj` would raise for the tensors it is or holds (in lists, tuples,
-    sets and dict values, up to _CHECK_DEPTH levels and _CHECK_ITEMS objects): RuntimeError for
-    a non-leaf tensor that requires grad, VmmError for memory of a pool that cannot export."""
+def prepare_send(obj: Any) -> None:
+    """What Queue.put does before it hands `obj` to the queue's feeder thread, for the tensors
+    `obj` is or holds (in lists, tuples, sets, dict values and objects' attributes, up to
+    _CHECK_DEPTH levels and _CHECK_ITEMS objects): raises what sending them would raise
+    (RuntimeError for a non-leaf tensor that requires grad, VmmError for memory of a pool that
+    cannot export) and moves those that share a physical chunk to memory of their own, here in
+    the caller's thread and on its current stream, where the owner's own work is ordered."""
     budget = [_CHECK_ITEMS]
 
     def visit(value: Any, depth: int) -> None:
@@ -119,23 +141,31 @@ def check_sendable(obj: Any) -> None:
         if budget[0] < 0:
             return
         if isinstance(value, torch.Tensor):
-            _check_tensor(value)
+            _prepare_tensor(value)
         elif depth < _CHECK_DEPTH:
             if isinstance(value, (list, tuple, set, frozenset)):
-                for item in value:
-                    visit(item, depth + 1)
+                items = value
             elif isinstance(value, dict):
-                for item in value.values():
-                    visit(item, depth + 1)
+                items = value.values()
+            elif hasattr(value, "__dict__") and not isinstance(value, type):
+                items = vars(value).values()
+            else:
+                return
+            for item in items:
+                visit(item, depth + 1)
 
     visit(obj, 0)
 
 
-def _check_tensor(tensor: torch.Tensor) -> None:
+def _prepare_tensor(tensor: torch.Tensor) -> None:
     if tensor.requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
-    if sharing.send_kind(sharing.storage_address(tensor)) == SEND_NOT_EXPORTABLE:
+    base = sharing.storage_address(tensor)
+    kind = sharing.send_kind(base)
+    if kind == SEND_NOT_EXPORTABLE:
         sharing.send_payload(tensor, 0, SEND_NOT_EXPORTABLE)  # raises the one message
+    elif kind == SEND_RELOCATE:
+        sharing.relocate_storage(tensor, base)
 
 
 _original_puts: Dict[type, Callable[..., Any]] = {}
@@ -143,7 +173,7 @@ _original_puts: Dict[type, Callable[..., Any]] = {}
 
 def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
     def checked_put(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-        check_sendable(obj)
+        prepare_send(obj)
         return put(self, obj, *args, **kwargs)
 
     checked_put.__wrapped__ = put  # type: ignore[attr-defined]
@@ -153,7 +183,7 @@ def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
 
 def _patch_queue_puts() -> None:
     """Queue.put (and JoinableQueue.put) pickle in a feeder thread, too late to fail in the
-    caller: they check tensors first."""
+    caller or to move a tensor safely: they prepare the tensors first (prepare_send)."""
     for queue_type in (multiprocessing.queues.Queue, multiprocessing.queues.JoinableQueue):
         put = queue_type.__dict__.get("put")
         if put is None or queue_type in _original_puts:
@@ -179,16 +209,42 @@ def exit_wait_seconds() -> float:
 
 
 def _wait_for_receivers() -> None:
-    """At exit, after multiprocessing has flushed the queues' feeder threads (their finalizers
-    run first): gives the receivers of this process's sends time to import them, since the
-    memory goes with the process."""
+    """At exit, once multiprocessing has told the queues' feeder threads to finish (their close
+    finalizers, priority 10, run first) and before it terminates daemon children (which may be
+    the receivers): lets the feeders flush, then gives the receivers of this process's sends
+    time to import them, since the memory goes with the process."""
+    deadline = time.monotonic() + exit_wait_seconds()
+    for thread in threading.enumerate():
+        if thread.name == _FEEDER_THREAD and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
     if sharing.send_stats()["held"] == 0:
         return
-    left = sharing.wait_for_sends(exit_wait_seconds())
+    left = sharing.wait_for_sends(max(0.0, deadline - time.monotonic()))
     if left:
         _log.warning("vmm_torch: exiting with %d sent tensor(s) that no receiver has imported; "
                      "importing them will fail (keep the sender alive until they are "
                      "received, or raise %s)", left, EXIT_WAIT_VARIABLE)
+
+
+_exit_wait_registered = False
+
+
+def _register_exit_wait() -> None:
+    global _exit_wait_registered
+    if not _exit_wait_registered:
+        _exit_wait_registered = True
+        multiprocessing.util.Finalize(None, _wait_for_receivers, exitpriority=5)
+
+
+def _after_fork_in_child() -> None:
+    # multiprocessing empties its finalizers in a forked child: register the wait again.
+    global _exit_wait_registered
+    _exit_wait_registered = False
+    if _installed:
+        _register_exit_wait()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def install_reducers() -> None:
@@ -204,9 +260,7 @@ def install_reducers() -> None:
         for tensor_type in (torch.Tensor, torch.nn.Parameter):
             ForkingPickler.register(tensor_type, reduce_tensor)
         _patch_queue_puts()
-        if not _installed:
-            # After the queues' feeder threads are joined (their finalizers: priority -5).
-            multiprocessing.util.Finalize(None, _wait_for_receivers, exitpriority=-10)
+        _register_exit_wait()
         _installed = True
 
 

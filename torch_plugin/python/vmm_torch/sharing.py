@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing.util
+import os
 import re
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
@@ -161,20 +162,29 @@ def send_kind(base: int) -> int:
     return _lib.quick().vmm_send_kind(base) if base else SEND_NOT_VMM
 
 
-def _stream_of(t: torch.Tensor) -> Optional[int]:
-    return torch.cuda.current_stream(t.device).cuda_stream or None if t.is_cuda else None
+def _current_stream(t: torch.Tensor) -> Optional[int]:
+    """The handle of the current CUDA stream of `t`'s device (0: the legacy default stream),
+    or None for a CPU tensor."""
+    return int(torch.cuda.current_stream(t.device).cuda_stream) if t.is_cuda else None
 
 
 def relocate_storage(t: torch.Tensor, base: int) -> int:
     """Moves the storage of `t` (a vmm block starting at `base` that shares a physical chunk
     with another live block) into chunks of its own, so that sending it exposes no other
-    tensor's bytes; returns the new address. The bytes are copied on the current stream and
-    the old block is freed after that copy (stream-ordered); every view of the storage follows
-    (its address changes, as after ``Tensor.set_``)."""
+    tensor's bytes; returns the new address. Call it in the thread that owns `t`: the bytes are
+    copied on that thread's current stream (after the work queued there), the new block
+    belongs to that stream, and the old block is freed once the copy is done (stream-ordered).
+    Every view of the storage follows; anything that kept the old address (a captured CUDA
+    graph, a registered buffer) does not, so a tensor is never moved during graph capture
+    (RuntimeError)."""
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("cannot send a tensor that shares a physical chunk with other "
+                           "tensors while a CUDA graph is being captured (it would have to "
+                           "move); send it after the capture, or send tensor.clone()")
     libs = _lib.load()
     source = libs.storage_bytes(t)
     nbytes = source.numel()
-    stream = _stream_of(t)
+    stream = _current_stream(t)
     ptr = _lib.check_pointer(libs.vmm.vmm_alloc_beside(base, max(nbytes, 1), stream), "send")
     device = t.device if t.is_cuda else torch.device("cpu")
     try:
@@ -216,6 +226,9 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
         base = relocate_storage(t, base)
     elif kind not in (SEND_IN_PLACE, SEND_IMPORT):
         raise ValueError(f"send kind {kind} of a tensor that is not vmm memory")
+    if t.is_cuda:
+        # The receiver may read at once: what this process's streams wrote must be done.
+        torch.cuda.synchronize(t.device)
     try:
         data, ticket = export_send(base)
     except _lib.VmmError as error:
@@ -250,6 +263,15 @@ def ack_send(ticket: bytes, wait: bool = False) -> bool:
 
 
 _flush_registered = False
+
+
+def _after_fork_in_child() -> None:
+    global _flush_registered
+    _flush_registered = False  # multiprocessing empties its finalizers in a forked child
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 #: How long a process waits at exit for its queued acknowledgements to go out.
 ACK_FLUSH_TIMEOUT_S = 5.0
 
@@ -274,13 +296,15 @@ def wait_for_sends(timeout: float) -> int:
     return int(_lib.vmm().vmm_send_wait(float(timeout)))
 
 
-def raise_send_error(kind: str, message: str) -> None:
+def raise_send_error(kind: str, message: str, code: Optional[str] = None) -> None:
     """What a receiver unpickles where the sender could not send a tensor from a queue's
-    feeder thread: the sender's error, raised in the receiver (nothing is dropped)."""
-    types = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError,
-             "VmmError": _lib.VmmError}
-    error_type = types.get(kind if isinstance(kind, str) else "", RuntimeError)
-    raise error_type(f"the sending process could not send this tensor: {message}")
+    feeder thread: the sender's error (its type, and a VmmError's code), raised in the
+    receiver, so that nothing is dropped."""
+    text = f"the sending process could not send this tensor: {message}"
+    if kind == "VmmError":
+        raise _lib.VmmError(text, code if isinstance(code, str) else "UNKNOWN")
+    types = {"TypeError": TypeError, "ValueError": ValueError, "RuntimeError": RuntimeError}
+    raise types.get(kind if isinstance(kind, str) else "", RuntimeError)(text)
 
 
 # --- Import ----------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""Sends through torch.multiprocessing on the host backend: where a tensor moves, what the
+receiver sees, VMM_TORCH_ENABLE's hook, forked senders, errors carried to the receiver."""
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import vmm_torch
+import vmm_test_workers as workers
+from vmm_torch import reductions, sharing
+
+TIMEOUT = 60
+
+
+def test_a_tensor_moves_in_put_and_writes_after_put_reach_the_receiver():
+    """Queue.put moves a tensor that shares its chunk in the caller: writes the owner makes
+    after put land in the memory the receiver maps (none is lost to a move made later)."""
+    vmm_torch.install_reducers()
+    ctx = mp.get_context("spawn")
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((256,))
+        neighbour = pool.zeros((256,))  # same chunk as t
+        before = t.data_ptr()
+        q, results = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=workers.read_after_done, args=(q, results), daemon=True)
+        proc.start()
+        q.put(t)
+        assert t.data_ptr() != before, "put moved the tensor to memory of its own"
+        for _ in range(300):
+            t.add_(1)
+        q.put("done")
+        assert results.get(timeout=TIMEOUT) == [300.0] * 256
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+        del neighbour
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_sender_that_exits_at_once_is_still_received(method):
+    """A child that puts and returns: its exit waits for the receiver (also in a forked child,
+    where multiprocessing drops the finalizers registered before the fork)."""
+    vmm_torch.install_reducers()
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    proc = ctx.Process(target=workers.put_and_exit, args=(q, "posix_fd"))
+    proc.start()
+    received = q.get(timeout=TIMEOUT)
+    assert received.tolist() == [5.0] * 1024
+    proc.join(TIMEOUT)
+    assert proc.exitcode == 0
+
+
+def test_the_feeder_thread_never_moves_a_tensor_and_the_receiver_gets_the_error():
+    """A tensor deeper than Queue.put looks, sharing its chunk: the feeder sends an error the
+    receiver raises, with its type and code."""
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((16,))
+        neighbour = pool.zeros((16,))
+        deep = t
+        for _ in range(reductions._CHECK_DEPTH + 2):
+            deep = [deep]
+        reductions.prepare_send(deep)  # too deep: not moved
+        assert sharing.send_kind(sharing.storage_address(t)) == sharing.SEND_RELOCATE
+        import threading
+
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(r=reductions.reduce_tensor(t)),
+                                  name=reductions._FEEDER_THREAD)
+        thread.start()
+        thread.join()
+        rebuild, args = out["r"]
+        assert rebuild is sharing.raise_send_error
+        with pytest.raises(vmm_torch.VmmError) as info:
+            rebuild(*args)
+        assert info.value.code == "FAILED_PRECONDITION" and "less deep" in str(info.value)
+        del neighbour
+
+
+def test_prepare_send_looks_into_objects_attributes():
+    class Batch:
+        def __init__(self, x):
+            self.x = x
+
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((16,))
+        neighbour = pool.zeros((16,))
+        before = t.data_ptr()
+        reductions.prepare_send({"batch": Batch(t)})
+        assert t.data_ptr() != before
+        assert sharing.send_kind(sharing.storage_address(t)) == sharing.SEND_IN_PLACE
+        del neighbour
+
+
+# --- VMM_TORCH_ENABLE's hook ---------------------------------------------------------------
+
+PTH = "vmm_torch_autoenable.pth"
+HOOK = "_vmm_torch_autoenable"
+
+
+def _user_site_env(tmp_path):
+    """An environment whose interpreters run the package's .pth (a user site holding it)."""
+    spec = importlib.util.find_spec(HOOK)
+    source = os.path.dirname(os.path.abspath(spec.origin))
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    site_dir = tmp_path / "userbase" / "lib" / version / "site-packages"
+    site_dir.mkdir(parents=True)
+    for name in (PTH, HOOK + ".py"):
+        shutil.copy(os.path.join(source, name), site_dir)
+    env = dict(os.environ, PYTHONUSERBASE=str(tmp_path / "userbase"))
+    env.pop("PYTHONNOUSERSITE", None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(vmm_torch.__file__)))] +
+        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def _run(code, env):
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("value,expected", [("1", "True"), ("0", "False"), ("", "False")])
+def test_the_variable_installs_the_reducers_at_import_torch(tmp_path, value, expected):
+    env = _user_site_env(tmp_path)
+    env["VMM_TORCH_ENABLE"] = value
+    code = ("import sys; import torch; "
+            "r = sys.modules.get('vmm_torch.reductions'); "
+            "print(bool(r and r.reducers_installed()))")
+    result = _run(code, env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected, result.stderr
+
+
+def test_a_lookup_of_torch_before_the_import_does_not_disarm_the_hook(tmp_path):
+    env = _user_site_env(tmp_path)
+    env["VMM_TORCH_ENABLE"] = "1"
+    code = ("import importlib.util, sys; assert importlib.util.find_spec('torch'); "
+            "assert 'vmm_torch' not in sys.modules; import torch; "
+            "import vmm_torch.reductions as r; print(r.reducers_installed())")
+    result = _run(code, env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "True", result.stderr
+
+
+def test_malformed_options_are_said_and_torch_still_imports(tmp_path):
+    env = _user_site_env(tmp_path)
+    env["VMM_TORCH_ENABLE"] = "colour=blue"
+    result = _run("import torch; print('imported')", env)
+    assert result.returncode == 0 and result.stdout.strip() == "imported"
+    # On a CPU-only torch the options are not applied (nothing to enable) but the reducers
+    # are; with CUDA the bad option is reported naming the variable.
+    if torch.cuda.is_available():
+        assert "VMM_TORCH_ENABLE" in result.stderr and "colour" in result.stderr
