@@ -34,6 +34,18 @@ ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
                                                                     : SendKind::kNotVmm;
 }
 
+ProcessState::SendKind ProcessState::PrepareSend(const void* ptr) {
+  const SendKind kind = KindOfSend(ptr);
+  if (kind != SendKind::kInPlace) return kind;
+  PoolRef owner = Owner(ptr);
+  if (owner.pool == nullptr) return SendKind::kNotVmm;
+  absl::StatusOr<ExportedBlock> marked = owner.pool->Export(
+      const_cast<void*>(ptr), HandleType::kNone, ExportNeighbours::kRefuse);
+  if (marked.ok()) return SendKind::kInPlace;
+  // A block landed beside it since KindOfSend looked: it moves.
+  return absl::IsFailedPrecondition(marked.status()) ? SendKind::kRelocate : SendKind::kNotVmm;
+}
+
 absl::StatusOr<void*> ProcessState::AllocateBeside(const void* ptr, size_t size,
                                                    Stream stream) {
   VMM_RETURN_IF_ERROR(CheckRequestSize(size));

@@ -138,6 +138,11 @@ class ProcessState {
   // How the storage starting at `ptr` can be sent (never fails: kNotVmm for what vmm does not
   // know, or an address inside a block).
   SendKind KindOfSend(const void* ptr);
+  // KindOfSend, and for a pool block alone in its chunks, marks those chunks exported (their
+  // free space retired) so that no block can land beside it before it is sent: kInPlace then
+  // stays true until it is freed. What the sending thread calls before handing a tensor to
+  // another thread that sends it (a queue's feeder).
+  SendKind PrepareSend(const void* ptr);
   // A block of at least `size` bytes in chunks of its own from the pool that owns `ptr`, for
   // `stream` (where a kRelocate block moves to). InvalidArgument if no pool owns `ptr`.
   absl::StatusOr<void*> AllocateBeside(const void* ptr, size_t size, Stream stream);

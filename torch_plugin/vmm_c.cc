@@ -290,8 +290,9 @@ absl::Duration Timeout(double seconds) {
 }
 }  // namespace
 
-int vmm_send_kind(const void* ptr) {
-  switch (State().KindOfSend(ptr)) {
+namespace {
+int SendKindCode(vmm::ProcessState::SendKind kind) {
+  switch (kind) {
     case vmm::ProcessState::SendKind::kNotVmm: return VMM_SEND_NOT_VMM;
     case vmm::ProcessState::SendKind::kInPlace: return VMM_SEND_IN_PLACE;
     case vmm::ProcessState::SendKind::kRelocate: return VMM_SEND_RELOCATE;
@@ -300,6 +301,11 @@ int vmm_send_kind(const void* ptr) {
   }
   return VMM_SEND_NOT_VMM;
 }
+}  // namespace
+
+int vmm_send_kind(const void* ptr) { return SendKindCode(State().KindOfSend(ptr)); }
+
+int vmm_send_prepare(const void* ptr) { return SendKindCode(State().PrepareSend(ptr)); }
 
 void* vmm_alloc_beside(const void* ptr, size_t size, void* stream) {
   absl::StatusOr<void*> block =

@@ -175,6 +175,10 @@ enum vmm_send_kind {
 /* The vmm_send_kind of the storage starting at `ptr` (never fails: VMM_SEND_NOT_VMM for
  * anything vmm does not know, including addresses inside a block). */
 int vmm_send_kind(const void* ptr);
+/* vmm_send_kind, and for VMM_SEND_IN_PLACE also marks the block's chunks exported, so that no
+ * block lands beside it before another thread sends it (VMM_SEND_RELOCATE if one did). What
+ * the sending thread calls before a queue's feeder thread pickles the tensor. */
+int vmm_send_prepare(const void* ptr);
 /* A block of at least `size` bytes in chunks of its own, from the pool that owns `ptr`, for
  * `stream`: where a VMM_SEND_RELOCATE block moves to. Freed with vmm_block_free. */
 void* vmm_alloc_beside(const void* ptr, size_t size, void* stream);

@@ -190,6 +190,7 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_import_retain": (_int, [_int64]),
     "vmm_import_release": (None, [_void_p]),
     "vmm_send_kind": (_int, [_void_p]),
+    "vmm_send_prepare": (_int, [_void_p]),
     "vmm_alloc_beside": (_void_p, [_void_p, _size_t, _void_p]),
     "vmm_export_send": (_int, [_void_p, _P(_void_p), _P(_size_t), _char_p]),
     "vmm_send_ack": (_int, [_char_p, _size_t]),

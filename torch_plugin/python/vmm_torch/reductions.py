@@ -133,7 +133,9 @@ def prepare_send(obj: Any) -> None:
     _CHECK_DEPTH levels and _CHECK_ITEMS objects): raises what sending them would raise
     (RuntimeError for a non-leaf tensor that requires grad, VmmError for memory of a pool that
     cannot export) and moves those that share a physical chunk to memory of their own, here in
-    the caller's thread and on its current stream, where the owner's own work is ordered."""
+    the caller's thread and on its current stream, where the owner's own work is ordered; those
+    alone in their chunks get the chunks marked, so that nothing lands beside them before the
+    feeder thread sends them."""
     budget = [_CHECK_ITEMS]
 
     def visit(value: Any, depth: int) -> None:
@@ -161,7 +163,7 @@ def _prepare_tensor(tensor: torch.Tensor) -> None:
     if tensor.requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
     base = sharing.storage_address(tensor)
-    kind = sharing.send_kind(base)
+    kind = sharing.send_kind_marked(base)
     if kind == SEND_NOT_EXPORTABLE:
         sharing.send_payload(tensor, 0, SEND_NOT_EXPORTABLE)  # raises the one message
     elif kind == SEND_RELOCATE:

@@ -162,6 +162,12 @@ def send_kind(base: int) -> int:
     return _lib.quick().vmm_send_kind(base) if base else SEND_NOT_VMM
 
 
+def send_kind_marked(base: int) -> int:
+    """send_kind of the storage at `base`, marking a block alone in its chunks so that it stays
+    alone until it is sent (vmm_send_prepare; keeps the GIL)."""
+    return _lib.quick().vmm_send_prepare(base) if base else SEND_NOT_VMM
+
+
 def _current_stream(t: torch.Tensor) -> Optional[int]:
     """The handle of the current CUDA stream of `t`'s device (0: the legacy default stream),
     or None for a CPU tensor."""
