@@ -499,7 +499,8 @@ void Pool::SetMemoryLimit(size_t bytes) {
   memory_limit_ = bytes;
 }
 
-absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisitor visit) {
+absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisitor visit,
+                                           ExportNeighbours neighbours) {
   if (made_before_fork()) return ForkedError("pool");
   MutexLock lock(&mu_);
   const Block* block = LiveBlock(ptr);
@@ -518,6 +519,14 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
     return absl::FailedPreconditionError(absl::StrCat(
         "this pool's memory is exportable as ", HandleTypeName(handle_type_), ", not as ",
         HandleTypeName(type)));
+  }
+  if (neighbours == ExportNeighbours::kRefuse) {
+    VMM_ASSIGN_OR_RETURN(bool shares, SharesChunksLocked(block));
+    if (shares) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "export of the block at ", absl::Hex(block->addr),
+          " alone: a physical chunk it spans also holds another live block"));
+    }
   }
   ExportedBlock out;
   out.handle_type = type;
@@ -542,8 +551,10 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   return out;
 }
 
-absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
-  return Export(ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); });
+absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type,
+                                           ExportNeighbours neighbours) {
+  return Export(
+      ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); }, neighbours);
 }
 
 namespace {
@@ -559,6 +570,10 @@ bool Occupied(const Block* block) {
 absl::StatusOr<bool> Pool::SharesChunks(const void* ptr) {
   MutexLock lock(&mu_);
   VMM_ASSIGN_OR_RETURN(const Block* block, LiveBlockFor(ptr, "SharesChunks"));
+  return SharesChunksLocked(block);
+}
+
+absl::StatusOr<bool> Pool::SharesChunksLocked(const Block* block) const {
   // Chunks between the first and the last are covered by the block alone; only those two can
   // hold others. Blocks tile the arena in address order, so the neighbours inside them are
   // next to the block in its list.

@@ -30,8 +30,9 @@ absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
   return Pool::Create(driver, options, &ExportRegistry::Process());
 }
 
-absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr) {
-  return ExportRegistry::Process().Export(pool, ptr);
+absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr,
+                                              ExportNeighbours neighbours) {
+  return ExportRegistry::Process().Export(pool, ptr, neighbours);
 }
 
 // --- Import -------------------------------------------------------------------------------

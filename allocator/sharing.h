@@ -70,8 +70,10 @@ absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
 
 // Exports the live block starting at `ptr` of a pool made by CreateExportablePool. Errors:
 // InvalidArgument (not a live block), FailedPrecondition (the pool's memory is not shareable,
-// or the pool was not made to export), or the driver's export error.
-absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr);
+// or the pool was not made to export, or, with ExportNeighbours::kRefuse, the block shares a
+// chunk with another live block: Pool::Export), or the driver's export error.
+absl::StatusOr<BufferDescriptor> ExportBuffer(
+    Pool& pool, void* ptr, ExportNeighbours neighbours = ExportNeighbours::kAllow);
 
 // The most handles one import maps (see the file comment).
 inline constexpr size_t kMaxImportHandles = 16384;
