@@ -42,13 +42,14 @@ absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr,
 // that is thread safe.
 class ImportedBuffer::Mapping {
  public:
-  Mapping(Driver* driver, int device, DevPtr base, size_t size, HandleType type, std::string key)
+  Mapping(Driver* driver, int device, DevPtr base, size_t size, HandleType type, size_t pieces,
+          std::string key)
       : driver_(driver),
         device_(device),
         base_(base),
         size_(size),
         key_(std::move(key)),
-        kept_(driver, type) {}
+        kept_(driver, type, pieces) {}
   ~Mapping();
 
   // Records that the next `size` bytes after those mapped so far are mapped (pieces are
@@ -344,7 +345,7 @@ absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
   VMM_ASSIGN_OR_RETURN(DevPtr base, driver->Reserve(d.mapped_size(), granularity));
   ++open_mappings;
   auto mapping = std::make_shared<ImportedBuffer::Mapping>(
-      driver, device, base, d.mapped_size(), d.handle_type(), std::move(key));
+      driver, device, base, d.mapped_size(), d.handle_type(), handles.size(), std::move(key));
   // From here on, a failure unmaps, releases what was kept and unreserves through the
   // mapping's destructor.
   DevPtr at = base;

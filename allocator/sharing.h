@@ -20,8 +20,8 @@
 // Import reserves exactly the bytes it maps, maps every handle in order as one contiguous
 // range, and sets access once (for ImportOptions::device and peer_devices). The mapping holds
 // the memory: from then on the importer is independent of the exporter. It also keeps, until
-// it is unmapped, what sending the buffer on needs (kept_handles.h: the fds it fetched, or
-// the imported fabric handles), so ReExportImport can describe the same memory to a third
+// it is unmapped, what sending the buffer on needs (kept_handles.h: the fds it fetched, up to
+// a process-wide cap, or the imported fabric handles), so ReExportImport can describe the same memory to a third
 // process after the exporter has freed it or exited. Importing the same handles again in this
 // process, for the same device and peers, while a mapping is open shares that mapping (and
 // what it keeps); another device or peer list maps them again.
@@ -154,7 +154,8 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(
 // registered with this process's FdServer (tokens naming this process). Cached per mapping: the
 // first call exports, later ones reuse; the fds are unregistered when the mapping goes.
 // Errors: FailedPrecondition (the import's handle type is none / the driver cannot export
-// imported handles — say which), the driver's export error.
+// imported handles / the process keeps no fds for this import, too many imports being open
+// (kept_handles.h: the kept-fd cap) — say which), the driver's export error.
 //
 // The receiver imports the descriptor as any other; the memory is the original exporter's,
 // held by this process's mapping, so it works after that exporter has freed the buffer or

@@ -14,6 +14,7 @@
 // only POSIX-fd buffers can be sent on (its driver does not export imported handles).
 #include "allocator/sharing.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -831,6 +832,55 @@ TEST_P(ReExportTest, AFailedReExportLeavesNothingRegisteredAndCanBeRetried) {
   b.reset();
   EXPECT_EQ(FdServer::Get().size(), fds_before);
   ASSERT_OK(pool_->Free(a));
+}
+
+// The fds open in this process.
+size_t OpenFds() {
+  size_t n = 0;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return 0;
+  while (::readdir(dir) != nullptr) ++n;
+  ::closedir(dir);
+  return n;
+}
+
+// Past the process's kept-fd cap an import maps and reads as any other but keeps no fds, and
+// refuses to be sent on; imports within the cap still can be.
+TEST_P(ReExportTest, ImportsPastTheKeptFdCapKeepNoFdsAndCannotBeSentOn) {
+  if (!fds()) GTEST_SKIP() << "fd handles only: fabric handles are not capped";
+  const size_t in_use = KeptHandles::KeptFdsInUse();
+  KeptHandles::SetKeptFdCapForTesting(in_use + 2);
+  std::vector<void*> blocks;
+  std::vector<std::unique_ptr<ImportedBuffer>> imports;
+  for (int i = 0; i < 2; ++i) {
+    blocks.push_back(Filled(2 * kMiB, 30 + i));
+    ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, blocks.back()));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, d));
+    imports.push_back(std::move(b));
+  }
+  EXPECT_EQ(KeptHandles::KeptFdsInUse(), in_use + 2) << "one fd each, within the cap";
+  for (int i = 0; i < 3; ++i) {
+    blocks.push_back(Filled(2 * kMiB, 40 + i));
+    ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, blocks.back()));
+    const size_t open_before = OpenFds();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> past, ImportBuffer(driver_, d));
+    EXPECT_EQ(OpenFds(), open_before) << "an import past the cap holds no extra fd";
+    EXPECT_EQ(KeptHandles::KeptFdsInUse(), in_use + 2);
+    EXPECT_TRUE(AllBytes(past->ptr(), 2 * kMiB, 40 + i));
+    EXPECT_THAT(ReExportImport(*past),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         AllOf(HasSubstr("keeps no fds for this import"),
+                               HasSubstr("too many imports open"))));
+    imports.push_back(std::move(past));
+  }
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor sent_on, ReExportImport(*imports[0]));
+  Subprocess c({PeerPath(), "import", "--descriptor=" + Hex(sent_on), "--expect=30"});
+  EXPECT_EQ(c.Wait(), 0) << "an import within the cap is sent on";
+  imports.clear();
+  EXPECT_EQ(KeptHandles::KeptFdsInUse(), in_use) << "closing the imports frees their slots";
+  KeptHandles::SetKeptFdCapForTesting(0);
+  for (void* p : blocks) ASSERT_OK(pool_->Free(p));
+  EXPECT_EQ(OpenImportMappings(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(HandleTypes, ReExportTest,

@@ -120,7 +120,10 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   }
   if (!d.ok()) {
     (void)AddImportRef(id, -1);
-    return d.status();
+    return absl::Status(d.status().code(),
+                        absl::StrCat("sending the imported buffer at ",
+                                     absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ": ",
+                                     d.status().message()));
   }
   absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(HeldBytes(*d), [self, id]() {
     if (auto state = self.lock()) (void)(*state)->AddImportRef(id, -1);
