@@ -542,7 +542,7 @@ TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
 // --- Re-export: A -> B -> C ----------------------------------------------------------------
 
 // A driver that forwards every call to another and counts the exports it is asked for.
-class CountingDriver final : public Driver {
+class CountingDriver : public Driver {
  public:
   explicit CountingDriver(Driver* inner) : inner_(inner) {}
   int exports() const { return exports_.load(); }
@@ -597,6 +597,50 @@ class CountingDriver final : public Driver {
   Driver* const inner_;
   std::atomic<int> exports_{0};
 };
+
+// A CountingDriver whose SynchronizeDevice fails once told to, and that counts Unmap calls.
+class FailingSyncDriver : public CountingDriver {
+ public:
+  using CountingDriver::CountingDriver;
+  absl::Status SynchronizeDevice(int d) override {
+    if (fail_sync_) return absl::InternalError("the device had an error");
+    return CountingDriver::SynchronizeDevice(d);
+  }
+  absl::Status Unmap(DevPtr p, size_t size) override {
+    ++unmaps_;
+    return CountingDriver::Unmap(p, size);
+  }
+  void FailSync() { fail_sync_ = true; }
+  int unmaps() const { return unmaps_; }
+
+ private:
+  std::atomic<bool> fail_sync_{false};
+  std::atomic<int> unmaps_{0};
+};
+
+// Closing an import whose device cannot be synchronized leaves its range mapped (work may still
+// use it) instead of unmapping under that work.
+TEST_P(SharingTest, AnImportWhoseDeviceFailsToSyncIsLeftMapped) {
+  void* a = Filled(2 * kMiB, 77);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  FailingSyncDriver failing(driver_);
+  ImportOptions options;
+  options.share_mappings = false;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(&failing, d, options));
+  const DevPtr ptr = b->ptr();
+  const DevPtr base = b->mapping_base();
+  const size_t mapped = b->mapped_size();
+  const size_t open = OpenImportMappings();
+  failing.FailSync();
+  b.reset();
+  EXPECT_EQ(failing.unmaps(), 0) << "unmapped after a failed synchronize";
+  EXPECT_EQ(OpenImportMappings(), open - 1);
+  EXPECT_TRUE(AllBytes(ptr, 2 * kMiB, 77)) << "the range is still mapped";
+  // What the process leaked, given back by hand so that the memory checks pass.
+  EXPECT_OK(driver_->Unmap(base, mapped));
+  EXPECT_OK(driver_->Unreserve(base, mapped));
+  ASSERT_OK(pool_->Free(a));
+}
 
 // B is this process unless a test says otherwise: it imports what A (a pool of this process,
 // or a vmm_peer export) exported and sends it on to C (vmm_peer import).
