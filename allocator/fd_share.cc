@@ -646,7 +646,8 @@ class FdServer::Impl {
     const absl::Span<const uint8_t> bytes = absl::MakeConstSpan(request.data(), *len);
     const bool ack = fd_share_internal::IsAckRequest(bytes);
     absl::StatusOr<std::vector<FdRequestEntry>> entries =
-        ack ? fd_share_internal::DecodeAckRequest(bytes) : fd_share_internal::DecodeFdRequest(bytes);
+        ack ? fd_share_internal::DecodeAckRequest(bytes)
+            : fd_share_internal::DecodeFdRequest(bytes);
     if (!entries.ok()) {
       RefuseRequest(conn.fd.get(), ack ? "ack request" : "fd request", entries.status());
       return false;

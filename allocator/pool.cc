@@ -212,7 +212,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     VMM_RETURN_IF_ERROR(CheckRequestSize(size));
     return absl::InvalidArgumentError(absl::StrCat(
         "requested ", size, " bytes (", RequestBytes(size), "), more than ",
-        size > reserve_size_ ? "the pool's whole address range (" : "the whole memory of the device (",
+        size > reserve_size_ ? "the pool's whole address range ("
+                             : "the whole memory of the device (",
         FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
@@ -239,8 +240,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       if (!absl::IsResourceExhausted(grown.status())) return grown.status();
       ++stats_.num_ooms;
       return absl::ResourceExhaustedError(absl::StrCat(
-          "out of memory: requested ", size, " bytes (", FormatBytes(size), ") on ", driver_->Name(),
-          " device ", options_.device, ": ", grown.status().message(), "; ", Summary()));
+          "out of memory: requested ", size, " bytes (", FormatBytes(size), ") on ",
+          driver_->Name(), " device ", options_.device, ": ", grown.status().message(), "; ", Summary()));
     }
     block = *grown;
   }

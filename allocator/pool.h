@@ -20,8 +20,8 @@
 // after the work queued on S before the free has completed: when a request misses, the pool
 // records an event on each other stream with cached blocks and, once it has completed, retags
 // those blocks for every stream (the requesting stream's own blocks keep their tag: it may
-// use them already, and they keep coalescing with its later frees). RecordStream(ptr, T) makes Free wait (with events) for T's work too.
-// Physical memory is unmapped only after the work that used it has completed.
+// use them already, and they keep coalescing with its later frees). RecordStream(ptr, T)
+// makes Free wait (with events) for T's work too. Physical memory is unmapped only after the work that used it has completed.
 //
 // Returning memory. EmptyCache() synchronises the device and releases every chunk that is
 // entirely free. A failing growth first releases free chunks and retries once; a real

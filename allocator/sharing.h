@@ -14,15 +14,16 @@
 // describes them: one handle per chunk in address order, the chunk sizes, the block's offset
 // in the first chunk, its size, and the UUID of the exporting device. Fabric handles are the
 // driver's bytes; POSIX fds are registered with this process's FdServer and described by
-// tokens (fd_share.h); ExportRegistry (export_registry.h) caches both per chunk. Nothing is pinned: once the exporter frees the block and its chunks go
-// back to the driver, the descriptor is stale.
+// tokens (fd_share.h); ExportRegistry (export_registry.h) caches both per chunk. Nothing is
+// pinned: once the exporter frees the block and its chunks go back to the driver, the
+// descriptor is stale.
 //
 // Import reserves exactly the bytes it maps, maps every handle in order as one contiguous
 // range, and sets access once (for ImportOptions::device and peer_devices). The mapping holds
 // the memory: from then on the importer is independent of the exporter. It also keeps, until
 // it is unmapped, what sending the buffer on needs (kept_handles.h: the fds it fetched, up to
-// a process-wide cap, or the imported fabric handles), so ReExportImport can describe the same memory to a third
-// process after the exporter has freed it or exited. Importing the same handles again in this
+// a process-wide cap, or the imported fabric handles), so ReExportImport can describe the
+// same memory to a third process after the exporter has freed it or exited. Importing the same handles again in this
 // process, for the same device and peers, while a mapping is open shares that mapping (and
 // what it keeps); another device or peer list maps them again.
 // Every failure — stale, forged or malformed descriptors, a gone exporter, driver errors — is

@@ -235,7 +235,9 @@ TEST_F(PoolTest, SmallRequestsUseTheSmallArena) {
 TEST_F(PoolTest, EmptyCacheReturnsAllMemoryToTheDriver) {
   auto pool = MakePool();
   std::vector<void*> blocks;
-  for (size_t size : {kMiB / 2, 3 * kMiB, 17 * kMiB, 64 * kMiB}) blocks.push_back(Alloc(*pool, size));
+  for (size_t size : {kMiB / 2, 3 * kMiB, 17 * kMiB, 64 * kMiB}) {
+    blocks.push_back(Alloc(*pool, size));
+  }
   void* keep = Alloc(*pool, 5 * kMiB);
   for (void* p : blocks) ASSERT_TRUE(pool->Free(p).ok());
   ASSERT_TRUE(pool->EmptyCache().ok());
@@ -620,8 +622,9 @@ TEST_F(PoolTest, ShareableBlocksGetChunksOfTheirOwn) {
   EXPECT_EQ(exported->offset, 0u);
   // The slack of its chunk is never handed out.
   void* other = Alloc(*pool, kMiB / 2 + 4096);
-  EXPECT_FALSE(reinterpret_cast<uintptr_t>(other) >= reinterpret_cast<uintptr_t>(*shared) &&
-               reinterpret_cast<uintptr_t>(other) < reinterpret_cast<uintptr_t>(*shared) + 4 * kMiB);
+  const auto start = reinterpret_cast<uintptr_t>(*shared);
+  EXPECT_FALSE(reinterpret_cast<uintptr_t>(other) >= start &&
+               reinterpret_cast<uintptr_t>(other) < start + 4 * kMiB);
   const int64_t reserved = pool->GetStats().reserved_bytes.current;
   ASSERT_TRUE(pool->Free(*shared).ok());
   ASSERT_TRUE(pool->EmptyCache().ok());

@@ -112,7 +112,9 @@ class SharingTest : public PoolFixture {
   // Whether every byte of [ptr, ptr+size) is `value`.
   bool AllBytes(DevPtr ptr, size_t size, uint8_t value) {
     std::vector<uint8_t> host(size);
-    if (!driver_->MemcpyAsync(reinterpret_cast<DevPtr>(host.data()), ptr, size, 0).ok()) return false;
+    if (!driver_->MemcpyAsync(reinterpret_cast<DevPtr>(host.data()), ptr, size, 0).ok()) {
+      return false;
+    }
     if (!driver_->SynchronizeStream(0).ok()) return false;
     for (uint8_t b : host) {
       if (b != value) return false;
@@ -449,7 +451,8 @@ TEST(SharingAccountingTest, DuplicatedHandlesDoNotUseUpTheImportersMemory) {
   ASSERT_OK_AND_ASSIGN(BufferDescriptor copies, Repeated(real, 200, exporter->device_uuid()));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> open, ImportBuffer(driver.get(), copies));
   EXPECT_EQ(driver->GetMemInfo(0)->free, 254 * kMiB);
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> meanwhile, CreateExportablePool(driver.get(), options));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> meanwhile,
+                       CreateExportablePool(driver.get(), options));
   EXPECT_EQ(meanwhile->handle_type(), exporter->handle_type());
   ASSERT_OK_AND_ASSIGN(void* b, meanwhile->AllocateShareable(64 * kMiB, 0));
   EXPECT_OK(ExportBuffer(*meanwhile, b));
@@ -516,7 +519,8 @@ TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
   ASSERT_NE(::mkdtemp(dir), nullptr);
   ASSERT_EQ(::chmod(dir, 0755), 0);
   const std::string peer = absl::StrCat(dir, "/vmm_peer");
-  ASSERT_EQ(std::system(absl::StrCat("cp ", PeerPath(), " ", peer, " && chmod 755 ", peer).c_str()), 0);
+  const std::string copy = absl::StrCat("cp ", PeerPath(), " ", peer, " && chmod 755 ", peer);
+  ASSERT_EQ(std::system(copy.c_str()), 0);
   auto as_user = [&](int uid, std::vector<std::string> args) {
     std::vector<std::string> argv = {"/usr/bin/setpriv", absl::StrCat("--reuid=", uid),
                                      absl::StrCat("--regid=", uid), "--clear-groups", peer};
