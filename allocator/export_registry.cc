@@ -47,7 +47,8 @@ absl::Status ExportRegistry::HandleFor(Pool& pool, HandleType type, const Export
   return absl::OkStatus();
 }
 
-absl::StatusOr<BufferDescriptor> ExportRegistry::Export(Pool& pool, void* ptr) {
+absl::StatusOr<BufferDescriptor> ExportRegistry::Export(Pool& pool, void* ptr,
+                                                        ExportNeighbours neighbours) {
   if (pool.observer() != this) {
     return absl::FailedPreconditionError(
         "this pool was not created for export: create it with vmm::CreateExportablePool "
@@ -56,15 +57,15 @@ absl::StatusOr<BufferDescriptor> ExportRegistry::Export(Pool& pool, void* ptr) {
   std::vector<std::string> handles;
   std::vector<int64_t> sizes;
   const HandleType type = pool.handle_type();
-  VMM_ASSIGN_OR_RETURN(
-      ExportedBlock block,
-      pool.Export(ptr, HandleType::kNone, [&](const ExportedChunk& chunk, bool* called_driver) {
-        std::array<uint8_t, kDescriptorHandleSize> handle;
-        VMM_RETURN_IF_ERROR(HandleFor(pool, type, chunk, handle, called_driver));
-        handles.emplace_back(reinterpret_cast<const char*>(handle.data()), handle.size());
-        sizes.push_back(static_cast<int64_t>(chunk.size));
-        return absl::OkStatus();
-      }));
+  auto visit = [&](const ExportedChunk& chunk, bool* called_driver) {
+    std::array<uint8_t, kDescriptorHandleSize> handle;
+    VMM_RETURN_IF_ERROR(HandleFor(pool, type, chunk, handle, called_driver));
+    handles.emplace_back(reinterpret_cast<const char*>(handle.data()), handle.size());
+    sizes.push_back(static_cast<int64_t>(chunk.size));
+    return absl::OkStatus();
+  };
+  VMM_ASSIGN_OR_RETURN(ExportedBlock block,
+                       pool.Export(ptr, HandleType::kNone, visit, neighbours));
   return BufferDescriptor::FromHandles(block.handle_type, handles, sizes,
                                        static_cast<int64_t>(block.size), pool.device_uuid(),
                                        static_cast<int64_t>(block.offset));

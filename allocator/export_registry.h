@@ -41,8 +41,11 @@ class ExportRegistry final : public ExportObserver {
   // Export describes the live block starting at `ptr` of `pool`, which must have been created
   // with this registry as its observer (FailedPrecondition otherwise). Errors: InvalidArgument
   // (not a live block), FailedPrecondition (memory not exportable), the driver's export error,
-  // or the FdServer's (Unavailable when it cannot listen).
-  absl::StatusOr<BufferDescriptor> Export(Pool& pool, void* ptr);
+  // or the FdServer's (Unavailable when it cannot listen). `neighbours` as Pool::Export's:
+  // kRefuse fails with FailedPrecondition, exporting nothing, when the block shares a chunk
+  // with another live block.
+  absl::StatusOr<BufferDescriptor> Export(Pool& pool, void* ptr,
+                                          ExportNeighbours neighbours = ExportNeighbours::kAllow);
 
   void ChunkReleased(uint64_t pool_id, uint64_t chunk_id) override;
   void PoolDestroyed(uint64_t pool_id) override;

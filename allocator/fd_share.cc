@@ -520,7 +520,7 @@ class FdServer::Impl {
   // up, fail, send what is not a request, or miss their deadline. Only poll blocks, so no
   // client delays another. While the send ledger holds anything, poll waits at most until
   // its next deadline and never more than a second, and each turn ends the holds whose lease
-  // is over (their release runs on this thread, no lock of the server held).
+  // is over (their releases are queued for the ledger's release thread: they may be slow).
   void Serve() {
     std::vector<Connection> conns;
     AcceptBackoff backoff;
@@ -528,7 +528,7 @@ class FdServer::Impl {
     std::vector<pollfd> polled;
     SendLedger& ledger = SendLedger::Get();
     for (;;) {
-      ledger.ExpireDue();
+      ledger.ExpireDue(SendLedger::RunOn::kReleaseThread);
       const int ledger_timeout = LedgerTimeout(ledger.NextDeadline());
       Clock::time_point now = Clock::now();
       CloseLate(&conns, now);
@@ -646,7 +646,8 @@ class FdServer::Impl {
     const absl::Span<const uint8_t> bytes = absl::MakeConstSpan(request.data(), *len);
     const bool ack = fd_share_internal::IsAckRequest(bytes);
     absl::StatusOr<std::vector<FdRequestEntry>> entries =
-        ack ? fd_share_internal::DecodeAckRequest(bytes) : fd_share_internal::DecodeFdRequest(bytes);
+        ack ? fd_share_internal::DecodeAckRequest(bytes)
+            : fd_share_internal::DecodeFdRequest(bytes);
     if (!entries.ok()) {
       RefuseRequest(conn.fd.get(), ack ? "ack request" : "fd request", entries.status());
       return false;
@@ -693,13 +694,16 @@ class FdServer::Impl {
     return SendMessage(conn, reply.data(), reply.size(), fds, MSG_DONTWAIT);
   }
 
-  // Acknowledges each hold of an ack request to the send ledger, in order (their releases
-  // run here, with no lock of the server held: they may register or unregister fds), then
-  // sends the reply.
+  // Acknowledges each hold of an ack request to the send ledger, in order, then sends the
+  // reply. Their releases are queued for the ledger's release thread (they may be slow, and
+  // may register or unregister fds), so the reply does not wait for them.
   static absl::Status AnswerAcks(int conn, absl::Span<const FdRequestEntry> entries) {
     std::vector<bool> acknowledged(entries.size());
     for (size_t i = 0; i < entries.size(); ++i) {
-      acknowledged[i] = SendLedger::Get().Ack(entries[i].key, entries[i].nonce).ok();
+      acknowledged[i] = SendLedger::Get()
+                            .Ack(entries[i].key, entries[i].nonce,
+                                 SendLedger::RunOn::kReleaseThread)
+                            .ok();
     }
     const std::vector<uint8_t> reply = fd_share_internal::EncodeAckReply(acknowledged);
     return SendMessage(conn, reply.data(), reply.size(), {}, MSG_DONTWAIT);

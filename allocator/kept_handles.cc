@@ -1,6 +1,10 @@
 #include "allocator/kept_handles.h"
 
 #include <fcntl.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include <cerrno>
 #include <cstring>
@@ -12,6 +16,54 @@
 #include "allocator/status_macros.h"
 
 namespace vmm {
+namespace {
+
+constexpr size_t kMinKeptFdCap = 64;
+std::atomic<size_t> kept_fds{0};
+std::atomic<size_t> cap_for_testing{0};
+
+size_t CapNow() {
+  const size_t testing = cap_for_testing.load(std::memory_order_relaxed);
+  return testing != 0 ? testing : KeptHandles::KeptFdCap();
+}
+
+// Takes `n` slots of the cap, all or none.
+bool TakeFdSlots(size_t n) {
+  const size_t cap = CapNow();
+  size_t now = kept_fds.load(std::memory_order_relaxed);
+  do {
+    if (n > cap || now > cap - n) return false;
+  } while (!kept_fds.compare_exchange_weak(now, now + n, std::memory_order_relaxed));
+  return true;
+}
+
+}  // namespace
+
+size_t KeptHandles::KeptFdCap() {
+  static const size_t cap = [] {
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0) return kMinKeptFdCap;
+    if (limit.rlim_cur == RLIM_INFINITY) return static_cast<size_t>(-1);
+    return std::max(kMinKeptFdCap, static_cast<size_t>(limit.rlim_cur / 4));
+  }();
+  return cap;
+}
+
+size_t KeptHandles::KeptFdsInUse() { return kept_fds.load(std::memory_order_relaxed); }
+
+void KeptHandles::SetKeptFdCapForTesting(size_t cap) {
+  cap_for_testing.store(cap, std::memory_order_relaxed);
+}
+
+KeptHandles::KeptHandles(Driver* driver, HandleType type, size_t pieces)
+    : driver_(driver), type_(type) {
+  if (type_ != HandleType::kPosixFd || pieces == 0) return;
+  if (TakeFdSlots(pieces)) {
+    fd_slots_ = pieces;
+  } else {
+    keeps_fds_ = false;
+  }
+}
 
 KeptHandles::~KeptHandles() {
   absl::Status released = Release();
@@ -26,7 +78,8 @@ absl::Status KeptHandles::Add(ShareableHandle fetched, PhysHandle imported) {
   if (type_ == HandleType::kFabric) {
     piece.handle = imported;
   } else {
-    piece.fd = std::move(fetched.fd);
+    // Past the cap the fetched fd closes here: the mapping holds the memory.
+    if (keeps_fds_) piece.fd = std::move(fetched.fd);
     if (imported != 0) released = driver_->Release(imported);
   }
   MutexLock lock(&mu_);
@@ -73,6 +126,12 @@ absl::StatusOr<std::vector<BufferDescriptor::Handle>> KeptHandles::Describe() {
   if (released_) {
     return absl::FailedPreconditionError("the import's mapping is closed");
   }
+  if (!keeps_fds()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "this process keeps no fds for this import (too many imports open: the fds kept for "
+        "sending imports on are capped at ", CapNow(),
+        ", a quarter of the open-file limit); send the original descriptor, or a copy"));
+  }
   std::vector<BufferDescriptor::Handle> handles;
   std::vector<uint64_t> keys;
   absl::Status failed;
@@ -108,6 +167,8 @@ absl::Status KeptHandles::Release() {
     fd_keys_.clear();
     described_.reset();
   }
+  // The kept fds close with `pieces`, below; their slots are free from here on.
+  kept_fds.fetch_sub(fd_slots_, std::memory_order_relaxed);
   // Registered duplicates first, so no fetch finds them once the memory may be gone.
   for (uint64_t key : keys) FdServer::Get().Unregister(key);
   absl::Status first;

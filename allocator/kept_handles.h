@@ -20,8 +20,12 @@
 // pool's is once its chunk is released.
 //
 // Cost: one fd per POSIX-fd piece for the life of the mapping (and, on the host backend, one
-// per kept fabric handle, the allocation's file): sharing.h counts them against the open-file
-// limit for large imports.
+// per kept fabric handle, the allocation's file). The POSIX fds kept are capped process-wide
+// (KeptFdCap: a quarter of the soft RLIMIT_NOFILE read once, at least 64), so that a process
+// holding many small imports does not run out of fds: an import whose fds would pass the cap
+// keeps none (its fetched fds close once mapped, as for any import that is not sent on) and
+// cannot be sent on (Describe is FailedPrecondition saying so). Fabric handles are not fds
+// and are not capped.
 //
 // Thread safety: thread safe (one mutex, a leaf apart from the driver and the FdServer).
 #ifndef VMM_ALLOCATOR_KEPT_HANDLES_H_
@@ -43,8 +47,9 @@ namespace vmm {
 
 class KeptHandles {
  public:
-  // For the pieces of one mapping made through `driver`, imported as `type`.
-  KeptHandles(Driver* driver, HandleType type) : driver_(driver), type_(type) {}
+  // For the `pieces` pieces of one mapping made through `driver`, imported as `type`. For
+  // POSIX fds, takes `pieces` of the process's kept-fd cap, or, past the cap, keeps no fds.
+  KeptHandles(Driver* driver, HandleType type, size_t pieces = 0);
   // Release()s what is still kept (errors are logged).
   ~KeptHandles();
   KeptHandles(const KeptHandles&) = delete;
@@ -60,7 +65,8 @@ class KeptHandles {
   // FdServer, or fabric handles the driver exported. Made on the first call and cached; later
   // calls make no driver call and register nothing. On failure nothing new stays registered
   // and the next call tries again. Errors: FailedPrecondition (handle type none; the driver
-  // refuses to export a handle this process imported; already released), the driver's export
+  // refuses to export a handle this process imported; already released; POSIX fds not kept,
+  // the process's kept-fd cap being reached at import), the driver's export
   // error, the FdServer's (Unavailable when it cannot listen), the dup's (ResourceExhausted
   // out of fds).
   absl::StatusOr<std::vector<BufferDescriptor::Handle>> Describe();
@@ -72,6 +78,17 @@ class KeptHandles {
   HandleType type() const { return type_; }
   // Pieces kept (tests).
   size_t size() const;
+  // Whether the POSIX fds were kept (false past the cap; true for other handle types).
+  bool keeps_fds() const { return keeps_fds_; }
+
+  // The most POSIX fds kept by all the imports of this process together: a quarter of the
+  // soft RLIMIT_NOFILE when first asked, at least 64 (unlimited: no cap).
+  static size_t KeptFdCap();
+  // The POSIX fds kept now, process-wide (tests).
+  static size_t KeptFdsInUse();
+  // Replaces the cap (0: back to KeptFdCap's); for tests, which reach it without using up
+  // the process's fds. Imports made before keep what they took.
+  static void SetKeptFdCapForTesting(size_t cap);
 
  private:
   struct Piece {
@@ -85,6 +102,10 @@ class KeptHandles {
 
   Driver* const driver_;
   const HandleType type_;
+  // Slots of the kept-fd cap this mapping holds (returned by Release), and whether the POSIX
+  // fds are kept (set by the constructor only).
+  size_t fd_slots_ = 0;
+  bool keeps_fds_ = true;
   mutable Mutex mu_;
   std::vector<Piece> pieces_ ABSL_GUARDED_BY(mu_);
   bool released_ ABSL_GUARDED_BY(mu_) = false;

@@ -212,7 +212,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     VMM_RETURN_IF_ERROR(CheckRequestSize(size));
     return absl::InvalidArgumentError(absl::StrCat(
         "requested ", size, " bytes (", RequestBytes(size), "), more than ",
-        size > reserve_size_ ? "the pool's whole address range (" : "the whole memory of the device (",
+        size > reserve_size_ ? "the pool's whole address range ("
+                             : "the whole memory of the device (",
         FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
@@ -239,8 +240,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       if (!absl::IsResourceExhausted(grown.status())) return grown.status();
       ++stats_.num_ooms;
       return absl::ResourceExhaustedError(absl::StrCat(
-          "out of memory: requested ", size, " bytes (", FormatBytes(size), ") on ", driver_->Name(),
-          " device ", options_.device, ": ", grown.status().message(), "; ", Summary()));
+          "out of memory: requested ", size, " bytes (", FormatBytes(size), ") on ",
+          driver_->Name(), " device ", options_.device, ": ", grown.status().message(), "; ", Summary()));
     }
     block = *grown;
   }
@@ -499,7 +500,8 @@ void Pool::SetMemoryLimit(size_t bytes) {
   memory_limit_ = bytes;
 }
 
-absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisitor visit) {
+absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisitor visit,
+                                           ExportNeighbours neighbours) {
   if (made_before_fork()) return ForkedError("pool");
   MutexLock lock(&mu_);
   const Block* block = LiveBlock(ptr);
@@ -518,6 +520,14 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
     return absl::FailedPreconditionError(absl::StrCat(
         "this pool's memory is exportable as ", HandleTypeName(handle_type_), ", not as ",
         HandleTypeName(type)));
+  }
+  if (neighbours == ExportNeighbours::kRefuse) {
+    VMM_ASSIGN_OR_RETURN(bool shares, SharesChunksLocked(block));
+    if (shares) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "export of the block at ", absl::Hex(block->addr),
+          " alone: a physical chunk it spans also holds another live block"));
+    }
   }
   ExportedBlock out;
   out.handle_type = type;
@@ -542,8 +552,10 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   return out;
 }
 
-absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type) {
-  return Export(ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); });
+absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type,
+                                           ExportNeighbours neighbours) {
+  return Export(
+      ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); }, neighbours);
 }
 
 namespace {
@@ -559,6 +571,10 @@ bool Occupied(const Block* block) {
 absl::StatusOr<bool> Pool::SharesChunks(const void* ptr) {
   MutexLock lock(&mu_);
   VMM_ASSIGN_OR_RETURN(const Block* block, LiveBlockFor(ptr, "SharesChunks"));
+  return SharesChunksLocked(block);
+}
+
+absl::StatusOr<bool> Pool::SharesChunksLocked(const Block* block) const {
   // Chunks between the first and the last are covered by the block alone; only those two can
   // hold others. Blocks tile the arena in address order, so the neighbours inside them are
   // next to the block in its list.

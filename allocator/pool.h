@@ -20,8 +20,8 @@
 // after the work queued on S before the free has completed: when a request misses, the pool
 // records an event on each other stream with cached blocks and, once it has completed, retags
 // those blocks for every stream (the requesting stream's own blocks keep their tag: it may
-// use them already, and they keep coalescing with its later frees). RecordStream(ptr, T) makes Free wait (with events) for T's work too.
-// Physical memory is unmapped only after the work that used it has completed.
+// use them already, and they keep coalescing with its later frees). RecordStream(ptr, T)
+// makes Free wait (with events) for T's work too. Physical memory is unmapped only after the work that used it has completed.
 //
 // Returning memory. EmptyCache() synchronises the device and releases every chunk that is
 // entirely free. A failing growth first releases free chunks and retries once; a real
@@ -93,6 +93,12 @@ struct ExportedBlock {
   HandleType handle_type = HandleType::kNone;
 };
 
+// Whether Export accepts a block whose chunks also hold other live blocks (SharesChunks).
+enum class ExportNeighbours {
+  kAllow,   // exported too: the importer sees their bytes
+  kRefuse,  // FailedPrecondition, nothing marked; checked under the lock that marks the chunks
+};
+
 // Bytes no device holds: 2^47, the whole user address space of x86-64. Callers that would
 // create a pool (reserving its range) to serve a request check it first (CheckRequestSize).
 inline constexpr size_t kMaxRequestBytes = size_t{1} << 47;
@@ -139,13 +145,17 @@ class Pool {
   // `*called_driver` when it called Driver::Export, also when that failed (counted in the
   // stats' driver_export). A visitor error stops the export and is returned (the chunks stay
   // marked). InvalidArgument for an unknown pointer; FailedPrecondition when the pool's memory
-  // is not exportable as `type` (kNone: the pool's type). The returned chunks' `handle` is 0:
-  // a handle is valid only while the visitor runs.
+  // is not exportable as `type` (kNone: the pool's type), or, with ExportNeighbours::kRefuse,
+  // when the block shares a chunk with another live block (then nothing is marked: the check
+  // and the marking are one step, so no allocation can land beside the block in between).
+  // The returned chunks' `handle` is 0: a handle is valid only while the visitor runs.
   using ChunkVisitor =
       absl::FunctionRef<absl::Status(const ExportedChunk& chunk, bool* called_driver)>;
-  absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type, ChunkVisitor visit);
+  absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type, ChunkVisitor visit,
+                                       ExportNeighbours neighbours = ExportNeighbours::kAllow);
   // Export without a visitor: marks the chunks and describes them (no shareable handles).
-  absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type = HandleType::kNone);
+  absl::StatusOr<ExportedBlock> Export(void* ptr, HandleType type = HandleType::kNone,
+                                       ExportNeighbours neighbours = ExportNeighbours::kAllow);
 
   // Whether any physical chunk the live block at `ptr` spans also holds another live block,
   // so that exporting it would show an importer that block's bytes. A block freed while other
@@ -195,6 +205,9 @@ class Pool {
   Block* LiveBlock(const void* ptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // LiveBlock, or InvalidArgument naming `what` (the caller's operation) when there is none.
   absl::StatusOr<Block*> LiveBlockFor(const void* ptr, const char* what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // SharesChunks for a live block; Internal when the block is not backed by chunks.
+  absl::StatusOr<bool> SharesChunksLocked(const Block* block) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Hands out `n` bytes of `block` (kFree), splitting off the rest.
   void TakeBlock(Arena& arena, Block* block, size_t n, size_t requested, Stream stream)

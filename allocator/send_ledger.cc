@@ -8,6 +8,9 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <system_error>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -53,14 +56,6 @@ absl::Duration LeaseFromEnvironment() {
   return *lease;
 }
 
-// BasicLockable view of a held vmm::Mutex for std::condition_variable_any, which unlocks it
-// while waiting and locks it again before returning.
-struct LockAdapter {
-  Mutex* mu;
-  void lock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Lock(); }
-  void unlock() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu->Unlock(); }
-};
-
 }  // namespace
 
 namespace send_ledger_internal {
@@ -77,7 +72,8 @@ absl::StatusOr<absl::Duration> ParseLeaseSeconds(absl::string_view text) {
 }  // namespace send_ledger_internal
 
 // The ledger's state, under one lock. Releases are moved out under the lock and run after it
-// is dropped; `releasing_` counts those running, so that WaitUntilEmpty waits for them too.
+// is dropped, by the caller or, queued, by the release thread; `releasing_` counts those
+// queued or running, so that WaitUntilEmpty waits for them too.
 class SendLedger::Impl {
  public:
   struct Entry {
@@ -136,6 +132,36 @@ class SendLedger::Impl {
     if (OutstandingLocked() == 0) emptied_->notify_all();
   }
 
+  // Hands releases taken by TakeAcked or TakeExpired to the release thread, starting it if
+  // this process has none yet. If no thread can be started, runs them here (said once).
+  void Enqueue(std::vector<Release> releases) {
+    if (releases.empty()) return;
+    bool start = false;
+    {
+      MutexLock lock(&mu_);
+      for (Release& release : releases) queue_.push_back(std::move(release));
+      start = !thread_running_;
+      thread_running_ = true;
+      if (!start) work_->notify_one();
+    }
+    if (!start) return;
+    try {
+      std::thread([this] { ReleaseLoop(); }).detach();  // lives as long as the process
+      return;
+    } catch (const std::system_error& e) {
+      LogWarningOnce("send-release-thread",
+                     absl::StrCat("cannot start the send ledger's release thread (", e.what(),
+                                  "); releases run on the fd server's thread"));
+    }
+    std::vector<Release> now;
+    {
+      MutexLock lock(&mu_);
+      thread_running_ = false;  // the next Enqueue tries again
+      now = TakeQueueLocked();
+    }
+    Run(now);
+  }
+
   absl::Time NextDeadline() {
     MutexLock lock(&mu_);
     return deadlines_.empty() ? absl::InfiniteFuture() : deadlines_.begin()->first;
@@ -155,8 +181,7 @@ class SendLedger::Impl {
     const auto until = absl::ToChronoTime(absl::Now() + timeout);
     MutexLock lock(&mu_);
     while (OutstandingLocked() > 0 && std::chrono::system_clock::now() < until) {
-      LockAdapter adapter{&mu_};
-      emptied_->wait_until(adapter, until);
+      emptied_->wait_until(mu_, until);  // unlocks mu_ while waiting
     }
     return OutstandingLocked();
   }
@@ -175,14 +200,21 @@ class SendLedger::Impl {
   void ForgetParentInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     // The parent's holds are the parent's: their releases never run here, and they are not
     // destroyed either (what they capture belongs to the parent), so they are kept aside.
+    // The same for the releases queued for the parent's release thread, which the child does
+    // not have: its own starts with its first queued release.
     static auto* parents_holds = new std::vector<Holds>();
+    static auto* parents_queues = new std::vector<std::deque<Release>>();
     parents_holds->push_back(std::move(holds_));
     holds_ = Holds();
+    parents_queues->push_back(std::move(queue_));
+    queue_ = std::deque<Release>();
+    thread_running_ = false;
     deadlines_.clear();
     releasing_ = 0;
     stats_ = Stats();
-    // A thread of the parent may have been inside the condition variable: a fresh one.
+    // A thread of the parent may have been inside a condition variable: fresh ones.
     emptied_ = new std::condition_variable_any();
+    work_ = new std::condition_variable_any();
     mu_.Unlock();
   }
 
@@ -201,17 +233,43 @@ class SendLedger::Impl {
     return holds_.size() + releasing_;
   }
 
+  std::vector<Release> TakeQueueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::vector<Release> out;
+    out.reserve(queue_.size());
+    for (Release& release : queue_) out.push_back(std::move(release));
+    queue_.clear();
+    return out;
+  }
+
+  // The release thread: runs queued releases in order, one batch at a time, no lock held.
+  void ReleaseLoop() {
+    for (;;) {
+      std::vector<Release> batch;
+      {
+        MutexLock lock(&mu_);
+        while (queue_.empty()) work_->wait(mu_);  // unlocks mu_ while waiting
+        batch = TakeQueueLocked();
+      }
+      Run(batch);
+    }
+  }
+
   Mutex mu_;
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Duration lease_ ABSL_GUARDED_BY(mu_);
   Holds holds_ ABSL_GUARDED_BY(mu_);
   // (deadline, key) of every hold, soonest first.
   absl::btree_set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
-  size_t releasing_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t releasing_ ABSL_GUARDED_BY(mu_) = 0;  // taken, not yet returned (queued or running)
+  // Releases for the release thread, in order, and whether it runs (or is being started).
+  std::deque<Release> queue_ ABSL_GUARDED_BY(mu_);
+  bool thread_running_ ABSL_GUARDED_BY(mu_) = false;
   Stats stats_ ABSL_GUARDED_BY(mu_);  // `held` is holds_.size(), filled in by GetStats
   // Notified when nothing is outstanding; replaced (never freed) in a forked child.
   std::condition_variable_any* emptied_ ABSL_GUARDED_BY(mu_) =
       new std::condition_variable_any();
+  // Notified when queue_ gets work; replaced (never freed) in a forked child.
+  std::condition_variable_any* work_ ABSL_GUARDED_BY(mu_) = new std::condition_variable_any();
 };
 
 namespace {
@@ -243,20 +301,30 @@ absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release rele
   return ticket.Encode();
 }
 
-absl::Status SendLedger::Ack(uint64_t key, const std::array<uint8_t, 16>& nonce) {
+absl::Status SendLedger::Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
+                             RunOn run_on) {
   std::vector<Release> release(1);
   if (!impl_->TakeAcked(key, nonce, &release[0])) {
     return absl::NotFoundError(absl::StrCat("no such hold: ", key));
   }
-  impl_->Run(release);
+  if (run_on == RunOn::kReleaseThread) {
+    impl_->Enqueue(std::move(release));
+  } else {
+    impl_->Run(release);
+  }
   return absl::OkStatus();
 }
 
-size_t SendLedger::ExpireDue() {
+size_t SendLedger::ExpireDue(RunOn run_on) {
   std::vector<Release> releases = impl_->TakeExpired();
-  if (releases.empty()) return 0;
-  impl_->Run(releases);
-  return releases.size();
+  const size_t n = releases.size();
+  if (n == 0) return 0;
+  if (run_on == RunOn::kReleaseThread) {
+    impl_->Enqueue(std::move(releases));
+  } else {
+    impl_->Run(releases);
+  }
+  return n;
 }
 
 absl::Time SendLedger::NextDeadline() { return impl_->NextDeadline(); }

@@ -21,13 +21,18 @@
 // and fetches only among the fds, and each client refuses a token of the other kind, so a
 // ticket never fetches an fd and an fd token never acknowledges a hold.
 //
-// Each release runs exactly once, with no lock of the ledger (or of the fd server) held, on
-// the thread that ended the hold: the fd server's thread for acks from other processes and
-// for leases, the caller's for Ack, AckSend of a ticket of this process, and ExpireDue; so a
-// release should be quick (on the server's thread it delays other clients) and must not throw.
-// It may call the fd server and the ledger (register or unregister fds, make holds). A
-// fork()ed child starts with an empty ledger: it never runs (nor destroys) its parent's
-// releases; the parent's holds stay the parent's.
+// Each release runs exactly once, with no lock of the ledger (or of the fd server) held. Those
+// the fd server ends (acks from other processes, leases) run on the ledger's release thread,
+// in the order they ended: a release may be slow (freeing a pool block can release chunks to
+// the driver; closing an import synchronizes the device) without delaying the server's other
+// clients, and an ack is answered once its hold is ended, before its release has run. Those
+// ended by Ack, AckSend of a ticket of this process and ExpireDue called directly run on the
+// caller's thread, before the call returns. A release must not throw; it may call the fd
+// server and the ledger (register or unregister fds, make holds). The release thread starts
+// with the first release queued and lives as long as the process; if it cannot be started,
+// queued releases run on the server's thread (said once). A fork()ed child starts with an
+// empty ledger and no release thread: it never runs (nor destroys) its parent's releases,
+// queued or not; the parent's holds stay the parent's, and the child's thread starts fresh.
 #ifndef VMM_ALLOCATOR_SEND_LEDGER_H_
 #define VMM_ALLOCATOR_SEND_LEDGER_H_
 
@@ -57,14 +62,22 @@ class SendLedger {
   // Errors: those of starting the server (the failed system call's).
   absl::StatusOr<Ticket> Hold(uint64_t bytes, absl::AnyInvocable<void() &&> release);
 
-  // Server side: the hold (key, nonce) was acknowledged; runs its release before returning.
-  // NotFound if no such hold (stale, already acked or expired, or a forged nonce: which is
-  // not said).
-  absl::Status Ack(uint64_t key, const std::array<uint8_t, 16>& nonce);
+  // Where the release of a hold that Ack or ExpireDue ends runs.
+  enum class RunOn {
+    kCaller,         // this thread, before the call returns
+    kReleaseThread,  // queued for the release thread (the fd server's calls)
+  };
 
-  // Releases the holds whose lease has ended; returns how many. The fd server's loop calls
-  // it at least once a second while holds exist.
-  size_t ExpireDue();
+  // Server side: the hold (key, nonce) was acknowledged; ends it and runs its release as
+  // `run_on` says. NotFound if no such hold (stale, already acked or expired, or a forged
+  // nonce: which is not said).
+  absl::Status Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
+                   RunOn run_on = RunOn::kCaller);
+
+  // Ends the holds whose lease has ended and runs their releases as `run_on` says; returns
+  // how many. The fd server's loop calls it (kReleaseThread) at least once a second while
+  // holds exist.
+  size_t ExpireDue(RunOn run_on = RunOn::kCaller);
 
   // The soonest lease end, or absl::InfiniteFuture() with no holds.
   absl::Time NextDeadline();
@@ -74,8 +87,8 @@ class SendLedger {
   void SetLease(absl::Duration lease);
   absl::Duration lease();
 
-  // Waits until no hold is outstanding (every release has returned) or `timeout` passes;
-  // returns the holds left.
+  // Waits until no hold is outstanding (every release, queued ones included, has returned) or
+  // `timeout` passes; returns the holds left (held, queued or running).
   size_t WaitUntilEmpty(absl::Duration timeout);
 
   struct Stats {

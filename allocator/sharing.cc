@@ -30,8 +30,9 @@ absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
   return Pool::Create(driver, options, &ExportRegistry::Process());
 }
 
-absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr) {
-  return ExportRegistry::Process().Export(pool, ptr);
+absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr,
+                                              ExportNeighbours neighbours) {
+  return ExportRegistry::Process().Export(pool, ptr, neighbours);
 }
 
 // --- Import -------------------------------------------------------------------------------
@@ -41,13 +42,14 @@ absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr) {
 // that is thread safe.
 class ImportedBuffer::Mapping {
  public:
-  Mapping(Driver* driver, int device, DevPtr base, size_t size, HandleType type, std::string key)
+  Mapping(Driver* driver, int device, DevPtr base, size_t size, HandleType type, size_t pieces,
+          std::string key)
       : driver_(driver),
         device_(device),
         base_(base),
         size_(size),
         key_(std::move(key)),
-        kept_(driver, type) {}
+        kept_(driver, type, pieces) {}
   ~Mapping();
 
   // Records that the next `size` bytes after those mapped so far are mapped (pieces are
@@ -64,7 +66,10 @@ class ImportedBuffer::Mapping {
   // Waits for the work of the devices granted access (kernels reading a tensor over the
   // import may still run when its last view dies), then unmaps the mapped prefix in one
   // call, releases what was kept for re-exports, and frees the range; reports the first
-  // error.
+  // error. If a device cannot be synchronized, its work may still use the range, and
+  // unmapping under it is an illegal address on the device: the range is then left mapped
+  // and reserved for the process's life (said once, with LogError), what was kept for
+  // re-exports is still released, and the synchronize error is reported.
   absl::Status Close();
 
   DevPtr base() const { return base_; }
@@ -85,6 +90,7 @@ class ImportedBuffer::Mapping {
   std::vector<uint64_t> sizes_;
   KeptHandles kept_;
   bool closed_ = false;
+  bool leaked_ = false;  // left mapped by Close (a device could not be synchronized)
   std::vector<int> granted_;  // devices with access (set once the import is complete)
 };
 
@@ -130,7 +136,9 @@ std::atomic<int64_t> open_mappings{0};
 
 ImportedBuffer::Mapping::~Mapping() {
   absl::Status closed = Close();
-  if (!closed.ok()) LogError(absl::StrCat("closing an imported buffer: ", closed.message()));
+  if (!closed.ok() && !leaked_) {  // a leak was said by Close
+    LogError(absl::StrCat("closing an imported buffer: ", closed.message()));
+  }
 }
 
 absl::Status ImportedBuffer::Mapping::Close() {
@@ -143,7 +151,25 @@ absl::Status ImportedBuffer::Mapping::Close() {
   absl::Status first;
   // Unmapping under work that still reads or writes the range is an illegal address on the
   // device: finish it first (a tensor's deleter knows none of the streams it was used on).
-  for (int device : granted_) first.Update(driver_->SynchronizeDevice(device));
+  for (int device : granted_) {
+    absl::Status synced = driver_->SynchronizeDevice(device);
+    if (!synced.ok() && first.ok()) {
+      first = absl::Status(synced.code(),
+                           absl::StrCat("synchronizing device ", device, ": ", synced.message(),
+                                        " (the range is left mapped)"));
+    }
+  }
+  if (!first.ok()) {
+    // Its work may still run: leave the range mapped and reserved rather than unmap under it.
+    leaked_ = true;
+    LogError(absl::StrCat("leaving an imported buffer of ", mapped_, " bytes at ",
+                          absl::Hex(base_), " mapped for the process's life: ",
+                          first.message(), "; unmapping it under work that may still use it "
+                          "would be an illegal address on the device"));
+    first.Update(kept_.Release());  // the mapping alone holds the memory
+    --open_mappings;
+    return first;
+  }
   if (mapped_ > 0) first.Update(driver_->Unmap(base_, mapped_));
   // The imported handles go after the mapping (both orders keep the memory until both are
   // gone; this one never leaves a mapping whose handle was released), and with them the fds
@@ -343,7 +369,7 @@ absl::StatusOr<std::shared_ptr<ImportedBuffer::Mapping>> MapHandles(
   VMM_ASSIGN_OR_RETURN(DevPtr base, driver->Reserve(d.mapped_size(), granularity));
   ++open_mappings;
   auto mapping = std::make_shared<ImportedBuffer::Mapping>(
-      driver, device, base, d.mapped_size(), d.handle_type(), std::move(key));
+      driver, device, base, d.mapped_size(), d.handle_type(), handles.size(), std::move(key));
   // From here on, a failure unmaps, releases what was kept and unreserves through the
   // mapping's destructor.
   DevPtr at = base;

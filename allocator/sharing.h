@@ -14,15 +14,16 @@
 // describes them: one handle per chunk in address order, the chunk sizes, the block's offset
 // in the first chunk, its size, and the UUID of the exporting device. Fabric handles are the
 // driver's bytes; POSIX fds are registered with this process's FdServer and described by
-// tokens (fd_share.h); ExportRegistry (export_registry.h) caches both per chunk. Nothing is pinned: once the exporter frees the block and its chunks go
-// back to the driver, the descriptor is stale.
+// tokens (fd_share.h); ExportRegistry (export_registry.h) caches both per chunk. Nothing is
+// pinned: once the exporter frees the block and its chunks go back to the driver, the
+// descriptor is stale.
 //
 // Import reserves exactly the bytes it maps, maps every handle in order as one contiguous
 // range, and sets access once (for ImportOptions::device and peer_devices). The mapping holds
 // the memory: from then on the importer is independent of the exporter. It also keeps, until
-// it is unmapped, what sending the buffer on needs (kept_handles.h: the fds it fetched, or
-// the imported fabric handles), so ReExportImport can describe the same memory to a third
-// process after the exporter has freed it or exited. Importing the same handles again in this
+// it is unmapped, what sending the buffer on needs (kept_handles.h: the fds it fetched, up to
+// a process-wide cap, or the imported fabric handles), so ReExportImport can describe the
+// same memory to a third process after the exporter has freed it or exited. Importing the same handles again in this
 // process, for the same device and peers, while a mapping is open shares that mapping (and
 // what it keeps); another device or peer list maps them again.
 // Every failure — stale, forged or malformed descriptors, a gone exporter, driver errors — is
@@ -70,8 +71,10 @@ absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
 
 // Exports the live block starting at `ptr` of a pool made by CreateExportablePool. Errors:
 // InvalidArgument (not a live block), FailedPrecondition (the pool's memory is not shareable,
-// or the pool was not made to export), or the driver's export error.
-absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr);
+// or the pool was not made to export, or, with ExportNeighbours::kRefuse, the block shares a
+// chunk with another live block: Pool::Export), or the driver's export error.
+absl::StatusOr<BufferDescriptor> ExportBuffer(
+    Pool& pool, void* ptr, ExportNeighbours neighbours = ExportNeighbours::kAllow);
 
 // The most handles one import maps (see the file comment).
 inline constexpr size_t kMaxImportHandles = 16384;
@@ -152,7 +155,8 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(
 // registered with this process's FdServer (tokens naming this process). Cached per mapping: the
 // first call exports, later ones reuse; the fds are unregistered when the mapping goes.
 // Errors: FailedPrecondition (the import's handle type is none / the driver cannot export
-// imported handles — say which), the driver's export error.
+// imported handles / the process keeps no fds for this import, too many imports being open
+// (kept_handles.h: the kept-fd cap) — say which), the driver's export error.
 //
 // The receiver imports the descriptor as any other; the memory is the original exporter's,
 // held by this process's mapping, so it works after that exporter has freed the buffer or

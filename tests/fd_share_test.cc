@@ -247,6 +247,7 @@ TEST(FdServerTest, OneConnectionMayAckAndFetchInTurn) {
   ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> reply, client.Receive(milliseconds(2000)));
   ASSERT_OK_AND_ASSIGN(std::vector<bool> acked, fd_share_internal::DecodeAckReply(reply, 3));
   EXPECT_EQ(acked, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);  // the release thread
   EXPECT_EQ(released.load(), 1);
   ASSERT_TRUE(client.Send(fd_share_internal::EncodeFdRequest({EntryOf(ticket)})));
   ASSERT_OK_AND_ASSIGN(reply, client.Receive(milliseconds(2000)));
@@ -271,6 +272,7 @@ TEST(FdServerTest, AckBySocketBatchesAndNamesAGoneExporter) {
                        fd_share_internal::AckBySocket(first.pid, first.server_id, entries,
                                                       milliseconds(5000)));
   EXPECT_EQ(std::count(acked.begin(), acked.end(), true), 600);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);  // the release thread
   EXPECT_EQ(released.load(), 600);
   EXPECT_THAT(fd_share_internal::AckBySocket(first.pid, 0xdeadu, entries, milliseconds(500)),
               StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));

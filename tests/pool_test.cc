@@ -3,12 +3,15 @@
 // host backend that emulates two devices, or on CUDA run only where there are two GPUs.
 #include "allocator/pool.h"
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -232,7 +235,9 @@ TEST_F(PoolTest, SmallRequestsUseTheSmallArena) {
 TEST_F(PoolTest, EmptyCacheReturnsAllMemoryToTheDriver) {
   auto pool = MakePool();
   std::vector<void*> blocks;
-  for (size_t size : {kMiB / 2, 3 * kMiB, 17 * kMiB, 64 * kMiB}) blocks.push_back(Alloc(*pool, size));
+  for (size_t size : {kMiB / 2, 3 * kMiB, 17 * kMiB, 64 * kMiB}) {
+    blocks.push_back(Alloc(*pool, size));
+  }
   void* keep = Alloc(*pool, 5 * kMiB);
   for (void* p : blocks) ASSERT_TRUE(pool->Free(p).ok());
   ASSERT_TRUE(pool->EmptyCache().ok());
@@ -617,8 +622,9 @@ TEST_F(PoolTest, ShareableBlocksGetChunksOfTheirOwn) {
   EXPECT_EQ(exported->offset, 0u);
   // The slack of its chunk is never handed out.
   void* other = Alloc(*pool, kMiB / 2 + 4096);
-  EXPECT_FALSE(reinterpret_cast<uintptr_t>(other) >= reinterpret_cast<uintptr_t>(*shared) &&
-               reinterpret_cast<uintptr_t>(other) < reinterpret_cast<uintptr_t>(*shared) + 4 * kMiB);
+  const auto start = reinterpret_cast<uintptr_t>(*shared);
+  EXPECT_FALSE(reinterpret_cast<uintptr_t>(other) >= start &&
+               reinterpret_cast<uintptr_t>(other) < start + 4 * kMiB);
   const int64_t reserved = pool->GetStats().reserved_bytes.current;
   ASSERT_TRUE(pool->Free(*shared).ok());
   ASSERT_TRUE(pool->EmptyCache().ok());
@@ -664,6 +670,70 @@ TEST_F(PoolTest, SmallBlocksInOneChunkShareItWhileBothLive) {
   EXPECT_OK(pool->Free(b));
   EXPECT_FALSE(Shares(*pool, a)) << "free space does not count";
   EXPECT_OK(pool->Free(a));
+}
+
+TEST_F(PoolTest, ExportAloneRefusesABlockWithALiveNeighbour) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  void* a = Alloc(*pool, 1000);
+  void* b = Alloc(*pool, 5000);  // beside a in the same small chunk
+  absl::StatusOr<ExportedBlock> refused =
+      pool->Export(a, HandleType::kNone, ExportNeighbours::kRefuse);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("another live block"));
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_exports, 0) << "nothing was exported";
+  EXPECT_EQ(s.exported_bytes.current, 0) << "nothing was marked";
+  EXPECT_FALSE(pool->Export(b, HandleType::kNone, ExportNeighbours::kRefuse).ok());
+  ASSERT_OK(pool->Free(b));
+  EXPECT_OK(pool->Export(a, HandleType::kNone, ExportNeighbours::kRefuse).status())
+      << "alone once its neighbour is gone";
+  EXPECT_FALSE(Shares(*pool, a));
+  ASSERT_OK(pool->Free(a));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// One thread allocates small blocks while another exports fresh blocks alone: an allocation
+// can never land beside a block between the check and the export, so every block exported
+// alone has no live neighbour in its chunks (none can arrive later: the chunks are retired).
+TEST_F(PoolTest, ExportAloneRacesNoAllocationIntoTheBlocksChunks) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  std::atomic<bool> stop{false};
+  std::thread allocator([&] {
+    std::deque<void*> live;
+    size_t i = 0;
+    while (!stop.load(std::memory_order_relaxed)) {
+      absl::StatusOr<void*> p = pool->Allocate(512 + (i++ % 16) * 512, 0);
+      ASSERT_OK(p.status());
+      live.push_back(*p);
+      if (live.size() > 64) {
+        ASSERT_OK(pool->Free(live.front()));
+        live.pop_front();
+      }
+    }
+    for (void* p : live) ASSERT_OK(pool->Free(p));
+  });
+  int exported = 0;
+  int refused = 0;
+  for (int i = 0; i < 400; ++i) {
+    void* fresh = Alloc(*pool, 256 * 1024);
+    ASSERT_NE(fresh, nullptr);
+    absl::StatusOr<ExportedBlock> e =
+        pool->Export(fresh, HandleType::kNone, ExportNeighbours::kRefuse);
+    if (e.ok()) {
+      ++exported;
+      EXPECT_FALSE(Shares(*pool, fresh)) << "iteration " << i << ": exported with a neighbour";
+    } else {
+      ++refused;
+      EXPECT_EQ(e.status().code(), absl::StatusCode::kFailedPrecondition) << e.status();
+    }
+    ASSERT_OK(pool->Free(fresh));
+  }
+  stop = true;
+  allocator.join();
+  EXPECT_GT(exported, 0) << "refused " << refused;
+  EXPECT_OK(pool->CheckInvariants());
 }
 
 TEST_F(PoolTest, ALargeBlockSharesOnlyWhatItsEndChunksHold) {

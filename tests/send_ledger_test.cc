@@ -98,7 +98,9 @@ TEST_F(SendLedgerTest, AnAckFromAnotherProcessRunsTheReleaseOnce) {
   EXPECT_NE(SendLedger::Get().NextDeadline(), absl::InfiniteFuture());
 
   EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
-  EXPECT_EQ(runs.load(), 1) << "the release ran before the reply";
+  EXPECT_EQ(SendLedger::Get().GetStats().held, 0u) << "the hold ended before the reply";
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);  // the release thread
+  EXPECT_EQ(runs.load(), 1);
   const SendLedger::Stats after = SendLedger::Get().GetStats();
   EXPECT_EQ(after.held, 0u);
   EXPECT_EQ(after.held_bytes, 0u);
@@ -140,6 +142,7 @@ TEST_F(SendLedgerTest, AForgedNonceIsNotFoundAndReleasesNothing) {
   EXPECT_EQ(runs.load(), 0);
   EXPECT_EQ(SendLedger::Get().GetStats().held, 1u);
   EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
   EXPECT_EQ(runs.load(), 1);
 }
 
@@ -268,7 +271,7 @@ TEST_F(SendLedgerTest, AReleaseMayUseTheFdServerAndTheLedger) {
   };
   ASSERT_OK_AND_ASSIGN(const Ticket acked, SendLedger::Get().Hold(1, release));
   EXPECT_EQ(AckFromChild(acked), absl::StatusCode::kOk);
-  EXPECT_EQ(runs.load(), 1);
+  EXPECT_TRUE(Eventually([&] { return runs.load() == 1; }, absl::Milliseconds(5000)));
 
   SendLedger::Get().SetLease(absl::Milliseconds(100));
   ASSERT_OK(SendLedger::Get().Hold(1, release).status());
@@ -297,6 +300,7 @@ TEST_F(SendLedgerTest, TenThousandHoldsAreAckedInBatches) {
   const absl::Time acked_at = absl::Now();
   EXPECT_EQ(InForkedChild([&] { return CodeOf(AckSends(tickets)); }), 0);
   const absl::Duration ack_time = absl::Now() - acked_at;
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);  // the release thread
   EXPECT_EQ(runs.load(), kHolds);
   const SendLedger::Stats after = SendLedger::Get().GetStats();
   EXPECT_EQ(after.held_bytes, 0u);
@@ -340,6 +344,16 @@ TEST_F(SendLedgerTest, AForkedChildHasAnEmptyLedgerAndRunsNoReleaseOfItsParent) 
   SendLedger::Get().SetLease(lease_);
   ASSERT_OK_AND_ASSIGN(const Ticket kept, SendLedger::Get().Hold(1 << 20, count));
   const FdToken token = Decoded(kept);
+  // The parent's release thread runs (an ack through its own fd server starts it).
+  std::atomic<int> started{0};
+  ASSERT_OK_AND_ASSIGN(const Ticket starter,
+                       SendLedger::Get().Hold(1, [&started] { ++started; }));
+  const FdToken starter_token = Decoded(starter);
+  ASSERT_OK(fd_share_internal::AckBySocket(starter_token.pid, starter_token.server_id,
+                                           {{starter_token.key, starter_token.nonce}},
+                                           std::chrono::milliseconds(5000))
+                .status());
+  EXPECT_TRUE(Eventually([&] { return started.load() == 1; }, absl::Milliseconds(5000)));
   const int code = InForkedChild([&] {
     SendLedger& ledger = SendLedger::Get();
     const SendLedger::Stats stats = ledger.GetStats();
@@ -349,6 +363,16 @@ TEST_F(SendLedgerTest, AForkedChildHasAnEmptyLedgerAndRunsNoReleaseOfItsParent) 
     if (ledger.ExpireDue() != 0) return 3;
     if (ledger.Ack(token.key, token.nonce).code() != absl::StatusCode::kNotFound) return 4;
     if (ledger.WaitUntilEmpty(absl::ZeroDuration()) != 0) return 5;
+    // The child's own holds, acked through its own fd server, run on its own release thread.
+    std::atomic<int> child_runs{0};
+    absl::StatusOr<Ticket> own = ledger.Hold(1, [&child_runs] { ++child_runs; });
+    if (!own.ok()) return 6;
+    const FdToken own_token = Decoded(*own);
+    absl::StatusOr<std::vector<bool>> acked = fd_share_internal::AckBySocket(
+        own_token.pid, own_token.server_id, {{own_token.key, own_token.nonce}},
+        std::chrono::milliseconds(5000));
+    if (!acked.ok() || acked->size() != 1 || !(*acked)[0]) return 7;
+    if (ledger.WaitUntilEmpty(absl::Seconds(5)) != 0 || child_runs.load() != 1) return 8;
     return 0;
   });
   EXPECT_EQ(code, 0);
@@ -433,11 +457,47 @@ TEST_F(SendLedgerTest, ThreadsHoldAndAckConcurrently) {
   for (std::thread& t : threads) t.join();
   done.store(true);
   observer.join();
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
   EXPECT_EQ(runs.load(), kThreads * kPerThread);
   const SendLedger::Stats after = SendLedger::Get().GetStats();
   EXPECT_EQ(after.held, 0u);
   EXPECT_EQ(after.held_bytes, 0u);
   EXPECT_EQ(after.acked, before_.acked + kThreads * kPerThread);
+}
+
+// A release the fd server ends runs on the ledger's release thread: a slow one (here 500 ms)
+// delays neither the ack's reply nor another process's fd fetch meanwhile.
+TEST_F(SendLedgerTest, ASlowReleaseDelaysNoFetch) {
+  std::atomic<bool> started{false};
+  std::atomic<bool> finished{false};
+  ASSERT_OK_AND_ASSIGN(const Ticket ticket, SendLedger::Get().Hold(1, [&] {
+    started = true;
+    absl::SleepFor(absl::Milliseconds(500));
+    finished = true;
+  }));
+  UniqueFd memfd(memfd_create("send_ledger_test", MFD_CLOEXEC));
+  ASSERT_TRUE(memfd.valid());
+  ASSERT_OK_AND_ASSIGN(const FdToken fd_token, FdServer::Get().Register(std::move(memfd)));
+  const absl::Time acked_at = absl::Now();
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  EXPECT_LT(absl::Now() - acked_at, absl::Milliseconds(400)) << "the reply waited for it";
+  ASSERT_TRUE(Eventually([&] { return started.load(); }, absl::Seconds(5)));
+  // From another process: its status code, or 100 when the fetch took 250 ms or more.
+  const int fetched = InForkedChild([&] {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<std::vector<UniqueFd>> fds = FetchFds({fd_token});
+    if (!fds.ok()) return CodeOf(fds.status());
+    return absl::Now() - start < absl::Milliseconds(250) ? 0 : 100;
+  });
+  EXPECT_EQ(fetched, 0);
+  // And from another thread of this process.
+  const absl::Time start = absl::Now();
+  EXPECT_OK(FetchFds({fd_token}).status());
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(250));
+  EXPECT_FALSE(finished.load()) << "the release should still be running";
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u) << "it waits for releases";
+  EXPECT_TRUE(finished.load());
+  FdServer::Get().Unregister(fd_token.key);
 }
 
 TEST(SendLeaseTest, ParsesPositiveSeconds) {

@@ -14,6 +14,7 @@
 // only POSIX-fd buffers can be sent on (its driver does not export imported handles).
 #include "allocator/sharing.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -111,7 +112,9 @@ class SharingTest : public PoolFixture {
   // Whether every byte of [ptr, ptr+size) is `value`.
   bool AllBytes(DevPtr ptr, size_t size, uint8_t value) {
     std::vector<uint8_t> host(size);
-    if (!driver_->MemcpyAsync(reinterpret_cast<DevPtr>(host.data()), ptr, size, 0).ok()) return false;
+    if (!driver_->MemcpyAsync(reinterpret_cast<DevPtr>(host.data()), ptr, size, 0).ok()) {
+      return false;
+    }
     if (!driver_->SynchronizeStream(0).ok()) return false;
     for (uint8_t b : host) {
       if (b != value) return false;
@@ -448,7 +451,8 @@ TEST(SharingAccountingTest, DuplicatedHandlesDoNotUseUpTheImportersMemory) {
   ASSERT_OK_AND_ASSIGN(BufferDescriptor copies, Repeated(real, 200, exporter->device_uuid()));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> open, ImportBuffer(driver.get(), copies));
   EXPECT_EQ(driver->GetMemInfo(0)->free, 254 * kMiB);
-  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> meanwhile, CreateExportablePool(driver.get(), options));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> meanwhile,
+                       CreateExportablePool(driver.get(), options));
   EXPECT_EQ(meanwhile->handle_type(), exporter->handle_type());
   ASSERT_OK_AND_ASSIGN(void* b, meanwhile->AllocateShareable(64 * kMiB, 0));
   EXPECT_OK(ExportBuffer(*meanwhile, b));
@@ -515,7 +519,8 @@ TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
   ASSERT_NE(::mkdtemp(dir), nullptr);
   ASSERT_EQ(::chmod(dir, 0755), 0);
   const std::string peer = absl::StrCat(dir, "/vmm_peer");
-  ASSERT_EQ(std::system(absl::StrCat("cp ", PeerPath(), " ", peer, " && chmod 755 ", peer).c_str()), 0);
+  const std::string copy = absl::StrCat("cp ", PeerPath(), " ", peer, " && chmod 755 ", peer);
+  ASSERT_EQ(std::system(copy.c_str()), 0);
   auto as_user = [&](int uid, std::vector<std::string> args) {
     std::vector<std::string> argv = {"/usr/bin/setpriv", absl::StrCat("--reuid=", uid),
                                      absl::StrCat("--regid=", uid), "--clear-groups", peer};
@@ -541,7 +546,7 @@ TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
 // --- Re-export: A -> B -> C ----------------------------------------------------------------
 
 // A driver that forwards every call to another and counts the exports it is asked for.
-class CountingDriver final : public Driver {
+class CountingDriver : public Driver {
  public:
   explicit CountingDriver(Driver* inner) : inner_(inner) {}
   int exports() const { return exports_.load(); }
@@ -596,6 +601,50 @@ class CountingDriver final : public Driver {
   Driver* const inner_;
   std::atomic<int> exports_{0};
 };
+
+// A CountingDriver whose SynchronizeDevice fails once told to, and that counts Unmap calls.
+class FailingSyncDriver : public CountingDriver {
+ public:
+  using CountingDriver::CountingDriver;
+  absl::Status SynchronizeDevice(int d) override {
+    if (fail_sync_) return absl::InternalError("the device had an error");
+    return CountingDriver::SynchronizeDevice(d);
+  }
+  absl::Status Unmap(DevPtr p, size_t size) override {
+    ++unmaps_;
+    return CountingDriver::Unmap(p, size);
+  }
+  void FailSync() { fail_sync_ = true; }
+  int unmaps() const { return unmaps_; }
+
+ private:
+  std::atomic<bool> fail_sync_{false};
+  std::atomic<int> unmaps_{0};
+};
+
+// Closing an import whose device cannot be synchronized leaves its range mapped (work may still
+// use it) instead of unmapping under that work.
+TEST_P(SharingTest, AnImportWhoseDeviceFailsToSyncIsLeftMapped) {
+  void* a = Filled(2 * kMiB, 77);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  FailingSyncDriver failing(driver_);
+  ImportOptions options;
+  options.share_mappings = false;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(&failing, d, options));
+  const DevPtr ptr = b->ptr();
+  const DevPtr base = b->mapping_base();
+  const size_t mapped = b->mapped_size();
+  const size_t open = OpenImportMappings();
+  failing.FailSync();
+  b.reset();
+  EXPECT_EQ(failing.unmaps(), 0) << "unmapped after a failed synchronize";
+  EXPECT_EQ(OpenImportMappings(), open - 1);
+  EXPECT_TRUE(AllBytes(ptr, 2 * kMiB, 77)) << "the range is still mapped";
+  // What the process leaked, given back by hand so that the memory checks pass.
+  EXPECT_OK(driver_->Unmap(base, mapped));
+  EXPECT_OK(driver_->Unreserve(base, mapped));
+  ASSERT_OK(pool_->Free(a));
+}
 
 // B is this process unless a test says otherwise: it imports what A (a pool of this process,
 // or a vmm_peer export) exported and sends it on to C (vmm_peer import).
@@ -831,6 +880,55 @@ TEST_P(ReExportTest, AFailedReExportLeavesNothingRegisteredAndCanBeRetried) {
   b.reset();
   EXPECT_EQ(FdServer::Get().size(), fds_before);
   ASSERT_OK(pool_->Free(a));
+}
+
+// The fds open in this process.
+size_t OpenFds() {
+  size_t n = 0;
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) return 0;
+  while (::readdir(dir) != nullptr) ++n;
+  ::closedir(dir);
+  return n;
+}
+
+// Past the process's kept-fd cap an import maps and reads as any other but keeps no fds, and
+// refuses to be sent on; imports within the cap still can be.
+TEST_P(ReExportTest, ImportsPastTheKeptFdCapKeepNoFdsAndCannotBeSentOn) {
+  if (!fds()) GTEST_SKIP() << "fd handles only: fabric handles are not capped";
+  const size_t in_use = KeptHandles::KeptFdsInUse();
+  KeptHandles::SetKeptFdCapForTesting(in_use + 2);
+  std::vector<void*> blocks;
+  std::vector<std::unique_ptr<ImportedBuffer>> imports;
+  for (int i = 0; i < 2; ++i) {
+    blocks.push_back(Filled(2 * kMiB, 30 + i));
+    ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, blocks.back()));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, d));
+    imports.push_back(std::move(b));
+  }
+  EXPECT_EQ(KeptHandles::KeptFdsInUse(), in_use + 2) << "one fd each, within the cap";
+  for (int i = 0; i < 3; ++i) {
+    blocks.push_back(Filled(2 * kMiB, 40 + i));
+    ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, blocks.back()));
+    const size_t open_before = OpenFds();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> past, ImportBuffer(driver_, d));
+    EXPECT_EQ(OpenFds(), open_before) << "an import past the cap holds no extra fd";
+    EXPECT_EQ(KeptHandles::KeptFdsInUse(), in_use + 2);
+    EXPECT_TRUE(AllBytes(past->ptr(), 2 * kMiB, 40 + i));
+    EXPECT_THAT(ReExportImport(*past),
+                StatusIs(absl::StatusCode::kFailedPrecondition,
+                         AllOf(HasSubstr("keeps no fds for this import"),
+                               HasSubstr("too many imports open"))));
+    imports.push_back(std::move(past));
+  }
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor sent_on, ReExportImport(*imports[0]));
+  Subprocess c({PeerPath(), "import", "--descriptor=" + Hex(sent_on), "--expect=30"});
+  EXPECT_EQ(c.Wait(), 0) << "an import within the cap is sent on";
+  imports.clear();
+  EXPECT_EQ(KeptHandles::KeptFdsInUse(), in_use) << "closing the imports frees their slots";
+  KeptHandles::SetKeptFdCapForTesting(0);
+  for (void* p : blocks) ASSERT_OK(pool_->Free(p));
+  EXPECT_EQ(OpenImportMappings(), 0u);
 }
 
 INSTANTIATE_TEST_SUITE_P(HandleTypes, ReExportTest,

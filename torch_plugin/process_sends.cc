@@ -18,6 +18,15 @@ uint64_t HeldBytes(const BufferDescriptor& d) {
   return bytes;
 }
 
+// FailedPrecondition for a block that shares a chunk with another live block; the caller moves
+// it (vmm_alloc_beside) and sends again on this code.
+absl::Status SharedChunkError(const void* ptr) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "sending the block at ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+      ": it shares a physical chunk with another live block, whose bytes its receiver "
+      "would see; move it to a block of its own first (vmm_alloc_beside)"));
+}
+
 }  // namespace
 
 ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
@@ -75,24 +84,30 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   std::weak_ptr<ProcessState*> self = self_;
   PoolRef owner = Owner(ptr);
   if (owner.pool != nullptr) {
+    // SharesChunks first for the common case; the export itself refuses a block with live
+    // neighbours under the pool's lock, so none can be allocated beside it meanwhile.
     VMM_ASSIGN_OR_RETURN(bool shares, owner.pool->SharesChunks(ptr));
-    if (shares) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sending the block at ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
-          ": it shares a physical chunk with another live block, whose bytes its receiver "
-          "would see; move it to a block of its own first (vmm_alloc_beside)"));
+    if (shares) return SharedChunkError(ptr);
+    absl::StatusOr<BufferDescriptor> d =
+        ExportBuffer(*owner.pool, const_cast<void*>(ptr), ExportNeighbours::kRefuse);
+    if (!d.ok()) {
+      absl::StatusOr<bool> shares_now = owner.pool->SharesChunks(ptr);
+      if (d.status().code() == absl::StatusCode::kFailedPrecondition && shares_now.ok() &&
+          *shares_now) {
+        return SharedChunkError(ptr);
+      }
+      return d.status();
     }
-    VMM_ASSIGN_OR_RETURN(BufferDescriptor d, ExportBuffer(*owner.pool, const_cast<void*>(ptr)));
     holds_.Hold(ptr);
     absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(
-        HeldBytes(d), [self, ptr, keep = owner.keep]() {
+        HeldBytes(*d), [self, ptr, keep = owner.keep]() {
           if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
         });
     if (!ticket.ok()) {
       ReleaseBlockHold(ptr);
       return ticket.status();
     }
-    return Send{std::move(d), *ticket};
+    return Send{*std::move(d), *ticket};
   }
   const int64_t id = RetainImportAt(ptr);
   if (id == 0) {
@@ -117,7 +132,10 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   }
   if (!d.ok()) {
     (void)AddImportRef(id, -1);
-    return d.status();
+    return absl::Status(d.status().code(),
+                        absl::StrCat("sending the imported buffer at ",
+                                     absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ": ",
+                                     d.status().message()));
   }
   absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(HeldBytes(*d), [self, id]() {
     if (auto state = self.lock()) (void)(*state)->AddImportRef(id, -1);

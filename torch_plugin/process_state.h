@@ -151,8 +151,14 @@ class ProcessState {
     SendLedger::Ticket ticket{};
   };
   // Exports the storage starting at `ptr` (kInPlace or kImport) for one receiver and holds it
-  // until the ticket is acknowledged or the lease ends. FailedPrecondition for a block that
-  // shares its chunks or a pool that cannot export; InvalidArgument for anything else.
+  // until the ticket is acknowledged or the lease ends. Errors: FailedPrecondition for a block
+  // that shares its chunks with another live block (checked with the export, under the pool's
+  // lock; the caller moves it, vmm_alloc_beside, and sends again) or a pool that cannot
+  // export; InvalidArgument for a pointer that is neither a pool block nor an import; for an
+  // import, ReExportImport's errors (sharing.h: FailedPrecondition when the driver exports no
+  // imported handle or the process keeps no fds for the import), naming the pointer; the
+  // export's driver error; those of the send ledger and the fd server (SendLedger::Hold: the
+  // failed system call's when the server cannot start; Unavailable when it cannot listen).
   absl::StatusOr<Send> ExportSend(const void* ptr);
   // The free path: whether `ptr` is held by a send (then its free happens at the last
   // release, and the caller must not free it). One atomic load while nothing is held.

@@ -157,7 +157,7 @@ void vmm_import_release(void* import_id);
  * when the sender frees the tensor at once: the sender holds it (a pool block's free is
  * deferred; an import keeps one more reference) until the receiver acknowledges the send's
  * ticket (vmm_send_ack) or the send's lease ends (vmm_send_set_lease; default 600 s, or
- * VMM_SEND_LEASE_S). See docs/DESIGN.md §3 and §4 (send holds). */
+ * VMM_SEND_LEASE_S). See docs/DESIGN.md §3b and §4 (send holds). */
 
 /* How the storage starting at `ptr` can be sent. */
 enum vmm_send_kind {
