@@ -238,15 +238,19 @@ def _register_exit_wait() -> None:
         multiprocessing.util.Finalize(None, _wait_for_receivers, exitpriority=5)
 
 
-def _after_fork_in_child() -> None:
-    # multiprocessing empties its finalizers in a forked child: register the wait again.
-    global _exit_wait_registered
-    _exit_wait_registered = False
-    if _installed:
-        _register_exit_wait()
+class _ForkHook:
+    """What multiprocessing calls in a child it forked, after it emptied the finalizers there:
+    the exit wait is registered again."""
+
+    def __call__(self, _: object) -> None:
+        global _exit_wait_registered
+        _exit_wait_registered = False
+        if _installed:
+            _register_exit_wait()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork_hook = _ForkHook()
+multiprocessing.util.register_after_fork(_fork_hook, _fork_hook)
 
 
 def install_reducers() -> None:
