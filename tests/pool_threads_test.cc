@@ -38,19 +38,10 @@
 #include "allocator/pool.h"
 #include "allocator/status_macros.h"
 #include "gtest/gtest.h"
+#include "tests/sanitizers.h"
 #include "tests/status_matchers.h"
 #include "tests/test_backend.h"
 
-#if defined(__SANITIZE_THREAD__)
-#define VMM_UNDER_TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define VMM_UNDER_TSAN 1
-#endif
-#endif
-#ifndef VMM_UNDER_TSAN
-#define VMM_UNDER_TSAN 0
-#endif
 
 namespace vmm {
 namespace {

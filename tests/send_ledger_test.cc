@@ -29,6 +29,7 @@
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/sanitizers.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 
@@ -363,7 +364,9 @@ TEST_F(SendLedgerTest, AForkedChildHasAnEmptyLedgerAndRunsNoReleaseOfItsParent) 
     if (ledger.ExpireDue() != 0) return 3;
     if (ledger.Ack(token.key, token.nonce).code() != absl::StatusCode::kNotFound) return 4;
     if (ledger.WaitUntilEmpty(absl::ZeroDuration()) != 0) return 5;
-    // The child's own holds, acked through its own fd server, run on its own release thread.
+    // The child's own holds, acked through its own fd server, run on its own release thread
+    // (not under ThreadSanitizer, which cannot follow threads started after this fork).
+    if (VMM_UNDER_TSAN) return 0;
     std::atomic<int> child_runs{0};
     absl::StatusOr<Ticket> own = ledger.Hold(1, [&child_runs] { ++child_runs; });
     if (!own.ok()) return 6;
