@@ -18,6 +18,21 @@ from vmm_torch import reductions, sharing
 TIMEOUT = 60
 
 
+class Slotted:
+    __slots__ = ("x",)
+
+    def __init__(self, x):
+        self.x = x
+
+
+class Dropping:
+    def __init__(self, kept, dropped):
+        self.kept, self.dropped = kept, dropped
+
+    def __getstate__(self):
+        return {"kept": self.kept}
+
+
 def test_a_tensor_moves_in_put_and_writes_after_put_reach_the_receiver():
     """Queue.put moves a tensor that shares its chunk in the caller: writes the owner makes
     after put land in the memory the receiver maps (none is lost to a move made later)."""
@@ -57,16 +72,13 @@ def test_a_sender_that_exits_at_once_is_still_received(method):
 
 
 def test_the_feeder_thread_never_moves_a_tensor_and_the_receiver_gets_the_error():
-    """A tensor deeper than Queue.put looks, sharing its chunk: the feeder sends an error the
-    receiver raises, with its type and code."""
+    """A tensor the sending thread did not prepare (put bypassed), sharing its chunk: the
+    feeder sends an error the receiver raises, with its type and code."""
     with vmm_torch.Pool("host") as pool:
         t = pool.zeros((16,))
         neighbour = pool.zeros((16,))
-        deep = t
-        for _ in range(reductions._CHECK_DEPTH + 2):
-            deep = [deep]
-        reductions.prepare_send(deep)  # too deep: not moved
         assert sharing.send_kind(sharing.storage_address(t)) == sharing.SEND_RELOCATE
+        before = t.data_ptr()
         import threading
 
         out = {}
@@ -74,27 +86,37 @@ def test_the_feeder_thread_never_moves_a_tensor_and_the_receiver_gets_the_error(
                                   name=reductions._FEEDER_THREAD)
         thread.start()
         thread.join()
+        assert t.data_ptr() == before, "not moved in the feeder thread"
         rebuild, args = out["r"]
         assert rebuild is sharing.raise_send_error
         with pytest.raises(vmm_torch.VmmError) as info:
             rebuild(*args)
-        assert info.value.code == "FAILED_PRECONDITION" and "less deep" in str(info.value)
+        assert info.value.code == "FAILED_PRECONDITION" and "clone" in str(info.value)
         del neighbour
 
 
-def test_prepare_send_looks_into_objects_attributes():
-    class Batch:
-        def __init__(self, x):
-            self.x = x
-
+def test_put_prepares_every_tensor_pickle_reaches():
+    """Deep nesting, many items, slots, __getstate__: what pickle reaches, put prepares; what
+    pickle skips, put leaves alone (a non-leaf tensor dropped by __getstate__ is no error)."""
     with vmm_torch.Pool("host") as pool:
-        t = pool.zeros((16,))
-        neighbour = pool.zeros((16,))
-        before = t.data_ptr()
-        reductions.prepare_send({"batch": Batch(t)})
-        assert t.data_ptr() != before
-        assert sharing.send_kind(sharing.storage_address(t)) == sharing.SEND_IN_PLACE
-        del neighbour
+        tensors = [pool.zeros((16,)) for _ in range(6)]
+        neighbours = [pool.zeros((16,)) for _ in range(6)]
+        deep = tensors[0]
+        for _ in range(10):
+            deep = [deep]
+        many = [object() for _ in range(20_000)] + [tensors[1]]
+        model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2))))
+        obj = {"deep": deep, "many": many, "slotted": Slotted(tensors[2]),
+               "dropping": Dropping(tensors[3], torch.ones(2, requires_grad=True) * 2),
+               "model": model}
+        before = [t.data_ptr() for t in tensors]
+        reductions.prepare_send(obj)
+        for i in range(4):
+            assert tensors[i].data_ptr() != before[i], f"tensor {i} was not prepared"
+            assert sharing.send_kind(sharing.storage_address(tensors[i])) == \
+                sharing.SEND_IN_PLACE
+        assert tensors[4].data_ptr() == before[4], "not reached: left alone"
+        del neighbours
 
 
 # --- VMM_TORCH_ENABLE's hook ---------------------------------------------------------------

@@ -19,6 +19,7 @@ naming the variable; the program goes on with PyTorch's allocator.
 
 import os
 import sys
+import threading
 
 VARIABLE = "VMM_TORCH_ENABLE"
 
@@ -48,17 +49,22 @@ class _TorchImportHook:
 
     def __init__(self):
         self._done = False
+        self._looking = threading.local()  # a finder after this one may ask for torch again
 
     def find_spec(self, name, path=None, target=None):  # noqa: D401 (importlib protocol)
-        if name != "torch" or self._done:
+        if name != "torch" or self._done or getattr(self._looking, "active", False):
             return None
         spec = None
-        for finder in list(sys.meta_path):
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                break
+        self._looking.active = True
+        try:
+            for finder in list(sys.meta_path):
+                if isinstance(finder, _TorchImportHook) or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._looking.active = False
         loader = getattr(spec, "loader", None)
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec

@@ -16,11 +16,10 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
 - **Isolation.** A tensor that shares a physical chunk with another live tensor is moved into
   chunks of its own (copied on the current stream, its storage swapped; its views follow) so
   that the receiver sees no other tensor's bytes. The move happens in the sending thread:
-  ``Queue.put`` moves the tensors it can see before handing the object to its feeder thread;
-  a tensor that would need moving in the feeder thread (deeper than ``Queue.put`` looks)
-  reaches the receiver as an error instead, since its owner may still be writing to it.
-- **Ordering.** Before a CUDA tensor's descriptor is made, the sender synchronizes the device,
-  so the receiver reads what the sender's streams wrote before the send.
+  ``Queue.put`` finds every tensor pickling will reach (a dry run of pickle) and moves those
+  that need it before handing the object to its feeder thread, which never moves one.
+- **Ordering.** The sending thread synchronizes its current stream before a CUDA tensor is
+  sent (in ``Queue.put``, or where it pickles), so the receiver reads what was written before.
 - **Forwarding.** A received vmm tensor can be sent on (A -> B -> C): C maps A's memory through
   B's handles, with the same lifetime guarantee.
 - **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
@@ -42,10 +41,12 @@ import logging
 import multiprocessing.queues
 import multiprocessing.util
 import os
+import pickle
 import threading
 import time
+import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Set, Tuple
 
 import torch
 
@@ -60,10 +61,7 @@ _install_lock = threading.Lock()
 
 #: The name multiprocessing gives a Queue's feeder thread: what it fails to pickle, it prints
 #: and drops.
-_FEEDER_THREAD = "QueueFeederThread"
-#: How far Queue.put looks into containers for tensors that cannot travel.
-_CHECK_DEPTH = 4
-_CHECK_ITEMS = 10_000
+_FEEDER_THREAD = sharing.FEEDER_THREAD
 
 #: How long a process waits at exit for the receivers of its sends (VMM_SEND_EXIT_WAIT_S).
 EXIT_WAIT_VARIABLE = "VMM_SEND_EXIT_WAIT_S"
@@ -99,12 +97,15 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
         raise _non_leaf_error()
     if kind == SEND_RELOCATE and _on_feeder_thread():
         # Moving it here would race with its owner, who may still write to it (put returned).
+        # Queue.put prepares every tensor pickle reaches, so only a tensor that gained a
+        # neighbour otherwise (a put that bypassed the patched method) gets here.
         raise _lib.VmmError(
             "this tensor shares a physical chunk with other tensors and must move to memory of "
-            "its own before it is sent, which Queue.put does for the tensors it can see (a "
-            f"tensor, or inside lists, tuples, sets, dicts and objects' attributes, "
-            f"{_CHECK_DEPTH} levels deep); put it less deep, or send tensor.clone()",
+            "its own before it is sent, which Queue.put does in the sending thread; it was not "
+            "prepared there (was the queue's put bypassed?); send tensor.clone()",
             "FAILED_PRECONDITION")
+    if _on_feeder_thread():
+        _vmm_feeders.add(threading.current_thread())
     return (sharing.rebuild_tensor,
             sharing.send_payload(tensor, base, kind, isinstance(tensor, torch.nn.Parameter),
                                  requires_grad))
@@ -127,47 +128,74 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
 # --- Queue.put: errors in the caller ---------------------------------------------------------
 
 
-def prepare_send(obj: Any) -> None:
-    """What Queue.put does before it hands `obj` to the queue's feeder thread, for the tensors
-    `obj` is or holds (in lists, tuples, sets, dict values and objects' attributes, up to
-    _CHECK_DEPTH levels and _CHECK_ITEMS objects): raises what sending them would raise
-    (RuntimeError for a non-leaf tensor that requires grad, VmmError for memory of a pool that
-    cannot export) and moves those that share a physical chunk to memory of their own, here in
-    the caller's thread and on its current stream, where the owner's own work is ordered; those
-    alone in their chunks get the chunks marked, so that nothing lands beside them before the
-    feeder thread sends them."""
-    budget = [_CHECK_ITEMS]
+class _Preparer(pickle.Pickler):
+    """Pickles an object to nowhere to find every tensor pickle will reach (through containers,
+    attributes, slots, __getstate__ and __reduce__ alike), preparing each vmm tensor for its
+    send and pickling it as nothing. Objects that only ForkingPickler knows how to pickle
+    (connections, sockets, storages: their reducers duplicate fds or move memory) are skipped,
+    also as nothing, so the dry run has no side effect but the tensors' preparation."""
 
-    def visit(value: Any, depth: int) -> None:
-        budget[0] -= 1
-        if budget[0] < 0:
-            return
-        if isinstance(value, torch.Tensor):
-            _prepare_tensor(value)
-        elif depth < _CHECK_DEPTH:
-            if isinstance(value, (list, tuple, set, frozenset)):
-                items = value
-            elif isinstance(value, dict):
-                items = value.values()
-            elif hasattr(value, "__dict__") and not isinstance(value, type):
-                items = vars(value).values()
-            else:
-                return
-            for item in items:
-                visit(item, depth + 1)
+    def __init__(self) -> None:
+        super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
+        self.cuda_devices: Set[torch.device] = set()
+        self.found_vmm = False
 
-    visit(obj, 0)
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if _prepare_tensor(obj):
+                self.found_vmm = True
+                if obj.is_cuda:
+                    self.cuda_devices.add(obj.device)
+            return _NOTHING
+        if type(obj) in ForkingPickler._extra_reducers:
+            return _NOTHING
+        return NotImplemented
 
 
-def _prepare_tensor(tensor: torch.Tensor) -> None:
+class _Discard:
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+_NOTHING = (int, ())
+
+
+def prepare_send(obj: Any) -> bool:
+    """What Queue.put does before it hands `obj` to the queue's feeder thread, for every tensor
+    pickling `obj` reaches: raises what sending it would raise (RuntimeError for a non-leaf
+    tensor that requires grad, VmmError for memory of a pool that cannot export), moves a vmm
+    tensor that shares a physical chunk to memory of its own — here in the caller's thread and
+    on its current stream, where the owner's work is ordered — and marks the chunks of one alone
+    in them, so that nothing lands beside it before the feeder sends it. Then, for CUDA tensors,
+    synchronizes the current stream, so that the receiver reads what was written before put.
+    An object that cannot be pickled is left to the feeder (which reports it as before).
+    Returns whether `obj` holds vmm tensors."""
+    preparer = _Preparer()
+    try:
+        preparer.dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
+        pass  # not picklable: the feeder thread fails on it as it would without vmm
+    for device in preparer.cuda_devices:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
+                               "stream captures a CUDA graph; send it after the capture")
+        torch.cuda.current_stream(device).synchronize()
+    return preparer.found_vmm
+
+
+def _prepare_tensor(tensor: torch.Tensor) -> bool:
+    """Prepares one tensor (see prepare_send); whether it is vmm memory."""
     if tensor.requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
     base = sharing.storage_address(tensor)
     kind = sharing.send_kind_marked(base)
+    if kind == SEND_NOT_VMM:
+        return False
     if kind == SEND_NOT_EXPORTABLE:
         sharing.send_payload(tensor, 0, SEND_NOT_EXPORTABLE)  # raises the one message
     elif kind == SEND_RELOCATE:
         sharing.relocate_storage(tensor, base)
+    return True
 
 
 _original_puts: Dict[type, Callable[..., Any]] = {}
@@ -175,7 +203,8 @@ _original_puts: Dict[type, Callable[..., Any]] = {}
 
 def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
     def checked_put(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-        prepare_send(obj)
+        if prepare_send(obj):
+            _vmm_queues.add(self)
         return put(self, obj, *args, **kwargs)
 
     checked_put.__wrapped__ = put  # type: ignore[attr-defined]
@@ -216,8 +245,10 @@ def _wait_for_receivers() -> None:
     the receivers): lets the feeders flush, then gives the receivers of this process's sends
     time to import them, since the memory goes with the process."""
     deadline = time.monotonic() + exit_wait_seconds()
-    for thread in threading.enumerate():
-        if thread.name == _FEEDER_THREAD and thread is not threading.current_thread():
+    feeders = set(_vmm_feeders)
+    feeders.update(t for t in (getattr(q, "_thread", None) for q in list(_vmm_queues)) if t)
+    for thread in feeders:
+        if thread is not threading.current_thread() and thread.is_alive():
             thread.join(max(0.0, deadline - time.monotonic()))
     if sharing.send_stats()["held"] == 0:
         return
@@ -229,6 +260,10 @@ def _wait_for_receivers() -> None:
 
 
 _exit_wait_registered = False
+#: The queues' feeder threads that have sent vmm tensors, and the queues put vmm tensors in:
+#: the exit wait lets their feeders flush (and no other queue's).
+_vmm_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_vmm_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _register_exit_wait() -> None:

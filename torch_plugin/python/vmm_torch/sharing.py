@@ -46,6 +46,7 @@ import logging
 import multiprocessing.util
 import os
 import re
+import threading
 from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
@@ -71,6 +72,9 @@ SendPayload = Tuple[bytes, DtypeCode, Tuple[int, ...], Tuple[int, ...], int, str
                     bytes]
 
 _log = logging.getLogger("vmm_torch")
+
+#: The name multiprocessing gives a Queue's feeder thread (which pickles what put was given).
+FEEDER_THREAD = "QueueFeederThread"
 DeviceArg = Union[None, int, str, torch.device]
 
 # Device type of the payload -> the backend that imports it.
@@ -232,16 +236,22 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
         base = relocate_storage(t, base)
     elif kind not in (SEND_IN_PLACE, SEND_IMPORT):
         raise ValueError(f"send kind {kind} of a tensor that is not vmm memory")
-    if t.is_cuda:
-        # The receiver may read at once: what this process's streams wrote must be done.
-        torch.cuda.synchronize(t.device)
+    in_feeder = threading.current_thread().name == FEEDER_THREAD
+    if t.is_cuda and not in_feeder:
+        # The receiver may read at once: what the current stream wrote must be done (a
+        # queue's put did this in the sending thread already).
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
+                               "stream captures a CUDA graph; send it after the capture")
+        torch.cuda.current_stream(t.device).synchronize()
     try:
         data, ticket = export_send(base)
     except _lib.VmmError as error:
-        # Another thread allocated into the block's chunk since send_kind looked (this one
-        # may be a queue's feeder thread): move it after all. A moved block's chunks hold
-        # nothing else, ever, so the second export cannot fail for that.
-        if kind != SEND_IN_PLACE or error.code != "FAILED_PRECONDITION":
+        # Another thread allocated into the block's chunk since send_kind looked: move it after
+        # all, but only in the thread that owns it (never in a queue's feeder thread, where the
+        # owner may still be writing to it). A moved block's chunks hold nothing else, ever,
+        # so the second export cannot fail for that.
+        if kind != SEND_IN_PLACE or error.code != "FAILED_PRECONDITION" or in_feeder:
             raise
         data, ticket = export_send(relocate_storage(t, base))
     return (data, dtype_code(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
