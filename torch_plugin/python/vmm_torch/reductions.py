@@ -147,8 +147,9 @@ class _Preparer(pickle.Pickler):
                 if obj.is_cuda:
                     self.cuda_devices.add(obj.device)
             return _NOTHING
-        if type(obj) in ForkingPickler._extra_reducers:
-            return _NOTHING
+        kind = type(obj)
+        if kind in ForkingPickler._extra_reducers or kind.__module__ == "numpy":
+            return _NOTHING  # numpy arrays: no tensor inside, and pickling one copies it
         return NotImplemented
 
 
@@ -170,6 +171,8 @@ def prepare_send(obj: Any) -> bool:
     synchronizes the current stream, so that the receiver reads what was written before put.
     An object that cannot be pickled is left to the feeder (which reports it as before).
     Returns whether `obj` holds vmm tensors."""
+    if isinstance(obj, (str, bytes, bytearray, int, float, bool, type(None))):
+        return False
     preparer = _Preparer()
     try:
         preparer.dump(obj)
