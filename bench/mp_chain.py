@@ -180,6 +180,8 @@ class Setup:
             sends = sharing.send_stats()
             out["sends"] = sends
             out["peak_held_bytes"] = sends.get("peak_held_bytes")
+            out["pool_driver_calls"] = {key.rsplit(".", 1)[1]: value for key, value in stats.items()
+                                        if key.startswith("vmm.driver_calls.")}
         return out
 
 
@@ -188,13 +190,31 @@ class Setup:
 PROGRESS_EVERY = 1000
 
 
-def write_progress(folder, role, done, started_ns):
-    """Records that `role` has handled `done` tensors (atomically: write, then rename)."""
+class Phases:
+    """Where a role's time goes: seconds spent in each phase of its loop (get, work, put),
+    timed with perf_counter_ns around each call."""
+
+    def __init__(self):
+        self.ns = {}
+
+    def add(self, phase, begin_ns):
+        now = time.perf_counter_ns()
+        self.ns[phase] = self.ns.get(phase, 0) + now - begin_ns
+        return now
+
+    def seconds(self):
+        return {phase: ns / 1e9 for phase, ns in self.ns.items()}
+
+
+def write_progress(folder, role, done, started_ns, phases=None):
+    """Records that `role` has handled `done` tensors and where its time went (atomically:
+    write, then rename)."""
     if not folder:
         return
     path = os.path.join(folder, f"progress-{role}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"done": done, "seconds": (time.perf_counter_ns() - started_ns) / 1e9}, f)
+        json.dump({"done": done, "seconds": (time.perf_counter_ns() - started_ns) / 1e9,
+                   "phases": phases.seconds() if phases else {}}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -220,36 +240,47 @@ def worker(role, config, q_in, q_out, results, start, done):
         dtype = getattr(torch, config["dtype"])
         folder = config.get("progress")
         began = time.perf_counter_ns()
+        phases = Phases()
         if role == "S":
             t0 = began
             for i in range(count):
+                at = time.perf_counter_ns()
                 t = setup.make(numel, dtype, i % limit)
+                at = phases.add("make", at)
                 q_out.put(t)
                 del t
+                phases.add("put", at)
                 if (i + 1) % PROGRESS_EVERY == 0:
-                    write_progress(folder, role, i + 1, began)
+                    write_progress(folder, role, i + 1, began, phases)
             results.put(("sent", role, {"t0_ns": t0}))
         elif role == "M":
             for i in range(count):
+                at = time.perf_counter_ns()
                 t = q_in.get()
+                at = phases.add("get", at)
                 c = setup.clone(t)
                 del t
+                at = phases.add("clone+release", at)
                 q_out.put(c)
                 del c
+                phases.add("put", at)
                 if (i + 1) % PROGRESS_EVERY == 0:
-                    write_progress(folder, role, i + 1, began)
+                    write_progress(folder, role, i + 1, began, phases)
         else:
             acc = torch.zeros((), dtype=torch.float64, device=setup.device)
             for i in range(count):
+                at = time.perf_counter_ns()
                 t = q_in.get()
+                at = phases.add("get", at)
                 acc += t.sum(dtype=torch.float64)
                 del t
+                phases.add("sum+release", at)
                 if (i + 1) % PROGRESS_EVERY == 0:
-                    write_progress(folder, role, i + 1, began)
+                    write_progress(folder, role, i + 1, began, phases)
             total = acc.item()
             results.put(("finished", role, {"t1_ns": time.perf_counter_ns(), "sum": total}))
         done.wait()
-        results.put(("stats", role, setup.stats()))
+        results.put(("stats", role, {**setup.stats(), "phase_seconds": phases.seconds()}))
     except BaseException:  # noqa: B036 (reported to the runner, which stops the others)
         results.put(("error", role, traceback.format_exc()))
 
