@@ -122,10 +122,20 @@ class SendLedger::Impl {
     return out;
   }
 
-  // Runs releases taken by TakeAcked or TakeExpired, no lock held, then counts them done.
-  void Run(std::vector<Release>& releases) {
+  // Runs releases taken by TakeAcked or TakeExpired, no ledger lock held but the run gate
+  // (unless this thread is inside a release already), then counts them done.
+  void Run(std::vector<Release>& releases) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const bool outermost = !in_release;
+    if (outermost) {
+      run_gate_.Lock();
+      in_release = true;
+    }
     for (Release& release : releases) {
       if (release) std::move(release)();
+    }
+    if (outermost) {
+      in_release = false;
+      run_gate_.Unlock();
     }
     MutexLock lock(&mu_);
     releasing_ -= releases.size();
@@ -194,9 +204,19 @@ class SendLedger::Impl {
   }
 
   // pthread_atfork handlers: the lock is held across fork(), so that the child finds the
-  // state whole; the child then starts with an empty ledger.
-  void LockForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_.Lock(); }
-  void UnlockInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_.Unlock(); }
+  // state whole; the child then starts with an empty ledger. The run gate is taken first: a
+  // fork waits for a release that is running (which may hold a pool's or the fd server's
+  // lock, which the child would otherwise find held for good). A fork from inside a release
+  // (never done by vmm) skips the gate.
+  void LockForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    gated_fork_ = !in_release;
+    if (gated_fork_) run_gate_.Lock();
+    mu_.Lock();
+  }
+  void UnlockInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    mu_.Unlock();
+    if (gated_fork_) run_gate_.Unlock();
+  }
   void ForgetParentInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     // The parent's holds are the parent's: their releases never run here, and they are not
     // destroyed either (what they capture belongs to the parent), so they are kept aside.
@@ -216,6 +236,7 @@ class SendLedger::Impl {
     emptied_ = new std::condition_variable_any();
     work_ = new std::condition_variable_any();
     mu_.Unlock();
+    if (gated_fork_) run_gate_.Unlock();
   }
 
  private:
@@ -254,6 +275,10 @@ class SendLedger::Impl {
     }
   }
 
+  // Held while releases run (outermost Run of a thread), and by fork() (LockForFork).
+  Mutex run_gate_;
+  bool gated_fork_ = false;  // LockForFork took the run gate (read in the fork handlers only)
+  static thread_local bool in_release;  // this thread runs releases (holds the run gate)
   Mutex mu_;
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Duration lease_ ABSL_GUARDED_BY(mu_);
@@ -278,6 +303,8 @@ namespace {
 SendLedger* ledger_for_fork = nullptr;
 
 }  // namespace
+
+thread_local bool SendLedger::Impl::in_release = false;
 
 SendLedger& SendLedger::Get() {
   static auto* ledger = new SendLedger();
