@@ -28,7 +28,7 @@ Without --modes: the three CUDA modes where CUDA is available, else the two CPU 
 check of this script on a machine without a GPU).
 
 Reported per mode: seconds from S's first put to R's final sum, tensors per second, the peak of
-the device's used memory above its level before the mode's processes started (sampled every
+the used memory of the GPU above its level before the mode's processes started (sampled every
 --sample-ms by this process, with NVML where pynvml imports, else with
 torch.cuda.mem_get_info, whose context the baseline includes), and each process's peaks:
 ``torch.cuda.max_memory_reserved()`` in native; vmm's ``reserved_bytes.all.peak`` (the device
@@ -376,7 +376,7 @@ def run_mode(config):
 
 
 class DeviceMonitor:
-    """Samples the device's used memory every `interval` seconds in a thread; `peak()` is the
+    """Samples the used memory of the GPU every `interval` seconds in a thread; `peak()` is the
     highest sample since `reset()`."""
 
     def __init__(self, interval):
