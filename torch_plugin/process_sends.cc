@@ -44,14 +44,13 @@ ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
 }
 
 ProcessState::SendKind ProcessState::PrepareSend(const void* ptr) {
-  const SendKind kind = KindOfSend(ptr);
-  if (kind != SendKind::kInPlace) return kind;
-  PoolRef owner = Owner(ptr);
-  if (owner.pool == nullptr) return SendKind::kNotVmm;
+  PoolRef owner = ptr != nullptr ? Owner(ptr) : PoolRef{};
+  if (owner.pool == nullptr) return KindOfSend(ptr);  // an import, or not vmm memory
+  if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
+  // One step under the pool's lock: marked if alone, refused (nothing marked) if not.
   absl::StatusOr<ExportedBlock> marked = owner.pool->Export(
       const_cast<void*>(ptr), HandleType::kNone, ExportNeighbours::kRefuse);
   if (marked.ok()) return SendKind::kInPlace;
-  // A block landed beside it since KindOfSend looked: it moves.
   return absl::IsFailedPrecondition(marked.status()) ? SendKind::kRelocate : SendKind::kNotVmm;
 }
 
@@ -84,10 +83,8 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   std::weak_ptr<ProcessState*> self = self_;
   PoolRef owner = Owner(ptr);
   if (owner.pool != nullptr) {
-    // SharesChunks first for the common case; the export itself refuses a block with live
-    // neighbours under the pool's lock, so none can be allocated beside it meanwhile.
-    VMM_ASSIGN_OR_RETURN(bool shares, owner.pool->SharesChunks(ptr));
-    if (shares) return SharedChunkError(ptr);
+    // The export refuses a block with live neighbours under the pool's lock, so none can be
+    // allocated beside it between the check and the marking.
     absl::StatusOr<BufferDescriptor> d =
         ExportBuffer(*owner.pool, const_cast<void*>(ptr), ExportNeighbours::kRefuse);
     if (!d.ok()) {
