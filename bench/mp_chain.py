@@ -190,11 +190,14 @@ class Setup:
 PROGRESS_EVERY = 1000
 
 
-class Phases:
-    """Where a role's time goes: seconds spent in each phase of its loop (get, work, put),
-    timed with perf_counter_ns around each call."""
+class Progress:
+    """Where a role's time goes (seconds in each phase of its loop, timed with perf_counter_ns
+    around each call) and how far it got, written to its progress file every PROGRESS_EVERY
+    tensors (atomically: write, then rename) when the mode has a progress folder."""
 
-    def __init__(self):
+    def __init__(self, folder, role):
+        self.folder, self.role = folder, role
+        self.began = time.perf_counter_ns()
         self.ns = {}
 
     def add(self, phase, begin_ns):
@@ -205,17 +208,14 @@ class Phases:
     def seconds(self):
         return {phase: ns / 1e9 for phase, ns in self.ns.items()}
 
-
-def write_progress(folder, role, done, started_ns, phases=None):
-    """Records that `role` has handled `done` tensors and where its time went (atomically:
-    write, then rename)."""
-    if not folder:
-        return
-    path = os.path.join(folder, f"progress-{role}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"done": done, "seconds": (time.perf_counter_ns() - started_ns) / 1e9,
-                   "phases": phases.seconds() if phases else {}}, f)
-    os.replace(path + ".tmp", path)
+    def done(self, count):
+        if not self.folder or count % PROGRESS_EVERY:
+            return
+        path = os.path.join(self.folder, f"progress-{self.role}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump({"done": count, "seconds": (time.perf_counter_ns() - self.began) / 1e9,
+                       "phases": self.seconds()}, f)
+        os.replace(path + ".tmp", path)
 
 
 def read_progress(folder):
@@ -238,49 +238,43 @@ def worker(role, config, q_in, q_out, results, start, done):
         start.wait()
         count, numel, limit = config["count"], config["numel"], config["limit"]
         dtype = getattr(torch, config["dtype"])
-        folder = config.get("progress")
-        began = time.perf_counter_ns()
-        phases = Phases()
+        progress = Progress(config.get("progress"), role)
         if role == "S":
-            t0 = began
             for i in range(count):
                 at = time.perf_counter_ns()
                 t = setup.make(numel, dtype, i % limit)
-                at = phases.add("make", at)
+                at = progress.add("make", at)
                 q_out.put(t)
                 del t
-                phases.add("put", at)
-                if (i + 1) % PROGRESS_EVERY == 0:
-                    write_progress(folder, role, i + 1, began, phases)
-            results.put(("sent", role, {"t0_ns": t0}))
+                progress.add("put", at)
+                progress.done(i + 1)
+            results.put(("sent", role, {"t0_ns": progress.began}))
         elif role == "M":
             for i in range(count):
                 at = time.perf_counter_ns()
                 t = q_in.get()
-                at = phases.add("get", at)
+                at = progress.add("get", at)
                 c = setup.clone(t)
                 del t
-                at = phases.add("clone+release", at)
+                at = progress.add("clone+release", at)
                 q_out.put(c)
                 del c
-                phases.add("put", at)
-                if (i + 1) % PROGRESS_EVERY == 0:
-                    write_progress(folder, role, i + 1, began, phases)
+                progress.add("put", at)
+                progress.done(i + 1)
         else:
             acc = torch.zeros((), dtype=torch.float64, device=setup.device)
             for i in range(count):
                 at = time.perf_counter_ns()
                 t = q_in.get()
-                at = phases.add("get", at)
+                at = progress.add("get", at)
                 acc += t.sum(dtype=torch.float64)
                 del t
-                phases.add("sum+release", at)
-                if (i + 1) % PROGRESS_EVERY == 0:
-                    write_progress(folder, role, i + 1, began, phases)
+                progress.add("sum+release", at)
+                progress.done(i + 1)
             total = acc.item()
             results.put(("finished", role, {"t1_ns": time.perf_counter_ns(), "sum": total}))
         done.wait()
-        results.put(("stats", role, {**setup.stats(), "phase_seconds": phases.seconds()}))
+        results.put(("stats", role, {**setup.stats(), "phase_seconds": progress.seconds()}))
     except BaseException:  # noqa: B036 (reported to the runner, which stops the others)
         results.put(("error", role, traceback.format_exc()))
 
