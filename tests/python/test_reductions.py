@@ -220,6 +220,8 @@ def test_a_sent_tensor_outlives_its_sender_until_received():
     with vmm_torch.Pool("host", handle_type="fabric") as p:
         t = p.empty((MIB,), dtype=torch.uint8)
         t.fill_(7)
+        # Earlier tests' acknowledgements (queued, sent in the background) are counted first.
+        assert sharing.flush_acks(5) == 0
         payload = ForkingPickler.dumps(t)
         held = vmm_torch.send_stats()
         assert held["held"] >= 1 and held["held_bytes"] >= MIB
@@ -231,7 +233,7 @@ def test_a_sent_tensor_outlives_its_sender_until_received():
         assert sharing.flush_acks(5) == 0
         # Acknowledged: the sender let go.
         assert _eventually(lambda: vmm_torch.send_stats()["acked"] == held["acked"] + 1)
-        assert vmm_torch.send_stats()["held"] == held["held"] - 1
+        assert vmm_torch.send_stats()["held"] == held["held"] - 1, "ours, and only ours"
         del received
 
 
