@@ -174,6 +174,20 @@ Block* Arena::CommitGrowth(const GrowthPlan& plan, Stream stream, bool alone) {
   return block;
 }
 
+Block* Arena::Reopen(uintptr_t lo, uintptr_t hi, Stream stream) {
+  Block* block = BlockContaining(lo);
+  if (block == nullptr || block->state != BlockState::kRetired || block->end() < hi) {
+    return nullptr;
+  }
+  if (block->addr < lo) block = Split(block, lo);
+  if (block->end() > hi) Split(block, hi);
+  block->state = BlockState::kFree;
+  block->stream = stream;
+  block->free_seq = 0;
+  free_.Insert(block);
+  return block;
+}
+
 void Arena::MakeGap(uintptr_t addr, size_t len) {
   Block* block = BlockContaining(addr);
   if (block->addr < addr) block = Split(block, addr);

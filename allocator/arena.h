@@ -99,6 +99,11 @@ class Arena {
   // shows that state).
   Block* CommitGrowth(const GrowthPlan& plan, Stream stream, bool alone);
 
+  // Turns the retired range [lo, hi) (inside one retired block) into a free block tagged
+  // `stream`, not merged with free neighbours, as CommitGrowth(alone) does: the caller takes it
+  // at once. nullptr if [lo, hi) is not inside a retired block.
+  Block* Reopen(uintptr_t lo, uintptr_t hi, Stream stream);
+
   // Turns [addr, addr + len), which must hold only free or retired blocks, into a gap.
   void MakeGap(uintptr_t addr, size_t len);
 

@@ -31,6 +31,12 @@ struct Chunk {
   PhysHandle handle = 0;
   bool exported = false;
   bool dedicated = false;  // holds one shareable block only
+  // Sends of this chunk (ExportUse::kTracked) whose receiver has not yet said it released
+  // its mapping, and whether it was ever exported in a way whose importers are unknown
+  // (ExportUse::kUntracked). A chunk is reused after its export only when neither holds.
+  uint32_t importers = 0;
+  bool untracked = false;
+  bool spare = false;  // kept for the next shareable block (Pool's spare list)
 };
 
 // Logs a failure of releasing chunks at teardown (chunk_map.cc; a function so that the
@@ -69,6 +75,9 @@ class ChunkMap {
 
   // Marks the chunk at `it` exported; false if it already was.
   bool MarkExported(Map::iterator it, PoolStats& stats);
+  // Gives the chunk at `it` a fresh id (what a chunk reused after its export is known by, so
+  // that what named it before names nothing); returns it.
+  uint64_t Renumber(Map::iterator it) { return it->second.id = next_id_++; }
 
   // The chunk whose range holds `addr`, or end().
   Map::iterator Containing(uintptr_t addr);

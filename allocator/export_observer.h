@@ -22,6 +22,13 @@ class ExportObserver {
   // ChunkReleased: the exported chunk `chunk_id` of pool `pool_id` was unmapped and released
   // (also when the pool is destroyed).
   virtual void ChunkReleased(uint64_t pool_id, uint64_t chunk_id) = 0;
+  // ChunkRenamed: the exported chunk `old_id` of pool `pool_id` is reused under `new_id`
+  // (pool.h, "Reusing exported chunks"): nothing may name it by `old_id` any more. By default
+  // what was kept for it is dropped, as for a release.
+  virtual void ChunkRenamed(uint64_t pool_id, uint64_t old_id, uint64_t new_id) {
+    (void)new_id;
+    ChunkReleased(pool_id, old_id);
+  }
   // PoolDestroyed: pool `pool_id` is going away; every ChunkReleased call for it came before.
   virtual void PoolDestroyed(uint64_t pool_id) = 0;
 };

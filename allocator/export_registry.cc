@@ -48,7 +48,9 @@ absl::Status ExportRegistry::HandleFor(Pool& pool, HandleType type, const Export
 }
 
 absl::StatusOr<BufferDescriptor> ExportRegistry::Export(Pool& pool, void* ptr,
-                                                        ExportNeighbours neighbours) {
+                                                        ExportNeighbours neighbours,
+                                                        ExportUse use,
+                                                        std::vector<ExportedChunk>* chunks) {
   if (pool.observer() != this) {
     return absl::FailedPreconditionError(
         "this pool was not created for export: create it with vmm::CreateExportablePool "
@@ -65,7 +67,8 @@ absl::StatusOr<BufferDescriptor> ExportRegistry::Export(Pool& pool, void* ptr,
     return absl::OkStatus();
   };
   VMM_ASSIGN_OR_RETURN(ExportedBlock block,
-                       pool.Export(ptr, HandleType::kNone, visit, neighbours));
+                       pool.Export(ptr, HandleType::kNone, visit, neighbours, use));
+  if (chunks != nullptr) *chunks = block.chunks;
   return BufferDescriptor::FromHandles(block.handle_type, handles, sizes,
                                        static_cast<int64_t>(block.size), pool.device_uuid(),
                                        static_cast<int64_t>(block.offset));
@@ -81,6 +84,28 @@ void ExportRegistry::ChunkReleased(uint64_t pool_id, uint64_t chunk_id) {
     cached_.erase(it);
   }
   if (fd_key != 0) FdServer::Get().Unregister(fd_key);
+}
+
+void ExportRegistry::ChunkRenamed(uint64_t pool_id, uint64_t old_id, uint64_t new_id) {
+  Cached cached;
+  {
+    MutexLock lock(&mu_);
+    auto it = cached_.find(Key{pool_id, old_id});
+    if (it == cached_.end()) return;
+    cached = it->second;
+    cached_.erase(it);
+  }
+  if (cached.fd_key != 0) {
+    absl::StatusOr<FdToken> token = FdServer::Get().Rekey(cached.fd_key);
+    if (!token.ok()) {
+      FdServer::Get().Unregister(cached.fd_key);
+      return;  // exported afresh on next use
+    }
+    cached.fd_key = token->key;
+    cached.handle = token->Encode();
+  }
+  MutexLock lock(&mu_);
+  cached_[Key{pool_id, new_id}] = cached;
 }
 
 void ExportRegistry::PoolDestroyed(uint64_t pool_id) { anchors_.Drop(pool_id); }

@@ -22,6 +22,7 @@
 #include <array>
 #include <cstdint>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
@@ -44,10 +45,17 @@ class ExportRegistry final : public ExportObserver {
   // or the FdServer's (Unavailable when it cannot listen). `neighbours` as Pool::Export's:
   // kRefuse fails with FailedPrecondition, exporting nothing, when the block shares a chunk
   // with another live block.
+  // `use` as Pool::Export's; `chunks`, when given, receives the exported chunks (what
+  // Pool::SettleExport takes back for a kTracked export).
   absl::StatusOr<BufferDescriptor> Export(Pool& pool, void* ptr,
-                                          ExportNeighbours neighbours = ExportNeighbours::kAllow);
+                                          ExportNeighbours neighbours = ExportNeighbours::kAllow,
+                                          ExportUse use = ExportUse::kUntracked,
+                                          std::vector<ExportedChunk>* chunks = nullptr);
 
   void ChunkReleased(uint64_t pool_id, uint64_t chunk_id) override;
+  // Keeps the cached handle under the new id; an fd is registered afresh (FdServer::Rekey),
+  // so a token of the old id fetches nothing. If that fails the fd is closed, as on release.
+  void ChunkRenamed(uint64_t pool_id, uint64_t old_id, uint64_t new_id) override;
   void PoolDestroyed(uint64_t pool_id) override;
 
   // Cached chunk handles (tests and stats).

@@ -46,6 +46,8 @@ constexpr char kRequestMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q'};
 constexpr char kReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'S', 'P'};
 constexpr char kErrorReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'E', 'R', 'R'};
 constexpr char kAckRequestMagic[8] = {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q'};
+constexpr char kReleasedRequestMagic[8] = {'V', 'M', 'M', 'R', 'E', 'L', 'R', 'Q'};
+constexpr char kForwardedRequestMagic[8] = {'V', 'M', 'M', 'F', 'W', 'D', 'R', 'Q'};
 constexpr char kAckReplyMagic[8] = {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'S'};
 constexpr size_t kMaxErrorMessage = 512;
 constexpr size_t kBatch = fd_share_internal::kMaxTokensPerRequest;
@@ -313,16 +315,37 @@ absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uin
   return DecodeRequest(kRequestMagic, "fd request", bytes);
 }
 
-std::vector<uint8_t> EncodeAckRequest(absl::Span<const FdRequestEntry> entries) {
+std::vector<uint8_t> EncodeAckRequest(absl::Span<const FdRequestEntry> entries,
+                                      SendReport report) {
+  switch (report) {
+    case SendReport::kReleased:
+      return EncodeRequest(kReleasedRequestMagic, entries);
+    case SendReport::kForwarded:
+      return EncodeRequest(kForwardedRequestMagic, entries);
+    case SendReport::kImported:
+      break;
+  }
   return EncodeRequest(kAckRequestMagic, entries);
 }
 
 absl::StatusOr<std::vector<FdRequestEntry>> DecodeAckRequest(absl::Span<const uint8_t> bytes) {
+  switch (AckRequestKind(bytes).value_or(SendReport::kImported)) {
+    case SendReport::kReleased:
+      return DecodeRequest(kReleasedRequestMagic, "release report", bytes);
+    case SendReport::kForwarded:
+      return DecodeRequest(kForwardedRequestMagic, "forward report", bytes);
+    case SendReport::kImported:
+      break;
+  }
   return DecodeRequest(kAckRequestMagic, "ack request", bytes);
 }
 
-bool IsAckRequest(absl::Span<const uint8_t> bytes) {
-  return bytes.size() >= 8 && std::memcmp(bytes.data(), kAckRequestMagic, 8) == 0;
+std::optional<SendReport> AckRequestKind(absl::Span<const uint8_t> bytes) {
+  if (bytes.size() < 8) return std::nullopt;
+  if (std::memcmp(bytes.data(), kAckRequestMagic, 8) == 0) return SendReport::kImported;
+  if (std::memcmp(bytes.data(), kReleasedRequestMagic, 8) == 0) return SendReport::kReleased;
+  if (std::memcmp(bytes.data(), kForwardedRequestMagic, 8) == 0) return SendReport::kForwarded;
+  return std::nullopt;
 }
 
 std::vector<uint8_t> EncodeAckReply(const std::vector<bool>& acknowledged) {
@@ -410,6 +433,25 @@ class FdServer::Impl {
   void Unregister(uint64_t key) {
     MutexLock lock(&mu_);
     entries_.erase(key);
+  }
+
+  absl::StatusOr<FdToken> Rekey(uint64_t key) {
+    FdToken t;
+    t.pid = pid_;
+    t.boot_hash = BootHash();
+    t.server_id = server_id_;
+    RandomBytes(t.nonce.data(), t.nonce.size());
+    MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end()) {
+      return absl::NotFoundError(absl::StrCat("no fd registered under key ", key));
+    }
+    Entry entry{std::move(it->second.fd), t.nonce};
+    entries_.erase(it);
+    t.fd = static_cast<uint32_t>(entry.fd.get());
+    t.key = next_key_++;
+    entries_[t.key] = std::move(entry);
+    return t;
   }
 
   size_t size() {
@@ -644,7 +686,8 @@ class FdServer::Impl {
     }
     if (*len == 0) return false;  // closed by the peer
     const absl::Span<const uint8_t> bytes = absl::MakeConstSpan(request.data(), *len);
-    const bool ack = fd_share_internal::IsAckRequest(bytes);
+    const std::optional<SendReport> report = fd_share_internal::AckRequestKind(bytes);
+    const bool ack = report.has_value();
     absl::StatusOr<std::vector<FdRequestEntry>> entries =
         ack ? fd_share_internal::DecodeAckRequest(bytes)
             : fd_share_internal::DecodeFdRequest(bytes);
@@ -653,7 +696,7 @@ class FdServer::Impl {
       return false;
     }
     const absl::Status sent =
-        ack ? AnswerAcks(conn.fd.get(), *entries) : Answer(conn.fd.get(), *entries);
+        ack ? AnswerAcks(conn.fd.get(), *entries, *report) : Answer(conn.fd.get(), *entries);
     if (!sent.ok()) {
       // The client not reading its replies (DeadlineExceeded) or gone is its own affair.
       if (sent.code() != absl::StatusCode::kDeadlineExceeded &&
@@ -697,12 +740,13 @@ class FdServer::Impl {
   // Acknowledges each hold of an ack request to the send ledger, in order, then sends the
   // reply. Their releases are queued for the ledger's release thread (they may be slow, and
   // may register or unregister fds), so the reply does not wait for them.
-  static absl::Status AnswerAcks(int conn, absl::Span<const FdRequestEntry> entries) {
+  static absl::Status AnswerAcks(int conn, absl::Span<const FdRequestEntry> entries,
+                                 SendReport report) {
     std::vector<bool> acknowledged(entries.size());
     for (size_t i = 0; i < entries.size(); ++i) {
       acknowledged[i] = SendLedger::Get()
-                            .Ack(entries[i].key, entries[i].nonce,
-                                 SendLedger::RunOn::kReleaseThread)
+                            .Report(entries[i].key, entries[i].nonce, report,
+                                    SendLedger::RunOn::kReleaseThread)
                             .ok();
     }
     const std::vector<uint8_t> reply = fd_share_internal::EncodeAckReply(acknowledged);
@@ -739,6 +783,7 @@ absl::StatusOr<FdToken> FdServer::Register(UniqueFd fd) {
   return impl()->Register(std::move(fd));
 }
 void FdServer::Unregister(uint64_t key) { impl()->Unregister(key); }
+absl::StatusOr<FdToken> FdServer::Rekey(uint64_t key) { return impl()->Rekey(key); }
 size_t FdServer::size() { return impl()->size(); }
 absl::StatusOr<FdToken> FdServer::Address() { return impl()->Address(); }
 void FdServer::WakeForLedger() { impl()->Wake(); }
@@ -983,8 +1028,9 @@ absl::Status AckExchangeError(const absl::Status& error, uint32_t pid,
 
 // Sends one ack request of at most kBatch entries over `sock` and reads its reply into `out`.
 absl::Status AckBatch(int sock, uint32_t pid, absl::Span<const FdRequestEntry> entries,
-                      std::chrono::milliseconds timeout, std::vector<bool>* out) {
-  const std::vector<uint8_t> request = fd_share_internal::EncodeAckRequest(entries);
+                      std::chrono::milliseconds timeout, SendReport report,
+                      std::vector<bool>* out) {
+  const std::vector<uint8_t> request = fd_share_internal::EncodeAckRequest(entries, report);
   const absl::Status sent = SendMessage(sock, request.data(), request.size(), {});
   if (!sent.ok()) return AckExchangeError(sent, pid, timeout);
   std::vector<uint8_t> reply(kMaxReply);
@@ -1011,7 +1057,7 @@ absl::Status AckBatch(int sock, uint32_t pid, absl::Span<const FdRequestEntry> e
 
 absl::StatusOr<std::vector<bool>> fd_share_internal::AckBySocket(
     uint32_t pid, uint64_t server_id, absl::Span<const FdRequestEntry> entries,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout, SendReport report) {
   std::vector<bool> out;
   if (entries.empty()) return out;
   absl::StatusOr<UniqueFd> sock = ConnectToServer(pid, server_id, timeout);
@@ -1027,7 +1073,8 @@ absl::StatusOr<std::vector<bool>> fd_share_internal::AckBySocket(
   for (size_t b = 0; b < entries.size(); b += kBatch) {
     const size_t n = std::min(kBatch, entries.size() - b);
     VMM_RETURN_IF_ERROR(
-        RefusedOrCause(pid, AckBatch(sock->get(), pid, entries.subspan(b, n), timeout, &out)));
+        RefusedOrCause(pid, AckBatch(sock->get(), pid, entries.subspan(b, n), timeout, report,
+                                     &out)));
   }
   return out;
 }

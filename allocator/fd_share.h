@@ -36,6 +36,13 @@ namespace vmm {
 
 // Encoding (64 bytes, little endian): "VMMFDTOK" | version u32 (1) | pid u32 | boot hash u64 |
 // server id u64 | key u64 | nonce 16 | fd u32 | kind u8 | 3 zero bytes.
+// What a receiver reports to the sender about a send (send_ledger.h), one request kind each.
+enum class SendReport : uint8_t {
+  kImported,   // mapped: the sender may drop what it held for the send
+  kReleased,   // unmapped, never forwarded: no mapping of this send is left here
+  kForwarded,  // unmapped, but it was sent on (or left mapped): importers are not counted
+};
+
 struct FdToken {
   // What the key names in the exporter: a registered fd (FetchFds), or a hold of its send
   // ledger (AckSend, send_ledger.h). Fd tokens have kind 0, the byte they always had there.
@@ -71,6 +78,9 @@ class FdServer {
   absl::StatusOr<FdToken> Register(UniqueFd fd);
   // Closes the fd; later fetches of its token fail as stale.
   void Unregister(uint64_t key);
+  // Registers the fd of `key` afresh (a new key and nonce, the same fd): later fetches of the
+  // old token fail as stale. NotFound if `key` is not registered.
+  absl::StatusOr<FdToken> Rekey(uint64_t key);
   // Registered fds (for tests and stats).
   size_t size();
   // A duplicate of the fd `token` names if this process registered it, else -1 with *err

@@ -12,7 +12,10 @@
 // and is answered with one message, one status per entry (kAckOk, or kAckUnknown: no such
 // hold, whether stale, already acknowledged, expired or forged):
 //   "VMMACKRS" | count (u32) | count x status (u32)
-// A connection may send requests of both kinds, one at a time, under the same deadline.
+// A receiver's later reports on the same sends (SendReport) have the same shape and reply
+// with their own magic: "VMMRELRQ" (kReleased: it unmapped the memory) and "VMMFWDRQ"
+// (kForwarded: it unmapped it but had sent it on). A connection may send requests of every
+// kind, one at a time, under the same deadline.
 #ifndef VMM_ALLOCATOR_FD_SHARE_INTERNAL_H_
 #define VMM_ALLOCATOR_FD_SHARE_INTERNAL_H_
 
@@ -65,15 +68,23 @@ std::vector<uint8_t> EncodeFdRequest(absl::Span<const FdRequestEntry> entries);
 // not matching the count). Pure: a request decodes to entries that encode to the same bytes.
 absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uint8_t> bytes);
 
-// The bytes of an ack request for `entries` (at most kMaxTokensPerRequest of them).
-std::vector<uint8_t> EncodeAckRequest(absl::Span<const FdRequestEntry> entries);
+// The bytes of a report request of kind `report` (kImported: an ack) for `entries` (at most
+// kMaxTokensPerRequest of them).
+std::vector<uint8_t> EncodeAckRequest(absl::Span<const FdRequestEntry> entries,
+                                      SendReport report = SendReport::kImported);
 
-// Reads one ack request, as strictly as DecodeFdRequest (InvalidArgument saying what is
-// wrong; a request decodes to entries that encode to the same bytes).
+// Reads one report request of any kind, as strictly as DecodeFdRequest (InvalidArgument
+// saying what is wrong; a request decodes to entries that encode, with its kind
+// (AckRequestKind), to the same bytes).
 absl::StatusOr<std::vector<FdRequestEntry>> DecodeAckRequest(absl::Span<const uint8_t> bytes);
 
-// Whether `bytes` begins with the ack request's magic (which decoder the server uses).
-bool IsAckRequest(absl::Span<const uint8_t> bytes);
+// The kind of report request `bytes` begins with, by its magic; nullopt for any other
+// message (which decoder the server uses).
+std::optional<SendReport> AckRequestKind(absl::Span<const uint8_t> bytes);
+// Whether `bytes` begins with a report request's magic.
+inline bool IsAckRequest(absl::Span<const uint8_t> bytes) {
+  return AckRequestKind(bytes).has_value();
+}
 
 // The statuses of an ack reply's entries.
 inline constexpr uint32_t kAckOk = 0;
@@ -105,7 +116,8 @@ absl::StatusOr<std::vector<UniqueFd>> FetchFdsBySocket(absl::Span<const FdToken>
 // error reply, Internal (a malformed reply), or the system call's error.
 absl::StatusOr<std::vector<bool>> AckBySocket(uint32_t pid, uint64_t server_id,
                                               absl::Span<const FdRequestEntry> entries,
-                                              std::chrono::milliseconds timeout);
+                                              std::chrono::milliseconds timeout,
+                                              SendReport report = SendReport::kImported);
 
 // Fills `out` with `n` random bytes (getrandom; a weaker source, with an error logged, if it
 // fails): the nonces of fds and holds, and server ids.

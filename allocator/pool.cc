@@ -219,7 +219,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
   Arena& arena = shareable ? large_ : ArenaFor(n);
-  Block* block = shareable ? nullptr : arena.BestFit(stream, n);
+  Block* block = shareable ? TakeSpareChunk(n, stream) : arena.BestFit(stream, n);
   if (block == nullptr && !shareable) {
     // Blocks other streams freed may be done with; blocks every stream may use can join
     // this stream's neighbouring blocks.
@@ -233,6 +233,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       // Trim everything that is free, then try once more.
       ++stats_.num_alloc_retries;
       VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
+      VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
       VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
       grown = Grow(arena, n, stream, shareable);
     }
@@ -450,18 +451,85 @@ void Pool::RetireChunkSpace(uintptr_t chunk_addr) {
 }
 
 absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end) {
-  std::vector<uintptr_t> doomed;
+  std::vector<uintptr_t> candidates;
   for (auto c = std::as_const(chunks_).FirstEndingAfter(addr);
        c != chunks_.end() && c->first < end; ++c) {
-    if (!c->second.exported) continue;
+    if (c->second.exported && !c->second.spare) candidates.push_back(c->first);
+  }
+  std::vector<uintptr_t> doomed;
+  for (uintptr_t at : candidates) {
+    auto c = chunks_.find(at);
+    Chunk& chunk = c->second;
     const Block* b = ArenaOf(c->first).BlockContaining(c->first);
-    if (b != nullptr && b->state == BlockState::kRetired && b->addr <= c->first &&
-        b->end() >= c->first + c->second.size) {
+    if (b == nullptr || b->state != BlockState::kRetired || b->addr > c->first ||
+        b->end() < c->first + chunk.size) {
+      continue;  // something in it is still allocated or pending
+    }
+    if (chunk.untracked) {
+      doomed.push_back(c->first);
+    } else if (chunk.importers > 0) {
+      continue;  // parked: receivers have not reported yet
+    } else if (spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
+      chunk.spare = true;
+      spare_.push_back(c->first);
+      spare_bytes_ += chunk.size;
+    } else {
       doomed.push_back(c->first);
     }
   }
   for (uintptr_t chunk : doomed) VMM_RETURN_IF_ERROR(ReleaseChunk(chunk));
   return absl::OkStatus();
+}
+
+Block* Pool::TakeSpareChunk(size_t n, Stream stream) {
+  for (size_t i = spare_.size(); i-- > 0;) {
+    auto c = chunks_.find(spare_[i]);
+    if (c == chunks_.end() || c->second.size < n) continue;
+    const uintptr_t addr = c->first;
+    Chunk& chunk = c->second;
+    Block* block = ArenaOf(addr).Reopen(addr, addr + chunk.size, stream);
+    if (block == nullptr) continue;  // cannot happen: a spare chunk stays wholly retired
+    spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(i));
+    spare_bytes_ -= chunk.size;
+    retired_bytes_ -= static_cast<int64_t>(chunk.size);
+    chunk.spare = false;
+    const uint64_t old_id = chunk.id;
+    const uint64_t new_id = chunks_.Renumber(c);
+    if (observer_ != nullptr) observer_->ChunkRenamed(id_, old_id, new_id);
+    ++stats_.num_export_reuses;
+    return block;
+  }
+  return nullptr;
+}
+
+absl::Status Pool::ReleaseSpareChunks() {
+  std::vector<uintptr_t> spare = std::move(spare_);
+  spare_.clear();
+  spare_bytes_ = 0;
+  for (uintptr_t addr : spare) {
+    auto c = chunks_.find(addr);
+    if (c == chunks_.end()) continue;
+    c->second.spare = false;
+    c->second.untracked = true;  // released below, and by ReleaseRetiredChunks if that fails
+    VMM_RETURN_IF_ERROR(ReleaseChunk(addr));
+  }
+  return absl::OkStatus();
+}
+
+void Pool::SettleExport(const std::vector<ExportedChunk>& exported, bool released) {
+  MutexLock lock(&mu_);
+  for (const ExportedChunk& e : exported) {
+    auto c = chunks_.find(e.addr);
+    if (c == chunks_.end() || c->second.id != e.id) continue;  // released or reused since
+    Chunk& chunk = c->second;
+    if (released) {
+      if (chunk.importers > 0) --chunk.importers;
+    } else {
+      chunk.untracked = true;
+    }
+    absl::Status s = ReleaseRetiredChunks(e.addr, e.addr + chunk.size);
+    if (!s.ok()) LogError(absl::StrCat("releasing exported memory: ", s.message()));
+  }
 }
 
 absl::Status Pool::ProcessPending() {
@@ -491,6 +559,7 @@ absl::Status Pool::SynchronizeAll() {
 absl::Status Pool::EmptyCache() {
   MutexLock lock(&mu_);
   VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
+  VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
   VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
   return ReleaseRetiredChunks(base_, base_ + reserve_size_);
 }
@@ -501,7 +570,7 @@ void Pool::SetMemoryLimit(size_t bytes) {
 }
 
 absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisitor visit,
-                                           ExportNeighbours neighbours) {
+                                           ExportNeighbours neighbours, ExportUse use) {
   if (made_before_fork()) return ForkedError("pool");
   MutexLock lock(&mu_);
   const Block* block = LiveBlock(ptr);
@@ -536,6 +605,8 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   out.offset = block->addr - c->first;
   for (; c != chunks_.end() && c->first < block->end(); ++c) {
     if (chunks_.MarkExported(c, stats_)) RetireChunkSpace(c->first);
+    // Conservative at once: if the export fails half way, some chunks may be out already.
+    if (use == ExportUse::kUntracked) c->second.untracked = true;
     ExportedChunk e;
     e.id = c->second.id;
     e.addr = c->first;
@@ -548,14 +619,18 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
     e.handle = 0;
     out.chunks.push_back(e);
   }
+  if (use == ExportUse::kTracked) {
+    // Counted only for a whole export: a failed one reaches no receiver that would report.
+    for (const ExportedChunk& e : out.chunks) ++chunks_.find(e.addr)->second.importers;
+  }
   ++stats_.num_exports;
   return out;
 }
 
 absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type,
-                                           ExportNeighbours neighbours) {
+                                           ExportNeighbours neighbours, ExportUse use) {
   return Export(
-      ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); }, neighbours);
+      ptr, type, [](const ExportedChunk&, bool*) { return absl::OkStatus(); }, neighbours, use);
 }
 
 namespace {

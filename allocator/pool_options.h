@@ -51,6 +51,12 @@ struct PoolOptions {
   // CUDA the devices must be peer capable; where they are not, the growth's SetAccess fails and
   // so does the allocation that needed it. Driver::HasAccess tells what a chunk was granted.
   std::vector<int> peer_devices;
+  // Exported chunks kept for the next shareable block (a send) once nothing in them is
+  // allocated and every receiver of their sends has released its mapping, instead of being
+  // released: a small send then costs no chunk creation, mapping, access grant or export
+  // (pool.h, "Reusing exported chunks"). Released as any free chunk by EmptyCache and when
+  // memory runs short. 0 turns the reuse off.
+  size_t spare_export_bytes = size_t{64} << 20;
 };
 
 // ParsePoolOptions applies option text (see the file comment) to `defaults` and returns the

@@ -34,9 +34,9 @@ class Acker {
     return *acker;
   }
 
-  void Add(const SendLedger::Ticket& ticket) {
+  void Add(const SendLedger::Ticket& ticket, SendReport report) {
     MutexLock lock(&mu_);
-    queued_.push_back(ticket);
+    queued_.push_back({ticket, report});
     if (!started_) {
       started_ = true;
       std::thread([this] { Run(); }).detach();
@@ -58,8 +58,14 @@ class Acker {
  private:
   size_t pending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queued_.size() + sending_; }
 
+  struct Queued {
+    SendLedger::Ticket ticket;
+    SendReport report;
+  };
+
   void Run() {
-    std::vector<SendLedger::Ticket> batch;
+    std::vector<Queued> batch;
+    std::vector<SendLedger::Ticket> tickets;
     for (;;) {
       {
         MutexLock lock(&mu_);
@@ -69,8 +75,16 @@ class Acker {
         batch.swap(queued_);
         sending_ = batch.size();
       }
-      // A sender gone or a send expired is no error for the receiver: nothing to report.
-      (void)AckSends(batch);
+      // One request kind at a time, acks first. A sender gone or a send expired is no error
+      // for the receiver: nothing to report.
+      for (SendReport report :
+           {SendReport::kImported, SendReport::kReleased, SendReport::kForwarded}) {
+        tickets.clear();
+        for (const Queued& q : batch) {
+          if (q.report == report) tickets.push_back(q.ticket);
+        }
+        if (!tickets.empty()) (void)ReportSends(tickets, report);
+      }
       batch.clear();
     }
   }
@@ -78,7 +92,7 @@ class Acker {
   static std::atomic<Acker*> current;  // this process's; reset in a forked child
 
   Mutex mu_;
-  std::vector<SendLedger::Ticket> queued_ ABSL_GUARDED_BY(mu_);
+  std::vector<Queued> queued_ ABSL_GUARDED_BY(mu_);
   size_t sending_ ABSL_GUARDED_BY(mu_) = 0;
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   std::condition_variable_any wake_;
@@ -89,7 +103,13 @@ std::atomic<Acker*> Acker::current{nullptr};
 
 }  // namespace
 
-void AckSendLater(const SendLedger::Ticket& ticket) { Acker::ForThisProcess().Add(ticket); }
+void AckSendLater(const SendLedger::Ticket& ticket) {
+  Acker::ForThisProcess().Add(ticket, SendReport::kImported);
+}
+
+void ReportSendLater(const SendLedger::Ticket& ticket, SendReport report) {
+  Acker::ForThisProcess().Add(ticket, report);
+}
 
 size_t FlushAcks(absl::Duration timeout) { return Acker::ForThisProcess().Flush(timeout); }
 

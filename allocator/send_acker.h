@@ -23,6 +23,9 @@ namespace vmm {
 
 // Queues `ticket` for acknowledgement (starts the thread on first use).
 void AckSendLater(const SendLedger::Ticket& ticket);
+// Queues a later report on `ticket` (kReleased, kForwarded: the receiver unmapped it), sent
+// the same way.
+void ReportSendLater(const SendLedger::Ticket& ticket, SendReport report);
 // Waits until every ticket queued so far has been sent (answered or failed), at most
 // `timeout`; returns how many are still queued or being sent.
 size_t FlushAcks(absl::Duration timeout);

@@ -29,6 +29,7 @@ namespace {
 
 using Nonce = std::array<uint8_t, 16>;
 using Release = absl::AnyInvocable<void() &&>;
+using Settle = absl::AnyInvocable<void(bool released) &&>;
 
 // How long a receiver waits to connect to the exporter and for each reply.
 constexpr std::chrono::milliseconds kAckTimeout = std::chrono::seconds(2);
@@ -81,44 +82,58 @@ class SendLedger::Impl {
     uint64_t bytes = 0;
     absl::Time deadline;
     Release release;
+    Settle settle;       // null: the entry ends with the ack
+    bool acked = false;  // the release has been taken; the entry waits for its settle
   };
   using Holds = absl::flat_hash_map<uint64_t, Entry>;
 
   Impl() : lease_(LeaseFromEnvironment()) {}
 
   // Adds a hold; true when it ends sooner than every other (the fd server must look again).
-  bool Add(uint64_t bytes, const Nonce& nonce, Release release, uint64_t* key) {
+  bool Add(uint64_t bytes, const Nonce& nonce, Release release, Settle settle, uint64_t* key) {
     MutexLock lock(&mu_);
     *key = next_key_++;
     const absl::Time deadline = absl::Now() + lease_;
     const bool soonest = deadlines_.empty() || deadline < deadlines_.begin()->first;
-    holds_.emplace(*key, Entry{nonce, bytes, deadline, std::move(release)});
+    holds_.emplace(*key, Entry{nonce, bytes, deadline, std::move(release), std::move(settle)});
     deadlines_.insert({deadline, *key});
+    ++unacked_;
     stats_.held_bytes += bytes;
     stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, stats_.held_bytes);
     ++stats_.holds;
     return soonest;
   }
 
-  // Ends the hold (key, nonce) as acknowledged and returns its release; false if none.
-  bool TakeAcked(uint64_t key, const Nonce& nonce, Release* release) {
+  // Applies the receiver's `report` on the hold (key, nonce), appending what must run to
+  // `out`; false if there is no such hold (or it was acknowledged already, for kImported).
+  bool TakeReport(uint64_t key, const Nonce& nonce, SendReport report,
+                  std::vector<Release>* out) {
     MutexLock lock(&mu_);
     auto it = holds_.find(key);
     if (it == holds_.end() || !SameNonce(it->second.nonce, nonce)) return false;
-    ++stats_.acked;
-    *release = Remove(it);
+    if (report == SendReport::kImported) {
+      if (it->second.acked) return false;
+      AckLocked(it->second, out);
+      if (!it->second.settle) Erase(it, /*released=*/false, out);
+      return true;
+    }
+    if (report == SendReport::kReleased) ++stats_.released;
+    if (!it->second.acked) AckLocked(it->second, out);  // the report implies the import
+    Erase(it, report == SendReport::kReleased, out);
     return true;
   }
 
-  // Ends the holds whose lease is over and returns their releases.
+  // Ends the holds whose lease is over (a release not yet run, then the settle as not
+  // released) and returns what must run.
   std::vector<Release> TakeExpired() {
     std::vector<Release> out;
     MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
-      out.push_back(Remove(holds_.find(deadlines_.begin()->second)));
+      auto it = holds_.find(deadlines_.begin()->second);
+      if (!it->second.acked) ++stats_.expired;
+      Erase(it, /*released=*/false, &out);
     }
-    stats_.expired += out.size();
     return out;
   }
 
@@ -199,7 +214,8 @@ class SendLedger::Impl {
   Stats GetStats() {
     MutexLock lock(&mu_);
     Stats stats = stats_;
-    stats.held = holds_.size();
+    stats.held = unacked_;
+    stats.awaiting_release = holds_.size() - unacked_;
     return stats;
   }
 
@@ -230,6 +246,7 @@ class SendLedger::Impl {
     queue_ = std::deque<Release>();
     thread_running_ = false;
     deadlines_.clear();
+    unacked_ = 0;
     releasing_ = 0;
     stats_ = Stats();
     // A thread of the parent may have been inside a condition variable: fresh ones.
@@ -240,18 +257,39 @@ class SendLedger::Impl {
   }
 
  private:
-  // Removes the hold at `it` (which exists) and returns its release, counted as running.
-  Release Remove(Holds::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Release release = std::move(it->second.release);
-    deadlines_.erase({it->second.deadline, it->first});
-    stats_.held_bytes -= it->second.bytes;
-    holds_.erase(it);
+  // Marks `entry` acknowledged: its release goes to `out`, counted as running.
+  void AckLocked(Entry& entry, std::vector<Release>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    entry.acked = true;
+    ++stats_.acked;
+    --unacked_;
+    stats_.held_bytes -= entry.bytes;
+    out->push_back(std::move(entry.release));
     ++releasing_;
-    return release;
   }
 
+  // Removes the hold at `it` (which exists): its release, if not taken yet, then its settle
+  // with `released`, go to `out`, counted as running.
+  void Erase(Holds::iterator it, bool released, std::vector<Release>* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Entry& entry = it->second;
+    if (!entry.acked) {
+      AckLocked(entry, out);
+      --stats_.acked;  // ended without an ack (a lease, or a report that came first)
+    }
+    if (entry.settle) {
+      out->push_back([settle = std::move(entry.settle), released]() mutable {
+        std::move(settle)(released);
+      });
+      ++releasing_;
+    }
+    deadlines_.erase({entry.deadline, it->first});
+    holds_.erase(it);
+  }
+
+  // Holds not yet acknowledged and releases not yet returned: what WaitUntilEmpty waits for
+  // (a receiver may keep what it imported for long; that is no longer the sender's wait).
   size_t OutstandingLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return holds_.size() + releasing_;
+    return unacked_ + releasing_;
   }
 
   std::vector<Release> TakeQueueLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -283,6 +321,7 @@ class SendLedger::Impl {
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Duration lease_ ABSL_GUARDED_BY(mu_);
   Holds holds_ ABSL_GUARDED_BY(mu_);
+  size_t unacked_ ABSL_GUARDED_BY(mu_) = 0;  // holds not yet acknowledged
   // (deadline, key) of every hold, soonest first.
   absl::btree_set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
   size_t releasing_ ABSL_GUARDED_BY(mu_) = 0;  // taken, not yet returned (queued or running)
@@ -318,11 +357,12 @@ SendLedger::SendLedger() : impl_(new Impl()) {
                  [] { ledger_for_fork->impl_->ForgetParentInChild(); });
 }
 
-absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release release) {
+absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release release,
+                                                     Settle settle) {
   VMM_ASSIGN_OR_RETURN(FdToken ticket, FdServer::Get().Address());
   ticket.kind = FdToken::Kind::kSendHold;
   fd_share_internal::RandomBytes(ticket.nonce.data(), ticket.nonce.size());
-  if (impl_->Add(bytes, ticket.nonce, std::move(release), &ticket.key)) {
+  if (impl_->Add(bytes, ticket.nonce, std::move(release), std::move(settle), &ticket.key)) {
     FdServer::Get().WakeForLedger();
   }
   return ticket.Encode();
@@ -330,14 +370,19 @@ absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release rele
 
 absl::Status SendLedger::Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
                              RunOn run_on) {
-  std::vector<Release> release(1);
-  if (!impl_->TakeAcked(key, nonce, &release[0])) {
+  return Report(key, nonce, SendReport::kImported, run_on);
+}
+
+absl::Status SendLedger::Report(uint64_t key, const std::array<uint8_t, 16>& nonce,
+                                SendReport report, RunOn run_on) {
+  std::vector<Release> work;
+  if (!impl_->TakeReport(key, nonce, report, &work)) {
     return absl::NotFoundError(absl::StrCat("no such hold: ", key));
   }
   if (run_on == RunOn::kReleaseThread) {
-    impl_->Enqueue(std::move(release));
+    impl_->Enqueue(std::move(work));
   } else {
-    impl_->Run(release);
+    impl_->Run(work);
   }
   return absl::OkStatus();
 }
@@ -403,13 +448,13 @@ absl::Status NotHeld(size_t index, uint32_t pid) {
       " (it was already acknowledged, or its lease ended)"));
 }
 
-// Acknowledges the tickets `indices` of `tokens`, all of one exporter, into `statuses`.
+// Reports the tickets `indices` of `tokens`, all of one exporter, into `statuses`.
 void AckOneExporter(absl::Span<const FdToken> tokens, const std::vector<size_t>& indices,
-                    std::vector<absl::Status>* statuses) {
+                    SendReport report, std::vector<absl::Status>* statuses) {
   const FdToken& first = tokens[indices[0]];
   if (first.pid == static_cast<uint32_t>(getpid())) {  // this process's own: no socket
     for (size_t i : indices) {
-      if (!SendLedger::Get().Ack(tokens[i].key, tokens[i].nonce).ok()) {
+      if (!SendLedger::Get().Report(tokens[i].key, tokens[i].nonce, report).ok()) {
         (*statuses)[i] = NotHeld(i, tokens[i].pid);
       }
     }
@@ -419,7 +464,7 @@ void AckOneExporter(absl::Span<const FdToken> tokens, const std::vector<size_t>&
   entries.reserve(indices.size());
   for (size_t i : indices) entries.push_back({tokens[i].key, tokens[i].nonce});
   absl::StatusOr<std::vector<bool>> acknowledged =
-      fd_share_internal::AckBySocket(first.pid, first.server_id, entries, kAckTimeout);
+      fd_share_internal::AckBySocket(first.pid, first.server_id, entries, kAckTimeout, report);
   for (size_t j = 0; j < indices.size(); ++j) {
     if (!acknowledged.ok()) {
       (*statuses)[indices[j]] = acknowledged.status();
@@ -434,11 +479,15 @@ void AckOneExporter(absl::Span<const FdToken> tokens, const std::vector<size_t>&
 absl::Status AckSend(absl::Span<const uint8_t> ticket) {
   VMM_ASSIGN_OR_RETURN(FdToken token, DecodeTicket(ticket, 0));
   std::vector<absl::Status> statuses(1);
-  AckOneExporter({token}, {0}, &statuses);
+  AckOneExporter({token}, {0}, SendReport::kImported, &statuses);
   return statuses[0];
 }
 
 absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets) {
+  return ReportSends(tickets, SendReport::kImported);
+}
+
+absl::Status ReportSends(absl::Span<const SendLedger::Ticket> tickets, SendReport report) {
   std::vector<absl::Status> statuses(tickets.size());
   std::vector<FdToken> tokens(tickets.size());
   // The tickets of each exporter (pid, server id), exporters in order of first appearance.
@@ -456,7 +505,7 @@ absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets) {
     exporters[it->second].push_back(i);
   }
   for (const std::vector<size_t>& indices : exporters) {
-    AckOneExporter(tokens, indices, &statuses);
+    AckOneExporter(tokens, indices, report, &statuses);
   }
   size_t failed = 0;
   const absl::Status* first = nullptr;

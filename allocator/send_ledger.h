@@ -15,6 +15,13 @@
 // (AckSend's errors, below) leaves the hold to its lease, so memory is never released early
 // and never held past the lease.
 //
+// Reusing what was sent. A hold may also have a *settle* callback: then the hold stays after
+// the ack until the receiver reports that it has unmapped the memory (SendReport::kReleased,
+// settle(true)) or that it cannot tell (kForwarded: it sent the memory on; settle(false)), or
+// the lease ends (settle(false)). The pool uses it to reuse the chunks of a send only once no
+// receiver maps them (pool.h, "Reusing exported chunks"). A release report that comes before
+// the ack counts as both. Settles run like releases (exactly once, never in a forked child).
+//
 // A ticket is an FdToken (fd_share.h) of kind kSendHold: the exporter's pid, boot hash and fd
 // server id address its socket as for fds, and its key and random 16-byte nonce name the hold
 // in this ledger, a registry apart from the server's fds. Ack requests look keys up only here
@@ -46,6 +53,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "allocator/fd_share.h"
 
 namespace vmm {
 
@@ -58,9 +66,11 @@ class SendLedger {
 
   // Registers a hold of `bytes` whose `release` runs exactly once, without any ledger lock
   // held: when the receiver acks the ticket, when the lease ends, or never in a forked child
-  // (a child drops its parent's holds without running them). Starts the fd server if needed.
-  // Errors: those of starting the server (the failed system call's).
-  absl::StatusOr<Ticket> Hold(uint64_t bytes, absl::AnyInvocable<void() &&> release);
+  // (a child drops its parent's holds without running them); then `settle`, if given, once
+  // (file comment). Starts the fd server if needed. Errors: those of starting the server
+  // (the failed system call's).
+  absl::StatusOr<Ticket> Hold(uint64_t bytes, absl::AnyInvocable<void() &&> release,
+                              absl::AnyInvocable<void(bool released) &&> settle = nullptr);
 
   // Where the release of a hold that Ack or ExpireDue ends runs.
   enum class RunOn {
@@ -73,6 +83,10 @@ class SendLedger {
   // nonce: which is not said).
   absl::Status Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
                    RunOn run_on = RunOn::kCaller);
+  // Server side: the receiver's `report` on the hold (key, nonce) (kImported is Ack). NotFound
+  // if no such hold, or, for kImported, if it was acknowledged already.
+  absl::Status Report(uint64_t key, const std::array<uint8_t, 16>& nonce, SendReport report,
+                      RunOn run_on = RunOn::kCaller);
 
   // Ends the holds whose lease has ended and runs their releases as `run_on` says; returns
   // how many. The fd server's loop calls it (kReleaseThread) at least once a second while
@@ -87,13 +101,16 @@ class SendLedger {
   void SetLease(absl::Duration lease);
   absl::Duration lease();
 
-  // Waits until no hold is outstanding (every release, queued ones included, has returned) or
+  // Waits until no hold is unacknowledged (every release and settle, queued ones included,
+  // has returned; sends acked but still mapped by their receivers are not waited for) or
   // `timeout` passes; returns the holds left (held, queued or running).
   size_t WaitUntilEmpty(absl::Duration timeout);
 
   struct Stats {
-    uint64_t held = 0, held_bytes = 0, peak_held_bytes = 0;  // now / peak
+    uint64_t held = 0, held_bytes = 0, peak_held_bytes = 0;  // now / peak (unacknowledged)
+    uint64_t awaiting_release = 0;  // now: acked, the receiver still maps them (with settle)
     uint64_t holds = 0, acked = 0, expired = 0;              // totals
+    uint64_t released = 0;  // total: receivers reported they unmapped the memory
   };
   Stats GetStats();
 
@@ -119,6 +136,11 @@ absl::Status AckSend(absl::Span<const uint8_t> ticket);
 // (one request per 250 tickets). Every ticket is tried; OK when all were acknowledged, else
 // the error (as AckSend's) of the first ticket that failed, saying how many failed.
 absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets);
+
+// AckSends for any report (SendReport, fd_share.h): kImported acknowledges, kReleased and
+// kForwarded tell the sender its receiver has unmapped the memory (SendLedger, "Reusing what
+// was sent"). Errors as AckSends'.
+absl::Status ReportSends(absl::Span<const SendLedger::Ticket> tickets, SendReport report);
 
 namespace send_ledger_internal {
 

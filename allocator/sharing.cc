@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -31,8 +32,9 @@ absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
 }
 
 absl::StatusOr<BufferDescriptor> ExportBuffer(Pool& pool, void* ptr,
-                                              ExportNeighbours neighbours) {
-  return ExportRegistry::Process().Export(pool, ptr, neighbours);
+                                              ExportNeighbours neighbours, ExportUse use,
+                                              std::vector<ExportedChunk>* chunks) {
+  return ExportRegistry::Process().Export(pool, ptr, neighbours, use, chunks);
 }
 
 // --- Import -------------------------------------------------------------------------------
@@ -80,6 +82,22 @@ class ImportedBuffer::Mapping {
   const std::vector<uint64_t>& sizes() const { return sizes_; }
   KeptHandles& kept() { return kept_; }
 
+  void OnUnmapped(absl::AnyInvocable<void(bool forwarded) &&> done) {
+    MutexLock lock(&callbacks_mu_);
+    on_unmapped_.push_back(std::move(done));
+  }
+  void MarkForwarded() { forwarded_.store(true, std::memory_order_relaxed); }
+  // Runs the OnUnmapped callbacks once (after Close), forwarded if the range was left mapped.
+  void RunUnmapped() {
+    std::vector<absl::AnyInvocable<void(bool) &&>> callbacks;
+    {
+      MutexLock lock(&callbacks_mu_);
+      callbacks.swap(on_unmapped_);
+    }
+    const bool forwarded = forwarded_.load(std::memory_order_relaxed) || leaked_;
+    for (auto& done : callbacks) std::move(done)(forwarded);
+  }
+
  private:
   Driver* const driver_;
   const int device_;
@@ -92,6 +110,9 @@ class ImportedBuffer::Mapping {
   bool closed_ = false;
   bool leaked_ = false;  // left mapped by Close (a device could not be synchronized)
   std::vector<int> granted_;  // devices with access (set once the import is complete)
+  std::atomic<bool> forwarded_{false};
+  Mutex callbacks_mu_;
+  std::vector<absl::AnyInvocable<void(bool) &&>> on_unmapped_ ABSL_GUARDED_BY(callbacks_mu_);
 };
 
 namespace {
@@ -139,6 +160,7 @@ ImportedBuffer::Mapping::~Mapping() {
   if (!closed.ok() && !leaked_) {  // a leak was said by Close
     LogError(absl::StrCat("closing an imported buffer: ", closed.message()));
   }
+  RunUnmapped();
 }
 
 absl::Status ImportedBuffer::Mapping::Close() {
@@ -181,6 +203,10 @@ absl::Status ImportedBuffer::Mapping::Close() {
 }
 
 ImportedBuffer::~ImportedBuffer() = default;
+void ImportedBuffer::OnUnmapped(absl::AnyInvocable<void(bool forwarded) &&> done) {
+  mapping_->OnUnmapped(std::move(done));
+}
+void ImportedBuffer::MarkForwarded() { mapping_->MarkForwarded(); }
 DevPtr ImportedBuffer::ptr() const { return mapping_->base() + offset_; }
 int ImportedBuffer::device() const { return mapping_->device(); }
 HandleType ImportedBuffer::handle_type() const { return mapping_->kept().type(); }
@@ -422,6 +448,7 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(Driver* driver,
 
 absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer) {
   ImportedBuffer::Mapping& mapping = *buffer.mapping_;
+  mapping.MarkForwarded();  // whoever imports the re-export is counted by nobody
   auto owned = [&](const absl::Status& cause) {
     return absl::Status(cause.code(),
                         absl::StrCat("re-exporting an imported buffer of ",

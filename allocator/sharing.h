@@ -56,6 +56,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/any_invocable.h"
 #include "absl/status/statusor.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver.h"
@@ -73,8 +74,10 @@ absl::StatusOr<std::unique_ptr<Pool>> CreateExportablePool(Driver* driver,
 // InvalidArgument (not a live block), FailedPrecondition (the pool's memory is not shareable,
 // or the pool was not made to export, or, with ExportNeighbours::kRefuse, the block shares a
 // chunk with another live block: Pool::Export), or the driver's export error.
+// `use` and `chunks` as ExportRegistry::Export's (export_registry.h).
 absl::StatusOr<BufferDescriptor> ExportBuffer(
-    Pool& pool, void* ptr, ExportNeighbours neighbours = ExportNeighbours::kAllow);
+    Pool& pool, void* ptr, ExportNeighbours neighbours = ExportNeighbours::kAllow,
+    ExportUse use = ExportUse::kUntracked, std::vector<ExportedChunk>* chunks = nullptr);
 
 // The most handles one import maps (see the file comment).
 inline constexpr size_t kMaxImportHandles = 16384;
@@ -123,6 +126,13 @@ class ImportedBuffer {
   HandleType handle_type() const;
   // The owner UUID of the imported descriptor (the device that first exported the memory).
   const std::optional<std::string>& owner_uuid() const { return owner_uuid_; }
+  // Runs `done(forwarded)` once the mapping this import shares has been unmapped: after every
+  // import sharing it is gone, on the thread that dropped the last, no lock held. `forwarded`
+  // is true if any of them was sent on (MarkForwarded, ReExportImport) or the range was left
+  // mapped (Close could not synchronize). What a receiver reports to a sender (send_ledger.h).
+  void OnUnmapped(absl::AnyInvocable<void(bool forwarded) &&> done);
+  // Records that the memory was sent on to another process, which nobody counts.
+  void MarkForwarded();
 
   class Mapping;
 

@@ -71,7 +71,9 @@ struct Stat {
   X(driver_set_access, "driver_calls.set_access", "cuMemSetAccess calls")                 \
   X(driver_export, "driver_calls.export", "cuMemExportToShareableHandle calls")           \
   X(driver_event, "driver_calls.event", "event record/query calls for stream ordering")   \
-  X(num_exports, "num_exports", "blocks exported")
+  X(num_exports, "num_exports", "blocks exported")                                        \
+  X(num_export_reuses, "num_export_reuses",                                               \
+    "exported chunks reused for a shareable block once every receiver released them")
 
 struct PoolStats {
 #define VMM_DECLARE_STAT(name, key, what) Stat name;

@@ -2,7 +2,7 @@
 """Many small tensors through a chain of three processes: vmm sends against PyTorch's sharing.
 
     python3 bench/mp_chain.py [--modes native,vmm-fabric,vmm-fd] [--count 100000] [--size 4K]
-        [--dtype float32] [--timeout 600] [--json FILE] [--markdown FILE]
+        [--dtype float32] [--timeout 600] [--json FILE] [--markdown FILE] [--profile DIR]
 
 Process S creates --count tensors of --size bytes in a loop, tensor i filled with i (modulo the
 largest integer the dtype holds exactly), and puts each on queue 1, dropping it at once
@@ -182,6 +182,7 @@ class Setup:
             out["peak_held_bytes"] = sends.get("peak_held_bytes")
             out["pool_driver_calls"] = {key.rsplit(".", 1)[1]: value for key, value in stats.items()
                                         if key.startswith("vmm.driver_calls.")}
+            out["export_reuses"] = stats.get("vmm.num_export_reuses")
         return out
 
 
@@ -230,6 +231,48 @@ def read_progress(folder):
     return found
 
 
+class Profile:
+    """With a profile folder: cProfile around the role's loop (its text summary, the 30
+    functions with the most time of their own, to profile-MODE-ROLE.txt) and the time the
+    queue's feeder thread spends pickling (ForkingPickler.dumps: where sends are exported) as
+    the phase "feeder pickle"."""
+
+    def __init__(self, folder, mode, role, progress):
+        self.path = os.path.join(folder, f"profile-{mode}-{role}.txt") if folder else None
+        self.profiler = None
+        if self.path is None:
+            return
+        import cProfile
+        from multiprocessing.reduction import ForkingPickler
+
+        dumps = ForkingPickler.dumps.__func__
+        lock = threading.Lock()
+
+        def timed_dumps(cls, obj, protocol=None):
+            at = time.perf_counter_ns()
+            try:
+                return dumps(cls, obj, protocol)
+            finally:
+                with lock:
+                    progress.add("feeder pickle", at)
+
+        ForkingPickler.dumps = classmethod(timed_dumps)
+        self.profiler = cProfile.Profile()
+        self.profiler.enable()
+
+    def write(self):
+        if self.profiler is None:
+            return
+        import io
+        import pstats
+
+        self.profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(self.profiler, stream=text).sort_stats("tottime").print_stats(30)
+        with open(self.path, "w") as f:
+            f.write(text.getvalue())
+
+
 def worker(role, config, q_in, q_out, results, start, done):
     """One process of the chain; every message on `results` is (kind, role, data)."""
     try:
@@ -239,6 +282,7 @@ def worker(role, config, q_in, q_out, results, start, done):
         count, numel, limit = config["count"], config["numel"], config["limit"]
         dtype = getattr(torch, config["dtype"])
         progress = Progress(config.get("progress"), role)
+        profile = Profile(config.get("profile"), config["mode"], role, progress)
         if role == "S":
             for i in range(count):
                 at = time.perf_counter_ns()
@@ -273,6 +317,7 @@ def worker(role, config, q_in, q_out, results, start, done):
                 progress.done(i + 1)
             total = acc.item()
             results.put(("finished", role, {"t1_ns": time.perf_counter_ns(), "sum": total}))
+        profile.write()
         done.wait()
         results.put(("stats", role, {**setup.stats(), "phase_seconds": progress.seconds()}))
     except BaseException:  # noqa: B036 (reported to the runner, which stops the others)
@@ -457,7 +502,8 @@ def measure(mode, args, monitor):
         command = [sys.executable, os.path.abspath(__file__), "--run-mode", mode,
                    "--result", result, "--count", str(args.count), "--size", args.size,
                    "--dtype", args.dtype, "--depth", str(args.depth),
-                   "--vmm-options", args.vmm_options, "--progress", tmp]
+                   "--vmm-options", args.vmm_options, "--progress", tmp,
+                   "--profile", os.path.abspath(args.profile) if args.profile else ""]
         begin = time.monotonic()
         proc = subprocess.Popen(command, stdout=sys.stderr, start_new_session=True)
         try:
@@ -551,6 +597,9 @@ def parse_args(argv=None):
     p.add_argument("--sample-ms", type=float, default=20, help="device memory sampling period")
     p.add_argument("--json", default="", help="write the results here as JSON")
     p.add_argument("--markdown", default="", help="write the table here too")
+    p.add_argument("--profile", default="",
+                   help="folder for each process's cProfile summary (profile-MODE-ROLE.txt); "
+                        "the feeder threads' pickling time is then a phase of its own")
     p.add_argument("--run-mode", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--progress", default="", help=argparse.SUPPRESS)
@@ -580,12 +629,15 @@ def main(argv=None):
     if args.run_mode:  # one mode, in a subprocess of the top level
         config = {"mode": args.run_mode, "count": args.count, "numel": args.numel,
                   "limit": args.limit, "dtype": args.dtype, "depth": args.depth,
-                  "vmm_options": args.vmm_options, "progress": args.progress}
+                  "vmm_options": args.vmm_options, "progress": args.progress,
+                  "profile": args.profile}
         row = run_mode(config)
         with open(args.result, "w") as f:
             json.dump(row, f)
         return 0
     modes = args.mode_list or list(CUDA_MODES if torch.cuda.is_available() else CPU_MODES)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     monitor = None
     monitor_error = None
     if any(m in CUDA_MODES for m in modes):

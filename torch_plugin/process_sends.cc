@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "allocator/log.h"
+#include "allocator/send_acker.h"
 #include "allocator/status_macros.h"
 #include "torch_plugin/process_state.h"
 
@@ -36,7 +37,7 @@ ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
     if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
     absl::StatusOr<bool> shares = owner.pool->SharesChunks(ptr);
     if (!shares.ok()) return SendKind::kNotVmm;  // not the start of a live block
-    return *shares ? SendKind::kRelocate : SendKind::kInPlace;
+    return *shares || owner.pool->InSmallArena(ptr) ? SendKind::kRelocate : SendKind::kInPlace;
   }
   MutexLock lock(&mu_);
   return imports_by_ptr_.count(reinterpret_cast<DevPtr>(ptr)) != 0 ? SendKind::kImport
@@ -47,9 +48,12 @@ ProcessState::SendKind ProcessState::PrepareSend(const void* ptr) {
   PoolRef owner = ptr != nullptr ? Owner(ptr) : PoolRef{};
   if (owner.pool == nullptr) return KindOfSend(ptr);  // an import, or not vmm memory
   if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
+  // A small block moves to a chunk of its own (a spare one, usually: pool.h) rather than
+  // retire the rest of its small chunk.
+  if (owner.pool->InSmallArena(ptr)) return KindOfSend(ptr);
   // One step under the pool's lock: marked if alone, refused (nothing marked) if not.
   absl::StatusOr<ExportedBlock> marked = owner.pool->Export(
-      const_cast<void*>(ptr), HandleType::kNone, ExportNeighbours::kRefuse);
+      const_cast<void*>(ptr), HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kMark);
   if (marked.ok()) return SendKind::kInPlace;
   return absl::IsFailedPrecondition(marked.status()) ? SendKind::kRelocate : SendKind::kNotVmm;
 }
@@ -85,8 +89,10 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   if (owner.pool != nullptr) {
     // The export refuses a block with live neighbours under the pool's lock, so none can be
     // allocated beside it between the check and the marking.
-    absl::StatusOr<BufferDescriptor> d =
-        ExportBuffer(*owner.pool, const_cast<void*>(ptr), ExportNeighbours::kRefuse);
+    std::vector<ExportedChunk> chunks;
+    absl::StatusOr<BufferDescriptor> d = ExportBuffer(
+        *owner.pool, const_cast<void*>(ptr), ExportNeighbours::kRefuse, ExportUse::kTracked,
+        &chunks);
     if (!d.ok()) {
       absl::StatusOr<bool> shares_now = owner.pool->SharesChunks(ptr);
       if (d.status().code() == absl::StatusCode::kFailedPrecondition && shares_now.ok() &&
@@ -96,11 +102,18 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
       return d.status();
     }
     holds_.Hold(ptr);
+    // The chunks are reused for later sends only once this send's receiver has unmapped
+    // them (settle); `keep` keeps an explicit pool alive until then.
     absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(
-        HeldBytes(*d), [self, ptr, keep = owner.keep]() {
+        HeldBytes(*d),
+        [self, ptr, keep = owner.keep]() {
           if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
+        },
+        [pool = owner.pool, keep = owner.keep, chunks](bool released) {
+          pool->SettleExport(chunks, released);
         });
     if (!ticket.ok()) {
+      owner.pool->SettleExport(chunks, /*released=*/false);
       ReleaseBlockHold(ptr);
       return ticket.status();
     }
@@ -120,6 +133,8 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
     buffer = import.buffer.get();
     received = import.received;
   }
+  // Its receiver is counted by nobody: the sender of this import must not reuse the memory.
+  buffer->MarkForwarded();
   absl::StatusOr<BufferDescriptor> d = ReExportImport(*buffer);
   if (!d.ok() && d.status().code() == absl::StatusCode::kFailedPrecondition &&
       received->handle_type() == HandleType::kFabric) {
@@ -142,6 +157,25 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
     return ticket.status();
   }
   return Send{*std::move(d), *ticket};
+}
+
+void ProcessState::ReceivedSend(int64_t import_id, const SendLedger::Ticket& ticket) {
+  AckSendLater(ticket);
+  ImportedBuffer* buffer = nullptr;
+  {
+    MutexLock lock(&mu_);
+    auto it = imports_.find(import_id);
+    if (it != imports_.end()) buffer = it->second.buffer.get();
+    // The release report goes with the mapping, after the unmap (the callback is queued
+    // under the lock, so the import cannot go in between).
+    if (buffer != nullptr) {
+      buffer->OnUnmapped([ticket](bool forwarded) {
+        ReportSendLater(ticket, forwarded ? SendReport::kForwarded : SendReport::kReleased);
+      });
+      return;
+    }
+  }
+  ReportSendLater(ticket, SendReport::kReleased);  // nothing of it is mapped here
 }
 
 void ProcessState::ReleaseBlockHold(const void* ptr) {

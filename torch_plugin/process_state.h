@@ -160,6 +160,11 @@ class ProcessState {
   // export's driver error; those of the send ledger and the fd server (SendLedger::Hold: the
   // failed system call's when the server cannot start; Unavailable when it cannot listen).
   absl::StatusOr<Send> ExportSend(const void* ptr);
+  // The receiver's half: import `import_id` (of this state) holds a send's `ticket`. Queues
+  // the ack, and the report that the memory is no longer mapped here (kReleased, or
+  // kForwarded if it was sent on) for when the import's mapping is unmapped; an unknown id
+  // is reported released at once (nothing of it is mapped).
+  void ReceivedSend(int64_t import_id, const SendLedger::Ticket& ticket);
   // The free path: whether `ptr` is held by a send (then its free happens at the last
   // release, and the caller must not free it). One atomic load while nothing is held.
   bool DeferFreeIfHeld(const void* ptr) {

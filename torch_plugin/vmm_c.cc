@@ -343,6 +343,17 @@ int vmm_send_ack_later(const uint8_t* ticket, size_t len) {
   return 0;
 }
 
+int vmm_send_received(int64_t import_id, const uint8_t* ticket, size_t len) {
+  if (ticket == nullptr || len != VMM_TICKET_BYTES) {
+    return vmm::Fail(absl::InvalidArgumentError(
+        absl::StrCat("a send's ticket has ", VMM_TICKET_BYTES, " bytes, not ", len)));
+  }
+  vmm::SendLedger::Ticket t;
+  std::memcpy(t.data(), ticket, t.size());
+  vmm::ProcessState::Get().ReceivedSend(import_id, t);
+  return 0;
+}
+
 int64_t vmm_send_ack_flush(double timeout_seconds) {
   return static_cast<int64_t>(vmm::FlushAcks(Timeout(timeout_seconds)));
 }
@@ -365,6 +376,8 @@ int vmm_send_stats_get(vmm_send_stats* out) {
   out->holds = stats.holds;
   out->acked = stats.acked;
   out->expired = stats.expired;
+  out->awaiting_release = stats.awaiting_release;
+  out->released = stats.released;
   out->lease_seconds = absl::ToDoubleSeconds(vmm::SendLedger::Get().lease());
   return 0;
 }

@@ -195,6 +195,12 @@ int vmm_send_ack(const uint8_t* ticket, size_t len);
 /* vmm_send_ack without waiting: the ticket is queued and a background thread acknowledges it
  * (batched per sender). VMM_INVALID_ARGUMENT for a length other than VMM_TICKET_BYTES. */
 int vmm_send_ack_later(const uint8_t* ticket, size_t len);
+/* The receiver's half after importing a send as import `import_id` (vmm_import): queues the
+ * ack (as vmm_send_ack_later) and, for when that import's mapping is unmapped, the report that
+ * the memory is no longer mapped here, which lets the sender reuse it for a later send. An
+ * `import_id` of 0 (the import failed) reports at once. VMM_INVALID_ARGUMENT for a length
+ * other than VMM_TICKET_BYTES. */
+int vmm_send_received(int64_t import_id, const uint8_t* ticket, size_t len);
 /* Waits until every queued acknowledgement has been sent, at most `timeout_seconds`; returns
  * how many are still queued. */
 int64_t vmm_send_ack_flush(double timeout_seconds);
@@ -209,6 +215,8 @@ typedef struct vmm_send_stats {
   uint64_t acked;           /* sends acknowledged by their receiver */
   uint64_t expired;         /* sends whose lease ended first */
   double lease_seconds;     /* the lease of new sends */
+  uint64_t awaiting_release; /* acknowledged sends their receivers still map (now) */
+  uint64_t released;        /* sends whose receivers reported they unmapped them */
 } vmm_send_stats;
 int vmm_send_stats_get(vmm_send_stats* out);
 /* Waits until no send is held or `timeout_seconds` pass; returns the sends still held. */

@@ -24,7 +24,9 @@
 #              chain    bench/mp_chain.py: CHAIN_COUNT (100000) small tensors through three
 #                       processes (create, clone and forward, sum) in native, vmm-fabric (with
 #                       an IMEX channel) and vmm-fd, each mode stopped after CHAIN_TIMEOUT (120)
-#                       s and reported as not finished; chain.json and chain.md in $OUT;
+#                       s and reported as not finished; chain.json and chain.md in $OUT
+#                       (CHAIN_PROFILE=1: each process's cProfile summary in
+#                       $OUT/chain-profile/);
 #              dist     vmm_torch.distributed against torch.distributed, 4 ranks on the GPU;
 #              train    the training loop under native (twice), expandable-segments and vmm
 #                       (two growth policies) allocators, TRAIN_STEPS (300) steps, compared;
@@ -248,7 +250,7 @@ bench_chain() {
   local limit=${CHAIN_TIMEOUT:-120}
   step chain $((3 * (limit + 40))) python3 bench/mp_chain.py --modes native,vmm-fabric,vmm-fd \
     --count "${CHAIN_COUNT:-100000}" --timeout "$limit" --json "$OUT/chain.json" \
-    --markdown "$OUT/chain.md"
+    --markdown "$OUT/chain.md" ${CHAIN_PROFILE:+--profile "$OUT/chain-profile"}
   [[ -e "$OUT/chain.md" ]] && tee -a "$summary" <"$OUT/chain.md"
 }
 

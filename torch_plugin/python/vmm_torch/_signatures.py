@@ -134,6 +134,8 @@ class SendStats(ctypes.Structure):
         ("acked", ctypes.c_uint64),
         ("expired", ctypes.c_uint64),
         ("lease_seconds", ctypes.c_double),
+        ("awaiting_release", ctypes.c_uint64),
+        ("released", ctypes.c_uint64),
     ]
 
 
@@ -195,6 +197,7 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_export_send": (_int, [_void_p, _P(_void_p), _P(_size_t), _char_p]),
     "vmm_send_ack": (_int, [_char_p, _size_t]),
     "vmm_send_ack_later": (_int, [_char_p, _size_t]),
+    "vmm_send_received": (_int, [_int64, _char_p, _size_t]),
     "vmm_send_ack_flush": (_int64, [ctypes.c_double]),
     "vmm_send_set_lease": (_int, [ctypes.c_double]),
     "vmm_send_stats_get": (_int, [_P(SendStats)]),

@@ -289,8 +289,10 @@ def memory_stats(device: DeviceLike = None) -> Dict[str, Any]:
 def send_stats() -> Dict[str, Any]:
     """This process's sends (tensors sent through torch.multiprocessing): ``held`` and
     ``held_bytes`` (held now, until their receivers import them or their lease ends),
-    ``peak_held_bytes`` (physical bytes: whole chunks), the totals ``holds``, ``acked`` and ``expired``, and
-    ``lease_seconds`` (the lease of new sends)."""
+    ``peak_held_bytes`` (physical bytes: whole chunks), the totals ``holds``, ``acked`` and
+    ``expired``, ``lease_seconds`` (the lease of new sends), ``awaiting_release`` (acknowledged
+    sends whose receivers still map the memory: their chunks are reused once they report) and
+    ``released`` (sends whose receivers reported they unmapped it)."""
     stats = _signatures.SendStats()
     _lib.check(_lib.vmm().vmm_send_stats_get(ctypes.byref(stats)), "send_stats")
     return {name: getattr(stats, name) for name, _ in _signatures.SendStats._fields_}

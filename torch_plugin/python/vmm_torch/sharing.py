@@ -278,6 +278,17 @@ def ack_send(ticket: bytes, wait: bool = False) -> bool:
     return True
 
 
+def received_send(import_id: int, ticket: bytes) -> None:
+    """The receiver's half of a send imported as `import_id` (0: the import failed): the ack
+    is queued (as ``ack_send``), and the report that the memory is no longer mapped here goes
+    out when the import's mapping is unmapped, so that the sender can reuse it."""
+    global _flush_registered
+    _lib.check(_lib.quick().vmm_send_received(import_id, ticket, len(ticket)), "receive")
+    if not _flush_registered:
+        _flush_registered = True
+        multiprocessing.util.Finalize(None, flush_acks, exitpriority=0)
+
+
 _flush_registered = False
 
 
@@ -424,6 +435,7 @@ def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offse
     # release; the import's own failures and the operator's (the view must fit the buffer)
     # release it. A send's ticket is acknowledged once the import is done or has failed.
     ticket = _check_ticket(ticket)
+    import_id = 0
     try:
         dtype = dtype_from_code(dtype)
         device_type, _ = parse_device_field(device)
@@ -439,7 +451,7 @@ def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offse
                                       _BACKENDS[device_type])
     finally:
         if ticket is not None:
-            ack_send(ticket)
+            received_send(import_id, ticket)
     tensor = wrap_import(import_id, shape, stride, storage_offset, dtype)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
