@@ -382,6 +382,21 @@ int vmm_send_stats_get(vmm_send_stats* out) {
   return 0;
 }
 
+int vmm_send_set_budget(int64_t bytes) {
+  if (bytes < 0) {
+    return vmm::Fail(absl::InvalidArgumentError(
+        absl::StrCat("a send budget is a number of bytes >= 0, not ", bytes)));
+  }
+  vmm::SendLedger::Get().SetBudget(static_cast<uint64_t>(bytes));
+  return 0;
+}
+
+int vmm_send_over_budget(void) { return vmm::SendLedger::Get().OverBudget() ? 1 : 0; }
+
+int vmm_send_wait_for_room(double stall_seconds) {
+  return vmm::SendLedger::Get().WaitForRoom(Timeout(stall_seconds)) ? 1 : 0;
+}
+
 int64_t vmm_send_wait(double timeout_seconds) {
   return static_cast<int64_t>(vmm::SendLedger::Get().WaitUntilEmpty(Timeout(timeout_seconds)));
 }

@@ -219,6 +219,14 @@ typedef struct vmm_send_stats {
   uint64_t released;        /* sends whose receivers reported they unmapped them */
 } vmm_send_stats;
 int vmm_send_stats_get(vmm_send_stats* out);
+/* The send budget (bytes this process's unacknowledged sends may hold before a sender waits;
+ * default 1 GiB or VMM_SEND_BUDGET; 0: none). vmm_send_over_budget: 1 if they hold more now,
+ * else 0 (no wait). vmm_send_wait_for_room: waits while they hold more and their receivers keep
+ * acknowledging, returning once no ack came for `stall_seconds` (receivers not reading); 1 if
+ * it waited, else 0. */
+int vmm_send_set_budget(int64_t bytes); /* VMM_INVALID_ARGUMENT if negative */
+int vmm_send_over_budget(void);
+int vmm_send_wait_for_room(double stall_seconds);
 /* Waits until no send is held or `timeout_seconds` pass; returns the sends still held. */
 int64_t vmm_send_wait(double timeout_seconds);
 

@@ -45,7 +45,7 @@ from .pool import Pool
 from .reductions import install_reducers
 from . import distributed  # vmm_torch.distributed: broadcast, all_gather across ranks
 from .sharing import (ImportedBuffer, SharedTensor, export_tensor, import_buffer, in_vmm_pool,
-                      set_send_lease, wait_for_sends)
+                      set_send_budget, set_send_lease, wait_for_sends)
 
 __all__ = [
     "BufferDescriptor",
@@ -78,6 +78,7 @@ __all__ = [
     "reset_peak_memory_stats",
     "send_stats",
     "set_per_process_memory_fraction",
+    "set_send_budget",
     "set_send_lease",
     "wait_for_sends",
 ]

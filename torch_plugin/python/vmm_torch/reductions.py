@@ -169,7 +169,9 @@ def prepare_send(obj: Any) -> bool:
     on its current stream, where the owner's work is ordered — and marks the chunks of one alone
     in them, so that nothing lands beside it before the feeder sends it. Then, for CUDA tensors,
     synchronizes the current stream, so that the receiver reads what was written before put.
-    An object that cannot be pickled is left to the feeder (which reports it as before).
+    Last, if this process's unacknowledged sends hold more than the send budget, waits while
+    their receivers acknowledge (sharing.set_send_budget). An object that cannot be pickled is
+    left to the feeder (which reports it as before).
     Returns whether `obj` holds vmm tensors."""
     if isinstance(obj, (str, bytes, bytearray, int, float, bool, type(None))):
         return False
@@ -186,6 +188,8 @@ def prepare_send(obj: Any) -> bool:
             raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
                                "stream captures a CUDA graph; send it after the capture")
         torch.cuda.current_stream(device).synchronize()
+    if preparer.found_vmm:
+        sharing.wait_for_send_room()
     return preparer.found_vmm
 
 

@@ -317,6 +317,31 @@ def set_send_lease(seconds: float) -> None:
     _lib.check(_lib.vmm().vmm_send_set_lease(float(seconds)), "set_send_lease")
 
 
+#: How long a sender over its send budget waits for an acknowledgement before it stops
+#: waiting (until the next one): receivers that do not read must not stop a sender.
+SEND_STALL_S = 0.1
+
+
+def set_send_budget(nbytes: int) -> None:
+    """How many bytes this process's unacknowledged sends may hold before ``Queue.put`` waits
+    for their receivers to acknowledge some (default 1 GiB, or VMM_SEND_BUDGET; 0: no budget).
+    A small tensor travels in a physical chunk of its own (2 MiB on an H200), so a producer
+    far ahead of its consumers would otherwise hold a chunk per tensor queued. The wait ends
+    once no acknowledgement came for SEND_STALL_S (receivers not reading), so a program that
+    fills a queue before it starts its consumers is never stopped."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise TypeError(f"the send budget is a number of bytes >= 0, not {nbytes!r}")
+    _lib.check(_lib.vmm().vmm_send_set_budget(nbytes), "set_send_budget")
+
+
+def wait_for_send_room() -> bool:
+    """Waits while this process's unacknowledged sends are over the send budget and their
+    receivers keep acknowledging (see set_send_budget); whether it waited."""
+    if not _lib.quick().vmm_send_over_budget():
+        return False
+    return bool(_lib.vmm().vmm_send_wait_for_room(SEND_STALL_S))
+
+
 def wait_for_sends(timeout: float) -> int:
     """Waits until every send of this process was acknowledged (or expired), at most
     `timeout` seconds; returns the sends still held."""
