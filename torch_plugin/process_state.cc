@@ -6,6 +6,7 @@
 #include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/driver_factory.h"
+#include "allocator/import_closer.h"
 #include "allocator/pool_options.h"
 #include "allocator/status_macros.h"
 
@@ -292,12 +293,13 @@ absl::StatusOr<ProcessState::ImportInfo> ProcessState::GetImportInfo(int64_t id)
 }
 
 absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
-  std::unique_ptr<ImportedBuffer> doomed;  // unmapped outside the lock
-  MutexLock lock(&mu_);
-  auto it = imports_.find(id);
-  if (it == imports_.end()) return absl::InvalidArgumentError(absl::StrCat("no import ", id));
-  it->second.refs += delta;
-  if (it->second.refs <= 0) {
+  std::unique_ptr<ImportedBuffer> doomed;  // closed outside the lock
+  {
+    MutexLock lock(&mu_);
+    auto it = imports_.find(id);
+    if (it == imports_.end()) return absl::InvalidArgumentError(absl::StrCat("no import ", id));
+    it->second.refs += delta;
+    if (it->second.refs > 0) return absl::OkStatus();
     doomed = std::move(it->second.buffer);
     auto [first, last] = imports_by_ptr_.equal_range(doomed->ptr());
     for (auto at = first; at != last; ++at) {
@@ -308,6 +310,9 @@ absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
     }
     imports_.erase(it);
   }
+  // Closing synchronizes the devices and unmaps: on the closing thread, not on the caller's
+  // (a tensor's deleter, holding the interpreter lock).
+  CloseLater(std::move(doomed));
   return absl::OkStatus();
 }
 

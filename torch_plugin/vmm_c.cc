@@ -19,6 +19,7 @@
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
 #include "allocator/log.h"
+#include "allocator/import_closer.h"
 #include "allocator/send_acker.h"
 #include "allocator/send_ledger.h"
 #include "allocator/stats_json.h"
@@ -355,7 +356,11 @@ int vmm_send_received(int64_t import_id, const uint8_t* ticket, size_t len) {
 }
 
 int64_t vmm_send_ack_flush(double timeout_seconds) {
-  return static_cast<int64_t>(vmm::FlushAcks(Timeout(timeout_seconds)));
+  // Imports closed first: their release reports join the acknowledgements' queue.
+  const absl::Time deadline = absl::Now() + Timeout(timeout_seconds);
+  vmm::FlushCloses(deadline - absl::Now());
+  return static_cast<int64_t>(vmm::FlushAcks(std::max(deadline - absl::Now(),
+                                                      absl::ZeroDuration())));
 }
 
 int vmm_send_set_lease(double seconds) {
