@@ -420,6 +420,7 @@ absl::Status Pool::ReleaseChunk(uintptr_t addr) {
   ++stats_.num_device_free;
   if (chunk.exported) {
     retired_bytes_ -= static_cast<int64_t>(chunk.size);
+    if (chunk.untracked) untracked_bytes_ -= chunk.size;
     if (observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
   }
   return absl::OkStatus();
@@ -510,7 +511,7 @@ absl::Status Pool::ReleaseSpareChunks() {
     auto c = chunks_.find(addr);
     if (c == chunks_.end()) continue;
     c->second.spare = false;
-    c->second.untracked = true;  // released below, and by ReleaseRetiredChunks if that fails
+    MarkUntracked(c->second);  // released below, and by ReleaseRetiredChunks if that fails
     VMM_RETURN_IF_ERROR(ReleaseChunk(addr));
   }
   return absl::OkStatus();
@@ -525,7 +526,7 @@ void Pool::SettleExport(const std::vector<ExportedChunk>& exported, bool release
     if (released) {
       if (chunk.importers > 0) --chunk.importers;
     } else {
-      chunk.untracked = true;
+      MarkUntracked(chunk);
     }
     absl::Status s = ReleaseRetiredChunks(e.addr, e.addr + chunk.size);
     if (!s.ok()) LogError(absl::StrCat("releasing exported memory: ", s.message()));
@@ -606,7 +607,7 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   for (; c != chunks_.end() && c->first < block->end(); ++c) {
     if (chunks_.MarkExported(c, stats_)) RetireChunkSpace(c->first);
     // Conservative at once: if the export fails half way, some chunks may be out already.
-    if (use == ExportUse::kUntracked) c->second.untracked = true;
+    if (use == ExportUse::kUntracked) MarkUntracked(c->second);
     ExportedChunk e;
     e.id = c->second.id;
     e.addr = c->first;
@@ -668,6 +669,17 @@ absl::StatusOr<bool> Pool::SharesChunksLocked(const Block* block) const {
     if (Occupied(b)) return true;
   }
   return false;
+}
+
+void Pool::MarkUntracked(Chunk& chunk) {
+  if (chunk.untracked) return;
+  chunk.untracked = true;
+  untracked_bytes_ += chunk.size;
+}
+
+size_t Pool::SendBytesInUse() const {
+  MutexLock lock(&mu_);
+  return static_cast<size_t>(stats_.exported_bytes.current) - spare_bytes_ - untracked_bytes_;
 }
 
 absl::StatusOr<size_t> Pool::BlockSize(const void* ptr) {

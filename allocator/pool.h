@@ -202,6 +202,10 @@ class Pool {
   // is not the start of a live block.
   absl::StatusOr<size_t> BlockSize(const void* ptr);
 
+  // Bytes of the exported chunks that sends hold now: blocks moved for a send or being sent,
+  // chunks parked for their receivers; not spare chunks, nor those exported kUntracked.
+  size_t SendBytesInUse() const;
+
   PoolStats GetStats() const;
   void ResetPeakStats();
   void ResetAccumulatedStats();
@@ -276,6 +280,8 @@ class Pool {
   // A spare chunk of at least `n` bytes made a free block (fresh id, not cached: the caller
   // takes it at once), or nullptr if none.
   Block* TakeSpareChunk(size_t n, Stream stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks a chunk exported kUntracked (counted in untracked_bytes_ while it is mapped).
+  void MarkUntracked(Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases every spare chunk.
   absl::Status ReleaseSpareChunks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finishes the frees whose streams are done (StreamReclaim::ProcessPending + Recycle).
@@ -318,6 +324,8 @@ class Pool {
   // Spare chunks (exported, wholly retired, no importer left) by address, and their bytes.
   std::vector<uintptr_t> spare_ ABSL_GUARDED_BY(mu_);
   size_t spare_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes of exported chunks marked untracked (not counted by SendBytesInUse).
+  size_t untracked_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t memory_limit_ ABSL_GUARDED_BY(mu_) = 0;
   // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
   // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:

@@ -18,7 +18,6 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "allocator/byte_size.h"
 #include "allocator/fd_share.h"
 #include "allocator/fd_share_internal.h"
 #include "allocator/log.h"
@@ -56,21 +55,6 @@ absl::Duration LeaseFromEnvironment() {
     return send_ledger_internal::kDefaultLease;
   }
   return *lease;
-}
-
-// The budget VMM_SEND_BUDGET asks for (read once: bytes with an optional K/M/G/T suffix, 0
-// for none), else the default; a malformed value is said once and the default used.
-uint64_t BudgetFromEnvironment() {
-  const char* text = std::getenv("VMM_SEND_BUDGET");
-  if (text == nullptr || text[0] == '\0') return send_ledger_internal::kDefaultBudget;
-  absl::StatusOr<uint64_t> bytes = ParseByteSize(text);
-  if (!bytes.ok()) {
-    LogWarningOnce("send-budget", absl::StrCat("VMM_SEND_BUDGET: ", bytes.status().message(),
-                                               "; using the default of ",
-                                               send_ledger_internal::kDefaultBudget, " bytes"));
-    return send_ledger_internal::kDefaultBudget;
-  }
-  return *bytes;
 }
 
 }  // namespace
@@ -147,11 +131,7 @@ class SendLedger::Impl {
     const absl::Time now = absl::Now();
     while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
       auto it = holds_.find(deadlines_.begin()->second);
-      if (!it->second.acked) {
-        ++stats_.expired;
-        ++progress_count_;  // room made, as by an ack
-        progress_->notify_all();
-      }
+      if (!it->second.acked) ++stats_.expired;
       Erase(it, /*released=*/false, &out);
     }
     return out;
@@ -174,6 +154,8 @@ class SendLedger::Impl {
     }
     MutexLock lock(&mu_);
     releasing_ -= releases.size();
+    ++progress_count_;  // what the releases and settles gave back is back
+    progress_->notify_all();
     if (OutstandingLocked() == 0) emptied_->notify_all();
   }
 
@@ -207,41 +189,18 @@ class SendLedger::Impl {
     Run(now);
   }
 
-  bool OverBudget() {
+  uint64_t Progress() {
     MutexLock lock(&mu_);
-    return budget_ != 0 && stats_.held_bytes > budget_;
+    return progress_count_;
   }
 
-  bool WaitForRoom(absl::Duration stall) {
+  bool WaitForProgress(uint64_t since, absl::Duration timeout) {
+    const auto until = std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
     MutexLock lock(&mu_);
-    if (budget_ == 0 || stats_.held_bytes <= budget_) return false;
-    if (stalled_ && progress_count_ == stalled_at_) return false;  // still nobody reading
-    stalled_ = false;
-    while (stats_.held_bytes > budget_) {
-      const uint64_t before = progress_count_;
-      const auto until = std::chrono::system_clock::now() + absl::ToChronoNanoseconds(stall);
-      while (progress_count_ == before && stats_.held_bytes > budget_ &&
-             std::chrono::system_clock::now() < until) {
-        progress_->wait_until(mu_, until);  // unlocks mu_ while waiting
-      }
-      if (progress_count_ == before && stats_.held_bytes > budget_) {
-        stalled_ = true;
-        stalled_at_ = progress_count_;
-        break;
-      }
+    while (progress_count_ == since && std::chrono::system_clock::now() < until) {
+      progress_->wait_until(mu_, until);  // unlocks mu_ while waiting
     }
-    return true;
-  }
-
-  void SetBudget(uint64_t bytes) {
-    MutexLock lock(&mu_);
-    budget_ = bytes;
-    progress_->notify_all();
-  }
-
-  uint64_t budget() {
-    MutexLock lock(&mu_);
-    return budget_;
+    return progress_count_ != since;
   }
 
   absl::Time NextDeadline() {
@@ -310,7 +269,6 @@ class SendLedger::Impl {
     emptied_ = new std::condition_variable_any();
     work_ = new std::condition_variable_any();
     progress_ = new std::condition_variable_any();
-    stalled_ = false;
     mu_.Unlock();
     if (gated_fork_) run_gate_.Unlock();
   }
@@ -320,8 +278,6 @@ class SendLedger::Impl {
   void AckLocked(Entry& entry, std::vector<Release>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     entry.acked = true;
     ++stats_.acked;
-    ++progress_count_;
-    progress_->notify_all();
     --unacked_;
     stats_.held_bytes -= entry.bytes;
     out->push_back(std::move(entry.release));
@@ -395,15 +351,11 @@ class SendLedger::Impl {
       new std::condition_variable_any();
   // Notified when queue_ gets work; replaced (never freed) in a forked child.
   std::condition_variable_any* work_ ABSL_GUARDED_BY(mu_) = new std::condition_variable_any();
-  // The send budget (WaitForRoom): bytes, 0 for none; acks and expiries so far (notified on
-  // progress_, replaced in a forked child); whether the last wait ended for want of progress,
-  // and at which count.
-  uint64_t budget_ ABSL_GUARDED_BY(mu_) = BudgetFromEnvironment();
+  // Batches of releases and settles run so far (Progress), notified on progress_ (replaced,
+  // never freed, in a forked child).
   uint64_t progress_count_ ABSL_GUARDED_BY(mu_) = 0;
   std::condition_variable_any* progress_ ABSL_GUARDED_BY(mu_) =
       new std::condition_variable_any();
-  bool stalled_ ABSL_GUARDED_BY(mu_) = false;
-  uint64_t stalled_at_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 namespace {
@@ -471,10 +423,10 @@ size_t SendLedger::ExpireDue(RunOn run_on) {
 
 absl::Time SendLedger::NextDeadline() { return impl_->NextDeadline(); }
 
-bool SendLedger::OverBudget() { return impl_->OverBudget(); }
-bool SendLedger::WaitForRoom(absl::Duration stall) { return impl_->WaitForRoom(stall); }
-void SendLedger::SetBudget(uint64_t bytes) { impl_->SetBudget(bytes); }
-uint64_t SendLedger::budget() { return impl_->budget(); }
+uint64_t SendLedger::Progress() { return impl_->Progress(); }
+bool SendLedger::WaitForProgress(uint64_t since, absl::Duration timeout) {
+  return impl_->WaitForProgress(since, timeout);
+}
 
 void SendLedger::SetLease(absl::Duration lease) {
   if (lease <= absl::ZeroDuration()) {

@@ -101,20 +101,11 @@ class SendLedger {
   void SetLease(absl::Duration lease);
   absl::Duration lease();
 
-  // The send budget: how many bytes this process's unacknowledged sends may hold before a
-  // sender waits (1 GiB, or VMM_SEND_BUDGET read once: bytes, K/M/G/T suffixes; 0 for no
-  // budget). A small tensor sent alone takes a whole chunk (2 MiB on an H200), so a producer
-  // far ahead of its consumers would otherwise hold a chunk per tensor queued.
-  //
-  // OverBudget: whether they hold more now (no wait). WaitForRoom: waits while they hold more
-  // and receivers keep acknowledging: returns once they hold no more, or once no ack (nor lease
-  // end) came for `stall`, after which it does not wait again until one comes: receivers that
-  // are not reading (a program that fills a queue before starting its consumers) make no
-  // sender wait more than `stall` once. Returns whether it waited.
-  bool OverBudget();
-  bool WaitForRoom(absl::Duration stall);
-  void SetBudget(uint64_t bytes);
-  uint64_t budget();
+  // A count that grows each time releases or settles have run (what senders waiting for
+  // memory to come back watch), and a wait until it passes `since` or `timeout` ends; true if
+  // it did.
+  uint64_t Progress();
+  bool WaitForProgress(uint64_t since, absl::Duration timeout);
 
   // Waits until no hold is unacknowledged (every release and settle, queued ones included,
   // has returned; sends acked but still mapped by their receivers are not waited for) or
@@ -161,8 +152,6 @@ namespace send_ledger_internal {
 
 // The default lease, when VMM_SEND_LEASE_S is unset or malformed.
 inline constexpr absl::Duration kDefaultLease = absl::Seconds(600);
-// The default send budget (SendLedger::OverBudget).
-inline constexpr uint64_t kDefaultBudget = uint64_t{1} << 30;
 
 // Reads a lease in seconds, as VMM_SEND_LEASE_S holds it ("600", "0.5"). InvalidArgument,
 // naming the text, for anything but a positive finite number.

@@ -159,6 +159,39 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   return Send{*std::move(d), *ticket};
 }
 
+bool ProcessState::OverSendBudget() {
+  const uint64_t budget = send_budget();
+  if (budget == 0) return false;
+  uint64_t bytes = 0;
+  for (const PoolRef& ref : AllPools()) {
+    if (ref.pool->handle_type() != HandleType::kNone) bytes += ref.pool->SendBytesInUse();
+  }
+  return bytes > budget;
+}
+
+bool ProcessState::WaitForSendRoom(absl::Duration stall) {
+  if (!OverSendBudget()) return false;
+  SendLedger& ledger = SendLedger::Get();
+  {
+    MutexLock lock(&budget_mu_);
+    if (budget_stalled_ && ledger.Progress() == stalled_at_) return false;  // still stalled
+    budget_stalled_ = false;
+  }
+  bool waited = false;
+  for (;;) {
+    const uint64_t seen = ledger.Progress();
+    if (!OverSendBudget()) break;  // checked after reading the count: no wake-up is lost
+    waited = true;
+    if (!ledger.WaitForProgress(seen, stall)) {
+      MutexLock lock(&budget_mu_);
+      budget_stalled_ = true;
+      stalled_at_ = seen;
+      break;
+    }
+  }
+  return waited;
+}
+
 void ProcessState::ReceivedSend(int64_t import_id, const SendLedger::Ticket& ticket) {
   AckSendLater(ticket);
   ImportedBuffer* buffer = nullptr;

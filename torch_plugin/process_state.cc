@@ -1,12 +1,15 @@
 #include "torch_plugin/process_state.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
+#include "allocator/byte_size.h"
 #include "allocator/driver_factory.h"
 #include "allocator/import_closer.h"
+#include "allocator/log.h"
 #include "allocator/pool_options.h"
 #include "allocator/status_macros.h"
 
@@ -22,6 +25,21 @@ PoolOptions DevicePoolDefaults() {
   return defaults;
 }
 
+// The send budget VMM_SEND_BUDGET asks for (bytes, K/M/G/T suffixes; 0: none), else 1 GiB;
+// a malformed value is said once and the default used.
+uint64_t SendBudgetFromEnvironment() {
+  constexpr uint64_t kDefault = uint64_t{1} << 30;
+  const char* text = std::getenv("VMM_SEND_BUDGET");
+  if (text == nullptr || text[0] == '\0') return kDefault;
+  absl::StatusOr<uint64_t> bytes = ParseByteSize(text);
+  if (!bytes.ok()) {
+    LogWarningOnce("send-budget", absl::StrCat("VMM_SEND_BUDGET: ", bytes.status().message(),
+                                               "; using the default of 1 GiB"));
+    return kDefault;
+  }
+  return *bytes;
+}
+
 absl::Status BadDevice(int device) {
   return absl::InvalidArgumentError(absl::StrCat("device ", device, " is out of range"));
 }
@@ -33,7 +51,7 @@ ProcessState& ProcessState::Get() {
   return *state;
 }
 
-ProcessState::ProcessState() {
+ProcessState::ProcessState() : send_budget_(SendBudgetFromEnvironment()) {
   MutexLock lock(&mu_);
   options_ = DevicePoolDefaults();
 }

@@ -43,6 +43,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver.h"
 #include "allocator/mutex.h"
@@ -165,6 +166,20 @@ class ProcessState {
   // kForwarded if it was sent on) for when the import's mapping is unmapped; an unknown id
   // is reported released at once (nothing of it is mapped).
   void ReceivedSend(int64_t import_id, const SendLedger::Ticket& ticket);
+  // The send budget: how many bytes the pools' sends may hold (Pool::SendBytesInUse, summed)
+  // before a sender waits. A small tensor sent alone takes a whole chunk (2 MiB on an H200),
+  // so a producer far ahead of its consumers would otherwise hold a chunk per tensor queued.
+  // Default 1 GiB, or VMM_SEND_BUDGET (read once, when the state is made: bytes, K/M/G/T
+  // suffixes; 0: no budget; malformed: warned once, the default). OverSendBudget: whether
+  // they hold more now (no wait). WaitForSendRoom: waits while they hold more and memory keeps
+  // coming back (SendLedger::Progress: acknowledgements, release reports); it stops once none
+  // came for `stall` and does not wait again until some comes, so receivers that do not read
+  // (a program that fills a queue before starting its consumers) never stop a sender for
+  // long. Returns whether it waited.
+  void SetSendBudget(uint64_t bytes) { send_budget_.store(bytes, std::memory_order_relaxed); }
+  uint64_t send_budget() const { return send_budget_.load(std::memory_order_relaxed); }
+  bool OverSendBudget();
+  bool WaitForSendRoom(absl::Duration stall);
   // The free path: whether `ptr` is held by a send (then its free happens at the last
   // release, and the caller must not free it). One atomic load while nothing is held.
   bool DeferFreeIfHeld(const void* ptr) {
@@ -208,6 +223,10 @@ class ProcessState {
   // Imports by buffer address (several imports of one buffer share an address).
   std::multimap<DevPtr, int64_t> imports_by_ptr_ ABSL_GUARDED_BY(mu_);
   BlockHolds holds_;
+  std::atomic<uint64_t> send_budget_;
+  Mutex budget_mu_;
+  bool budget_stalled_ ABSL_GUARDED_BY(budget_mu_) = false;  // the last wait saw no progress
+  uint64_t stalled_at_ ABSL_GUARDED_BY(budget_mu_) = 0;       // ...at this Progress()
   // Held by sends' release callbacks (weakly): a state destroyed first (tests) is not touched.
   std::shared_ptr<ProcessState*> self_ = std::make_shared<ProcessState*>(this);
   // Device pools of the parent of this forked process: found by Owner for frees, never freed.

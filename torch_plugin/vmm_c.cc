@@ -392,14 +392,14 @@ int vmm_send_set_budget(int64_t bytes) {
     return vmm::Fail(absl::InvalidArgumentError(
         absl::StrCat("a send budget is a number of bytes >= 0, not ", bytes)));
   }
-  vmm::SendLedger::Get().SetBudget(static_cast<uint64_t>(bytes));
+  State().SetSendBudget(static_cast<uint64_t>(bytes));
   return 0;
 }
 
-int vmm_send_over_budget(void) { return vmm::SendLedger::Get().OverBudget() ? 1 : 0; }
+int vmm_send_over_budget(void) { return State().OverSendBudget() ? 1 : 0; }
 
 int vmm_send_wait_for_room(double stall_seconds) {
-  return vmm::SendLedger::Get().WaitForRoom(Timeout(stall_seconds)) ? 1 : 0;
+  return State().WaitForSendRoom(Timeout(stall_seconds)) ? 1 : 0;
 }
 
 int64_t vmm_send_wait(double timeout_seconds) {
