@@ -1,4 +1,6 @@
 // ProcessState's sends (process_state.h): exports held for one receiver.
+#include <unistd.h>
+
 #include <memory>
 #include <utility>
 
@@ -159,6 +161,18 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   return Send{*std::move(d), *ticket};
 }
 
+absl::Status ProcessState::CheckSendNotReleased(const SendLedger::Ticket& ticket) {
+  // This process's own sends are exempt: a re-import of one here exposes nothing to another
+  // process, and the sender may still hold the tensor (a benchmark unpickling one payload).
+  absl::StatusOr<FdToken> token = FdToken::Decode(ticket);
+  if (token.ok() && token->pid == static_cast<uint32_t>(getpid())) return absl::OkStatus();
+  MutexLock lock(&released_mu_);
+  if (released_.count(ticket) == 0) return absl::OkStatus();
+  return absl::NotFoundError(
+      "this send was already imported here and released since: a send is imported once (its "
+      "sender may have reused the memory); send the tensor again instead");
+}
+
 bool ProcessState::OverSendBudget() {
   const uint64_t budget = send_budget();
   if (budget == 0) return false;
@@ -194,21 +208,42 @@ bool ProcessState::WaitForSendRoom(absl::Duration stall) {
 
 void ProcessState::ReceivedSend(int64_t import_id, const SendLedger::Ticket& ticket) {
   AckSendLater(ticket);
-  ImportedBuffer* buffer = nullptr;
   {
     MutexLock lock(&mu_);
     auto it = imports_.find(import_id);
-    if (it != imports_.end()) buffer = it->second.buffer.get();
-    // The release report goes with the mapping, after the unmap (the callback is queued
-    // under the lock, so the import cannot go in between).
-    if (buffer != nullptr) {
-      buffer->OnUnmapped([ticket](bool forwarded) {
-        ReportSendLater(ticket, forwarded ? SendReport::kForwarded : SendReport::kReleased);
-      });
+    if (it != imports_.end()) {
+      {
+        MutexLock tickets(&released_mu_);
+        ++live_tickets_[ticket];
+      }
+      // The release report goes with the mapping, after the unmap (queued under the lock, so
+      // the import cannot go in between), once no import of the same send is left here.
+      it->second.buffer->OnUnmapped(
+          [self = std::weak_ptr<ProcessState*>(self_), ticket](bool forwarded) {
+            auto state = self.lock();
+            if (state != nullptr && !(*state)->UnmappedSend(ticket)) return;
+            ReportSendLater(ticket,
+                            forwarded ? SendReport::kForwarded : SendReport::kReleased);
+          });
       return;
     }
   }
   ReportSendLater(ticket, SendReport::kReleased);  // nothing of it is mapped here
+}
+
+bool ProcessState::UnmappedSend(const SendLedger::Ticket& ticket) {
+  MutexLock lock(&released_mu_);
+  auto live = live_tickets_.find(ticket);
+  if (live != live_tickets_.end() && --live->second > 0) return false;
+  if (live != live_tickets_.end()) live_tickets_.erase(live);
+  if (released_.insert(ticket).second) {
+    released_order_.push_back(ticket);
+    if (released_order_.size() > kReleasedTicketsKept) {
+      released_.erase(released_order_.front());
+      released_order_.pop_front();
+    }
+  }
+  return true;
 }
 
 void ProcessState::ReleaseBlockHold(const void* ptr) {

@@ -33,6 +33,7 @@
 
 #include <array>
 #include <atomic>
+#include <deque>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -40,6 +41,8 @@
 #include <vector>
 
 #include "absl/base/optimization.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -166,6 +169,11 @@ class ProcessState {
   // kForwarded if it was sent on) for when the import's mapping is unmapped; an unknown id
   // is reported released at once (nothing of it is mapped).
   void ReceivedSend(int64_t import_id, const SendLedger::Ticket& ticket);
+  // Before importing a send: NotFound if this process already imported `ticket` (of another
+  // process) and has since unmapped it (the sender may have reused the memory for another
+  // tensor: a send is imported once). Remembers the last kReleasedTicketsKept such tickets.
+  absl::Status CheckSendNotReleased(const SendLedger::Ticket& ticket);
+  static constexpr size_t kReleasedTicketsKept = 16384;
   // The send budget: how many bytes the pools' sends may hold (Pool::SendBytesInUse, summed)
   // before a sender waits. A small tensor sent alone takes a whole chunk (2 MiB on an H200),
   // so a producer far ahead of its consumers would otherwise hold a chunk per tensor queued.
@@ -223,6 +231,16 @@ class ProcessState {
   // Imports by buffer address (several imports of one buffer share an address).
   std::multimap<DevPtr, int64_t> imports_by_ptr_ ABSL_GUARDED_BY(mu_);
   BlockHolds holds_;
+  // An import of the send `ticket` was unmapped: false while other imports of it are left;
+  // else remembers it released (CheckSendNotReleased) and returns true (report it).
+  bool UnmappedSend(const SendLedger::Ticket& ticket);
+
+  // Sends imported here: how many imports of each are mapped, and those unmapped since
+  // (CheckSendNotReleased), oldest first.
+  Mutex released_mu_;
+  absl::flat_hash_map<SendLedger::Ticket, int> live_tickets_ ABSL_GUARDED_BY(released_mu_);
+  absl::flat_hash_set<SendLedger::Ticket> released_ ABSL_GUARDED_BY(released_mu_);
+  std::deque<SendLedger::Ticket> released_order_ ABSL_GUARDED_BY(released_mu_);
   std::atomic<uint64_t> send_budget_;
   Mutex budget_mu_;
   bool budget_stalled_ ABSL_GUARDED_BY(budget_mu_) = false;  // the last wait saw no progress

@@ -355,6 +355,16 @@ int vmm_send_received(int64_t import_id, const uint8_t* ticket, size_t len) {
   return 0;
 }
 
+int vmm_send_check(const uint8_t* ticket, size_t len) {
+  if (ticket == nullptr || len != VMM_TICKET_BYTES) {
+    return vmm::Fail(absl::InvalidArgumentError(
+        absl::StrCat("a send's ticket has ", VMM_TICKET_BYTES, " bytes, not ", len)));
+  }
+  vmm::SendLedger::Ticket t;
+  std::memcpy(t.data(), ticket, t.size());
+  return vmm::Check(State().CheckSendNotReleased(t));
+}
+
 int64_t vmm_send_ack_flush(double timeout_seconds) {
   // Imports closed first: their release reports join the acknowledgements' queue.
   const absl::Time deadline = absl::Now() + Timeout(timeout_seconds);

@@ -201,6 +201,9 @@ int vmm_send_ack_later(const uint8_t* ticket, size_t len);
  * `import_id` of 0 (the import failed) reports at once. VMM_INVALID_ARGUMENT for a length
  * other than VMM_TICKET_BYTES. */
 int vmm_send_received(int64_t import_id, const uint8_t* ticket, size_t len);
+/* Before importing a send: VMM_NOT_FOUND if this process imported `ticket` already and has
+ * unmapped it since (a send is imported once: its sender may have reused the memory). */
+int vmm_send_check(const uint8_t* ticket, size_t len);
 /* Waits until every queued acknowledgement has been sent, at most `timeout_seconds`; returns
  * how many are still queued. */
 int64_t vmm_send_ack_flush(double timeout_seconds);

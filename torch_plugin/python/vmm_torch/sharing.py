@@ -469,6 +469,8 @@ def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offse
         shape, stride, storage_offset = check_view(shape, stride, storage_offset, dtype,
                                                    requires_grad)
         data = descriptor if type(descriptor) is bytes else as_bytes(descriptor)
+        if ticket is not None:  # a send is imported once (see vmm_send_check)
+            _lib.check(_lib.quick().vmm_send_check(ticket, len(ticket)), "receive")
         if device_type == "cuda":
             allocator.enable_for_receive()
         # Module globals looked up per call: benchmarks may wrap them to time each step.
