@@ -446,8 +446,11 @@ class FdServer::Impl {
     if (it == entries_.end()) {
       return absl::NotFoundError(absl::StrCat("no fd registered under key ", key));
     }
-    Entry entry{std::move(it->second.fd), t.nonce};
-    entries_.erase(it);
+    // A new fd number too: a pidfd_getfd fetch names the fd by number alone.
+    const int moved = fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0);
+    if (moved < 0) return Errno("fcntl(F_DUPFD_CLOEXEC)");
+    Entry entry{UniqueFd(moved), t.nonce};
+    entries_.erase(it);  // closes the old number
     t.fd = static_cast<uint32_t>(entry.fd.get());
     t.key = next_key_++;
     entries_[t.key] = std::move(entry);

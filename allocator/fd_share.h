@@ -78,8 +78,9 @@ class FdServer {
   absl::StatusOr<FdToken> Register(UniqueFd fd);
   // Closes the fd; later fetches of its token fail as stale.
   void Unregister(uint64_t key);
-  // Registers the fd of `key` afresh (a new key and nonce, the same fd): later fetches of the
-  // old token fail as stale. NotFound if `key` is not registered.
+  // Registers the fd of `key` afresh (a new key and nonce, and a new fd number for the same
+  // file, the old one closed): later fetches of the old token fail as stale. NotFound if `key`
+  // is not registered; the dup's error if it fails (the old registration stays).
   absl::StatusOr<FdToken> Rekey(uint64_t key);
   // Registered fds (for tests and stats).
   size_t size();

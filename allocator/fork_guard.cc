@@ -8,14 +8,16 @@ namespace vmm {
 namespace fork_internal {
 
 std::atomic<uint64_t> generation{0};
+std::atomic<uint64_t> forks_made{0};
 
 namespace {
 
 void OnForkChild() { generation.fetch_add(1, std::memory_order_relaxed); }
+void OnForkParent() { forks_made.fetch_add(1, std::memory_order_relaxed); }
 
 // Installed when the library is loaded, before anything can be made and before any fork().
 const bool installed = [] {
-  pthread_atfork(/*prepare=*/nullptr, /*parent=*/nullptr, &OnForkChild);
+  pthread_atfork(/*prepare=*/nullptr, &OnForkParent, &OnForkChild);
   return true;
 }();
 

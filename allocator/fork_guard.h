@@ -24,12 +24,17 @@
 namespace vmm {
 namespace fork_internal {
 extern std::atomic<uint64_t> generation;
+extern std::atomic<uint64_t> forks_made;
 }  // namespace fork_internal
 
 // How many fork()s separate this process from the first one that loaded vmm.
 inline uint64_t ForkGeneration() {
   return fork_internal::generation.load(std::memory_order_relaxed);
 }
+
+// How many children this process has fork()ed (a pthread_atfork parent handler; a child
+// starts at its parent's count). What was mapped before a fork may still be mapped in a child.
+inline uint64_t ForksMade() { return fork_internal::forks_made.load(std::memory_order_relaxed); }
 
 // FailedPrecondition: `what` was made by the parent of this forked process and cannot be used
 // here; says what to do instead.

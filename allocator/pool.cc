@@ -234,6 +234,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       ++stats_.num_alloc_retries;
       VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
       VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
+      VMM_RETURN_IF_ERROR(
+          ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true));
       VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
       grown = Grow(arena, n, stream, shareable);
     }
@@ -420,7 +422,6 @@ absl::Status Pool::ReleaseChunk(uintptr_t addr) {
   ++stats_.num_device_free;
   if (chunk.exported) {
     retired_bytes_ -= static_cast<int64_t>(chunk.size);
-    if (chunk.untracked) untracked_bytes_ -= chunk.size;
     if (observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
   }
   return absl::OkStatus();
@@ -451,7 +452,7 @@ void Pool::RetireChunkSpace(uintptr_t chunk_addr) {
   retired_bytes_ += static_cast<int64_t>(ArenaOf(chunk_addr).RetireFree(chunk_addr, chunk_end));
 }
 
-absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end) {
+absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool release_parked) {
   std::vector<uintptr_t> candidates;
   for (auto c = std::as_const(chunks_).FirstEndingAfter(addr);
        c != chunks_.end() && c->first < end; ++c) {
@@ -469,8 +470,11 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end) {
     if (chunk.untracked) {
       doomed.push_back(c->first);
     } else if (chunk.importers > 0) {
-      continue;  // parked: receivers have not reported yet
-    } else if (spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
+      if (!release_parked) continue;  // parked: receivers have not reported yet
+      chunk.untracked = true;           // given up: their reports will find it gone
+      doomed.push_back(c->first);
+    } else if (at >= large_base_ &&  // small chunks are never taken by AllocateShareable
+               spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
       chunk.spare = true;
       spare_.push_back(c->first);
       spare_bytes_ += chunk.size;
@@ -485,7 +489,7 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end) {
 Block* Pool::TakeSpareChunk(size_t n, Stream stream) {
   for (size_t i = spare_.size(); i-- > 0;) {
     auto c = chunks_.find(spare_[i]);
-    if (c == chunks_.end() || c->second.size < n) continue;
+    if (c == chunks_.end() || c->second.size < n || c->first < large_base_) continue;
     const uintptr_t addr = c->first;
     Chunk& chunk = c->second;
     Block* block = ArenaOf(addr).Reopen(addr, addr + chunk.size, stream);
@@ -507,14 +511,17 @@ absl::Status Pool::ReleaseSpareChunks() {
   std::vector<uintptr_t> spare = std::move(spare_);
   spare_.clear();
   spare_bytes_ = 0;
+  absl::Status first;
   for (uintptr_t addr : spare) {
     auto c = chunks_.find(addr);
     if (c == chunks_.end()) continue;
     c->second.spare = false;
-    MarkUntracked(c->second);  // released below, and by ReleaseRetiredChunks if that fails
-    VMM_RETURN_IF_ERROR(ReleaseChunk(addr));
+    // Untracked: released now, or, if that fails, by a later ReleaseRetiredChunks.
+    c->second.untracked = true;
+    absl::Status released = ReleaseChunk(addr);
+    if (!released.ok() && first.ok()) first = released;
   }
-  return absl::OkStatus();
+  return first;
 }
 
 void Pool::SettleExport(const std::vector<ExportedChunk>& exported, bool released) {
@@ -526,7 +533,7 @@ void Pool::SettleExport(const std::vector<ExportedChunk>& exported, bool release
     if (released) {
       if (chunk.importers > 0) --chunk.importers;
     } else {
-      MarkUntracked(chunk);
+      chunk.untracked = true;
     }
     absl::Status s = ReleaseRetiredChunks(e.addr, e.addr + chunk.size);
     if (!s.ok()) LogError(absl::StrCat("releasing exported memory: ", s.message()));
@@ -562,7 +569,7 @@ absl::Status Pool::EmptyCache() {
   VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
   VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
   VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
-  return ReleaseRetiredChunks(base_, base_ + reserve_size_);
+  return ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true);
 }
 
 void Pool::SetMemoryLimit(size_t bytes) {
@@ -607,7 +614,7 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   for (; c != chunks_.end() && c->first < block->end(); ++c) {
     if (chunks_.MarkExported(c, stats_)) RetireChunkSpace(c->first);
     // Conservative at once: if the export fails half way, some chunks may be out already.
-    if (use == ExportUse::kUntracked) MarkUntracked(c->second);
+    if (use == ExportUse::kUntracked) c->second.untracked = true;
     ExportedChunk e;
     e.id = c->second.id;
     e.addr = c->first;
@@ -669,17 +676,6 @@ absl::StatusOr<bool> Pool::SharesChunksLocked(const Block* block) const {
     if (Occupied(b)) return true;
   }
   return false;
-}
-
-void Pool::MarkUntracked(Chunk& chunk) {
-  if (chunk.untracked) return;
-  chunk.untracked = true;
-  untracked_bytes_ += chunk.size;
-}
-
-size_t Pool::SendBytesInUse() const {
-  MutexLock lock(&mu_);
-  return static_cast<size_t>(stats_.exported_bytes.current) - spare_bytes_ - untracked_bytes_;
 }
 
 absl::StatusOr<size_t> Pool::BlockSize(const void* ptr) {

@@ -49,8 +49,10 @@
 //   - kept *spare* once all have: AllocateShareable takes a spare chunk that fits before
 //     growing, gives it a fresh id (ExportObserver::ChunkRenamed: fds re-registered under a
 //     new key, so a descriptor of the earlier send fetches nothing) and makes no driver call.
-// A parked chunk whose send ends unreported (lease, forwarded) is released. Spare chunks go
-// back to the driver on EmptyCache and before a growth that fails for lack of memory.
+// A parked chunk whose send ends unreported (lease, forwarded) is released. Spare and parked
+// chunks go back to the driver on EmptyCache and before a growth that fails for lack of
+// memory (a parked chunk so released is not reused: its receivers' reports find it gone).
+// Only large-arena chunks become spare (AllocateShareable allocates there).
 //
 // Export invariant, continued. The pool knows nothing of handles, fds or descriptors: Export
 // marks chunks and lets a visitor see each chunk's physical handle under the pool's lock, and
@@ -202,10 +204,6 @@ class Pool {
   // is not the start of a live block.
   absl::StatusOr<size_t> BlockSize(const void* ptr);
 
-  // Bytes of the exported chunks that sends hold now: blocks moved for a send or being sent,
-  // chunks parked for their receivers; not spare chunks, nor those exported kUntracked.
-  size_t SendBytesInUse() const;
-
   PoolStats GetStats() const;
   void ResetPeakStats();
   void ResetAccumulatedStats();
@@ -274,14 +272,13 @@ class Pool {
   // Retires the free blocks inside the exported chunk at `chunk_addr`.
   void RetireChunkSpace(uintptr_t chunk_addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the exported chunks around [addr, end) that nothing uses any more, or keeps
-  // them parked or spare (file comment, "Reusing exported chunks").
-  absl::Status ReleaseRetiredChunks(uintptr_t addr, uintptr_t end)
+  // them parked or spare (file comment, "Reusing exported chunks"); `release_parked` releases
+  // parked ones too, giving up their reuse (EmptyCache, a failing growth).
+  absl::Status ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool release_parked = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A spare chunk of at least `n` bytes made a free block (fresh id, not cached: the caller
   // takes it at once), or nullptr if none.
   Block* TakeSpareChunk(size_t n, Stream stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks a chunk exported kUntracked (counted in untracked_bytes_ while it is mapped).
-  void MarkUntracked(Chunk& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases every spare chunk.
   absl::Status ReleaseSpareChunks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finishes the frees whose streams are done (StreamReclaim::ProcessPending + Recycle).
@@ -324,8 +321,6 @@ class Pool {
   // Spare chunks (exported, wholly retired, no importer left) by address, and their bytes.
   std::vector<uintptr_t> spare_ ABSL_GUARDED_BY(mu_);
   size_t spare_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // Bytes of exported chunks marked untracked (not counted by SendBytesInUse).
-  size_t untracked_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t memory_limit_ ABSL_GUARDED_BY(mu_) = 0;
   // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
   // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:

@@ -112,9 +112,25 @@ class SendLedger::Impl {
     auto it = holds_.find(key);
     if (it == holds_.end() || !SameNonce(it->second.nonce, nonce)) return false;
     if (report == SendReport::kImported) {
-      if (it->second.acked) return false;
+      if (it->second.acked) {
+        // A second import of one send (its payload imported twice): importers are no longer
+        // counted, so its memory must not be reused. Still NotFound for this ack.
+        if (it->second.settle) Erase(it, /*released=*/false, out);
+        return false;
+      }
       AckLocked(it->second, out);
-      if (!it->second.settle) Erase(it, /*released=*/false, out);
+      if (!it->second.settle) {
+        Erase(it, /*released=*/false, out);
+      } else {
+        // The receiver's release report is waited for kReportWait at most (it may keep the
+        // tensor for long: its memory is then its own, and the sender stops counting on it).
+        const absl::Time report_by = absl::Now() + send_ledger_internal::kReportWait;
+        if (report_by < it->second.deadline) {
+          deadlines_.erase({it->second.deadline, it->first});
+          it->second.deadline = report_by;
+          deadlines_.insert({report_by, it->first});
+        }
+      }
       return true;
     }
     if (report == SendReport::kReleased) ++stats_.released;
@@ -398,14 +414,15 @@ absl::Status SendLedger::Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
 absl::Status SendLedger::Report(uint64_t key, const std::array<uint8_t, 16>& nonce,
                                 SendReport report, RunOn run_on) {
   std::vector<Release> work;
-  if (!impl_->TakeReport(key, nonce, report, &work)) {
-    return absl::NotFoundError(absl::StrCat("no such hold: ", key));
+  const bool found = impl_->TakeReport(key, nonce, report, &work);
+  if (!work.empty()) {  // also for a NotFound duplicate ack, which settles the hold
+    if (run_on == RunOn::kReleaseThread) {
+      impl_->Enqueue(std::move(work));
+    } else {
+      impl_->Run(work);
+    }
   }
-  if (run_on == RunOn::kReleaseThread) {
-    impl_->Enqueue(std::move(work));
-  } else {
-    impl_->Run(work);
-  }
+  if (!found) return absl::NotFoundError(absl::StrCat("no such hold: ", key));
   return absl::OkStatus();
 }
 

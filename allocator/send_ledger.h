@@ -18,9 +18,12 @@
 // Reusing what was sent. A hold may also have a *settle* callback: then the hold stays after
 // the ack until the receiver reports that it has unmapped the memory (SendReport::kReleased,
 // settle(true)) or that it cannot tell (kForwarded: it sent the memory on; settle(false)), or
-// the lease ends (settle(false)). The pool uses it to reuse the chunks of a send only once no
-// receiver maps them (pool.h, "Reusing exported chunks"). A release report that comes before
-// the ack counts as both. Settles run like releases (exactly once, never in a forked child).
+// the lease ends, or kReportWait (30 s) after the ack, whichever is sooner (settle(false)).
+// The pool uses it to reuse the chunks of a send only once no receiver maps them (pool.h,
+// "Reusing exported chunks"). A release report that comes before the ack counts as both; a
+// second ack of one ticket (its payload imported twice) settles it as not released, since
+// its importers are no longer counted. Settles run like releases (exactly once, never in a
+// forked child).
 //
 // A ticket is an FdToken (fd_share.h) of kind kSendHold: the exporter's pid, boot hash and fd
 // server id address its socket as for fds, and its key and random 16-byte nonce name the hold
@@ -152,6 +155,9 @@ namespace send_ledger_internal {
 
 // The default lease, when VMM_SEND_LEASE_S is unset or malformed.
 inline constexpr absl::Duration kDefaultLease = absl::Seconds(600);
+// How long after its ack a hold with a settle waits for the receiver's release report (within
+// its lease); then it settles as not released.
+inline constexpr absl::Duration kReportWait = absl::Seconds(30);
 
 // Reads a lease in seconds, as VMM_SEND_LEASE_S holds it ("600", "0.5"). InvalidArgument,
 // naming the text, for anything but a positive finite number.

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "allocator/fork_guard.h"
 #include "allocator/log.h"
 #include "allocator/send_acker.h"
 #include "allocator/status_macros.h"
@@ -111,8 +112,9 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
         [self, ptr, keep = owner.keep]() {
           if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
         },
-        [pool = owner.pool, keep = owner.keep, chunks](bool released) {
-          pool->SettleExport(chunks, released);
+        [self, pool = owner.pool, keep = owner.keep, chunks](bool released) {
+          // Through the state: its device pools go with it (tests destroy states).
+          if (auto state = self.lock()) pool->SettleExport(chunks, released);
         });
     if (!ticket.ok()) {
       owner.pool->SettleExport(chunks, /*released=*/false);
@@ -175,12 +177,7 @@ absl::Status ProcessState::CheckSendNotReleased(const SendLedger::Ticket& ticket
 
 bool ProcessState::OverSendBudget() {
   const uint64_t budget = send_budget();
-  if (budget == 0) return false;
-  uint64_t bytes = 0;
-  for (const PoolRef& ref : AllPools()) {
-    if (ref.pool->handle_type() != HandleType::kNone) bytes += ref.pool->SendBytesInUse();
-  }
-  return bytes > budget;
+  return budget != 0 && SendLedger::Get().GetStats().held_bytes > budget;
 }
 
 bool ProcessState::WaitForSendRoom(absl::Duration stall) {
@@ -217,11 +214,17 @@ void ProcessState::ReceivedSend(int64_t import_id, const SendLedger::Ticket& tic
         ++live_tickets_[ticket];
       }
       // The release report goes with the mapping, after the unmap (queued under the lock, so
-      // the import cannot go in between), once no import of the same send is left here.
+      // the import cannot go in between), once no import of the same send is left here. Only
+      // by this process: a forked child's copy of the import is its parent's to report. And
+      // host-backend memory stays mapped in children forked since (MAP_SHARED), which nobody
+      // counts (a CUDA mapping is unusable in a forked child).
       it->second.buffer->OnUnmapped(
-          [self = std::weak_ptr<ProcessState*>(self_), ticket](bool forwarded) {
+          [self = std::weak_ptr<ProcessState*>(self_), ticket, host = it->second.host,
+           generation = ForkGeneration(), forks = ForksMade()](bool forwarded) {
+            if (ForkGeneration() != generation) return;
             auto state = self.lock();
             if (state != nullptr && !(*state)->UnmappedSend(ticket)) return;
+            if (host && ForksMade() != forks) forwarded = true;
             ReportSendLater(ticket,
                             forwarded ? SendReport::kForwarded : SendReport::kReleased);
           });

@@ -174,13 +174,14 @@ class ProcessState {
   // tensor: a send is imported once). Remembers the last kReleasedTicketsKept such tickets.
   absl::Status CheckSendNotReleased(const SendLedger::Ticket& ticket);
   static constexpr size_t kReleasedTicketsKept = 16384;
-  // The send budget: how many bytes the pools' sends may hold (Pool::SendBytesInUse, summed)
-  // before a sender waits. A small tensor sent alone takes a whole chunk (2 MiB on an H200),
-  // so a producer far ahead of its consumers would otherwise hold a chunk per tensor queued.
+  // The send budget: how many bytes this process's unacknowledged sends may hold (the ledger's
+  // held_bytes: whole chunks) before a sender waits. A small tensor sent alone takes a whole
+  // chunk (2 MiB on an H200), so a producer far ahead of its consumers would otherwise hold a
+  // chunk per tensor queued.
   // Default 1 GiB, or VMM_SEND_BUDGET (read once, when the state is made: bytes, K/M/G/T
   // suffixes; 0: no budget; malformed: warned once, the default). OverSendBudget: whether
   // they hold more now (no wait). WaitForSendRoom: waits while they hold more and memory keeps
-  // coming back (SendLedger::Progress: acknowledgements, release reports); it stops once none
+  // coming back (SendLedger::Progress: acknowledgements, lease ends); it stops once none
   // came for `stall` and does not wait again until some comes, so receivers that do not read
   // (a program that fills a queue before starting its consumers) never stop a sender for
   // long. Returns whether it waited.
