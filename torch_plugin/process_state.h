@@ -175,7 +175,8 @@ class ProcessState {
   absl::Status CheckSendNotReleased(const SendLedger::Ticket& ticket);
   static constexpr size_t kReleasedTicketsKept = 16384;
   // The send budget: how many bytes this process's unacknowledged sends may hold (the ledger's
-  // held_bytes: whole chunks) before a sender waits. A small tensor sent alone takes a whole
+  // held_bytes: whole chunks), with the blocks moved for a send and not yet exported (a
+  // queue's feeder thread may lag behind Queue.put), before a sender waits. A small tensor sent alone takes a whole
   // chunk (2 MiB on an H200), so a producer far ahead of its consumers would otherwise hold a
   // chunk per tensor queued.
   // Default 1 GiB, or VMM_SEND_BUDGET (read once, when the state is made: bytes, K/M/G/T
@@ -192,6 +193,9 @@ class ProcessState {
   // The free path: whether `ptr` is held by a send (then its free happens at the last
   // release, and the caller must not free it). One atomic load while nothing is held.
   bool DeferFreeIfHeld(const void* ptr) {
+    if (ABSL_PREDICT_FALSE(unsent_count_.load(std::memory_order_relaxed) != 0)) {
+      ForgetUnsent(ptr);  // a block moved for a send and freed before it went
+    }
     return ABSL_PREDICT_FALSE(holds_.any()) && holds_.DeferFree(ptr);
   }
   BlockHolds& block_holds() { return holds_; }
@@ -232,6 +236,14 @@ class ProcessState {
   // Imports by buffer address (several imports of one buffer share an address).
   std::multimap<DevPtr, int64_t> imports_by_ptr_ ABSL_GUARDED_BY(mu_);
   BlockHolds holds_;
+  // Blocks AllocateBeside made (moved for a send) that ExportSend has not exported yet: counted
+  // against the send budget until exported or freed.
+  void ForgetUnsent(const void* ptr);
+  Mutex unsent_mu_;
+  absl::flat_hash_map<const void*, uint64_t> unsent_ ABSL_GUARDED_BY(unsent_mu_);
+  std::atomic<uint64_t> unsent_count_{0};
+  std::atomic<uint64_t> unsent_bytes_{0};
+
   // An import of the send `ticket` was unmapped: false while other imports of it are left;
   // else remembers it released (CheckSendNotReleased) and returns true (report it).
   bool UnmappedSend(const SendLedger::Ticket& ticket);
