@@ -46,7 +46,7 @@ import threading
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -137,15 +137,17 @@ class _Preparer(pickle.Pickler):
 
     def __init__(self) -> None:
         super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
-        self.cuda_devices: Set[torch.device] = set()
+        #: CUDA device -> storage addresses of the vmm tensors prepared there.
+        self.cuda_bases: Dict[torch.device, List[int]] = {}
         self.found_vmm = False
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            if _prepare_tensor(obj):
+            base = _prepare_tensor(obj)
+            if base is not None:
                 self.found_vmm = True
                 if obj.is_cuda:
-                    self.cuda_devices.add(obj.device)
+                    self.cuda_bases.setdefault(obj.device, []).append(base)
             return _NOTHING
         kind = type(obj)
         if kind in ForkingPickler._extra_reducers or kind.__module__ == "numpy":
@@ -168,7 +170,8 @@ def prepare_send(obj: Any) -> bool:
     tensor that shares a physical chunk to memory of its own — here in the caller's thread and
     on its current stream, where the owner's work is ordered — and marks the chunks of one alone
     in them, so that nothing lands beside it before the feeder sends it. Then, for CUDA tensors,
-    synchronizes the current stream, so that the receiver reads what was written before put.
+    records an event on the current stream, which the feeder thread waits for before the send
+    goes, so that the receiver reads what was written before put.
     Last, if this process's unacknowledged sends hold more than the send budget, waits while
     their receivers acknowledge (sharing.set_send_budget). An object that cannot be pickled is
     left to the feeder (which reports it as before).
@@ -183,29 +186,35 @@ def prepare_send(obj: Any) -> bool:
             preparer.dump(obj)
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
             pass  # not picklable: the feeder thread fails on it as it would without vmm
-    for device in preparer.cuda_devices:
+    for device, bases in preparer.cuda_bases.items():
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
                                "stream captures a CUDA graph; send it after the capture")
-        torch.cuda.current_stream(device).synchronize()
+        # What the current stream wrote before put: the feeder thread waits for it before the
+        # send goes (sharing.wait_until_ready), this thread goes on.
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        for base in bases:
+            sharing.note_ready_event(base, event)
     if preparer.found_vmm:
         sharing.wait_for_send_room()
     return preparer.found_vmm
 
 
-def _prepare_tensor(tensor: torch.Tensor) -> bool:
-    """Prepares one tensor (see prepare_send); whether it is vmm memory."""
+def _prepare_tensor(tensor: torch.Tensor) -> Optional[int]:
+    """Prepares one tensor (see prepare_send); its storage address (after a move) if it is
+    vmm memory, else None."""
     if tensor.requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
     base = sharing.storage_address(tensor)
     kind = sharing.send_kind_marked(base)
     if kind == SEND_NOT_VMM:
-        return False
+        return None
     if kind == SEND_NOT_EXPORTABLE:
         sharing.send_payload(tensor, 0, SEND_NOT_EXPORTABLE)  # raises the one message
     elif kind == SEND_RELOCATE:
-        sharing.relocate_storage(tensor, base)
-    return True
+        base = sharing.relocate_storage(tensor, base)
+    return base
 
 
 _original_puts: Dict[type, Callable[..., Any]] = {}

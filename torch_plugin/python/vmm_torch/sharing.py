@@ -47,7 +47,7 @@ import multiprocessing.util
 import os
 import re
 import threading
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -195,7 +195,9 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
     source = libs.storage_bytes(t)
     nbytes = source.numel()
     stream = _current_stream(t)
-    ptr = _lib.check_pointer(libs.vmm.vmm_alloc_beside(base, max(nbytes, 1), stream), "send")
+    # With the GIL kept: a spare chunk makes it a few microseconds (pool.h), and releasing
+    # the GIL lets a busy feeder thread keep it for up to the switch interval.
+    ptr = _lib.check_pointer(libs.quick.vmm_alloc_beside(base, max(nbytes, 1), stream), "send")
     device = t.device if t.is_cuda else torch.device("cpu")
     try:
         donor = libs.wrap(ptr, nbytes, [nbytes], [1], 0, torch.uint8, device)
@@ -207,6 +209,38 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
         _lib.check(libs.quick.vmm_record_stream(base, stream), "send")
     libs.swap_storage(source, donor)  # donor now holds the old block, freed with it
     return ptr
+
+
+#: Storage address -> events Queue.put recorded after the writes a send of it must carry
+#: (reductions.prepare_send), for the queue's feeder thread; oldest first, at most
+#: READY_EVENTS_KEPT addresses (a put whose object is never pickled leaves its entry).
+_ready_events: "Dict[int, List[torch.cuda.Event]]" = {}
+_ready_lock = threading.Lock()
+READY_EVENTS_KEPT = 65536
+
+
+def note_ready_event(base: int, event: "torch.cuda.Event") -> None:
+    """Queue.put recorded `event` after the writes to the storage at `base`."""
+    with _ready_lock:
+        _ready_events.setdefault(base, []).append(event)
+        while len(_ready_events) > READY_EVENTS_KEPT:
+            del _ready_events[next(iter(_ready_events))]
+
+
+def _take_ready_events(base: int) -> "List[torch.cuda.Event]":
+    with _ready_lock:
+        return _ready_events.pop(base, [])
+
+
+def wait_until_ready(base: int, device: torch.device) -> None:
+    """In a queue's feeder thread: waits for the events Queue.put recorded for the storage at
+    `base` (the GIL released meanwhile); without any (a put that bypassed the patched method,
+    or an entry dropped), for all work on `device`."""
+    events = _take_ready_events(base)
+    if not events:
+        torch.cuda.synchronize(device)
+    for event in events:
+        event.synchronize()
 
 
 def export_send(base: int) -> Tuple[bytes, bytes]:
@@ -237,13 +271,18 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
     elif kind not in (SEND_IN_PLACE, SEND_IMPORT):
         raise ValueError(f"send kind {kind} of a tensor that is not vmm memory")
     in_feeder = threading.current_thread().name == FEEDER_THREAD
-    if t.is_cuda and not in_feeder:
-        # The receiver may read at once: what the current stream wrote must be done (a
-        # queue's put did this in the sending thread already).
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
-                               "stream captures a CUDA graph; send it after the capture")
-        torch.cuda.current_stream(t.device).synchronize()
+    if t.is_cuda:
+        # The receiver may read at once: what was written before the send must be done. A
+        # queue's put recorded an event for it in the sending thread; elsewhere the sending
+        # thread's current stream is synchronized here.
+        if in_feeder:
+            wait_until_ready(base, t.device)
+        else:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
+                                   "stream captures a CUDA graph; send it after the capture")
+            _take_ready_events(base)
+            torch.cuda.current_stream(t.device).synchronize()
     try:
         data, ticket = export_send(base)
     except _lib.VmmError as error:
