@@ -470,7 +470,9 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end) {
       doomed.push_back(c->first);
     } else if (chunk.importers > 0) {
       continue;  // parked: receivers have not reported yet
-    } else if (spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
+    } else if (c->first >= large_base_ &&
+               spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
+      // Only a chunk of the large arena: a shareable block (TakeSpareChunk) is a large one.
       chunk.spare = true;
       spare_.push_back(c->first);
       spare_bytes_ += chunk.size;
@@ -507,11 +509,16 @@ absl::Status Pool::ReleaseSpareChunks() {
   std::vector<uintptr_t> spare = std::move(spare_);
   spare_.clear();
   spare_bytes_ = 0;
+  // Every one leaves the spare list before any is released: one left by a failed release
+  // below is released by ReleaseRetiredChunks later, as any untracked retired chunk.
   for (uintptr_t addr : spare) {
     auto c = chunks_.find(addr);
     if (c == chunks_.end()) continue;
     c->second.spare = false;
-    MarkUntracked(c->second);  // released below, and by ReleaseRetiredChunks if that fails
+    MarkUntracked(c->second);
+  }
+  for (uintptr_t addr : spare) {
+    if (chunks_.find(addr) == chunks_.end()) continue;
     VMM_RETURN_IF_ERROR(ReleaseChunk(addr));
   }
   return absl::OkStatus();

@@ -109,7 +109,10 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
         [self, ptr, keep = owner.keep]() {
           if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
         },
-        [pool = owner.pool, keep = owner.keep, chunks](bool released) {
+        [self, pool = owner.pool, keep = owner.keep, chunks](bool released) {
+          // A device pool goes with its state (which tests make and drop; `keep` holds only
+          // an explicit pool): as for the release, a state destroyed first is not touched.
+          if (keep == nullptr && self.expired()) return;
           pool->SettleExport(chunks, released);
         });
     if (!ticket.ok()) {
