@@ -204,6 +204,11 @@ class Pool {
   // is not the start of a live block.
   absl::StatusOr<size_t> BlockSize(const void* ptr);
 
+  // Bytes of the exported chunks that sends hold now (walks the chunks; for tests and
+  // introspection): blocks moved for a send or being sent, chunks parked for their receivers;
+  // not spare chunks, nor chunks exported kUntracked.
+  size_t SendBytesInUse() const;
+
   PoolStats GetStats() const;
   void ResetPeakStats();
   void ResetAccumulatedStats();

@@ -127,6 +127,15 @@ std::string Pool::Summary() const {
   return out;
 }
 
+size_t Pool::SendBytesInUse() const {
+  MutexLock lock(&mu_);
+  size_t bytes = 0;
+  for (const auto& [addr, chunk] : chunks_) {
+    if (chunk.exported && !chunk.spare && !chunk.untracked) bytes += chunk.size;
+  }
+  return bytes;
+}
+
 absl::Status Pool::CheckInvariants() const {
   MutexLock lock(&mu_);
   auto fail = [](auto&&... parts) {
@@ -183,13 +192,34 @@ absl::Status Pool::CheckInvariants() const {
     }
   }
   int64_t reserved = 0, exported = 0, exported_count = 0;
+  size_t spare = 0, spare_count = 0;
   for (const auto& [addr, chunk] : chunks_) {
     reserved += static_cast<int64_t>(chunk.size);
     if (chunk.exported) {
       exported += static_cast<int64_t>(chunk.size);
       ++exported_count;
     }
+    if (chunk.untracked) {
+      if (!chunk.exported) return fail("untracked chunk ", absl::Hex(addr), " not exported");
+    }
+    if (chunk.spare) {
+      // Spare: exported, wholly retired, no receiver left, in the large arena's spare list.
+      if (!chunk.exported || chunk.untracked || chunk.importers != 0 || addr < large_base_) {
+        return fail("spare chunk ", absl::Hex(addr), " is not a reusable export");
+      }
+      if (std::find(spare_.begin(), spare_.end(), addr) == spare_.end()) {
+        return fail("spare chunk ", absl::Hex(addr), " missing from the spare list");
+      }
+      const Block* b = large_.BlockContaining(addr);
+      if (b == nullptr || b->state != BlockState::kRetired || b->end() < addr + chunk.size) {
+        return fail("spare chunk ", absl::Hex(addr), " is not wholly retired");
+      }
+      spare += chunk.size;
+      ++spare_count;
+    }
   }
+  if (spare_count != spare_.size()) return fail("spare list");
+  if (spare != spare_bytes_) return fail("spare bytes");
   if (live != static_cast<int64_t>(small_.live().count() + large_.live().count())) {
     return fail("the live-block index has extras");
   }

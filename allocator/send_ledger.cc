@@ -211,7 +211,9 @@ class SendLedger::Impl {
   }
 
   bool WaitForProgress(uint64_t since, absl::Duration timeout) {
-    const auto until = std::chrono::system_clock::now() + absl::ToChronoNanoseconds(timeout);
+    // As WaitUntilEmpty: absl::Time saturates (an infinite timeout waits for ever), where
+    // now() + nanoseconds::max() would overflow and not wait at all.
+    const auto until = absl::ToChronoTime(absl::Now() + timeout);
     MutexLock lock(&mu_);
     while (progress_count_ == since && std::chrono::system_clock::now() < until) {
       progress_->wait_until(mu_, until);  // unlocks mu_ while waiting

@@ -2,7 +2,9 @@
 // host backend, each with a driver of its own so that free memory can be checked exactly.
 #include "allocator/export_registry.h"
 
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "allocator/fd_share.h"
@@ -11,6 +13,7 @@
 #include "allocator/sharing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/status_matchers.h"
 
 namespace vmm {
 namespace {
@@ -131,6 +134,68 @@ TEST_F(ExportRegistryTest, FdExportsKeepOneAnchorPerDeviceWhilePoolsLive) {
   second.reset();
   EXPECT_EQ(registry().fd_anchors(), anchors_before) << "and goes with the last one";
   EXPECT_EQ(DeviceFree(), free_at_start_);
+}
+
+// A chunk reused after its send (pool.h, "Reusing exported chunks") keeps its fd, registered
+// afresh: the earlier send's descriptor fetches nothing, the next export's does, and the driver
+// exports nothing again.
+TEST_F(ExportRegistryTest, AReusedChunkKeepsItsFdUnderANewToken) {
+  auto pool = MakePool(HandleRequest::kPosixFd);
+  ASSERT_NE(pool, nullptr);
+  ASSERT_EQ(pool->handle_type(), HandleType::kPosixFd);
+  ASSERT_OK_AND_ASSIGN(void* p, pool->AllocateShareable(2 * kMiB, 0));
+  std::memset(p, 0x11, 2 * kMiB);
+  std::vector<ExportedChunk> first_chunks;
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor first, ExportBuffer(*pool, p, ExportNeighbours::kAllow,
+                                                            ExportUse::kTracked, &first_chunks));
+  ASSERT_EQ(first_chunks.size(), 1u);
+  ASSERT_EQ(first.handles().size(), 1u);
+  ASSERT_OK_AND_ASSIGN(const FdToken first_token, FdToken::Decode(first.handles()[0]));
+  const size_t fds = FdServer::Get().size();
+  const size_t cached = registry().cached_handles();
+  const int64_t driver_exports = pool->GetStats().driver_export;
+
+  // Freed, reported released by its receiver: spare, its fd still registered.
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(first_chunks, /*released=*/true);
+  EXPECT_EQ(FdServer::Get().size(), fds);
+  EXPECT_EQ(registry().cached_handles(), cached);
+  EXPECT_OK(FetchFds({first_token}).status()) << "spare: not yet renamed";
+
+  // Reused: the same fd under a new key; the old token is stale.
+  ASSERT_OK_AND_ASSIGN(void* q, pool->AllocateShareable(2 * kMiB, 0));
+  ASSERT_EQ(q, p);
+  ASSERT_EQ(pool->GetStats().num_export_reuses, 1);
+  EXPECT_EQ(FdServer::Get().size(), fds) << "the fd is kept, not closed and exported again";
+  EXPECT_EQ(registry().cached_handles(), cached);
+  EXPECT_THAT(FetchFds({first_token}), StatusIs(absl::StatusCode::kNotFound, HasSubstr("stale")));
+  EXPECT_THAT(ImportBuffer(driver_.get(), first).status(),
+              StatusIs(absl::StatusCode::kNotFound));
+  std::memset(q, 0x22, 2 * kMiB);
+  std::vector<ExportedChunk> second_chunks;
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor second, ExportBuffer(*pool, q, ExportNeighbours::kAllow,
+                                                             ExportUse::kTracked,
+                                                             &second_chunks));
+  ASSERT_EQ(second_chunks.size(), 1u);
+  EXPECT_NE(second_chunks[0].id, first_chunks[0].id);
+  EXPECT_EQ(pool->GetStats().driver_export, driver_exports) << "the cached fd was used";
+  EXPECT_EQ(FdServer::Get().size(), fds);
+  ASSERT_OK_AND_ASSIGN(const FdToken second_token, FdToken::Decode(second.handles()[0]));
+  EXPECT_NE(second_token.key, first_token.key);
+  EXPECT_NE(second_token.nonce, first_token.nonce);
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> imported,
+                         ImportBuffer(driver_.get(), second));
+    EXPECT_EQ(reinterpret_cast<const uint8_t*>(imported->ptr())[2 * kMiB - 1], 0x22);
+  }
+  // The second send ends: its chunk goes back to the driver with EmptyCache, fd and all.
+  ASSERT_OK(pool->Free(q));
+  pool->SettleExport(second_chunks, true);
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(FdServer::Get().size(), fds - 1);
+  EXPECT_EQ(registry().cached_handles(), cached - 1);
+  EXPECT_THAT(FetchFds({second_token}), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
 }
 
 // Without memory left for the anchor, exports still work (only slower on CUDA).

@@ -1,12 +1,13 @@
 // Fuzz target for what the fd server reads from other processes: a fetch request
-// (fd_share_internal::DecodeFdRequest) and an ack request (DecodeAckRequest); and for the
-// importer and the acknowledging receiver, an error reply (DecodeFdErrorReply), an ack reply
+// (fd_share_internal::DecodeFdRequest) and a report request of any kind (DecodeAckRequest:
+// "VMMACKRQ" acks, "VMMRELRQ" release and "VMMFWDRQ" forward reports); and for the importer
+// and the acknowledging receiver, an error reply (DecodeFdErrorReply), an ack reply
 // (DecodeAckReply) and a token or ticket (FdToken::Decode).
 //
-// Beyond "does not crash" (with ASan and UBSan): a request of either kind that decodes holds 1
-// to kMaxTokensPerRequest tokens and encodes back to exactly the input; a token and an ack
-// reply likewise; a rejected request is InvalidArgument with a message; an error reply never
-// reads as OK. A violation traps, so libFuzzer records the input.
+// Beyond "does not crash" (with ASan and UBSan): a request of any kind that decodes holds 1
+// to kMaxTokensPerRequest tokens and encodes back, with its kind (AckRequestKind), to exactly
+// the input; a token and an ack reply likewise; a rejected request is InvalidArgument with a
+// message; an error reply never reads as OK. A violation traps, so libFuzzer records the input.
 //
 // Built with --config=fuzz this links libFuzzer; otherwise fuzz_replay_main.cc supplies a
 // main() that runs the target over files (see fd_request_fuzzer_corpus_test).
@@ -55,12 +56,16 @@ void FuzzAckRequest(absl::Span<const uint8_t> bytes) {
     Check(!entries.status().message().empty(), "DecodeAckRequest failed without a message");
     return;
   }
-  Check(fd_share_internal::IsAckRequest(bytes), "an ack request the server would not route");
+  const std::optional<SendReport> kind = fd_share_internal::AckRequestKind(bytes);
+  Check(kind.has_value(), "an ack request the server would not route");
+  Check(fd_share_internal::IsAckRequest(bytes), "IsAckRequest disagrees with AckRequestKind");
   Check(!entries->empty() && entries->size() <= fd_share_internal::kMaxTokensPerRequest,
         "an ack request of no tokens, or of more than a request holds");
-  const std::vector<uint8_t> encoded = fd_share_internal::EncodeAckRequest(*entries);
+  const std::vector<uint8_t> encoded = fd_share_internal::EncodeAckRequest(*entries, *kind);
   Check(absl::MakeConstSpan(encoded) == bytes,
-        "EncodeAckRequest(DecodeAckRequest(bytes)) != bytes");
+        "EncodeAckRequest(DecodeAckRequest(bytes), AckRequestKind(bytes)) != bytes");
+  // A fetch request never reads as a report, nor the other way round.
+  Check(!fd_share_internal::DecodeFdRequest(bytes).ok(), "a report that is also a fetch");
 }
 
 // An ack reply read for the count its header claims (and for one entry).

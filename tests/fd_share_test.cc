@@ -421,6 +421,174 @@ TEST(AckRequestTest, RoundTripsAndIsStrict) {
               StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("status")));
 }
 
+// --- Report requests of every kind, and re-keyed fds ------------------------------------------
+
+TEST(AckRequestTest, EveryReportKindHasItsMagicAndRoundTrips) {
+  using fd_share_internal::AckRequestKind;
+  const std::vector<fd_share_internal::FdRequestEntry> entries = {
+      {7, {}}, {~uint64_t{0}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}}};
+  struct Case {
+    SendReport report;
+    const char* magic;
+  };
+  for (const Case& c : {Case{SendReport::kImported, "VMMACKRQ"},
+                        Case{SendReport::kReleased, "VMMRELRQ"},
+                        Case{SendReport::kForwarded, "VMMFWDRQ"}}) {
+    SCOPED_TRACE(c.magic);
+    const std::vector<uint8_t> bytes = fd_share_internal::EncodeAckRequest(entries, c.report);
+    ASSERT_GE(bytes.size(), 8u);
+    EXPECT_EQ(std::string(bytes.begin(), bytes.begin() + 8), c.magic);
+    EXPECT_EQ(AckRequestKind(bytes), c.report);
+    EXPECT_TRUE(fd_share_internal::IsAckRequest(bytes));
+    ASSERT_OK_AND_ASSIGN(const auto decoded, fd_share_internal::DecodeAckRequest(bytes));
+    EXPECT_EQ(decoded, entries);
+    EXPECT_EQ(fd_share_internal::EncodeAckRequest(decoded, c.report), bytes);
+    // The same entries under another kind are other bytes: the kind is not lost.
+    for (SendReport other :
+         {SendReport::kImported, SendReport::kReleased, SendReport::kForwarded}) {
+      if (other != c.report) {
+        EXPECT_NE(fd_share_internal::EncodeAckRequest(entries, other), bytes);
+      }
+    }
+    EXPECT_THAT(fd_share_internal::DecodeFdRequest(bytes),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("bad magic")));
+  }
+  EXPECT_EQ(fd_share_internal::EncodeAckRequest(entries),
+            fd_share_internal::EncodeAckRequest(entries, SendReport::kImported))
+      << "an ack by default";
+  // Other messages are no report request.
+  EXPECT_EQ(AckRequestKind(fd_share_internal::EncodeFdRequest(entries)), std::nullopt);
+  const std::vector<uint8_t> short_magic = {'V', 'M', 'M', 'R', 'E', 'L', 'R'};
+  EXPECT_EQ(AckRequestKind(short_magic), std::nullopt);
+  EXPECT_FALSE(fd_share_internal::IsAckRequest(short_magic));
+  const std::vector<uint8_t> near_miss = {'V', 'M', 'M', 'R', 'E', 'L', 'R', 'X', 1, 0, 0, 0};
+  EXPECT_EQ(AckRequestKind(near_miss), std::nullopt);
+  EXPECT_EQ(AckRequestKind({}), std::nullopt);
+}
+
+TEST(AckRequestTest, MalformedReportsAreRefusedNamingTheirKind) {
+  const std::vector<fd_share_internal::FdRequestEntry> one = {{1, {}}};
+  struct Case {
+    SendReport report;
+    const char* what;
+  };
+  for (const Case& c : {Case{SendReport::kReleased, "release report"},
+                        Case{SendReport::kForwarded, "forward report"}}) {
+    SCOPED_TRACE(c.what);
+    const std::vector<uint8_t> good = fd_share_internal::EncodeAckRequest(one, c.report);
+    std::vector<uint8_t> longer = good;
+    longer.push_back(0);
+    std::vector<uint8_t> no_tokens(good.begin(), good.begin() + 8);
+    no_tokens.insert(no_tokens.end(), {0, 0, 0, 0});
+    std::vector<uint8_t> too_many(good.begin(), good.begin() + 8);
+    too_many.insert(too_many.end(), {251, 0, 0, 0});
+    const std::vector<uint8_t> header_only(good.begin(), good.begin() + 8);
+    for (const std::vector<uint8_t>& bad : {longer, no_tokens, too_many, header_only}) {
+      EXPECT_THAT(fd_share_internal::DecodeAckRequest(bad),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(c.what)))
+          << bad.size() << " bytes";
+    }
+  }
+}
+
+TEST(FdServerTest, AMalformedReportGetsAnErrorAndItsConnectionCloses) {
+  const FdToken token = RegisterMarked(19);
+  ExpectErrorRepliesAndClose(
+      token,
+      {{'V', 'M', 'M', 'R', 'E', 'L', 'R', 'Q', 0, 0, 0, 0},
+       {'V', 'M', 'M', 'R', 'E', 'L', 'R', 'Q', 1, 0, 0, 0, 1, 2, 3}},
+      "release report");
+  ExpectErrorRepliesAndClose(token, {{'V', 'M', 'M', 'F', 'W', 'D', 'R', 'Q', 0, 0, 0, 0}},
+                             "forward report");
+  EXPECT_LT(FetchAndCheck(token, 19, milliseconds(3000)), milliseconds(1000));
+  FdServer::Get().Unregister(token.key);
+}
+
+// One connection acks, reports and fetches in turn; each report reaches the ledger as its kind.
+TEST(FdServerTest, OneConnectionMayAckReportAndFetchInTurn) {
+  const FdToken token = RegisterMarked(20);
+  std::atomic<int> released{0};
+  std::atomic<int> settled_true{0};
+  std::atomic<int> settled_false{0};
+  std::vector<FdToken> tickets;
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_OK_AND_ASSIGN(const SendLedger::Ticket bytes,
+                         SendLedger::Get().Hold(
+                             1, [&released] { ++released; },
+                             [&](bool r) { ++(r ? settled_true : settled_false); }));
+    ASSERT_OK_AND_ASSIGN(const FdToken ticket, FdToken::Decode(bytes));
+    tickets.push_back(ticket);
+  }
+  RawClient client(token);
+  ASSERT_TRUE(client.Connect());
+  auto exchange = [&](const std::vector<uint8_t>& request, size_t count) {
+    EXPECT_TRUE(client.Send(request));
+    absl::StatusOr<std::vector<uint8_t>> reply = client.Receive(milliseconds(2000));
+    EXPECT_OK(reply);
+    absl::StatusOr<std::vector<bool>> done =
+        reply.ok() ? fd_share_internal::DecodeAckReply(*reply, count)
+                   : absl::StatusOr<std::vector<bool>>(reply.status());
+    EXPECT_OK(done);
+    return done.ok() ? *done : std::vector<bool>{};
+  };
+  EXPECT_EQ(exchange(fd_share_internal::EncodeAckRequest(
+                         {EntryOf(tickets[0]), EntryOf(tickets[1])}),
+                     2),
+            (std::vector<bool>{true, true}));
+  // An fd's key names no hold, for a report either.
+  EXPECT_EQ(exchange(fd_share_internal::EncodeAckRequest(
+                         {EntryOf(token), EntryOf(tickets[0])}, SendReport::kReleased),
+                     2),
+            (std::vector<bool>{false, true}));
+  EXPECT_EQ(exchange(fd_share_internal::EncodeAckRequest({EntryOf(tickets[1]), EntryOf(tickets[0])},
+                                                         SendReport::kForwarded),
+                     2),
+            (std::vector<bool>{true, false}));
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_EQ(released.load(), 2);
+  EXPECT_EQ(settled_true.load(), 1);
+  EXPECT_EQ(settled_false.load(), 1);
+  ASSERT_TRUE(client.Send(fd_share_internal::EncodeFdRequest({EntryOf(token)})));
+  EXPECT_TRUE(IsOkReply(client.Receive(milliseconds(2000))));
+  FdServer::Get().Unregister(token.key);
+}
+
+TEST(FdServerTest, RekeyGivesTheSameFileANewTokenAndTheOldOneGoesStale) {
+  const FdToken old_token = RegisterMarked(21);
+  const size_t registered = FdServer::Get().size();
+  ASSERT_OK_AND_ASSIGN(const FdToken new_token, FdServer::Get().Rekey(old_token.key));
+  EXPECT_EQ(FdServer::Get().size(), registered) << "the same fd, not another";
+  EXPECT_NE(new_token.key, old_token.key);
+  EXPECT_NE(new_token.nonce, old_token.nonce);
+  EXPECT_EQ(new_token.pid, old_token.pid);
+  EXPECT_EQ(new_token.boot_hash, old_token.boot_hash);
+  EXPECT_EQ(new_token.server_id, old_token.server_id);
+  EXPECT_NE(new_token.fd, old_token.fd) << "a new number: pidfd_getfd fetches by number";
+  EXPECT_EQ(new_token.kind, FdToken::Kind::kFd);
+  // The new token fetches the file, locally and over the socket; the old one nothing.
+  EXPECT_LT(FetchAndCheck(new_token, 21, milliseconds(3000)), milliseconds(1000));
+  ASSERT_OK_AND_ASSIGN(std::vector<UniqueFd> local, FetchFds({new_token}));
+  ASSERT_EQ(local.size(), 1u);
+  EXPECT_EQ(FirstByte(local[0]), 21);
+  EXPECT_THAT(fd_share_internal::FetchFdsBySocket({old_token}, milliseconds(3000)),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("stale")));
+  EXPECT_THAT(FetchFds({old_token}), StatusIs(absl::StatusCode::kNotFound, HasSubstr("stale")));
+  EXPECT_EQ(FdServer::Get().LookupLocal(old_token), -1);
+  // The old token's key, a key never given and a token of an old nonce are no longer there.
+  EXPECT_THAT(FdServer::Get().Rekey(old_token.key), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(FdServer::Get().Rekey(~uint64_t{0}), StatusIs(absl::StatusCode::kNotFound));
+  FdToken old_nonce = new_token;
+  old_nonce.nonce = old_token.nonce;
+  EXPECT_THAT(FetchFds({old_nonce}), StatusIs(absl::StatusCode::kNotFound));
+  // Re-keyed again, then unregistered: nothing is left.
+  ASSERT_OK_AND_ASSIGN(const FdToken third, FdServer::Get().Rekey(new_token.key));
+  EXPECT_THAT(FetchFds({new_token}), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_LT(FetchAndCheck(third, 21, milliseconds(3000)), milliseconds(1000));
+  FdServer::Get().Unregister(third.key);
+  EXPECT_EQ(FdServer::Get().size(), registered - 1);
+  EXPECT_THAT(FetchFds({third}), StatusIs(absl::StatusCode::kNotFound));
+}
+
 // The highest fd open in this process.
 int HighestOpenFd() {
   int highest = 2;

@@ -56,7 +56,7 @@ TEST(PoolOptionsTest, EveryKeyIsApplied) {
   absl::StatusOr<PoolOptions> o = ParsePoolOptions(
       "handle_type=posix_fd, reserve_size=8G, memory_limit=40G, release_threshold=1G,"
       "small_size=512K, small_chunk=4M, growth_fraction=0.1, max_growth_extra=128M,"
-      "max_chunk=1G, peer_devices=1:2");
+      "max_chunk=1G, peer_devices=1:2, spare_export_bytes=16M");
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->handle_type, HandleRequest::kPosixFd);
   EXPECT_EQ(o->reserve_size, size_t{8} << 30);
@@ -68,9 +68,34 @@ TEST(PoolOptionsTest, EveryKeyIsApplied) {
   EXPECT_EQ(o->max_growth_extra, size_t{128} << 20);
   EXPECT_EQ(o->max_chunk, size_t{1} << 30);
   EXPECT_EQ(o->peer_devices, (std::vector<int>{1, 2}));
+  EXPECT_EQ(o->spare_export_bytes, size_t{16} << 20);
   for (const char* name : {"auto", "none", "fabric"}) {
     EXPECT_TRUE(ParsePoolOptions(std::string("handle_type=") + name).ok()) << name;
   }
+}
+
+// Exported chunks kept for reuse (pool.h): 64 MiB unless told; 0 turns the reuse off.
+TEST(PoolOptionsTest, SpareExportBytesDefaultsTo64MiBAndMayBeZero) {
+  EXPECT_EQ(PoolOptions().spare_export_bytes, size_t{64} << 20);
+  absl::StatusOr<PoolOptions> o = ParsePoolOptions("");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->spare_export_bytes, size_t{64} << 20);
+  o = ParsePoolOptions("spare_export_bytes=0");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->spare_export_bytes, 0u);
+  o = ParsePoolOptions("spare_export_bytes=1G");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->spare_export_bytes, size_t{1} << 30);
+  for (const char* bad : {"spare_export_bytes=-1", "spare_export_bytes=lots",
+                          "spare_export_bytes=1.5G", "spare_export_bytes"}) {
+    o = ParsePoolOptions(bad);
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(o.status().message(), HasSubstr("spare_export_bytes")) << bad;
+  }
+  EXPECT_THAT(ParsePoolOptions("spare_export_bytes=1M,spare_export_bytes=2M").status().message(),
+              HasSubstr("spare_export_bytes is given twice"));
+  // An unknown key's message lists it among the options.
+  EXPECT_THAT(ParsePoolOptions("spare=1").status().message(), HasSubstr("spare_export_bytes"));
 }
 
 TEST(PoolOptionsTest, MalformedTextIsAnErrorNamingIt) {

@@ -696,14 +696,32 @@ TEST_F(PoolTest, ExportAloneRefusesABlockWithALiveNeighbour) {
 // One thread allocates small blocks while another exports fresh blocks alone: an allocation
 // can never land beside a block between the check and the export, so every block exported
 // alone has no live neighbour in its chunks (none can arrive later: the chunks are retired).
+// Every 40th round the allocating thread first frees all its blocks and waits, so that some
+// exports succeed whatever the scheduling (otherwise, once its blocks share the exporter's
+// chunk, every export may be refused and the success path never runs).
 TEST_F(PoolTest, ExportAloneRacesNoAllocationIntoTheBlocksChunks) {
   auto pool = MakePool();
   if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
   std::atomic<bool> stop{false};
+  std::atomic<bool> drain{false};
+  std::atomic<bool> drained{false};
+  std::atomic<bool> finished{false};  // the allocating thread returned (a failed assertion too)
   std::thread allocator([&] {
+    struct Finished {
+      std::atomic<bool>& flag;
+      ~Finished() { flag.store(true); }
+    } finished_on_return{finished};
     std::deque<void*> live;
     size_t i = 0;
     while (!stop.load(std::memory_order_relaxed)) {
+      if (drain.load()) {
+        for (void* p : live) ASSERT_OK(pool->Free(p));
+        live.clear();
+        drained.store(true);
+        while (drain.load() && !stop.load()) std::this_thread::yield();
+        drained.store(false);
+        continue;
+      }
       absl::StatusOr<void*> p = pool->Allocate(512 + (i++ % 16) * 512, 0);
       ASSERT_OK(p.status());
       live.push_back(*p);
@@ -717,10 +735,19 @@ TEST_F(PoolTest, ExportAloneRacesNoAllocationIntoTheBlocksChunks) {
   int exported = 0;
   int refused = 0;
   for (int i = 0; i < 400; ++i) {
+    const bool alone = i % 40 == 0;
+    if (alone) {
+      drain.store(true);
+      while (!drained.load() && !finished.load()) std::this_thread::yield();
+    }
     void* fresh = Alloc(*pool, 256 * 1024);
     ASSERT_NE(fresh, nullptr);
     absl::StatusOr<ExportedBlock> e =
         pool->Export(fresh, HandleType::kNone, ExportNeighbours::kRefuse);
+    if (alone) {
+      EXPECT_OK(e.status()) << "iteration " << i << ": no other block was live";
+      drain.store(false);
+    }
     if (e.ok()) {
       ++exported;
       EXPECT_FALSE(Shares(*pool, fresh)) << "iteration " << i << ": exported with a neighbour";

@@ -9,8 +9,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
+#include "allocator/import_closer.h"
+#include "allocator/mutex.h"
+#include "allocator/send_acker.h"
 #include "allocator/send_ledger.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -221,6 +226,9 @@ TEST_F(ProcessStateTest, ASentBlockIsFreedOnlyOnceItsReceiverAcknowledges) {
   EXPECT_EQ(reinterpret_cast<const uint8_t*>(info->ptr)[0], 0x5a) << "the import is its own";
   EXPECT_EQ(AckSend(send->ticket).code(), absl::StatusCode::kNotFound) << "only once";
   ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  // A second ack settled it (as a payload imported twice): the report finds nothing.
+  EXPECT_EQ(ReportSends({send->ticket}, SendReport::kReleased).code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST_F(ProcessStateTest, BlocksSharingAChunkAreRelocatedNotSentInPlace) {
@@ -280,6 +288,295 @@ TEST_F(ProcessStateTest, AnImportIsForwardedAndHeldUntilAcknowledged) {
   ASSERT_TRUE(AckSend(forward->ticket).ok());
   ASSERT_TRUE(state_.AddImportRef(*third, -1).ok());
   EXPECT_EQ(state_.import_count(), 0u) << "the forwarding hold ended with the acknowledgement";
+}
+
+TEST_F(ProcessStateTest, ASmallBlockIsRelocatedEvenAloneAndPrepareMarksNothing) {
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> small = state_.PoolAllocate(*id, 4096, 0, false);
+  ASSERT_TRUE(small.ok()) << small.status();
+  Pool* pool = state_.Owner(*small).pool;
+  ASSERT_TRUE(pool->InSmallArena(*small));
+  ASSERT_FALSE(*pool->SharesChunks(*small)) << "alone in its chunk";
+  EXPECT_EQ(state_.KindOfSend(*small), ProcessState::SendKind::kRelocate);
+  EXPECT_EQ(state_.PrepareSend(*small), ProcessState::SendKind::kRelocate);
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, 0) << "its small chunk was marked";
+  // A large block alone is sent in place; PrepareSend marks its chunk so that it stays alone.
+  absl::StatusOr<void*> large = state_.PoolAllocate(*id, 4 * kMiB, 0, false);
+  ASSERT_TRUE(large.ok()) << large.status();
+  ASSERT_FALSE(pool->InSmallArena(*large));
+  EXPECT_EQ(state_.KindOfSend(*large), ProcessState::SendKind::kInPlace);
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, 0) << "KindOfSend marks nothing";
+  EXPECT_EQ(state_.PrepareSend(*large), ProcessState::SendKind::kInPlace);
+  EXPECT_GE(pool->GetStats().exported_bytes.current, static_cast<int64_t>(4 * kMiB));
+  // Where a small block moves: a shareable block, sent in place.
+  absl::StatusOr<void*> moved = state_.AllocateBeside(*small, 4096, 0);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_FALSE(pool->InSmallArena(*moved));
+  EXPECT_EQ(state_.KindOfSend(*moved), ProcessState::SendKind::kInPlace);
+  for (void* p : {*small, *large, *moved}) ASSERT_TRUE(state_.FreeBlock(p).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+// --- What receivers report, and the send budget --------------------------------------------
+
+// Records a ledger hold's release and settle, in order.
+class Journal {
+ public:
+  void Add(const char* what) {
+    MutexLock lock(&mu_);
+    entries_.push_back(what);
+  }
+  std::vector<std::string> entries() {
+    MutexLock lock(&mu_);
+    return entries_;
+  }
+
+ private:
+  Mutex mu_;
+  std::vector<std::string> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+SendLedger::Ticket HoldSettled(Journal* journal) {
+  absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(
+      1, [journal] { journal->Add("release"); },
+      [journal](bool released) { journal->Add(released ? "settle(true)" : "settle(false)"); });
+  EXPECT_TRUE(ticket.ok()) << ticket.status();
+  return ticket.ok() ? *ticket : SendLedger::Ticket{};
+}
+
+TEST_F(ProcessStateTest, ASendReceivedByNoImportIsReportedReleasedAtOnce) {
+  Journal journal;
+  const SendLedger::Ticket ticket = HoldSettled(&journal);
+  state_.ReceivedSend(/*import_id=*/987654321, ticket);
+  EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
+  EXPECT_EQ(journal.entries(), (std::vector<std::string>{"release", "settle(true)"}));
+  EXPECT_EQ(AckSend(ticket).code(), absl::StatusCode::kNotFound) << "the hold is gone";
+}
+
+TEST_F(ProcessStateTest, AReceiverThatUnmapsASendLetsTheSenderReuseItsChunk) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(p.ok()) << p.status();
+  std::memset(*p, 0x44, kMiB);
+  Pool* pool = state_.Owner(*p).pool;
+  const SendLedger::Stats before = SendLedger::Get().GetStats();
+  absl::StatusOr<ProcessState::Send> send = state_.ExportSend(*p);
+  ASSERT_TRUE(send.ok()) << send.status();
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());  // deferred until the ack
+  absl::StatusOr<int64_t> import =
+      state_.Import(send->descriptor.Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(import.ok()) << import.status();
+  state_.ReceivedSend(*import, send->ticket);
+  EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
+  // Acknowledged: the block is freed, its chunk parked while the receiver maps it.
+  EXPECT_EQ(state_.block_holds().held(), 0u);
+  EXPECT_EQ(pool->GetStats().allocated_bytes.current, 0);
+  EXPECT_EQ(pool->SendBytesInUse(), 2 * kMiB);
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, before.awaiting_release + 1);
+  // The receiver drops its import: closed on the closing thread, then reported released.
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  EXPECT_EQ(FlushCloses(absl::Seconds(5)), 0u);
+  EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, before.awaiting_release);
+  EXPECT_EQ(SendLedger::Get().GetStats().released, before.released + 1);
+  EXPECT_EQ(pool->SendBytesInUse(), 0u) << "spare, not a send's";
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(2 * kMiB));
+  // The next send's block takes the chunk.
+  absl::StatusOr<void*> q = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(q.ok()) << q.status();
+  EXPECT_EQ(*q, *p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 1);
+  ASSERT_TRUE(state_.FreeBlock(*q).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(ProcessStateTest, AReceiverThatSendsTheMemoryOnMakesTheSenderReleaseIt) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(p.ok()) << p.status();
+  Pool* pool = state_.Owner(*p).pool;
+  const SendLedger::Stats before = SendLedger::Get().GetStats();
+  absl::StatusOr<ProcessState::Send> send = state_.ExportSend(*p);
+  ASSERT_TRUE(send.ok()) << send.status();
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  absl::StatusOr<int64_t> import =
+      state_.Import(send->descriptor.Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(import.ok()) << import.status();
+  state_.ReceivedSend(*import, send->ticket);
+  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
+  ASSERT_TRUE(info.ok());
+  absl::StatusOr<ProcessState::Send> forward =
+      state_.ExportSend(reinterpret_cast<const void*>(info->ptr));
+  ASSERT_TRUE(forward.ok()) << forward.status();
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());  // the forward's hold keeps it
+  ASSERT_TRUE(AckSend(forward->ticket).ok());          // its receiver acknowledges
+  EXPECT_EQ(state_.import_count(), 0u);
+  EXPECT_EQ(FlushCloses(absl::Seconds(5)), 0u);
+  EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
+  // Reported forwarded: nobody counts the memory's importers, so it is not reused.
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, before.awaiting_release);
+  EXPECT_EQ(SendLedger::Get().GetStats().released, before.released);
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0) << "kept after a forward";
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  absl::StatusOr<void*> q = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(q.ok());
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 0);
+  ASSERT_TRUE(state_.FreeBlock(*q).ok());
+}
+
+TEST_F(ProcessStateTest, TheSendBudgetComesFromTheEnvironment) {
+  struct Case {
+    const char* value;
+    uint64_t budget;
+  };
+  for (const Case& c : {Case{nullptr, uint64_t{1} << 30}, Case{"64M", uint64_t{64} << 20},
+                        Case{"0", 0}, Case{"lots", uint64_t{1} << 30}, Case{"", uint64_t{1} << 30}}) {
+    if (c.value != nullptr) {
+      setenv("VMM_SEND_BUDGET", c.value, 1);
+    } else {
+      unsetenv("VMM_SEND_BUDGET");
+    }
+    ProcessState state;
+    EXPECT_EQ(state.send_budget(), c.budget) << (c.value != nullptr ? c.value : "(unset)");
+  }
+  unsetenv("VMM_SEND_BUDGET");
+  state_.SetSendBudget(12345);
+  EXPECT_EQ(state_.send_budget(), 12345u);
+}
+
+// The budget counts unacknowledged sends (the ledger's held bytes: whole chunks) and blocks
+// moved for a send that have not gone yet; the ledger is the process's, so the budget is set
+// above what other tests left held.
+TEST_F(ProcessStateTest, OverSendBudgetCountsUnacknowledgedSendsAndMovesNotYetSent) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  const uint64_t base = SendLedger::Get().GetStats().held_bytes;
+  state_.SetSendBudget(base + 3 * kMiB);
+  EXPECT_FALSE(state_.OverSendBudget());
+  absl::StatusOr<void*> a = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(a.ok());
+  EXPECT_FALSE(state_.OverSendBudget()) << "memory nobody sends";
+  absl::StatusOr<void*> moved = state_.AllocateBeside(*a, kMiB, 0);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_FALSE(state_.OverSendBudget()) << "2 MiB of 3";
+  absl::StatusOr<void*> moved2 = state_.AllocateBeside(*a, kMiB, 0);
+  ASSERT_TRUE(moved2.ok()) << moved2.status();
+  EXPECT_TRUE(state_.OverSendBudget()) << "4 MiB of 3";
+  ASSERT_TRUE(state_.FreeBlock(*moved2).ok());
+  EXPECT_FALSE(state_.OverSendBudget()) << "freed before it went";
+  absl::StatusOr<ProcessState::Send> first = state_.ExportSend(*moved);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_FALSE(state_.OverSendBudget()) << "sent: counted once, as held";
+  absl::StatusOr<ProcessState::Send> second = state_.ExportSend(*a);
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_TRUE(state_.OverSendBudget()) << "two unacknowledged sends of 2 MiB";
+  ASSERT_TRUE(AckSend(second->ticket).ok());
+  EXPECT_FALSE(state_.OverSendBudget()) << "what a receiver imported is its own";
+  ASSERT_TRUE(AckSend(first->ticket).ok());
+  state_.SetSendBudget(base + kMiB);
+  absl::StatusOr<void*> moved3 = state_.AllocateBeside(*a, kMiB, 0);
+  ASSERT_TRUE(moved3.ok());
+  EXPECT_TRUE(state_.OverSendBudget());
+  state_.SetSendBudget(0);
+  EXPECT_FALSE(state_.OverSendBudget()) << "no budget";
+  const absl::Time start = absl::Now();
+  EXPECT_FALSE(state_.WaitForSendRoom(absl::Seconds(10)));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  for (void* p : {*a, *moved, *moved3}) ASSERT_TRUE(state_.FreeBlock(p).ok());
+  for (const auto& send : {*first, *second}) {
+    (void)ReportSends({send.ticket}, SendReport::kReleased);
+  }
+}
+
+// Over the budget with no memory coming back, a sender waits `stall` once, then not again
+// until some comes back.
+TEST_F(ProcessStateTest, WaitForSendRoomStopsWaitingOnceStalled) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(p.ok());
+  absl::StatusOr<ProcessState::Send> send = state_.ExportSend(*p);  // never acknowledged here
+  ASSERT_TRUE(send.ok()) << send.status();
+  state_.SetSendBudget(SendLedger::Get().GetStats().held_bytes - 1);
+  ASSERT_TRUE(state_.OverSendBudget());
+  absl::Time start = absl::Now();
+  EXPECT_TRUE(state_.WaitForSendRoom(absl::Milliseconds(150))) << "it did not wait";
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(140));
+  start = absl::Now();
+  for (int i = 0; i < 3; ++i) EXPECT_FALSE(state_.WaitForSendRoom(absl::Milliseconds(150)));
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(140)) << "waited again while stalled";
+  // Memory comes back somewhere (any release or settle of the ledger): it waits again.
+  Journal journal;
+  const SendLedger::Ticket other = HoldSettled(&journal);
+  ASSERT_TRUE(AckSend(other).ok());
+  start = absl::Now();
+  EXPECT_TRUE(state_.WaitForSendRoom(absl::Milliseconds(150)));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(140));
+  EXPECT_FALSE(state_.WaitForSendRoom(absl::Milliseconds(150)));
+  ASSERT_TRUE(AckSend(send->ticket).ok());
+  EXPECT_FALSE(state_.OverSendBudget());
+  EXPECT_FALSE(state_.WaitForSendRoom(absl::Milliseconds(150)));
+  ASSERT_TRUE(ReportSends({other}, SendReport::kReleased).ok());
+  EXPECT_EQ(journal.entries(), (std::vector<std::string>{"release", "settle(true)"}));
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  (void)ReportSends({send->ticket}, SendReport::kReleased);
+}
+
+// While receivers keep acknowledging, a sender waits until its sends hold no more than the
+// budget.
+TEST_F(ProcessStateTest, WaitForSendRoomWaitsWhileMemoryComesBack) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(p.ok());
+  absl::StatusOr<ProcessState::Send> send = state_.ExportSend(*p);
+  ASSERT_TRUE(send.ok()) << send.status();
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  state_.SetSendBudget(SendLedger::Get().GetStats().held_bytes - 1);
+  ASSERT_TRUE(state_.OverSendBudget());
+  // Another send is acknowledged after 150 ms (memory comes back, still over), this one after
+  // 300 ms (under).
+  Journal journal;
+  const SendLedger::Ticket other = HoldSettled(&journal);
+  std::thread receiver([&] {
+    absl::SleepFor(absl::Milliseconds(150));
+    EXPECT_TRUE(AckSend(other).ok());
+    absl::SleepFor(absl::Milliseconds(150));
+    EXPECT_TRUE(AckSend(send->ticket).ok());
+  });
+  const absl::Time start = absl::Now();
+  EXPECT_TRUE(state_.WaitForSendRoom(absl::Milliseconds(250)));
+  const absl::Duration waited = absl::Now() - start;
+  receiver.join();
+  EXPECT_GE(waited, absl::Milliseconds(280)) << "returned before this send's ack";
+  EXPECT_LT(waited, absl::Milliseconds(550)) << "stalled although memory came back";
+  EXPECT_FALSE(state_.OverSendBudget());
+  (void)ReportSends({send->ticket, other}, SendReport::kReleased);
+}
+
+// Tests make and drop states: a send of a device pool's block that outlives its state must
+// touch nothing of it when its receiver reports (the state's device pools are gone).
+TEST(ProcessStateLifetimeTest, AReportAfterTheStateIsGoneTouchesNothingOfIt) {
+  setenv("VMM_BACKEND", "host", 1);
+  SendLedger::Ticket ticket{};
+  {
+    ProcessState state;
+    ASSERT_TRUE(state.Configure("reserve_size=256M,handle_type=posix_fd").ok());
+    absl::StatusOr<void*> p = state.DeviceAllocate(0, 4096, 0);
+    ASSERT_TRUE(p.ok()) << p.status();
+    absl::StatusOr<void*> moved = state.AllocateBeside(*p, 4096, 0);
+    ASSERT_TRUE(moved.ok()) << moved.status();
+    absl::StatusOr<ProcessState::Send> send = state.ExportSend(*moved);
+    ASSERT_TRUE(send.ok()) << send.status();
+    ticket = send->ticket;
+    ASSERT_TRUE(AckSend(ticket).ok());  // released: the block is freed, its chunk parked
+    ASSERT_TRUE(state.FreeBlock(*p).ok());
+  }  // the device pool goes with the state
+  unsetenv("VMM_BACKEND");
+  EXPECT_TRUE(ReportSends({ticket}, SendReport::kReleased).ok());
 }
 
 }  // namespace

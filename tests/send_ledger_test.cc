@@ -75,6 +75,8 @@ class SendLedgerTest : public ::testing::Test {
   void TearDown() override {
     SendLedger::Get().SetLease(lease_);
     EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+    EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, 0u)
+        << "a test left an acknowledged hold waiting for its release report";
   }
 
   // A hold of `bytes` whose release counts into `runs`.
@@ -518,6 +520,286 @@ TEST_F(SendLedgerTest, ASlowReleaseDelaysNoFetch) {
   EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u) << "it waits for releases";
   EXPECT_TRUE(finished.load());
   FdServer::Get().Unregister(fd_token.key);
+}
+
+// --- Settles: holds that wait for the receiver's release report -----------------------------
+
+// What a hold's release and settle did, in order: "release", "settle(true)", "settle(false)".
+class Journal {
+ public:
+  void Add(std::string what) {
+    MutexLock lock(&mu_);
+    entries_.push_back(std::move(what));
+  }
+  std::vector<std::string> entries() {
+    MutexLock lock(&mu_);
+    return entries_;
+  }
+
+ private:
+  Mutex mu_;
+  std::vector<std::string> entries_ ABSL_GUARDED_BY(mu_);
+};
+
+// A hold of `bytes` with a settle, both recorded in `journal`.
+Ticket HoldSettled(uint64_t bytes, Journal* journal) {
+  absl::StatusOr<Ticket> ticket = SendLedger::Get().Hold(
+      bytes, [journal] { journal->Add("release"); },
+      [journal](bool released) { journal->Add(released ? "settle(true)" : "settle(false)"); });
+  EXPECT_OK(ticket);
+  return ticket.ok() ? *ticket : Ticket{};
+}
+
+// Reports `report` on `ticket` from a forked child; the status code it got.
+absl::StatusCode ReportFromChild(const Ticket& ticket, SendReport report) {
+  return static_cast<absl::StatusCode>(
+      InForkedChild([&] { return CodeOf(ReportSends({ticket}, report)); }));
+}
+
+using ::testing::ElementsAre;
+
+TEST_F(SendLedgerTest, AnAckedSettledHoldWaitsForItsReleaseReport) {
+  Journal journal;
+  const Ticket ticket = HoldSettled(1000, &journal);
+  EXPECT_EQ(SendLedger::Get().GetStats().held, 1u);
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  // The ack ends what the sender waits for: WaitUntilEmpty returns once the release ran.
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_THAT(journal.entries(), ElementsAre("release"));
+  SendLedger::Stats stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.held, 0u);
+  EXPECT_EQ(stats.held_bytes, 0u);
+  EXPECT_EQ(stats.awaiting_release, 1u);
+  EXPECT_EQ(stats.acked, before_.acked + 1);
+  EXPECT_EQ(stats.released, before_.released);
+  EXPECT_NE(SendLedger::Get().NextDeadline(), absl::InfiniteFuture()) << "its lease still runs";
+  EXPECT_LE(SendLedger::Get().NextDeadline(), absl::Now() + send_ledger_internal::kReportWait)
+      << "the release report is waited for kReportWait at most";
+
+  EXPECT_EQ(ReportFromChild(ticket, SendReport::kReleased), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);  // the release thread
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
+  stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.awaiting_release, 0u);
+  EXPECT_EQ(stats.released, before_.released + 1);
+  EXPECT_EQ(stats.acked, before_.acked + 1);
+  EXPECT_EQ(stats.expired, before_.expired);
+  EXPECT_EQ(SendLedger::Get().NextDeadline(), absl::InfiniteFuture());
+  // The hold is gone: every later report is stale.
+  EXPECT_EQ(ReportFromChild(ticket, SendReport::kReleased), absl::StatusCode::kNotFound);
+  EXPECT_THAT(ReportSends({ticket}, SendReport::kForwarded),
+              StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kNotFound);
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
+}
+
+TEST_F(SendLedgerTest, ASecondAckIsRefusedAndSettlesAsNotReleased) {
+  // Its payload was imported twice: the importers are no longer counted, so the memory must
+  // not be reused (settle(false)), and the release does not run again.
+  Journal journal;
+  const Ticket ticket = HoldSettled(1000, &journal);
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_THAT(journal.entries(), ElementsAre("release"));
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kNotFound);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);  // the release thread
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(false)"));
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, 0u);
+  EXPECT_EQ(ReportFromChild(ticket, SendReport::kReleased), absl::StatusCode::kNotFound);
+  EXPECT_THAT(AckSend(ticket), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(false)"));
+}
+
+TEST_F(SendLedgerTest, AForwardReportSettlesAsNotReleased) {
+  Journal journal;
+  const Ticket ticket = HoldSettled(1, &journal);
+  EXPECT_OK(AckSend(ticket));
+  EXPECT_THAT(journal.entries(), ElementsAre("release"));
+  EXPECT_EQ(ReportFromChild(ticket, SendReport::kForwarded), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(false)"));
+  const SendLedger::Stats stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.released, before_.released) << "a forward is no release";
+  EXPECT_EQ(stats.awaiting_release, 0u);
+}
+
+// A release report that overtakes the ack counts as both: the release, then the settle.
+TEST_F(SendLedgerTest, AReportBeforeAnyAckRunsTheReleaseThenTheSettle) {
+  Journal released_journal;
+  Journal forwarded_journal;
+  const Ticket released = HoldSettled(64, &released_journal);
+  const Ticket forwarded = HoldSettled(64, &forwarded_journal);
+  EXPECT_OK(ReportSends({released}, SendReport::kReleased));  // this process: no socket
+  EXPECT_THAT(released_journal.entries(), ElementsAre("release", "settle(true)"));
+  EXPECT_EQ(ReportFromChild(forwarded, SendReport::kForwarded), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_THAT(forwarded_journal.entries(), ElementsAre("release", "settle(false)"));
+  const SendLedger::Stats stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.acked, before_.acked + 2) << "a report implies the import";
+  EXPECT_EQ(stats.released, before_.released + 1);
+  EXPECT_EQ(stats.expired, before_.expired);
+  EXPECT_EQ(stats.held, 0u);
+  EXPECT_EQ(stats.held_bytes, 0u);
+  EXPECT_EQ(stats.awaiting_release, 0u);
+  // The ack that comes late finds nothing.
+  EXPECT_THAT(AckSend(released), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(AckFromChild(forwarded), absl::StatusCode::kNotFound);
+  EXPECT_EQ(released_journal.entries().size(), 2u);
+  EXPECT_EQ(forwarded_journal.entries().size(), 2u);
+}
+
+// A hold without a settle ends with its ack; a release report before the ack ends it too.
+TEST_F(SendLedgerTest, AHoldWithoutASettleEndsWithTheFirstReport) {
+  std::atomic<int> runs{0};
+  const Ticket acked = HoldCounted(1, &runs);
+  EXPECT_OK(AckSend(acked));
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, 0u);
+  EXPECT_THAT(ReportSends({acked}, SendReport::kReleased), StatusIs(absl::StatusCode::kNotFound));
+  const Ticket reported = HoldCounted(1, &runs);
+  EXPECT_OK(ReportSends({reported}, SendReport::kReleased));
+  EXPECT_EQ(runs.load(), 2);
+  EXPECT_THAT(AckSend(reported), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_EQ(runs.load(), 2);
+}
+
+TEST_F(SendLedgerTest, ALeaseEndingAfterTheAckSettlesAsNotReleased) {
+  Journal journal;
+  SendLedger::Get().SetLease(absl::Milliseconds(200));
+  const Ticket ticket = HoldSettled(4096, &journal);
+  SendLedger::Get().SetLease(lease_);
+  EXPECT_OK(AckSend(ticket));
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, 1u);
+  // Nothing here calls the ledger: the fd server's loop ends it.
+  EXPECT_TRUE(Eventually([&] { return journal.entries().size() == 2; }, absl::Seconds(2)));
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(false)"))
+      << "the release runs once; the lease settles as not released";
+  const SendLedger::Stats stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.expired, before_.expired) << "acknowledged in time: no expiry";
+  EXPECT_EQ(stats.awaiting_release, 0u);
+  EXPECT_EQ(stats.released, before_.released);
+  EXPECT_EQ(ReportFromChild(ticket, SendReport::kReleased), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SendLedgerTest, ALeaseEndingBeforeTheAckReleasesAndSettles) {
+  Journal journal;
+  SendLedger::Get().SetLease(absl::Milliseconds(100));
+  const Ticket ticket = HoldSettled(4096, &journal);
+  SendLedger::Get().SetLease(lease_);
+  EXPECT_TRUE(Eventually([&] { return journal.entries().size() == 2; }, absl::Seconds(2)));
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(false)"));
+  const SendLedger::Stats stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.expired, before_.expired + 1);
+  EXPECT_EQ(stats.acked, before_.acked);
+  EXPECT_EQ(stats.held_bytes, 0u);
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SendLedgerTest, WaitUntilEmptyDoesNotWaitForAcknowledgedHolds) {
+  Journal journal;
+  const Ticket ticket = HoldSettled(1, &journal);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::ZeroDuration()), 1u) << "not yet acked";
+  EXPECT_OK(AckSend(ticket));
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_OK(ReportSends({ticket}, SendReport::kReleased));
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
+}
+
+TEST_F(SendLedgerTest, ProgressCountsReleasesAndSettlesThatRan) {
+  SendLedger& ledger = SendLedger::Get();
+  Journal journal;
+  const uint64_t start = ledger.Progress();
+  const Ticket ticket = HoldSettled(1, &journal);
+  EXPECT_EQ(ledger.Progress(), start) << "a hold is no progress";
+  const absl::Time before_wait = absl::Now();
+  EXPECT_FALSE(ledger.WaitForProgress(start, absl::Milliseconds(100)));
+  EXPECT_GE(absl::Now() - before_wait, absl::Milliseconds(90));
+  EXPECT_OK(AckSend(ticket));
+  const uint64_t acked = ledger.Progress();
+  EXPECT_GT(acked, start);
+  EXPECT_TRUE(ledger.WaitForProgress(start, absl::ZeroDuration())) << "already passed";
+  EXPECT_OK(ReportSends({ticket}, SendReport::kReleased));
+  EXPECT_GT(ledger.Progress(), acked);
+}
+
+// A waiter wakes when a release runs on another thread (here the fd server's release thread,
+// for an ack from another process), also with no timeout at all.
+TEST_F(SendLedgerTest, WaitForProgressWakesWhenAnotherThreadMakesSome) {
+  for (const absl::Duration timeout : {absl::Seconds(10), absl::InfiniteDuration()}) {
+    SCOPED_TRACE(absl::FormatDuration(timeout));
+    Journal journal;
+    const Ticket ticket = HoldSettled(1, &journal);
+    const uint64_t seen = SendLedger::Get().Progress();
+    std::thread acker([&] {
+      absl::SleepFor(absl::Milliseconds(100));
+      EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+    });
+    const absl::Time start = absl::Now();
+    EXPECT_TRUE(SendLedger::Get().WaitForProgress(seen, timeout));
+    const absl::Duration waited = absl::Now() - start;
+    EXPECT_GE(waited, absl::Milliseconds(90)) << "returned before any progress";
+    EXPECT_LT(waited, absl::Seconds(5));
+    acker.join();
+    EXPECT_OK(ReportSends({ticket}, SendReport::kReleased));
+  }
+}
+
+// Reports over the socket, as the receiver's background thread sends them: batched, of each
+// kind, run on the exporter's release thread.
+TEST_F(SendLedgerTest, ReportsThroughTheSocketSettleEveryHold) {
+  constexpr int kHolds = 300;  // two requests on one connection
+  std::atomic<int> releases{0}, settled_true{0}, settled_false{0};
+  std::vector<fd_share_internal::FdRequestEntry> entries;
+  FdToken first;
+  for (int i = 0; i < kHolds; ++i) {
+    ASSERT_OK_AND_ASSIGN(const Ticket ticket,
+                         SendLedger::Get().Hold(
+                             1, [&] { ++releases; },
+                             [&](bool released) { ++(released ? settled_true : settled_false); }));
+    first = Decoded(ticket);
+    entries.push_back({first.key, first.nonce});
+  }
+  const auto half = absl::MakeConstSpan(entries).subspan(0, kHolds / 2);
+  const auto rest = absl::MakeConstSpan(entries).subspan(kHolds / 2);
+  auto report = [&](absl::Span<const fd_share_internal::FdRequestEntry> which,
+                    SendReport kind) {
+    absl::StatusOr<std::vector<bool>> done = fd_share_internal::AckBySocket(
+        first.pid, first.server_id, which, std::chrono::milliseconds(5000), kind);
+    EXPECT_OK(done);
+    return done.ok() ? static_cast<int>(std::count(done->begin(), done->end(), true)) : -1;
+  };
+  EXPECT_EQ(report(entries, SendReport::kImported), kHolds);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_EQ(releases.load(), kHolds);
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, uint64_t{kHolds});
+  EXPECT_EQ(report(half, SendReport::kReleased), kHolds / 2);
+  EXPECT_EQ(report(rest, SendReport::kForwarded), kHolds - kHolds / 2);
+  EXPECT_EQ(report(entries, SendReport::kReleased), 0) << "settled already";
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_EQ(settled_true.load(), kHolds / 2);
+  EXPECT_EQ(settled_false.load(), kHolds - kHolds / 2);
+  EXPECT_EQ(releases.load(), kHolds);
+  const SendLedger::Stats stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.released, before_.released + kHolds / 2);
+  EXPECT_EQ(stats.awaiting_release, 0u);
+}
+
+// A forked child starts with no hold awaiting a report, and its reports on its parent's sends
+// go to the parent.
+TEST_F(SendLedgerTest, AForkedChildAwaitsNoReportOfItsParent) {
+  Journal journal;
+  const Ticket ticket = HoldSettled(1, &journal);
+  EXPECT_OK(AckSend(ticket));
+  EXPECT_EQ(InForkedChild([] {
+              const SendLedger::Stats stats = SendLedger::Get().GetStats();
+              return stats.awaiting_release == 0 && stats.held == 0 ? 0 : 1;
+            }),
+            0);
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, 1u);
+  EXPECT_EQ(ReportFromChild(ticket, SendReport::kReleased), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
 }
 
 TEST(SendLeaseTest, ParsesPositiveSeconds) {

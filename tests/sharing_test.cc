@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -158,6 +159,82 @@ TEST_P(SharingTest, ImportInTheSameProcessSeesTheBytesAndSharesTheMapping) {
   two->reset();
   EXPECT_EQ(OpenImportMappings(), 0u);
   ASSERT_TRUE(pool_->Free(a).ok());
+}
+
+// --- Unmap reports (ImportedBuffer::OnUnmapped): what a receiver tells the sender ---------
+
+// Records the OnUnmapped calls of imports: `forwarded` of each, and the open mappings then.
+class UnmapRecorder {
+ public:
+  absl::AnyInvocable<void(bool) &&> Callback() {
+    return [this](bool forwarded) {
+      std::lock_guard<std::mutex> lock(mu_);
+      forwarded_.push_back(forwarded);
+      open_then_.push_back(OpenImportMappings());
+    };
+  }
+  std::vector<bool> forwarded() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return forwarded_;
+  }
+  std::vector<size_t> open_then() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return open_then_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<bool> forwarded_;
+  std::vector<size_t> open_then_;
+};
+
+TEST_P(SharingTest, OnUnmappedRunsOnceTheLastImportSharingTheMappingIsGone) {
+  void* a = Filled(2 * kMiB, 5);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  const size_t open_before = OpenImportMappings();
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> one, ImportBuffer(driver_, d));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> two, ImportBuffer(driver_, d));
+  ASSERT_TRUE(two->shared());
+  UnmapRecorder recorder;
+  one->OnUnmapped(recorder.Callback());
+  two->OnUnmapped(recorder.Callback());
+  one.reset();
+  EXPECT_TRUE(recorder.forwarded().empty()) << "ran while another import still maps it";
+  EXPECT_EQ(OpenImportMappings(), open_before + 1);
+  two.reset();
+  EXPECT_EQ(recorder.forwarded(), (std::vector<bool>{false, false})) << "each callback once";
+  EXPECT_EQ(recorder.open_then(), (std::vector<size_t>{open_before, open_before}))
+      << "a callback ran before the range was unmapped";
+  EXPECT_EQ(OpenImportMappings(), open_before);
+  // A later import of the same buffer is a new mapping, with callbacks of its own.
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> three, ImportBuffer(driver_, d));
+  EXPECT_FALSE(three->shared());
+  three.reset();
+  EXPECT_EQ(recorder.forwarded().size(), 2u);
+  ASSERT_OK(pool_->Free(a));
+}
+
+TEST_P(SharingTest, OnUnmappedSaysForwardedOnceAnImportSharingTheMappingWasSentOn) {
+  void* a = Filled(2 * kMiB, 6);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  UnmapRecorder recorder;
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> alone, ImportBuffer(driver_, d));
+    alone->OnUnmapped(recorder.Callback());
+    alone->MarkForwarded();
+  }
+  EXPECT_EQ(recorder.forwarded(), (std::vector<bool>{true}));
+  {
+    // Marked through the other import of one mapping: the mapping was sent on.
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> one, ImportBuffer(driver_, d));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> two, ImportBuffer(driver_, d));
+    one->OnUnmapped(recorder.Callback());
+    two->MarkForwarded();
+    two.reset();
+    EXPECT_EQ(recorder.forwarded().size(), 1u);
+  }
+  EXPECT_EQ(recorder.forwarded(), (std::vector<bool>{true, true}));
+  ASSERT_OK(pool_->Free(a));
 }
 
 TEST_P(SharingTest, AnotherProcessReadsAndWritesTheSameMemory) {
@@ -635,9 +712,12 @@ TEST_P(SharingTest, AnImportWhoseDeviceFailsToSyncIsLeftMapped) {
   const DevPtr base = b->mapping_base();
   const size_t mapped = b->mapped_size();
   const size_t open = OpenImportMappings();
+  std::vector<bool> reported;
+  b->OnUnmapped([&reported](bool forwarded) { reported.push_back(forwarded); });
   failing.FailSync();
   b.reset();
   EXPECT_EQ(failing.unmaps(), 0) << "unmapped after a failed synchronize";
+  EXPECT_EQ(reported, std::vector<bool>{true}) << "left mapped: not a release";
   EXPECT_EQ(OpenImportMappings(), open - 1);
   EXPECT_TRUE(AllBytes(ptr, 2 * kMiB, 77)) << "the range is still mapped";
   // What the process leaked, given back by hand so that the memory checks pass.
@@ -764,6 +844,21 @@ TEST_P(ReExportTest, ReExportingAgainReusesTheFirstExport) {
   shared.reset();
   EXPECT_EQ(FdServer::Get().size(), fds_before);
   EXPECT_EQ(OpenImportMappings(), 0u);
+  ASSERT_OK(pool_->Free(a));
+}
+
+// Sending an import on makes its receivers uncounted: its unmap report says forwarded.
+TEST_P(ReExportTest, AReExportedImportIsReportedForwarded) {
+  void* a = Filled(2 * kMiB, 24);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  std::vector<bool> reported;
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, d));
+    b->OnUnmapped([&reported](bool forwarded) { reported.push_back(forwarded); });
+    ASSERT_OK(ReExportImport(*b).status());
+    EXPECT_TRUE(reported.empty());
+  }
+  EXPECT_EQ(reported, std::vector<bool>{true});
   ASSERT_OK(pool_->Free(a));
 }
 

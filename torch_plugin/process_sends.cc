@@ -136,8 +136,10 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
           if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
         },
         [self, pool = owner.pool, keep = owner.keep, chunks](bool released) {
-          // Through the state: its device pools go with it (tests destroy states).
-          if (auto state = self.lock()) pool->SettleExport(chunks, released);
+          // A device pool goes with its state (which tests make and drop; `keep` holds only
+          // an explicit pool): as for the release, a state destroyed first is not touched.
+          if (keep == nullptr && self.expired()) return;
+          pool->SettleExport(chunks, released);
         });
     if (!ticket.ok()) {
       owner.pool->SettleExport(chunks, /*released=*/false);

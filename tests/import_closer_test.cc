@@ -1,0 +1,208 @@
+// Closing imports on the background thread (import_closer.h): CloseLater returns at once and
+// the import is closed (unmapped) on the closing thread, in order; FlushCloses waits for what
+// was queued; an import sharing its mapping with a live one leaves the mapping (and its unmap
+// reports, ImportedBuffer::OnUnmapped) alone; a forked child starts with an empty queue. Runs
+// on the backend of tests/test_backend.h (under ThreadSanitizer in CI).
+#include "allocator/import_closer.h"
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "allocator/host_driver.h"
+#include "allocator/pool.h"
+#include "allocator/sharing.h"
+#include "allocator/status_macros.h"
+#include "gtest/gtest.h"
+#include "tests/sanitizers.h"
+#include "tests/status_matchers.h"
+#include "tests/subprocess.h"
+#include "tests/test_backend.h"
+
+namespace vmm {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// The thread each OnUnmapped callback ran on, and whether it said forwarded.
+class Reports {
+ public:
+  absl::AnyInvocable<void(bool) &&> Callback() {
+    return [this](bool forwarded) {
+      std::lock_guard<std::mutex> lock(mu_);
+      threads_.push_back(std::this_thread::get_id());
+      forwarded_.push_back(forwarded);
+    };
+  }
+  std::vector<std::thread::id> threads() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return threads_;
+  }
+  std::vector<bool> forwarded() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return forwarded_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::thread::id> threads_;
+  std::vector<bool> forwarded_;
+};
+
+class ImportCloserTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(driver_, TestDriver());
+    PoolOptions options;
+    options.reserve_size = 1024 * kMiB;
+    ASSERT_OK_AND_ASSIGN(pool_, CreateExportablePool(driver_, options));
+    if (pool_->handle_type() == HandleType::kNone) GTEST_SKIP() << "nothing to export here";
+    open_at_start_ = OpenImportMappings();
+  }
+  void TearDown() override {
+    EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+    EXPECT_EQ(OpenImportMappings(), open_at_start_);
+    for (void* p : blocks_) EXPECT_OK(pool_->Free(p));
+  }
+
+  // A descriptor of a fresh exported block of `size` bytes.
+  absl::StatusOr<BufferDescriptor> Exported(size_t size) {
+    VMM_ASSIGN_OR_RETURN(void* p, pool_->AllocateShareable(size, 0));
+    blocks_.push_back(p);
+    return ExportBuffer(*pool_, p);
+  }
+
+  // An import of `d` (nullptr, failing the test, on an error).
+  std::unique_ptr<ImportedBuffer> Imported(const absl::StatusOr<BufferDescriptor>& d) {
+    EXPECT_OK(d);
+    if (!d.ok()) return nullptr;
+    absl::StatusOr<std::unique_ptr<ImportedBuffer>> b = ImportBuffer(driver_, *d);
+    EXPECT_OK(b);
+    return b.ok() ? std::move(*b) : nullptr;
+  }
+
+  Driver* driver_ = nullptr;
+  std::unique_ptr<Pool> pool_;
+  std::vector<void*> blocks_;
+  size_t open_at_start_ = 0;
+};
+
+TEST_F(ImportCloserTest, NothingQueuedFlushesAtOnce) {
+  CloseLater(nullptr);
+  const absl::Time start = absl::Now();
+  EXPECT_EQ(FlushCloses(absl::Seconds(5)), 0u);
+  EXPECT_EQ(FlushCloses(absl::ZeroDuration()), 0u);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+}
+
+TEST_F(ImportCloserTest, QueuedImportsAreClosedOnTheClosingThreadAndFlushed) {
+  constexpr int kImports = 20;
+  Reports reports;
+  for (int i = 0; i < kImports; ++i) {
+    std::unique_ptr<ImportedBuffer> b = Imported(Exported(2 * kMiB));
+    ASSERT_NE(b, nullptr);
+    b->OnUnmapped(reports.Callback());
+    CloseLater(std::move(b));
+  }
+  EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+  EXPECT_EQ(OpenImportMappings(), open_at_start_) << "a queued import is still mapped";
+  const std::vector<std::thread::id> threads = reports.threads();
+  ASSERT_EQ(threads.size(), static_cast<size_t>(kImports)) << "each report once";
+  for (std::thread::id id : threads) {
+    EXPECT_NE(id, std::this_thread::get_id()) << "closed by the caller";
+    EXPECT_EQ(id, threads[0]) << "one closing thread";
+  }
+  EXPECT_EQ(reports.forwarded(), std::vector<bool>(kImports, false));
+}
+
+// The mapping of an import closed later stays while another import shares it; its reports
+// follow the last one.
+TEST_F(ImportCloserTest, AMappingSharedWithALiveImportStays) {
+  const absl::StatusOr<BufferDescriptor> d = Exported(4 * kMiB);
+  std::unique_ptr<ImportedBuffer> kept = Imported(d);
+  std::unique_ptr<ImportedBuffer> dropped = Imported(d);
+  ASSERT_TRUE(kept != nullptr && dropped != nullptr);
+  ASSERT_TRUE(dropped->shared());
+  Reports reports;
+  dropped->OnUnmapped(reports.Callback());
+  CloseLater(std::move(dropped));
+  EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+  EXPECT_EQ(OpenImportMappings(), open_at_start_ + 1);
+  EXPECT_TRUE(reports.forwarded().empty()) << "reported while still mapped here";
+  kept->MarkForwarded();
+  CloseLater(std::move(kept));
+  EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+  EXPECT_EQ(OpenImportMappings(), open_at_start_);
+  EXPECT_EQ(reports.forwarded(), std::vector<bool>{true});
+}
+
+// FlushCloses waits for an import being closed, not only for queued ones, and no longer than
+// it is told.
+TEST_F(ImportCloserTest, FlushWaitsForACloseInProgress) {
+  std::atomic<bool> inside{false};
+  std::atomic<bool> finish{false};
+  std::unique_ptr<ImportedBuffer> slow = Imported(Exported(2 * kMiB));
+  ASSERT_NE(slow, nullptr);
+  slow->OnUnmapped([&](bool) {
+    inside.store(true);
+    while (!finish.load()) absl::SleepFor(absl::Milliseconds(1));
+  });
+  std::unique_ptr<ImportedBuffer> after = Imported(Exported(2 * kMiB));
+  ASSERT_NE(after, nullptr);
+  Reports reports;
+  after->OnUnmapped(reports.Callback());
+  const absl::Time queued_at = absl::Now();
+  CloseLater(std::move(slow));
+  CloseLater(std::move(after));
+  EXPECT_LT(absl::Now() - queued_at, absl::Milliseconds(500)) << "CloseLater waited";
+  const absl::Time start = absl::Now();
+  while (!inside.load() && absl::Now() - start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(inside.load());
+  const absl::Time flush_at = absl::Now();
+  EXPECT_GE(FlushCloses(absl::Milliseconds(100)), 1u) << "the close in progress counts";
+  EXPECT_GE(absl::Now() - flush_at, absl::Milliseconds(90));
+  EXPECT_TRUE(reports.forwarded().empty()) << "closed out of order";
+  std::thread finisher([&] {
+    absl::SleepFor(absl::Milliseconds(100));
+    finish.store(true);
+  });
+  EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+  finisher.join();
+  EXPECT_EQ(reports.forwarded(), std::vector<bool>{false});
+}
+
+// A forked child starts with an empty queue: it neither waits for nor closes its parent's.
+TEST_F(ImportCloserTest, AForkedChildHasAnEmptyQueue) {
+  std::atomic<bool> inside{false};
+  std::atomic<bool> finish{false};
+  std::unique_ptr<ImportedBuffer> slow = Imported(Exported(2 * kMiB));
+  ASSERT_NE(slow, nullptr);
+  slow->OnUnmapped([&](bool) {
+    inside.store(true);
+    while (!finish.load()) absl::SleepFor(absl::Milliseconds(1));
+  });
+  CloseLater(std::move(slow));
+  const absl::Time start = absl::Now();
+  while (!inside.load() && absl::Now() - start < absl::Seconds(10)) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  ASSERT_TRUE(inside.load());
+  EXPECT_EQ(InForkedChild([] {
+              if (FlushCloses(absl::ZeroDuration()) != 0) return 1;
+              CloseLater(nullptr);
+              return FlushCloses(absl::Seconds(1)) == 0 ? 0 : 2;
+            }),
+            0);
+  finish.store(true);
+  EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+}
+
+}  // namespace
+}  // namespace vmm

@@ -1,0 +1,743 @@
+// Reusing exported chunks (pool.h, "Reusing exported chunks"): a block exported for a tracked
+// send is parked when freed, kept spare once its receivers report, and handed to the next
+// shareable block without a driver call and under a fresh id; untracked exports, forwarded
+// sends and spare_export_bytes=0 release instead; EmptyCache and a failing growth give spare
+// chunks back; SendBytesInUse counts what sends hold. The pool's invariants are checked after
+// every step. Runs on the backend of tests/test_backend.h.
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "allocator/driver.h"
+#include "allocator/host_driver.h"
+#include "allocator/pool.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+#include "tests/test_backend.h"
+
+namespace vmm {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::IsEmpty;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Records what a pool tells its observer: releases and renames (ChunkRenamed overridden).
+class ReuseObserver : public ExportObserver {
+ public:
+  struct Rename {
+    uint64_t old_id, new_id;
+    bool operator==(const Rename& o) const { return old_id == o.old_id && new_id == o.new_id; }
+  };
+  void ChunkReleased(uint64_t, uint64_t chunk_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    released_.push_back(chunk_id);
+  }
+  void ChunkRenamed(uint64_t, uint64_t old_id, uint64_t new_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    renamed_.push_back({old_id, new_id});
+  }
+  void PoolDestroyed(uint64_t) override {}
+  std::vector<uint64_t> released() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return released_;
+  }
+  std::vector<Rename> renamed() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return renamed_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<uint64_t> released_;
+  std::vector<Rename> renamed_;
+};
+
+void PrintTo(const ReuseObserver::Rename& r, std::ostream* os) {
+  *os << r.old_id << " -> " << r.new_id;
+}
+
+// An observer that keeps ExportObserver's default ChunkRenamed (a release of the old id).
+class ReleasesOnlyObserver : public ExportObserver {
+ public:
+  void ChunkReleased(uint64_t, uint64_t chunk_id) override { released.push_back(chunk_id); }
+  void PoolDestroyed(uint64_t) override {}
+  std::vector<uint64_t> released;
+};
+
+class PoolReuseTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_OK_AND_ASSIGN(driver_, TestDriver(HostDriverOptions{2 * kMiB, 256 * kMiB}, &owned_));
+  }
+
+  // Exact growth (reserved bytes predictable), on `driver` (default: the test's).
+  static PoolOptions Exact() {
+    PoolOptions options;
+    options.growth_fraction = 0;
+    options.reserve_size = 1024 * kMiB;
+    return options;
+  }
+
+  // A pool observed by observer_; skips the test where memory is not exportable.
+  std::unique_ptr<Pool> MakePool(PoolOptions options = Exact(), Driver* driver = nullptr,
+                                 ExportObserver* observer = nullptr) {
+    auto pool = Pool::Create(driver != nullptr ? driver : driver_, options,
+                             observer != nullptr ? observer : &observer_);
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    if (!pool.ok()) return nullptr;
+    if ((*pool)->handle_type() == HandleType::kNone) return nullptr;
+    return std::move(*pool);
+  }
+
+  static void* Shareable(Pool& pool, size_t size) {
+    absl::StatusOr<void*> p = pool.AllocateShareable(size, 0);
+    EXPECT_OK(p);
+    return p.ok() ? *p : nullptr;
+  }
+
+  // Exports the block at `p` for one tracked send; its chunks.
+  static std::vector<ExportedChunk> Send(Pool& pool, void* p) {
+    absl::StatusOr<ExportedBlock> e =
+        pool.Export(p, HandleType::kNone, ExportNeighbours::kAllow, ExportUse::kTracked);
+    EXPECT_OK(e);
+    return e.ok() ? e->chunks : std::vector<ExportedChunk>{};
+  }
+
+  static int64_t Reserved(const Pool& pool) { return pool.GetStats().reserved_bytes.current; }
+
+  std::unique_ptr<Driver> owned_;
+  Driver* driver_ = nullptr;
+  ReuseObserver observer_;
+};
+
+#define SKIP_IF_NOT_EXPORTABLE(pool) \
+  if ((pool) == nullptr) GTEST_SKIP() << "memory is not exportable here"
+
+TEST_F(PoolReuseTest, EmptyCacheReleasesAParkedChunkAndItsLateReportIsIgnored) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 3 * kMiB);
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(4 * kMiB)) << "parked";
+  // Given up: memory is asked back (its receiver keeps its own reference to the memory).
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_THAT(observer_.released(), ElementsAre(sent[0].id));
+  pool->SettleExport(sent, /*released=*/true);  // the receiver's late report: nothing to do
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 0);
+}
+
+TEST_F(PoolReuseTest, AFreedTrackedSendIsParkedThenSpareThenReusedUnderANewId) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 3 * kMiB);
+  const std::vector<ExportedChunk> first = Send(*pool, p);
+  ASSERT_EQ(first.size(), 1u);
+  EXPECT_EQ(first[0].size, 4 * kMiB);
+  const PoolStats before_free = pool->GetStats();
+
+  // Freed while its receiver maps it: parked (mapped, reserved, no driver call).
+  ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(s.driver_unmap, before_free.driver_unmap);
+  EXPECT_EQ(s.driver_release, before_free.driver_release);
+  EXPECT_EQ(s.num_device_free, before_free.num_device_free);
+  EXPECT_EQ(s.allocated_bytes.current, 0);
+  EXPECT_THAT(observer_.released(), IsEmpty());
+  EXPECT_EQ(pool->SendBytesInUse(), 4 * kMiB) << "a parked chunk is held by its send";
+
+  // The receiver reports it unmapped the memory: spare, still mapped, no longer a send's.
+  pool->SettleExport(first, /*released=*/true);
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(pool->SendBytesInUse(), 0u) << "a spare chunk is nobody's send";
+  EXPECT_THAT(observer_.released(), IsEmpty());
+
+  // The next shareable block that fits takes it: no driver call, a fresh id.
+  const PoolStats before_reuse = pool->GetStats();
+  void* q = Shareable(*pool, 2 * kMiB);
+  EXPECT_EQ(q, p) << "the spare chunk, from its start";
+  EXPECT_OK(pool->CheckInvariants());
+  s = pool->GetStats();
+  EXPECT_EQ(s.driver_create, before_reuse.driver_create);
+  EXPECT_EQ(s.driver_map, before_reuse.driver_map);
+  EXPECT_EQ(s.driver_set_access, before_reuse.driver_set_access);
+  EXPECT_EQ(s.num_device_alloc, before_reuse.num_device_alloc);
+  EXPECT_EQ(s.num_export_reuses, before_reuse.num_export_reuses + 1);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(s.allocated_bytes.current, static_cast<int64_t>(2 * kMiB));
+  ASSERT_EQ(observer_.renamed().size(), 1u);
+  const ReuseObserver::Rename rename = observer_.renamed()[0];
+  EXPECT_EQ(rename.old_id, first[0].id);
+  EXPECT_NE(rename.new_id, first[0].id);
+  EXPECT_THAT(observer_.released(), IsEmpty()) << "renamed, not released";
+
+  const std::vector<ExportedChunk> second = Send(*pool, q);
+  ASSERT_EQ(second.size(), 1u);
+  EXPECT_EQ(second[0].addr, first[0].addr);
+  EXPECT_EQ(second[0].size, first[0].size);
+  EXPECT_EQ(second[0].id, rename.new_id) << "a later export names the chunk by its new id";
+  EXPECT_EQ(pool->SendBytesInUse(), 4 * kMiB);
+
+  ASSERT_OK(pool->Free(q));
+  pool->SettleExport(second, /*released=*/true);
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(Reserved(*pool), 0) << "EmptyCache releases spare chunks";
+  EXPECT_THAT(observer_.released(), ElementsAre(rename.new_id));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// The rest of a reused chunk is as retired as the slack of a fresh shareable block: no other
+// block lands in it.
+TEST_F(PoolReuseTest, TheRestOfAReusedChunkIsNeverHandedOut) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 8 * kMiB);
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(sent, true);
+  void* q = Shareable(*pool, kMiB);
+  ASSERT_EQ(q, p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 1);
+  EXPECT_OK(pool->CheckInvariants());
+  const auto start = reinterpret_cast<uintptr_t>(q);
+  std::vector<void*> others;
+  for (size_t size : {size_t{4096}, kMiB, 3 * kMiB}) {
+    absl::StatusOr<void*> o = pool->Allocate(size, 0);
+    ASSERT_OK(o);
+    const auto at = reinterpret_cast<uintptr_t>(*o);
+    EXPECT_FALSE(at >= start && at < start + 8 * kMiB) << size << " bytes landed in the chunk";
+    others.push_back(*o);
+  }
+  absl::StatusOr<bool> shares = pool->SharesChunks(q);
+  ASSERT_OK(shares);
+  EXPECT_FALSE(*shares);
+  for (void* o : others) ASSERT_OK(pool->Free(o));
+  ASSERT_OK(pool->Free(q));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, ASpareChunkTooSmallIsLeftAndTheBlockGrows) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(sent, true);
+  const PoolStats before = pool->GetStats();
+  void* big = Shareable(*pool, 4 * kMiB);
+  EXPECT_NE(big, p);
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_export_reuses, before.num_export_reuses);
+  EXPECT_GT(s.driver_create, before.driver_create);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(6 * kMiB)) << "the spare one stays";
+  // Plain (not shareable) allocations never take a spare chunk either.
+  void* plain = pool->Allocate(kMiB, 0).value_or(nullptr);
+  ASSERT_NE(plain, nullptr);
+  EXPECT_NE(plain, p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, before.num_export_reuses);
+  void* fits = Shareable(*pool, 2 * kMiB);
+  EXPECT_EQ(fits, p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, before.num_export_reuses + 1);
+  for (void* b : {big, plain, fits}) ASSERT_OK(pool->Free(b));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, AnUntrackedExportIsReleasedOnFree) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  EXPECT_EQ(pool->SendBytesInUse(), 2 * kMiB) << "a block moved for a send";
+  ASSERT_OK_AND_ASSIGN(ExportedBlock e, pool->Export(p));  // kUntracked by default
+  EXPECT_EQ(pool->SendBytesInUse(), 0u) << "importers nobody counts are no send's";
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_THAT(observer_.released(), ElementsAre(e.chunks[0].id));
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  void* q = Shareable(*pool, 2 * kMiB);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 0);
+  EXPECT_THAT(observer_.renamed(), IsEmpty());
+  ASSERT_OK(pool->Free(q));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Once exported untracked, a chunk stays untracked: a tracked send of it and its report do
+// not make it reusable.
+TEST_F(PoolReuseTest, AnUntrackedExportWinsOverATrackedOne) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  ASSERT_OK(pool->Export(p).status());
+  pool->SettleExport(sent, true);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_THAT(observer_.released(), ElementsAre(sent[0].id));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, ASettleThatIsNotAReleaseReleasesTheChunk) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  // Parked, then the send ends unreported (forwarded, or its lease ended): released.
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> first = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB));
+  pool->SettleExport(first, /*released=*/false);
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_THAT(observer_.released(), ElementsAre(first[0].id));
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  EXPECT_OK(pool->CheckInvariants());
+  // A report on a released chunk finds nothing.
+  pool->SettleExport(first, true);
+  pool->SettleExport(first, false);
+  EXPECT_OK(pool->CheckInvariants());
+
+  // Settled as not released while the block lives: released when freed.
+  void* q = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> second = Send(*pool, q);
+  pool->SettleExport(second, false);
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  ASSERT_OK(pool->Free(q));
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_THAT(observer_.released(), ElementsAre(first[0].id, second[0].id));
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 0);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, AReleaseReportedBeforeTheFreeMakesTheChunkSpareAtTheFree) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  pool->SettleExport(sent, true);  // the receiver was quick
+  EXPECT_EQ(pool->SendBytesInUse(), 2 * kMiB) << "still live here";
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB));
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB));
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  EXPECT_EQ(Shareable(*pool, 2 * kMiB), p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 1);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, EverySendOfAChunkMustReportBeforeItIsSpare) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> one = Send(*pool, p);
+  const std::vector<ExportedChunk> two = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(one, true);
+  EXPECT_EQ(pool->SendBytesInUse(), 2 * kMiB) << "the second receiver still maps it";
+  void* q = Shareable(*pool, 2 * kMiB);
+  EXPECT_NE(q, p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 0);
+  pool->SettleExport(two, true);
+  EXPECT_EQ(pool->SendBytesInUse(), 2 * kMiB) << "only q's chunk now";
+  void* r = Shareable(*pool, 2 * kMiB);
+  EXPECT_EQ(r, p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 1);
+  for (void* b : {q, r}) ASSERT_OK(pool->Free(b));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A report of an earlier send of a chunk since reused names its old id: it changes nothing.
+TEST_F(PoolReuseTest, AStaleSettleIsIgnored) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> old_send = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(old_send, true);
+  void* q = Shareable(*pool, 2 * kMiB);
+  ASSERT_EQ(q, p);
+  const std::vector<ExportedChunk> new_send = Send(*pool, q);
+  ASSERT_NE(new_send[0].id, old_send[0].id);
+  ASSERT_OK(pool->Free(q));
+  // The old send's reports again: neither frees the parked chunk nor releases it.
+  pool->SettleExport(old_send, true);
+  pool->SettleExport(old_send, false);
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB));
+  EXPECT_EQ(pool->SendBytesInUse(), 2 * kMiB) << "still parked for the new send";
+  EXPECT_THAT(observer_.released(), IsEmpty());
+  void* r = Shareable(*pool, 2 * kMiB);
+  EXPECT_NE(r, p) << "a parked chunk was reused";
+  EXPECT_OK(pool->CheckInvariants());
+  pool->SettleExport(new_send, true);
+  EXPECT_EQ(pool->SendBytesInUse(), 2 * kMiB) << "r's chunk only";
+  ASSERT_OK(pool->Free(r));
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, SpareExportBytesZeroTurnsReuseOff) {
+  PoolOptions options = Exact();
+  options.spare_export_bytes = 0;
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB)) << "parked all the same";
+  pool->SettleExport(sent, true);
+  EXPECT_EQ(Reserved(*pool), 0) << "released, not kept";
+  EXPECT_THAT(observer_.released(), ElementsAre(sent[0].id));
+  const PoolStats before = pool->GetStats();
+  void* q = Shareable(*pool, 2 * kMiB);
+  EXPECT_EQ(pool->GetStats().driver_create, before.driver_create + 1);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 0);
+  ASSERT_OK(pool->Free(q));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, SpareChunksStopAtSpareExportBytes) {
+  PoolOptions options = Exact();
+  options.spare_export_bytes = 4 * kMiB;
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* a = Shareable(*pool, 4 * kMiB);
+  void* b = Shareable(*pool, 4 * kMiB);
+  const std::vector<ExportedChunk> sa = Send(*pool, a);
+  const std::vector<ExportedChunk> sb = Send(*pool, b);
+  ASSERT_OK(pool->Free(a));
+  ASSERT_OK(pool->Free(b));
+  pool->SettleExport(sa, true);
+  pool->SettleExport(sb, true);
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(4 * kMiB)) << "one kept, one released";
+  EXPECT_THAT(observer_.released(), ElementsAre(sb[0].id));
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, SendBytesInUseCountsLiveAndParkedSendsOnly) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  void* plain = pool->Allocate(6 * kMiB, 0).value_or(nullptr);
+  ASSERT_NE(plain, nullptr);
+  EXPECT_EQ(pool->SendBytesInUse(), 0u) << "nothing exported";
+  void* live = Shareable(*pool, 2 * kMiB);
+  void* parked = Shareable(*pool, 4 * kMiB);
+  void* spare = Shareable(*pool, 8 * kMiB);
+  void* untracked = Shareable(*pool, 16 * kMiB);
+  const std::vector<ExportedChunk> live_send = Send(*pool, live);
+  const std::vector<ExportedChunk> parked_send = Send(*pool, parked);
+  const std::vector<ExportedChunk> spare_send = Send(*pool, spare);
+  ASSERT_OK(pool->Export(untracked).status());
+  EXPECT_EQ(pool->SendBytesInUse(), (2 + 4 + 8) * kMiB);
+  ASSERT_OK(pool->Free(parked));
+  ASSERT_OK(pool->Free(spare));
+  pool->SettleExport(spare_send, true);
+  EXPECT_EQ(pool->SendBytesInUse(), (2 + 4) * kMiB);
+  ASSERT_OK(pool->Free(untracked));
+  EXPECT_EQ(pool->SendBytesInUse(), (2 + 4) * kMiB);
+  // A plain block exported for a send counts its chunk too.
+  ASSERT_OK(pool->Export(plain, HandleType::kNone, ExportNeighbours::kAllow, ExportUse::kTracked)
+                .status());
+  EXPECT_EQ(pool->SendBytesInUse(), (6 + 2 + 4) * kMiB);
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->Free(live));
+  ASSERT_OK(pool->Free(plain));
+  pool->SettleExport(live_send, true);
+  pool->SettleExport(parked_send, true);
+  // Spare now: 8 (kept first), then 2 and 4 up to the 64 MiB default; the plain chunk is
+  // parked for its send, which never reports here.
+  EXPECT_EQ(pool->SendBytesInUse(), 6 * kMiB);
+  // EmptyCache gives up on it too (its receiver keeps its own reference).
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A chunk only marked for a send (PrepareSend's kMark) has no receiver to wait for: spare once
+// its block is freed.
+TEST_F(PoolReuseTest, AMarkedChunkIsSpareOnceFree) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = pool->Allocate(4 * kMiB, 0).value_or(nullptr);
+  ASSERT_NE(p, nullptr);
+  ASSERT_OK(pool->Export(p, HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kMark)
+                .status());
+  EXPECT_EQ(pool->SendBytesInUse(), 4 * kMiB);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(Shareable(*pool, 3 * kMiB), p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, 1);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A growth that fails for lack of memory (here the pool's memory limit) gives the spare chunks
+// back before it fails: the request that needed the room succeeds.
+TEST_F(PoolReuseTest, AFailedGrowthReleasesSpareChunksFirst) {
+  PoolOptions options = Exact();
+  options.memory_limit = 8 * kMiB;
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  // Two spare chunks of 4 MiB (both sent at once: a later one would reuse the first).
+  void* a = Shareable(*pool, 4 * kMiB);
+  void* b = Shareable(*pool, 4 * kMiB);
+  const std::vector<ExportedChunk> sa = Send(*pool, a);
+  const std::vector<ExportedChunk> sb = Send(*pool, b);
+  for (void* p : {a, b}) ASSERT_OK(pool->Free(p));
+  pool->SettleExport(sa, true);
+  pool->SettleExport(sb, true);
+  const std::vector<uint64_t> ids = {sa[0].id, sb[0].id};
+  ASSERT_EQ(Reserved(*pool), static_cast<int64_t>(8 * kMiB));
+  ASSERT_EQ(pool->SendBytesInUse(), 0u);
+  const PoolStats before = pool->GetStats();
+  // No spare chunk holds 6 MiB, and growing by 6 MiB passes the limit until they go.
+  void* big = Shareable(*pool, 6 * kMiB);
+  ASSERT_NE(big, nullptr);
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_alloc_retries, before.num_alloc_retries + 1);
+  EXPECT_EQ(s.num_ooms, before.num_ooms);
+  EXPECT_EQ(s.num_export_reuses, before.num_export_reuses);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(6 * kMiB));
+  EXPECT_THAT(observer_.released(), ::testing::UnorderedElementsAreArray(ids));
+  EXPECT_EQ(pool->SendBytesInUse(), 6 * kMiB);
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->Free(big));  // spare (never exported, no receiver to wait for)
+  ASSERT_OK(pool->EmptyCache());
+  ASSERT_EQ(Reserved(*pool), 0);
+
+  // The same for a plain allocation.
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(sent, true);
+  ASSERT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB));
+  void* plain = pool->Allocate(8 * kMiB, 0).value_or(nullptr);
+  EXPECT_NE(plain, nullptr) << "the spare chunk was not given back for the growth";
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(8 * kMiB));
+  if (plain != nullptr) {
+    ASSERT_OK(pool->Free(plain));
+  }
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Without ChunkRenamed of its own, an observer hears a reuse as the release of the old id
+// (export_observer.h), and the pool's release of the new id later.
+TEST_F(PoolReuseTest, AnObserverWithoutRenamesHearsAReleaseOfTheOldId) {
+  ReleasesOnlyObserver observer;
+  auto pool = MakePool(Exact(), nullptr, &observer);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> first = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(first, true);
+  EXPECT_THAT(observer.released, IsEmpty());
+  void* q = Shareable(*pool, 2 * kMiB);
+  EXPECT_THAT(observer.released, ElementsAre(first[0].id));
+  const std::vector<ExportedChunk> second = Send(*pool, q);
+  ASSERT_OK(pool->Free(q));
+  pool->SettleExport(second, false);
+  EXPECT_THAT(observer.released, ElementsAre(first[0].id, second[0].id));
+}
+
+// A block of the small arena exported for a tracked send: its chunk may be kept, but a shareable
+// block (of the large arena) must never be made of it.
+TEST_F(PoolReuseTest, ASmallArenaChunkIsNeverTakenForAShareableBlock) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* small = pool->Allocate(1000, 0).value_or(nullptr);
+  ASSERT_NE(small, nullptr);
+  ASSERT_TRUE(pool->InSmallArena(small));
+  const std::vector<ExportedChunk> sent = Send(*pool, small);
+  ASSERT_EQ(sent.size(), 1u);
+  ASSERT_OK(pool->Free(small));
+  pool->SettleExport(sent, true);
+  EXPECT_OK(pool->CheckInvariants());
+  void* shared = Shareable(*pool, 1000);
+  ASSERT_NE(shared, nullptr);
+  EXPECT_FALSE(pool->InSmallArena(shared));
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_OK(pool->Free(shared));
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A driver that forwards to another and fails the next Unmap once told to.
+class FlakyUnmapDriver : public Driver {
+ public:
+  explicit FlakyUnmapDriver(Driver* inner) : inner_(inner) {}
+  void FailNextUnmap() { fail_unmap_ = true; }
+
+  Backend backend() const override { return inner_->backend(); }
+  int DeviceCount() const override { return inner_->DeviceCount(); }
+  absl::StatusOr<std::string> DeviceUuid(int d) override { return inner_->DeviceUuid(d); }
+  absl::StatusOr<size_t> Granularity(int d) override { return inner_->Granularity(d); }
+  absl::StatusOr<bool> SupportsHandleType(int d, HandleType t) override {
+    return inner_->SupportsHandleType(d, t);
+  }
+  absl::StatusOr<MemInfo> GetMemInfo(int d) override { return inner_->GetMemInfo(d); }
+  absl::StatusOr<PhysHandle> Create(int d, size_t size, uint32_t types) override {
+    return inner_->Create(d, size, types);
+  }
+  absl::Status Release(PhysHandle h) override { return inner_->Release(h); }
+  absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override {
+    return inner_->Reserve(size, alignment);
+  }
+  absl::Status Unreserve(DevPtr p, size_t size) override { return inner_->Unreserve(p, size); }
+  absl::Status Map(DevPtr p, size_t size, PhysHandle h) override { return inner_->Map(p, size, h); }
+  absl::Status Unmap(DevPtr p, size_t size) override {
+    if (fail_unmap_.exchange(false)) return absl::InternalError("unmap failed (test)");
+    return inner_->Unmap(p, size);
+  }
+  absl::Status SetAccess(DevPtr p, size_t size, absl::Span<const int> devices) override {
+    return inner_->SetAccess(p, size, devices);
+  }
+  absl::StatusOr<bool> HasAccess(DevPtr p, int d) override { return inner_->HasAccess(p, d); }
+  absl::StatusOr<ShareableHandle> Export(PhysHandle h, HandleType t) override {
+    return inner_->Export(h, t);
+  }
+  absl::StatusOr<PhysHandle> Import(const ShareableHandle& h) override { return inner_->Import(h); }
+  absl::StatusOr<Stream> CreateStream(int d) override { return inner_->CreateStream(d); }
+  absl::Status DestroyStream(Stream s) override { return inner_->DestroyStream(s); }
+  absl::Status SynchronizeStream(Stream s) override { return inner_->SynchronizeStream(s); }
+  absl::Status SynchronizeDevice(int d) override { return inner_->SynchronizeDevice(d); }
+  absl::StatusOr<Event> CreateEvent(int d) override { return inner_->CreateEvent(d); }
+  absl::Status DestroyEvent(Event e) override { return inner_->DestroyEvent(e); }
+  absl::Status RecordEvent(Event e, Stream s) override { return inner_->RecordEvent(e, s); }
+  absl::StatusOr<bool> EventDone(Event e) override { return inner_->EventDone(e); }
+  absl::Status SynchronizeEvent(Event e) override { return inner_->SynchronizeEvent(e); }
+  absl::Status LaunchHostFunc(Stream s, void (*fn)(void*), void* arg) override {
+    return inner_->LaunchHostFunc(s, fn, arg);
+  }
+  absl::Status MemcpyAsync(DevPtr dst, DevPtr src, size_t n, Stream s) override {
+    return inner_->MemcpyAsync(dst, src, n, s);
+  }
+  absl::Status MemsetAsync(DevPtr dst, uint8_t v, size_t n, Stream s) override {
+    return inner_->MemsetAsync(dst, v, n, s);
+  }
+
+ private:
+  Driver* const inner_;
+  std::atomic<bool> fail_unmap_{false};
+};
+
+// A release of spare chunks that fails part way (EmptyCache's error) loses none of them: a
+// later EmptyCache releases them all, and none is left counted as a send's.
+TEST_F(PoolReuseTest, SpareChunksLeftByAFailedReleaseAreReleasedLater) {
+  FlakyUnmapDriver flaky(driver_);
+  auto pool = MakePool(Exact(), &flaky);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  std::vector<void*> blocks;
+  std::vector<std::vector<ExportedChunk>> sends;
+  for (int i = 0; i < 3; ++i) blocks.push_back(Shareable(*pool, 2 * kMiB));
+  for (void* p : blocks) sends.push_back(Send(*pool, p));
+  for (void* p : blocks) ASSERT_OK(pool->Free(p));
+  for (const auto& sent : sends) pool->SettleExport(sent, true);
+  ASSERT_EQ(Reserved(*pool), static_cast<int64_t>(6 * kMiB));
+  ASSERT_EQ(pool->SendBytesInUse(), 0u);
+  flaky.FailNextUnmap();
+  EXPECT_FALSE(pool->EmptyCache().ok());
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->SendBytesInUse(), 0u) << "a chunk left spare-but-lost counts as a send";
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(Reserved(*pool), 0) << "a spare chunk was lost by the failed release";
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Threads send (allocate shareable, export tracked, free) while others report the sends,
+// released or not, in any order; a monitor checks the invariants and trims the cache.
+TEST_F(PoolReuseTest, ThreadsSendAndSettleConcurrently) {
+  PoolOptions options = Exact();
+  options.spare_export_bytes = 16 * kMiB;
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  std::mutex mu;
+  std::vector<std::vector<ExportedChunk>> unsettled;  // sends whose receiver has not reported
+  std::atomic<bool> done{false};
+  std::vector<std::thread> senders;
+  for (int t = 0; t < 3; ++t) {
+    senders.emplace_back([&, t] {
+      for (int i = 0; i < 200; ++i) {
+        absl::StatusOr<void*> p = pool->AllocateShareable((1 + (i + t) % 5) * 512 * 1024, 0);
+        ASSERT_OK(p);
+        absl::StatusOr<ExportedBlock> e =
+            pool->Export(*p, HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kTracked);
+        EXPECT_OK(e);
+        EXPECT_OK(pool->Free(*p));
+        if (e.ok()) {
+          std::lock_guard<std::mutex> lock(mu);
+          unsettled.push_back(e->chunks);
+        }
+        // At most a few sends outstanding (parked chunks hold memory until reported).
+        for (;;) {
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            if (unsettled.size() < 8) break;
+          }
+          std::this_thread::yield();
+        }
+      }
+    });
+  }
+  // Reports come newest first; every seventh send was forwarded (settled as not released).
+  std::thread settler([&] {
+    size_t n = 0;
+    for (;;) {
+      std::vector<ExportedChunk> chunks;
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (unsettled.empty()) {
+          if (done.load()) return;
+        } else {
+          chunks = std::move(unsettled.back());
+          unsettled.pop_back();
+        }
+      }
+      if (chunks.empty()) {
+        std::this_thread::yield();
+        continue;
+      }
+      pool->SettleExport(chunks, ++n % 7 != 0);
+    }
+  });
+  std::thread monitor([&] {
+    int i = 0;
+    while (!done.load()) {
+      EXPECT_OK(pool->CheckInvariants());
+      if (++i % 20 == 0) {
+        EXPECT_OK(pool->EmptyCache());
+      }
+      std::this_thread::yield();
+    }
+  });
+  for (std::thread& s : senders) s.join();
+  done.store(true);
+  settler.join();
+  monitor.join();
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->SendBytesInUse(), 0u) << "every send settled";
+  EXPECT_GT(pool->GetStats().num_export_reuses, 0);
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(Reserved(*pool), 0);
+}
+
+}  // namespace
+}  // namespace vmm
