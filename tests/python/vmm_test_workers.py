@@ -199,3 +199,76 @@ def put_and_exit(q, handle_type):
         t.fill_(5)
         q.put(t)
         del t, other
+
+
+def sum_rounds(jobs, replies, delay=0.0, ack_each=False):
+    """A consumer of small tensors that each hold one value (test_send_reuse.py,
+    test_send_budget.py). Replies "ready" once it can receive; then, per round, receives
+    tensors until None, adds up each one's elements, counts those whose elements differ, and
+    drops each at once; with `ack_each`, flushes its acknowledgements and release reports
+    (vmm_torch.sharing.flush_acks) and replies the tensor's sum after each; sleeps `delay`
+    seconds after each. At None it flushes and replies ("round", count, total, uneven, left);
+    "exit" ends it."""
+    import time
+
+    import vmm_torch
+    from vmm_torch import sharing
+
+    vmm_torch.install_reducers()
+    replies.put("ready")
+    while True:
+        count, total, uneven = 0, 0.0, 0
+        while True:
+            item = jobs.get(timeout=60)
+            if item is None or isinstance(item, str):
+                break
+            value = float(item.double().sum())
+            if item.numel() and not bool((item == item[0]).all()):
+                uneven += 1
+            count += 1
+            total += value
+            del item
+            if ack_each:
+                sharing.flush_acks(10)
+                replies.put(value)
+            if delay:
+                time.sleep(delay)
+        left = sharing.flush_acks(10)
+        if item == "exit":
+            return
+        replies.put(("round", count, total, uneven, left))
+
+
+def forward_first(inbox, outbox, replies):
+    """B of A -> B -> C (test_send_reuse.py): sends the first tensor it receives on to
+    `outbox` as it is (no copy) and drops it; reads and drops the others. After each, flushes
+    its acknowledgements and reports and replies the tensor's sum; None ends it."""
+    import vmm_torch
+    from vmm_torch import sharing
+
+    vmm_torch.install_reducers()
+    first = True
+    while True:
+        t = inbox.get(timeout=60)
+        if t is None:
+            sharing.flush_acks(10)
+            return
+        if first:
+            outbox.put(t)
+            first = False
+        value = float(t.double().sum())
+        del t
+        sharing.flush_acks(10)
+        replies.put(value)
+
+
+def keep_and_read(inbox, commands, replies):
+    """C of A -> B -> C (test_send_reuse.py): receives one tensor and keeps it; replies what
+    it holds (a list) at once and at each command until None."""
+    import vmm_torch
+
+    vmm_torch.install_reducers()
+    t = inbox.get(timeout=60)
+    replies.put(t.tolist())
+    while commands.get(timeout=60) is not None:
+        replies.put(t.tolist())

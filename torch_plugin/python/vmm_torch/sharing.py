@@ -360,6 +360,8 @@ def set_send_lease(seconds: float) -> None:
 #: waiting (until the next one): receivers that do not read must not stop a sender.
 SEND_STALL_S = 0.1
 
+_INT64_MAX = (1 << 63) - 1
+
 
 def set_send_budget(nbytes: int) -> None:
     """How many bytes this process's unacknowledged sends may hold before ``Queue.put`` waits
@@ -368,8 +370,12 @@ def set_send_budget(nbytes: int) -> None:
     far ahead of its consumers would otherwise hold a chunk per tensor queued. The wait ends
     once no acknowledgement came for SEND_STALL_S (receivers not reading), so a program that
     fills a queue before it starts its consumers is never stopped."""
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-        raise TypeError(f"the send budget is a number of bytes >= 0, not {nbytes!r}")
+    # The C call takes an int64_t: ctypes would wrap a larger value silently (2**64 to 0, which
+    # turns the budget off).
+    if (not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0
+            or nbytes > _INT64_MAX):
+        raise TypeError(f"the send budget is a number of bytes >= 0 (and < 2**63), "
+                        f"not {nbytes!r}")
     _lib.check(_lib.vmm().vmm_send_set_budget(nbytes), "set_send_budget")
 
 
