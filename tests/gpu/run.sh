@@ -5,7 +5,7 @@
 #
 # Phases, run in the order given:
 #   tests    the C++ suites on the CUDA backend (VMM_TEST_BACKEND=cuda: conformance, CUDA
-#            driver, pool, sharing) and the demo; first without an IMEX channel (channel 0
+#            driver, pool, pool reuse, sharing) and the demo; first without an IMEX channel (channel 0
 #            removed if an earlier run made it: the POSIX fd fallback), then with one (fabric).
 #   python   pip-installs vmm_torch against the machine's torch and runs the Python suite, with
 #            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python but the
@@ -157,6 +157,7 @@ cxx_suites() {
   local args=(${filter:+"$filter"})
   step "conformance_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/driver_conformance_test" "${args[@]}"
   step "pool_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/pool_test" "${args[@]}"
+  step "pool_reuse_$tag" 60 env VMM_TEST_BACKEND=cuda "$bin/pool_reuse_test" "${args[@]}"
   step "sharing_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/sharing_test" "${args[@]}"
   [[ -z "$filter" ]] || return 0
   step "cuda_driver_$tag" 60 "$bin/cuda_driver_test"
