@@ -467,14 +467,16 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
         b->end() < c->first + chunk.size) {
       continue;  // something in it is still allocated or pending
     }
-    if (chunk.untracked) {
+    // Parking serves reuse only: a chunk that could never be spare (of the small arena, or
+    // larger than spare_export_bytes) goes as soon as it is free, as before reuse.
+    const bool reusable = at >= large_base_ && chunk.size <= options_.spare_export_bytes;
+    if (chunk.untracked || !reusable) {
       doomed.push_back(c->first);
     } else if (chunk.importers > 0) {
       if (!release_parked) continue;  // parked: receivers have not reported yet
       chunk.untracked = true;           // given up: their reports will find it gone
       doomed.push_back(c->first);
-    } else if (at >= large_base_ &&  // small chunks are never taken by AllocateShareable
-               spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
+    } else if (spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
       chunk.spare = true;
       spare_.push_back(c->first);
       spare_bytes_ += chunk.size;

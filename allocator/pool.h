@@ -52,7 +52,8 @@
 // A parked chunk whose send ends unreported (lease, forwarded) is released. Spare and parked
 // chunks go back to the driver on EmptyCache and before a growth that fails for lack of
 // memory (a parked chunk so released is not reused: its receivers' reports find it gone).
-// Only large-arena chunks become spare (AllocateShareable allocates there).
+// Only chunks that could become spare are parked: of the large arena (AllocateShareable
+// allocates there) and no larger than spare_export_bytes; others are released once free.
 //
 // Export invariant, continued. The pool knows nothing of handles, fds or descriptors: Export
 // marks chunks and lets a visitor see each chunk's physical handle under the pool's lock, and

@@ -397,15 +397,35 @@ TEST_F(PoolReuseTest, SpareExportBytesZeroTurnsReuseOff) {
   void* p = Shareable(*pool, 2 * kMiB);
   const std::vector<ExportedChunk> sent = Send(*pool, p);
   ASSERT_OK(pool->Free(p));
-  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB)) << "parked all the same";
-  pool->SettleExport(sent, true);
-  EXPECT_EQ(Reserved(*pool), 0) << "released, not kept";
+  EXPECT_EQ(Reserved(*pool), 0) << "not parked: it could never be spare";
   EXPECT_THAT(observer_.released(), ElementsAre(sent[0].id));
+  pool->SettleExport(sent, true);  // the late report finds nothing
+  EXPECT_EQ(Reserved(*pool), 0);
   const PoolStats before = pool->GetStats();
   void* q = Shareable(*pool, 2 * kMiB);
   EXPECT_EQ(pool->GetStats().driver_create, before.driver_create + 1);
   EXPECT_EQ(pool->GetStats().num_export_reuses, 0);
   ASSERT_OK(pool->Free(q));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, AChunkLargerThanSpareExportBytesIsReleasedOnceFreeNotParked) {
+  PoolOptions options = Exact();
+  options.spare_export_bytes = 4 * kMiB;
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* big = Shareable(*pool, 6 * kMiB);
+  void* small = Shareable(*pool, 2 * kMiB);
+  const std::vector<ExportedChunk> big_send = Send(*pool, big);
+  const std::vector<ExportedChunk> small_send = Send(*pool, small);
+  ASSERT_OK(pool->Free(big));
+  ASSERT_OK(pool->Free(small));
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB)) << "only the small one parked";
+  EXPECT_THAT(observer_.released(), ElementsAre(big_send[0].id));
+  pool->SettleExport(big_send, true);
+  pool->SettleExport(small_send, true);
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB)) << "the small one spare";
   EXPECT_OK(pool->CheckInvariants());
 }
 

@@ -581,3 +581,39 @@ TEST(ProcessStateLifetimeTest, AReportAfterTheStateIsGoneTouchesNothingOfIt) {
 
 }  // namespace
 }  // namespace vmm
+
+namespace vmm {
+namespace {
+
+// A large import is closed (unmapped) by the call that drops its last reference, so that its
+// unmapping is over when the caller goes on; a small one on the closing thread.
+TEST(ProcessStateCloseTest, ALargeImportIsClosedAtOnceASmallOneOnTheClosingThread) {
+  ProcessState state;
+  absl::StatusOr<int64_t> id =
+      state.CreatePool(Backend::kHost, 0, "reserve_size=512M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  const size_t large = ProcessState::kCloseInlineBytes + (2 << 20);
+  absl::StatusOr<void*> big = state.PoolAllocate(*id, large, 0, /*shareable=*/true);
+  absl::StatusOr<void*> small = state.PoolAllocate(*id, 1 << 20, 0, /*shareable=*/true);
+  ASSERT_TRUE(big.ok() && small.ok());
+  absl::StatusOr<BufferDescriptor> dbig = state.Export(*big);
+  absl::StatusOr<BufferDescriptor> dsmall = state.Export(*small);
+  ASSERT_TRUE(dbig.ok() && dsmall.ok());
+  ASSERT_EQ(FlushCloses(absl::Seconds(5)), 0u);
+  const size_t open = OpenImportMappings();
+  absl::StatusOr<int64_t> ibig = state.Import(dbig->Encode(), -1, Backend::kHost, false);
+  absl::StatusOr<int64_t> ismall = state.Import(dsmall->Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(ibig.ok() && ismall.ok());
+  EXPECT_EQ(OpenImportMappings(), open + 2);
+  ASSERT_TRUE(state.AddImportRef(*ibig, -1).ok());
+  EXPECT_EQ(OpenImportMappings(), open + 1) << "the large one is unmapped already";
+  ASSERT_TRUE(state.AddImportRef(*ismall, -1).ok());
+  EXPECT_EQ(FlushCloses(absl::Seconds(5)), 0u);
+  EXPECT_EQ(OpenImportMappings(), open) << "the small one by the closing thread";
+  ASSERT_TRUE(state.FreeBlock(*big).ok());
+  ASSERT_TRUE(state.FreeBlock(*small).ok());
+  ASSERT_TRUE(state.ClosePool(*id).ok());
+}
+
+}  // namespace
+}  // namespace vmm

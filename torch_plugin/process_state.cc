@@ -328,9 +328,16 @@ absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
     }
     imports_.erase(it);
   }
-  // Closing synchronizes the devices and unmaps: on the closing thread, not on the caller's
-  // (a tensor's deleter, holding the interpreter lock).
-  CloseLater(std::move(doomed));
+  // Closing synchronizes the devices and unmaps: for a small import on the closing thread,
+  // not on the caller's (a tensor's deleter, holding the interpreter lock), where a receiver
+  // of many pays it per tensor. A large one is closed here, so that its unmapping (about 1 ms
+  // for 8 GiB on an H200) is over before the caller goes on, as a program dropping a big
+  // tensor before its next step expects.
+  if (doomed->mapped_size() > kCloseInlineBytes) {
+    doomed.reset();
+  } else {
+    CloseLater(std::move(doomed));
+  }
   return absl::OkStatus();
 }
 

@@ -131,9 +131,11 @@ class ProcessState {
   };
   // InvalidArgument for an unknown id.
   absl::StatusOr<ImportInfo> GetImportInfo(int64_t id);
-  // Adds `delta` references to import `id`; the mapping goes with the last one.
+  // Adds `delta` references to import `id`; the mapping goes with the last one: closed on the
+  // closing thread (import_closer.h) if it maps at most kCloseInlineBytes, else here.
   // InvalidArgument for an unknown id.
   absl::Status AddImportRef(int64_t id, int delta);
+  static constexpr size_t kCloseInlineBytes = size_t{64} << 20;
   // Imports alive (tests).
   size_t import_count();
 
