@@ -19,6 +19,7 @@
 #include "allocator/send_ledger.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/hold_journal.h"
 
 namespace vmm {
 namespace {
@@ -320,34 +321,10 @@ TEST_F(ProcessStateTest, ASmallBlockIsRelocatedEvenAloneAndPrepareMarksNothing) 
 
 // --- What receivers report, and the send budget --------------------------------------------
 
-// Records a ledger hold's release and settle, in order.
-class Journal {
- public:
-  void Add(const char* what) {
-    MutexLock lock(&mu_);
-    entries_.push_back(what);
-  }
-  std::vector<std::string> entries() {
-    MutexLock lock(&mu_);
-    return entries_;
-  }
-
- private:
-  Mutex mu_;
-  std::vector<std::string> entries_ ABSL_GUARDED_BY(mu_);
-};
-
-SendLedger::Ticket HoldSettled(Journal* journal) {
-  absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(
-      1, [journal] { journal->Add("release"); },
-      [journal](bool released) { journal->Add(released ? "settle(true)" : "settle(false)"); });
-  EXPECT_TRUE(ticket.ok()) << ticket.status();
-  return ticket.ok() ? *ticket : SendLedger::Ticket{};
-}
 
 TEST_F(ProcessStateTest, ASendReceivedByNoImportIsReportedReleasedAtOnce) {
   Journal journal;
-  const SendLedger::Ticket ticket = HoldSettled(&journal);
+  const SendLedger::Ticket ticket = HoldSettled(1, &journal);
   state_.ReceivedSend(/*import_id=*/987654321, ticket);
   EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
   EXPECT_EQ(journal.entries(), (std::vector<std::string>{"release", "settle(true)"}));
@@ -510,7 +487,7 @@ TEST_F(ProcessStateTest, WaitForSendRoomStopsWaitingOnceStalled) {
   EXPECT_LT(absl::Now() - start, absl::Milliseconds(140)) << "waited again while stalled";
   // Memory comes back somewhere (any release or settle of the ledger): it waits again.
   Journal journal;
-  const SendLedger::Ticket other = HoldSettled(&journal);
+  const SendLedger::Ticket other = HoldSettled(1, &journal);
   ASSERT_TRUE(AckSend(other).ok());
   start = absl::Now();
   EXPECT_TRUE(state_.WaitForSendRoom(absl::Milliseconds(150)));
@@ -540,7 +517,7 @@ TEST_F(ProcessStateTest, WaitForSendRoomWaitsWhileMemoryComesBack) {
   // Another send is acknowledged after 150 ms (memory comes back, still over), this one after
   // 300 ms (under).
   Journal journal;
-  const SendLedger::Ticket other = HoldSettled(&journal);
+  const SendLedger::Ticket other = HoldSettled(1, &journal);
   std::thread receiver([&] {
     absl::SleepFor(absl::Milliseconds(150));
     EXPECT_TRUE(AckSend(other).ok());

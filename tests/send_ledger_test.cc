@@ -29,6 +29,7 @@
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/hold_journal.h"
 #include "tests/sanitizers.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
@@ -523,32 +524,6 @@ TEST_F(SendLedgerTest, ASlowReleaseDelaysNoFetch) {
 }
 
 // --- Settles: holds that wait for the receiver's release report -----------------------------
-
-// What a hold's release and settle did, in order: "release", "settle(true)", "settle(false)".
-class Journal {
- public:
-  void Add(std::string what) {
-    MutexLock lock(&mu_);
-    entries_.push_back(std::move(what));
-  }
-  std::vector<std::string> entries() {
-    MutexLock lock(&mu_);
-    return entries_;
-  }
-
- private:
-  Mutex mu_;
-  std::vector<std::string> entries_ ABSL_GUARDED_BY(mu_);
-};
-
-// A hold of `bytes` with a settle, both recorded in `journal`.
-Ticket HoldSettled(uint64_t bytes, Journal* journal) {
-  absl::StatusOr<Ticket> ticket = SendLedger::Get().Hold(
-      bytes, [journal] { journal->Add("release"); },
-      [journal](bool released) { journal->Add(released ? "settle(true)" : "settle(false)"); });
-  EXPECT_OK(ticket);
-  return ticket.ok() ? *ticket : Ticket{};
-}
 
 // Reports `report` on `ticket` from a forked child; the status code it got.
 absl::StatusCode ReportFromChild(const Ticket& ticket, SendReport report) {

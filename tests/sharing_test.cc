@@ -43,6 +43,7 @@
 #include "allocator/kept_handles.h"
 #include "allocator/pool.h"
 #include "gmock/gmock.h"
+#include "tests/forwarding_driver.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
@@ -623,59 +624,16 @@ TEST(FdShareTest, AnExporterOfAnotherUserRefusesAndTheImporterSaysWhy) {
 // --- Re-export: A -> B -> C ----------------------------------------------------------------
 
 // A driver that forwards every call to another and counts the exports it is asked for.
-class CountingDriver : public Driver {
+class CountingDriver : public ForwardingDriver {
  public:
-  explicit CountingDriver(Driver* inner) : inner_(inner) {}
+  using ForwardingDriver::ForwardingDriver;
   int exports() const { return exports_.load(); }
-
-  Backend backend() const override { return inner_->backend(); }
-  int DeviceCount() const override { return inner_->DeviceCount(); }
-  absl::StatusOr<std::string> DeviceUuid(int d) override { return inner_->DeviceUuid(d); }
-  absl::StatusOr<size_t> Granularity(int d) override { return inner_->Granularity(d); }
-  absl::StatusOr<bool> SupportsHandleType(int d, HandleType t) override {
-    return inner_->SupportsHandleType(d, t);
-  }
-  absl::StatusOr<MemInfo> GetMemInfo(int d) override { return inner_->GetMemInfo(d); }
-  absl::StatusOr<PhysHandle> Create(int d, size_t size, uint32_t types) override {
-    return inner_->Create(d, size, types);
-  }
-  absl::Status Release(PhysHandle h) override { return inner_->Release(h); }
-  absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override {
-    return inner_->Reserve(size, alignment);
-  }
-  absl::Status Unreserve(DevPtr p, size_t size) override { return inner_->Unreserve(p, size); }
-  absl::Status Map(DevPtr p, size_t size, PhysHandle h) override { return inner_->Map(p, size, h); }
-  absl::Status Unmap(DevPtr p, size_t size) override { return inner_->Unmap(p, size); }
-  absl::Status SetAccess(DevPtr p, size_t size, absl::Span<const int> devices) override {
-    return inner_->SetAccess(p, size, devices);
-  }
-  absl::StatusOr<bool> HasAccess(DevPtr p, int d) override { return inner_->HasAccess(p, d); }
   absl::StatusOr<ShareableHandle> Export(PhysHandle h, HandleType t) override {
     ++exports_;
-    return inner_->Export(h, t);
-  }
-  absl::StatusOr<PhysHandle> Import(const ShareableHandle& h) override { return inner_->Import(h); }
-  absl::StatusOr<Stream> CreateStream(int d) override { return inner_->CreateStream(d); }
-  absl::Status DestroyStream(Stream s) override { return inner_->DestroyStream(s); }
-  absl::Status SynchronizeStream(Stream s) override { return inner_->SynchronizeStream(s); }
-  absl::Status SynchronizeDevice(int d) override { return inner_->SynchronizeDevice(d); }
-  absl::StatusOr<Event> CreateEvent(int d) override { return inner_->CreateEvent(d); }
-  absl::Status DestroyEvent(Event e) override { return inner_->DestroyEvent(e); }
-  absl::Status RecordEvent(Event e, Stream s) override { return inner_->RecordEvent(e, s); }
-  absl::StatusOr<bool> EventDone(Event e) override { return inner_->EventDone(e); }
-  absl::Status SynchronizeEvent(Event e) override { return inner_->SynchronizeEvent(e); }
-  absl::Status LaunchHostFunc(Stream s, void (*fn)(void*), void* arg) override {
-    return inner_->LaunchHostFunc(s, fn, arg);
-  }
-  absl::Status MemcpyAsync(DevPtr dst, DevPtr src, size_t n, Stream s) override {
-    return inner_->MemcpyAsync(dst, src, n, s);
-  }
-  absl::Status MemsetAsync(DevPtr dst, uint8_t v, size_t n, Stream s) override {
-    return inner_->MemsetAsync(dst, v, n, s);
+    return ForwardingDriver::Export(h, t);
   }
 
  private:
-  Driver* const inner_;
   std::atomic<int> exports_{0};
 };
 

@@ -1,5 +1,7 @@
 """Test helpers shared by the sharing tests: host pools of each handle type, filled tensors,
 and hand-made payloads."""
+import time
+
 import pytest
 import torch
 
@@ -36,3 +38,14 @@ def next_id():
     """The id the next import (or pool) of this process will get (they share one counter)."""
     with vmm_torch.Pool("host") as probe:
         return probe.id + 1
+
+
+def eventually(condition, timeout=10.0):
+    """Whether `condition()` became true within `timeout` seconds (polled every 10 ms): for
+    what background threads (acknowledgements, releases, closes) do soon after a call."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vmm_torch
-from host_pools import Reduced, filled, next_id, pool  # noqa: F401 (pool: a fixture)
+from host_pools import Reduced, eventually, filled, next_id, pool  # noqa: F401 (pool: a fixture)
 from vmm_torch import _lib, _tensors, reductions, sharing
 
 MIB = 1 << 20
@@ -206,14 +206,6 @@ def test_hostile_views_fail_cleanly_and_release_the_import(pool, field, value):
     assert not import_is_open(import_id)  # ... and was released
 
 
-def _eventually(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
 
 def test_a_sent_tensor_outlives_its_sender_until_received():
     """put-then-delete: the send holds the block until the receiver has imported it."""
@@ -232,7 +224,7 @@ def test_a_sent_tensor_outlives_its_sender_until_received():
         assert int(received.sum()) == 7 * MIB
         assert sharing.flush_acks(5) == 0
         # Acknowledged: the sender let go.
-        assert _eventually(lambda: vmm_torch.send_stats()["acked"] == held["acked"] + 1)
+        assert eventually(lambda: vmm_torch.send_stats()["acked"] == held["acked"] + 1)
         assert vmm_torch.send_stats()["held"] == held["held"] - 1, "ours, and only ours"
         del received
 
@@ -248,7 +240,7 @@ def test_a_send_nobody_receives_ends_with_its_lease_and_goes_stale():
             vmm_torch.set_send_lease(600)
         del t
         gc.collect()
-        assert _eventually(lambda: vmm_torch.send_stats()["expired"] == before["expired"] + 1)
+        assert eventually(lambda: vmm_torch.send_stats()["expired"] == before["expired"] + 1)
         assert vmm_torch.send_stats()["held_bytes"] == before["held_bytes"]
         # The release runs on the ledger's release thread right after the lease ends.
         errors = []
@@ -263,7 +255,7 @@ def test_a_send_nobody_receives_ends_with_its_lease_and_goes_stale():
             del received
             return False
 
-        assert _eventually(stale)
+        assert eventually(stale)
         assert errors[0].code == "NOT_FOUND" and "HOST-" in str(errors[0])
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 import vmm_torch
+from host_pools import eventually
 import vmm_test_workers as workers
 from vmm_torch import _lib, sharing
 
@@ -36,14 +37,6 @@ def budget():
     vmm_torch.set_send_budget(DEFAULT_BUDGET)
 
 
-def _eventually(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
 
 def _over_budget():
     return bool(_lib.quick().vmm_send_over_budget())
@@ -56,9 +49,9 @@ def _releases_ran():
 
 def _settle(released):
     assert sharing.flush_acks(10) == 0
-    assert _eventually(lambda: vmm_torch.send_stats()["released"] >= released), \
+    assert eventually(lambda: vmm_torch.send_stats()["released"] >= released), \
         vmm_torch.send_stats()
-    assert _eventually(_releases_ran)
+    assert eventually(_releases_ran)
 
 
 def _receive_all(payloads):
@@ -110,7 +103,7 @@ def test_put_to_a_queue_nobody_reads_does_not_wait_on_the_budget(budget):
         for i in range(n):
             q.put(p.empty((SMALL,)).fill_(i))
         elapsed = time.monotonic() - started
-        assert _eventually(lambda: vmm_torch.send_stats()["holds"] == stats0["holds"] + n)
+        assert eventually(lambda: vmm_torch.send_stats()["holds"] == stats0["holds"] + n)
         assert _over_budget()
         assert elapsed < 4.0, f"{n} puts took {elapsed:.1f} s"
         # The reader, late (this process: the same sends, the same acknowledgements).
@@ -231,7 +224,7 @@ def test_what_a_receiver_keeps_holds_no_budget(budget):
         assert _over_budget(), "three unacknowledged sends of 2 MiB"
         received = [pickle.loads(payload) for payload in payloads]
         assert sharing.flush_acks(10) == 0
-        assert _eventually(lambda: vmm_torch.send_stats()["held"] == 0)
+        assert eventually(lambda: vmm_torch.send_stats()["held"] == 0)
         assert vmm_torch.send_stats()["awaiting_release"] >= 3
         assert not _over_budget()
         assert [float(t[0]) for t in received] == [0.0, 1.0, 2.0]

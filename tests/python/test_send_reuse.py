@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 import vmm_torch
 import vmm_test_workers as workers
-from host_pools import pool  # noqa: F401 (pool: a fixture)
+from host_pools import eventually, pool  # noqa: F401 (pool: a fixture)
 from vmm_torch import sharing
 
 TIMEOUT = 60
@@ -25,14 +25,6 @@ SMALL = 1024  # float32 elements: 4 KiB, a small block that moves to a chunk of 
 def reducers():
     vmm_torch.install_reducers()
 
-
-def _eventually(condition, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _releases_ran():
@@ -45,9 +37,9 @@ def _releases_ran():
 def _settled(released):
     """Waits until `released` sends in all were reported released and what the reports
     gave back (SettleExport, on the ledger's release thread) has run."""
-    assert _eventually(lambda: vmm_torch.send_stats()["released"] >= released), \
+    assert eventually(lambda: vmm_torch.send_stats()["released"] >= released), \
         vmm_torch.send_stats()
-    assert _eventually(_releases_ran)
+    assert eventually(_releases_ran)
 
 
 def _counts(p):
@@ -65,7 +57,7 @@ def _small(p, value):
 def quiet_ledger():
     """Earlier tests' acknowledgements and reports are sent and settled first."""
     assert sharing.flush_acks(10) == 0
-    assert _eventually(_releases_ran)
+    assert eventually(_releases_ran)
 
 
 # --- In one process (the receiver is this process: same reports, same ledger) -----------------
@@ -102,7 +94,7 @@ def test_awaiting_release_counts_acknowledged_sends_still_mapped(pool):
     received = pickle.loads(ForkingPickler.dumps(t))
     del t
     assert sharing.flush_acks(10) == 0
-    assert _eventually(lambda: vmm_torch.send_stats()["acked"] == stats0["acked"] + 1)
+    assert eventually(lambda: vmm_torch.send_stats()["acked"] == stats0["acked"] + 1)
     stats = vmm_torch.send_stats()
     assert stats["held"] == stats0["held"], "acknowledged: no longer held"
     assert stats["awaiting_release"] == stats0["awaiting_release"] + 1
@@ -191,9 +183,9 @@ def test_a_send_forwarded_in_this_process_is_released_not_reused(pool):
     c = pickle.loads(ForkingPickler.dumps(b))  # forwarded, no copy
     del b
     assert sharing.flush_acks(10) == 0
-    assert _eventually(lambda: vmm_torch.send_stats()["awaiting_release"] ==
+    assert eventually(lambda: vmm_torch.send_stats()["awaiting_release"] ==
                        stats0["awaiting_release"])
-    assert _eventually(_releases_ran)
+    assert eventually(_releases_ran)
     assert vmm_torch.send_stats()["released"] == stats0["released"], "not counted"
     assert _counts(pool)["exported"] == 0, "released, not spare"
     later = pickle.loads(ForkingPickler.dumps(_small(pool, 6)))
@@ -259,9 +251,9 @@ def test_a_forwarded_send_is_not_reused_while_its_last_receiver_maps_it():
             assert from_b.get(timeout=TIMEOUT) == 7 * SMALL
             assert from_c.get(timeout=TIMEOUT) == [7.0] * SMALL
             # B's import closes once C acknowledged; B reports "forwarded", A releases.
-            assert _eventually(lambda: vmm_torch.send_stats()["awaiting_release"] ==
+            assert eventually(lambda: vmm_torch.send_stats()["awaiting_release"] ==
                                stats0["awaiting_release"]), vmm_torch.send_stats()
-            assert _eventually(_releases_ran)
+            assert eventually(_releases_ran)
             assert vmm_torch.send_stats()["released"] == stats0["released"]
             counts = _counts(p)
             assert counts["exported"] == 0 and counts["releases"] > before["releases"], \

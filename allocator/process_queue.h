@@ -1,0 +1,133 @@
+// process_queue.h: work that one background thread per process does in batches, in order.
+//
+//   void SendAll(std::vector<Ticket>& batch);                    // the work, no lock held
+//   ProcessQueue<Ticket, SendAll>::ForThisProcess().Add(ticket); // returns at once
+//   ProcessQueue<Ticket, SendAll>::ForThisProcess().Flush(absl::Seconds(5));
+//
+// The send acknowledgements (send_acker.h) and the closing of imports (import_closer.h) are
+// such work: what a receiver of many small tensors should not do on its own thread.
+//
+// Each instantiation has one queue per process and one thread, started with the first item. A
+// fork()ed child starts with a new, empty queue and no thread: the parent's thread does not
+// exist there and its lock may have been held at the fork, so the copy (and what it holds) is
+// leaked, never drained. If the thread cannot be started, items are drained by the caller of
+// Add (said once, naming `kWhat`). Thread safe.
+#ifndef VMM_ALLOCATOR_PROCESS_QUEUE_H_
+#define VMM_ALLOCATOR_PROCESS_QUEUE_H_
+
+#include <pthread.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <system_error>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "allocator/log.h"
+#include "allocator/mutex.h"
+
+namespace vmm {
+
+template <typename Item, void (*kDrain)(std::vector<Item>& batch)>
+class ProcessQueue {
+ public:
+  // This process's queue (made on first use; never destroyed: items may come during exit).
+  static ProcessQueue& ForThisProcess() {
+    static const int registered =
+        pthread_atfork(nullptr, nullptr, [] { current.store(nullptr); });
+    (void)registered;
+    ProcessQueue* queue = current.load(std::memory_order_acquire);
+    if (queue == nullptr) {
+      auto* fresh = new ProcessQueue();
+      if (current.compare_exchange_strong(queue, fresh, std::memory_order_acq_rel)) {
+        queue = fresh;
+      } else {
+        delete fresh;
+      }
+    }
+    return *queue;
+  }
+
+  // Queues `item` (starting the thread on first use); `what` names the work if the thread
+  // cannot be started.
+  void Add(Item item, const char* what) {
+    std::vector<Item> here;  // drained by this caller when there is no thread
+    {
+      MutexLock lock(&mu_);
+      if (!no_thread_) {
+        queued_.push_back(std::move(item));
+        if (started_) {
+          wake_.notify_one();
+          return;
+        }
+        started_ = true;
+        try {
+          std::thread([this] { Run(); }).detach();  // lives as long as the process
+          return;
+        } catch (const std::system_error& e) {
+          no_thread_ = true;
+          here.swap(queued_);
+          LogWarningOnce(what, absl::StrCat("cannot start the thread for ", what, " (",
+                                            e.what(), "); done by the caller instead"));
+        }
+      } else {
+        here.push_back(std::move(item));
+      }
+    }
+    kDrain(here);
+  }
+
+  // Waits until every item queued so far has been drained, at most `timeout`; returns how
+  // many are still queued or being drained.
+  size_t Flush(absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
+    MutexLock lock(&mu_);
+    while (Pending() != 0) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) break;
+      drained_.wait_for(mu_, absl::ToChronoMilliseconds(left) + std::chrono::milliseconds(1));
+    }
+    return Pending();
+  }
+
+ private:
+  ProcessQueue() = default;
+
+  size_t Pending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queued_.size() + draining_; }
+
+  void Run() {
+    std::vector<Item> batch;
+    for (;;) {
+      {
+        MutexLock lock(&mu_);
+        draining_ = 0;
+        drained_.notify_all();
+        while (queued_.empty()) wake_.wait(mu_);  // unlocks mu_ while waiting
+        batch.swap(queued_);
+        draining_ = batch.size();
+      }
+      kDrain(batch);  // no lock held
+      batch.clear();
+    }
+  }
+
+  static inline std::atomic<ProcessQueue*> current{nullptr};  // reset in a forked child
+
+  Mutex mu_;
+  std::vector<Item> queued_ ABSL_GUARDED_BY(mu_);
+  size_t draining_ ABSL_GUARDED_BY(mu_) = 0;
+  bool started_ ABSL_GUARDED_BY(mu_) = false;
+  bool no_thread_ ABSL_GUARDED_BY(mu_) = false;
+  std::condition_variable_any wake_;
+  std::condition_variable_any drained_;
+};
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_PROCESS_QUEUE_H_
