@@ -11,7 +11,8 @@ namespace {
 // Destroys (closes) each import of the batch, in order.
 void CloseAll(std::vector<std::unique_ptr<ImportedBuffer>>& batch) { batch.clear(); }
 
-using Closer = ProcessQueue<std::unique_ptr<ImportedBuffer>, CloseAll>;
+// A fork waits for the closes being made: they hold the driver's locks.
+using Closer = ProcessQueue<std::unique_ptr<ImportedBuffer>, CloseAll, /*kForkWaits=*/true>;
 
 }  // namespace
 

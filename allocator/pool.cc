@@ -480,6 +480,11 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
       chunk.spare = true;
       spare_.push_back(c->first);
       spare_bytes_ += chunk.size;
+      // A fresh id at once: from now on no descriptor of its sends fetches it (fds re-keyed),
+      // so nobody can map it between now and its reuse.
+      const uint64_t old_id = chunk.id;
+      const uint64_t new_id = chunks_.Renumber(c);
+      if (observer_ != nullptr) observer_->ChunkRenamed(id_, old_id, new_id);
     } else {
       doomed.push_back(c->first);
     }
@@ -489,24 +494,29 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
 }
 
 Block* Pool::TakeSpareChunk(size_t n, Stream stream) {
+  // The smallest spare chunk that fits (of equals, the newest).
+  size_t best = spare_.size();
+  size_t best_size = SIZE_MAX;
   for (size_t i = spare_.size(); i-- > 0;) {
     auto c = chunks_.find(spare_[i]);
     if (c == chunks_.end() || c->second.size < n || c->first < large_base_) continue;
-    const uintptr_t addr = c->first;
-    Chunk& chunk = c->second;
-    Block* block = ArenaOf(addr).Reopen(addr, addr + chunk.size, stream);
-    if (block == nullptr) continue;  // cannot happen: a spare chunk stays wholly retired
-    spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(i));
-    spare_bytes_ -= chunk.size;
-    retired_bytes_ -= static_cast<int64_t>(chunk.size);
-    chunk.spare = false;
-    const uint64_t old_id = chunk.id;
-    const uint64_t new_id = chunks_.Renumber(c);
-    if (observer_ != nullptr) observer_->ChunkRenamed(id_, old_id, new_id);
-    ++stats_.num_export_reuses;
-    return block;
+    if (c->second.size < best_size) {
+      best = i;
+      best_size = c->second.size;
+    }
   }
-  return nullptr;
+  if (best == spare_.size()) return nullptr;
+  auto c = chunks_.find(spare_[best]);
+  const uintptr_t addr = c->first;
+  Chunk& chunk = c->second;
+  Block* block = ArenaOf(addr).Reopen(addr, addr + chunk.size, stream);
+  if (block == nullptr) return nullptr;  // cannot happen: a spare chunk stays wholly retired
+  spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(best));
+  spare_bytes_ -= chunk.size;
+  retired_bytes_ -= static_cast<int64_t>(chunk.size);
+  chunk.spare = false;  // renumbered when it became spare
+  ++stats_.num_export_reuses;
+  return block;
 }
 
 absl::Status Pool::ReleaseSpareChunks() {

@@ -46,9 +46,10 @@
 //   - released, if ever exported kUntracked or SettleExport said a receiver gave up counting
 //     (forwarded it), or if spare_export_bytes are kept already;
 //   - kept *parked* (mapped, retired, counted in reserved) while receivers have not reported;
-//   - kept *spare* once all have: AllocateShareable takes a spare chunk that fits before
-//     growing, gives it a fresh id (ExportObserver::ChunkRenamed: fds re-registered under a
-//     new key, so a descriptor of the earlier send fetches nothing) and makes no driver call.
+//   - kept *spare* once all have, under a fresh id at once (ExportObserver::ChunkRenamed: fds
+//     re-registered under a new key, so a descriptor of an earlier send fetches nothing from
+//     then on): AllocateShareable takes the smallest spare chunk that fits before growing,
+//     and makes no driver call.
 // A parked chunk whose send ends unreported (lease, forwarded) is released. Spare and parked
 // chunks go back to the driver on EmptyCache and before a growth that fails for lack of
 // memory (a parked chunk so released is not reused: its receivers' reports find it gone).
@@ -282,7 +283,7 @@ class Pool {
   // parked ones too, giving up their reuse (EmptyCache, a failing growth).
   absl::Status ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool release_parked = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A spare chunk of at least `n` bytes made a free block (fresh id, not cached: the caller
+  // The smallest spare chunk of at least `n` bytes made a free block (not cached: the caller
   // takes it at once), or nullptr if none.
   Block* TakeSpareChunk(size_t n, Stream stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases every spare chunk.

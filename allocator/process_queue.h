@@ -10,8 +10,10 @@
 // Each instantiation has one queue per process and one thread, started with the first item. A
 // fork()ed child starts with a new, empty queue and no thread: the parent's thread does not
 // exist there and its lock may have been held at the fork, so the copy (and what it holds) is
-// leaked, never drained. If the thread cannot be started, items are drained by the caller of
-// Add (said once, naming `kWhat`). Thread safe.
+// leaked, never drained. With `kForkWaits`, fork() waits for a batch being drained to finish
+// (a pthread_atfork gate), so that the child never inherits a lock the drain held (closing an
+// import holds the driver's); the drain must then never fork. If the thread cannot be started,
+// items are drained by the caller of Add (said once, naming the work). Thread safe.
 #ifndef VMM_ALLOCATOR_PROCESS_QUEUE_H_
 #define VMM_ALLOCATOR_PROCESS_QUEUE_H_
 
@@ -34,13 +36,23 @@
 
 namespace vmm {
 
-template <typename Item, void (*kDrain)(std::vector<Item>& batch)>
+template <typename Item, void (*kDrain)(std::vector<Item>& batch), bool kForkWaits = false>
 class ProcessQueue {
  public:
   // This process's queue (made on first use; never destroyed: items may come during exit).
   static ProcessQueue& ForThisProcess() {
-    static const int registered =
-        pthread_atfork(nullptr, nullptr, [] { current.store(nullptr); });
+    static const int registered = pthread_atfork(
+        [] {
+          if (ProcessQueue* q = current.load(std::memory_order_acquire); kForkWaits && q) {
+            q->gate_.Lock();
+            q->gated_ = true;
+          }
+        },
+        [] { UngateAfterFork(); },
+        [] {
+          UngateAfterFork();
+          current.store(nullptr);
+        });
     (void)registered;
     ProcessQueue* queue = current.load(std::memory_order_acquire);
     if (queue == nullptr) {
@@ -99,6 +111,15 @@ class ProcessQueue {
  private:
   ProcessQueue() = default;
 
+  // The fork handlers' end of the gate (only the forking thread runs them).
+  static void UngateAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ProcessQueue* q = current.load(std::memory_order_acquire);
+    if (q != nullptr && q->gated_) {
+      q->gated_ = false;
+      q->gate_.Unlock();
+    }
+  }
+
   size_t Pending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queued_.size() + draining_; }
 
   void Run() {
@@ -112,13 +133,18 @@ class ProcessQueue {
         batch.swap(queued_);
         draining_ = batch.size();
       }
-      kDrain(batch);  // no lock held
-      batch.clear();
+      {
+        MutexLock gate(&gate_);  // what a fork waits for (kForkWaits)
+        kDrain(batch);           // no lock of the queue held
+        batch.clear();
+      }
     }
   }
 
   static inline std::atomic<ProcessQueue*> current{nullptr};  // reset in a forked child
 
+  Mutex gate_;          // held while a batch is drained, and across a fork (kForkWaits)
+  bool gated_ = false;  // the prepare handler took gate_ (fork handlers only)
   Mutex mu_;
   std::vector<Item> queued_ ABSL_GUARDED_BY(mu_);
   size_t draining_ ABSL_GUARDED_BY(mu_) = 0;

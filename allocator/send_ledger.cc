@@ -84,6 +84,9 @@ class SendLedger::Impl {
     Release release;
     Settle settle;       // null: the entry ends with the ack
     bool acked = false;  // the release has been taken; the entry waits for its settle
+    absl::Time sent;     // when it was made
+    uint64_t key = 0;    // its key in holds_
+    bool recent = true;  // unacknowledged and counted in recent_bytes_ (RecentHeldBytes)
   };
   using Holds = absl::flat_hash_map<uint64_t, Entry>;
 
@@ -95,8 +98,12 @@ class SendLedger::Impl {
     *key = next_key_++;
     const absl::Time deadline = absl::Now() + lease_;
     const bool soonest = deadlines_.empty() || deadline < deadlines_.begin()->first;
-    holds_.emplace(*key, Entry{nonce, bytes, deadline, std::move(release), std::move(settle)});
+    const absl::Time now = deadline - lease_;
+    holds_.emplace(*key, Entry{nonce, bytes, deadline, std::move(release), std::move(settle),
+                               /*acked=*/false, now, *key});
     deadlines_.insert({deadline, *key});
+    recent_.insert({now, *key});
+    recent_bytes_ += bytes;
     ++unacked_;
     stats_.held_bytes += bytes;
     stats_.peak_held_bytes = std::max(stats_.peak_held_bytes, stats_.held_bytes);
@@ -205,6 +212,15 @@ class SendLedger::Impl {
     Run(now);
   }
 
+  uint64_t RecentHeldBytes(absl::Duration window) {
+    MutexLock lock(&mu_);
+    const absl::Time since = absl::Now() - window;
+    while (!recent_.empty() && recent_.begin()->first < since) {
+      Unrecent(holds_.find(recent_.begin()->second)->second);
+    }
+    return recent_bytes_;
+  }
+
   uint64_t Progress() {
     MutexLock lock(&mu_);
     return progress_count_;
@@ -280,6 +296,8 @@ class SendLedger::Impl {
     queue_ = std::deque<Release>();
     thread_running_ = false;
     deadlines_.clear();
+    recent_.clear();
+    recent_bytes_ = 0;
     unacked_ = 0;
     releasing_ = 0;
     stats_ = Stats();
@@ -294,6 +312,7 @@ class SendLedger::Impl {
  private:
   // Marks `entry` acknowledged: its release goes to `out`, counted as running.
   void AckLocked(Entry& entry, std::vector<Release>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Unrecent(entry);
     entry.acked = true;
     ++stats_.acked;
     --unacked_;
@@ -319,6 +338,14 @@ class SendLedger::Impl {
     }
     deadlines_.erase({entry.deadline, it->first});
     holds_.erase(it);
+  }
+
+  // Takes `entry` out of the recent unacknowledged holds (if it is there).
+  void Unrecent(Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!entry.recent) return;
+    entry.recent = false;
+    recent_bytes_ -= entry.bytes;
+    recent_.erase({entry.sent, entry.key});
   }
 
   // Holds not yet acknowledged and releases not yet returned: what WaitUntilEmpty waits for
@@ -357,6 +384,9 @@ class SendLedger::Impl {
   absl::Duration lease_ ABSL_GUARDED_BY(mu_);
   Holds holds_ ABSL_GUARDED_BY(mu_);
   size_t unacked_ ABSL_GUARDED_BY(mu_) = 0;  // holds not yet acknowledged
+  // (sent, key) of the unacknowledged holds counted in recent_bytes_, oldest first.
+  absl::btree_set<std::pair<absl::Time, uint64_t>> recent_ ABSL_GUARDED_BY(mu_);
+  uint64_t recent_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // (deadline, key) of every hold, soonest first.
   absl::btree_set<std::pair<absl::Time, uint64_t>> deadlines_ ABSL_GUARDED_BY(mu_);
   size_t releasing_ ABSL_GUARDED_BY(mu_) = 0;  // taken, not yet returned (queued or running)
@@ -443,6 +473,9 @@ size_t SendLedger::ExpireDue(RunOn run_on) {
 absl::Time SendLedger::NextDeadline() { return impl_->NextDeadline(); }
 
 uint64_t SendLedger::Progress() { return impl_->Progress(); }
+uint64_t SendLedger::RecentHeldBytes(absl::Duration window) {
+  return impl_->RecentHeldBytes(window);
+}
 bool SendLedger::WaitForProgress(uint64_t since, absl::Duration timeout) {
   return impl_->WaitForProgress(since, timeout);
 }

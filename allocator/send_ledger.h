@@ -109,6 +109,9 @@ class SendLedger {
   // it did.
   uint64_t Progress();
   bool WaitForProgress(uint64_t since, absl::Duration timeout);
+  // Bytes of the holds not yet acknowledged that were made within the last `window` (what a
+  // send budget counts: older ones wait on receivers that are not reading).
+  uint64_t RecentHeldBytes(absl::Duration window);
 
   // Waits until no hold is unacknowledged (every release and settle, queued ones included,
   // has returned; sends acked but still mapped by their receivers are not waited for) or

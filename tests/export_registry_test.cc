@@ -155,14 +155,16 @@ TEST_F(ExportRegistryTest, AReusedChunkKeepsItsFdUnderANewToken) {
   const size_t cached = registry().cached_handles();
   const int64_t driver_exports = pool->GetStats().driver_export;
 
-  // Freed, reported released by its receiver: spare, its fd still registered.
+  // Freed, reported released by its receiver: spare, renamed at once: the same fd under a new
+  // key; the old token is stale before the chunk is reused.
   ASSERT_OK(pool->Free(p));
   pool->SettleExport(first_chunks, /*released=*/true);
   EXPECT_EQ(FdServer::Get().size(), fds);
   EXPECT_EQ(registry().cached_handles(), cached);
-  EXPECT_OK(FetchFds({first_token}).status()) << "spare: not yet renamed";
+  EXPECT_THAT(FetchFds({first_token}), StatusIs(absl::StatusCode::kNotFound, HasSubstr("stale")))
+      << "spare: renamed already";
 
-  // Reused: the same fd under a new key; the old token is stale.
+  // Reused: still the same fd.
   ASSERT_OK_AND_ASSIGN(void* q, pool->AllocateShareable(2 * kMiB, 0));
   ASSERT_EQ(q, p);
   ASSERT_EQ(pool->GetStats().num_export_reuses, 1);

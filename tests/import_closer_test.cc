@@ -5,6 +5,8 @@
 // on the backend of tests/test_backend.h (under ThreadSanitizer in CI).
 #include "allocator/import_closer.h"
 
+#include <unistd.h>
+
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -179,7 +181,9 @@ TEST_F(ImportCloserTest, FlushWaitsForACloseInProgress) {
 }
 
 // A forked child starts with an empty queue: it neither waits for nor closes its parent's.
-TEST_F(ImportCloserTest, AForkedChildHasAnEmptyQueue) {
+// A fork waits for a close in progress (it may hold the driver's locks), and the child starts
+// with an empty queue of its own.
+TEST_F(ImportCloserTest, AForkWaitsForARunningCloseAndTheChildHasAnEmptyQueue) {
   std::atomic<bool> inside{false};
   std::atomic<bool> finish{false};
   std::unique_ptr<ImportedBuffer> slow = Imported(Exported(2 * kMiB));
@@ -194,14 +198,48 @@ TEST_F(ImportCloserTest, AForkedChildHasAnEmptyQueue) {
     absl::SleepFor(absl::Milliseconds(1));
   }
   ASSERT_TRUE(inside.load());
+  std::thread finisher([&] {
+    absl::SleepFor(absl::Milliseconds(200));
+    finish.store(true);
+  });
+  const absl::Time fork_at = absl::Now();
   EXPECT_EQ(InForkedChild([] {
               if (FlushCloses(absl::ZeroDuration()) != 0) return 1;
               CloseLater(nullptr);
               return FlushCloses(absl::Seconds(1)) == 0 ? 0 : 2;
             }),
             0);
-  finish.store(true);
+  EXPECT_GE(absl::Now() - fork_at, absl::Milliseconds(150)) << "the fork did not wait";
+  finisher.join();
   EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+}
+
+// Children forked while the closing thread works through many closes find the driver's locks
+// free (each child maps and unmaps once, under a 5 s alarm).
+TEST_F(ImportCloserTest, ChildrenForkedDuringClosesCanUseTheDriver) {
+  absl::StatusOr<BufferDescriptor> d = Exported(2 * kMiB);
+  ASSERT_OK(d);
+  ImportOptions separate;
+  separate.share_mappings = false;
+  int forks = 0, failed = 0;
+  Driver* driver = driver_;
+  for (int round = 0; round < 4 && forks < 40; ++round) {
+    for (int i = 0; i < 100; ++i) {
+      absl::StatusOr<std::unique_ptr<ImportedBuffer>> b = ImportBuffer(driver_, *d, separate);
+      ASSERT_OK(b);
+      CloseLater(std::move(*b));
+    }
+    while (FlushCloses(absl::ZeroDuration()) != 0 && forks < 40) {
+      ++forks;
+      failed += InForkedChild([driver] {
+                  alarm(5);
+                  absl::StatusOr<DevPtr> r = driver->Reserve(2 * kMiB, 2 * kMiB);
+                  if (r.ok()) (void)driver->Unreserve(*r, 2 * kMiB);
+                  return 0;
+                }) != 0;
+    }
+  }
+  EXPECT_EQ(failed, 0) << "of " << forks << " children (a lock held at the fork)";
 }
 
 }  // namespace

@@ -197,9 +197,11 @@ TEST_F(PoolReuseTest, AFreedTrackedSendIsParkedThenSpareThenReusedUnderANewId) {
   ASSERT_OK(pool->Free(q));
   pool->SettleExport(second, /*released=*/true);
   EXPECT_EQ(pool->SendBytesInUse(), 0u);
+  ASSERT_EQ(observer_.renamed().size(), 2u) << "renamed again when spare again";
+  EXPECT_EQ(observer_.renamed()[1].old_id, rename.new_id);
   ASSERT_OK(pool->EmptyCache());
   EXPECT_EQ(Reserved(*pool), 0) << "EmptyCache releases spare chunks";
-  EXPECT_THAT(observer_.released(), ElementsAre(rename.new_id));
+  EXPECT_THAT(observer_.released(), ElementsAre(observer_.renamed()[1].new_id));
   EXPECT_OK(pool->CheckInvariants());
 }
 
@@ -524,7 +526,10 @@ TEST_F(PoolReuseTest, AFailedGrowthReleasesSpareChunksFirst) {
   for (void* p : {a, b}) ASSERT_OK(pool->Free(p));
   pool->SettleExport(sa, true);
   pool->SettleExport(sb, true);
-  const std::vector<uint64_t> ids = {sa[0].id, sb[0].id};
+  // Spare, and so renamed: released under their new ids.
+  ASSERT_EQ(observer_.renamed().size(), 2u);
+  const std::vector<uint64_t> ids = {observer_.renamed()[0].new_id,
+                                     observer_.renamed()[1].new_id};
   ASSERT_EQ(Reserved(*pool), static_cast<int64_t>(8 * kMiB));
   ASSERT_EQ(pool->SendBytesInUse(), 0u);
   const PoolStats before = pool->GetStats();
@@ -558,8 +563,8 @@ TEST_F(PoolReuseTest, AFailedGrowthReleasesSpareChunksFirst) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
-// Without ChunkRenamed of its own, an observer hears a reuse as the release of the old id
-// (export_observer.h), and the pool's release of the new id later.
+// Without ChunkRenamed of its own, an observer hears a chunk made spare (renamed) as the
+// release of the old id (export_observer.h), and the pool's release of the new id later.
 TEST_F(PoolReuseTest, AnObserverWithoutRenamesHearsAReleaseOfTheOldId) {
   ReleasesOnlyObserver observer;
   auto pool = MakePool(Exact(), nullptr, &observer);
@@ -567,8 +572,9 @@ TEST_F(PoolReuseTest, AnObserverWithoutRenamesHearsAReleaseOfTheOldId) {
   void* p = Shareable(*pool, 2 * kMiB);
   const std::vector<ExportedChunk> first = Send(*pool, p);
   ASSERT_OK(pool->Free(p));
+  EXPECT_THAT(observer.released, IsEmpty()) << "parked";
   pool->SettleExport(first, true);
-  EXPECT_THAT(observer.released, IsEmpty());
+  EXPECT_THAT(observer.released, ElementsAre(first[0].id)) << "spare: renamed";
   void* q = Shareable(*pool, 2 * kMiB);
   EXPECT_THAT(observer.released, ElementsAre(first[0].id));
   const std::vector<ExportedChunk> second = Send(*pool, q);

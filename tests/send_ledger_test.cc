@@ -817,3 +817,31 @@ TEST(SendLeaseTest, LeaseComesFromTheEnvironment) {
 
 }  // namespace
 }  // namespace vmm
+
+namespace vmm {
+namespace {
+
+// What the send budget counts: unacknowledged holds made within the window; an older one stops
+// counting for good (its receiver is not reading), an acknowledged one at once.
+TEST(SendLedgerRecentTest, RecentHeldBytesCountsTheWindowsUnacknowledgedHolds) {
+  const uint64_t base = SendLedger::Get().RecentHeldBytes(absl::Hours(1));
+  Journal journal;
+  const SendLedger::Ticket a = HoldSettled(1000, &journal);
+  const SendLedger::Ticket b = HoldSettled(2000, &journal);
+  EXPECT_EQ(SendLedger::Get().RecentHeldBytes(absl::Hours(1)), base + 3000);
+  ASSERT_TRUE(AckSend(a).ok());
+  EXPECT_EQ(SendLedger::Get().RecentHeldBytes(absl::Hours(1)), base + 2000);
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(SendLedger::Get().RecentHeldBytes(absl::Milliseconds(10)), 0u) << "aged out";
+  EXPECT_EQ(SendLedger::Get().RecentHeldBytes(absl::Hours(1)), 0u) << "for good";
+  EXPECT_EQ(SendLedger::Get().GetStats().held_bytes >= 2000, true) << "still held";
+  ASSERT_TRUE(AckSend(b).ok());
+  EXPECT_EQ(SendLedger::Get().RecentHeldBytes(absl::Hours(1)), 0u);
+  const SendLedger::Ticket c = HoldSettled(4000, &journal);
+  EXPECT_EQ(SendLedger::Get().RecentHeldBytes(absl::Hours(1)), 4000u);
+  ASSERT_TRUE(AckSend(c).ok());
+  for (const auto& t : {a, b, c}) (void)ReportSends({t}, SendReport::kReleased);
+}
+
+}  // namespace
+}  // namespace vmm

@@ -202,7 +202,7 @@ absl::Status ProcessState::CheckSendNotReleased(const SendLedger::Ticket& ticket
 
 bool ProcessState::OverSendBudget() {
   const uint64_t budget = send_budget();
-  return budget != 0 && SendLedger::Get().GetStats().held_bytes +
+  return budget != 0 && SendLedger::Get().RecentHeldBytes(kSendBudgetWindow) +
                               unsent_bytes_.load(std::memory_order_relaxed) >
                           budget;
 }

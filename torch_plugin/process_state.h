@@ -188,6 +188,9 @@ class ProcessState {
   // came for `stall` and does not wait again until some comes, so receivers that do not read
   // (a program that fills a queue before starting its consumers) never stop a sender for
   // long. Returns whether it waited.
+  // Sends not acknowledged within kSendBudgetWindow stop counting: their receivers are not
+  // reading (dead, or a queue nobody reads), and waiting for them would slow every later put.
+  static constexpr absl::Duration kSendBudgetWindow = absl::Seconds(5);
   void SetSendBudget(uint64_t bytes) { send_budget_.store(bytes, std::memory_order_relaxed); }
   uint64_t send_budget() const { return send_budget_.load(std::memory_order_relaxed); }
   bool OverSendBudget();

@@ -300,3 +300,15 @@ def test_requires_grad_on_an_integer_dtype_is_refused_before_the_import(pool):
     with pytest.raises(ValueError, match="requires_grad"):
         sharing.rebuild_tensor(*args)
     assert next_id() == import_id + 1  # nothing was imported
+
+
+def test_ready_keys_name_a_storage_not_only_its_address():
+    """The events Queue.put records are found by (address, storage): views of one storage share
+    a key, and a later storage at the same address would not find an earlier one's events."""
+    from vmm_torch import sharing
+
+    t = torch.arange(8, dtype=torch.float32)
+    base = sharing.storage_address(t)
+    assert sharing.ready_key(t, base) == sharing.ready_key(t[2:], base)
+    other = torch.zeros(8)
+    assert sharing.ready_key(other, base)[1] != sharing.ready_key(t, base)[1]

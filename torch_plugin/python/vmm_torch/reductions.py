@@ -137,8 +137,8 @@ class _Preparer(pickle.Pickler):
 
     def __init__(self) -> None:
         super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
-        #: CUDA device -> storage addresses of the vmm tensors prepared there.
-        self.cuda_bases: Dict[torch.device, List[int]] = {}
+        #: CUDA device -> ready keys (sharing.ready_key) of the vmm tensors prepared there.
+        self.cuda_bases: Dict[torch.device, List[Tuple[int, int]]] = {}
         self.found_vmm = False
 
     def reducer_override(self, obj: Any) -> Any:
@@ -147,7 +147,8 @@ class _Preparer(pickle.Pickler):
             if base is not None:
                 self.found_vmm = True
                 if obj.is_cuda:
-                    self.cuda_bases.setdefault(obj.device, []).append(base)
+                    self.cuda_bases.setdefault(obj.device, []).append(
+                        sharing.ready_key(obj, base))
             return _NOTHING
         kind = type(obj)
         if kind in ForkingPickler._extra_reducers or kind.__module__ == "numpy":
@@ -194,8 +195,8 @@ def prepare_send(obj: Any) -> bool:
         # send goes (sharing.wait_until_ready), this thread goes on.
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
-        for base in bases:
-            sharing.note_ready_event(base, event)
+        for key in bases:
+            sharing.note_ready_event(key, event)
     if preparer.found_vmm:
         sharing.wait_for_send_room()
     return preparer.found_vmm

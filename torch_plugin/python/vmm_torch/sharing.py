@@ -211,32 +211,39 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
     return ptr
 
 
-#: Storage address -> events Queue.put recorded after the writes a send of it must carry
+#: Ready key -> events Queue.put recorded after the writes a send of that storage must carry
 #: (reductions.prepare_send), for the queue's feeder thread; oldest first, at most
-#: READY_EVENTS_KEPT addresses (a put whose object is never pickled leaves its entry).
-_ready_events: "Dict[int, List[torch.cuda.Event]]" = {}
+#: READY_EVENTS_KEPT keys (a put whose object is never pickled leaves its entry).
+_ready_events: "Dict[Tuple[int, int], List[torch.cuda.Event]]" = {}
 _ready_lock = threading.Lock()
 READY_EVENTS_KEPT = 65536
 
 
-def note_ready_event(base: int, event: "torch.cuda.Event") -> None:
-    """Queue.put recorded `event` after the writes to the storage at `base`."""
+def ready_key(t: torch.Tensor, base: int) -> Tuple[int, int]:
+    """What names the storage of `t` (at `base`) among the ready events: its address and its
+    StorageImpl, so that a later storage at the same address finds none of an earlier one's."""
+    storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+    return base, storage._cdata
+
+
+def note_ready_event(key: Tuple[int, int], event: "torch.cuda.Event") -> None:
+    """Queue.put recorded `event` after the writes to the storage of `key` (ready_key)."""
     with _ready_lock:
-        _ready_events.setdefault(base, []).append(event)
+        _ready_events.setdefault(key, []).append(event)
         while len(_ready_events) > READY_EVENTS_KEPT:
             del _ready_events[next(iter(_ready_events))]
 
 
-def _take_ready_events(base: int) -> "List[torch.cuda.Event]":
+def _take_ready_events(key: Tuple[int, int]) -> "List[torch.cuda.Event]":
     with _ready_lock:
-        return _ready_events.pop(base, [])
+        return _ready_events.pop(key, [])
 
 
-def wait_until_ready(base: int, device: torch.device) -> None:
-    """In a queue's feeder thread: waits for the events Queue.put recorded for the storage at
-    `base` (the GIL released meanwhile); without any (a put that bypassed the patched method,
-    or an entry dropped), for all work on `device`."""
-    events = _take_ready_events(base)
+def wait_until_ready(key: Tuple[int, int], device: torch.device) -> None:
+    """In a queue's feeder thread: waits for the events Queue.put recorded for the storage of
+    `key` (ready_key; the GIL released meanwhile); without any (a put that bypassed the patched
+    method, or an entry dropped), for all work on `device`."""
+    events = _take_ready_events(key)
     if not events:
         torch.cuda.synchronize(device)
     for event in events:
@@ -276,12 +283,12 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
         # queue's put recorded an event for it in the sending thread; elsewhere the sending
         # thread's current stream is synchronized here.
         if in_feeder:
-            wait_until_ready(base, t.device)
+            wait_until_ready(ready_key(t, base), t.device)
         else:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
                                    "stream captures a CUDA graph; send it after the capture")
-            _take_ready_events(base)
+            _take_ready_events(ready_key(t, base))
             torch.cuda.current_stream(t.device).synchronize()
     try:
         data, ticket = export_send(base)
