@@ -41,18 +41,10 @@ class ProcessQueue {
  public:
   // This process's queue (made on first use; never destroyed: items may come during exit).
   static ProcessQueue& ForThisProcess() {
-    static const int registered = pthread_atfork(
-        [] {
-          if (ProcessQueue* q = current.load(std::memory_order_acquire); kForkWaits && q) {
-            q->gate_.Lock();
-            q->gated_ = true;
-          }
-        },
-        [] { UngateAfterFork(); },
-        [] {
-          UngateAfterFork();
-          current.store(nullptr);
-        });
+    static const int registered = pthread_atfork(&GateForFork, &UngateAfterFork, [] {
+      UngateAfterFork();
+      current.store(nullptr);
+    });
     (void)registered;
     ProcessQueue* queue = current.load(std::memory_order_acquire);
     if (queue == nullptr) {
@@ -111,7 +103,15 @@ class ProcessQueue {
  private:
   ProcessQueue() = default;
 
-  // The fork handlers' end of the gate (only the forking thread runs them).
+  // The fork handlers' ends of the gate (only the forking thread runs them): held from the
+  // prepare handler to the parent's or the child's.
+  static void GateForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ProcessQueue* q = current.load(std::memory_order_acquire);
+    if (kForkWaits && q != nullptr) {
+      q->gate_.Lock();
+      q->gated_ = true;
+    }
+  }
   static void UngateAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     ProcessQueue* q = current.load(std::memory_order_acquire);
     if (q != nullptr && q->gated_) {
