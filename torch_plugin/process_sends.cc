@@ -81,23 +81,9 @@ absl::StatusOr<void*> ProcessState::AllocateBeside(const void* ptr, size_t size,
   }
   if (block.ok()) {
     const size_t g = owner.pool->granularity();
-    const uint64_t bytes = (size + g - 1) / g * g;  // whole chunks of its own
-    MutexLock lock(&unsent_mu_);
-    if (unsent_.emplace(*block, bytes).second) {
-      unsent_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-      unsent_count_.fetch_add(1, std::memory_order_relaxed);
-    }
+    holds_.Moved(*block, (size + g - 1) / g * g);  // whole chunks of its own, until sent
   }
   return block;
-}
-
-void ProcessState::ForgetUnsent(const void* ptr) {
-  MutexLock lock(&unsent_mu_);
-  auto it = unsent_.find(ptr);
-  if (it == unsent_.end()) return;
-  unsent_bytes_.fetch_sub(it->second, std::memory_order_relaxed);
-  unsent_count_.fetch_sub(1, std::memory_order_relaxed);
-  unsent_.erase(it);
 }
 
 int64_t ProcessState::RetainImportAt(const void* ptr) {
@@ -112,7 +98,6 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   std::weak_ptr<ProcessState*> self = self_;
   PoolRef owner = Owner(ptr);
   if (owner.pool != nullptr) {
-    if (unsent_count_.load(std::memory_order_relaxed) != 0) ForgetUnsent(ptr);
     // The export refuses a block with live neighbours under the pool's lock, so none can be
     // allocated beside it between the check and the marking.
     std::vector<ExportedChunk> chunks;
@@ -203,7 +188,7 @@ absl::Status ProcessState::CheckSendNotReleased(const SendLedger::Ticket& ticket
 bool ProcessState::OverSendBudget() {
   const uint64_t budget = send_budget();
   return budget != 0 && SendLedger::Get().RecentHeldBytes(kSendBudgetWindow) +
-                              unsent_bytes_.load(std::memory_order_relaxed) >
+                              holds_.moved_bytes() >
                           budget;
 }
 

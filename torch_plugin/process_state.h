@@ -198,9 +198,6 @@ class ProcessState {
   // The free path: whether `ptr` is held by a send (then its free happens at the last
   // release, and the caller must not free it). One atomic load while nothing is held.
   bool DeferFreeIfHeld(const void* ptr) {
-    if (ABSL_PREDICT_FALSE(unsent_count_.load(std::memory_order_relaxed) != 0)) {
-      ForgetUnsent(ptr);  // a block moved for a send and freed before it went
-    }
     return ABSL_PREDICT_FALSE(holds_.any()) && holds_.DeferFree(ptr);
   }
   BlockHolds& block_holds() { return holds_; }
@@ -240,15 +237,7 @@ class ProcessState {
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
   // Imports by buffer address (several imports of one buffer share an address).
   std::multimap<DevPtr, int64_t> imports_by_ptr_ ABSL_GUARDED_BY(mu_);
-  BlockHolds holds_;
-  // Blocks AllocateBeside made (moved for a send) that ExportSend has not exported yet: counted
-  // against the send budget until exported or freed.
-  void ForgetUnsent(const void* ptr);
-  Mutex unsent_mu_;
-  absl::flat_hash_map<const void*, uint64_t> unsent_ ABSL_GUARDED_BY(unsent_mu_);
-  std::atomic<uint64_t> unsent_count_{0};
-  std::atomic<uint64_t> unsent_bytes_{0};
-
+  BlockHolds holds_;  // blocks held by sends, and blocks moved for a send (AllocateBeside)
   // An import of the send `ticket` was unmapped: false while other imports of it are left;
   // else remembers it released (CheckSendNotReleased) and returns true (report it).
   bool UnmappedSend(const SendLedger::Ticket& ticket);
