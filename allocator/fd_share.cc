@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -45,9 +46,19 @@ constexpr uint32_t kTokenVersion = 1;
 constexpr char kRequestMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q'};
 constexpr char kReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'S', 'P'};
 constexpr char kErrorReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'E', 'R', 'R'};
-constexpr char kAckRequestMagic[8] = {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q'};
-constexpr char kReleasedRequestMagic[8] = {'V', 'M', 'M', 'R', 'E', 'L', 'R', 'Q'};
-constexpr char kForwardedRequestMagic[8] = {'V', 'M', 'M', 'F', 'W', 'D', 'R', 'Q'};
+// The report requests, by SendReport: magic, and what errors call them.
+struct ReportKind {
+  char magic[8];
+  const char* name;
+};
+constexpr ReportKind kReportKinds[] = {
+    {{'V', 'M', 'M', 'A', 'C', 'K', 'R', 'Q'}, "ack request"},     // kImported
+    {{'V', 'M', 'M', 'R', 'E', 'L', 'R', 'Q'}, "release report"},  // kReleased
+    {{'V', 'M', 'M', 'F', 'W', 'D', 'R', 'Q'}, "forward report"},  // kForwarded
+};
+const ReportKind& KindOf(SendReport report) {
+  return kReportKinds[static_cast<size_t>(report)];
+}
 constexpr char kAckReplyMagic[8] = {'V', 'M', 'M', 'A', 'C', 'K', 'R', 'S'};
 constexpr size_t kMaxErrorMessage = 512;
 constexpr size_t kBatch = fd_share_internal::kMaxTokensPerRequest;
@@ -317,34 +328,21 @@ absl::StatusOr<std::vector<FdRequestEntry>> DecodeFdRequest(absl::Span<const uin
 
 std::vector<uint8_t> EncodeAckRequest(absl::Span<const FdRequestEntry> entries,
                                       SendReport report) {
-  switch (report) {
-    case SendReport::kReleased:
-      return EncodeRequest(kReleasedRequestMagic, entries);
-    case SendReport::kForwarded:
-      return EncodeRequest(kForwardedRequestMagic, entries);
-    case SendReport::kImported:
-      break;
-  }
-  return EncodeRequest(kAckRequestMagic, entries);
+  return EncodeRequest(KindOf(report).magic, entries);
 }
 
 absl::StatusOr<std::vector<FdRequestEntry>> DecodeAckRequest(absl::Span<const uint8_t> bytes) {
-  switch (AckRequestKind(bytes).value_or(SendReport::kImported)) {
-    case SendReport::kReleased:
-      return DecodeRequest(kReleasedRequestMagic, "release report", bytes);
-    case SendReport::kForwarded:
-      return DecodeRequest(kForwardedRequestMagic, "forward report", bytes);
-    case SendReport::kImported:
-      break;
-  }
-  return DecodeRequest(kAckRequestMagic, "ack request", bytes);
+  const ReportKind& kind = KindOf(AckRequestKind(bytes).value_or(SendReport::kImported));
+  return DecodeRequest(kind.magic, kind.name, bytes);
 }
 
 std::optional<SendReport> AckRequestKind(absl::Span<const uint8_t> bytes) {
   if (bytes.size() < 8) return std::nullopt;
-  if (std::memcmp(bytes.data(), kAckRequestMagic, 8) == 0) return SendReport::kImported;
-  if (std::memcmp(bytes.data(), kReleasedRequestMagic, 8) == 0) return SendReport::kReleased;
-  if (std::memcmp(bytes.data(), kForwardedRequestMagic, 8) == 0) return SendReport::kForwarded;
+  for (size_t i = 0; i < std::size(kReportKinds); ++i) {
+    if (std::memcmp(bytes.data(), kReportKinds[i].magic, 8) == 0) {
+      return static_cast<SendReport>(i);
+    }
+  }
   return std::nullopt;
 }
 

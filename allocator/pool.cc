@@ -233,9 +233,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       // Trim everything that is free, then try once more.
       ++stats_.num_alloc_retries;
       VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
-      VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
-      VMM_RETURN_IF_ERROR(
-          ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true));
+      VMM_RETURN_IF_ERROR(ReleaseKeptExports());
       VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
       grown = Grow(arena, n, stream, shareable);
     }
@@ -499,7 +497,7 @@ Block* Pool::TakeSpareChunk(size_t n, Stream stream) {
   size_t best_size = SIZE_MAX;
   for (size_t i = spare_.size(); i-- > 0;) {
     auto c = chunks_.find(spare_[i]);
-    if (c == chunks_.end() || c->second.size < n || c->first < large_base_) continue;
+    if (c == chunks_.end() || c->second.size < n) continue;
     if (c->second.size < best_size) {
       best = i;
       best_size = c->second.size;
@@ -517,6 +515,11 @@ Block* Pool::TakeSpareChunk(size_t n, Stream stream) {
   chunk.spare = false;  // renumbered when it became spare
   ++stats_.num_export_reuses;
   return block;
+}
+
+absl::Status Pool::ReleaseKeptExports() {
+  VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
+  return ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true);
 }
 
 absl::Status Pool::ReleaseSpareChunks() {
@@ -579,9 +582,8 @@ absl::Status Pool::SynchronizeAll() {
 absl::Status Pool::EmptyCache() {
   MutexLock lock(&mu_);
   VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
-  VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
-  VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
-  return ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true);
+  VMM_RETURN_IF_ERROR(ReleaseKeptExports());
+  return ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX);
 }
 
 void Pool::SetMemoryLimit(size_t bytes) {

@@ -288,6 +288,9 @@ class Pool {
   Block* TakeSpareChunk(size_t n, Stream stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases every spare chunk.
   absl::Status ReleaseSpareChunks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Gives up reuse where memory is asked back (EmptyCache, a failing growth): releases the
+  // spare chunks and the parked ones (their receivers' reports will find them gone).
+  absl::Status ReleaseKeptExports() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Finishes the frees whose streams are done (StreamReclaim::ProcessPending + Recycle).
   absl::Status ProcessPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes cached blocks of finished streams reusable by every stream (not `requester`'s).
