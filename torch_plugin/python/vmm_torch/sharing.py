@@ -310,12 +310,9 @@ def ack_send(ticket: bytes, wait: bool = False) -> bool:
     exit), so the receiver does not wait; with ``wait=True`` it is sent now and the result
     returned: False (logged at debug level) when the sender is gone or no longer holds it,
     which is no error for the receiver."""
-    global _flush_registered
     if not wait:
         _lib.check(_lib.quick().vmm_send_ack_later(ticket, len(ticket)), "receive")
-        if not _flush_registered:
-            _flush_registered = True
-            multiprocessing.util.Finalize(None, flush_acks, exitpriority=0)
+        _flush_at_exit()
         return True
     result = _lib.vmm().vmm_send_ack(ticket, len(ticket))
     if result != 0:
@@ -328,8 +325,13 @@ def received_send(import_id: int, ticket: bytes) -> None:
     """The receiver's half of a send imported as `import_id` (0: the import failed): the ack
     is queued (as ``ack_send``), and the report that the memory is no longer mapped here goes
     out when the import's mapping is unmapped, so that the sender can reuse it."""
-    global _flush_registered
     _lib.check(_lib.quick().vmm_send_received(import_id, ticket, len(ticket)), "receive")
+    _flush_at_exit()
+
+
+def _flush_at_exit() -> None:
+    """Has this process flush its queued acknowledgements and reports at exit (once)."""
+    global _flush_registered
     if not _flush_registered:
         _flush_registered = True
         multiprocessing.util.Finalize(None, flush_acks, exitpriority=0)
