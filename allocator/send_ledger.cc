@@ -312,6 +312,13 @@ class SendLedger::Impl {
  private:
   // Marks `entry` acknowledged: its release goes to `out`, counted as running.
   void AckLocked(Entry& entry, std::vector<Release>* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Progress at once, not only once the release has run: a send budget counts unacknowledged
+    // bytes, so its waiter may go on now, without waiting for a slow release (an unmap of a
+    // large chunk) on the release thread.
+    if (entry.recent) {
+      ++progress_count_;
+      progress_->notify_all();
+    }
     Unrecent(entry);
     entry.acked = true;
     ++stats_.acked;

@@ -104,9 +104,9 @@ class SendLedger {
   void SetLease(absl::Duration lease);
   absl::Duration lease();
 
-  // A count that grows each time releases or settles have run (what senders waiting for
-  // memory to come back watch), and a wait until it passes `since` or `timeout` ends; true if
-  // it did.
+  // A count that grows each time a recent hold (RecentHeldBytes) is acknowledged, at the ack,
+  // and each time releases or settles have run (what senders waiting for memory to come back
+  // watch), and a wait until it passes `since` or `timeout` ends; true if it did.
   uint64_t Progress();
   bool WaitForProgress(uint64_t since, absl::Duration timeout);
   // Bytes of the holds not yet acknowledged that were made within the last `window` (what a

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "allocator/fd_share.h"
@@ -718,6 +719,26 @@ TEST_F(SendLedgerTest, WaitForProgressWakesWhenAnotherThreadMakesSome) {
     acker.join();
     EXPECT_OK(ReportSends({ticket}, SendReport::kReleased));
   }
+}
+
+// An ack from another process is progress at once, before its release has run on the release
+// thread: a send budget's waiter needs only the ack, not a slow release (an unmap).
+TEST_F(SendLedgerTest, AnAckIsProgressBeforeItsReleaseRuns) {
+  SendLedger& ledger = SendLedger::Get();
+  absl::Notification release_started, let_release_return;
+  ASSERT_OK_AND_ASSIGN(const Ticket ticket, ledger.Hold(1, [&] {
+    release_started.Notify();
+    let_release_return.WaitForNotification();
+  }));
+  const uint64_t seen = ledger.Progress();
+  ASSERT_EQ(ledger.RecentHeldBytes(absl::Hours(1)), 1u);
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  ASSERT_TRUE(release_started.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(ledger.WaitForProgress(seen, absl::ZeroDuration()))
+      << "the ack was no progress until its release returned";
+  EXPECT_EQ(ledger.RecentHeldBytes(absl::Hours(1)), 0u);
+  let_release_return.Notify();
+  EXPECT_EQ(ledger.WaitUntilEmpty(absl::Seconds(10)), 0u);
 }
 
 // Reports over the socket, as the receiver's background thread sends them: batched, of each

@@ -135,7 +135,9 @@ class ProcessState {
   // closing thread (import_closer.h) if it maps at most kCloseInlineBytes, else here.
   // InvalidArgument for an unknown id.
   absl::Status AddImportRef(int64_t id, int delta);
-  static constexpr size_t kCloseInlineBytes = size_t{64} << 20;
+  // A small tensor's chunk and a little more: there the unmap is a large part of a receiver's
+  // time per tensor; beyond, it would overlap the receiver's next import (measured slower).
+  static constexpr size_t kCloseInlineBytes = size_t{16} << 20;
   // Imports alive (tests).
   size_t import_count();
 
