@@ -28,11 +28,13 @@ LAYERS = {
     "_registry": 0,    # the open explicit pools
     "_devices": 0,     # device arguments
     "_files": 0,       # writing output files whole (dump_stats, the stats command line)
+    "_cuda": 0,        # vmm's own CUDA allocator module, where built
     "stats": 1,        # the dump reader (no libraries; writes with _files)
     "_lib": 1,         # loading, errors by code, call helpers
     "descriptors": 2,
     "allocator": 2,
     "pool": 3,
+    "mempool": 3,
     "sharing": 3,
     "reductions": 4,
     "distributed": 4,

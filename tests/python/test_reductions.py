@@ -312,3 +312,15 @@ def test_ready_keys_name_a_storage_not_only_its_address():
     assert sharing.ready_key(t, base) == sharing.ready_key(t[2:], base)
     other = torch.zeros(8)
     assert sharing.ready_key(other, base)[1] != sharing.ready_key(t, base)[1]
+
+
+def test_flat_containers_skip_the_pickler_walk():
+    from vmm_torch import reductions
+
+    t = torch.zeros(2)
+    assert reductions._flat((1, t, None, "x", 2.5))
+    assert reductions._flat([t, t])
+    assert not reductions._flat((torch.nn.Parameter(t),))  # a subclass pickles its own way
+    assert not reductions._flat(((t,),))                    # nested: the pickler walks it
+    assert not reductions._flat(tuple(range(17)))
+    assert not reductions._flat({"t": t})

@@ -4,7 +4,12 @@
 
 - The LibTorch extension ``vmm_torch/_C.so`` is compiled from ``../csrc/vmm_ops.cpp`` with
   ``torch.utils.cpp_extension`` (C++ only; CUDA headers are added to the include path when
-  found, no CUDA code is compiled). It is linked against the very ``libstdc++`` shared object
+  found, no CUDA code is compiled). Where torch has CUDA (2.3 or later), the Python module
+  ``vmm_torch/_cuda_allocator.so`` is compiled from ``../csrc/vmm_cuda_allocator.cpp``: vmm as
+  a full CUDA allocator of PyTorch (statistics, snapshots, CUDA graph pools, MemPool). It
+  follows PyTorch's internal allocator interface, so a torch where that differs fails to
+  build it: the build says so and goes on, and vmm_torch falls back to
+  CUDAPluggableAllocator (``VMM_NO_CUDA_ALLOCATOR=1`` skips it). It is linked against the very ``libstdc++`` shared object
   that torch's ``libc10.so`` loads: errors thrown in the extension are caught in torch, and
   both must use one C++ runtime. A compiler that links its runtime statically by default
   (``/opt/gcc/bin/g++`` on our GPU machine) otherwise gives an extension whose every thrown
@@ -25,6 +30,7 @@ import shlex
 import shutil
 import subprocess
 
+import torch
 from setuptools import setup
 from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension, library_paths
@@ -100,7 +106,18 @@ def torch_cxx_runtime():
 
 
 class BuildExt(BuildExtension.with_options(no_python_abi_suffix=True)):
-    """Builds _C.so, then puts libvmm.so and its libraries beside it."""
+    """Builds _C.so (and _cuda_allocator.so where it can), then puts libvmm.so and its
+    libraries beside them."""
+
+    def build_extension(self, ext):
+        if ext.name != OPTIONAL_EXTENSION:
+            super().build_extension(ext)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as error:  # another torch's allocator interface: fall back
+            print(f"warning: {ext.name} not built ({error}); vmm_torch will use "
+                  f"CUDAPluggableAllocator without statistics, snapshots or graph pools")
 
     def run(self):
         super().run()
@@ -128,14 +145,44 @@ class BuildPy(build_py):
 PTH_FILE = "vmm_torch_autoenable.pth"
 
 
+def _cuda_home():
+    return os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+
+
 def _include_dirs():
     """The repository (for torch_plugin/vmm_c.h), and CUDA's headers when found."""
-    cuda = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    include = os.path.join(cuda, "include")
+    include = os.path.join(_cuda_home(), "include")
     return [REPO] + ([include] if os.path.isdir(include) else [])
 
 
 CXX_RUNTIME = torch_cxx_runtime()
+OPTIONAL_EXTENSION = "vmm_torch._cuda_allocator"
+
+
+def _torch_at_least(major, minor):
+    parts = torch.__version__.split("+")[0].split(".")
+    try:
+        return (int(parts[0]), int(parts[1])) >= (major, minor)
+    except (IndexError, ValueError):
+        return False
+
+
+def _extensions():
+    """_C (always), and _cuda_allocator where torch has CUDA and the allocator interface it
+    is written for (2.3 or later; VMM_NO_CUDA_ALLOCATOR=1 skips it)."""
+    common = dict(include_dirs=_include_dirs(), extra_compile_args=["-O2", "-Wno-unused-parameter"],
+                  extra_link_args=[CXX_RUNTIME] if CXX_RUNTIME else [])
+    extensions = [CppExtension(
+        name="vmm_torch._C", sources=[os.path.join(REPO, "torch_plugin", "csrc", "vmm_ops.cpp")],
+        libraries=["dl"], **common)]
+    if (torch.version.cuda is not None and _torch_at_least(2, 3)
+            and os.environ.get("VMM_NO_CUDA_ALLOCATOR", "") != "1"):
+        extensions.append(CppExtension(
+            name=OPTIONAL_EXTENSION,
+            sources=[os.path.join(REPO, "torch_plugin", "csrc", "vmm_cuda_allocator.cpp")],
+            libraries=["dl", "c10_cuda", "torch_cuda", "cudart"],
+            library_dirs=[os.path.join(_cuda_home(), "lib64")], **common))
+    return extensions
 
 setup(
     name="vmm-torch",
@@ -146,16 +193,7 @@ setup(
     py_modules=["_vmm_torch_autoenable"],
     package_data={"vmm_torch": ["py.typed"]},
     python_requires=">=3.8",
-    ext_modules=[
-        CppExtension(
-            name="vmm_torch._C",
-            sources=[os.path.join(REPO, "torch_plugin", "csrc", "vmm_ops.cpp")],
-            include_dirs=_include_dirs(),
-            extra_compile_args=["-O2", "-Wno-unused-parameter"],
-            extra_link_args=[CXX_RUNTIME] if CXX_RUNTIME else [],
-            libraries=["dl"],
-        )
-    ],
+    ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
     entry_points={"console_scripts": ["vmm-stats = vmm_torch.stats:main"]},
     zip_safe=False,

@@ -16,9 +16,12 @@ enable(); "host" pools give CPU tensors in shareable memory, also where no GPU e
 The native libraries (libvmm.so, _C.so) are loaded on first use; see ``vmm_torch._lib``.
 
 Layers (each module imports only those above it): ``_signatures`` (the C interface's ctypes
-declaration), ``_options``, ``_tensors``, ``_registry`` -> ``_lib`` (loading, errors by code)
--> ``descriptors``, ``allocator`` -> ``pool``, ``sharing`` -> ``reductions``,
-``distributed``.
+declaration), ``_options``, ``_tensors``, ``_registry``, ``_cuda`` (vmm's own CUDA allocator
+module, where built) -> ``_lib`` (loading, errors by code) -> ``descriptors``, ``allocator``
+-> ``pool``, ``mempool``, ``sharing`` -> ``reductions``, ``distributed``.
+
+``vmm_torch.MemPool(device, **options)`` is a ``torch.cuda.MemPool`` over vmm (for
+``torch.cuda.use_mem_pool``), with or without enable().
 """
 
 from ._lib import VmmError, library_dir, load, parse_size
@@ -41,6 +44,7 @@ from .allocator import (
     set_per_process_memory_fraction,
 )
 from .descriptors import BufferDescriptor, FabricBufferDescriptor, PosixFdBufferDescriptor
+from .mempool import MemPool, full_allocator_available
 from .pool import Pool
 from .reductions import install_reducers
 from . import distributed  # vmm_torch.distributed: broadcast, all_gather across ranks
@@ -51,6 +55,7 @@ __all__ = [
     "BufferDescriptor",
     "FabricBufferDescriptor",
     "ImportedBuffer",
+    "MemPool",
     "Pool",
     "PosixFdBufferDescriptor",
     "SharedTensor",
@@ -61,6 +66,7 @@ __all__ = [
     "enable",
     "enabled_hooks",
     "export_tensor",
+    "full_allocator_available",
     "import_buffer",
     "in_vmm_pool",
     "install_reducers",

@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _lib, _registry, _signatures
+from . import _cuda, _lib, _registry, _signatures
 from ._devices import bad_device, parse_device
 from ._files import PathArg, write_file
 from ._options import format_options
@@ -29,6 +29,10 @@ _HOOKS = (
     ("set_memory_fraction_fn", "vmm_torch_memory_fraction"),
     ("set_record_stream_fn", "vmm_torch_record_stream"),
 )
+
+#: What enabled_hooks() says when vmm's own CUDA allocator (vmm_torch._cuda) is current: it
+#: answers every call PyTorch makes of an allocator, not only the hooks above.
+FULL_ALLOCATOR = "vmm_cuda_allocator"
 
 _enable_lock = threading.Lock()
 _enabled: Optional["_Enabled"] = None  # the _Enabled of this process, once enable() succeeded
@@ -134,13 +138,18 @@ def enable(**options: Any) -> None:
     tensor before using CUDA): then a plain ``enable()`` keeps the options in force, and
     other options apply if vmm has not allocated yet.
 
-    It creates ``torch.cuda.memory.CUDAPluggableAllocator`` over ``vmm_torch_malloc`` and
-    ``vmm_torch_free`` of the extension _C.so, sets the optional hooks this torch supports
-    (init, empty_cache, memory fraction, record_stream) and makes it current with
-    ``torch.cuda.memory.change_current_allocator``. ``torch.cuda.empty_cache()``,
-    ``torch.cuda.set_per_process_memory_fraction()`` and ``Tensor.record_stream()`` then
-    reach vmm. ``torch.cuda.memory_stats()`` does not (PyTorch does not ask pluggable
-    allocators for statistics): use ``vmm_torch.memory_stats()``.
+    Where the package has vmm's own CUDA allocator (``vmm_torch._cuda``: built by pip where
+    torch has CUDA, 2.3 or later), enable() makes it current: then ``torch.cuda``'s memory
+    functions (``memory_stats``, ``memory_allocated``, ``memory_summary``,
+    ``memory_snapshot``, ``_record_memory_history``, ``reset_peak_memory_stats``...), CUDA
+    graphs (``torch.cuda.graph``, ``make_graphed_callables``, ``torch.compile(mode=
+    "reduce-overhead")``), ``torch.cuda.MemPool``/``use_mem_pool`` and OOM observers all work
+    from vmm. Elsewhere it creates ``torch.cuda.memory.CUDAPluggableAllocator`` over
+    ``vmm_torch_malloc`` and ``vmm_torch_free`` of the extension _C.so, sets the optional hooks
+    this torch supports (init, empty_cache, memory fraction, record_stream) and makes it
+    current: ``torch.cuda.empty_cache()``, ``set_per_process_memory_fraction()`` and
+    ``Tensor.record_stream()`` reach vmm, ``torch.cuda.memory_stats()`` does not (use
+    ``vmm_torch.memory_stats()``). ``enabled_hooks()`` says which.
     """
     _enable_text(format_options(options), implicit=False)
 
@@ -177,6 +186,12 @@ def _enable_text(text: str, implicit: bool) -> None:
         # apply to device pools created later.
         _lib.check(libs.vmm.vmm_configure(text.encode()), "vmm_torch.enable")
         _check_can_enable()
+        full = _cuda.module(libs)
+        if full is not None:
+            # vmm's own CUDAAllocator: statistics, snapshots, graph pools, OOM observers.
+            full.install()
+            _enabled = _Enabled(text, None, (FULL_ALLOCATOR,), implicit)
+            return
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(
             libs.extension_path, "vmm_torch_malloc", "vmm_torch_free")
         hooks = _set_hooks(pluggable, libs.extension_path)
@@ -233,7 +248,8 @@ def is_enabled() -> bool:
 
 
 def enabled_hooks() -> Tuple[str, ...]:
-    """The hook setters enable() called on this torch (empty before enable())."""
+    """The hook setters enable() called on this torch, or (FULL_ALLOCATOR,) where vmm's own
+    CUDA allocator is current (empty before enable())."""
     return _enabled.hooks if _enabled is not None else ()
 
 

@@ -164,6 +164,17 @@ class _Discard:
 _NOTHING = (int, ())
 
 
+_SCALARS = (str, bytes, bytearray, int, float, bool, type(None))
+
+
+def _flat(obj: Any) -> bool:
+    """Whether `obj` is a plain tuple or list (not a subclass, which may pickle otherwise)
+    of at most 16 items, each a plain tensor (not a subclass) or a scalar."""
+    if type(obj) not in (tuple, list) or len(obj) > 16:
+        return False
+    return all(type(item) is torch.Tensor or isinstance(item, _SCALARS) for item in obj)
+
+
 def prepare_send(obj: Any) -> bool:
     """What Queue.put does before it hands `obj` to the queue's feeder thread, for every tensor
     pickling `obj` reaches: raises what sending it would raise (RuntimeError for a non-leaf
@@ -177,11 +188,15 @@ def prepare_send(obj: Any) -> bool:
     their receivers acknowledge (sharing.set_send_budget). An object that cannot be pickled is
     left to the feeder (which reports it as before).
     Returns whether `obj` holds vmm tensors."""
-    if isinstance(obj, (str, bytes, bytearray, int, float, bool, type(None))):
+    if isinstance(obj, _SCALARS):
         return False
     preparer = _Preparer()
     if isinstance(obj, torch.Tensor):
         preparer.reducer_override(obj)  # the common case, without a pickler's round
+    elif _flat(obj):
+        for item in obj:  # a tuple or list of tensors and scalars: no pickler's round either
+            if isinstance(item, torch.Tensor):
+                preparer.reducer_override(item)
     else:
         try:
             preparer.dump(obj)

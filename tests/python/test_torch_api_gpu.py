@@ -1,0 +1,225 @@
+"""GPU tests of vmm as PyTorch's whole CUDA allocator (vmm_torch._cuda): what PyTorch's own
+CUDA tests check of an allocator — torch.cuda's memory functions, snapshots and history, CUDA
+graphs, torch.compile's CUDA graph trees, MemPool, out of memory — with vmm enabled.
+
+Each case runs in a fresh interpreter (enable() must come before CUDA is initialised) and
+prints one JSON line; skipped where torch sees no CUDA device or the module was not built.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import vmm_torch
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not vmm_torch.full_allocator_available(),
+                       reason="vmm's CUDA allocator module was not built"),
+]
+
+TIMEOUT = 300
+PRELUDE = """
+import json, torch, vmm_torch
+vmm_torch.enable()
+MIB = 1 << 20
+"""
+
+
+def run(body, enable=True):
+    """Runs `body` in a fresh interpreter (after vmm_torch.enable() if `enable`); returns the
+    object it printed last as JSON."""
+    code = (PRELUDE if enable else PRELUDE.replace("vmm_torch.enable()", "")) + textwrap.dedent(body)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=TIMEOUT, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_memory_functions_answer_from_vmm():
+    r = run("""
+        assert vmm_torch.enabled_hooks() == ("vmm_cuda_allocator",)
+        torch.cuda.reset_peak_memory_stats()
+        t = torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
+        u = torch.empty(MIB, dtype=torch.uint8, device="cuda")
+        stats = torch.cuda.memory_stats()
+        out = dict(allocated=torch.cuda.memory_allocated(), peak=torch.cuda.max_memory_allocated(),
+                   reserved=torch.cuda.memory_reserved(), max_reserved=torch.cuda.max_memory_reserved(),
+                   vmm_allocated=vmm_torch.memory_allocated(), keys=sorted(stats),
+                   summary=len(torch.cuda.memory_summary()))
+        del t
+        out["after_free"] = torch.cuda.memory_allocated()
+        out["peak_after_free"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out["peak_after_reset"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_accumulated_memory_stats()
+        out["freed_after_reset"] = torch.cuda.memory_stats()["allocated_bytes.all.freed"]
+        print(json.dumps(out))
+    """)
+    assert r["allocated"] == r["vmm_allocated"] >= 65 * (1 << 20)
+    assert r["peak"] >= r["allocated"] and r["reserved"] >= r["allocated"]
+    assert r["max_reserved"] >= r["reserved"]
+    assert {"allocated_bytes.all.current", "reserved_bytes.all.peak", "num_ooms",
+            "num_alloc_retries", "active_bytes.large_pool.current"} <= set(r["keys"])
+    assert r["summary"] > 0
+    assert r["after_free"] == r["allocated"] - 64 * (1 << 20)
+    assert r["peak_after_free"] == r["peak"] and r["peak_after_reset"] == r["after_free"]
+    assert r["freed_after_reset"] == 0
+
+
+def test_snapshot_and_history_draw_a_timeline():
+    r = run("""
+        import pickle, time
+        from torch.cuda import _memory_viz
+        def pairs(n):
+            start = time.perf_counter()
+            for _ in range(n):
+                del_me = torch.empty(4096, device="cuda")
+                del del_me
+            return (time.perf_counter() - start) / n * 1e9
+        pairs(1000)
+        off = pairs(20000)
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+        on = pairs(20000)
+        x = torch.empty(8 * MIB, dtype=torch.uint8, device="cuda")
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        actions = [e["action"] for e in snap["device_traces"][0]]
+        frames = [e.get("frames", []) for e in snap["device_traces"][0] if e["action"] == "alloc"]
+        live = [b for s in snap["segments"] for b in s["blocks"]
+                if b["state"] == "active_allocated"]
+        html = _memory_viz.trace_plot(snap)
+        print(json.dumps(dict(actions=sorted(set(actions)), framed=sum(1 for f in frames if f),
+                              live=len(live), html=len(html), ns_off=off, ns_on=on,
+                              x_seen=any(s["address"] <= x.data_ptr() < s["address"] + s["total_size"]
+                                         for s in snap["segments"]))))
+    """)
+    assert {"alloc", "free_requested", "free_completed"} <= set(r["actions"])
+    assert r["framed"] > 0, "allocations recorded without stacks"
+    assert r["live"] >= 1 and r["x_seen"] and r["html"] > 1000
+    print(f"alloc+free pair: {r['ns_off']:.0f} ns recording off, {r['ns_on']:.0f} ns on")
+
+
+def test_cuda_graph_replay_equals_eager_and_keeps_its_memory():
+    r = run("""
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(),
+                                    torch.nn.Linear(512, 256)).cuda()
+        static_in = torch.randn(32, 256, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                model(static_in)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = model(static_in)
+        pool = g.pool()
+        eager_after = torch.full((64 * 1024,), 3.0, device="cuda")  # allocated after capture
+        errors = []
+        for i in range(5):
+            x = torch.randn(32, 256, device="cuda")
+            static_in.copy_(x)
+            g.replay()
+            errors.append((static_out - model(x)).abs().max().item())
+        torch.cuda.synchronize()
+        intact = bool((eager_after == 3.0).all().item())
+        uses = torch.cuda.memory._get_current_allocator  # noqa: the allocator answers
+        del g, static_out
+        torch.cuda.synchronize()
+        print(json.dumps(dict(max_error=max(errors), intact=intact)))
+    """)
+    assert r["max_error"] < 1e-4
+    assert r["intact"], "a replay overwrote a tensor allocated after the capture"
+
+
+def test_make_graphed_callables():
+    r = run("""
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()).cuda()
+        x = torch.randn(16, 64, device="cuda", requires_grad=True)
+        graphed = torch.cuda.make_graphed_callables(model, (x,))
+        y = torch.randn(16, 64, device="cuda", requires_grad=True)
+        out_g = graphed(y); out_g.sum().backward(); grad_g = y.grad.clone(); y.grad = None
+        out_e = model(y); out_e.sum().backward(); grad_e = y.grad.clone()
+        print(json.dumps(dict(out=(out_g - out_e).abs().max().item(),
+                              grad=(grad_g - grad_e).abs().max().item())))
+    """)
+    assert r["out"] < 1e-5 and r["grad"] < 1e-5
+
+
+def test_reduce_overhead_training_matches_eager():
+    r = run("""
+        import copy
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(),
+                                    torch.nn.Linear(256, 10)).cuda()
+        eager = copy.deepcopy(model)
+        compiled = torch.compile(model, mode="reduce-overhead")
+        opt_c = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt_e = torch.optim.SGD(eager.parameters(), lr=0.01)
+        data = [(torch.randn(64, 128, device="cuda"), torch.randint(0, 10, (64,), device="cuda"))
+                for _ in range(4)]
+        losses_c, losses_e = [], []
+        for step in range(12):
+            x, y = data[step % 4]
+            for net, opt, out in ((compiled, opt_c, losses_c), (eager, opt_e, losses_e)):
+                opt.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(net(x), y)
+                loss.backward()
+                opt.step()
+                out.append(loss.item())
+        print(json.dumps(dict(c=losses_c, e=losses_e)))
+    """)
+    for a, b in zip(r["c"], r["e"]):
+        assert abs(a - b) <= 1e-3 * max(1.0, abs(b)), (r["c"], r["e"])
+
+
+@pytest.mark.parametrize("enable", [False, True])
+def test_mempool_tensors_come_from_vmm_and_share_alone(enable):
+    r = run("""
+        torch.cuda.init()
+        pool = vmm_torch.MemPool()
+        outside = torch.empty(1024, device="cuda")
+        with torch.cuda.use_mem_pool(pool):
+            a = torch.full((1024,), 1.0, device="cuda")
+            b = torch.full((1024,), 2.0, device="cuda")
+        ids = pool.vmm_pool_ids()
+        stats = pool.vmm_memory_stats()
+        shared = vmm_torch.export_tensor(a)
+        opened = shared.open()  # the export covers a alone
+        print(json.dumps(dict(ids=len(ids), in_vmm=[vmm_torch.in_vmm_pool(t) for t in (a, b)],
+                              outside_vmm=vmm_torch.in_vmm_pool(outside),
+                              allocated=stats.get("allocated_bytes.all.current", 0),
+                              distinct=a.data_ptr() // (2 << 20) != b.data_ptr() // (2 << 20)
+                                       or a.data_ptr() != b.data_ptr(),
+                              opened=float(opened.sum().item()),
+                              snapshot=len(pool.snapshot()))))
+    """, enable=enable)
+    assert r["ids"] >= 1 and r["in_vmm"] == [True, True]
+    assert r["outside_vmm"] == enable
+    assert r["allocated"] >= 2 * 4096 and r["opened"] == 1024.0 and r["distinct"]
+
+
+def test_out_of_memory_raises_torch_error_and_calls_observers():
+    r = run("""
+        seen = []
+        torch.cuda.init()
+        torch._C._cuda_attach_out_of_memory_observer(lambda *a: seen.append(a))
+        try:
+            torch.empty(2 * torch.cuda.get_device_properties(0).total_memory, dtype=torch.uint8,
+                        device="cuda")
+            kind = "none"
+        except torch.cuda.OutOfMemoryError as e:
+            kind, text = "oom", str(e)
+        print(json.dumps(dict(kind=kind, observed=len(seen), vmm="vmm" in text,
+                              ooms=torch.cuda.memory_stats()["num_ooms"])))
+    """)
+    assert r["kind"] == "oom" and r["vmm"]
+    assert r["observed"] == 1

@@ -1,0 +1,793 @@
+// vmm as a full PyTorch CUDA allocator (CUDA builds of PyTorch 2.3 and later): the Python module
+// vmm_torch._cuda_allocator.
+//
+// CUDAPluggableAllocator over C functions (what vmm_ops.cpp offers) covers malloc and free
+// only: torch.cuda.memory_stats(), memory_snapshot(), _record_memory_history(), CUDA graph
+// pools, CUDA graph trees (torch.compile mode="reduce-overhead") and OOM observers all raise
+// or do nothing there. This file subclasses it and answers them from libvmm:
+//   - statistics (getDeviceStats, reset*): vmm_device_torch_stats, PyTorch's fields;
+//   - snapshot(): the segments and blocks of vmm's device pools and private pools
+//     (vmm_snapshot_get), with the stack of each live block's allocation while history is
+//     recorded, and the trace of allocations and frees (recordHistory: PyTorch's own context
+//     recorder gathers the stacks; nothing is recorded, and nothing costs, while it is off);
+//   - private pools (CUDA graphs, torch.cuda.MemPool): beginAllocateToPool routes the
+//     allocations its filter accepts to a vmm private pool (vmm_private_pool_use), whose
+//     memory no other allocation gets and none of which goes back to the driver while the pool
+//     is in use; releasePool drops a use; checkPoolLiveAllocations and the checkpoints of graph
+//     trees (getCheckpointState / setCheckpointPoolState) from the pool's live blocks
+//     (vmm_pool_live_blocks, vmm_pool_alloc_at);
+//   - out of memory: the observers attached are called, an "oom" trace entry is recorded, and
+//     c10::OutOfMemoryError (torch.cuda.OutOfMemoryError) carries vmm's message.
+// Everything else (malloc bookkeeping, record_stream, raw_alloc) is CUDAPluggableAllocator's.
+//
+// The module is built by `pip install` only where torch has CUDA (setup.py); a torch whose
+// allocator interface differs fails to build it, and vmm_torch then falls back to
+// CUDAPluggableAllocator over vmm_ops.cpp's functions (vmm_torch.allocator).
+//
+// Module functions:
+//   bind(libvmm_path): looks up libvmm.so's functions (the instance Python loaded).
+//   install(): makes a VmmAllocator PyTorch's CUDA allocator (before CUDA is initialised).
+//   pool_allocator(options): a VmmAllocator object (torch._C._cuda_CUDAAllocator) for
+//     torch.cuda.MemPool: the private pools made for it take `options`.
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <pybind11/stl.h>
+#include <torch/extension.h>
+
+#include "torch_plugin/vmm_c.h"
+
+namespace {
+
+namespace cca = c10::cuda::CUDACachingAllocator;
+namespace cda = c10::CachingDeviceAllocator;
+using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+using c10::cuda::MempoolId_t;
+
+// The functions of libvmm.so this module calls, typed by their declarations in vmm_c.h.
+struct Vmm {
+  decltype(&vmm_last_error_code) last_error_code = nullptr;
+  decltype(&vmm_last_error) last_error = nullptr;
+  decltype(&vmm_alloc) alloc = nullptr;
+  decltype(&vmm_free) free = nullptr;
+  decltype(&vmm_empty_cache) empty_cache = nullptr;
+  decltype(&vmm_set_memory_fraction) set_memory_fraction = nullptr;
+  decltype(&vmm_record_stream) record_stream = nullptr;
+  decltype(&vmm_reset_peak_stats) reset_peak_stats = nullptr;
+  decltype(&vmm_reset_accumulated_stats) reset_accumulated_stats = nullptr;
+  decltype(&vmm_device_torch_stats) device_torch_stats = nullptr;
+  decltype(&vmm_snapshot_get) snapshot_get = nullptr;
+  decltype(&vmm_snapshot_entries_release) snapshot_release = nullptr;
+  decltype(&vmm_pool_alloc) pool_alloc = nullptr;
+  decltype(&vmm_pool_create) pool_create = nullptr;
+  decltype(&vmm_pool_destroy) pool_destroy = nullptr;
+  decltype(&vmm_pool_empty_cache) pool_empty_cache = nullptr;
+  decltype(&vmm_private_pool_use) private_pool_use = nullptr;
+  decltype(&vmm_private_pool_release) private_pool_release = nullptr;
+  decltype(&vmm_private_pool_use_count) private_pool_use_count = nullptr;
+  decltype(&vmm_private_pool_find) private_pool_find = nullptr;
+  decltype(&vmm_pool_live_blocks) pool_live_blocks = nullptr;
+  decltype(&vmm_pool_alloc_at) pool_alloc_at = nullptr;
+};
+
+Vmm vmm;
+
+template <typename F>
+void Lookup(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  TORCH_CHECK(*out != nullptr, "vmm: libvmm.so lacks ", name);
+}
+
+void Bind(const std::string& path) {
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  TORCH_CHECK(lib != nullptr, "vmm: cannot load ", path, ": ", dlerror());
+  Vmm v;
+  Lookup(lib, "vmm_last_error_code", &v.last_error_code);
+  Lookup(lib, "vmm_last_error", &v.last_error);
+  Lookup(lib, "vmm_alloc", &v.alloc);
+  Lookup(lib, "vmm_free", &v.free);
+  Lookup(lib, "vmm_empty_cache", &v.empty_cache);
+  Lookup(lib, "vmm_set_memory_fraction", &v.set_memory_fraction);
+  Lookup(lib, "vmm_record_stream", &v.record_stream);
+  Lookup(lib, "vmm_reset_peak_stats", &v.reset_peak_stats);
+  Lookup(lib, "vmm_reset_accumulated_stats", &v.reset_accumulated_stats);
+  Lookup(lib, "vmm_device_torch_stats", &v.device_torch_stats);
+  Lookup(lib, "vmm_snapshot_get", &v.snapshot_get);
+  Lookup(lib, "vmm_snapshot_entries_release", &v.snapshot_release);
+  Lookup(lib, "vmm_pool_alloc", &v.pool_alloc);
+  Lookup(lib, "vmm_pool_create", &v.pool_create);
+  Lookup(lib, "vmm_pool_destroy", &v.pool_destroy);
+  Lookup(lib, "vmm_pool_empty_cache", &v.pool_empty_cache);
+  Lookup(lib, "vmm_private_pool_use", &v.private_pool_use);
+  Lookup(lib, "vmm_private_pool_release", &v.private_pool_release);
+  Lookup(lib, "vmm_private_pool_use_count", &v.private_pool_use_count);
+  Lookup(lib, "vmm_private_pool_find", &v.private_pool_find);
+  Lookup(lib, "vmm_pool_live_blocks", &v.pool_live_blocks);
+  Lookup(lib, "vmm_pool_alloc_at", &v.pool_alloc_at);
+  vmm = v;
+}
+
+void RequireBound() {
+  TORCH_CHECK(vmm.alloc != nullptr, "vmm: call vmm_torch._cuda_allocator.bind first");
+}
+
+// Throws what libvmm's last failure says: c10::OutOfMemoryError for VMM_RESOURCE_EXHAUSTED,
+// c10::ValueError for VMM_INVALID_ARGUMENT, else c10::Error.
+[[noreturn]] void ThrowLastError(const std::string& what) {
+  const int code = vmm.last_error_code();
+  const std::string message = vmm.last_error();
+  TORCH_CHECK_WITH(OutOfMemoryError, code != VMM_RESOURCE_EXHAUSTED, "CUDA out of memory (vmm): ",
+                   what, ": ", message);
+  TORCH_CHECK_VALUE(code != VMM_INVALID_ARGUMENT, "vmm: ", what, ": ", message);
+  TORCH_CHECK(false, "vmm: ", what, ": ", message);
+}
+
+void CheckOk(int rc, const std::string& what) {
+  if (rc != 0) ThrowLastError(what);
+}
+
+c10::CachingAllocator::Stat ToStat(const vmm_stat& s) {
+  c10::CachingAllocator::Stat out;
+  out.current = s.current;
+  out.peak = s.peak;
+  out.allocated = s.allocated;
+  out.freed = s.freed;
+  return out;
+}
+
+void ToStatArray(const vmm_stat (&in)[VMM_STAT_TYPES], c10::CachingAllocator::StatArray* out) {
+  for (size_t i = 0; i < VMM_STAT_TYPES && i < out->size(); ++i) (*out)[i] = ToStat(in[i]);
+}
+
+// Microseconds since the epoch: what PyTorch's snapshot reports as a trace entry's time_us.
+time_t NowMicros() {
+  return std::chrono::duration_cast<std::chrono::microseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// A checkpoint of a private pool (CUDA graph trees): its live blocks when it was taken.
+struct VmmPoolState : cca::AllocatorState {
+  c10::DeviceIndex device = 0;
+  MempoolId_t id{0, 0};
+  std::vector<vmm_block_entry> live;
+};
+
+// The live blocks of vmm pool `pool`, in address order.
+std::vector<vmm_block_entry> LiveBlocks(int64_t pool) {
+  std::vector<vmm_block_entry> blocks(64);
+  for (;;) {
+    const int64_t n = vmm.pool_live_blocks(pool, blocks.data(), blocks.size());
+    if (n < 0) ThrowLastError("listing a private pool's live blocks");
+    if (static_cast<size_t>(n) <= blocks.size()) {
+      blocks.resize(static_cast<size_t>(n));
+      return blocks;
+    }
+    blocks.resize(static_cast<size_t>(n));
+  }
+}
+
+// The history PyTorch asks for with _record_memory_history: a bounded trace of allocations
+// and frees per device, and the stack of each live block's allocation. Thread safe.
+class History {
+ public:
+  // Whether anything is recorded (one relaxed load: the cost while off).
+  bool on() const { return on_.load(std::memory_order_relaxed); }
+
+  void Configure(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
+                 cca::RecordContext when, bool clear,
+                 const std::vector<std::string>& skip_actions) {
+    std::lock_guard<std::mutex> lock(mu_);
+    recorder_ = enabled ? recorder : nullptr;
+    when_ = enabled ? when : cca::RecordContext::NEVER;
+    max_entries_ = std::max<size_t>(max_entries, 1);
+    skip_.clear();
+    for (const std::string& action : skip_actions) {
+      skip_.insert(static_cast<int>(cda::parseTraceEntryAction(action)));
+    }
+    if (clear || !enabled) {
+      traces_.clear();
+      if (!enabled) contexts_.clear();
+    }
+    on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
+  }
+
+  void AddTracker(cca::AllocatorTraceTracker tracker) {
+    std::lock_guard<std::mutex> lock(mu_);
+    trackers_.push_back(std::move(tracker));
+    on_.store(true, std::memory_order_relaxed);
+  }
+
+  // Records `action` on `addr`/`size` (for OOM, `addr` is the device's free bytes). The
+  // stack is gathered outside the lock (the recorder takes the GIL).
+  void Record(cda::TraceEntry::Action action, c10::DeviceIndex device, size_t addr,
+              size_t size, cudaStream_t stream, MempoolId_t pool) {
+    cca::CreateContextFn recorder = nullptr;
+    cca::RecordContext when = cca::RecordContext::NEVER;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      recorder = recorder_;
+      when = when_;
+    }
+    const bool is_alloc = action == cda::TraceEntry::ALLOC;
+    const bool wants_stack =
+        recorder != nullptr &&
+        ((is_alloc && when >= cca::RecordContext::STATE) ||
+         (action == cda::TraceEntry::FREE_REQUESTED && when == cca::RecordContext::ALL) ||
+         (action == cda::TraceEntry::OOM && when >= cca::RecordContext::ALLOC));
+    std::shared_ptr<c10::GatheredContext> context = wants_stack ? recorder() : nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (is_alloc && context != nullptr) contexts_[addr] = context;
+    if (action == cda::TraceEntry::FREE_COMPLETED) contexts_.erase(addr);
+    const bool traced = when_ >= cca::RecordContext::STATE && skip_.count(action) == 0;
+    if (!traced && trackers_.empty()) return;
+    cda::TraceEntry entry(action, device, addr, size, stream, pool, /*time=*/0,
+                          when_ >= cca::RecordContext::ALLOC ? context : nullptr);
+    entry.time_.t_ = NowMicros();
+    for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
+    if (!traced) return;
+    if (static_cast<size_t>(device) >= traces_.size()) traces_.resize(device + 1);
+    std::deque<cda::TraceEntry>& trace = traces_[device];
+    trace.push_back(std::move(entry));
+    while (trace.size() > max_entries_) trace.pop_front();
+  }
+
+  std::shared_ptr<c10::GatheredContext> ContextOf(size_t addr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = contexts_.find(addr);
+    return it == contexts_.end() ? nullptr : it->second;
+  }
+
+  std::vector<std::vector<cda::TraceEntry>> Traces(size_t devices) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::vector<cda::TraceEntry>> out(std::max(devices, traces_.size()));
+    for (size_t d = 0; d < traces_.size(); ++d) {
+      out[d].assign(traces_[d].begin(), traces_[d].end());
+    }
+    return out;
+  }
+
+ private:
+  std::atomic<bool> on_{false};
+  std::mutex mu_;
+  cca::CreateContextFn recorder_ = nullptr;
+  cca::RecordContext when_ = cca::RecordContext::NEVER;
+  size_t max_entries_ = 1;
+  std::unordered_set<int> skip_;
+  std::vector<cca::AllocatorTraceTracker> trackers_;
+  std::vector<std::deque<cda::TraceEntry>> traces_;
+  std::unordered_map<size_t, std::shared_ptr<c10::GatheredContext>> contexts_;
+};
+
+struct MempoolIdHash {
+  size_t operator()(const std::pair<int, MempoolId_t>& key) const {
+    return std::hash<uint64_t>()(key.second.first * 1000003u ^ key.second.second) ^
+           static_cast<size_t>(key.first);
+  }
+};
+
+// PyTorch's CUDA allocator over libvmm (see the file comment).
+class VmmAllocator : public Pluggable {
+ public:
+  // `options`: the vmm options of the private pools made for MemPools of this allocator
+  // ("" for the device pools' options).
+  explicit VmmAllocator(std::string options)
+      : Pluggable([](size_t, int, cudaStream_t) -> void* { return nullptr; },
+                  [](void*, size_t, int, cudaStream_t) {}),
+        options_(std::move(options)) {
+    alloc_fn_ = [this](size_t size, int device, cudaStream_t stream) {
+      return Malloc(size, device, stream);
+    };
+    free_fn_ = [this](void* ptr, size_t size, int device, cudaStream_t stream) {
+      Free(ptr, size, device, stream);
+    };
+    reset_fn_ = [] {
+      if (vmm.empty_cache(-1) != 0) TORCH_WARN("vmm: empty_cache failed: ", vmm.last_error());
+    };
+    memory_fraction_fn_ = [](double fraction, int device) {
+      CheckOk(vmm.set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
+    };
+    record_stream_fn_ = [](void* ptr, cudaStream_t stream) {
+      CheckOk(vmm.record_stream(ptr, stream), "record_stream");
+    };
+  }
+
+  // Closes the pools of its own (their memory goes back once their last blocks are freed).
+  ~VmmAllocator() override {
+    for (const auto& [device, pool] : own_pools_) vmm.pool_destroy(pool);
+  }
+
+  const std::string& options() const { return options_; }
+
+  // An allocator for torch.cuda.MemPool: while another allocator is current (PyTorch's own),
+  // that allocator asks this one for its pool's segments, which come from vmm pools of this
+  // allocator's own (one per device, with its options) instead of the device pools.
+  void UseOwnPools() { own_pools_only_ = true; }
+
+  // vmm's ids of the pools behind MemPool `id` on `device`: the private pool where this
+  // allocator is current, and its own pools.
+  std::vector<int64_t> PoolIds(c10::DeviceIndex device, MempoolId_t id) {
+    std::vector<int64_t> out;
+    const int64_t pool = vmm.private_pool_find(device, id.first, id.second);
+    if (pool >= 0) out.push_back(pool);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [d, own] : own_pools_) {
+      if (d == device) out.push_back(own);
+    }
+    return out;
+  }
+
+  std::string name() override { return "vmm"; }
+
+  // --- Statistics ---------------------------------------------------------------------
+
+  cda::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    vmm_torch_stats s{};
+    CheckOk(vmm.device_torch_stats(device, &s), "memory_stats");
+    cda::DeviceStats out;
+    ToStatArray(s.allocation, &out.allocation);
+    ToStatArray(s.segment, &out.segment);
+    ToStatArray(s.active, &out.active);
+    ToStatArray(s.inactive_split, &out.inactive_split);
+    ToStatArray(s.allocated_bytes, &out.allocated_bytes);
+    ToStatArray(s.reserved_bytes, &out.reserved_bytes);
+    ToStatArray(s.active_bytes, &out.active_bytes);
+    ToStatArray(s.inactive_split_bytes, &out.inactive_split_bytes);
+    ToStatArray(s.requested_bytes, &out.requested_bytes);
+    out.num_alloc_retries = s.num_alloc_retries;
+    out.num_ooms = s.num_ooms;
+    out.oversize_allocations = ToStat(s.oversize_allocations);
+    out.oversize_segments = ToStat(s.oversize_segments);
+    out.num_sync_all_streams = s.num_sync_all_streams;
+    out.num_device_alloc = s.num_device_alloc;
+    out.num_device_free = s.num_device_free;
+    out.max_split_size = s.max_split_size;
+    return out;
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    CheckOk(vmm.reset_peak_stats(device), "reset_peak_memory_stats");
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    CheckOk(vmm.reset_accumulated_stats(device), "reset_accumulated_memory_stats");
+  }
+
+  // --- Snapshot and history -----------------------------------------------------------
+
+  cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
+    vmm_snapshot_entries* entries = nullptr;
+    CheckOk(vmm.snapshot_get(&entries), "memory_snapshot");
+    std::unique_ptr<vmm_snapshot_entries, decltype(vmm.snapshot_release)> owned(
+        entries, vmm.snapshot_release);
+    const bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
+    cca::SnapshotInfo out;
+    int devices = 0;
+    for (size_t i = 0; i < entries->num_segments; ++i) {
+      const vmm_segment_entry& s = entries->segments[i];
+      MempoolId_t owner{0, 0};
+      if (s.pool != 0) {
+        std::optional<MempoolId_t> id = MempoolOf(s.pool);
+        if (!id.has_value()) continue;  // an explicit pool: not PyTorch's memory
+        owner = *id;
+      }
+      if (!all_pools && owner != mempool_id) continue;
+      cda::SegmentInfo segment;
+      segment.device = static_cast<c10::DeviceIndex>(s.device);
+      devices = std::max(devices, s.device + 1);
+      segment.address = s.address;
+      segment.total_size = s.total_size;
+      segment.requested_size = s.requested_size;
+      segment.allocated_size = s.allocated_size;
+      segment.active_size = s.active_size;
+      segment.stream = reinterpret_cast<void*>(s.stream);
+      segment.is_large = s.is_large != 0;
+      segment.is_expandable = true;  // mapped chunks of a reserved range, grown in place
+      segment.owner_private_pool_id = owner;
+      for (size_t b = 0; b < s.num_blocks; ++b) {
+        const vmm_block_entry& e = s.blocks[b];
+        cda::BlockInfo block;
+        block.size = e.size;
+        block.requested_size = e.requested_size;
+        block.allocated = e.state == VMM_BLOCK_ACTIVE_ALLOCATED;
+        block.active = e.state != VMM_BLOCK_INACTIVE;
+        if (block.active && history_.on()) block.context_when_allocated = history_.ContextOf(e.address);
+        segment.blocks.push_back(std::move(block));
+      }
+      out.segments.push_back(std::move(segment));
+    }
+    if (include_traces) {
+      out.device_traces = history_.Traces(static_cast<size_t>(std::max(devices, 1)));
+    }
+    out.config_metadata.garbage_collection_threshold = 0;
+    out.config_metadata.max_split_size = SIZE_MAX;
+    out.config_metadata.pinned_num_register_threads = 0;
+    out.config_metadata.expandable_segments = true;
+    out.config_metadata.release_lock_on_malloc = false;
+    out.config_metadata.pinned_use_host_register = false;
+    out.config_metadata.graph_capture_record_stream_reuse = false;
+    out.config_metadata.last_allocator_settings = "vmm";
+    return out;
+  }
+
+  bool isHistoryEnabled() override { return history_.on(); }
+
+  void recordHistory(bool enabled, cca::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries, cca::RecordContext when,
+                     bool clear_history, const std::vector<std::string>& skip_actions) override {
+    history_.Configure(enabled, context_recorder, alloc_trace_max_entries, when, clear_history,
+                       skip_actions);
+  }
+
+  void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    oom_observers_.push_back(std::move(observer));
+  }
+
+  void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
+    history_.AddTracker(std::move(tracker));
+  }
+
+  // --- Private pools ------------------------------------------------------------------
+
+  void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                           std::function<bool(cudaStream_t)> filter) override {
+    const int64_t pool = UsePool(device, mempool_id, nullptr);
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const Route& route : routes_) {
+      TORCH_CHECK(!(route.device == device && route.id == mempool_id),
+                  "vmm: beginAllocateToPool: already allocating to pool (", mempool_id.first,
+                  ", ", mempool_id.second, ")");
+    }
+    routes_.push_back(Route{device, mempool_id, std::move(filter), pool});
+    routes_empty_.store(false, std::memory_order_relaxed);
+  }
+
+  void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+      if (it->device == device && it->id == mempool_id) {
+        routes_.erase(it);
+        routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
+        return;
+      }
+    }
+    TORCH_CHECK(false, "vmm: endAllocateToPool: not allocating to pool (", mempool_id.first,
+                ", ", mempool_id.second, ")");
+  }
+
+  void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    const int left = vmm.private_pool_release(device, mempool_id.first, mempool_id.second);
+    if (left < 0) ThrowLastError("releasing a private pool");
+    if (left == 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      pools_.erase({device, mempool_id});
+    }
+  }
+
+  int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    return vmm.private_pool_use_count(device, mempool_id.first, mempool_id.second);
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
+                          std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    auto* mine = dynamic_cast<VmmAllocator*>(allocator.get());
+    TORCH_CHECK(allocator == nullptr || mine != nullptr,
+                "vmm: a MemPool over another allocator (", allocator ? allocator->name() : "",
+                ") cannot live in vmm's allocator; use vmm_torch.MemPool, or no allocator");
+    UsePool(device, mempool_id, mine);
+  }
+
+  void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pools_.find({device, mempool_id});
+    TORCH_CHECK(it != pools_.end(), "vmm: setUseOnOOM: no pool (", mempool_id.first, ", ",
+                mempool_id.second, ") on device ", device);
+    it->second.use_on_oom = use_on_oom;
+  }
+
+  // vmm never hands parts of one block to two tensors: every pool is "no split".
+  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {}
+
+  bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
+                                const std::unordered_set<void*>& expected) override {
+    const int64_t pool = vmm.private_pool_find(device, mempool_id.first, mempool_id.second);
+    if (pool < 0) return expected.empty();
+    size_t matched = 0;
+    for (const vmm_block_entry& block : LiveBlocks(pool)) {
+      if (block.state != VMM_BLOCK_ACTIVE_ALLOCATED) continue;
+      if (expected.count(reinterpret_cast<void*>(block.address)) == 0) return false;
+      ++matched;
+    }
+    return matched == expected.size();
+  }
+
+  std::shared_ptr<cca::AllocatorState> getCheckpointState(c10::DeviceIndex device,
+                                                          MempoolId_t id) override {
+    auto state = std::make_shared<VmmPoolState>();
+    state->device = device;
+    state->id = id;
+    const int64_t pool = vmm.private_pool_find(device, id.first, id.second);
+    TORCH_CHECK(pool >= 0, "vmm: getCheckpointState: no pool (", id.first, ", ", id.second,
+                ") on device ", device);
+    for (const vmm_block_entry& block : LiveBlocks(pool)) {
+      if (block.state == VMM_BLOCK_ACTIVE_ALLOCATED) state->live.push_back(block);
+    }
+    return state;
+  }
+
+  // Frees every live block of the pool, then allocates the checkpoint's live blocks again at
+  // their addresses: the blocks freed and the new data pointers go back to PyTorch, which
+  // moves the live storages onto them.
+  cca::CheckpointDelta setCheckpointPoolState(
+      c10::DeviceIndex device, std::shared_ptr<cca::AllocatorState> pps) override {
+    auto* state = dynamic_cast<VmmPoolState*>(pps.get());
+    TORCH_CHECK(state != nullptr && state->device == device,
+                "vmm: setCheckpointPoolState: not a vmm checkpoint of device ", device);
+    const int64_t pool = vmm.private_pool_find(device, state->id.first, state->id.second);
+    TORCH_CHECK(pool >= 0, "vmm: setCheckpointPoolState: the pool (", state->id.first, ", ",
+                state->id.second, ") is gone");
+    cca::CheckpointDelta delta;
+    for (const vmm_block_entry& block : LiveBlocks(pool)) {
+      if (block.state != VMM_BLOCK_ACTIVE_ALLOCATED) continue;
+      void* ptr = reinterpret_cast<void*>(block.address);
+      cudaStream_t stream = reinterpret_cast<cudaStream_t>(block.stream);
+      {
+        std::lock_guard<std::mutex> lock(allocator_mutex_);
+        allocation_metadata_.erase(ptr);
+      }
+      Free(ptr, block.size, device, stream);
+      delta.ptrs_freed.push_back(ptr);
+    }
+    for (const vmm_block_entry& block : state->live) {
+      cudaStream_t stream = reinterpret_cast<cudaStream_t>(block.stream);
+      void* ptr = vmm.pool_alloc_at(pool, block.address, block.size, stream);
+      if (ptr == nullptr) ThrowLastError("restoring a CUDA graph pool's checkpoint");
+      {
+        std::lock_guard<std::mutex> lock(allocator_mutex_);
+        allocation_metadata_[ptr] =
+            torch::cuda::CUDAPluggableAllocator::_AllocationMetadata(block.size, device, stream);
+      }
+      delta.dataptrs_allocd.emplace_back(ptr, ptr, raw_deleter(),
+                                         c10::Device(c10::DeviceType::CUDA, device));
+    }
+    return delta;
+  }
+
+  void emptyCache(MempoolId_t mempool_id) override {
+    if (mempool_id.first == 0 && mempool_id.second == 0) {
+      Pluggable::emptyCache(mempool_id);
+      return;
+    }
+    const int device = c10::cuda::current_device();
+    const int64_t pool = vmm.private_pool_find(device, mempool_id.first, mempool_id.second);
+    if (pool >= 0) CheckOk(vmm.pool_empty_cache(pool), "empty_cache of a pool");
+  }
+
+ private:
+  struct Route {
+    c10::DeviceIndex device;
+    MempoolId_t id;
+    std::function<bool(cudaStream_t)> filter;
+    int64_t pool;  // vmm's id of the private pool
+  };
+  struct PoolInfo {
+    int64_t vmm_pool = 0;
+    bool use_on_oom = false;
+  };
+
+  // Adds a use of private pool `id` (created with `owner`'s options, or this allocator's).
+  int64_t UsePool(c10::DeviceIndex device, MempoolId_t id, VmmAllocator* owner) {
+    const std::string& options = owner != nullptr ? owner->options() : options_;
+    const int64_t pool = vmm.private_pool_use(VMM_BACKEND_CUDA, device, id.first, id.second,
+                                              options.c_str());
+    if (pool < 0) ThrowLastError("creating a private pool");
+    std::lock_guard<std::mutex> lock(mu_);
+    pools_[{device, id}].vmm_pool = pool;
+    return pool;
+  }
+
+  // The MempoolId of vmm private pool `pool`, if this allocator made it.
+  std::optional<MempoolId_t> MempoolOf(int64_t pool) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [key, info] : pools_) {
+      if (info.vmm_pool == pool) return key.second;
+    }
+    return std::nullopt;
+  }
+
+  // The private pool the allocation goes to (its MempoolId and vmm id), if a route's filter
+  // takes `stream`; the newest route first.
+  std::optional<std::pair<MempoolId_t, int64_t>> RouteFor(int device, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
+      if (it->device == device && it->filter(stream)) return std::make_pair(it->id, it->pool);
+    }
+    return std::nullopt;
+  }
+
+  void* Malloc(size_t size, int device, cudaStream_t stream) {
+    RequireBound();
+    // The driver calls of a growth must not be captured (nor refused) when the stream
+    // captures a CUDA graph: as PyTorch's allocator does around cudaMalloc.
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
+    MempoolId_t pool_id{0, 0};
+    void* ptr = nullptr;
+    std::optional<std::pair<MempoolId_t, int64_t>> route;
+    if (!routes_empty_.load(std::memory_order_relaxed)) route = RouteFor(device, stream);
+    if (route.has_value()) {
+      pool_id = route->first;
+      ptr = vmm.pool_alloc(route->second, size, stream, 0);
+    } else if (own_pools_only_) {
+      ptr = vmm.pool_alloc(OwnPool(device), size, stream, 0);
+    } else {
+      ptr = vmm.alloc(size, device, stream);
+    }
+    if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
+      ptr = AllocateOnOom(size, device, stream, &pool_id);
+    }
+    if (ptr == nullptr) OutOfMemory(size, device, stream, pool_id);
+    if (history_.on()) {
+      history_.Record(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
+                      reinterpret_cast<size_t>(ptr), size, stream, pool_id);
+    }
+    return ptr;
+  }
+
+  // This allocator's own pool on `device`, created with its options on first use.
+  int64_t OwnPool(int device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = own_pools_.find(device);
+    if (it != own_pools_.end()) return it->second;
+    const int64_t pool = vmm.pool_create(VMM_BACKEND_CUDA, device, options_.c_str());
+    if (pool < 0) ThrowLastError("creating the pool of a MemPool");
+    own_pools_[device] = pool;
+    return pool;
+  }
+
+  // The last resort of a failed allocation: the pools set to be used on OOM (setUseOnOOM).
+  void* AllocateOnOom(size_t size, int device, cudaStream_t stream, MempoolId_t* pool_id) {
+    std::vector<std::pair<MempoolId_t, int64_t>> candidates;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const auto& [key, info] : pools_) {
+        if (key.first == device && info.use_on_oom) candidates.push_back({key.second, info.vmm_pool});
+      }
+    }
+    for (const auto& [id, pool] : candidates) {
+      void* ptr = vmm.pool_alloc(pool, size, stream, 0);
+      if (ptr != nullptr) {
+        *pool_id = id;
+        return ptr;
+      }
+    }
+    return nullptr;
+  }
+
+  // Tells the observers, records an "oom" trace entry and throws (OutOfMemoryError when the
+  // memory ran out, else what failed).
+  [[noreturn]] void OutOfMemory(size_t size, int device, cudaStream_t stream, MempoolId_t pool) {
+    const int code = vmm.last_error_code();
+    const std::string message = vmm.last_error();
+    size_t device_free = 0, device_total = 0;
+    {
+      c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+      if (cudaMemGetInfo(&device_free, &device_total) != cudaSuccess) (void)cudaGetLastError();
+    }
+    // More than the device holds is out of memory too, as with PyTorch's allocator (vmm
+    // calls it an invalid argument: no freeing would ever make room).
+    if (code == VMM_RESOURCE_EXHAUSTED ||
+        (code == VMM_INVALID_ARGUMENT && device_total != 0 && size > device_total)) {
+      vmm_torch_stats stats{};
+      const size_t allocated =
+          vmm.device_torch_stats(device, &stats) == 0
+              ? static_cast<size_t>(stats.allocated_bytes[VMM_STAT_ALL].current)
+              : 0;
+      if (history_.on()) {
+        history_.Record(cda::TraceEntry::OOM, static_cast<c10::DeviceIndex>(device),
+                        device_free, size, stream, pool);
+      }
+      std::vector<cca::OutOfMemoryObserver> observers;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        observers = oom_observers_;
+      }
+      for (const cca::OutOfMemoryObserver& observer : observers) {
+        observer(device, allocated, device_total, device_free);
+      }
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (vmm). Tried to allocate ",
+                       size, " bytes on device ", device, ": ", message, " (", allocated,
+                       " bytes allocated by PyTorch through vmm; device: ", device_free,
+                       " of ", device_total, " bytes free)");
+    }
+    CheckOk(-1, "allocation of " + std::to_string(size) + " bytes on device " +
+                    std::to_string(device));
+    TORCH_CHECK(false, "unreachable");
+  }
+
+  void Free(void* ptr, size_t size, int device, cudaStream_t stream) {
+    if (history_.on()) {
+      history_.Record(cda::TraceEntry::FREE_REQUESTED, static_cast<c10::DeviceIndex>(device),
+                      reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
+    }
+    if (vmm.free(ptr, device) != 0) TORCH_WARN("vmm: free failed: ", vmm.last_error());
+    // vmm orders the free after the stream's work itself: complete from here on.
+    if (history_.on()) {
+      history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),
+                      reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
+    }
+  }
+
+  const std::string options_;
+  History history_;
+  std::mutex mu_;  // guards what follows (never held while calling PyTorch or the GIL)
+  std::vector<Route> routes_;
+  std::atomic<bool> routes_empty_{true};  // routes_.empty(), for the allocation path's check
+  std::unordered_map<std::pair<int, MempoolId_t>, PoolInfo, MempoolIdHash> pools_;
+  std::vector<cca::OutOfMemoryObserver> oom_observers_;
+  bool own_pools_only_ = false;                  // set before the allocator is handed out
+  std::unordered_map<int, int64_t> own_pools_;  // device -> vmm pool (UseOwnPools)
+};
+
+std::shared_ptr<VmmAllocator> installed;
+
+void Install() {
+  RequireBound();
+  TORCH_CHECK(installed == nullptr, "vmm: the allocator is installed already");
+  auto allocator = std::make_shared<VmmAllocator>("");
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  installed = allocator;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_cuda_allocator, m) {
+  m.doc() = "vmm as PyTorch's CUDA allocator (statistics, snapshots, graph pools, MemPool)";
+  m.def("bind", &Bind, "Looks up libvmm.so's functions (the path Python loaded).");
+  m.def("install", &Install, "Makes vmm PyTorch's CUDA allocator (before CUDA is used).");
+  m.def(
+      "pool_allocator",
+      [](const std::string& options) -> std::shared_ptr<cca::CUDAAllocator> {
+        RequireBound();
+        auto allocator = std::make_shared<VmmAllocator>(options);
+        allocator->UseOwnPools();
+        return allocator;
+      },
+      "A vmm allocator for torch.cuda.MemPool whose pools take `options`.");
+  m.def(
+      "pool_ids",
+      [](const std::shared_ptr<cca::CUDAAllocator>& allocator, int device, uint64_t id0,
+         uint64_t id1) {
+        std::vector<int64_t> ids;
+        if (installed != nullptr) {
+          ids = installed->PoolIds(static_cast<c10::DeviceIndex>(device), {id0, id1});
+        }
+        auto* mine = dynamic_cast<VmmAllocator*>(allocator.get());
+        TORCH_CHECK_VALUE(mine != nullptr, "vmm: not a vmm allocator");
+        for (int64_t id : mine->PoolIds(static_cast<c10::DeviceIndex>(device), {id0, id1})) {
+          if (std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+        }
+        return ids;
+      },
+      "vmm's ids of the pools behind MemPool (id0, id1) of `allocator` on `device`.");
+  m.def("is_installed", [] { return installed != nullptr; });
+}
