@@ -33,9 +33,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -54,6 +52,7 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include "torch_plugin/csrc/alloc_history.h"
 #include "torch_plugin/vmm_c.h"
 
 namespace {
@@ -158,13 +157,6 @@ void ToStatArray(const vmm_stat (&in)[VMM_STAT_TYPES], c10::CachingAllocator::St
   for (size_t i = 0; i < VMM_STAT_TYPES && i < out->size(); ++i) (*out)[i] = ToStat(in[i]);
 }
 
-// Microseconds since the epoch: what PyTorch's snapshot reports as a trace entry's time_us.
-time_t NowMicros() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
-
 // A checkpoint of a private pool (CUDA graph trees): its live blocks when it was taken.
 struct VmmPoolState : cca::AllocatorState {
   c10::DeviceIndex device = 0;
@@ -185,98 +177,6 @@ std::vector<vmm_block_entry> LiveBlocks(int64_t pool) {
     blocks.resize(static_cast<size_t>(n));
   }
 }
-
-// The history PyTorch asks for with _record_memory_history: a bounded trace of allocations
-// and frees per device, and the stack of each live block's allocation. Thread safe.
-class History {
- public:
-  // Whether anything is recorded (one relaxed load: the cost while off).
-  bool on() const { return on_.load(std::memory_order_relaxed); }
-
-  void Configure(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
-                 cca::RecordContext when, bool clear,
-                 const std::vector<std::string>& skip_actions) {
-    std::lock_guard<std::mutex> lock(mu_);
-    recorder_ = enabled ? recorder : nullptr;
-    when_ = enabled ? when : cca::RecordContext::NEVER;
-    max_entries_ = std::max<size_t>(max_entries, 1);
-    skip_.clear();
-    for (const std::string& action : skip_actions) {
-      skip_.insert(static_cast<int>(cda::parseTraceEntryAction(action)));
-    }
-    if (clear || !enabled) {
-      traces_.clear();
-      if (!enabled) contexts_.clear();
-    }
-    on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
-  }
-
-  void AddTracker(cca::AllocatorTraceTracker tracker) {
-    std::lock_guard<std::mutex> lock(mu_);
-    trackers_.push_back(std::move(tracker));
-    on_.store(true, std::memory_order_relaxed);
-  }
-
-  // Records `action` on `addr`/`size` (for OOM, `addr` is the device's free bytes). The
-  // stack is gathered outside the lock (the recorder takes the GIL).
-  void Record(cda::TraceEntry::Action action, c10::DeviceIndex device, size_t addr,
-              size_t size, cudaStream_t stream, MempoolId_t pool) {
-    cca::CreateContextFn recorder = nullptr;
-    cca::RecordContext when = cca::RecordContext::NEVER;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      recorder = recorder_;
-      when = when_;
-    }
-    const bool is_alloc = action == cda::TraceEntry::ALLOC;
-    const bool wants_stack =
-        recorder != nullptr &&
-        ((is_alloc && when >= cca::RecordContext::STATE) ||
-         (action == cda::TraceEntry::FREE_REQUESTED && when == cca::RecordContext::ALL) ||
-         (action == cda::TraceEntry::OOM && when >= cca::RecordContext::ALLOC));
-    std::shared_ptr<c10::GatheredContext> context = wants_stack ? recorder() : nullptr;
-    std::lock_guard<std::mutex> lock(mu_);
-    if (is_alloc && context != nullptr) contexts_[addr] = context;
-    if (action == cda::TraceEntry::FREE_COMPLETED) contexts_.erase(addr);
-    const bool traced = when_ >= cca::RecordContext::STATE && skip_.count(action) == 0;
-    if (!traced && trackers_.empty()) return;
-    cda::TraceEntry entry(action, device, addr, size, stream, pool, /*time=*/0,
-                          when_ >= cca::RecordContext::ALLOC ? context : nullptr);
-    entry.time_.t_ = NowMicros();
-    for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
-    if (!traced) return;
-    if (static_cast<size_t>(device) >= traces_.size()) traces_.resize(device + 1);
-    std::deque<cda::TraceEntry>& trace = traces_[device];
-    trace.push_back(std::move(entry));
-    while (trace.size() > max_entries_) trace.pop_front();
-  }
-
-  std::shared_ptr<c10::GatheredContext> ContextOf(size_t addr) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = contexts_.find(addr);
-    return it == contexts_.end() ? nullptr : it->second;
-  }
-
-  std::vector<std::vector<cda::TraceEntry>> Traces(size_t devices) {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::vector<std::vector<cda::TraceEntry>> out(std::max(devices, traces_.size()));
-    for (size_t d = 0; d < traces_.size(); ++d) {
-      out[d].assign(traces_[d].begin(), traces_[d].end());
-    }
-    return out;
-  }
-
- private:
-  std::atomic<bool> on_{false};
-  std::mutex mu_;
-  cca::CreateContextFn recorder_ = nullptr;
-  cca::RecordContext when_ = cca::RecordContext::NEVER;
-  size_t max_entries_ = 1;
-  std::unordered_set<int> skip_;
-  std::vector<cca::AllocatorTraceTracker> trackers_;
-  std::vector<std::deque<cda::TraceEntry>> traces_;
-  std::unordered_map<size_t, std::shared_ptr<c10::GatheredContext>> contexts_;
-};
 
 struct MempoolIdHash {
   size_t operator()(const std::pair<int, MempoolId_t>& key) const {
@@ -738,7 +638,7 @@ class VmmAllocator : public Pluggable {
   }
 
   const std::string options_;
-  History history_;
+  vmm_torch::History history_;
   std::mutex mu_;  // guards what follows (never held while calling PyTorch or the GIL)
   std::vector<Route> routes_;
   std::atomic<bool> routes_empty_{true};  // routes_.empty(), for the allocation path's check
