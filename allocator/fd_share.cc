@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
@@ -12,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdio>
 #include <chrono>
@@ -67,6 +69,21 @@ constexpr size_t kMaxReply = 8 + 4 + kBatch * 4;
 using Clock = std::chrono::steady_clock;
 using fd_share_internal::kMaxConnections;
 using fd_share_internal::kRequestDeadline;
+
+// The idle deadline of the server's connections: kRequestDeadline, unless a test set another
+// (fd_share_internal::SetRequestDeadlineForTesting).
+std::atomic<int64_t> request_deadline_ms{kRequestDeadline.count()};
+std::chrono::milliseconds RequestDeadline() {
+  return std::chrono::milliseconds(request_deadline_ms.load(std::memory_order_relaxed));
+}
+
+// What this process's server has done with connections (fd_share_internal::
+// ServerConnectionCounts), counted by its serving thread.
+struct ServerCounters {
+  std::atomic<uint64_t> accepted{0};
+  std::atomic<uint64_t> evicted{0};
+};
+ServerCounters server_counts;
 
 // A reply entry: kOk, kUnknown (stale or forged token), or kDupFailed with the errno of the
 // exporter's failed dup in the upper 16 bits (its own fds ran out: EMFILE, ENFILE).
@@ -407,6 +424,8 @@ class FdServer::Impl {
  public:
   // Starts listening; on failure the server stays unusable and Register() says why.
   Impl() : pid_(static_cast<uint32_t>(getpid())) {
+    server_counts.accepted.store(0, std::memory_order_relaxed);  // not the forked parent's
+    server_counts.evicted.store(0, std::memory_order_relaxed);
     RandomBytes(reinterpret_cast<uint8_t*>(&server_id_), sizeof(server_id_));
     start_ = Start();
   }
@@ -500,10 +519,16 @@ class FdServer::Impl {
     std::array<uint8_t, 16> nonce;
   };
 
-  // One client connection: its socket and when its next request must have arrived.
+  // One client connection: its socket, when its next request must have arrived, and, while it
+  // may be closed to make room for a waiting client, since when it has been idle.
   struct Connection {
     UniqueFd fd;
     Clock::time_point deadline;
+    // Set when its last reply answered a fetch: importers keep such a connection for their
+    // next fetch and reconnect when they find it closed (fd_share.cc's ConnectionCache). Unset
+    // while it has not been answered (its first request may be on its way) and after an ack or
+    // report (those clients do not reconnect).
+    std::optional<Clock::time_point> idle_since;
   };
 
   // When to try accept4 again after it failed for want of fds, buffers or memory (or for an
@@ -558,7 +583,8 @@ class FdServer::Impl {
   }
 
   // The serving loop, for the life of the process; nothing ends it. One thread polls the
-  // listening socket (while below kMaxConnections and not backing off), the wake-up eventfd
+  // listening socket (while not backing off, and below kMaxConnections or with a connection
+  // that may be closed to make room: AcceptPending), the wake-up eventfd
   // and every connection, answers each request as it arrives and closes connections that hang
   // up, fail, send what is not a request, or miss their deadline. Only poll blocks, so no
   // client delays another. While the send ledger holds anything, poll waits at most until
@@ -575,7 +601,8 @@ class FdServer::Impl {
       const int ledger_timeout = LedgerTimeout(ledger.NextDeadline());
       Clock::time_point now = Clock::now();
       CloseLate(&conns, now);
-      const bool accepting = conns.size() < kMaxConnections && backoff.Ready(now);
+      const bool accepting =
+          backoff.Ready(now) && (conns.size() < kMaxConnections || AnyEvictable(conns));
       polled.clear();
       polled.push_back(pollfd{accepting ? listen_.get() : -1, POLLIN, 0});  // -1: skipped
       polled.push_back(pollfd{wake_.get(), POLLIN, 0});
@@ -643,11 +670,16 @@ class FdServer::Impl {
     return static_cast<int>(std::max<int64_t>(0, ms));
   }
 
-  // Accepts waiting connections while below the cap. EINTR and ECONNABORTED retry at once;
-  // any other failure (EMFILE, ENFILE, ENOBUFS, ENOMEM, or unexpected) pauses accepting
-  // (AcceptBackoff) and leaves the connection waiting in the backlog.
+  // Accepts waiting connections. At the cap, a client that waits gets the place of the
+  // connection idle longest after a fetch (CloseLongestIdle); with none, it waits in the
+  // backlog until a connection closes. EINTR and ECONNABORTED retry at once; any other failure
+  // (EMFILE, ENFILE, ENOBUFS, ENOMEM, or unexpected) pauses accepting (AcceptBackoff) and
+  // leaves the connection waiting in the backlog.
   void AcceptPending(std::vector<Connection>* conns, AcceptBackoff* backoff) {
-    while (conns->size() < kMaxConnections) {
+    for (;;) {
+      if (conns->size() >= kMaxConnections && (!ClientWaiting() || !CloseLongestIdle(conns))) {
+        return;
+      }
       UniqueFd conn(accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
       if (!conn.valid()) {
         const int err = errno;
@@ -658,7 +690,46 @@ class FdServer::Impl {
       }
       backoff->Succeeded();
       if (!PeerAllowed(conn.get())) continue;
-      conns->push_back(Connection{std::move(conn), Clock::now() + kRequestDeadline});
+      server_counts.accepted.fetch_add(1, std::memory_order_relaxed);
+      conns->push_back(Connection{std::move(conn), Clock::now() + RequestDeadline(), {}});
+    }
+  }
+
+  // Whether some connection may be closed to make room (Connection::idle_since).
+  static bool AnyEvictable(const std::vector<Connection>& conns) {
+    return std::any_of(conns.begin(), conns.end(),
+                       [](const Connection& c) { return c.idle_since.has_value(); });
+  }
+
+  // Whether a client waits in the listen backlog.
+  bool ClientWaiting() const {
+    pollfd p{listen_.get(), POLLIN, 0};
+    return poll(&p, 1, 0) > 0 && (p.revents & POLLIN) != 0;
+  }
+
+  // Closes the connection idle longest among those that may be closed to make room and have
+  // no request waiting (one that has is no longer idle: it is skipped, and served on the next
+  // turn). False when there is none. A request that arrives just as its connection closes is
+  // lost with it: its importer finds the connection reset and reconnects.
+  static bool CloseLongestIdle(std::vector<Connection>* conns) {
+    for (;;) {
+      auto longest = conns->end();
+      for (auto it = conns->begin(); it != conns->end(); ++it) {
+        if (it->idle_since.has_value() &&
+            (longest == conns->end() || *it->idle_since < *longest->idle_since)) {
+          longest = it;
+        }
+      }
+      if (longest == conns->end()) return false;
+      pollfd p{longest->fd.get(), POLLIN, 0};
+      if (poll(&p, 1, 0) != 0) {  // a request (or its hang-up) is waiting, or poll failed
+        longest->idle_since.reset();
+        continue;
+      }
+      *longest = std::move(conns->back());
+      conns->pop_back();
+      server_counts.evicted.fetch_add(1, std::memory_order_relaxed);
+      return true;
     }
   }
 
@@ -706,7 +777,9 @@ class FdServer::Impl {
       }
       return false;
     }
-    conn.deadline = Clock::now() + kRequestDeadline;
+    const Clock::time_point answered = Clock::now();
+    conn.deadline = answered + RequestDeadline();
+    conn.idle_since = ack ? std::nullopt : std::optional<Clock::time_point>(answered);
     return true;
   }
 
@@ -881,23 +954,34 @@ absl::Status ReadReply(absl::Span<const uint8_t> reply, absl::Span<const FdToken
   return absl::OkStatus();
 }
 
-// Fetches one batch of tokens of one server over `sock`.
-absl::Status FetchBatch(int sock, absl::Span<const FdToken> tokens, size_t first_index,
-                        std::chrono::milliseconds timeout, std::vector<UniqueFd>* out) {
-  const uint32_t pid = tokens[0].pid;
+// A reply message and the fds passed with it.
+struct Reply {
+  std::vector<uint8_t> bytes;
+  std::vector<UniqueFd> fds;
+};
+
+// Sends `request` over `sock` and receives its reply; the transport only (ReadReply reads the
+// reply). Unavailable when the peer closed or reset the connection before answering (EPIPE,
+// ECONNRESET or ENOTCONN, or end of stream), DeadlineExceeded when no reply came within the
+// socket's timeout, else SocketError's and ReceiveMessage's errors.
+absl::StatusOr<Reply> Exchange(int sock, const std::vector<uint8_t>& request) {
+  VMM_RETURN_IF_ERROR(SendMessage(sock, request.data(), request.size(), {}));
+  Reply reply;
+  reply.bytes.resize(kMaxReply);
+  VMM_ASSIGN_OR_RETURN(const size_t len,
+                       ReceiveMessage(sock, reply.bytes.data(), reply.bytes.size(), &reply.fds));
+  if (len == 0) return absl::UnavailableError("end of stream");
+  reply.bytes.resize(len);
+  return reply;
+}
+
+// The fetch request for `tokens`.
+std::vector<uint8_t> FetchRequest(absl::Span<const FdToken> tokens) {
   std::vector<FdRequestEntry> entries(tokens.size());
   for (size_t i = 0; i < tokens.size(); ++i) {
     entries[i] = FdRequestEntry{tokens[i].key, tokens[i].nonce};
   }
-  const std::vector<uint8_t> request = fd_share_internal::EncodeFdRequest(entries);
-  const absl::Status sent = SendMessage(sock, request.data(), request.size(), {});
-  if (!sent.ok()) return ExchangeError(sent, pid, timeout);
-  std::vector<uint8_t> reply(kMaxReply);
-  std::vector<UniqueFd> fds;
-  const absl::StatusOr<size_t> len = ReceiveMessage(sock, reply.data(), reply.size(), &fds);
-  if (!len.ok()) return ExchangeError(len.status(), pid, timeout);
-  if (*len == 0) return ExchangeError(absl::UnavailableError("end of stream"), pid, timeout);
-  return ReadReply(absl::MakeConstSpan(reply.data(), *len), tokens, first_index, pid, fds, out);
+  return fd_share_internal::EncodeFdRequest(entries);
 }
 
 // A socket connected to the fd server of process `pid` with id `server_id`, with `timeout`
@@ -921,6 +1005,143 @@ absl::StatusOr<UniqueFd> ConnectToServer(uint32_t pid, uint64_t server_id,
   return sock;
 }
 
+// Connected sockets to fd servers, kept between fetches so that an importer connects (and the
+// exporter accepts) once per exporter rather than once per fetch. A fetch takes a socket out
+// for its own use and puts it back once it succeeded; fetches from one server at once use
+// sockets of their own. At most kMaxCached are kept (beyond that the least recently used is
+// closed), so a process holds at most that many fds for them, and a server at its connection
+// cap may close one that idles (the fetch that finds it closed reconnects). Sockets are not
+// shared with a fork()ed child: the lock is held across fork() (pthread_atfork), so the child
+// never finds it held, and the child closes its copies at once. Thread safe.
+class ConnectionCache {
+ public:
+  static constexpr size_t kMaxCached = 8;
+
+  static ConnectionCache& Get() {
+    static auto* cache = new ConnectionCache();  // never destroyed: fetches may run at exit
+    return *cache;
+  }
+
+  // A kept socket to the server of process `pid` with id `server_id` (the one used last),
+  // with `timeout` for sending and receiving on it; an invalid fd when none is kept.
+  UniqueFd Take(uint32_t pid, uint64_t server_id, std::chrono::milliseconds timeout) {
+    UniqueFd sock;
+    std::chrono::milliseconds had{0};
+    {
+      MutexLock lock(&mu_);
+      auto newest = entries_.end();
+      for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+        if (it->pid == pid && it->server_id == server_id &&
+            (newest == entries_.end() || it->last_used > newest->last_used)) {
+          newest = it;
+        }
+      }
+      if (newest == entries_.end()) return sock;
+      sock = std::move(newest->sock);
+      had = newest->timeout;
+      *newest = std::move(entries_.back());
+      entries_.pop_back();
+    }
+    if (had != timeout) SetTimeouts(sock.get(), timeout);
+    return sock;
+  }
+
+  // Keeps `sock`, connected to that server with `timeout` set, for a later fetch; closes the
+  // socket used least recently when that makes more than kMaxCached.
+  void Put(uint32_t pid, uint64_t server_id, std::chrono::milliseconds timeout, UniqueFd sock) {
+    UniqueFd evicted;  // closed once the lock is released
+    MutexLock lock(&mu_);
+    if (entries_.size() >= kMaxCached) {
+      auto oldest = std::min_element(
+          entries_.begin(), entries_.end(),
+          [](const Entry& a, const Entry& b) { return a.last_used < b.last_used; });
+      evicted = std::move(oldest->sock);
+      *oldest = std::move(entries_.back());
+      entries_.pop_back();
+    }
+    entries_.push_back(Entry{pid, server_id, timeout, ++uses_, std::move(sock)});
+  }
+
+  // Sockets kept now.
+  size_t size() {
+    MutexLock lock(&mu_);
+    return entries_.size();
+  }
+
+ private:
+  struct Entry {
+    uint32_t pid;
+    uint64_t server_id;
+    std::chrono::milliseconds timeout;  // set on the socket
+    uint64_t last_used;                 // uses_ when it was put back
+    UniqueFd sock;
+  };
+
+  ConnectionCache() { pthread_atfork(&LockForFork, &UnlockInParent, &ForgetInChild); }
+
+  // The pthread_atfork handlers: the lock is held from before fork() to after it, in both
+  // processes.
+  static void LockForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Get().mu_.Lock(); }
+  static void UnlockInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS { Get().mu_.Unlock(); }
+  // The parent's connections are the parent's (a request of the child on one would mix with
+  // the parent's), so the child closes its copies.
+  static void ForgetInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    ConnectionCache& cache = Get();
+    cache.entries_.clear();
+    cache.mu_.Unlock();
+  }
+
+  Mutex mu_;
+  std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
+  uint64_t uses_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// Whether an exchange failed because the peer closed or reset the connection (Exchange's
+// Unavailable).
+bool PeerClosed(const absl::Status& exchange) {
+  return exchange.code() == absl::StatusCode::kUnavailable;
+}
+
+// Fetches `tokens`, all of one server (the first is token `first_index` of the fetch), into
+// `out`, one request per kBatch tokens, over a kept connection when there is one
+// (ConnectionCache), kept again once all succeeded. The server closes connections that idle
+// (past its deadline, or to make room for another client), so when a connection that has
+// answered before (a kept one, or one of this fetch) is found closed, the fetch goes on once
+// on a new connection (fetching is idempotent). A new connection closed before any answer is
+// the exporter's refusal or exit, and fails. Errors as FetchFds.
+absl::Status FetchFromServer(absl::Span<const FdToken> tokens, size_t first_index,
+                             std::chrono::milliseconds timeout, std::vector<UniqueFd>* out) {
+  const uint32_t pid = tokens[0].pid;
+  const uint64_t server_id = tokens[0].server_id;
+  ConnectionCache& cache = ConnectionCache::Get();
+  UniqueFd sock = cache.Take(pid, server_id, timeout);
+  bool answered_before = sock.valid();
+  bool reconnected = false;
+  for (size_t b = 0; b < tokens.size();) {
+    if (!sock.valid()) {
+      VMM_ASSIGN_OR_RETURN(sock, ConnectToServer(pid, server_id, timeout));
+      answered_before = false;
+    }
+    const size_t n = std::min(kBatch, tokens.size() - b);
+    absl::StatusOr<Reply> reply = Exchange(sock.get(), FetchRequest(tokens.subspan(b, n)));
+    if (!reply.ok()) {
+      if (PeerClosed(reply.status()) && answered_before && !reconnected) {
+        reconnected = true;
+        sock.reset();
+        continue;
+      }
+      return RefusedOrCause(pid, ExchangeError(reply.status(), pid, timeout));
+    }
+    VMM_RETURN_IF_ERROR(RefusedOrCause(
+        pid, ReadReply(reply->bytes, tokens.subspan(b, n), first_index + b, pid, reply->fds,
+                       out)));
+    answered_before = true;
+    b += n;
+  }
+  cache.Put(pid, server_id, timeout, std::move(sock));
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> tokens,
                                                     std::chrono::milliseconds timeout) {
   std::vector<UniqueFd> out;
@@ -931,13 +1152,8 @@ absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> to
            tokens[end].server_id == tokens[start].server_id) {
       ++end;
     }
-    VMM_ASSIGN_OR_RETURN(UniqueFd sock,
-                         ConnectToServer(tokens[start].pid, tokens[start].server_id, timeout));
-    for (size_t b = start; b < end; b += kBatch) {
-      const size_t n = std::min(kBatch, end - b);
-      VMM_RETURN_IF_ERROR(RefusedOrCause(
-          tokens[start].pid, FetchBatch(sock.get(), tokens.subspan(b, n), b, timeout, &out)));
-    }
+    VMM_RETURN_IF_ERROR(
+        FetchFromServer(tokens.subspan(start, end - start), start, timeout, &out));
     start = end;
   }
   return out;
@@ -1078,6 +1294,17 @@ absl::StatusOr<std::vector<bool>> fd_share_internal::AckBySocket(
                                      &out)));
   }
   return out;
+}
+
+fd_share_internal::ServerConnectionCounts fd_share_internal::GetServerConnectionCounts() {
+  return ServerConnectionCounts{server_counts.accepted.load(std::memory_order_relaxed),
+                                server_counts.evicted.load(std::memory_order_relaxed)};
+}
+
+size_t fd_share_internal::CachedConnections() { return ConnectionCache::Get().size(); }
+
+void fd_share_internal::SetRequestDeadlineForTesting(std::chrono::milliseconds deadline) {
+  request_deadline_ms.store(deadline.count(), std::memory_order_relaxed);
 }
 
 int FdServer::LookupLocal(const FdToken& token, int* err) {

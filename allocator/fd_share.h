@@ -66,7 +66,8 @@ enum class FdFetch { kSocket, kPidfd };
 
 // The process's server of registered fds (a thread, started on first use, restarted in a
 // forked child). It serves every connection at once from one poll loop, closes a connection
-// that sends no request within 2 s, and keeps serving when accept fails for want of fds
+// that sends no request within 2 s, closes the one idle longest after a fetch when all 32 are
+// open and another client waits, and keeps serving when accept fails for want of fds
 // (fd_share_internal.h has its limits and wire format). It also answers the acks of the send
 // ledger (send_ledger.h) and, while the ledger holds anything, wakes at least once a second to
 // end the holds whose lease is over; it calls the ledger with none of its own locks held.
@@ -111,7 +112,9 @@ class FdServer {
 // could not duplicate the fd for lack of its own fds: the message says which),
 // DeadlineExceeded (the exporter did not answer within 10 s), NotFound (stale or forged token),
 // PermissionDenied (the exporter runs as another user and refused), or the system call's
-// error; those of the socket name the exporter's pid.
+// error; those of the socket name the exporter's pid. The connection to an exporter is kept
+// for later fetches (a few exporters' at most, never shared with a fork()ed child); one that
+// the exporter has closed meanwhile is replaced by a new one, once per fetch.
 absl::StatusOr<std::vector<UniqueFd>> FetchFds(absl::Span<const FdToken> tokens,
                                                FdFetch how = FdFetch::kSocket);
 

@@ -56,7 +56,11 @@ struct FdRequestEntry {
 
 // The server's limits: a connection is closed when no request arrives within
 // kRequestDeadline of its accept or of its last reply, and at most kMaxConnections are open at
-// once (later clients wait in the listen backlog until one closes).
+// once. Importers keep their connections between fetches (FetchFds), so when all are open and
+// a client waits, the connection idle longest since its last reply to a fetch is closed to
+// make room (its importer reconnects when it next fetches); with none such, later clients wait
+// in the listen backlog until one closes. A connection not answered yet, or whose last request
+// was an ack or report, is never closed for another.
 inline constexpr std::chrono::milliseconds kRequestDeadline = std::chrono::seconds(2);
 inline constexpr size_t kMaxConnections = 32;
 
@@ -118,6 +122,21 @@ absl::StatusOr<std::vector<bool>> AckBySocket(uint32_t pid, uint64_t server_id,
                                               absl::Span<const FdRequestEntry> entries,
                                               std::chrono::milliseconds timeout,
                                               SendReport report = SendReport::kImported);
+
+// What this process's fd server has done with connections since it started (tests): accepted
+// them, and closed them to make room for a waiting client.
+struct ServerConnectionCounts {
+  uint64_t accepted = 0;
+  uint64_t evicted = 0;
+};
+ServerConnectionCounts GetServerConnectionCounts();
+
+// How many connections to fd servers this process keeps for later fetches (tests).
+size_t CachedConnections();
+
+// Makes this process's fd server close connections that idle for `deadline` (instead of
+// kRequestDeadline) from their next accept or reply on (tests).
+void SetRequestDeadlineForTesting(std::chrono::milliseconds deadline);
 
 // Fills `out` with `n` random bytes (getrandom; a weaker source, with an error logged, if it
 // fails): the nonces of fds and holds, and server ids.

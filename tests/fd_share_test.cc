@@ -1,9 +1,10 @@
 // The fd server under hostile and unlucky clients, in this process over loopback Unix sockets:
 // accept failing for lack of fds, idle and slow clients, malformed requests (fetches and acks),
 // the connection cap; the importer's errors when a server never answers or hangs up; the
-// token's kinds and the ack request's encoding. Each test is bounded
-// (a few seconds at most); the server's limits are fd_share_internal::kRequestDeadline and
-// kMaxConnections.
+// token's kinds and the ack request's encoding; the importer's kept connections, with this
+// program run as an exporter in a process of its own (FdExporterHelper.Serve). Each test is
+// bounded (a few seconds at most); the server's limits are fd_share_internal::kRequestDeadline
+// and kMaxConnections.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
@@ -18,10 +19,14 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <iostream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/fd_share.h"
 #include "allocator/fd_share_internal.h"
@@ -30,6 +35,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
+#include "tests/subprocess.h"
 
 namespace vmm {
 namespace {
@@ -290,6 +296,8 @@ TEST(FdServerTest, AnIdleConnectionIsClosedAfterTheRequestDeadline) {
   FdServer::Get().Unregister(token.key);
 }
 
+// Connections that were never answered are not closed to make room (their first request may
+// be on its way): a client beyond the cap waits for their deadline.
 TEST(FdServerTest, BeyondTheConnectionCapClientsWaitForAFreeSlot) {
   const FdToken token = RegisterMarked(15);
   std::vector<RawClient> idle;
@@ -587,6 +595,183 @@ TEST(FdServerTest, RekeyGivesTheSameFileANewTokenAndTheOldOneGoesStale) {
   FdServer::Get().Unregister(third.key);
   EXPECT_EQ(FdServer::Get().size(), registered - 1);
   EXPECT_THAT(FetchFds({third}), StatusIs(absl::StatusCode::kNotFound));
+}
+
+// --- Kept connections, with an exporter in a process of its own ------------------------------
+
+// Run in a process of its own by Exporter (with FD_SHARE_TEST_EXPORTER set): registers an fd
+// holding kExportedMarker, prints its token, then answers each line of its input with the
+// counts of its server, until its input ends. FD_SHARE_TEST_DEADLINE_MS sets the server's idle
+// deadline.
+constexpr uint8_t kExportedMarker = 42;
+
+TEST(FdExporterHelper, Serve) {
+  if (std::getenv("FD_SHARE_TEST_EXPORTER") == nullptr) GTEST_SKIP();
+  int deadline_ms = 0;
+  const char* deadline = std::getenv("FD_SHARE_TEST_DEADLINE_MS");
+  if (deadline != nullptr && absl::SimpleAtoi(deadline, &deadline_ms)) {
+    fd_share_internal::SetRequestDeadlineForTesting(milliseconds(deadline_ms));
+  }
+  const FdToken token = RegisterMarked(kExportedMarker);
+  const std::array<uint8_t, 64> bytes = token.Encode();
+  std::printf("token=%s\n", absl::BytesToHexString(absl::string_view(
+                                reinterpret_cast<const char*>(bytes.data()), bytes.size()))
+                                .c_str());
+  std::fflush(stdout);
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    const fd_share_internal::ServerConnectionCounts counts =
+        fd_share_internal::GetServerConnectionCounts();
+    std::printf("accepted=%llu evicted=%llu\n",
+                static_cast<unsigned long long>(counts.accepted),
+                static_cast<unsigned long long>(counts.evicted));
+    std::fflush(stdout);
+  }
+}
+
+// This test program as an exporter of one fd (FdExporterHelper.Serve) in a process of its own.
+class Exporter {
+ public:
+  explicit Exporter(milliseconds deadline = fd_share_internal::kRequestDeadline)
+      : process_({"/proc/self/exe", "--gtest_filter=FdExporterHelper.Serve"},
+                 {"FD_SHARE_TEST_EXPORTER=1",
+                  absl::StrCat("FD_SHARE_TEST_DEADLINE_MS=", deadline.count()),
+                  "GTEST_OUTPUT=", "TEST_PREMATURE_EXIT_FILE="}) {
+    EXPECT_TRUE(process_.started());
+    const std::string line = LineStartingWith("token=");
+    const std::string bytes = absl::HexStringToBytes(line.substr(line.find('=') + 1));
+    absl::StatusOr<FdToken> token = FdToken::Decode(
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+    EXPECT_OK(token);
+    if (token.ok()) token_ = *token;
+  }
+
+  const FdToken& token() const { return token_; }
+
+  // The counts of its server now.
+  fd_share_internal::ServerConnectionCounts Counts() {
+    process_.WriteLine("counts");
+    const std::string line = LineStartingWith("accepted=");
+    fd_share_internal::ServerConnectionCounts counts;
+    unsigned long long accepted = 0, evicted = 0;
+    EXPECT_EQ(std::sscanf(line.c_str(), "accepted=%llu evicted=%llu", &accepted, &evicted), 2)
+        << line;
+    counts.accepted = accepted;
+    counts.evicted = evicted;
+    return counts;
+  }
+
+  // Ends it (its input ends); its exit code.
+  int Exit() {
+    process_.CloseInput();
+    process_.ReadAll();
+    return process_.Wait();
+  }
+
+ private:
+  // Its next line of output that starts with `prefix` (gtest's lines come between); "" at
+  // the end of its output.
+  std::string LineStartingWith(const std::string& prefix) {
+    for (std::string line = process_.ReadLine(); !line.empty(); line = process_.ReadLine()) {
+      if (absl::StartsWith(line, prefix)) return line;
+    }
+    ADD_FAILURE() << "the exporter ended without printing " << prefix;
+    return "";
+  }
+
+  Subprocess process_;
+  FdToken token_;
+};
+
+// Fetches the exporter's fd with FetchFds (over its socket: another process) and checks it.
+::testing::AssertionResult FetchesExported(const Exporter& exporter) {
+  absl::StatusOr<std::vector<UniqueFd>> fds = FetchFds({exporter.token()});
+  if (!fds.ok()) return ::testing::AssertionFailure() << fds.status();
+  if (fds->size() != 1 || FirstByte((*fds)[0]) != kExportedMarker) {
+    return ::testing::AssertionFailure() << "not the exported fd";
+  }
+  return ::testing::AssertionSuccess();
+}
+
+TEST(FdConnectionTest, ManyFetchesFromOneExporterUseOneConnection) {
+  Exporter exporter;
+  for (int i = 0; i < 200; ++i) ASSERT_TRUE(FetchesExported(exporter)) << "fetch " << i;
+  EXPECT_EQ(exporter.Counts().accepted, 1u);
+  EXPECT_EQ(exporter.Exit(), 0);
+}
+
+TEST(FdConnectionTest, AConnectionTheExporterClosedIsReplacedTransparently) {
+  Exporter exporter(/*deadline=*/milliseconds(200));
+  ASSERT_TRUE(FetchesExported(exporter));
+  const size_t kept = fd_share_internal::CachedConnections();
+  EXPECT_GE(kept, 1u);
+  std::this_thread::sleep_for(milliseconds(600));  // the exporter closes the idle connection
+  // The kept connection is found closed and replaced; the new one is kept in turn.
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(FetchesExported(exporter)) << "fetch " << i;
+  EXPECT_EQ(exporter.Counts().accepted, 2u);
+  EXPECT_EQ(fd_share_internal::CachedConnections(), kept);
+  EXPECT_EQ(exporter.Exit(), 0);
+}
+
+TEST(FdConnectionTest, AnExporterThatExitedIsUnavailableAtOnce) {
+  Exporter exporter;
+  ASSERT_TRUE(FetchesExported(exporter));
+  ASSERT_TRUE(FetchesExported(exporter));
+  EXPECT_EQ(exporter.Counts().accepted, 1u);
+  const size_t kept = fd_share_internal::CachedConnections();
+  ASSERT_EQ(exporter.Exit(), 0);
+  // The kept connection is found closed, and a new one finds no server: no waiting, no retry.
+  const Clock::time_point start = Clock::now();
+  EXPECT_THAT(FetchFds({exporter.token()}),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));
+  EXPECT_LT(Clock::now() - start, milliseconds(500));
+  EXPECT_EQ(fd_share_internal::CachedConnections(), kept - 1) << "its socket is closed";
+  EXPECT_THAT(FetchFds({exporter.token()}),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));
+}
+
+TEST(FdConnectionTest, AForkedChildUsesConnectionsOfItsOwn) {
+  Exporter exporter;
+  ASSERT_TRUE(FetchesExported(exporter));
+  ASSERT_GE(fd_share_internal::CachedConnections(), 1u);
+  const int code = InForkedChild([&] {
+    if (fd_share_internal::CachedConnections() != 0) return 1;  // the parent's, closed
+    if (!FetchesExported(exporter)) return 2;
+    if (!FetchesExported(exporter)) return 3;
+    return 0;
+  });
+  EXPECT_EQ(code, 0);
+  // The child connected once; the parent's connection is still its own, and still works.
+  EXPECT_EQ(exporter.Counts().accepted, 2u);
+  ASSERT_TRUE(FetchesExported(exporter));
+  EXPECT_EQ(exporter.Counts().accepted, 2u);
+  EXPECT_EQ(exporter.Exit(), 0);
+}
+
+TEST(FdConnectionTest, BeyondTheConnectionCapTheLongestIdleConnectionMakesRoom) {
+  Exporter exporter;
+  const FdToken& token = exporter.token();
+  // Clients that fetched once and keep their connections, as importers do.
+  std::vector<RawClient> idle;
+  idle.reserve(fd_share_internal::kMaxConnections);
+  for (size_t i = 0; i < fd_share_internal::kMaxConnections; ++i) {
+    idle.emplace_back(token);
+    ASSERT_TRUE(idle.back().Connect());
+    ASSERT_TRUE(idle.back().Send(fd_share_internal::EncodeFdRequest({EntryOf(token)})));
+    ASSERT_TRUE(IsOkReply(idle.back().Receive(milliseconds(2000))));
+  }
+  const Clock::time_point start = Clock::now();
+  ASSERT_TRUE(FetchesExported(exporter));
+  EXPECT_LT(Clock::now() - start, milliseconds(500)) << "well within the idle deadline";
+  const fd_share_internal::ServerConnectionCounts counts = exporter.Counts();
+  EXPECT_EQ(counts.accepted, fd_share_internal::kMaxConnections + 1);
+  EXPECT_EQ(counts.evicted, 1u);
+  // The one idle longest was closed; the others are still served.
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> closed, idle.front().Receive(milliseconds(500)));
+  EXPECT_TRUE(closed.empty());
+  ASSERT_TRUE(idle.back().Send(fd_share_internal::EncodeFdRequest({EntryOf(token)})));
+  EXPECT_TRUE(IsOkReply(idle.back().Receive(milliseconds(2000))));
+  EXPECT_EQ(exporter.Exit(), 0);
 }
 
 // The highest fd open in this process.
