@@ -319,6 +319,7 @@ absl::Status Pool::FreeInUse(Block* block) {
 }
 
 absl::Status Pool::ApplyReleaseThreshold() {
+  if (keep_memory_) return absl::OkStatus();  // it would release nothing
   const int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
                          pending_bytes_ - retired_bytes_;
   if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
@@ -415,6 +416,8 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
 }
 
 absl::Status Pool::ReleaseChunk(uintptr_t addr) {
+  // Callers check keep_memory_ first; a release that got here anyway fails CheckInvariants.
+  if (ABSL_PREDICT_FALSE(keep_memory_)) ++released_while_kept_;
   VMM_ASSIGN_OR_RETURN(const Chunk chunk, chunks_.Release(addr, stats_));
   ArenaOf(addr).MakeGap(addr, chunk.size);
   ++stats_.num_device_free;
@@ -426,6 +429,7 @@ absl::Status Pool::ReleaseChunk(uintptr_t addr) {
 }
 
 absl::Status Pool::ReleaseFreeChunks(bool any_stream, size_t target) {
+  if (keep_memory_) return absl::OkStatus();
   size_t released = 0;
   for (Arena* arena : {&small_, &large_}) {
     std::vector<uintptr_t> doomed;
@@ -487,6 +491,8 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
       doomed.push_back(c->first);
     }
   }
+  // Kept memory: the doomed chunks stay retired (parked) until the pool stops keeping it.
+  if (keep_memory_) return absl::OkStatus();
   for (uintptr_t chunk : doomed) VMM_RETURN_IF_ERROR(ReleaseChunk(chunk));
   return absl::OkStatus();
 }
@@ -518,8 +524,11 @@ Block* Pool::TakeSpareChunk(size_t n, Stream stream) {
 }
 
 absl::Status Pool::ReleaseKeptExports() {
-  VMM_RETURN_IF_ERROR(ReleaseSpareChunks());
-  return ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true);
+  if (keep_memory_) return absl::OkStatus();
+  // Retired chunks first: one that this pass makes spare goes with the spare ones.
+  VMM_RETURN_IF_ERROR(
+      ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true));
+  return ReleaseSpareChunks();
 }
 
 absl::Status Pool::ReleaseSpareChunks() {
@@ -589,6 +598,94 @@ absl::Status Pool::EmptyCache() {
 void Pool::SetMemoryLimit(size_t bytes) {
   MutexLock lock(&mu_);
   memory_limit_ = bytes;
+}
+
+void Pool::SetKeepMemory(bool keep) {
+  MutexLock lock(&mu_);
+  keep_memory_ = keep;
+}
+
+bool Pool::keeps_memory() const {
+  MutexLock lock(&mu_);
+  return keep_memory_;
+}
+
+absl::Status Pool::CheckAllocateAtRange(uintptr_t addr, size_t size) {
+  if (size == 0 || size % kMinBlock != 0 || addr % kMinBlock != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "allocation at ", absl::Hex(addr), " of ", size, " bytes: the address and the size must ",
+        "be multiples of ", kMinBlock, " bytes, and the size positive"));
+  }
+  if (!Contains(reinterpret_cast<const void*>(addr)) || size > base_ + reserve_size_ - addr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "allocation at ", absl::Hex(addr), " of ", size, " bytes: outside the pool's range"));
+  }
+  const Arena& arena = ArenaOf(addr);
+  if (size > arena.base() + arena.size() - addr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "allocation at ", absl::Hex(addr), " of ", size,
+        " bytes: the range crosses from the small arena into the large one"));
+  }
+  if (&ArenaFor(size) != &arena) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "allocation at ", absl::Hex(addr), " of ", size, " bytes: a block of that size lives in ",
+        "the ", &arena == &small_ ? "large" : "small", " arena (small_size is ",
+        options_.small_size, "), not at that address"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<void*> Pool::AllocateAt(uintptr_t addr, size_t size, Stream stream) {
+  if (ABSL_PREDICT_FALSE(made_before_fork())) return ForkedError("pool");
+  MutexLock lock(&mu_);
+  VMM_RETURN_IF_ERROR(CheckAllocateAtRange(addr, size));
+  Arena& arena = ArenaOf(addr);
+  const uintptr_t end = addr + size;
+  // The free block holding the whole range that `stream` may take, or null. Walks the blocks
+  // (a slow path: restoring a checkpoint).
+  auto covering = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
+    Block* b = arena.BlockContaining(addr);
+    const bool usable = b != nullptr && b->state == BlockState::kFree && b->end() >= end &&
+                        (b->stream == stream || b->stream == kAnyStream);
+    return usable ? b : nullptr;
+  };
+  // FailedPrecondition if anything in the range is neither free nor freed while streams still
+  // use it (allocated, retired, unmapped).
+  auto check_free = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
+    for (const Block* b = arena.BlockContaining(addr); b != nullptr && b->addr < end;
+         b = b->next) {
+      if (b->state != BlockState::kFree && b->state != BlockState::kPendingFree) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "allocation at ", absl::Hex(addr), " of ", size, " bytes: the pool's block at ",
+            absl::Hex(b->addr), " (", b->size, " bytes) in that range is ",
+            BlockStateName(b->state), ", not free memory of the pool"));
+      }
+    }
+    return absl::OkStatus();
+  };
+  Block* block = covering();
+  if (block == nullptr) {
+    // Free space tagged for other streams, split by tags, or freed while streams still use it
+    // becomes one block that any stream may take once the device is idle (a pending block in
+    // an exported chunk retires instead: checked again).
+    VMM_RETURN_IF_ERROR(check_free());
+    VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
+    VMM_RETURN_IF_ERROR(check_free());
+    block = covering();
+    if (block == nullptr) {
+      return absl::InternalError(absl::StrCat("allocation at ", absl::Hex(addr), " of ", size,
+                                              " bytes: the free range did not coalesce"));
+    }
+  }
+  if (block->addr < addr) block = arena.Split(block, addr);
+  if (block->end() > end) arena.Split(block, end);
+  TakeBlock(arena, block, size, size, stream);
+  if (pending_blocks_ > 0) {
+    active_bytes_peak_ =
+        std::max(active_bytes_peak_, stats_.allocated_bytes.current + pending_bytes_);
+    active_peak_ = std::max(active_peak_, stats_.allocation.current + pending_blocks_);
+  }
+  return reinterpret_cast<void*>(block->addr);
 }
 
 absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisitor visit,

@@ -27,6 +27,8 @@
 // entirely free. A failing growth first releases free chunks and retries once; a real
 // out-of-memory is ResourceExhausted naming the request and summarising the pool. With a
 // release threshold, Free releases completed free chunks while more than that is cached.
+// A pool trims only itself: a failing growth never takes memory from another pool. None of
+// this happens while the pool keeps its memory (below).
 //
 // Export invariant. Exporting a block marks every chunk it spans as exported: the free space
 // in those chunks is retired at once, blocks freed there later are retired too, and a chunk is
@@ -55,6 +57,20 @@
 // memory (a parked chunk so released is not reused: its receivers' reports find it gone).
 // Only chunks that could become spare are parked: of the large arena (AllocateShareable
 // allocates there) and no larger than spare_export_bytes; others are released once free.
+//
+// Keeping memory. SetKeepMemory(true) makes the pool keep every chunk it has mapped: nothing goes
+// back to the driver (EmptyCache, the retry after a failing growth, the release threshold, a
+// memory limit, released exported chunks: ReleaseKeptExports) until SetKeepMemory(false);
+// free memory is still reused, and retired exported chunks stay mapped (parked) meanwhile.
+// What a private pool whose memory a captured CUDA graph replays into needs: the graph writes
+// to its blocks' addresses, allocated or not, whenever it is replayed. Only ~Pool releases such
+// a pool's chunks. CheckInvariants fails if a chunk was released while the pool kept its
+// memory.
+//
+// Allocating at an address. AllocateAt(addr, size) hands out exactly [addr, addr + size),
+// which must lie in free space the pool has mapped (a CUDA graph tree restoring a checkpoint
+// of the blocks a replay leaves allocated): it never grows the pool. Free blocks of the range
+// still tagged for other streams or pending frees cost a device synchronisation first.
 //
 // Export invariant, continued. The pool knows nothing of handles, fds or descriptors: Export
 // marks chunks and lets a visitor see each chunk's physical handle under the pool's lock, and
@@ -162,10 +178,24 @@ class Pool {
   absl::Status Free(void* ptr);
   // Marks the block as used by `stream` too: Free waits for that stream's work.
   absl::Status RecordStream(void* ptr, Stream stream);
-  // Synchronises the device and releases every entirely free chunk.
+  // Allocates exactly [addr, addr + size) on `stream` (file comment, "Allocating at an
+  // address"), with the accounting of Allocate (the requested size is `size`). InvalidArgument
+  // for an address or size that is not a positive multiple of 512 bytes, a range outside one
+  // arena of the pool, or a size the arena holding `addr` does not serve (up to small_size in
+  // the small arena, more in the large one: where Allocate would put it). FailedPrecondition
+  // when any byte of the range is not free space backed by the pool's chunks (allocated,
+  // retired or unmapped); then nothing changes but what a device synchronisation does (tags,
+  // finished pending frees).
+  absl::StatusOr<void*> AllocateAt(uintptr_t addr, size_t size, Stream stream);
+  // Synchronises the device and releases every entirely free chunk (none while the pool keeps
+  // its memory).
   absl::Status EmptyCache();
   // Sets the most physical bytes the pool may hold (0: no limit).
   void SetMemoryLimit(size_t bytes);
+  // Keeps every mapped chunk while `keep` (file comment, "Keeping memory"). Turning it off
+  // releases nothing by itself: EmptyCache then gives back what is free.
+  void SetKeepMemory(bool keep);
+  bool keeps_memory() const;
 
   // Marks the chunks the live block starting at `ptr` spans as exported (export invariant)
   // and calls `visit` for each, in address order, with the pool's lock held: the visitor may
@@ -211,6 +241,10 @@ class Pool {
   // not spare chunks, nor chunks exported kUntracked.
   size_t SendBytesInUse() const;
 
+  // The live blocks (allocated, or freed while streams still use them: kPendingFree) in
+  // address order. Walks every block of the pool.
+  std::vector<BlockInfo> LiveBlocks() const;
+
   PoolStats GetStats() const;
   void ResetPeakStats();
   void ResetAccumulatedStats();
@@ -247,6 +281,9 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Arena& ArenaFor(size_t rounded) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Arena& ArenaOf(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AllocateAt's argument checks (InvalidArgument).
+  absl::Status CheckAllocateAtRange(uintptr_t addr, size_t size)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The allocated block starting at `ptr`, or nullptr.
   Block* LiveBlock(const void* ptr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // LiveBlock, or InvalidArgument naming `what` (the caller's operation) when there is none.
@@ -332,6 +369,10 @@ class Pool {
   std::vector<uintptr_t> spare_ ABSL_GUARDED_BY(mu_);
   size_t spare_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t memory_limit_ ABSL_GUARDED_BY(mu_) = 0;
+  // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it
+  // was set (a path that forgot to ask), for CheckInvariants.
+  bool keep_memory_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t released_while_kept_ ABSL_GUARDED_BY(mu_) = 0;
   // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
   // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:
   // bytes and blocks freed by callers while streams still use them, their values at the

@@ -94,6 +94,7 @@ Snapshot Pool::GetSnapshot() const {
         snap.segments.emplace_back();
         seg = &snap.segments.back();
         seg->addr = b->addr;
+        seg->large = arena == &large_;
       }
       seg->size += b->size;
       seg->blocks.push_back(BlockInfo{b->addr, b->size, b->requested, b->state, b->stream});
@@ -107,6 +108,21 @@ Snapshot Pool::GetSnapshot() const {
     }
   }
   return snap;
+}
+
+std::vector<BlockInfo> Pool::LiveBlocks() const {
+  MutexLock lock(&mu_);
+  std::vector<BlockInfo> out;
+  out.reserve(small_.live().count() + large_.live().count() +
+              static_cast<size_t>(pending_blocks_));
+  for (const Arena* arena : {&small_, &large_}) {  // the small arena lies below the large one
+    for (const Block* b = arena->head(); b != nullptr; b = b->next) {
+      if (b->state == BlockState::kAllocated || b->state == BlockState::kPendingFree) {
+        out.push_back(BlockInfo{b->addr, b->size, b->requested, b->state, b->stream});
+      }
+    }
+  }
+  return out;
 }
 
 std::string Pool::Summary() const {
@@ -234,6 +250,9 @@ absl::Status Pool::CheckInvariants() const {
   if (exported != stats_.exported_bytes.current) return fail("exported_bytes");
   if (exported_count != chunks_.exported_count()) return fail("exported chunk count");
   if (retired != retired_bytes_) return fail("retired bytes");
+  if (released_while_kept_ != 0) {
+    return fail(released_while_kept_, " chunk(s) released while the pool kept its memory");
+  }
   return absl::OkStatus();
 }
 

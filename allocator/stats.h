@@ -75,6 +75,18 @@ struct Stat {
   X(num_export_reuses, "num_export_reuses",                                               \
     "exported chunks reused for a shareable block once every receiver released them")
 
+// X(name): the statistics above that PyTorch's DeviceStats (c10/core/CachingDeviceAllocator.h)
+// also keeps, under the same name (their key above is that name too). The one list of which
+// vmm statistic is which of PyTorch's: the JSON keys (stats_json.h) and the C interface's
+// vmm_torch_stats (torch_plugin/vmm_c.h) are both made from it.
+#define VMM_TORCH_STATS(X)                                                                \
+  X(allocation) X(segment) X(active) X(inactive_split) X(allocated_bytes) X(reserved_bytes) \
+  X(active_bytes) X(inactive_split_bytes) X(requested_bytes)
+
+// X(name): the counters above that PyTorch's DeviceStats also keeps, under the same name.
+#define VMM_TORCH_COUNTERS(X)                                                          \
+  X(num_alloc_retries) X(num_ooms) X(num_sync_all_streams) X(num_device_alloc) X(num_device_free)
+
 struct PoolStats {
 #define VMM_DECLARE_STAT(name, key, what) Stat name;
   VMM_BYTE_STATS(VMM_DECLARE_STAT)
@@ -89,6 +101,31 @@ struct PoolStats {
   // 1 - largest free block / cached free bytes: 0 when the cache is one block (or empty).
   double fragmentation = 0;
 };
+
+// Adds the statistics of one more pool to `total` (the statistics of several pools as one, e.g.
+// a device's): every field of a Stat and every counter is summed, so a peak is the sum of the
+// pools' peaks (at least the peak of the sum, and equal to it when one pool alone allocated);
+// largest_free_block is the largest of the pools' and fragmentation is derived again.
+inline void AddPoolStats(const PoolStats& pool, PoolStats& total) {
+  auto add = [](const Stat& s, Stat& t) {
+    t.current += s.current;
+    t.peak += s.peak;
+    t.allocated += s.allocated;
+    t.freed += s.freed;
+  };
+#define VMM_ADD_STAT(name, key, what) add(pool.name, total.name);
+  VMM_BYTE_STATS(VMM_ADD_STAT)
+  VMM_COUNT_STATS(VMM_ADD_STAT)
+#undef VMM_ADD_STAT
+#define VMM_ADD_COUNTER(name, key, what) total.name += pool.name;
+  VMM_COUNTERS(VMM_ADD_COUNTER)
+#undef VMM_ADD_COUNTER
+  total.largest_free_block = std::max(total.largest_free_block, pool.largest_free_block);
+  const int64_t free_bytes = total.inactive_split_bytes.current;
+  total.fragmentation = free_bytes == 0 ? 0.0
+                                        : 1.0 - static_cast<double>(total.largest_free_block) /
+                                                    static_cast<double>(free_bytes);
+}
 
 struct BlockInfo {
   uintptr_t addr = 0;
@@ -105,15 +142,21 @@ struct ChunkInfo {
   bool dedicated = false;
 };
 
-// A maximal run of adjacent mapped chunks, and the blocks inside it.
+// A maximal run of adjacent mapped chunks of one arena, and the blocks inside it.
 struct SegmentInfo {
   uintptr_t addr = 0;
   size_t size = 0;
   std::vector<ChunkInfo> chunks;
   std::vector<BlockInfo> blocks;
+  bool large = false;  // in the large arena (else the small one)
 };
 
 struct Snapshot {
+  // Set by whoever owns the pool, not by the pool (0 when it does not say): the process's id
+  // of the pool (torch_plugin: 0 for a device pool) and, for a private pool, PyTorch's
+  // MempoolId (TorchSnapshot's "segment_pool_id").
+  int64_t pool_id = 0;
+  uint64_t mempool_id[2] = {0, 0};
   int device = 0;
   std::string backend;
   std::string device_uuid;

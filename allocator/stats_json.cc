@@ -15,15 +15,11 @@ namespace {
 using Json = nlohmann::json;
 
 // The statistics and counters of torch.cuda.memory_stats() that vmm also keeps, by PyTorch's
-// names (CUDACachingAllocator's DeviceStats); stats.h gives each vmm field its PyTorch name.
-constexpr absl::string_view kTorchStats[] = {
-    "allocation",      "segment",        "active",       "inactive_split",
-    "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
-    "requested_bytes",
-};
-constexpr absl::string_view kTorchCounters[] = {
-    "num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free",
-};
+// names (its DeviceStats): stats.h's lists.
+#define VMM_TORCH_NAME(name) #name,
+constexpr absl::string_view kTorchStats[] = {VMM_TORCH_STATS(VMM_TORCH_NAME)};
+constexpr absl::string_view kTorchCounters[] = {VMM_TORCH_COUNTERS(VMM_TORCH_NAME)};
+#undef VMM_TORCH_NAME
 
 bool Contains(absl::Span<const absl::string_view> names, absl::string_view name) {
   return std::find(names.begin(), names.end(), name) != names.end();
@@ -54,68 +50,42 @@ void AddTorchCounter(Json& out, absl::string_view key, int64_t value) {
   out[Contains(kTorchCounters, key) ? std::string(key) : absl::StrCat("vmm.", key)] = value;
 }
 
-const char* TorchState(BlockState state) {
+const char* TorchStateName(TorchBlockState state) {
   switch (state) {
-    case BlockState::kAllocated:
+    case TorchBlockState::kActiveAllocated:
       return "active_allocated";
-    case BlockState::kPendingFree:
+    case TorchBlockState::kActivePendingFree:
       return "active_pending_free";
-    case BlockState::kUnmapped:
-    case BlockState::kFree:
-    case BlockState::kRetired:
+    case TorchBlockState::kInactive:
       break;
   }
   return "inactive";
 }
 
-bool IsActive(BlockState state) {
-  return state == BlockState::kAllocated || state == BlockState::kPendingFree;
-}
-
-// The stream all active blocks of `segment` share, else 0.
-Stream SegmentStream(const SegmentInfo& segment) {
-  bool found = false;
-  Stream stream = 0;
-  for (const BlockInfo& b : segment.blocks) {
-    if (!IsActive(b.state)) continue;
-    if (found && b.stream != stream) return 0;
-    found = true;
-    stream = b.stream;
-  }
-  return stream;
-}
-
 Json TorchBlock(const BlockInfo& block) {
-  const bool active = IsActive(block.state);
   Json out{{"address", static_cast<uint64_t>(block.addr)},
            {"size", static_cast<uint64_t>(block.size)},
-           {"requested_size", active ? static_cast<uint64_t>(block.requested) : 0},
-           {"state", TorchState(block.state)},
+           {"requested_size", TorchRequestedSize(block)},
+           {"state", TorchStateName(TorchStateOf(block.state))},
            {"frames", Json::array()}};
   if (block.state == BlockState::kRetired) out["vmm_state"] = BlockStateName(block.state);
   return out;
 }
 
-Json TorchSegment(int device, const SegmentInfo& segment) {
-  uint64_t allocated = 0, active = 0, requested = 0;
+Json TorchSegment(const Snapshot& snap, const SegmentInfo& segment) {
+  const TorchSegmentTotals totals = TorchSegmentSummary(segment);
   Json blocks = Json::array();
-  for (const BlockInfo& b : segment.blocks) {
-    if (b.state == BlockState::kAllocated) {
-      allocated += b.size;
-      requested += b.requested;
-    }
-    if (IsActive(b.state)) active += b.size;
-    blocks.push_back(TorchBlock(b));
-  }
-  return Json{{"device", device},
+  for (const BlockInfo& b : segment.blocks) blocks.push_back(TorchBlock(b));
+  return Json{{"device", snap.device},
               {"address", static_cast<uint64_t>(segment.addr)},
               {"total_size", static_cast<uint64_t>(segment.size)},
-              {"allocated_size", allocated},
-              {"active_size", active},
-              {"requested_size", requested},
-              {"stream", static_cast<uint64_t>(SegmentStream(segment))},
-              {"segment_type", "large"},
-              {"segment_pool_id", Json::array({0, 0})},
+              {"allocated_size", totals.allocated},
+              {"active_size", totals.active},
+              {"requested_size", totals.requested},
+              {"stream", static_cast<uint64_t>(totals.stream)},
+              {"segment_type", segment.large ? "large" : "small"},
+              {"segment_pool_id", Json::array({snap.mempool_id[0], snap.mempool_id[1]})},
+              {"vmm_pool", snap.pool_id},
               {"is_expandable", true},
               {"frames", Json::array()},
               {"blocks", std::move(blocks)}};
@@ -154,6 +124,46 @@ Json SegmentJson(const SegmentInfo& segment) {
 
 }  // namespace
 
+TorchBlockState TorchStateOf(BlockState state) {
+  switch (state) {
+    case BlockState::kAllocated:
+      return TorchBlockState::kActiveAllocated;
+    case BlockState::kPendingFree:
+      return TorchBlockState::kActivePendingFree;
+    case BlockState::kUnmapped:
+    case BlockState::kFree:
+    case BlockState::kRetired:
+      break;
+  }
+  return TorchBlockState::kInactive;
+}
+
+uint64_t TorchRequestedSize(const BlockInfo& block) {
+  return TorchStateOf(block.state) != TorchBlockState::kInactive
+             ? static_cast<uint64_t>(block.requested)
+             : 0;
+}
+
+TorchSegmentTotals TorchSegmentSummary(const SegmentInfo& segment) {
+  TorchSegmentTotals out;
+  bool found = false;
+  bool one_stream = true;
+  for (const BlockInfo& b : segment.blocks) {
+    const TorchBlockState state = TorchStateOf(b.state);
+    if (state == TorchBlockState::kInactive) continue;
+    if (state == TorchBlockState::kActiveAllocated) {
+      out.allocated += b.size;
+      out.requested += b.requested;
+    }
+    out.active += b.size;
+    if (found && b.stream != out.stream) one_stream = false;
+    found = true;
+    out.stream = b.stream;
+  }
+  if (!one_stream) out.stream = 0;
+  return out;
+}
+
 Json StatsToJson(const PoolStats& stats) {
   Json out = Json::object();
 #define VMM_STAT_TO_JSON(name, key, what) out[#name] = StatJson(stats.name);
@@ -187,7 +197,7 @@ Json TorchSnapshot(const std::vector<Snapshot>& snapshots) {
   int devices = 0;
   for (const Snapshot& snap : snapshots) {
     devices = std::max(devices, snap.device + 1);
-    for (const SegmentInfo& seg : snap.segments) segments.push_back(TorchSegment(snap.device, seg));
+    for (const SegmentInfo& seg : snap.segments) segments.push_back(TorchSegment(snap, seg));
   }
   Json traces = Json::array();
   for (int d = 0; d < devices; ++d) traces.push_back(Json::array());
@@ -198,6 +208,7 @@ Json SnapshotToJson(const Snapshot& snapshot) {
   Json segments = Json::array();
   for (const SegmentInfo& seg : snapshot.segments) segments.push_back(SegmentJson(seg));
   return Json{{"device", snapshot.device},
+              {"pool", snapshot.pool_id},
               {"backend", snapshot.backend},
               {"device_uuid", snapshot.device_uuid},
               {"reserved",

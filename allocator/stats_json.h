@@ -11,10 +11,11 @@
 //
 // TorchMemoryStats(stats): the flat dict of torch.cuda.memory_stats(), for code and dashboards
 // written against PyTorch:
-//   - a statistic whose key is one of PyTorch's (allocation, segment, active, inactive_split,
-//     allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes)
-//     becomes "KEY.all.current", "KEY.all.peak", "KEY.all.allocated" and "KEY.all.freed";
-//   - a counter whose key is one of PyTorch's (num_alloc_retries, num_ooms,
+//   - a statistic whose key is one of PyTorch's (stats.h's VMM_TORCH_STATS: allocation,
+//     segment, active, inactive_split, allocated_bytes, reserved_bytes, active_bytes,
+//     inactive_split_bytes, requested_bytes) becomes "KEY.all.current", "KEY.all.peak",
+//     "KEY.all.allocated" and "KEY.all.freed";
+//   - a counter whose key is one of PyTorch's (VMM_TORCH_COUNTERS: num_alloc_retries, num_ooms,
 //     num_sync_all_streams, num_device_alloc, num_device_free) becomes "KEY";
 //   - everything else is vmm's own and is prefixed "vmm.": "vmm.exported_bytes.current",
 //     "vmm.driver_calls.create", "vmm.num_exports", "vmm.largest_free_block" and
@@ -23,6 +24,8 @@
 //   statistics for both of its arenas, and splitting it would invent numbers. Code that reads
 //   PyTorch's pool splits must treat them as absent. PyTorch's "max_split_size",
 //   "oversize_allocations.*" and "oversize_segments.*" have no vmm counterpart and are absent.
+//   (The C interface's vmm_torch_stats, made from the same lists, fills PyTorch's struct
+//   instead: see torch_plugin/vmm_c.h.)
 //   Where the meanings differ slightly: "segment" counts physical chunks (cuMemCreate
 //   allocations, PyTorch's cudaMalloc segments); "inactive_split(_bytes)" counts every cached
 //   free block (PyTorch counts only the free parts of partly used segments);
@@ -33,14 +36,15 @@
 // memory visualizer render vmm's pool:
 //   {"segments": [{"device", "address", "total_size", "allocated_size", "active_size",
 //                  "requested_size", "stream", "segment_type", "segment_pool_id",
-//                  "is_expandable", "frames", "blocks": [{"address", "size",
+//                  "vmm_pool", "is_expandable", "frames", "blocks": [{"address", "size",
 //                  "requested_size", "state", "frames"}, ...]}, ...],
 //    "device_traces": [[], ...]}
-//   - A segment is a maximal run of mapped chunks (SegmentInfo); its blocks tile it, so their
-//     sizes add up to "total_size". Segments grow and shrink by mapping, as PyTorch's
-//     expandable segments do: "is_expandable" is true. "segment_type" is always "large" (the
-//     snapshot does not say which arena a segment is in); "segment_pool_id" is [0, 0] (the
-//     default pool).
+//   - A segment is a maximal run of mapped chunks of one arena (SegmentInfo); its blocks tile
+//     it, so their sizes add up to "total_size". Segments grow and shrink by mapping, as
+//     PyTorch's expandable segments do: "is_expandable" is true. "segment_type" is "small" in
+//     the small arena and "large" in the large one; "segment_pool_id" is the Snapshot's
+//     mempool_id ([0, 0], the default pool, unless its owner named a private pool) and
+//     "vmm_pool" its pool_id.
 //   - "stream" is the stream of the segment's allocated and pending blocks when they all
 //     share one, else 0: a vmm segment belongs to no single stream.
 //   - Block states: kAllocated -> "active_allocated"; kPendingFree -> "active_pending_free";
@@ -53,9 +57,13 @@
 //   - vmm records no allocation history: "frames" are empty and "device_traces" holds one
 //     empty list per device index up to the largest one given.
 //
-// SnapshotToJson(snapshot): vmm's own snapshot: the reserved range, granularity, backend and
-// device UUID, and each segment with its chunks (address, size, exported, dedicated) and blocks
-// (address, size, requested, state as BlockStateName() spells it, stream). A cached block that
+// TorchStateOf, TorchRequestedSize and TorchSegmentSummary are those rules, for the other form
+// of the same snapshot (the C interface's vmm_snapshot_get).
+//
+// SnapshotToJson(snapshot): vmm's own snapshot: its "pool" (pool_id), the reserved range,
+// granularity, backend and device UUID, and each segment with its chunks (address, size,
+// exported, dedicated) and blocks (address, size, requested, state as BlockStateName() spells
+// it, stream). A cached block that
 // every stream may take has "stream": null.
 //
 // Addresses, sizes and streams are JSON integers. None of these functions fails: they only
@@ -76,6 +84,20 @@ nlohmann::json StatsToJson(const PoolStats& stats);
 nlohmann::json TorchMemoryStats(const PoolStats& stats);
 
 nlohmann::json TorchSnapshot(const std::vector<Snapshot>& snapshots);
+
+// A block's state in PyTorch's snapshot.
+enum class TorchBlockState { kInactive, kActiveAllocated, kActivePendingFree };
+TorchBlockState TorchStateOf(BlockState state);
+// A block's "requested_size": the caller's size while active, else 0.
+uint64_t TorchRequestedSize(const BlockInfo& block);
+// A segment's sums and stream in PyTorch's snapshot.
+struct TorchSegmentTotals {
+  uint64_t allocated = 0;  // bytes of its active_allocated blocks
+  uint64_t active = 0;     // ... and of its active_pending_free ones
+  uint64_t requested = 0;  // bytes asked for its active_allocated blocks
+  Stream stream = 0;       // the stream its active blocks share, else 0
+};
+TorchSegmentTotals TorchSegmentSummary(const SegmentInfo& segment);
 
 nlohmann::json SnapshotToJson(const Snapshot& snapshot);
 

@@ -1022,5 +1022,226 @@ TEST_F(PoolTest, TwoDevicesWithoutPeersOnlyThePoolsDeviceHasAccess) {
   }
 }
 
+
+// --- Keeping memory (private pools) ----------------------------------------------------------
+
+TEST_F(PoolTest, AKeepingPoolReleasesNothingUntilItStops) {
+  RecordingObserver observer;
+  PoolOptions options = Exact();
+  options.release_threshold = 0;  // Free would release every free chunk at once
+  auto pool = MakePool(options, &observer);
+  pool->SetKeepMemory(true);
+  EXPECT_TRUE(pool->keeps_memory());
+  void* a = Alloc(*pool, 8 * kMiB);
+  void* small = Alloc(*pool, 1000);
+  ASSERT_OK(pool->Free(a));
+  ASSERT_OK(pool->Free(small));
+  ASSERT_OK(pool->EmptyCache());
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(8 * kMiB + 2 * kMiB));
+  EXPECT_EQ(s.num_device_free, 0);
+  // Freed memory is still reused.
+  EXPECT_EQ(Alloc(*pool, 8 * kMiB), a);
+  // An exported chunk left wholly free stays mapped (it would go at once, untracked).
+  const bool exportable = pool->handle_type() != HandleType::kNone;
+  if (exportable) {
+    ASSERT_OK(pool->Export(a).status());
+    ASSERT_OK(pool->Free(a));
+    ASSERT_OK(driver_->SynchronizeDevice(0));
+    ASSERT_OK(pool->EmptyCache());
+    EXPECT_TRUE(observer.released().empty());
+  } else {
+    ASSERT_OK(pool->Free(a));
+  }
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(10 * kMiB));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  pool->SetKeepMemory(false);
+  EXPECT_FALSE(pool->keeps_memory());
+  ASSERT_OK(pool->EmptyCache());
+  s = pool->GetStats();
+  EXPECT_EQ(s.reserved_bytes.current, 0);
+  EXPECT_EQ(s.exported_bytes.current, 0);
+  EXPECT_EQ(observer.released().size(), exportable ? 1u : 0u);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  pool.reset();
+  EXPECT_EQ(DeviceFree(), free_at_start_);
+}
+
+TEST_F(PoolTest, AKeepingPoolsFailedGrowthReleasesNothingBeforeItsRetry) {
+  for (bool keep : {false, true}) {
+    PoolOptions options = Exact();
+    options.memory_limit = 16 * kMiB;
+    auto pool = MakePool(options);
+    pool->SetKeepMemory(keep);
+    void* a = Alloc(*pool, 8 * kMiB);
+    void* b = Alloc(*pool, 4 * kMiB);
+    ASSERT_OK(pool->Free(b));
+    // 10 MiB more would pass the limit whatever is released: a retry, then out of memory.
+    EXPECT_THAT(pool->Allocate(10 * kMiB, 0).status(),
+                StatusIs(absl::StatusCode::kResourceExhausted));
+    const PoolStats s = pool->GetStats();
+    EXPECT_EQ(s.num_alloc_retries, 1);
+    EXPECT_EQ(s.num_device_free, keep ? 0 : 1) << "keep " << keep;
+    EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>((keep ? 12 : 8) * kMiB));
+    EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+    ASSERT_OK(pool->Free(a));
+  }
+}
+
+// --- Allocating at an address ----------------------------------------------------------------
+
+TEST_F(PoolTest, AllocateAtTakesAFreedBlocksExactRange) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 4 * kMiB);
+  void* b = Alloc(*pool, 4 * kMiB);
+  const auto at = reinterpret_cast<uintptr_t>(a);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(b), at + 4 * kMiB) << "one growth after the other";
+  ASSERT_OK(pool->Free(a));
+  const PoolStats before = pool->GetStats();
+  ASSERT_OK_AND_ASSIGN(void* again, pool->AllocateAt(at, 4 * kMiB, 0));
+  EXPECT_EQ(again, a);
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.allocation.current, 2);
+  EXPECT_EQ(s.allocated_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(s.requested_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(s.allocated_bytes.allocated, before.allocated_bytes.allocated + 4 * kMiB);
+  EXPECT_EQ(s.num_device_alloc, before.num_device_alloc) << "no growth";
+  EXPECT_EQ(s.driver_map, before.driver_map);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  // Allocated, partly allocated or unmapped ranges are refused, and nothing changes.
+  for (auto [addr, size] : {std::pair{at, 4 * kMiB}, std::pair{at + 2 * kMiB, 4 * kMiB},
+                            std::pair{at + 8 * kMiB, 2 * kMiB},
+                            std::pair{at + 6 * kMiB, 4 * kMiB}}) {
+    EXPECT_THAT(pool->AllocateAt(addr, size, 0).status(),
+                StatusIs(absl::StatusCode::kFailedPrecondition))
+        << absl::StrFormat("%#x + %d", addr, size);
+  }
+  EXPECT_EQ(pool->GetStats().allocation.current, 2);
+  // Misaligned or empty, outside the pool, or a size of the other arena.
+  for (auto [addr, size] : {std::pair{at + 100, 2 * kMiB}, std::pair{at, 2 * kMiB + 1},
+                            std::pair{at, size_t{0}}, std::pair{uintptr_t{512}, 2 * kMiB},
+                            std::pair{at, size_t{1024}}}) {
+    EXPECT_THAT(pool->AllocateAt(addr, size, 0).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument))
+        << absl::StrFormat("%#x + %d", addr, size);
+  }
+  ASSERT_OK(pool->Free(again));
+  ASSERT_OK(pool->Free(b));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, AllocateAtCarvesTheMiddleOfAFreeBlock) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 8 * kMiB);
+  void* small = Alloc(*pool, 1000);
+  const auto at = reinterpret_cast<uintptr_t>(a);
+  const auto small_at = reinterpret_cast<uintptr_t>(small);
+  ASSERT_OK(pool->Free(a));
+  ASSERT_OK(pool->Free(small));
+  ASSERT_OK_AND_ASSIGN(void* mid, pool->AllocateAt(at + 3 * kMiB, 2 * kMiB + 512, 0));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(mid), at + 3 * kMiB);
+  // The small arena serves small sizes at its addresses only.
+  ASSERT_OK_AND_ASSIGN(void* tiny, pool->AllocateAt(small_at + 4096, 1024, 0));
+  EXPECT_THAT(pool->AllocateAt(small_at, 2 * kMiB, 0).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  const std::vector<BlockInfo> live = pool->LiveBlocks();
+  ASSERT_EQ(live.size(), 2u);
+  EXPECT_EQ(live[0].addr, small_at + 4096);
+  EXPECT_EQ(live[0].size, 1024u);
+  EXPECT_EQ(live[1].addr, at + 3 * kMiB);
+  EXPECT_EQ(live[1].size, 2 * kMiB + 512);
+  EXPECT_EQ(live[1].requested, 2 * kMiB + 512);
+  EXPECT_EQ(live[1].state, BlockState::kAllocated);
+  // What is left on both sides is still free: Allocate finds it, and all coalesces back.
+  ASSERT_OK_AND_ASSIGN(void* below, pool->AllocateAt(at, 3 * kMiB, 0));
+  ASSERT_OK(pool->Free(below));
+  ASSERT_OK(pool->Free(mid));
+  ASSERT_OK(pool->Free(tiny));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  EXPECT_EQ(pool->GetStats().inactive_split.current, 2) << "one free block per arena";
+  EXPECT_EQ(Alloc(*pool, 8 * kMiB), a);
+  ASSERT_OK(pool->Free(a));
+}
+
+TEST_F(PoolTest, AllocateAtTakesFreeSpaceOfOtherStreamsAfterASynchronisation) {
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  void* a = Alloc(*pool, 4 * kMiB, s);
+  void* b = Alloc(*pool, 4 * kMiB, t);
+  void* c = Alloc(*pool, 4 * kMiB, t);
+  ASSERT_OK(pool->RecordStream(b, s));
+  const auto at = reinterpret_cast<uintptr_t>(a);
+  {
+    StreamGate gate(driver_, s);
+    ASSERT_OK(pool->Free(a));  // cached for s
+    ASSERT_OK(pool->Free(b));  // pending: s still uses it
+    gate.Release();
+  }
+  const int64_t syncs = pool->GetStats().num_sync_all_streams;
+  // a's space (tagged s) and b's (pending) as one block for t.
+  ASSERT_OK_AND_ASSIGN(void* ab, pool->AllocateAt(at, 8 * kMiB, t));
+  EXPECT_EQ(ab, a);
+  EXPECT_EQ(pool->GetStats().num_sync_all_streams, syncs + 1);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  const std::vector<BlockInfo> live = pool->LiveBlocks();
+  ASSERT_EQ(live.size(), 2u);
+  EXPECT_EQ(live[0].stream, t);
+  ASSERT_OK(pool->Free(ab));
+  ASSERT_OK(pool->Free(c));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  ASSERT_OK(driver_->DestroyStream(s));
+  ASSERT_OK(driver_->DestroyStream(t));
+}
+
+TEST_F(PoolTest, AllocateAtRefusesRetiredSpace) {
+  auto pool = MakePool();
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+  void* a = Alloc(*pool, 8 * kMiB);
+  ASSERT_OK(pool->Free(a));
+  a = Alloc(*pool, 2 * kMiB);
+  void* b = Alloc(*pool, 2 * kMiB);
+  ASSERT_OK(pool->Export(b).status());  // the chunk's free space retires, and a's once freed
+  ASSERT_OK(pool->Free(a));
+  ASSERT_OK(driver_->SynchronizeDevice(0));
+  EXPECT_THAT(pool->AllocateAt(reinterpret_cast<uintptr_t>(a), 2 * kMiB, 0).status(),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("retired")));
+  ASSERT_OK(pool->Free(b));
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(PoolTest, LiveBlocksListsAllocatedAndPendingBlocksInAddressOrder) {
+  auto pool = MakePool();
+  Stream t = *driver_->CreateStream(0);
+  void* small = Alloc(*pool, 700);
+  void* a = Alloc(*pool, 4 * kMiB);
+  void* b = Alloc(*pool, 4 * kMiB);
+  void* c = Alloc(*pool, 4 * kMiB);
+  ASSERT_OK(pool->Free(b));
+  ASSERT_OK(pool->RecordStream(c, t));
+  auto gate = std::make_unique<StreamGate>(driver_, t);
+  ASSERT_OK(pool->Free(c));
+  std::vector<BlockInfo> live = pool->LiveBlocks();
+  ASSERT_EQ(live.size(), 3u);
+  EXPECT_EQ(live[0].addr, reinterpret_cast<uintptr_t>(small));
+  EXPECT_EQ(live[0].requested, 700u);
+  EXPECT_EQ(live[0].size, 1024u);
+  EXPECT_EQ(live[1].addr, reinterpret_cast<uintptr_t>(a));
+  EXPECT_EQ(live[1].state, BlockState::kAllocated);
+  EXPECT_EQ(live[2].addr, reinterpret_cast<uintptr_t>(c));
+  EXPECT_EQ(live[2].state, BlockState::kPendingFree);
+  gate->Release();
+  ASSERT_OK(driver_->SynchronizeStream(t));
+  ASSERT_OK(pool->Free(small));
+  ASSERT_OK(pool->Free(a));
+  live = pool->LiveBlocks();
+  EXPECT_TRUE(live.empty() || (live.size() == 1 && live[0].state == BlockState::kPendingFree));
+  ASSERT_OK(pool->EmptyCache());  // finishes c's free
+  EXPECT_TRUE(pool->LiveBlocks().empty());
+  gate.reset();
+  ASSERT_OK(driver_->DestroyStream(t));
+}
+
 }  // namespace
 }  // namespace vmm

@@ -197,6 +197,70 @@ TEST_F(ProcessStateTest, ClosingAPoolWhileOthersAllocateIsSafe) {
   }
 }
 
+// --- Private pools -------------------------------------------------------------------------
+
+TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory) {
+  ASSERT_TRUE(state_.Configure("reserve_size=128M,release_threshold=0").ok());
+  absl::StatusOr<int64_t> id = state_.UsePrivatePool(Backend::kHost, 0, 5, 6, "");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> entry = state_.FindPool(*id);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  Pool& pool = *(*entry)->pool;
+  EXPECT_TRUE(pool.keeps_memory());
+  EXPECT_EQ(pool.GetSnapshot().reserved_size, 128 * kMiB) << "the device pools' options";
+  void* p = *state_.PoolAllocate(*id, 4 * kMiB, 0, false);
+  ASSERT_TRUE(state_.FreeBlock(p).ok());
+  EXPECT_EQ(pool.GetStats().reserved_bytes.current, static_cast<int64_t>(4 * kMiB))
+      << "release_threshold=0 releases nothing while the pool keeps its memory";
+  EXPECT_EQ(state_.ClosePool(*id).code(), absl::StatusCode::kFailedPrecondition);
+  // Tagged in snapshots, and counted in its device's stats.
+  bool tagged = false;
+  for (const Snapshot& snap : state_.Snapshots()) {
+    if (snap.pool_id != *id) continue;
+    tagged = snap.mempool_id[0] == 5 && snap.mempool_id[1] == 6;
+  }
+  EXPECT_TRUE(tagged);
+  setenv("VMM_BACKEND", "host", 1);
+  EXPECT_EQ(state_.DeviceStats(0).reserved_bytes.current, static_cast<int64_t>(4 * kMiB));
+  unsetenv("VMM_BACKEND");
+  EXPECT_EQ(state_.DevicePools(1).size(), 0u);
+  entry->reset();
+  absl::StatusOr<int> left = state_.ReleasePrivatePool(0, 5, 6);
+  ASSERT_TRUE(left.ok()) << left.status();
+  EXPECT_EQ(*left, 0);
+  EXPECT_TRUE(state_.AllPools().empty());
+  EXPECT_EQ(state_.ReleasePrivatePool(0, 5, 6).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ProcessStateTest, PrivatePoolUsesAreCountedAcrossThreads) {
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 50; ++i) {
+        const uint64_t id0 = static_cast<uint64_t>((t + i) % 3);
+        absl::StatusOr<int64_t> id =
+            state_.UsePrivatePool(Backend::kHost, 0, id0, 0, "reserve_size=64M");
+        if (!id.ok()) {
+          failures.fetch_add(1);
+          continue;
+        }
+        // Held by this use: open, and the same pool as FindPrivatePool's.
+        absl::StatusOr<void*> p = state_.PoolAllocate(*id, 64 * 1024, 0, false);
+        if (!p.ok() || state_.FindPrivatePool(0, id0, 0).value_or(-1) != *id) {
+          failures.fetch_add(1);
+        }
+        if (p.ok() && !state_.FreeBlock(*p).ok()) failures.fetch_add(1);
+        if (!state_.ReleasePrivatePool(0, id0, 0).ok()) failures.fetch_add(1);
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  for (uint64_t id0 : {0, 1, 2}) EXPECT_EQ(state_.PrivatePoolUses(0, id0, 0), 0);
+  EXPECT_TRUE(state_.AllPools().empty()) << "every private pool closed and destroyed";
+}
+
 // --- Sends ---------------------------------------------------------------------------------
 
 TEST_F(ProcessStateTest, ASentBlockIsFreedOnlyOnceItsReceiverAcknowledges) {

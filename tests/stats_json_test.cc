@@ -244,8 +244,10 @@ TEST_F(StatsJsonTest, TorchSnapshotHasPyTorchsStructure) {
     const SegmentInfo& info = snap.segments[i];
     EXPECT_EQ(seg.at("device").get<int>(), 0);
     EXPECT_EQ(seg.at("address").get<uint64_t>(), info.addr);
-    EXPECT_EQ(seg.at("segment_type"), "large");
+    EXPECT_EQ(seg.at("segment_type"), info.large ? "large" : "small");
+    EXPECT_EQ(info.large, pool_->InSmallArena(reinterpret_cast<void*>(info.addr)) == false);
     EXPECT_EQ(seg.at("segment_pool_id"), Json::array({0, 0}));
+    EXPECT_EQ(seg.at("vmm_pool").get<int64_t>(), 0);
     EXPECT_TRUE(seg.at("is_expandable").get<bool>());
     EXPECT_EQ(seg.at("frames"), Json::array());
     const Json& blocks = seg.at("blocks");
@@ -315,6 +317,24 @@ TEST(TorchSnapshotTest, ListsOneTracePerDeviceAndEveryDevicesSegments) {
   EXPECT_EQ(j.at("segments")[1].at("blocks")[0].at("state"), "inactive");
   EXPECT_EQ(TorchSnapshot({}),
             Json({{"segments", Json::array()}, {"device_traces", Json::array()}}));
+}
+
+TEST(TorchSnapshotTest, TagsSegmentsWithTheirPoolAndArena) {
+  Snapshot a;
+  a.pool_id = 7;
+  a.mempool_id[0] = 3;
+  a.mempool_id[1] = 0;
+  a.segments.push_back(SegmentInfo{0x200000, 0x200000, {}, {{0x200000, 0x200000, 0}}});
+  a.segments.push_back(SegmentInfo{0x800000, 0x200000, {}, {{0x800000, 0x200000, 0}}, true});
+  const Json j = TorchSnapshot({a});
+  ASSERT_EQ(j.at("segments").size(), 2u);
+  for (const Json& seg : j.at("segments")) {
+    EXPECT_EQ(seg.at("segment_pool_id"), Json::array({3, 0}));
+    EXPECT_EQ(seg.at("vmm_pool").get<int64_t>(), 7);
+  }
+  EXPECT_EQ(j.at("segments")[0].at("segment_type"), "small");
+  EXPECT_EQ(j.at("segments")[1].at("segment_type"), "large");
+  EXPECT_EQ(SnapshotToJson(a).at("pool").get<int64_t>(), 7);
 }
 
 // --- SnapshotToJson --------------------------------------------------------------------------

@@ -61,6 +61,11 @@ ProcessState::~ProcessState() {
   std::map<int64_t, OpenImport> imports;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> pools;
   std::vector<Pool*> abandoned;
+  std::map<PrivateKey, PrivateUse> private_pools;
+  {
+    MutexLock lock(&private_mu_);
+    private_pools.swap(private_);
+  }
   {
     MutexLock lock(&mu_);
     imports.swap(imports_);
@@ -68,6 +73,7 @@ ProcessState::~ProcessState() {
     abandoned.swap(abandoned_);
   }
   imports.clear();
+  private_pools.clear();
   pools.clear();
   for (Pool* pool : abandoned) delete pool;
   for (auto& p : device_pools_) delete p.exchange(nullptr);
@@ -96,6 +102,16 @@ absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   }
   if (pool != nullptr) return pool;
   VMM_ASSIGN_OR_RETURN(Driver * driver, DefaultDriver());
+  VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> created,
+                       CreateExportablePool(driver, DevicePoolOptions(device)));
+  if (fractions_[device] > 0) VMM_RETURN_IF_ERROR(ApplyFraction(*created, fractions_[device]));
+  pool = created.release();  // freed by the destructor (never, for the process's state)
+  device_pools_[device].store(pool, std::memory_order_release);
+  any_device_pool_ = true;
+  return pool;
+}
+
+PoolOptions ProcessState::DevicePoolOptions(int device) {
   PoolOptions options = options_;
   options.device = device;
   // peer_devices names every device that should reach each pool; a pool's own device is not
@@ -103,12 +119,7 @@ absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   options.peer_devices.erase(
       std::remove(options.peer_devices.begin(), options.peer_devices.end(), device),
       options.peer_devices.end());
-  VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> created, CreateExportablePool(driver, options));
-  if (fractions_[device] > 0) VMM_RETURN_IF_ERROR(ApplyFraction(*created, fractions_[device]));
-  pool = created.release();  // freed by the destructor (never, for the process's state)
-  device_pools_[device].store(pool, std::memory_order_release);
-  any_device_pool_ = true;
-  return pool;
+  return options;
 }
 
 void ProcessState::AbandonParentsDevicePools() {
@@ -157,16 +168,25 @@ absl::StatusOr<int64_t> ProcessState::CreatePool(Backend backend, int device,
   VMM_ASSIGN_OR_RETURN(Driver * driver, DriverFor(backend));
   options.device = device;
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
-  auto entry = std::make_shared<ExplicitPool>();
-  entry->pool = std::move(pool);
-  MutexLock lock(&mu_);
-  const int64_t id = next_id_++;
-  explicit_[id] = std::move(entry);
-  return id;
+  return Register(std::move(pool), /*is_private=*/false, 0, 0)->id;
 }
 
-absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> ProcessState::FindPool(int64_t id) {
+std::shared_ptr<ProcessState::ExplicitPool> ProcessState::Register(std::unique_ptr<Pool> pool,
+                                                                   bool is_private, uint64_t id0,
+                                                                   uint64_t id1) {
+  auto entry = std::make_shared<ExplicitPool>();
+  entry->pool = std::move(pool);
+  entry->is_private = is_private;
+  entry->mempool_id[0] = id0;
+  entry->mempool_id[1] = id1;
   MutexLock lock(&mu_);
+  entry->id = next_id_++;
+  explicit_[entry->id] = entry;
+  return entry;
+}
+
+absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> ProcessState::FindOpenLocked(
+    int64_t id) {
   auto it = explicit_.find(id);
   if (it == explicit_.end() || it->second->closed) {
     return absl::InvalidArgumentError(absl::StrCat("no open pool ", id));
@@ -174,18 +194,29 @@ absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> ProcessState::FindPo
   return it->second;
 }
 
+absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> ProcessState::FindPool(int64_t id) {
+  MutexLock lock(&mu_);
+  return FindOpenLocked(id);
+}
+
+void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
+                               std::shared_ptr<ExplicitPool>* doomed) {
+  entry->closed = true;
+  if (entry->live.load() == 0) {
+    *doomed = entry;
+    explicit_.erase(entry->id);
+  }
+}
+
 absl::Status ProcessState::ClosePool(int64_t id) {
   std::shared_ptr<ExplicitPool> doomed;  // destroys the pool outside the lock
   MutexLock lock(&mu_);
-  auto it = explicit_.find(id);
-  if (it == explicit_.end() || it->second->closed) {
-    return absl::InvalidArgumentError(absl::StrCat("no open pool ", id));
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<ExplicitPool> entry, FindOpenLocked(id));
+  if (entry->is_private) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pool ", id, " is a private pool: it closes when its last use is released"));
   }
-  it->second->closed = true;
-  if (it->second->live.load() == 0) {
-    doomed = std::move(it->second);
-    explicit_.erase(it);
-  }
+  CloseLocked(entry, &doomed);
   return absl::OkStatus();
 }
 
@@ -197,11 +228,7 @@ absl::StatusOr<void*> ProcessState::PoolAllocate(int64_t id, size_t size, Stream
   std::shared_ptr<ExplicitPool> entry;
   {
     MutexLock lock(&mu_);
-    auto it = explicit_.find(id);
-    if (it == explicit_.end() || it->second->closed) {
-      return absl::InvalidArgumentError(absl::StrCat("no open pool ", id));
-    }
-    entry = it->second;
+    VMM_ASSIGN_OR_RETURN(entry, FindOpenLocked(id));
     ++entry->live;
   }
   Pool& pool = *entry->pool;
@@ -209,6 +236,131 @@ absl::StatusOr<void*> ProcessState::PoolAllocate(int64_t id, size_t size, Stream
       shareable ? pool.AllocateShareable(size, stream) : pool.Allocate(size, stream);
   if (!ptr.ok()) BlockGone(entry);
   return ptr;
+}
+
+absl::StatusOr<void*> ProcessState::PoolAllocateAt(int64_t id, uintptr_t addr, size_t size,
+                                                   Stream stream) {
+  std::shared_ptr<ExplicitPool> entry;  // counted first, as in PoolAllocate
+  {
+    MutexLock lock(&mu_);
+    VMM_ASSIGN_OR_RETURN(entry, FindOpenLocked(id));
+    ++entry->live;
+  }
+  absl::StatusOr<void*> ptr = entry->pool->AllocateAt(addr, size, stream);
+  if (!ptr.ok()) BlockGone(entry);
+  return ptr;
+}
+
+absl::StatusOr<std::vector<BlockInfo>> ProcessState::PoolLiveBlocks(int64_t id) {
+  VMM_ASSIGN_OR_RETURN(std::shared_ptr<ExplicitPool> entry, FindPool(id));
+  return entry->pool->LiveBlocks();
+}
+
+absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> backend, int device,
+                                                     uint64_t id0, uint64_t id1,
+                                                     absl::string_view options_text) {
+  if (device < 0) return BadDevice(device);
+  const PrivateKey key{device, id0, id1};
+  // Held while a first use creates the pool: a second use of the same MempoolId waits for it.
+  MutexLock lock(&private_mu_);
+  auto it = private_.find(key);
+  if (it != private_.end()) {
+    if (!it->second.entry->pool->made_before_fork()) {
+      ++it->second.uses;
+      return it->second.entry->id;
+    }
+    private_.erase(it);  // the parent's pool: it stays (in explicit_) for its blocks' frees
+  }
+  Driver* driver = nullptr;
+  if (backend.has_value()) {
+    VMM_ASSIGN_OR_RETURN(driver, DriverFor(*backend));
+  } else {
+    VMM_ASSIGN_OR_RETURN(driver, DefaultDriver());
+  }
+  PoolOptions defaults;
+  {
+    MutexLock state_lock(&mu_);
+    defaults = DevicePoolOptions(device);
+  }
+  VMM_ASSIGN_OR_RETURN(PoolOptions options, ParsePoolOptions(options_text, defaults));
+  options.device = device;
+  VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
+  pool->SetKeepMemory(true);
+  std::shared_ptr<ExplicitPool> entry = Register(std::move(pool), /*is_private=*/true, id0, id1);
+  private_[key] = PrivateUse{entry, 1};
+  return entry->id;
+}
+
+absl::StatusOr<int> ProcessState::ReleasePrivatePool(int device, uint64_t id0, uint64_t id1) {
+  std::shared_ptr<ExplicitPool> entry;
+  {
+    MutexLock lock(&private_mu_);
+    auto it = private_.find(PrivateKey{device, id0, id1});
+    if (it == private_.end()) {
+      return absl::NotFoundError(absl::StrCat("no private pool (", id0, ", ", id1,
+                                              ") on device ", device));
+    }
+    if (--it->second.uses > 0) return it->second.uses;
+    entry = std::move(it->second.entry);
+    private_.erase(it);
+  }
+  // No graph replays into it any more: it may give memory back, and takes no new block.
+  entry->pool->SetKeepMemory(false);
+  std::shared_ptr<ExplicitPool> doomed;  // destroyed (with `entry`) outside the lock
+  {
+    MutexLock lock(&mu_);
+    if (!entry->closed) CloseLocked(entry, &doomed);
+  }
+  if (doomed == nullptr) {
+    // Blocks are left: what is cached goes now, the rest with the pool (BlockGone).
+    absl::Status emptied = entry->pool->EmptyCache();
+    if (!emptied.ok()) {
+      LogError(absl::StrCat("closing private pool ", entry->id, ": ", emptied.message()));
+    }
+  }
+  return 0;
+}
+
+int ProcessState::PrivatePoolUses(int device, uint64_t id0, uint64_t id1) {
+  MutexLock lock(&private_mu_);
+  auto it = private_.find(PrivateKey{device, id0, id1});
+  return it == private_.end() ? 0 : it->second.uses;
+}
+
+absl::StatusOr<int64_t> ProcessState::FindPrivatePool(int device, uint64_t id0, uint64_t id1) {
+  MutexLock lock(&private_mu_);
+  auto it = private_.find(PrivateKey{device, id0, id1});
+  if (it == private_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("no private pool (", id0, ", ", id1, ") on device ", device));
+  }
+  return it->second.entry->id;
+}
+
+std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device) {
+  std::vector<PoolRef> out;
+  Pool* device_pool = DevicePoolIfAny(device);
+  Driver* driver = nullptr;
+  if (device_pool != nullptr) {
+    out.push_back(PoolRef{device_pool, nullptr});
+    driver = device_pool->driver();
+  } else if (absl::StatusOr<Driver*> d = DefaultDriver(); d.ok()) {
+    driver = *d;
+  }
+  MutexLock lock(&mu_);
+  for (auto& [id, e] : explicit_) {
+    if (e->is_private && e->pool->device() == device &&
+        (driver == nullptr || e->pool->driver() == driver)) {
+      out.push_back(PoolRef{e->pool.get(), e});
+    }
+  }
+  return out;
+}
+
+PoolStats ProcessState::DeviceStats(int device) {
+  PoolStats total;
+  for (const PoolRef& p : DevicePools(device)) AddPoolStats(p.pool->GetStats(), total);
+  return total;
 }
 
 void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
@@ -248,6 +400,19 @@ std::vector<ProcessState::PoolRef> ProcessState::AllPools() {
   }
   MutexLock lock(&mu_);
   for (auto& [id, e] : explicit_) out.push_back(PoolRef{e->pool.get(), e});
+  return out;
+}
+
+std::vector<Snapshot> ProcessState::Snapshots() {
+  std::vector<Snapshot> out;
+  for (const PoolRef& p : AllPools()) {
+    out.push_back(p.pool->GetSnapshot());
+    if (p.keep == nullptr) continue;
+    Snapshot& snap = out.back();
+    snap.pool_id = p.keep->id;
+    snap.mempool_id[0] = p.keep->mempool_id[0];
+    snap.mempool_id[1] = p.keep->mempool_id[1];
+  }
   return out;
 }
 

@@ -10,6 +10,13 @@
 //     training that gave the smallest peak reserved) and living as long as the process;
 //   - explicit pools, by id: ClosePool closes one, and it is destroyed once its last block is
 //     freed (BlockFreed), so tensors outlive the Python object that made them;
+//   - private pools (CUDA graph pools, torch.cuda.MemPool): explicit pools named by PyTorch's
+//     MempoolId and a device, with a use count. While it is used the pool keeps all its memory
+//     (Pool::SetKeepMemory: a captured graph replays into its blocks, free or not); the last
+//     ReleasePrivatePool closes it: its cached memory goes at once, the rest with its last
+//     block (as ClosePool). Its id works with every call that takes a pool id, except
+//     ClosePool. The MempoolId -> pool map has a lock of its own (private_mu_, taken before
+//     mu_);
 //   - imported buffers, by id, reference counted (a tensor's storage holds one reference);
 //   - sends (process_sends.cc): exports for one receiver, held until it acknowledges them or
 //     their lease ends (SendLedger): a pool block's free is deferred meanwhile (BlockHolds), an
@@ -37,7 +44,9 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/base/optimization.h"
@@ -61,11 +70,17 @@ class ProcessState {
  public:
   static constexpr int kMaxDevices = 64;
 
-  // A pool made by CreatePool: it lives until it is closed and its last block is freed.
+  // A pool made by CreatePool or UsePrivatePool: it lives until it is closed and its last
+  // block is freed.
   struct ExplicitPool {
     std::unique_ptr<Pool> pool;
     std::atomic<int64_t> live{0};  // blocks handed out (or being allocated) and not yet freed
     bool closed = false;           // read and written only under ProcessState::mu_
+    // Set when the pool is registered (under mu_), constant after: its id, and for a private
+    // pool its MempoolId (such a pool is closed by ReleasePrivatePool only).
+    int64_t id = 0;
+    bool is_private = false;
+    uint64_t mempool_id[2] = {0, 0};
   };
   // A pool handed out by AllPools or Owner; `keep` holds an explicit pool alive (null for
   // device pools, which never go away).
@@ -107,12 +122,44 @@ class ProcessState {
   absl::StatusOr<std::shared_ptr<ExplicitPool>> FindPool(int64_t id);
   // Allocates from pool `id`, counting the block as live (errors as DeviceAllocate's).
   absl::StatusOr<void*> PoolAllocate(int64_t id, size_t size, Stream stream, bool shareable);
+  // Allocates exactly [addr, addr + size) of pool `id` (Pool::AllocateAt), counting the block
+  // as live.
+  absl::StatusOr<void*> PoolAllocateAt(int64_t id, uintptr_t addr, size_t size, Stream stream);
+  // The live blocks of pool `id` in address order (Pool::LiveBlocks).
+  absl::StatusOr<std::vector<BlockInfo>> PoolLiveBlocks(int64_t id);
+
+  // --- Private pools ------------------------------------------------------------------------
+  // Adds one use of private pool (id0, id1) on `device`, creating it on first use through
+  // `backend`'s driver (nullopt: the default one) with the device pools' options (Configure),
+  // `options` applied on top; returns its id. A later use returns the same id (`backend` and
+  // `options` ignored). A pool made before a fork() is not this process's: the child makes a
+  // fresh one.
+  absl::StatusOr<int64_t> UsePrivatePool(std::optional<Backend> backend, int device,
+                                         uint64_t id0, uint64_t id1, absl::string_view options);
+  // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
+  // what is cached (errors are logged) and closes; a later UsePrivatePool of the same MempoolId
+  // makes a fresh pool. NotFound for an unknown one.
+  absl::StatusOr<int> ReleasePrivatePool(int device, uint64_t id0, uint64_t id1);
+  // Uses of the private pool (0 if there is none).
+  int PrivatePoolUses(int device, uint64_t id0, uint64_t id1);
+  // The id of the private pool, or NotFound.
+  absl::StatusOr<int64_t> FindPrivatePool(int device, uint64_t id0, uint64_t id1);
+
+  // --- Devices ------------------------------------------------------------------------------
+  // The pools of `device`: its device pool (if any), then the private pools on it (open, or
+  // closed with live blocks) of the same backend (the default one if there is no device pool).
+  std::vector<PoolRef> DevicePools(int device);
+  // Their statistics as one (AddPoolStats); zeros for an unused device.
+  PoolStats DeviceStats(int device);
 
   // --- Any pool -----------------------------------------------------------------------------
   // The pool whose range holds `ptr`, or a null PoolRef.
   PoolRef Owner(const void* ptr);
-  // Every pool, device pools first.
+  // Every pool, device pools first (then explicit and private pools by id).
   std::vector<PoolRef> AllPools();
+  // Snapshots of AllPools(), each tagged with its pool's id (0 for device pools) and, for a
+  // private pool, its MempoolId.
+  std::vector<Snapshot> Snapshots();
   // Frees a block of any pool (an explicit pool closed and left empty is destroyed).
   absl::Status FreeBlock(void* ptr);
 
@@ -223,6 +270,17 @@ class ProcessState {
   int64_t RetainImportAt(const void* ptr);
 
   absl::Status ApplyFraction(Pool& pool, double fraction);
+  // The open pool `id` (explicit or private), or InvalidArgument.
+  absl::StatusOr<std::shared_ptr<ExplicitPool>> FindOpenLocked(int64_t id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Closes the open pool `entry` (removed now if it has no live block, else by BlockGone).
+  void CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
+                   std::shared_ptr<ExplicitPool>* doomed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Registers `pool` under a fresh id.
+  std::shared_ptr<ExplicitPool> Register(std::unique_ptr<Pool> pool, bool is_private,
+                                         uint64_t id0, uint64_t id1);
+  // The device pools' options for `device` (Configure's, its own device not a peer).
+  PoolOptions DevicePoolOptions(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A block of `entry` went (freed, or its allocation failed): destroys the pool if it was
   // closed and this was its last block.
   void BlockGone(const std::shared_ptr<ExplicitPool>& entry);
@@ -236,6 +294,14 @@ class ProcessState {
   std::array<double, kMaxDevices> fractions_ ABSL_GUARDED_BY(mu_){};
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
+  // Private pools by (device, MempoolId): the pool (also in explicit_) and its uses (> 0).
+  struct PrivateUse {
+    std::shared_ptr<ExplicitPool> entry;
+    int uses = 0;
+  };
+  using PrivateKey = std::tuple<int, uint64_t, uint64_t>;
+  Mutex private_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::map<PrivateKey, PrivateUse> private_ ABSL_GUARDED_BY(private_mu_);
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
   // Imports by buffer address (several imports of one buffer share an address).
   std::multimap<DevPtr, int64_t> imports_by_ptr_ ABSL_GUARDED_BY(mu_);

@@ -108,6 +108,40 @@ absl::StatusOr<std::optional<Backend>> BackendArg(int backend) {
   }
 }
 
+static_assert(VMM_BLOCK_INACTIVE == static_cast<int>(TorchBlockState::kInactive) &&
+                  VMM_BLOCK_ACTIVE_ALLOCATED ==
+                      static_cast<int>(TorchBlockState::kActiveAllocated) &&
+                  VMM_BLOCK_ACTIVE_PENDING_FREE ==
+                      static_cast<int>(TorchBlockState::kActivePendingFree),
+              "vmm_block_state must mirror TorchBlockState");
+// PyTorch's DeviceStats: 9 statistics of 3 kinds, 5 counters, 2 oversize statistics, one size.
+static_assert(sizeof(vmm_stat) == 32 && sizeof(vmm_torch_stats) == (9 * 3 + 2) * 32 + 6 * 8,
+              "vmm_torch_stats layout");
+
+// PoolStats as PyTorch's DeviceStats: the fields stats.h's lists name, in [VMM_STAT_ALL] and
+// [VMM_STAT_LARGE] (vmm_c.h says why).
+vmm_torch_stats TorchStats(const PoolStats& stats) {
+  vmm_torch_stats out{};
+  auto put = [](const Stat& s, vmm_stat (&to)[VMM_STAT_TYPES]) {
+    const vmm_stat v{s.current, s.peak, s.allocated, s.freed};
+    to[VMM_STAT_ALL] = v;
+    to[VMM_STAT_LARGE] = v;
+  };
+#define VMM_PUT_STAT(name) put(stats.name, out.name);
+  VMM_TORCH_STATS(VMM_PUT_STAT)
+#undef VMM_PUT_STAT
+#define VMM_PUT_COUNTER(name) out.name = stats.name;
+  VMM_TORCH_COUNTERS(VMM_PUT_COUNTER)
+#undef VMM_PUT_COUNTER
+  out.max_split_size = -1;
+  return out;
+}
+
+// A stream as the snapshot structs carry it: 0 for a free block any stream may take.
+uint64_t StreamValue(Stream stream) {
+  return stream == kAnyStream ? 0 : static_cast<uint64_t>(stream);
+}
+
 std::string StatsDocument(const PoolStats& stats) {
   nlohmann::json doc;
   doc["vmm"] = StatsToJson(stats);
@@ -174,12 +208,8 @@ int vmm_record_stream(void* ptr, void* stream) {
 }
 
 int vmm_empty_cache(int device) {
-  std::vector<vmm::ProcessState::PoolRef> pools;
-  if (device >= 0) {
-    if (vmm::Pool* p = State().DevicePoolIfAny(device)) pools.push_back({p, nullptr});
-  } else {
-    pools = State().AllPools();
-  }
+  const std::vector<vmm::ProcessState::PoolRef> pools =
+      device >= 0 ? State().DevicePools(device) : State().AllPools();
   for (const vmm::ProcessState::PoolRef& p : pools) {
     if (absl::Status s = p.pool->EmptyCache(); !s.ok()) return vmm::Fail(s);
   }
@@ -191,27 +221,25 @@ int vmm_set_memory_fraction(double fraction, int device) {
 }
 
 char* vmm_stats_json(int device) {
-  vmm::Pool* pool = State().DevicePoolIfAny(device);
-  return vmm::CopyString(vmm::StatsDocument(pool != nullptr ? pool->GetStats() : vmm::PoolStats{}));
+  return vmm::CopyString(vmm::StatsDocument(State().DeviceStats(device)));
 }
 
 int vmm_reset_peak_stats(int device) {
-  if (vmm::Pool* p = State().DevicePoolIfAny(device)) p->ResetPeakStats();
+  for (const vmm::ProcessState::PoolRef& p : State().DevicePools(device)) p.pool->ResetPeakStats();
   return 0;
 }
 
 int vmm_reset_accumulated_stats(int device) {
-  if (vmm::Pool* p = State().DevicePoolIfAny(device)) p->ResetAccumulatedStats();
+  for (const vmm::ProcessState::PoolRef& p : State().DevicePools(device)) {
+    p.pool->ResetAccumulatedStats();
+  }
   return 0;
 }
 
 char* vmm_snapshot_json(void) {
-  std::vector<vmm::Snapshot> snaps;
+  const std::vector<vmm::Snapshot> snaps = State().Snapshots();
   nlohmann::json pools = nlohmann::json::array();
-  for (const vmm::ProcessState::PoolRef& p : State().AllPools()) {
-    snaps.push_back(p.pool->GetSnapshot());
-    pools.push_back(vmm::SnapshotToJson(snaps.back()));
-  }
+  for (const vmm::Snapshot& snap : snaps) pools.push_back(vmm::SnapshotToJson(snap));
   nlohmann::json doc = vmm::TorchSnapshot(snaps);
   doc["vmm_pools"] = std::move(pools);
   return vmm::CopyString(doc.dump());
@@ -274,6 +302,111 @@ void vmm_block_free(void* ptr) {
 }
 
 int vmm_owns(const void* ptr) { return State().Owner(ptr).pool != nullptr ? 1 : 0; }
+
+int vmm_device_torch_stats(int device, vmm_torch_stats* out) {
+  if (out == nullptr) {
+    return vmm::Fail(absl::InvalidArgumentError("vmm_device_torch_stats: null output"));
+  }
+  *out = vmm::TorchStats(State().DeviceStats(device));
+  return 0;
+}
+
+int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out) {
+  if (out == nullptr) {
+    return vmm::Fail(absl::InvalidArgumentError("vmm_pool_torch_stats: null output"));
+  }
+  auto entry = State().FindPool(pool);
+  if (!entry.ok()) return vmm::Fail(entry.status());
+  *out = vmm::TorchStats((*entry)->pool->GetStats());
+  return 0;
+}
+
+int vmm_snapshot_get(vmm_snapshot_entries** out) {
+  if (out == nullptr) return vmm::Fail(absl::InvalidArgumentError("vmm_snapshot_get: null output"));
+  const std::vector<vmm::Snapshot> snaps = State().Snapshots();
+  size_t count = 0;
+  for (const vmm::Snapshot& snap : snaps) count += snap.segments.size();
+  auto* entries = static_cast<vmm_snapshot_entries*>(std::calloc(1, sizeof(vmm_snapshot_entries)));
+  entries->segments =
+      static_cast<vmm_segment_entry*>(std::calloc(count + 1, sizeof(vmm_segment_entry)));
+  for (const vmm::Snapshot& snap : snaps) {
+    for (const vmm::SegmentInfo& seg : snap.segments) {
+      const vmm::TorchSegmentTotals totals = vmm::TorchSegmentSummary(seg);
+      vmm_segment_entry& e = entries->segments[entries->num_segments++];
+      e.device = snap.device;
+      e.pool = snap.pool_id;
+      e.address = seg.addr;
+      e.total_size = seg.size;
+      e.allocated_size = totals.allocated;
+      e.active_size = totals.active;
+      e.requested_size = totals.requested;
+      e.stream = static_cast<uint64_t>(totals.stream);
+      e.is_large = seg.large ? 1 : 0;
+      e.blocks = static_cast<vmm_block_entry*>(
+          std::calloc(seg.blocks.size() + 1, sizeof(vmm_block_entry)));
+      for (const vmm::BlockInfo& b : seg.blocks) {
+        vmm_block_entry& be = e.blocks[e.num_blocks++];
+        be.address = b.addr;
+        be.size = b.size;
+        be.requested_size = vmm::TorchRequestedSize(b);
+        be.stream = vmm::StreamValue(b.stream);
+        be.state = static_cast<int>(vmm::TorchStateOf(b.state));
+      }
+    }
+  }
+  *out = entries;
+  return 0;
+}
+
+void vmm_snapshot_entries_release(vmm_snapshot_entries* snapshot) {
+  if (snapshot == nullptr) return;
+  for (size_t i = 0; i < snapshot->num_segments; ++i) std::free(snapshot->segments[i].blocks);
+  std::free(snapshot->segments);
+  std::free(snapshot);
+}
+
+int64_t vmm_private_pool_use(int backend, int device, uint64_t id0, uint64_t id1,
+                             const char* options) {
+  absl::StatusOr<std::optional<vmm::Backend>> b = vmm::BackendArg(backend);
+  if (!b.ok()) return vmm::Fail(b.status());
+  absl::StatusOr<int64_t> id = State().UsePrivatePool(*b, device, id0, id1, vmm::Text(options));
+  return id.ok() ? *id : vmm::Fail(id.status());
+}
+
+int vmm_private_pool_release(int device, uint64_t id0, uint64_t id1) {
+  absl::StatusOr<int> left = State().ReleasePrivatePool(device, id0, id1);
+  return left.ok() ? *left : vmm::Fail(left.status());
+}
+
+int vmm_private_pool_use_count(int device, uint64_t id0, uint64_t id1) {
+  return State().PrivatePoolUses(device, id0, id1);
+}
+
+int64_t vmm_private_pool_find(int device, uint64_t id0, uint64_t id1) {
+  absl::StatusOr<int64_t> id = State().FindPrivatePool(device, id0, id1);
+  return id.ok() ? *id : vmm::Fail(id.status());
+}
+
+int64_t vmm_pool_live_blocks(int64_t pool, vmm_block_entry* out, size_t cap) {
+  if (out == nullptr && cap > 0) {
+    return vmm::Fail(absl::InvalidArgumentError("vmm_pool_live_blocks: null output"));
+  }
+  absl::StatusOr<std::vector<vmm::BlockInfo>> blocks = State().PoolLiveBlocks(pool);
+  if (!blocks.ok()) return vmm::Fail(blocks.status());
+  for (size_t i = 0; i < std::min(cap, blocks->size()); ++i) {
+    const vmm::BlockInfo& b = (*blocks)[i];
+    out[i] = vmm_block_entry{b.addr, b.size, vmm::TorchRequestedSize(b),
+                             vmm::StreamValue(b.stream),
+                             static_cast<int>(vmm::TorchStateOf(b.state))};
+  }
+  return static_cast<int64_t>(blocks->size());
+}
+
+void* vmm_pool_alloc_at(int64_t pool, uint64_t addr, size_t size, void* stream) {
+  absl::StatusOr<void*> ptr = State().PoolAllocateAt(pool, static_cast<uintptr_t>(addr), size,
+                                                     reinterpret_cast<vmm::Stream>(stream));
+  return ptr.ok() ? *ptr : vmm::FailNull<void>(ptr.status());
+}
 
 int vmm_export(const void* ptr, uint8_t** out, size_t* out_len) {
   if (out == nullptr || out_len == nullptr) {

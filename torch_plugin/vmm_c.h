@@ -2,12 +2,14 @@
  *
  * It lives in libvmm.so (only these symbols exported), which holds the process's allocator
  * state (torch_plugin/process_state.h): one pool per device for the registered allocator,
- * explicit pools, and imported buffers. Load it once per process (ctypes, dlopen).
+ * explicit pools, private pools (CUDA graph pools, torch.cuda.MemPool) and imported buffers.
+ * Load it once per process (ctypes, dlopen).
  *
  * Errors: functions returning int give 0 on success and -1 on failure; functions returning a
  * pointer or an id give NULL / -1 (vmm_pool_device: -2). vmm_stats_json, vmm_snapshot_json,
- * vmm_reset_*_stats and the deleters (vmm_block_free, vmm_import_release, which log their
- * errors) do not fail. vmm_last_error_code() then gives the failure's code (a
+ * vmm_reset_*_stats, vmm_private_pool_use_count and the deleters (vmm_block_free,
+ * vmm_import_release, vmm_snapshot_entries_release; the first two log their errors) do not
+ * fail. vmm_last_error_code() then gives the failure's code (a
  * vmm_status_code, the numeric absl::StatusCode) and vmm_last_error() its message (per
  * thread; the message names what failed and does not repeat the code). Codes by meaning:
  * VMM_INVALID_ARGUMENT for bad input, VMM_RESOURCE_EXHAUSTED for out of memory,
@@ -100,17 +102,21 @@ void* vmm_alloc(size_t size, int device, void* stream);
 int vmm_free(void* ptr, int device);
 /* Marks `ptr` as used by `stream` too (torch.Tensor.record_stream). */
 int vmm_record_stream(void* ptr, void* stream);
-/* Releases the cached memory of `device`'s pool (device < 0: all pools, explicit ones too). */
+/* Releases the cached memory of `device`'s pool and of the private pools on it (device < 0:
+ * all pools, explicit and private ones too). A private pool in use releases nothing. */
 int vmm_empty_cache(int device);
 /* Caps `device`'s pool at `fraction` of the memory of the device (0 < fraction <= 1). */
 int vmm_set_memory_fraction(double fraction, int device);
-/* Stats of `device`'s pool as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused
- * device gives zeros. */
+/* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
+ * says) as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused device gives
+ * zeros. */
 char* vmm_stats_json(int device);
+/* Reset the peaks / the cumulative counts of the same pools. */
 int vmm_reset_peak_stats(int device);
 int vmm_reset_accumulated_stats(int device);
-/* All pools (device and explicit) in the structure of torch.cuda.memory._snapshot(), plus
- * "vmm_pools": vmm's own snapshot of each. */
+/* All pools (device, explicit and private) in the structure of torch.cuda.memory._snapshot()
+ * (a segment's "segment_pool_id" is its private pool's MempoolId, else [0, 0]; "vmm_pool" the
+ * vmm_snapshot_get pool), plus "vmm_pools": vmm's own snapshot of each. */
 char* vmm_snapshot_json(void);
 
 /* --- Explicit pools ------------------------------------------------------------------- */
@@ -118,9 +124,11 @@ char* vmm_snapshot_json(void);
 /* Creates a pool on `device` of `backend` (VMM_BACKEND_DEFAULT: the best available; the host
  * backend has one device unless VMM_HOST_DEVICES says more). Returns its id (> 0). */
 int64_t vmm_pool_create(int backend, int device, const char* options);
-/* Closes the pool; its memory goes back once its last block is freed. */
+/* Closes the pool; its memory goes back once its last block is freed. VMM_FAILED_PRECONDITION
+ * for a private pool (vmm_private_pool_release closes it). */
 int vmm_pool_destroy(int64_t pool);
-/* `size` bytes from the pool; `shareable` != 0 gives the block chunks of its own. */
+/* `size` bytes from the pool (explicit or private); `shareable` != 0 gives the block chunks of
+ * its own. */
 void* vmm_pool_alloc(int64_t pool, size_t size, void* stream, int shareable);
 int vmm_pool_empty_cache(int64_t pool);
 char* vmm_pool_stats_json(int64_t pool);
@@ -131,8 +139,122 @@ int vmm_pool_device(int64_t pool);
 
 /* Frees a block of any vmm pool (a tensor deleter: errors are logged, not returned). */
 void vmm_block_free(void* ptr);
-/* 1 if `ptr` lies in the address range of a vmm pool (device or explicit), else 0. */
+/* 1 if `ptr` lies in the address range of a vmm pool (device, explicit or private), else 0. */
 int vmm_owns(const void* ptr);
+
+/* --- Statistics as structs ----------------------------------------------------------- */
+/* What vmm_stats_json gives under PyTorch's key names, in PyTorch's own struct, for a C++
+ * allocator that answers torch.cuda.memory_stats() (one list, allocator/stats.h, makes both;
+ * meanings as there: "segment" counts physical chunks, "inactive_split" every cached free
+ * block, num_device_alloc/free growths and chunk releases). vmm keeps one set of statistics
+ * per pool for both of its arenas: [VMM_STAT_ALL] and [VMM_STAT_LARGE] hold it, and
+ * [VMM_STAT_SMALL] is zero. oversize_* are zero and max_split_size is -1 (what PyTorch reports
+ * without a limit: vmm splits blocks of every size). */
+
+/* One statistic as PyTorch counts it (current == allocated - freed). */
+typedef struct vmm_stat {
+  int64_t current, peak, allocated, freed;
+} vmm_stat;
+/* Index into the vmm_stat arrays below: all blocks, the small arena, the large arena
+ * (PyTorch's StatType AGGREGATE, SMALL_POOL, LARGE_POOL). */
+enum vmm_stat_type {
+  VMM_STAT_ALL = 0,
+  VMM_STAT_SMALL = 1,
+  VMM_STAT_LARGE = 2,
+  VMM_STAT_TYPES = 3
+};
+/* PyTorch's DeviceStats (c10/core/CachingDeviceAllocator.h), field for field. */
+typedef struct vmm_torch_stats {
+  vmm_stat allocation[3], segment[3], active[3], inactive_split[3];
+  vmm_stat allocated_bytes[3], reserved_bytes[3], active_bytes[3], inactive_split_bytes[3],
+      requested_bytes[3];
+  int64_t num_alloc_retries, num_ooms, num_sync_all_streams, num_device_alloc,
+      num_device_free;
+  vmm_stat oversize_allocations, oversize_segments;
+  int64_t max_split_size;
+} vmm_torch_stats;
+/* The device pool of `device` plus the private pools on it (zeros where vmm has not
+ * allocated). Several pools are summed field by field: a peak is then the sum of the pools'
+ * peaks (exact while one pool alone has allocated, else at least the true peak). */
+int vmm_device_torch_stats(int device, vmm_torch_stats* out);
+/* One pool by id (explicit or private). */
+int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out);
+
+/* --- Snapshot as structs ------------------------------------------------------------- */
+/* vmm_snapshot_json's segments and blocks (torch.cuda.memory._snapshot()) as structs, for the
+ * same adapter (one set of rules, allocator/stats_json.h, makes both). */
+
+enum vmm_block_state {
+  VMM_BLOCK_INACTIVE = 0,           /* free (or retired: free memory of an exported chunk) */
+  VMM_BLOCK_ACTIVE_ALLOCATED = 1,   /* allocated */
+  VMM_BLOCK_ACTIVE_PENDING_FREE = 2 /* freed, other streams still use it */
+};
+typedef struct vmm_block_entry {
+  uint64_t address, size;
+  uint64_t requested_size; /* the caller's size while active, else 0 */
+  uint64_t stream;         /* its stream; for a free block the one that may reuse it at once
+                              (0: any stream) */
+  int state;               /* vmm_block_state */
+} vmm_block_entry;
+typedef struct vmm_segment_entry {
+  int device;       /* CUDA device index (host backend: its device index) */
+  int64_t pool;     /* 0: the device pool of `device`; else the pool's id */
+  uint64_t address, total_size;
+  uint64_t allocated_size; /* bytes of its VMM_BLOCK_ACTIVE_ALLOCATED blocks */
+  uint64_t active_size;    /* ... and of its VMM_BLOCK_ACTIVE_PENDING_FREE ones */
+  uint64_t requested_size; /* bytes asked for its VMM_BLOCK_ACTIVE_ALLOCATED blocks */
+  uint64_t stream;         /* the stream its active blocks share, else 0 */
+  int is_large;     /* 1 for the large arena */
+  size_t num_blocks;
+  vmm_block_entry* blocks;
+} vmm_segment_entry;
+typedef struct vmm_snapshot_entries {
+  size_t num_segments;
+  vmm_segment_entry* segments;
+} vmm_snapshot_entries;
+/* Every pool of the process (device, explicit and private pools); segments as in
+ * vmm_snapshot_json (maximal runs of mapped chunks of one arena) and blocks covering each
+ * segment in address order. Release with vmm_snapshot_entries_release. */
+int vmm_snapshot_get(vmm_snapshot_entries** out);
+void vmm_snapshot_entries_release(vmm_snapshot_entries* snapshot);
+
+/* --- Private pools (CUDA graph pools, MemPools) -------------------------------------- */
+/* A private pool is named by PyTorch's MempoolId (two 64-bit halves) and a device. Only
+ * allocations made into it use its memory, and none of its memory goes back to the driver
+ * while its use count is above zero (a captured CUDA graph replays into its blocks, free
+ * or not): vmm_empty_cache, the retry after a failed growth (a pool never takes memory from
+ * another pool), memory limits etc. never release its chunks then. Its id works with the
+ * vmm_pool_* functions (not vmm_pool_destroy); its blocks are freed with vmm_block_free or
+ * vmm_free and exported and sent as an explicit pool's. See docs/DESIGN.md, private pools. */
+
+/* Adds one use of private pool (id0, id1) on `device` of `backend`, creating it on first use
+ * with the device pools' options (vmm_configure's), `options` applied on top (NULL or "":
+ * those alone). Returns its vmm pool id (> 0); a later use returns the same id (backend and
+ * options ignored). */
+int64_t vmm_private_pool_use(int backend, int device, uint64_t id0, uint64_t id1,
+                             const char* options);
+/* Drops one use; returns the uses left (>= 0). At zero the pool closes: its cached (free)
+ * memory is released at once and what its live blocks hold when they are freed (the pool
+ * is destroyed with its last block); a later vmm_private_pool_use of the same id creates a
+ * fresh pool. VMM_NOT_FOUND for an unknown pool. */
+int vmm_private_pool_release(int device, uint64_t id0, uint64_t id1);
+/* Uses of the pool (0 if there is none). */
+int vmm_private_pool_use_count(int device, uint64_t id0, uint64_t id1);
+/* The vmm id of the open private pool (id0, id1) on `device`, or -1 (VMM_NOT_FOUND). */
+int64_t vmm_private_pool_find(int device, uint64_t id0, uint64_t id1);
+/* The live (allocated, or pending free) blocks of pool `pool` (an explicit or private pool's
+ * id) in address order: writes at most `cap` entries to `out` (NULL if `cap` is 0) and returns
+ * how many blocks there are (call again with a larger buffer if more), or -1. */
+int64_t vmm_pool_live_blocks(int64_t pool, vmm_block_entry* out, size_t cap);
+/* Allocates exactly the range [addr, addr + size) of pool `pool` on `stream` (restoring a
+ * CUDA graph tree's checkpoint): VMM_FAILED_PRECONDITION unless that whole range is free
+ * space of the pool backed by memory it has mapped (no growth, no mapping; free blocks of the
+ * range still tagged for other streams cost a device synchronisation). VMM_INVALID_ARGUMENT
+ * for an address or size that is not a positive multiple of 512, a range outside the pool,
+ * or a size the arena at `addr` does not serve (a block of up to small_size bytes lies in the
+ * small arena, a larger one in the large arena). The block's requested size is `size`. Freed
+ * like any block. */
+void* vmm_pool_alloc_at(int64_t pool, uint64_t addr, size_t size, void* stream);
 
 /* --- Sharing ------------------------------------------------------------------------- */
 

@@ -3,8 +3,9 @@ interface declares every function of the header (and nothing else) with the same
 arguments and compatible types; the struct and the enums match too.
 
 The header is parsed with regular expressions over its C prototypes (the header keeps to one
-declaration per statement; comments and preprocessor lines are dropped first). Needs no
-library: _signatures imports ctypes only.
+declaration per statement, except struct members: "int64_t a, b;" and arrays "vmm_stat x[3]"
+are read too; comments and preprocessor lines are dropped first). Needs no library:
+_signatures imports ctypes only.
 """
 
 import ctypes
@@ -36,8 +37,13 @@ ARGUMENT_TYPES = {
     "int64_t*": {P(ctypes.c_int64)},
     "uint64_t*": {P(ctypes.c_uint64)},
     "size_t*": {P(ctypes.c_size_t)},
+    "uint64_t": {ctypes.c_uint64},
     "vmm_descriptor_fields*": {P(_signatures.DescriptorFields)},
     "vmm_send_stats*": {P(_signatures.SendStats)},
+    "vmm_torch_stats*": {P(_signatures.TorchStats)},
+    "vmm_snapshot_entries*": {P(_signatures.SnapshotEntries)},
+    "vmm_snapshot_entries**": {P(P(_signatures.SnapshotEntries)), P(ctypes.c_void_p)},
+    "vmm_block_entry*": {P(_signatures.BlockEntry)},
 }
 # Results: a "char*" (not const) is a string to release, so it must stay a plain pointer.
 RESULT_TYPES = {
@@ -56,6 +62,13 @@ FIELD_TYPES = {
     "uint64_t*": {P(ctypes.c_uint64), ctypes.c_void_p},
     "char*": {ctypes.c_void_p, P(ctypes.c_char)},  # with a length: may hold NULs
     "double": {ctypes.c_double},
+    "int": {ctypes.c_int},
+    "int64_t": {ctypes.c_int64},
+    "size_t": {ctypes.c_size_t},
+    "vmm_stat": {_signatures.Stat},
+    "vmm_stat[3]": {_signatures.Stat * 3},
+    "vmm_block_entry*": {P(_signatures.BlockEntry)},
+    "vmm_segment_entry*": {P(_signatures.SegmentEntry)},
 }
 
 
@@ -84,6 +97,21 @@ def _split_declaration(declaration):
     return match.group(1), match.group(2)
 
 
+def _struct_members(declaration):
+    """[(member, type)] of one struct member declaration: "int64_t a, b" gives two members of
+    type "int64_t", "vmm_stat x[3], y[3]" two of type "vmm_stat[3]"."""
+    first, *more = declaration.split(",")
+    match = re.fullmatch(r"(.*?[\s*])(\w+)\s*(\[\s*\w+\s*\])?", first.strip(), flags=re.S)
+    assert match, declaration
+    base = _normalise(match.group(1))
+    members = [(match.group(2), base + (match.group(3) or "").replace(" ", ""))]
+    for declarator in more:
+        match = re.fullmatch(r"(\w+)\s*(\[\s*\w+\s*\])?", declarator.strip())
+        assert match, declaration
+        members.append((match.group(1), base + (match.group(2) or "").replace(" ", "")))
+    return members
+
+
 def parse_header():
     """(functions, structs, enums, defines) of vmm_c.h: functions {name: (result type,
     [argument types])}, structs {name: [(member, type)]}, enums {name: {constant: value}}."""
@@ -94,8 +122,7 @@ def parse_header():
         members = []
         for declaration in body.split(";"):
             if declaration.strip():
-                c_type, member = _split_declaration(declaration)
-                members.append((member, _normalise(c_type)))
+                members.extend(_struct_members(declaration))
         structs[name] = members
     for name, body in re.findall(r"\benum\s+(\w+)\s*\{(.*?)\}\s*;", text, flags=re.S):
         values = {}
@@ -172,6 +199,19 @@ def test_struct_layout_is_the_natural_one():
     fields = _signatures.DescriptorFields
     assert ctypes.sizeof(fields) == 4 + 4 + 8 * 3 + 8 * 3 + 8
     assert fields.handles.offset == 32
+
+
+def test_the_statistics_and_snapshot_structs_have_the_c_layout():
+    # vmm_c.cc asserts the same sizes of the C structs.
+    assert ctypes.sizeof(_signatures.Stat) == 32
+    assert ctypes.sizeof(_signatures.TorchStats) == (9 * 3 + 2) * 32 + 6 * 8
+    assert _signatures.TorchStats.num_alloc_retries.offset == 9 * 3 * 32
+    assert ctypes.sizeof(_signatures.BlockEntry) == 4 * 8 + 8  # the int padded to 8
+    assert _signatures.SegmentEntry.pool.offset == 8
+    assert ctypes.sizeof(_signatures.SegmentEntry) == 8 * 8 + 8 + 8 + 8
+    assert STRUCTS["vmm_stat"] == [("current", "int64_t"), ("peak", "int64_t"),
+                                   ("allocated", "int64_t"), ("freed", "int64_t")]
+    assert ("requested_bytes", "vmm_stat[3]") in STRUCTS["vmm_torch_stats"]
 
 
 def test_enums_and_defines_match():

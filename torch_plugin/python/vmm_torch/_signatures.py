@@ -1,7 +1,8 @@
 """The ctypes declaration of vmm's C interface (torch_plugin/vmm_c.h): one list.
 
 Every function of vmm_c.h is declared here, with its restype and argtypes, and so are its
-enums and the struct ``vmm_descriptor_fields``. tests/python/test_signatures.py parses the
+enums and structs (``vmm_descriptor_fields``, ``vmm_send_stats``, the statistics and snapshot
+structs). tests/python/test_signatures.py parses the
 header and checks this module against it: the same functions, argument counts and compatible
 types, the same struct fields, the same enum values. Change both together.
 
@@ -96,6 +97,32 @@ ENUMS["vmm_send_kind"] = {
     "VMM_SEND_NOT_EXPORTABLE": SEND_NOT_EXPORTABLE,
 }
 
+#: enum vmm_stat_type: the index into a vmm_torch_stats array (PyTorch's StatType).
+STAT_ALL = 0
+STAT_SMALL = 1
+STAT_LARGE = 2
+STAT_TYPES = 3
+ENUMS["vmm_stat_type"] = {
+    "VMM_STAT_ALL": STAT_ALL,
+    "VMM_STAT_SMALL": STAT_SMALL,
+    "VMM_STAT_LARGE": STAT_LARGE,
+    "VMM_STAT_TYPES": STAT_TYPES,
+}
+#: enum vmm_block_state, and the names torch.cuda.memory._snapshot() gives the states.
+BLOCK_INACTIVE = 0
+BLOCK_ACTIVE_ALLOCATED = 1
+BLOCK_ACTIVE_PENDING_FREE = 2
+BLOCK_STATE_NAMES: Dict[int, str] = {
+    BLOCK_INACTIVE: "inactive",
+    BLOCK_ACTIVE_ALLOCATED: "active_allocated",
+    BLOCK_ACTIVE_PENDING_FREE: "active_pending_free",
+}
+ENUMS["vmm_block_state"] = {
+    "VMM_BLOCK_INACTIVE": BLOCK_INACTIVE,
+    "VMM_BLOCK_ACTIVE_ALLOCATED": BLOCK_ACTIVE_ALLOCATED,
+    "VMM_BLOCK_ACTIVE_PENDING_FREE": BLOCK_ACTIVE_PENDING_FREE,
+}
+
 #: VMM_TICKET_BYTES: bytes of a send's ticket.
 TICKET_BYTES = 64
 
@@ -139,15 +166,97 @@ class SendStats(ctypes.Structure):
     ]
 
 
+class Stat(ctypes.Structure):
+    """struct vmm_stat: one statistic as PyTorch counts it."""
+
+    _fields_ = [
+        ("current", ctypes.c_int64),
+        ("peak", ctypes.c_int64),
+        ("allocated", ctypes.c_int64),
+        ("freed", ctypes.c_int64),
+    ]
+
+
+_StatTypes = Stat * STAT_TYPES
+
+#: The vmm_stat arrays of vmm_torch_stats (indexed by STAT_ALL, STAT_SMALL, STAT_LARGE), in the
+#: struct's order; their names are torch.cuda.memory_stats()' keys.
+TORCH_STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+                    "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+#: Its counters, in the struct's order.
+TORCH_COUNTER_NAMES = ("num_alloc_retries", "num_ooms", "num_sync_all_streams",
+                       "num_device_alloc", "num_device_free")
+
+
+class TorchStats(ctypes.Structure):
+    """struct vmm_torch_stats: PyTorch's DeviceStats, as vmm_device_torch_stats and
+    vmm_pool_torch_stats fill it."""
+
+    _fields_ = (
+        [(name, _StatTypes) for name in TORCH_STAT_NAMES]
+        + [(name, ctypes.c_int64) for name in TORCH_COUNTER_NAMES]
+        + [("oversize_allocations", Stat), ("oversize_segments", Stat),
+           ("max_split_size", ctypes.c_int64)]
+    )
+
+
+class BlockEntry(ctypes.Structure):
+    """struct vmm_block_entry: one block of a snapshot or of vmm_pool_live_blocks."""
+
+    _fields_ = [
+        ("address", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("requested_size", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("state", ctypes.c_int),
+    ]
+
+
+class SegmentEntry(ctypes.Structure):
+    """struct vmm_segment_entry: one segment of vmm_snapshot_get, with its blocks."""
+
+    _fields_ = [
+        ("device", ctypes.c_int),
+        ("pool", ctypes.c_int64),
+        ("address", ctypes.c_uint64),
+        ("total_size", ctypes.c_uint64),
+        ("allocated_size", ctypes.c_uint64),
+        ("active_size", ctypes.c_uint64),
+        ("requested_size", ctypes.c_uint64),
+        ("stream", ctypes.c_uint64),
+        ("is_large", ctypes.c_int),
+        ("num_blocks", ctypes.c_size_t),
+        ("blocks", ctypes.POINTER(BlockEntry)),
+    ]
+
+
+class SnapshotEntries(ctypes.Structure):
+    """struct vmm_snapshot_entries: what vmm_snapshot_get returns (release it with
+    vmm_snapshot_entries_release)."""
+
+    _fields_ = [
+        ("num_segments", ctypes.c_size_t),
+        ("segments", ctypes.POINTER(SegmentEntry)),
+    ]
+
+
 #: C struct name -> its ctypes.Structure.
-STRUCTS: Dict[str, Type[ctypes.Structure]] = {"vmm_descriptor_fields": DescriptorFields,
-                                              "vmm_send_stats": SendStats}
+STRUCTS: Dict[str, Type[ctypes.Structure]] = {
+    "vmm_descriptor_fields": DescriptorFields,
+    "vmm_send_stats": SendStats,
+    "vmm_stat": Stat,
+    "vmm_torch_stats": TorchStats,
+    "vmm_block_entry": BlockEntry,
+    "vmm_segment_entry": SegmentEntry,
+    "vmm_snapshot_entries": SnapshotEntries,
+}
 
 
 # --- Functions -------------------------------------------------------------------------------
 
 _int = ctypes.c_int
 _int64 = ctypes.c_int64
+_uint64 = ctypes.c_uint64
 _size_t = ctypes.c_size_t
 _void_p = ctypes.c_void_p
 _char_p = ctypes.c_char_p
@@ -185,6 +294,18 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_pool_device": (_int, [_int64]),
     "vmm_block_free": (None, [_void_p]),
     "vmm_owns": (_int, [_void_p]),
+    # Statistics and snapshots as structs.
+    "vmm_device_torch_stats": (_int, [_int, _P(TorchStats)]),
+    "vmm_pool_torch_stats": (_int, [_int64, _P(TorchStats)]),
+    "vmm_snapshot_get": (_int, [_P(_P(SnapshotEntries))]),
+    "vmm_snapshot_entries_release": (None, [_P(SnapshotEntries)]),
+    # Private pools.
+    "vmm_private_pool_use": (_int64, [_int, _int, _uint64, _uint64, _char_p]),
+    "vmm_private_pool_release": (_int, [_int, _uint64, _uint64]),
+    "vmm_private_pool_use_count": (_int, [_int, _uint64, _uint64]),
+    "vmm_private_pool_find": (_int64, [_int, _uint64, _uint64]),
+    "vmm_pool_live_blocks": (_int64, [_int64, _P(BlockEntry), _size_t]),
+    "vmm_pool_alloc_at": (_void_p, [_int64, _uint64, _size_t, _void_p]),
     # Sharing.
     "vmm_export": (_int, [_void_p, _P(_void_p), _P(_size_t)]),
     "vmm_import": (_int64, [_char_p, _size_t, _int, _int, _int]),

@@ -287,7 +287,8 @@ def flatten_stats(document: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def memory_stats(device: DeviceLike = None) -> Dict[str, Any]:
-    """Statistics of the device pool of `device` (default: the current device) as a dict.
+    """Statistics of the device pool of `device` (default: the current device), with the
+    private pools on it (CUDA graph pools, MemPools), as a dict.
 
     Keys follow ``torch.cuda.memory_stats()`` where the meaning is the same
     (``allocated_bytes.all.current``, ``reserved_bytes.all.peak``, ``num_device_alloc``,
@@ -344,7 +345,7 @@ def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
 
 def empty_cache() -> None:
     """Returns the cached (free) memory of every vmm pool, explicit pools included, to the
-    driver."""
+    driver (not that of a private pool in use: a CUDA graph may replay into it)."""
     _lib.check(_lib.vmm().vmm_empty_cache(-1), "empty_cache")
 
 

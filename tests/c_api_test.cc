@@ -1,0 +1,573 @@
+// Tests of the C interface (torch_plugin/vmm_c.h) through its own functions, on the host
+// backend: statistics and snapshots as structs against their JSON forms, and private pools
+// (CUDA graph pools, MemPools): use counts, kept memory, live blocks, allocating at an
+// address, sharing, and their destruction. The interface holds the process's one state, so
+// every test leaves it as it found it (no live block, no private pool).
+#include "torch_plugin/vmm_c.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "allocator/host_driver.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace {
+
+using Json = nlohmann::json;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Before any call: the device pools and DefaultDriver() use the host backend.
+const bool kHostBackend = [] {
+  setenv("VMM_BACKEND", "host", 1);
+  return true;
+}();
+
+// A JSON document the library returned (and released here).
+Json TakeJson(char* text) {
+  EXPECT_NE(text, nullptr) << vmm_last_error();
+  if (text == nullptr) return Json();
+  Json out = Json::parse(text);
+  vmm_release_buffer(text);
+  return out;
+}
+
+// Bytes of physical memory the host backend has not handed out.
+size_t HostFree() { return vmm::GetHostDriver()->GetMemInfo(0)->free; }
+
+// PyTorch's DeviceStats fields by the names of torch.cuda.memory_stats(), written out here
+// rather than taken from the library's list, so that a statistic missing there shows.
+struct NamedStat {
+  const char* name;
+  vmm_stat (vmm_torch_stats::*field)[3];
+};
+constexpr NamedStat kStats[] = {
+    {"allocation", &vmm_torch_stats::allocation},
+    {"segment", &vmm_torch_stats::segment},
+    {"active", &vmm_torch_stats::active},
+    {"inactive_split", &vmm_torch_stats::inactive_split},
+    {"allocated_bytes", &vmm_torch_stats::allocated_bytes},
+    {"reserved_bytes", &vmm_torch_stats::reserved_bytes},
+    {"active_bytes", &vmm_torch_stats::active_bytes},
+    {"inactive_split_bytes", &vmm_torch_stats::inactive_split_bytes},
+    {"requested_bytes", &vmm_torch_stats::requested_bytes},
+};
+struct NamedCounter {
+  const char* name;
+  int64_t vmm_torch_stats::*field;
+};
+constexpr NamedCounter kCounters[] = {
+    {"num_alloc_retries", &vmm_torch_stats::num_alloc_retries},
+    {"num_ooms", &vmm_torch_stats::num_ooms},
+    {"num_sync_all_streams", &vmm_torch_stats::num_sync_all_streams},
+    {"num_device_alloc", &vmm_torch_stats::num_device_alloc},
+    {"num_device_free", &vmm_torch_stats::num_device_free},
+};
+
+// Expects `stats` to say what the "torch" half of a stats document says.
+void ExpectSameAsJson(const vmm_torch_stats& stats, const Json& doc) {
+  const Json& torch = doc.at("torch");
+  for (const NamedStat& s : kStats) {
+    const vmm_stat(&kinds)[3] = stats.*(s.field);
+    const vmm_stat& all = kinds[VMM_STAT_ALL];
+    const std::string key = std::string(s.name) + ".all.";
+    EXPECT_EQ(all.current, torch.at(key + "current").get<int64_t>()) << s.name;
+    EXPECT_EQ(all.peak, torch.at(key + "peak").get<int64_t>()) << s.name;
+    EXPECT_EQ(all.allocated, torch.at(key + "allocated").get<int64_t>()) << s.name;
+    EXPECT_EQ(all.freed, torch.at(key + "freed").get<int64_t>()) << s.name;
+    // One set of statistics for both arenas: the large pool's, none in the small pool's.
+    const vmm_stat& large = kinds[VMM_STAT_LARGE];
+    const vmm_stat& small = kinds[VMM_STAT_SMALL];
+    EXPECT_EQ(std::memcmp(&large, &all, sizeof(vmm_stat)), 0) << s.name;
+    EXPECT_EQ(small.current | small.peak | small.allocated | small.freed, 0) << s.name;
+  }
+  for (const NamedCounter& c : kCounters) {
+    EXPECT_EQ(stats.*(c.field), torch.at(c.name).get<int64_t>()) << c.name;
+  }
+  EXPECT_EQ(stats.max_split_size, -1);
+  EXPECT_EQ(stats.oversize_allocations.current | stats.oversize_allocations.allocated, 0);
+  EXPECT_EQ(stats.oversize_segments.current | stats.oversize_segments.allocated, 0);
+}
+
+vmm_torch_stats DeviceStats(int device) {
+  vmm_torch_stats out;
+  std::memset(&out, 0xab, sizeof(out));
+  EXPECT_EQ(vmm_device_torch_stats(device, &out), 0) << vmm_last_error();
+  return out;
+}
+
+vmm_torch_stats PoolStats(int64_t pool) {
+  vmm_torch_stats out;
+  std::memset(&out, 0xab, sizeof(out));
+  EXPECT_EQ(vmm_pool_torch_stats(pool, &out), 0) << vmm_last_error();
+  return out;
+}
+
+// The live blocks of `pool`, through vmm_pool_live_blocks.
+std::vector<vmm_block_entry> LiveBlocks(int64_t pool) {
+  const int64_t n = vmm_pool_live_blocks(pool, nullptr, 0);
+  EXPECT_GE(n, 0) << vmm_last_error();
+  std::vector<vmm_block_entry> out(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  EXPECT_EQ(vmm_pool_live_blocks(pool, out.data(), out.size()), n);
+  return out;
+}
+
+// The reserved range of pool `pool` (0: device 0's pool) from vmm_snapshot_json's "vmm_pools".
+std::pair<uint64_t, uint64_t> ReservedRange(int64_t pool) {
+  const Json doc = TakeJson(vmm_snapshot_json());
+  for (const Json& p : doc.at("vmm_pools")) {
+    if (p.at("pool").get<int64_t>() == pool && (pool != 0 || p.at("device").get<int>() == 0)) {
+      return {p.at("reserved").at("address").get<uint64_t>(),
+              p.at("reserved").at("size").get<uint64_t>()};
+    }
+  }
+  ADD_FAILURE() << "no pool " << pool << " in the snapshot";
+  return {0, 0};
+}
+
+class CApiTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    ASSERT_TRUE(kHostBackend);
+    // A small reserved range for the device pools and the private pools made with their
+    // options (fails harmlessly once a device pool exists).
+    vmm_configure("reserve_size=1G");
+  }
+  void TearDown() override {
+    for (auto [id0, id1] : {std::pair<uint64_t, uint64_t>{1, 0}, {2, 0}, {0, 7}}) {
+      EXPECT_EQ(vmm_private_pool_use_count(0, id0, id1), 0) << "a test left a private pool";
+    }
+  }
+
+  // One more use of private pool (id0, id1) on device 0 of the host backend.
+  int64_t UsePrivate(uint64_t id0, uint64_t id1, const char* options = nullptr) {
+    const int64_t id = vmm_private_pool_use(VMM_BACKEND_HOST, 0, id0, id1, options);
+    EXPECT_GT(id, 0) << vmm_last_error();
+    return id;
+  }
+  void* PoolAlloc(int64_t pool, size_t size, int shareable = 0) {
+    void* p = vmm_pool_alloc(pool, size, nullptr, shareable);
+    EXPECT_NE(p, nullptr) << vmm_last_error();
+    return p;
+  }
+};
+
+TEST_F(CApiTest, TheStatsStructSaysWhatTheJsonSays) {
+  std::vector<void*> blocks;
+  for (size_t size : {size_t{700}, 3 * kMiB, 5 * kMiB + 100, 64 * size_t{1024}, 9 * kMiB}) {
+    blocks.push_back(vmm_alloc(size, 0, nullptr));
+    ASSERT_NE(blocks.back(), nullptr) << vmm_last_error();
+  }
+  ASSERT_EQ(vmm_free(blocks[1], 0), 0);
+  ASSERT_EQ(vmm_free(blocks[3], -1), 0);
+  const vmm_torch_stats stats = DeviceStats(0);
+  ExpectSameAsJson(stats, TakeJson(vmm_stats_json(0)));
+  EXPECT_GE(stats.allocation[VMM_STAT_ALL].current, 3);
+  EXPECT_GT(stats.reserved_bytes[VMM_STAT_ALL].current, 0);
+  // An unused device: zeros, as in its JSON.
+  const vmm_torch_stats unused = DeviceStats(5);
+  ExpectSameAsJson(unused, TakeJson(vmm_stats_json(5)));
+  EXPECT_EQ(unused.reserved_bytes[VMM_STAT_ALL].peak, 0);
+  for (void* p : {blocks[0], blocks[2], blocks[4]}) ASSERT_EQ(vmm_free(p, 0), 0);
+  ExpectSameAsJson(DeviceStats(0), TakeJson(vmm_stats_json(0)));
+  EXPECT_EQ(vmm_device_torch_stats(0, nullptr), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+}
+
+TEST_F(CApiTest, APoolsStatsStructSaysWhatItsJsonSays) {
+  const int64_t explicit_pool = vmm_pool_create(VMM_BACKEND_HOST, 0, "reserve_size=256M");
+  ASSERT_GT(explicit_pool, 0) << vmm_last_error();
+  const int64_t private_pool = UsePrivate(1, 0);
+  for (int64_t pool : {explicit_pool, private_pool}) {
+    void* a = PoolAlloc(pool, 3 * kMiB);
+    void* b = PoolAlloc(pool, 100);
+    ASSERT_EQ(vmm_free(a, 0), 0);
+    ExpectSameAsJson(PoolStats(pool), TakeJson(vmm_pool_stats_json(pool)));
+    vmm_block_free(b);
+  }
+  ASSERT_EQ(vmm_pool_destroy(explicit_pool), 0);
+  EXPECT_EQ(vmm_pool_torch_stats(explicit_pool, nullptr), -1);
+  vmm_torch_stats stats;
+  EXPECT_EQ(vmm_pool_torch_stats(explicit_pool, &stats), -1) << "destroyed";
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+}
+
+TEST_F(CApiTest, ThePrivatePoolsOfADeviceAreInItsStats) {
+  void* d = vmm_alloc(2 * kMiB, 0, nullptr);  // the device pool exists
+  ASSERT_NE(d, nullptr) << vmm_last_error();
+  const vmm_torch_stats before = DeviceStats(0);
+  const int64_t a = UsePrivate(1, 0);
+  const int64_t b = vmm_private_pool_use(VMM_BACKEND_DEFAULT, 0, 2, 0, "");  // the same backend
+  ASSERT_GT(b, 0) << vmm_last_error();
+  void* pa = PoolAlloc(a, 3 * kMiB);
+  void* pb = PoolAlloc(b, 6 * kMiB);
+  const vmm_torch_stats after = DeviceStats(0);
+  ExpectSameAsJson(after, TakeJson(vmm_stats_json(0)));
+  auto current = [](const vmm_torch_stats& s, vmm_stat (vmm_torch_stats::*f)[3]) {
+    return (s.*f)[VMM_STAT_ALL].current;
+  };
+  const vmm_torch_stats sa = PoolStats(a);
+  const vmm_torch_stats sb = PoolStats(b);
+  for (const NamedStat& s : kStats) {
+    EXPECT_EQ(current(after, s.field),
+              current(before, s.field) + current(sa, s.field) + current(sb, s.field))
+        << s.name;
+  }
+  EXPECT_EQ(current(after, &vmm_torch_stats::allocated_bytes),
+            current(before, &vmm_torch_stats::allocated_bytes) + 9 * static_cast<int64_t>(kMiB));
+  EXPECT_EQ(after.num_device_alloc, before.num_device_alloc + 2);
+  // Private pools of device 0 are not device 1's.
+  EXPECT_EQ(DeviceStats(1).allocated_bytes[VMM_STAT_ALL].current, 0);
+  // The device's reset reaches them too.
+  vmm_block_free(pa);
+  vmm_block_free(pb);
+  ASSERT_EQ(vmm_reset_peak_stats(0), 0);
+  EXPECT_EQ(PoolStats(a).allocated_bytes[VMM_STAT_ALL].peak, 0);
+  ASSERT_EQ(vmm_reset_accumulated_stats(0), 0);
+  EXPECT_EQ(PoolStats(b).allocated_bytes[VMM_STAT_ALL].allocated, 0);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  EXPECT_EQ(vmm_private_pool_release(0, 2, 0), 0);
+  ASSERT_EQ(vmm_free(d, 0), 0);
+}
+
+TEST_F(CApiTest, SnapshotEntriesAreTheJsonSnapshotsSegmentsTaggedByPool) {
+  void* d = vmm_alloc(3 * kMiB, 0, nullptr);
+  void* d_small = vmm_alloc(1000, 0, nullptr);
+  const int64_t explicit_pool = vmm_pool_create(VMM_BACKEND_HOST, 0, "reserve_size=256M");
+  ASSERT_GT(explicit_pool, 0) << vmm_last_error();
+  void* e = PoolAlloc(explicit_pool, 2 * kMiB);
+  const int64_t private_pool = UsePrivate(0, 7);
+  void* p1 = PoolAlloc(private_pool, 4 * kMiB);
+  void* p2 = PoolAlloc(private_pool, 4 * kMiB);
+  void* p_small = PoolAlloc(private_pool, 4096);
+  ASSERT_EQ(vmm_free(p1, -1), 0);  // a free block in the private pool's segment
+
+  const Json doc = TakeJson(vmm_snapshot_json());
+  vmm_snapshot_entries* snap = nullptr;
+  ASSERT_EQ(vmm_snapshot_get(&snap), 0) << vmm_last_error();
+  ASSERT_NE(snap, nullptr);
+  const Json& segments = doc.at("segments");
+  ASSERT_EQ(snap->num_segments, segments.size());
+  std::set<int64_t> pools_seen;
+  for (size_t i = 0; i < snap->num_segments; ++i) {
+    const vmm_segment_entry& s = snap->segments[i];
+    const Json& j = segments[i];
+    EXPECT_EQ(s.device, j.at("device").get<int>());
+    EXPECT_EQ(s.pool, j.at("vmm_pool").get<int64_t>());
+    EXPECT_EQ(s.address, j.at("address").get<uint64_t>());
+    EXPECT_EQ(s.total_size, j.at("total_size").get<uint64_t>());
+    EXPECT_EQ(s.allocated_size, j.at("allocated_size").get<uint64_t>());
+    EXPECT_EQ(s.active_size, j.at("active_size").get<uint64_t>());
+    EXPECT_EQ(s.requested_size, j.at("requested_size").get<uint64_t>());
+    EXPECT_EQ(s.stream, j.at("stream").get<uint64_t>());
+    EXPECT_EQ(s.is_large != 0, j.at("segment_type") == "large");
+    if (s.pool == private_pool) {
+      EXPECT_EQ(j.at("segment_pool_id"), Json::array({0, 7}));
+    } else {
+      EXPECT_EQ(j.at("segment_pool_id"), Json::array({0, 0}));
+    }
+    pools_seen.insert(s.pool);
+    const Json& blocks = j.at("blocks");
+    ASSERT_EQ(s.num_blocks, blocks.size());
+    uint64_t at = s.address;
+    for (size_t k = 0; k < s.num_blocks; ++k) {
+      const vmm_block_entry& b = s.blocks[k];
+      const Json& jb = blocks[k];
+      EXPECT_EQ(b.address, at) << "blocks tile the segment in address order";
+      at += b.size;
+      EXPECT_EQ(b.address, jb.at("address").get<uint64_t>());
+      EXPECT_EQ(b.size, jb.at("size").get<uint64_t>());
+      EXPECT_EQ(b.requested_size, jb.at("requested_size").get<uint64_t>());
+      const char* state = b.state == VMM_BLOCK_ACTIVE_ALLOCATED      ? "active_allocated"
+                          : b.state == VMM_BLOCK_ACTIVE_PENDING_FREE ? "active_pending_free"
+                          : b.state == VMM_BLOCK_INACTIVE            ? "inactive"
+                                                                     : "?";
+      EXPECT_EQ(jb.at("state"), state);
+    }
+    EXPECT_EQ(at, s.address + s.total_size);
+  }
+  EXPECT_EQ(pools_seen, (std::set<int64_t>{0, explicit_pool, private_pool}));
+  // The private pool's blocks, where its entries say.
+  int private_live = 0, private_free = 0;
+  for (size_t i = 0; i < snap->num_segments; ++i) {
+    const vmm_segment_entry& s = snap->segments[i];
+    if (s.pool != private_pool) continue;
+    for (size_t k = 0; k < s.num_blocks; ++k) {
+      const vmm_block_entry& b = s.blocks[k];
+      if (b.state == VMM_BLOCK_ACTIVE_ALLOCATED) {
+        ++private_live;
+        EXPECT_TRUE(b.address == reinterpret_cast<uint64_t>(p2) ||
+                    b.address == reinterpret_cast<uint64_t>(p_small));
+        EXPECT_EQ(s.is_large != 0, b.address == reinterpret_cast<uint64_t>(p2));
+      } else if (b.address == reinterpret_cast<uint64_t>(p1)) {
+        ++private_free;
+        EXPECT_EQ(b.requested_size, 0u);
+      }
+    }
+  }
+  EXPECT_EQ(private_live, 2);
+  EXPECT_EQ(private_free, 1);
+  vmm_snapshot_entries_release(snap);
+  vmm_snapshot_entries_release(nullptr);
+  EXPECT_EQ(vmm_snapshot_get(nullptr), -1);
+
+  for (void* p : {d, d_small, e, p2, p_small}) vmm_block_free(p);
+  ASSERT_EQ(vmm_pool_destroy(explicit_pool), 0);
+  EXPECT_EQ(vmm_private_pool_release(0, 0, 7), 0);
+}
+
+TEST_F(CApiTest, PrivatePoolUsesAreCounted) {
+  EXPECT_EQ(vmm_private_pool_use_count(0, 1, 0), 0);
+  EXPECT_EQ(vmm_private_pool_find(0, 1, 0), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_NOT_FOUND);
+  const int64_t id = UsePrivate(1, 0, "release_threshold=0");
+  EXPECT_EQ(UsePrivate(1, 0, "this=is ignored"), id) << "options of a later use are ignored";
+  EXPECT_EQ(vmm_private_pool_use_count(0, 1, 0), 2);
+  EXPECT_EQ(vmm_private_pool_find(0, 1, 0), id);
+  // Another MempoolId, or another device, is another pool.
+  const int64_t other = UsePrivate(2, 0);
+  EXPECT_NE(other, id);
+  EXPECT_EQ(vmm_private_pool_use_count(1, 1, 0), 0);
+  EXPECT_EQ(vmm_private_pool_find(1, 1, 0), -1);
+  // A private pool is closed by its uses only.
+  EXPECT_EQ(vmm_pool_destroy(id), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_FAILED_PRECONDITION);
+  EXPECT_EQ(vmm_pool_device(id), -1) << "the host backend's pools say -1";
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 1);
+  EXPECT_EQ(vmm_private_pool_find(0, 1, 0), id);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  EXPECT_EQ(vmm_private_pool_use_count(0, 1, 0), 0);
+  EXPECT_EQ(vmm_private_pool_find(0, 1, 0), -1);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_NOT_FOUND);
+  EXPECT_EQ(vmm_pool_alloc(id, kMiB, nullptr, 0), nullptr) << "closed";
+  // A use after closing makes a fresh pool.
+  const int64_t fresh = UsePrivate(1, 0);
+  EXPECT_NE(fresh, id);
+  EXPECT_EQ(vmm_private_pool_use_count(0, 1, 0), 1);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  EXPECT_EQ(vmm_private_pool_release(0, 2, 0), 0);
+  // Bad arguments.
+  EXPECT_EQ(vmm_private_pool_use(VMM_BACKEND_HOST, -1, 1, 0, nullptr), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_private_pool_use(VMM_BACKEND_HOST, 0, 1, 0, "no_such_option=1"), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_private_pool_use(17, 0, 1, 0, nullptr), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_private_pool_use_count(0, 1, 0), 0) << "a failed use adds none";
+}
+
+TEST_F(CApiTest, APrivatePoolInUseKeepsItsMemoryThroughEmptyCache) {
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  const size_t free_at_start = HostFree();
+  const int64_t id = UsePrivate(1, 0, "release_threshold=0");
+  void* a = PoolAlloc(id, 8 * kMiB);
+  void* b = PoolAlloc(id, 1000);
+  vmm_block_free(a);
+  ASSERT_EQ(vmm_free(b, 0), 0);
+  const int64_t reserved = PoolStats(id).reserved_bytes[VMM_STAT_ALL].current;
+  EXPECT_EQ(reserved, static_cast<int64_t>(10 * kMiB)) << "8 MiB, and a small chunk";
+  ASSERT_EQ(vmm_empty_cache(0), 0);
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  ASSERT_EQ(vmm_pool_empty_cache(id), 0);
+  vmm_torch_stats s = PoolStats(id);
+  EXPECT_EQ(s.reserved_bytes[VMM_STAT_ALL].current, reserved);
+  EXPECT_EQ(s.num_device_free, 0);
+  EXPECT_EQ(HostFree(), free_at_start - static_cast<size_t>(reserved));
+  // A second use, released, changes nothing.
+  EXPECT_EQ(UsePrivate(1, 0), id);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 1);
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  EXPECT_EQ(HostFree(), free_at_start - static_cast<size_t>(reserved));
+  // The last release gives everything back at once (no block is live).
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  EXPECT_EQ(HostFree(), free_at_start);
+}
+
+TEST_F(CApiTest, APrivatePoolsBlocksNeverComeFromOrGoToTheDevicePool) {
+  void* warm = vmm_alloc(8 * kMiB, 0, nullptr);  // the device pool has cached memory...
+  ASSERT_NE(warm, nullptr) << vmm_last_error();
+  ASSERT_EQ(vmm_free(warm, 0), 0);
+  const int64_t id = UsePrivate(1, 0);
+  const auto [base, size] = ReservedRange(id);
+  const auto [device_base, device_size] = ReservedRange(0);
+  ASSERT_GT(size, 0u);
+  auto in_private = [&, base = base, size = size](const void* p) {
+    const auto a = reinterpret_cast<uint64_t>(p);
+    return a >= base && a < base + size;
+  };
+  // Device 0's allocations outside the private pool.
+  auto device_allocations = [&] {
+    return DeviceStats(0).allocation[VMM_STAT_ALL].current -
+           PoolStats(id).allocation[VMM_STAT_ALL].current;
+  };
+  const int64_t device_allocations_before = device_allocations();
+  std::vector<void*> blocks;
+  for (size_t n : {size_t{512}, 4 * kMiB, 8 * kMiB, 3 * kMiB}) {  // ...which fits each of them
+    blocks.push_back(PoolAlloc(id, n));
+    EXPECT_TRUE(in_private(blocks.back()));
+    EXPECT_EQ(vmm_owns(blocks.back()), 1);
+  }
+  EXPECT_EQ(device_allocations(), device_allocations_before)
+      << "the device pool handed out nothing";
+  EXPECT_EQ(LiveBlocks(id).size(), blocks.size());
+  // Freed by either free function, back into the private pool: the device pool gets none of
+  // it, and the private pool reuses it.
+  ASSERT_EQ(vmm_free(blocks[1], 0), 0);
+  vmm_block_free(blocks[2]);
+  void* from_device = vmm_alloc(8 * kMiB, 0, nullptr);
+  ASSERT_NE(from_device, nullptr);
+  EXPECT_FALSE(in_private(from_device));
+  EXPECT_GE(reinterpret_cast<uint64_t>(from_device), device_base);
+  EXPECT_LT(reinterpret_cast<uint64_t>(from_device), device_base + device_size);
+  const int64_t growths = PoolStats(id).num_device_alloc;
+  void* again = PoolAlloc(id, 8 * kMiB);
+  EXPECT_TRUE(in_private(again));
+  EXPECT_EQ(again, blocks[1]) << "the two freed blocks coalesced";
+  EXPECT_EQ(PoolStats(id).num_device_alloc, growths);
+  for (void* p : {blocks[0], blocks[3], again}) vmm_block_free(p);
+  ASSERT_EQ(vmm_free(from_device, 0), 0);
+  EXPECT_TRUE(LiveBlocks(id).empty());
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+}
+
+TEST_F(CApiTest, LiveBlocksListExactlyTheLiveBlocks) {
+  const int64_t id = UsePrivate(1, 0);
+  void* a = PoolAlloc(id, 3 * kMiB);
+  void* b = PoolAlloc(id, 2 * kMiB + 100);
+  void* c = PoolAlloc(id, 700);
+  void* d = PoolAlloc(id, 5 * kMiB);
+  vmm_block_free(b);
+  std::vector<vmm_block_entry> live = LiveBlocks(id);
+  ASSERT_EQ(live.size(), 3u);
+  // Address order: the small arena lies below the large one.
+  EXPECT_EQ(live[0].address, reinterpret_cast<uint64_t>(c));
+  EXPECT_EQ(live[0].size, 1024u);
+  EXPECT_EQ(live[0].requested_size, 700u);
+  EXPECT_EQ(live[1].address, reinterpret_cast<uint64_t>(a));
+  EXPECT_EQ(live[1].size, 3 * kMiB);
+  EXPECT_EQ(live[2].address, reinterpret_cast<uint64_t>(d));
+  EXPECT_EQ(live[2].requested_size, 5 * kMiB);
+  for (const vmm_block_entry& e : live) {
+    EXPECT_EQ(e.state, VMM_BLOCK_ACTIVE_ALLOCATED);
+    EXPECT_EQ(e.stream, 0u);
+  }
+  // A buffer too small is filled as far as it goes; the count is the whole.
+  vmm_block_entry one[1] = {};
+  EXPECT_EQ(vmm_pool_live_blocks(id, one, 1), 3);
+  EXPECT_EQ(one[0].address, reinterpret_cast<uint64_t>(c));
+  EXPECT_EQ(vmm_pool_live_blocks(id, nullptr, 1), -1);
+  EXPECT_EQ(vmm_pool_live_blocks(123456789, nullptr, 0), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  for (void* p : {a, c, d}) vmm_block_free(p);
+  EXPECT_TRUE(LiveBlocks(id).empty());
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+}
+
+TEST_F(CApiTest, AllocAtRestoresAFreedBlockAndRefusesAnythingElse) {
+  const int64_t id = UsePrivate(1, 0);
+  void* a = PoolAlloc(id, 4 * kMiB);
+  void* b = PoolAlloc(id, 4 * kMiB);
+  const auto at = reinterpret_cast<uint64_t>(a);
+  ASSERT_EQ(reinterpret_cast<uint64_t>(b), at + 4 * kMiB) << "exact growth, one after another";
+  vmm_block_free(a);
+  EXPECT_EQ(LiveBlocks(id).size(), 1u);
+  void* restored = vmm_pool_alloc_at(id, at, 4 * kMiB, nullptr);
+  ASSERT_EQ(restored, a) << vmm_last_error();
+  std::vector<vmm_block_entry> live = LiveBlocks(id);
+  ASSERT_EQ(live.size(), 2u);
+  EXPECT_EQ(live[0].address, at);
+  EXPECT_EQ(live[0].size, 4 * kMiB);
+  EXPECT_EQ(live[0].requested_size, 4 * kMiB);
+  // An allocated range, one partly allocated, and one the pool has not mapped.
+  for (auto [addr, size] : {std::pair{at + 4 * kMiB, 4 * kMiB}, std::pair{at + 2 * kMiB, 4 * kMiB},
+                            std::pair{at + 64 * kMiB, 4 * kMiB}}) {
+    EXPECT_EQ(vmm_pool_alloc_at(id, addr, size, nullptr), nullptr);
+    EXPECT_EQ(vmm_last_error_code(), VMM_FAILED_PRECONDITION) << vmm_last_error();
+  }
+  // Misaligned, empty, or outside the pool.
+  vmm_block_free(restored);
+  for (auto [addr, size] : {std::pair{at + 1, 4 * kMiB}, std::pair{at, 4 * kMiB + 3},
+                            std::pair{at, size_t{0}}, std::pair{uint64_t{4096}, 4 * kMiB}}) {
+    EXPECT_EQ(vmm_pool_alloc_at(id, addr, size, nullptr), nullptr);
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT) << vmm_last_error();
+  }
+  EXPECT_EQ(vmm_pool_alloc_at(987654321, at, 4 * kMiB, nullptr), nullptr);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(LiveBlocks(id).size(), 1u) << "failed calls allocate nothing";
+  // Part of the freed block, freed as any block.
+  void* part = vmm_pool_alloc_at(id, at + kMiB, 2 * kMiB, nullptr);
+  ASSERT_EQ(reinterpret_cast<uint64_t>(part), at + kMiB) << vmm_last_error();
+  ASSERT_EQ(vmm_free(part, 0), 0);
+  vmm_block_free(b);
+  EXPECT_TRUE(LiveBlocks(id).empty());
+  EXPECT_EQ(PoolStats(id).allocation[VMM_STAT_ALL].current, 0);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+}
+
+TEST_F(CApiTest, AClosedPrivatePoolIsDestroyedWithItsLastBlock) {
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  const size_t free_at_start = HostFree();
+  const int64_t id = UsePrivate(1, 0);
+  void* a = PoolAlloc(id, 4 * kMiB);
+  void* b = PoolAlloc(id, 4 * kMiB);  // a chunk of its own (exact growth)
+  vmm_block_free(b);
+  EXPECT_EQ(HostFree(), free_at_start - 8 * kMiB);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  EXPECT_EQ(HostFree(), free_at_start - 4 * kMiB) << "the cached chunk goes at once";
+  EXPECT_EQ(vmm_private_pool_find(0, 1, 0), -1);
+  EXPECT_EQ(vmm_owns(a), 1) << "a still lives in the closed pool";
+  bool in_snapshot = false;
+  const Json before = TakeJson(vmm_snapshot_json());
+  for (const Json& p : before.at("vmm_pools")) in_snapshot |= p.at("pool").get<int64_t>() == id;
+  EXPECT_TRUE(in_snapshot);
+  ASSERT_EQ(vmm_free(a, -1), 0);
+  EXPECT_EQ(vmm_owns(a), 0) << "destroyed with its last block";
+  EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
+  const Json after = TakeJson(vmm_snapshot_json());
+  for (const Json& p : after.at("vmm_pools")) EXPECT_NE(p.at("pool").get<int64_t>(), id);
+}
+
+TEST_F(CApiTest, APrivatePoolsBlocksAreExportedAndSentAsAnExplicitPools) {
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  const size_t free_at_start = HostFree();
+  const int64_t id = UsePrivate(1, 0, "handle_type=posix_fd");
+  ASSERT_EQ(vmm_pool_handle_type(id), VMM_HANDLE_POSIX_FD);
+  auto* block = static_cast<uint8_t*>(PoolAlloc(id, 4 * kMiB, /*shareable=*/1));
+  std::memset(block, 0x3c, 4 * kMiB);
+  EXPECT_EQ(vmm_send_kind(block), VMM_SEND_IN_PLACE);
+  uint8_t* descriptor = nullptr;
+  size_t len = 0;
+  ASSERT_EQ(vmm_export(block, &descriptor, &len), 0) << vmm_last_error();
+  const int64_t import = vmm_import(descriptor, len, -1, VMM_BACKEND_DEFAULT, 0);
+  vmm_release_buffer(descriptor);
+  ASSERT_GT(import, 0) << vmm_last_error();
+  uint64_t ptr = 0;
+  size_t size = 0;
+  int device = 0;
+  ASSERT_EQ(vmm_import_info(import, &ptr, &size, &device), 0);
+  EXPECT_EQ(size, 4 * kMiB);
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(ptr)[4 * kMiB - 1], 0x3c);
+  vmm_import_release(reinterpret_cast<void*>(import));
+  // A block sharing its chunk moves beside it: into the same private pool.
+  void* small = PoolAlloc(id, 4096);
+  EXPECT_EQ(vmm_send_kind(small), VMM_SEND_RELOCATE);
+  void* beside = vmm_alloc_beside(small, 4096, nullptr);
+  ASSERT_NE(beside, nullptr) << vmm_last_error();
+  const auto [base, range] = ReservedRange(id);
+  EXPECT_GE(reinterpret_cast<uint64_t>(beside), base);
+  EXPECT_LT(reinterpret_cast<uint64_t>(beside), base + range);
+  EXPECT_EQ(LiveBlocks(id).size(), 3u);
+  for (void* p : {static_cast<void*>(block), small, beside}) vmm_block_free(p);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  vmm_send_ack_flush(10);  // the import's mapping is closed on another thread
+  EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
+}
+
+}  // namespace

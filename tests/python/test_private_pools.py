@@ -1,0 +1,111 @@
+"""The C interface's private pools and its statistics and snapshot structs through the ctypes
+declarations (vmm_torch._signatures), on the host backend: the calls a C++ allocator adapter
+makes for CUDA graph pools, MemPools, memory_stats() and memory_snapshot()."""
+
+import ctypes
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("VMM_BACKEND", "host")  # device 0's pools on the host backend
+
+from vmm_torch import _lib, _signatures  # noqa: E402  (after the backend is chosen)
+
+MIB = 1 << 20
+NEW_FUNCTIONS = (
+    "vmm_device_torch_stats", "vmm_pool_torch_stats", "vmm_snapshot_get",
+    "vmm_snapshot_entries_release", "vmm_private_pool_use", "vmm_private_pool_release",
+    "vmm_private_pool_use_count", "vmm_private_pool_find", "vmm_pool_live_blocks",
+    "vmm_pool_alloc_at",
+)
+
+
+@pytest.fixture(scope="module")
+def vmm():
+    return _lib.vmm()
+
+
+def _json(vmm, pointer):
+    assert pointer, _lib.last_error()
+    try:
+        return json.loads(ctypes.string_at(pointer).decode())
+    finally:
+        vmm.vmm_release_buffer(pointer)
+
+
+def _pool_stats(vmm, pool):
+    stats = _signatures.TorchStats()
+    assert vmm.vmm_pool_torch_stats(pool, ctypes.byref(stats)) == 0, _lib.last_error()
+    return stats
+
+
+def test_the_functions_are_declared_and_exported(vmm):
+    for name in NEW_FUNCTIONS:
+        assert name in _signatures.SIGNATURES, name
+        function = getattr(vmm, name)
+        assert function.argtypes == _signatures.SIGNATURES[name][1], name
+
+
+def test_a_private_pool_through_ctypes(vmm):
+    host = _signatures.BACKEND_HOST
+    pool = vmm.vmm_private_pool_use(host, 0, 42, 1, None)
+    assert pool > 0, _lib.last_error()
+    assert vmm.vmm_private_pool_use(host, 0, 42, 1, b"") == pool
+    assert vmm.vmm_private_pool_use_count(0, 42, 1) == 2
+    assert vmm.vmm_private_pool_find(0, 42, 1) == pool
+    a = vmm.vmm_pool_alloc(pool, 4 * MIB, None, 0)
+    b = vmm.vmm_pool_alloc(pool, 4 * MIB, None, 0)
+    assert a and b, _lib.last_error()
+
+    entries = (_signatures.BlockEntry * 4)()
+    assert vmm.vmm_pool_live_blocks(pool, entries, 4) == 2
+    assert [e.address for e in entries[:2]] == sorted([a, b])
+    assert all(e.state == _signatures.BLOCK_ACTIVE_ALLOCATED for e in entries[:2])
+    assert vmm.vmm_pool_live_blocks(pool, None, 0) == 2
+
+    stats = _pool_stats(vmm, pool)
+    torch_keys = _json(vmm, vmm.vmm_pool_stats_json(pool))["torch"]
+    for name in _signatures.TORCH_STAT_NAMES:
+        stat = getattr(stats, name)[_signatures.STAT_ALL]
+        assert stat.current == torch_keys[f"{name}.all.current"], name
+        assert stat.peak == torch_keys[f"{name}.all.peak"], name
+    for name in _signatures.TORCH_COUNTER_NAMES:
+        assert getattr(stats, name) == torch_keys[name], name
+    assert stats.allocated_bytes[_signatures.STAT_ALL].current == 8 * MIB
+    assert stats.max_split_size == -1
+
+    device = _signatures.TorchStats()
+    assert vmm.vmm_device_torch_stats(0, ctypes.byref(device)) == 0
+    assert device.allocated_bytes[_signatures.STAT_ALL].current >= 8 * MIB
+
+    # A freed block's range, taken back exactly; a misaligned one refused.
+    vmm.vmm_block_free(a)
+    assert vmm.vmm_pool_alloc_at(pool, a, 4 * MIB, None) == a, _lib.last_error()
+    assert vmm.vmm_pool_alloc_at(pool, a + 1, 4 * MIB, None) is None
+    assert _lib.last_error_code() == _signatures.INVALID_ARGUMENT
+    assert vmm.vmm_pool_alloc_at(pool, b, 4 * MIB, None) is None
+    assert _lib.last_error_code() == _signatures.FAILED_PRECONDITION
+
+    snapshot = ctypes.POINTER(_signatures.SnapshotEntries)()
+    assert vmm.vmm_snapshot_get(ctypes.byref(snapshot)) == 0, _lib.last_error()
+    try:
+        mine = [snapshot.contents.segments[i]
+                for i in range(snapshot.contents.num_segments)
+                if snapshot.contents.segments[i].pool == pool]
+        allocated = sorted(
+            s.blocks[k].address for s in mine for k in range(s.num_blocks)
+            if s.blocks[k].state == _signatures.BLOCK_ACTIVE_ALLOCATED)
+        assert allocated == sorted([a, b])
+        assert all(s.is_large == 1 for s in mine)
+    finally:
+        vmm.vmm_snapshot_entries_release(snapshot)
+
+    vmm.vmm_block_free(a)
+    vmm.vmm_block_free(b)
+    assert vmm.vmm_private_pool_release(0, 42, 1) == 1
+    assert vmm.vmm_private_pool_release(0, 42, 1) == 0
+    assert vmm.vmm_private_pool_use_count(0, 42, 1) == 0
+    assert vmm.vmm_private_pool_find(0, 42, 1) == -1
+    assert _lib.last_error_code() == _signatures.NOT_FOUND
+    assert vmm.vmm_private_pool_release(0, 42, 1) == -1
