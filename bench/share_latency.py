@@ -16,7 +16,10 @@ With --breakdown, each latency row is followed by a "share_breakdown" row: media
 microseconds of where the latency went, parts that add up to it. export: the pickling reducer
 in the producer (vmm's or PyTorch's reduce_tensor). transit: from the put until the consumer's
 rebuild function starts, less the export (queue feeder thread, pipe, unpickling up to the
-rebuild). import: the rebuild function (vmm's sharing.rebuild_tensor, split into
+rebuild); for vmm, put_prepare (Queue.put's preparation of the tensors, in the producer's
+thread) and to_feeder (from its end until the feeder's export starts) are parts of it, and
+ready_wait (waiting for the put's CUDA event) and vmm_export (vmm_export_send) parts of the
+export. import: the rebuild function (vmm's sharing.rebuild_tensor, split into
 vmm_import, the C call, and wrap, the tensor over it; PyTorch's rebuild_cuda_tensor). unpickle_other: from the
 end of the rebuild until the queue's get returns. first_read: from then until tensor[0].item()
 returns. Timestamps are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for all processes).
@@ -121,6 +124,12 @@ def time_export(mode):
 
     if mode.startswith("vmm"):
         import vmm_torch.reductions as reductions
+        import vmm_torch.sharing as sharing
+
+        # Parts of the put (in the producer's thread) and of the export (in the feeder).
+        reductions.prepare_send = timed(reductions.prepare_send, "put_prepare")
+        sharing.wait_until_ready = timed(sharing.wait_until_ready, "ready_wait")
+        sharing.export_send = timed(sharing.export_send, "vmm_export")
     else:
         import torch.multiprocessing.reductions as reductions
     ForkingPickler.register(torch.Tensor, timed(reductions.reduce_tensor, "export"))
@@ -186,6 +195,11 @@ def split_latency(t0, r, stamps):
     for name in ("vmm_import", "wrap"):  # parts of the import
         if name in r["stamps"]:
             parts[name] = r["stamps"][name][1] - r["stamps"][name][0]
+    for name in ("put_prepare", "ready_wait", "vmm_export"):  # parts of the put and export
+        if name in stamps:
+            parts[name] = stamps[name][1] - stamps[name][0]
+    if "put_prepare" in stamps:  # from the end of the put's preparation to the export
+        parts["to_feeder"] = e0 - stamps["put_prepare"][1]
     return parts
 
 

@@ -69,7 +69,9 @@ def test_enable_and_train():
     assert stats["reserved_bytes.all.peak"] >= stats["allocated_bytes.all.peak"] > 0
     assert stats["num_device_alloc"] >= 1
     assert result["in_pool"]  # the model's parameters live in vmm's pool
-    assert "set_reset_fn" in result["hooks"]
+    # vmm's whole CUDA allocator where built, else CUDAPluggableAllocator with its hooks.
+    assert (result["hooks"] == ["vmm_cuda_allocator"]) == vmm_torch.full_allocator_available()
+    assert "vmm_cuda_allocator" in result["hooks"] or "set_reset_fn" in result["hooks"]
     assert result["reserved_after_empty"] <= stats["reserved_bytes.all.current"]
 
 

@@ -223,3 +223,48 @@ def test_out_of_memory_raises_torch_error_and_calls_observers():
     """)
     assert r["kind"] == "oom" and r["vmm"]
     assert r["observed"] == 1
+
+
+def test_graph_memory_is_the_graphs_alone_shared_as_asked_and_released_with_it():
+    r = run("""
+        import gc
+        torch.manual_seed(0)
+        x = torch.randn(512, 512, device="cuda")
+        w = torch.randn(512, 512, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            (x @ w).relu()
+        torch.cuda.current_stream().wait_stream(s)
+        g1 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1):
+            scratch = torch.empty(16 * MIB, dtype=torch.uint8, device="cuda")  # freed in capture
+            del scratch
+            a = (x @ w).relu()
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2, pool=g1.pool()):  # one pool for both graphs
+            b = a @ w
+        segments = [s for s in torch.cuda.memory_snapshot()
+                    if tuple(s["segment_pool_id"]) == tuple(g1.pool())]
+        def in_pool(t):
+            return any(s["address"] <= t.data_ptr() < s["address"] + s["total_size"]
+                       for s in segments)
+        eager = [torch.empty(16 * MIB, dtype=torch.uint8, device="cuda") for _ in range(4)]
+        g1.replay(); g2.replay(); torch.cuda.synchronize()
+        ok = torch.allclose(b, (x @ w).relu() @ w, atol=1e-3)
+        reserved = torch.cuda.memory_reserved()
+        out = dict(ok=ok, pool_segments=len(segments), a_in_pool=in_pool(a), b_in_pool=in_pool(b),
+                   eager_in_pool=any(in_pool(t) for t in eager))
+        del g1, g2, a, b
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        out["released"] = reserved - torch.cuda.memory_reserved()
+        out["pools_left"] = sum(1 for s in torch.cuda.memory_snapshot()
+                                if tuple(s["segment_pool_id"]) != (0, 0))
+        print(json.dumps(out))
+    """)
+    assert r["ok"] and r["pool_segments"] >= 1
+    assert r["a_in_pool"] and r["b_in_pool"], "a graph's outputs are not in its pool"
+    assert not r["eager_in_pool"], "an eager allocation got a graph's memory"
+    assert r["released"] > 0 and r["pools_left"] == 0, r

@@ -29,6 +29,9 @@
 //   install(): makes a VmmAllocator PyTorch's CUDA allocator (before CUDA is initialised).
 //   pool_allocator(options): a VmmAllocator object (torch._C._cuda_CUDAAllocator) for
 //     torch.cuda.MemPool: the private pools made for it take `options`.
+//   pool_ids(allocator, device, id0, id1): vmm's ids of the pools behind a MemPool.
+//   record_ready(device), wait_ready(id), discard_ready(id): the events of sends
+//     (ready_events.h).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -53,6 +56,7 @@
 #include <torch/extension.h>
 
 #include "torch_plugin/csrc/alloc_history.h"
+#include "torch_plugin/csrc/ready_events.h"
 #include "torch_plugin/vmm_c.h"
 
 namespace {
@@ -155,6 +159,11 @@ c10::CachingAllocator::Stat ToStat(const vmm_stat& s) {
 
 void ToStatArray(const vmm_stat (&in)[VMM_STAT_TYPES], c10::CachingAllocator::StatArray* out) {
   for (size_t i = 0; i < VMM_STAT_TYPES && i < out->size(); ++i) (*out)[i] = ToStat(in[i]);
+}
+
+// The deleter of the blocks setCheckpointPoolState allocates again (a free of any vmm pool).
+void FreeRestoredBlock(void* ptr) {
+  if (vmm.free(ptr, -1) != 0) TORCH_WARN("vmm: free failed: ", vmm.last_error());
 }
 
 // A checkpoint of a private pool (CUDA graph trees): its live blocks when it was taken.
@@ -462,12 +471,9 @@ class VmmAllocator : public Pluggable {
       cudaStream_t stream = reinterpret_cast<cudaStream_t>(block.stream);
       void* ptr = vmm.pool_alloc_at(pool, block.address, block.size, stream);
       if (ptr == nullptr) ThrowLastError("restoring a CUDA graph pool's checkpoint");
-      {
-        std::lock_guard<std::mutex> lock(allocator_mutex_);
-        allocation_metadata_[ptr] =
-            torch::cuda::CUDAPluggableAllocator::_AllocationMetadata(block.size, device, stream);
-      }
-      delta.dataptrs_allocd.emplace_back(ptr, ptr, raw_deleter(),
+      // Freed by vmm directly: PyTorch's bookkeeping of pluggable allocations cannot be
+      // extended from here (its entries' type is not exported).
+      delta.dataptrs_allocd.emplace_back(ptr, ptr, &FreeRestoredBlock,
                                          c10::Device(c10::DeviceType::CUDA, device));
     }
     return delta;
@@ -690,4 +696,16 @@ PYBIND11_MODULE(_cuda_allocator, m) {
       },
       "vmm's ids of the pools behind MemPool (id0, id1) of `allocator` on `device`.");
   m.def("is_installed", [] { return installed != nullptr; });
+  // The events of sends (ready_events.h): one object for the process, never destroyed (the
+  // CUDA context may be gone at exit).
+  static auto* ready = new vmm_torch::ReadyEvents();
+  m.def(
+      "record_ready", [](int device) { return ready->Record(static_cast<c10::DeviceIndex>(device)); },
+      "Records a pooled event on the current stream of `device`; its id.");
+  m.def(
+      "wait_ready", [](int64_t id) { ready->Wait(id); },
+      py::call_guard<py::gil_scoped_release>(), "Waits for ready event `id` and reuses it.");
+  m.def(
+      "discard_ready", [](int64_t id) { ready->Discard(id); },
+      "Reuses ready event `id` without waiting.");
 }

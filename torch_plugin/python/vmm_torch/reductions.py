@@ -203,15 +203,11 @@ def prepare_send(obj: Any) -> bool:
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
             pass  # not picklable: the feeder thread fails on it as it would without vmm
     for device, bases in preparer.cuda_bases.items():
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
-                               "stream captures a CUDA graph; send it after the capture")
         # What the current stream wrote before put: the feeder thread waits for it before the
-        # send goes (sharing.wait_until_ready), this thread goes on.
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
+        # send goes (sharing.wait_until_ready), this thread goes on. One event per storage
+        # (a pooled event is waited for once).
         for key in bases:
-            sharing.note_ready_event(key, event)
+            sharing.note_ready_event(key, sharing.record_ready(device))
     if preparer.found_vmm:
         sharing.wait_for_send_room()
     return preparer.found_vmm

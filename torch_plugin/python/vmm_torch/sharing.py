@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _lib, allocator
+from . import _cuda, _lib, allocator
 from .allocator import send_stats  # noqa: F401  (re-exported: sends are this module's)
 from ._devices import parse_device
 from ._signatures import (BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS, SEND_IMPORT,
@@ -214,7 +214,7 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
 #: Ready key -> events Queue.put recorded after the writes a send of that storage must carry
 #: (reductions.prepare_send), for the queue's feeder thread; oldest first, at most
 #: READY_EVENTS_KEPT keys (a put whose object is never pickled leaves its entry).
-_ready_events: "Dict[Tuple[int, int], List[torch.cuda.Event]]" = {}
+_ready_events: "Dict[Tuple[int, int], List[ReadyEvent]]" = {}
 _ready_lock = threading.Lock()
 READY_EVENTS_KEPT = 65536
 
@@ -226,15 +226,45 @@ def ready_key(t: torch.Tensor, base: int) -> Tuple[int, int]:
     return base, storage._cdata
 
 
-def note_ready_event(key: Tuple[int, int], event: "torch.cuda.Event") -> None:
-    """Queue.put recorded `event` after the writes to the storage of `key` (ready_key)."""
+#: A ready event: a torch.cuda.Event, or the id of a pooled event of vmm's CUDA module
+#: (vmm_torch._cuda: record_ready / wait_ready / discard_ready, one call each).
+ReadyEvent = Union["torch.cuda.Event", int]
+
+
+def record_ready(device: torch.device) -> ReadyEvent:
+    """An event recorded on the current stream of CUDA `device` (in the thread that put the
+    tensor): what the send must wait for. RuntimeError while that stream captures a CUDA
+    graph."""
+    module = _cuda.module(_lib.load())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if module is not None:
+        return module.record_ready(index)
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
+                           "stream captures a CUDA graph; send it after the capture")
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(index))
+    return event
+
+
+def _discard(events: "List[ReadyEvent]") -> None:
+    for event in events:
+        if isinstance(event, int):
+            _cuda.module(_lib.load()).discard_ready(event)
+
+
+def note_ready_event(key: Tuple[int, int], event: ReadyEvent) -> None:
+    """Queue.put recorded `event` (record_ready) after the writes to the storage of `key`
+    (ready_key)."""
+    dropped: "List[ReadyEvent]" = []
     with _ready_lock:
         _ready_events.setdefault(key, []).append(event)
         while len(_ready_events) > READY_EVENTS_KEPT:
-            del _ready_events[next(iter(_ready_events))]
+            dropped += _ready_events.pop(next(iter(_ready_events)))
+    _discard(dropped)
 
 
-def _take_ready_events(key: Tuple[int, int]) -> "List[torch.cuda.Event]":
+def _take_ready_events(key: Tuple[int, int]) -> "List[ReadyEvent]":
     with _ready_lock:
         return _ready_events.pop(key, [])
 
@@ -247,7 +277,10 @@ def wait_until_ready(key: Tuple[int, int], device: torch.device) -> None:
     if not events:
         torch.cuda.synchronize(device)
     for event in events:
-        event.synchronize()
+        if isinstance(event, int):
+            _cuda.module(_lib.load()).wait_ready(event)
+        else:
+            event.synchronize()
 
 
 def export_send(base: int) -> Tuple[bytes, bytes]:
@@ -288,7 +321,7 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
                                    "stream captures a CUDA graph; send it after the capture")
-            _take_ready_events(ready_key(t, base))
+            _discard(_take_ready_events(ready_key(t, base)))
             torch.cuda.current_stream(t.device).synchronize()
     try:
         data, ticket = export_send(base)
