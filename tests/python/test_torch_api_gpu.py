@@ -268,3 +268,20 @@ def test_graph_memory_is_the_graphs_alone_shared_as_asked_and_released_with_it()
     assert r["a_in_pool"] and r["b_in_pool"], "a graph's outputs are not in its pool"
     assert not r["eager_in_pool"], "an eager allocation got a graph's memory"
     assert r["released"] > 0 and r["pools_left"] == 0, r
+
+
+def test_graph_trees_checkpoint_when_a_new_graph_is_recorded_mid_execution():
+    r = run("""
+        torch.manual_seed(0)
+        f = torch.compile(lambda x: (x @ x).relu(), mode="reduce-overhead")
+        g = torch.compile(lambda x: (x + 1) * 2, mode="reduce-overhead")
+        x = torch.randn(256, 256, device="cuda")
+        errors = []
+        for i in range(4):
+            a = f(x)
+            b = g(a)  # recorded while f's graph executes: the tree checkpoints the pool
+            errors.append((b - ((x @ x).relu() + 1) * 2).abs().max().item())
+            a = a.clone(); b = b.clone()
+        print(json.dumps(dict(max_error=max(errors))))
+    """)
+    assert r["max_error"] < 1e-3
