@@ -28,6 +28,7 @@ LAYERS = {
     "_registry": 0,    # the open explicit pools
     "_devices": 0,     # device arguments
     "_files": 0,       # writing output files whole (dump_stats, the stats command line)
+    "_pickles": 0,     # loading untrusted pickles of builtins (memory snapshots)
     "_cuda": 0,        # vmm's own CUDA allocator module, where built
     "stats": 1,        # the dump reader (no libraries; writes with _files)
     "_lib": 1,         # loading, errors by code, call helpers

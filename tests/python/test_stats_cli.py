@@ -1,5 +1,6 @@
 """dump_stats and `python -m vmm_torch.stats` (summarize, render, torch-viz) on a real dump,
-on hostile dumps (escaped output, one-line failures), and dump_stats' file handling."""
+on hostile dumps (escaped output, one-line failures), and dump_stats' file handling;
+`timeline` on synthetic memory snapshots (pickle and JSON) and on hostile ones."""
 
 import copy
 import gc
@@ -262,7 +263,7 @@ HOSTILE_FILES = {
 }
 
 
-@pytest.mark.parametrize("command", ["summarize", "render", "torch-viz"])
+@pytest.mark.parametrize("command", ["summarize", "render", "torch-viz", "timeline"])
 @pytest.mark.parametrize("name", sorted(HOSTILE_FILES))
 def test_hostile_files_fail_in_one_line(tmp_path, capsys, command, name):
     path = tmp_path / f"{name}.json"
@@ -274,7 +275,7 @@ def test_hostile_files_fail_in_one_line(tmp_path, capsys, command, name):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("command", ["summarize", "render", "torch-viz"])
+@pytest.mark.parametrize("command", ["summarize", "render", "torch-viz", "timeline"])
 def test_unreadable_paths_fail_in_one_line(tmp_path, capsys, command):
     for path in (tmp_path / "missing.json", tmp_path):
         args = [command, path] + ([] if command == "summarize" else ["-o", tmp_path / "o"])
@@ -432,3 +433,477 @@ def test_dump_stats_path_types(tmp_path):
         with pytest.raises(TypeError, match="path"):
             vmm_torch.dump_stats(bad)
     assert _names(tmp_path) == ["bytes.json", "pathlike.json", "str.json"]
+
+
+# --- timeline: memory snapshots (torch.cuda.memory._dump_snapshot) ------------------------------
+
+KIB = 1 << 10
+
+
+def frame(name, filename, line=0):
+    return {"name": name, "filename": filename, "line": line}
+
+
+CAPTURE = [frame("torch::unwind::unwind()", "??"),
+           frame("torch::cuda::(anonymous namespace)::gather_with_cpp()", "memory_snapshot.cpp")]
+USER_FRAMES = CAPTURE + [
+    frame("forward", "/venv/lib/python3.12/site-packages/torch/nn/modules/linear.py", 125),
+    frame("train_step", "/home/u/train.py", 42),
+    frame("<module>", "/home/u/main.py", 7)]
+TORCH_ONLY = CAPTURE + [frame("forward", "/venv/site-packages/torch/nn/modules/linear.py", 125)]
+BACKWARD = CAPTURE + [
+    frame("torch::autograd::generated::MulBackward0::apply(std::vector<at::Tensor>&&)", "??"),
+    frame("torch::autograd::Engine::thread_main()", "??")]
+# Addresses of the trace's allocations, and of two alive before it began.
+A1, A2, A3, A4, A5, X, Y = (0x7f0000000000 + i * 0x1000000 for i in range(7))
+
+
+def entry(action, addr, size, frames=None, time_us=None):
+    e = {"action": action, "addr": addr, "size": size, "stream": 0}
+    if frames is not None:
+        e["frames"] = frames
+    if time_us is not None:
+        e["time_us"] = time_us
+    return e
+
+
+def synthetic_snapshot():
+    """A known trace of device 0. Events (allocs and the frees that end allocations), with the
+    bytes alive in each (X: 4 MiB alive throughout, Y: 1 MiB freed at event 4):
+    0 alloc A1 1 MiB (6), 1 alloc A2 2 MiB (8), 2 alloc A3 512 KiB (8.5), 3 free A1 (8.5),
+    4 free Y (7.5), 5 alloc A4 3 MiB (9.5: the peak), 6 free A2 requested, never completed
+    (9.5), 7 alloc A5 512 B, 8 free A4; A3 and A5 alive at the end."""
+    trace = [
+        entry("alloc", A1, MIB, BACKWARD, 1000),
+        entry("alloc", A2, 2 * MIB, TORCH_ONLY, 1001),
+        entry("alloc", A3, 512 * KIB, USER_FRAMES, 1002),
+        entry("free_requested", A1, MIB, BACKWARD, 1003),
+        entry("free_completed", A1, MIB, None, 1004),
+        entry("free_requested", Y, MIB, USER_FRAMES, 1005),
+        entry("free_completed", Y, MIB, None, 1006),
+        entry("alloc", A4, 3 * MIB, USER_FRAMES, 1007),
+        entry("free_requested", A2, 2 * MIB, TORCH_ONLY, 1008),
+        entry("alloc", A5, 512, [], 1009),
+        entry("segment_map", 0x7e0000000000, 2 * MIB, [], 1010),
+        entry("free_requested", A4, 3 * MIB, USER_FRAMES),
+        entry("free_completed", A4, 3 * MIB),
+    ]
+    blocks = [{"address": X, "size": 4 * MIB, "requested_size": 4 * MIB,
+               "state": "active_allocated", "frames": []},
+              {"address": A3, "size": 512 * KIB, "requested_size": 512 * KIB,
+               "state": "active_allocated", "frames": USER_FRAMES},
+              {"address": A5, "size": 512, "requested_size": 512, "state": "active_allocated",
+               "frames": []},
+              {"address": A4, "size": 3 * MIB, "requested_size": 0, "state": "inactive",
+               "frames": []}]
+    segments = [{"device": 0, "address": X, "total_size": 16 * MIB, "allocated_size": 5 * MIB,
+                 "stream": 0, "segment_type": "large", "segment_pool_id": (0, 0),
+                 "blocks": blocks},
+                {"device": 1, "address": 0x1000, "total_size": 2 * MIB, "allocated_size": MIB,
+                 "blocks": [{"address": 0x1000, "size": MIB, "state": "active_allocated"}]}]
+    return copy.deepcopy({"segments": segments, "device_traces": [trace, []],
+                          "allocator_settings": {"expandable_segments": True},
+                          "external_annotations": []})  # frames shared with nothing else
+
+
+SVG = "{http://www.w3.org/2000/svg}"
+PEAK = "peak 9.5 MiB at event 5"
+
+
+def write_snapshot(path, snapshot, fmt):
+    if fmt == "pickle":
+        path.write_bytes(pickle.dumps(snapshot))
+    else:
+        path.write_text(json.dumps(snapshot))
+    return path
+
+
+def parse_svg(path):
+    import xml.etree.ElementTree as ET
+
+    return ET.parse(path).getroot()
+
+
+def svg_texts(root):
+    return ["".join(t.itertext()) for t in root.iter(f"{SVG}text")]
+
+
+def polygons(root, cls):
+    return [p for p in root.iter(f"{SVG}polygon") if p.get("class") == cls]
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "json"])
+def test_timeline_draws_a_snapshot(tmp_path, fmt):
+    path = write_snapshot(tmp_path / f"snap.{fmt}", synthetic_snapshot(), fmt)
+    out = tmp_path / "timeline.svg"
+    result = run_cli("timeline", path, "-o", out)  # the real command line
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"wrote {out}\n"
+    root = parse_svg(out)
+    assert root.tag == f"{SVG}svg" and root.get("width") == "1200"
+    assert len(polygons(root, "band")) == 7 and not polygons(root, "other")
+    fills = {p.get("fill") for p in polygons(root, "band")}
+    assert len(fills) == 7 and "#b0b0b0" not in fills
+    legend = next(g for g in root.iter(f"{SVG}g") if g.get("class") == "legend")
+    entries = [t for t in svg_texts(legend) if "MiB" in t or " B," in t or "KiB" in t]
+    assert len(entries) == 7 and len(list(legend.iter(f"{SVG}rect"))) == 7
+    assert entries[0] == "4.0 MiB, no stack recorded, from before the trace to the end"
+    assert entries[1] == "3.0 MiB, train_step .../u/train.py:42, from event 5 to event 8"
+    assert entries[2] == ("2.0 MiB, forward .../modules/linear.py:125, from event 1 to "
+                          "event 6")  # free requested at 6, never completed
+    assert entries[3] == "1.0 MiB, backward: MulBackward0, from event 0 to event 3"
+    assert entries[4] == "1.0 MiB, train_step .../u/train.py:42, from before the trace to event 4"
+    assert PEAK in svg_texts(root)
+    page = out.read_text()
+    assert "<script" not in page and "href" not in page and "http" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_timeline_top_k_and_the_grey_rest(tmp_path, capsys):
+    path = write_snapshot(tmp_path / "snap.pickle", synthetic_snapshot(), "pickle")
+    out = tmp_path / "t.svg"
+    code, _, err = run_main(capsys, "timeline", path, "-o", out, "--top", "3", "--width", "800",
+                            "--height", "500")
+    assert code == 0, err
+    root = parse_svg(out)
+    assert root.get("width") == "800" and root.get("height") == "500"
+    assert len(polygons(root, "band")) == 3 and len(polygons(root, "other")) == 1
+    assert polygons(root, "other")[0].get("fill") == "#b0b0b0"
+    texts = svg_texts(root)
+    assert "4 other allocations (up to 1.0 MiB each), summed" in texts
+    assert PEAK in texts  # the peak counts the grey ones too
+    code, _, err = run_main(capsys, "timeline", path, "-o", out, "--top", "0")
+    assert code == 0, err
+    root = parse_svg(out)
+    assert not polygons(root, "band") and len(polygons(root, "other")) == 1
+
+
+def test_timeline_peak_and_columns():
+    snapshot = synthetic_snapshot()
+    line = stats_cli.timeline(snapshot, 0)
+    assert line.events == 9
+    spans = sorted((a.first, a.last, a.size, a.before_trace) for a in line.allocations)
+    assert spans == sorted([(0, 8, 4 * MIB, True), (0, 4, MIB, True), (0, 3, MIB, False),
+                            (1, 6, 2 * MIB, False), (2, 8, 512 * KIB, False),
+                            (5, 8, 3 * MIB, False), (7, 8, 512, False)])
+    assert line.allocations[0].size == 4 * MIB  # alive throughout: at the bottom
+    # Device 1 has no trace entries: its block alive throughout makes the one column.
+    other = stats_cli.timeline(snapshot, 1)
+    assert other.events == 1 and [(a.first, a.last, a.size) for a in other.allocations] == [
+        (0, 0, MIB)]
+    svg = stats_cli.timeline_svg(snapshot, 1)
+    assert "peak 1.0 MiB at event 0" in svg
+
+
+def test_user_frame_rule():
+    assert stats_cli.user_frame(USER_FRAMES) == "train_step .../u/train.py:42"
+    assert stats_cli.user_frame(TORCH_ONLY) == "forward .../modules/linear.py:125"
+    assert stats_cli.user_frame(BACKWARD) == "backward: MulBackward0"
+    assert stats_cli.user_frame(CAPTURE) == "no Python frame"
+    assert stats_cli.user_frame([]) == "no stack recorded"
+    generated = [frame("call", "/tmp/torchinductor_u/ab/cab12.py", 80),
+                 frame("run", "/usr/lib/python3.12/site-packages/torch/_inductor/utils.py", 9),
+                 frame("step", "train.py", 3)]
+    assert stats_cli.user_frame(generated) == "step train.py:3"
+
+
+def test_timeline_samples_down_beyond_the_event_cap(tmp_path, capsys):
+    # 30,000 events: a ramp of 15,000 allocations of 1 KiB, then all freed; one big one.
+    trace = [entry("alloc", 0x1000 + i * 1024, KIB) for i in range(15000)]
+    trace += [entry("free_completed", 0x1000 + i * 1024, KIB) for i in range(15000)]
+    trace.insert(100, entry("alloc", 1 << 40, 64 * MIB, USER_FRAMES))
+    path = write_snapshot(tmp_path / "big.pickle", {"segments": [], "device_traces": [trace]},
+                          "pickle")
+    out = tmp_path / "big.svg"
+    code, _, err = run_main(capsys, "timeline", path, "-o", out)
+    assert code == 0, err
+    root = parse_svg(out)
+    texts = svg_texts(root)
+    assert any(t.startswith("30001 events sampled down to 20000 columns") for t in texts)
+    peak = 64 * MIB + 15000 * KIB
+    assert f"peak {stats_cli.format_bytes(peak)} at event 15000" in texts
+    points = polygons(root, "other")[0].get("points").split()
+    assert len(points) <= 4 * 20000
+    assert out.stat().st_size < 1_000_000
+    small = stats_cli.timeline_svg(parse_snapshot_file(path), max_events=100)
+    assert "30001 events sampled down to 100 columns" in small
+
+
+def parse_snapshot_file(path):
+    return stats_cli.load_snapshot(str(path))
+
+
+class Thing:
+    pass
+
+
+def _reduce_pickle(tmp_path):
+    """A protocol-0 pickle that would run os.system("touch MARKER") when loaded."""
+    marker = tmp_path / "MARKER"
+    return (b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."), marker
+
+
+@pytest.mark.parametrize("name", ["function", "instance", "nested", "reduce", "protocol0"])
+def test_timeline_refuses_pickles_that_need_a_global(tmp_path, capsys, name):
+    snapshot = synthetic_snapshot()
+    marker = tmp_path / "MARKER"
+    if name == "function":
+        data = pickle.dumps(os.system)
+    elif name == "instance":
+        data = pickle.dumps(Thing())
+    elif name == "nested":  # a global deep inside an otherwise good snapshot
+        snapshot["device_traces"][0][0]["frames"] = [os.system]
+        data = pickle.dumps(snapshot)
+    elif name == "reduce":
+        data, marker = _reduce_pickle(tmp_path)
+    else:
+        data = pickle.dumps({"segments": [], "device_traces": [[]], "x": os.getcwd}, protocol=0)
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(data)
+    out = tmp_path / "out.svg"
+    code, _, err = run_main(capsys, "timeline", path, "-o", out)
+    assert_one_line_failure(code, err, path)
+    assert "the pickle needs the global " in err and "only builtin containers and scalars" in err
+    assert not out.exists() and not marker.exists()
+
+
+def test_timeline_refusal_in_the_real_command_line(tmp_path):
+    data, marker = _reduce_pickle(tmp_path)
+    path = tmp_path / "evil.pickle"
+    path.write_bytes(data)
+    result = run_cli("timeline", path, "-o", tmp_path / "o.svg")
+    assert result.returncode == 1 and not marker.exists() and not (tmp_path / "o.svg").exists()
+    assert result.stderr == (f"vmm-stats: {path}: the pickle needs the global os.system; only "
+                             f"builtin containers and scalars are accepted\n")
+
+
+def _nested_tuple_key(depth):
+    # {((...()...),): 1}: hashing a key nested this deep recurses in C once per level.
+    return b"\x80\x04}" + b")" + b"\x85" * depth + b"K\x01s."
+
+
+HOSTILE_PICKLES = {
+    # A million nested tuples as a dict key: plain pickle.loads overflows the C stack.
+    "deep_tuple_key": _nested_tuple_key(1_000_000),
+    "deep_tuple_via_memo": b"\x80\x04)\x94" + b"".join(
+        b"h" + bytes([i]) + b"\x85\x94" for i in range(200)) + b"}h\xc8K\x01s.",
+    "huge_memo_index": b"\x80\x04]r\xff\xff\xff\x7f.",  # the unpickler would size its memo
+    "truncated": pickle.dumps(synthetic_snapshot())[:-40],
+    "no_stop": pickle.dumps(synthetic_snapshot())[:-1],
+    "unknown_opcode": b"\x80\x04\xff.",
+    "persistent_id": b"\x80\x04K\x01Q.",
+    "extension_code": b"\x80\x04\x82\x01.",
+    "out_of_band_buffer": b"\x80\x05\x97.",
+    "stack_underflow": b"\x80\x04e.",
+    "bad_length": b"\x80\x04X\xff\xff\xff\x7f.",
+    "not_a_pickle": b"hello, world",
+    "empty": b"",
+    "json_array": b"[1, 2]",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_PICKLES))
+def test_timeline_refuses_hostile_pickles(tmp_path, capsys, name):
+    path = tmp_path / f"{name}.pickle"
+    path.write_bytes(HOSTILE_PICKLES[name])
+    out = tmp_path / "out.svg"
+    if name.startswith("deep_tuple"):  # in a process of its own: a crash would show there
+        result = run_cli("timeline", path, "-o", out)
+        code, err = result.returncode, result.stderr
+        assert "nests tuples more than 64 deep" in err
+    else:
+        code, _, err = run_main(capsys, "timeline", path, "-o", out)
+    assert_one_line_failure(code, err, path)
+    assert not out.exists()
+
+
+def test_nested_tuples_within_the_limit_load():
+    from vmm_torch import _pickles
+
+    ok = ()
+    for _ in range(_pickles.MAX_TUPLE_DEPTH - 1):
+        ok = (ok,)
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        assert _pickles.load_builtins(pickle.dumps({ok: [ok]}, protocol=protocol)) == {ok: [ok]}
+        with pytest.raises(_pickles.PickleRefused, match="nests tuples"):
+            _pickles.load_builtins(pickle.dumps({(ok,): 1}, protocol=protocol))
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_builtin_pickles_of_every_protocol_load(protocol):
+    from vmm_torch import _pickles
+
+    value = {"a": [1, -2, 2**100, 2.5, None, True, "é\n", (1, (2, 3))], "b": {"c": ()},
+             "d": [[]] * 3, "e": ((1,),) * 4}
+    if protocol >= 4:  # earlier protocols write these through globals (refused)
+        value.update(f=b"\x00\xff", g={1, 2}, h=frozenset({(1,)}))
+    assert _pickles.load_builtins(pickle.dumps(value, protocol=protocol)) == value
+    snapshot = synthetic_snapshot()
+    assert _pickles.load_builtins(pickle.dumps(snapshot, protocol=protocol)) == snapshot
+
+
+def test_timeline_refuses_oversized_files(tmp_path, capsys, monkeypatch):
+    path = write_snapshot(tmp_path / "snap.pickle", synthetic_snapshot(), "pickle")
+    monkeypatch.setattr(stats_cli, "SNAPSHOT_LIMIT", 100)
+    code, _, err = run_main(capsys, "timeline", path, "-o", tmp_path / "o.svg")
+    assert_one_line_failure(code, err, path)
+    assert "larger than 100 B" in err and not (tmp_path / "o.svg").exists()
+
+
+def _malformed(change):
+    snapshot = synthetic_snapshot()
+    return change(snapshot) or snapshot
+
+
+def _set(path, value):
+    def change(snapshot):
+        target = snapshot
+        for part in path[:-1]:
+            target = target[part]
+        if value is KeyError:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+    return change
+
+
+MALFORMED = {
+    "list": (lambda s: [s], "not a memory snapshot of torch.cuda.memory._snapshot() (the "
+                            "document is an array)"),
+    "no_device_traces": (_set(["device_traces"], KeyError), "no \"device_traces\""),
+    "no_segments": (_set(["segments"], KeyError), "the document has no \"segments\""),
+    "device_traces_dict": (_set(["device_traces"], {}), "device_traces is an object, expected "
+                                                        "an array"),
+    "trace_string": (_set(["device_traces", 0], "x"), "device_traces[0] is \"x\", expected an "
+                                                      "array"),
+    "entry_int": (_set(["device_traces", 0, 2], 7), "device_traces[0][2] is 7, expected an "
+                                                    "object"),
+    "no_action": (_set(["device_traces", 0, 1, "action"], KeyError),
+                  "device_traces[0][1] has no \"action\""),
+    "action_int": (_set(["device_traces", 0, 1, "action"], 3),
+                   "device_traces[0][1].action is 3, expected a string"),
+    "no_addr": (_set(["device_traces", 0, 0, "addr"], KeyError),
+                "device_traces[0][0] has no \"addr\""),
+    "addr_string": (_set(["device_traces", 0, 0, "addr"], "0x10"),
+                    "device_traces[0][0].addr is \"0x10\", expected an integer in [0, 2**64)"),
+    "size_negative": (_set(["device_traces", 0, 0, "size"], -1),
+                      "device_traces[0][0].size is -1, expected an integer in [0, 2**64)"),
+    "size_float": (_set(["device_traces", 0, 0, "size"], 1.5),
+                   "device_traces[0][0].size is 1.5, expected an integer in [0, 2**64)"),
+    "size_huge": (_set(["device_traces", 0, 0, "size"], 2**80),
+                  "device_traces[0][0].size is an integer of 81 bits, expected an integer in "
+                  "[0, 2**64)"),
+    "size_bool": (_set(["device_traces", 0, 0, "size"], True),
+                  "device_traces[0][0].size is true, expected an integer in [0, 2**64)"),
+    "time_string": (_set(["device_traces", 0, 0, "time_us"], "now"),
+                    "device_traces[0][0].time_us is \"now\", expected a number"),
+    "frames_dict": (_set(["device_traces", 0, 0, "frames"], {}),
+                    "device_traces[0][0].frames is an object, expected an array"),
+    "frame_string": (_set(["device_traces", 0, 0, "frames", 1], "f"),
+                     "device_traces[0][0].frames[1] is \"f\", expected an object"),
+    "frame_no_filename": (_set(["device_traces", 0, 0, "frames", 0, "filename"], KeyError),
+                          "device_traces[0][0].frames[0] has no \"filename\""),
+    "frame_line_string": (_set(["device_traces", 0, 0, "frames", 0, "line"], "1"),
+                          "device_traces[0][0].frames[0].line is \"1\", expected an integer"),
+    "segments_dict": (_set(["segments"], {}), "segments is an object, expected an array"),
+    "block_size_string": (_set(["segments", 0, "blocks", 0, "size"], "4"),
+                          "segments[0].blocks[0].size is \"4\", expected an integer"),
+    "block_frames_int": (_set(["segments", 0, "blocks", 1, "frames"], 5),
+                         "segments[0].blocks[1].frames is 5, expected an array"),
+}
+
+
+@pytest.mark.parametrize("fmt", ["pickle", "json"])
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_timeline_refuses_malformed_snapshots(tmp_path, capsys, fmt, name):
+    change, message = MALFORMED[name]
+    snapshot = _malformed(change)
+    path = write_snapshot(tmp_path / f"snap.{fmt}", snapshot, fmt)
+    out = tmp_path / "out.svg"
+    code, _, err = run_main(capsys, "timeline", path, "-o", out)
+    assert_one_line_failure(code, err, path)
+    assert message in err, err
+    assert not out.exists()
+
+
+def test_timeline_device_and_size_arguments(tmp_path, capsys):
+    path = write_snapshot(tmp_path / "snap.json", synthetic_snapshot(), "json")
+    out = tmp_path / "o.svg"
+    code, _, err = run_main(capsys, "timeline", path, "-o", out, "--device", "2")
+    assert_one_line_failure(code, err, path)
+    assert "no trace of device 2 (the snapshot has devices 0 to 1)" in err
+    code, _, err = run_main(capsys, "timeline", path, "-o", out, "--height", "300")
+    assert_one_line_failure(code, err, out)
+    assert "leaves no room" in err and not out.exists()
+    for bad in (["--top", "101"], ["--width", "10"], ["--device", "-1"], ["--top", "x"]):
+        with pytest.raises(SystemExit) as exit_info:
+            stats_cli.main(["timeline", str(path), "-o", str(out)] + bad)
+        assert exit_info.value.code == 2
+    capsys.readouterr()
+    assert not out.exists()
+
+
+TAGS = {"svg", "title", "rect", "text", "polygon", "g", "line", "circle"}
+ATTRS = {"xmlns", "width", "height", "viewBox", "font-family", "font-size", "role", "x", "y",
+         "fill", "font-weight", "class", "points", "stroke", "stroke-width", "x1", "y1", "x2",
+         "y2", "text-anchor", "stroke-dasharray", "cx", "cy", "r"}
+
+
+@pytest.mark.parametrize("text", HOSTILE_TEXT + ["\x00nul\x7f", "\ud800", "\ufffe&amp;"])
+@pytest.mark.parametrize("fmt", ["pickle", "json"])
+def test_timeline_escapes_frame_text(tmp_path, capsys, text, fmt):
+    snapshot = synthetic_snapshot()
+    hostile = [frame(text, text + ".py", 1), frame(text, "/home/" + text + "/x.py", 2)]
+    for e in snapshot["device_traces"][0]:
+        if "frames" in e:
+            e["frames"] = hostile
+    for block in snapshot["segments"][0]["blocks"]:
+        block["frames"] = hostile
+    path = tmp_path / f"snap.{fmt}"
+    if fmt == "json":
+        path.write_text(json.dumps(snapshot))  # lone surrogates as \ud800 escapes
+    else:
+        path.write_bytes(pickle.dumps(snapshot))
+    out = tmp_path / "o.svg"
+    code, _, err = run_main(capsys, "timeline", path, "-o", out)
+    assert code == 0, err
+    raw = out.read_bytes()
+    raw.decode("utf-8")  # strict: no lone surrogate written
+    page = raw.decode()
+    root = parse_svg(out)  # well-formed XML: no control character, every < and & escaped
+    for element in root.iter():
+        assert element.tag.startswith(SVG) and element.tag[len(SVG):] in TAGS, element.tag
+        assert set(element.attrib) <= ATTRS, element.attrib
+    for bad in ("<script", "<img", "<svg onload", "\x1b", "\u202e", "\x00", "\x07"):
+        assert bad not in page
+    assert any(text[:5] in t or repr(text)[1:6] in t for t in svg_texts(root))
+
+
+def _mutations():
+    return st.lists(st.tuples(st.sampled_from(["flip", "insert", "delete"]),
+                              st.integers(min_value=0, max_value=10**6),
+                              st.integers(min_value=0, max_value=255)), min_size=1, max_size=4)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(changes=_mutations(), protocol=st.sampled_from([0, 2, 4, 5]))
+def test_timeline_on_mutated_pickles_never_raises(tmp_path_factory, changes, protocol):
+    snapshot = synthetic_snapshot()
+    snapshot["device_traces"][0] = snapshot["device_traces"][0][:6]
+    data = bytearray(pickle.dumps(snapshot, protocol=protocol))
+    for kind, where, byte in changes:
+        where %= len(data) + 1
+        if kind == "flip" and where < len(data):
+            data[where] = byte
+        elif kind == "insert":
+            data[where:where] = bytes([byte])
+        elif where < len(data):
+            del data[where]
+    where = tmp_path_factory.mktemp("fuzz")
+    path = where / "s.pickle"
+    path.write_bytes(bytes(data))
+    code = stats_cli.main(["timeline", str(path), "-o", str(where / "o.svg")])
+    assert code in (0, 1)
+    if code == 0:
+        parse_svg(where / "o.svg")
