@@ -57,6 +57,7 @@
 
 #include "torch_plugin/csrc/alloc_history.h"
 #include "torch_plugin/csrc/ready_events.h"
+#include "torch_plugin/csrc/libvmm_symbols.h"
 #include "torch_plugin/vmm_c.h"
 
 namespace {
@@ -94,15 +95,8 @@ struct Vmm {
 
 Vmm vmm;
 
-template <typename F>
-void Lookup(void* lib, const char* name, F* out) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-  TORCH_CHECK(*out != nullptr, "vmm: libvmm.so lacks ", name);
-}
-
 void Bind(const std::string& path) {
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL);
-  TORCH_CHECK(lib != nullptr, "vmm: cannot load ", path, ": ", dlerror());
+  void* lib = OpenLibvmm(path);
   Vmm v;
   Lookup(lib, "vmm_last_error_code", &v.last_error_code);
   Lookup(lib, "vmm_last_error", &v.last_error);
