@@ -5,7 +5,8 @@ Reads the output of replay, growth_bench, vmm_peer_bench, torch_peer_bench and i
 (one JSON object per line; other lines are skipped), takes the median of each (test, metric,
 allocator) over all files, and writes one table per benchmark: a row per test and metric, a
 column per allocator with its median and its ratio to PyTorch's native allocator, and the
-target (docs/DESIGN.md §5) with whether vmm meets it.
+target (docs/DESIGN.md §5) with whether vmm meets it. Replays of several traces (the suite of
+bench/traces.py, bench/trace_suite.sh) get a row per trace, named after the trace's file.
 
     python3 bench/report.py results/*.jsonl > results/report.md
     python3 bench/report.py --all results/*.jsonl      # every count, not just the main ones
@@ -46,10 +47,19 @@ def target(name, metric, values):
     if metric == "ns_per_pair" and name.endswith("live=64"):
         return "≤ 100 ns", lambda v: v <= 100
     if metric == "peak_reserved_over_peak_allocated":
-        return "≤ 1.01", lambda v: v <= 1.01
+        if not name.startswith("trace_replay/") or name == "trace_replay/training":
+            return "≤ 1.01", lambda v: v <= 1.01
+        # The other traces of bench/traces.py.
+        ref = values.get("cuda_malloc_async")
+        if ref is None:
+            return "≤ 1.02", lambda v: v <= 1.02
+        return f"≤ 1.02, < cuda_malloc_async ({ref:.4f})", lambda v: v <= 1.02 and v < ref
     if metric == "num_device_alloc_plus_free" and "torch_expandable" in values:
         ref = values["torch_expandable"]
         return f"< torch_expandable ({ref:.0f})", lambda v: v < ref
+    if metric == "ns_per_op_cold" and "cuda_malloc_async" in values:
+        ref = values["cuda_malloc_async"]
+        return f"< cuda_malloc_async ({fmt(ref, 'ns')})", lambda v: v < ref
     if metric == "grow_over_bare":
         return "≤ 1.5", lambda v: v <= 1.5
     return None
@@ -101,6 +111,19 @@ def column_names(records):
     return names
 
 
+def row_names(records):
+    """The row name of each record: its test name, followed by the name of its trace file
+    (bench/traces.py's workload) where one benchmark has results of several traces."""
+    def trace(r):
+        return os.path.splitext(os.path.basename(r["trace"]))[0] if "trace" in r else None
+
+    traces = collections.defaultdict(set)
+    for r in records:
+        traces[r["bench"]].add(trace(r))
+    return [r["name"] + (f"/{trace(r)}" if trace(r) and len(traces[r["bench"]]) > 1 else "")
+            for r in records]
+
+
 def order_key(column):
     base = column.split(" [")[0]
     rank = ALLOCATOR_ORDER.index(base) if base in ALLOCATOR_ORDER else len(ALLOCATOR_ORDER)
@@ -112,12 +135,12 @@ def tables(records, show_all=False):
     # (bench, name, metric) -> column -> values; units by metric.
     table = collections.defaultdict(lambda: collections.defaultdict(list))
     units = {}
-    for r, column in zip(records, column_names(records)):
+    for r, column, name in zip(records, column_names(records), row_names(records)):
         if r["value"] is None:
             continue
         if not show_all and r["metric"] not in MAIN_METRICS:
             continue
-        table[(r["bench"], r["name"], r["metric"])][column].append(float(r["value"]))
+        table[(r["bench"], name, r["metric"])][column].append(float(r["value"]))
         units[r["metric"]] = r.get("unit", "")
 
     def row_key(key):

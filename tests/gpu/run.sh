@@ -17,6 +17,10 @@
 #   bench    the benchmarks, side by side with PyTorch; BENCH names the parts (default all):
 #              alloc    cached alloc+free pair, trace replay, growth and import
 #                       (bench/run_gpu_bench.sh), and pool_bench;
+#              traces   every trace of bench/traces.py replayed by vmm, PyTorch native,
+#                       expandable segments and cudaMallocAsync (bench/trace_suite.sh;
+#                       TRACES names some, TRACE_SCALE shortens them); traces_report.md and
+#                       the JSON lines (traces/) in $OUT;
 #              latency  share latency (with its breakdown) and imported bandwidth per mode,
 #                       without an IMEX channel, then with one, then SHARE_ROUNDS (3) rounds in
 #                       all of vmm fabric and PyTorch native (SHARE_REPS repetitions, 7);
@@ -202,6 +206,22 @@ bench_alloc() {
   cp "$logs/bench/import.jsonl" "$OUT/import.jsonl" 2>/dev/null
 }
 
+# Every trace of bench/traces.py through vmm and the peers, one process per trace and
+# allocator; the torch_peer_bench an alloc part built on this machine is reused.
+bench_traces() {
+  local envs=() tpb="$logs/bench/torch_peer_bench"
+  [[ -x "$tpb" ]] && envs+=(TORCH_PEER_BENCH="$tpb")
+  rm -rf "$logs/traces"
+  # shellcheck disable=SC2086  # TRACES is a list of names
+  step bench_traces 540 env "${envs[@]}" bench/trace_suite.sh "$bin" "$logs/traces" ${TRACES:-}
+  mkdir -p "$OUT/traces"
+  cp "$logs/traces"/*.jsonl "$OUT/traces/" 2>/dev/null
+  if [[ -e "$logs/traces/report.md" ]]; then
+    cp "$logs/traces/report.md" "$OUT/traces_report.md"
+    tee -a "$summary" <"$OUT/traces_report.md"
+  fi
+}
+
 # share_modes TAG MODES...: share_latency.py (with --breakdown) for each mode, one step each,
 # on the CPUs local to the GPU.
 share_modes() {
@@ -290,13 +310,13 @@ bench_train() {
 
 phase_bench() {
   gpu_info
-  local part parts=${BENCH:-alloc latency fanout chain dist train}
+  local part parts=${BENCH:-alloc traces latency fanout chain dist train}
   for part in $parts; do
     if [[ $(type -t "bench_$part") != function ]]; then
-      note "bench: unknown part '$part' (alloc latency fanout chain dist train)"
+      note "bench: unknown part '$part' (alloc traces latency fanout chain dist train)"
       continue
     fi
-    [[ $part == alloc ]] || install_plugin
+    [[ $part == alloc || $part == traces ]] || install_plugin
     note "--- bench $part"
     "bench_$part"
   done

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Replays every trace of bench/traces.py through vmm and its peers, and writes one report.
+#
+#   bench/trace_suite.sh BIN_DIR OUT_DIR [NAME...]
+#
+# BIN_DIR holds replay and vmm_peer_bench (`bazel build -c opt //bench/...`; .gpu/bin after
+# tests/gpu/prepare.sh). NAMEs pick workloads (default: all of `traces.py --list`). Each trace
+# is generated into a temporary folder (TRACE_DIR: this folder instead, kept) and replayed,
+# each program in a process of its own and under `timeout`, by:
+#   vmm                 replay (the default growth policy; REPLAY_ARGS adds flags, e.g. a sweep)
+#   cuda_malloc_async   vmm_peer_bench --allocators=cuda_malloc_async
+#   torch_native        torch_peer_bench, PYTORCH_CUDA_ALLOC_CONF unset
+#   torch_expandable    torch_peer_bench, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# The replay workload (bench/alloc_workloads.h) gives, per trace and allocator, peak reserved
+# over peak allocated, growths and releases (num_device_alloc / num_device_free), driver
+# calls, and ns per operation cold and warm. OUT_DIR gets NAME.ALLOCATOR.jsonl and .log per
+# run and report.md (bench/report.py: one row per trace and metric, one column per allocator).
+#
+# Environment: BACKEND=cuda (default) or host: on the host backend only vmm runs (no GPU
+# needed); TRACE_SEED (0), TRACE_SCALE (1), WARM_REPS (3), STEP_LIMIT (seconds per run, 180),
+# PYTHON (python3), TORCH_PEER_BENCH (a torch_peer_bench already built; else it is built into
+# OUT_DIR by build_torch_peer.sh). A failing run is logged and the others still run; the exit
+# status is that of the first failure.
+set -uo pipefail
+
+usage="usage: $0 BIN_DIR OUT_DIR [NAME...]"
+bin=${1:?$usage}
+out=${2:?$usage}
+shift 2
+here=$(cd "$(dirname "$0")" && pwd)
+python=${PYTHON:-python3}
+backend=${BACKEND:-cuda}
+limit=${STEP_LIMIT:-180}
+warm=${WARM_REPS:-3}
+status=0
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+# run NAME COMMAND...: stdout to NAME.jsonl, stderr to NAME.log.
+run() {
+  local name=$1
+  shift
+  echo "== $name: $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.jsonl" 2>"$out/$name.log"
+  local rc=$?
+  echo "   rc=$rc, $((SECONDS - start)) s"
+  if [[ $rc -ne 0 ]]; then
+    tail -n 5 "$out/$name.log"
+    [[ $status -ne 0 ]] || status=$rc
+  fi
+}
+
+names=("$@")
+if [[ ${#names[@]} -eq 0 ]]; then
+  mapfile -t names < <("$python" "$here/traces.py" --list | awk '{print $1}')
+fi
+if [[ -n "${TRACE_DIR:-}" ]]; then
+  traces=$TRACE_DIR
+  mkdir -p "$traces"
+else
+  traces=$(mktemp -d)
+  trap 'rm -rf "$traces"' EXIT
+fi
+
+torch_peer=
+if [[ $backend == cuda ]]; then
+  torch_peer=${TORCH_PEER_BENCH:-}
+  if [[ -z "$torch_peer" ]]; then
+    run build_torch_peer "$here/build_torch_peer.sh" "$out/torch_peer_bench"
+    rm -f "$out/build_torch_peer.jsonl"
+    torch_peer=$out/torch_peer_bench
+  fi
+  if [[ ! -x "$torch_peer" ]]; then
+    echo "no torch_peer_bench: PyTorch's allocators are skipped"
+    torch_peer=
+  fi
+else
+  echo "backend $backend: vmm only (the peers need a GPU)"
+fi
+
+for name in "${names[@]}"; do
+  trace=$traces/$name.txt
+  echo "== trace $name (seed ${TRACE_SEED:-0}, scale ${TRACE_SCALE:-1})"
+  if ! "$python" "$here/traces.py" "$name" --seed "${TRACE_SEED:-0}" \
+      --scale "${TRACE_SCALE:-1}" >"$trace"; then
+    echo "   generating $name failed"
+    [[ $status -ne 0 ]] || status=1
+    continue
+  fi
+  # shellcheck disable=SC2086  # REPLAY_ARGS is a list of words
+  run "$name.vmm" "$bin/replay" --backend="$backend" --trace="$trace" --warm_reps="$warm" \
+    ${REPLAY_ARGS:-}
+  [[ $backend == cuda ]] || continue
+  run "$name.cuda_malloc_async" "$bin/vmm_peer_bench" --allocators=cuda_malloc_async --live= \
+    --warm_reps="$warm" --trace="$trace"
+  if [[ -n "$torch_peer" ]]; then
+    run "$name.torch_native" env -u PYTORCH_CUDA_ALLOC_CONF -u PYTORCH_ALLOC_CONF \
+      "$torch_peer" --live= --warm_reps="$warm" --trace="$trace"
+    run "$name.torch_expandable" env -u PYTORCH_ALLOC_CONF \
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$torch_peer" --live= \
+      --warm_reps="$warm" --trace="$trace"
+  fi
+done
+
+# One row per trace and metric (report.py names the rows after the trace files).
+if "$python" "$here/report.py" "$out"/*.jsonl >"$out/report.md"; then
+  cat "$out/report.md"
+else
+  [[ $status -ne 0 ]] || status=1
+fi
+exit "$status"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Smoke test of trace_suite.sh on the host backend: every trace of traces.py, at a small
+# scale, replayed by vmm, with a row of report.md per trace.
+set -euo pipefail
+
+here=${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-vmm}/bench
+tmp=${TEST_TMPDIR:-$(mktemp -d)}
+
+BACKEND=host TRACE_SCALE=0.05 WARM_REPS=1 STEP_LIMIT=60 TRACE_DIR="$tmp/traces" \
+  "$here/trace_suite.sh" "$here" "$tmp/out" >"$tmp/suite.log" 2>&1 ||
+  { cat "$tmp/suite.log"; exit 1; }
+names=$(python3 "$here/traces.py" --list | awk '{print $1}')
+[[ $(wc -w <<<"$names") -ge 6 ]] || { echo "traces.py --list: $names"; exit 1; }
+for name in $names; do
+  [[ -s "$tmp/traces/$name.txt" ]] || { echo "no trace $name"; exit 1; }
+  grep -q '"metric": "ns_per_op_warm"' "$tmp/out/$name.vmm.jsonl" ||
+    { echo "no replay results for $name:"; cat "$tmp/out/$name.vmm.jsonl"; exit 1; }
+  grep -q "^| trace_replay/$name | peak_reserved_over_peak_allocated (x) | [0-9.]* |" \
+    "$tmp/out/report.md" || { echo "no row for $name:"; cat "$tmp/out/report.md"; exit 1; }
+done
+echo PASS

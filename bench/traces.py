@@ -1,0 +1,736 @@
+#!/usr/bin/env python3
+"""Seeded allocation traces of several workload shapes, for bench/replay.cc and the peers.
+
+Each workload stands for a real program's pattern of GPU allocations (its docstring says
+which, and what its parameters mean). The output is what bench/replay.cc,
+bench/vmm_peer_bench.cc and bench/torch_peer_bench.cpp read: one event per line,
+`a ID BYTES` (allocate) or `f ID` (free). Every ID is allocated once and freed at most once;
+what is still live at the end stays live (the replay frees it, untimed). The same name, seed,
+scale and parameters always give the same bytes.
+
+    python3 bench/traces.py --list                      # the workloads, one a line
+    python3 bench/traces.py kv_serving > trace.txt      # seed 0, default scale
+    python3 bench/traces.py churn --seed 3 --scale 0.1 > small.txt
+    python3 bench/traces.py inference_varying --set layers=8 --stats   # events and peak only
+
+`--scale F` multiplies the trace's length (the steps, buffers, batches, iterations or
+documents of the workload; at least one), not its buffer sizes, so peak live bytes stay of
+the same order. `--set
+NAME=VALUE` (repeatable) overrides a parameter of the workload's function. At the default
+scale every trace has at most about 100,000 events and peak live bytes between a few GiB and
+about 20 GiB, so that one replay takes seconds. bench/README.md has the table of the suite;
+bench/trace_suite.sh replays every trace through vmm and its peers.
+"""
+import argparse
+import heapq
+import inspect
+import math
+import random
+import re
+import sys
+
+import training_trace  # the training trace's own generator, beside this file
+
+KIB = 1 << 10
+MIB = 1 << 20
+GIB = 1 << 30
+
+WORKLOADS = {}  # name -> Workload
+# Each workload's docstring ends with its figures at the defaults, in this form.
+_DEFAULTS_LINE = re.compile(
+    r"Defaults: (?P<events>[\d,]+) events, peak live (?P<peak>[\d.]+) GiB with seed 0 "
+    r"\((?P<lo>[\d.]+) to (?P<hi>[\d.]+) GiB over seeds\)\.")
+
+
+class Workload:
+    """A registered generator: `fn(rec, seed, **params)` emits events through `rec`."""
+
+    def __init__(self, fn, length):
+        self.name = fn.__name__
+        self.fn = fn
+        self.length = length          # the parameter --scale multiplies
+        self.doc = inspect.getdoc(fn)
+        m = _DEFAULTS_LINE.search(self.doc)
+        if m is None:
+            raise ValueError(f"{self.name}'s docstring lacks its 'Defaults: ...' line")
+        # What the docstring promises at the default scale.
+        self.events = int(m["events"].replace(",", ""))
+        self.peak_gib_seed0 = float(m["peak"])
+        self.peak_gib_range = (float(m["lo"]), float(m["hi"]))
+        self.defaults = {
+            name: p.default
+            for name, p in inspect.signature(fn).parameters.items()
+            if p.kind == p.KEYWORD_ONLY
+        }
+
+    @property
+    def summary(self):
+        return self.doc.splitlines()[0]
+
+    def params(self, scale=1.0, overrides=None):
+        """The parameters of a run: defaults, then `overrides`, then the length scaled."""
+        params = dict(self.defaults)
+        for key, value in (overrides or {}).items():
+            if key not in params:
+                raise ValueError(f"{self.name} has no parameter {key!r} "
+                                 f"(it has {', '.join(sorted(params))})")
+            params[key] = value
+        params[self.length] = max(1, int(round(params[self.length] * scale)))
+        return params
+
+
+def workload(length):
+    def register(fn):
+        WORKLOADS[fn.__name__] = Workload(fn, length)
+        return fn
+    return register
+
+
+class Recorder:
+    """Hands out IDs and passes each event to `sink(op, ident, nbytes)` (nbytes 0 for a
+    free)."""
+
+    def __init__(self, sink):
+        self.sink = sink
+        self.next_id = 0
+
+    def alloc(self, nbytes):
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"allocation of {nbytes} bytes")
+        ident = self.next_id
+        self.next_id += 1
+        self.sink("a", ident, nbytes)
+        return ident
+
+    def free(self, ident):
+        self.sink("f", ident, 0)
+
+    def free_all(self, idents):
+        for ident in idents:
+            self.sink("f", ident, 0)
+
+
+def _round_up(n, multiple):
+    return -(-n // multiple) * multiple
+
+
+def _clamp(v, lo, hi):
+    return max(lo, min(hi, v))
+
+
+def _lognormal_int(rng, median, sigma, lo, hi):
+    return _clamp(int(rng.lognormvariate(math.log(median), sigma)), lo, hi)
+
+
+# ---------------------------------------------------------------------------------------------
+# The workloads.
+
+
+@workload(length="steps")
+def training(rec, seed, *, steps=60, layers=24, hidden=4096):
+    """Transformer training with a variable sequence length (bench/training_trace.py).
+
+    Exactly the events of bench/training_trace.py for the same seed and parameters: each
+    step picks a sequence length (256..4096 times 1, 2 or 4), allocates three activations per
+    layer that live until the backward pass (1x, 1x and 4x seq*hidden*2 bytes) and one
+    temporary that dies at once, then walks the layers backwards, allocating a gradient,
+    freeing the activation and freeing the gradient. Everything is freed by the end of a
+    step.
+
+    steps: training steps (--scale multiplies it); layers, hidden: the model's depth and
+    width.
+
+    Defaults: 20,160 events, peak live 18.375 GiB with seed 0 (12 to 19 GiB over seeds).
+    """
+    for op, ident, nbytes in training_trace.events(seed, steps, layers, hidden):
+        rec.sink(op, ident, nbytes)
+
+
+@workload(length="steps")
+def kv_serving(rec, seed, *, steps=4500, arrival_rate=0.14, max_batch=64, prompt_median=512,
+               output_median=256, max_context=8192, layers=32, hidden=4096, heads=32,
+               kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, page_tokens=16,
+               growth=1.5):
+    """LLM serving with continuous batching and a per-request KV cache grown by reallocation.
+
+    Stands for a simple LLM server (an 8B model with grouped-query attention, Llama-3-8B's
+    shape) that keeps each request's KV cache in one tensor and grows it geometrically: when
+    a request's tokens outgrow the cache, a block `growth` times larger (rounded up to
+    `page_tokens` tokens) is allocated, the cache copied into it and the old block freed.
+    Requests arrive as a Poisson process (`arrival_rate` per decode step) with lognormal
+    prompt and output lengths (medians `prompt_median`, `output_median`; prompt plus output
+    at most `max_context` tokens) and wait while `max_batch` requests are running. A newly
+    admitted request is prefilled (activation temporaries sized by its prompt, then its KV
+    cache for the prompt); then every decode step allocates and frees the step's
+    temporaries, sized by the batch: hidden states, QKV, attention scores (fp32, batch x
+    heads x longest context), the MLP's gate and up projections, logits and probabilities
+    (fp32, batch x vocab) and the sampled tokens. A finished request frees its cache.
+    Weights are loaded before the trace starts and are not part of it.
+
+    steps: decode steps (--scale multiplies it); the model: layers, hidden, heads, kv_heads,
+    head_dim, intermediate, vocab (bf16 activations and cache).
+
+    Defaults: 82,938 events, peak live 12.721 GiB with seed 0 (10 to 14 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2
+    qkv_width = hidden + 2 * kv_heads * head_dim
+    waiting = []   # (prompt, output) of requests not yet admitted, in arrival order
+    active = []    # [prompt, output, generated, capacity, cache ID]
+    next_arrival = rng.expovariate(arrival_rate)
+
+    def capacity_for(tokens):
+        return _round_up(tokens, page_tokens)
+
+    for step in range(steps):
+        while next_arrival <= step:
+            prompt = _lognormal_int(rng, prompt_median, 1.0, 16, max_context // 2)
+            output = _lognormal_int(rng, output_median, 0.8, 1, max_context - prompt)
+            waiting.append((prompt, output))
+            next_arrival += rng.expovariate(arrival_rate)
+        # Admit and prefill, one request at a time.
+        while waiting and len(active) < max_batch:
+            prompt, output = waiting.pop(0)
+            x = rec.alloc(prompt * hidden * 2)
+            qkv = rec.alloc(prompt * qkv_width * 2)
+            attn = rec.alloc(prompt * hidden * 2)
+            rec.free(qkv)
+            mlp = rec.alloc(prompt * 2 * intermediate * 2)
+            rec.free(attn)
+            capacity = capacity_for(prompt + 1)
+            cache = rec.alloc(capacity * kv_per_token)
+            rec.free(mlp)
+            last = rec.alloc(hidden * 2)
+            rec.free(x)
+            logits = rec.alloc(vocab * 4)
+            rec.free(last)
+            rec.free(logits)
+            active.append([prompt, output, 1, capacity, cache])
+        if not active:
+            continue
+        # One decode step for the batch.
+        batch = len(active)
+        context = max(r[0] + r[2] for r in active)
+        x = rec.alloc(batch * hidden * 2)
+        qkv = rec.alloc(batch * qkv_width * 2)
+        scores = rec.alloc(batch * heads * context * 4)
+        attn = rec.alloc(batch * hidden * 2)
+        rec.free(scores)
+        rec.free(qkv)
+        mlp = rec.alloc(batch * 2 * intermediate * 2)
+        rec.free(attn)
+        rec.free(mlp)
+        logits = rec.alloc(batch * vocab * 4)
+        rec.free(x)
+        probs = rec.alloc(batch * vocab * 4)
+        rec.free(logits)
+        tokens = rec.alloc(batch * 8)
+        rec.free(probs)
+        rec.free(tokens)
+        still = []
+        for r in active:
+            r[2] += 1
+            if r[2] >= r[1]:
+                rec.free(r[4])
+                continue
+            if r[0] + r[2] > r[3]:
+                r[3] = capacity_for(max(r[0] + r[2], int(r[3] * growth)))
+                grown = rec.alloc(r[3] * kv_per_token)
+                rec.free(r[4])
+                r[4] = grown
+            still.append(r)
+        active = still
+
+
+@workload(length="allocations")
+def churn(rec, seed, *, allocations=45000, min_bytes=4 * KIB, max_bytes=GIB,
+          short_lifetime=12, medium_fraction=0.04, medium_lifetime=1500, long_fraction=0.001,
+          max_live_gib=16.0):
+    """Long-running churn without structure: log-uniform sizes, mostly short lifetimes.
+
+    Stands for a long-lived process that runs unrelated work one after another for a long
+    time (a notebook kernel or a service that loads, runs and drops models and jobs), where
+    sizes follow no pattern and a few buffers outlive everything around them. Each
+    allocation's size is log-uniform between `min_bytes` and `max_bytes` (any byte count);
+    its lifetime, counted in later allocations, is exponential with mean `short_lifetime`,
+    or with mean `medium_lifetime` for a fraction `medium_fraction`, or, for a fraction
+    `long_fraction` (a few dozen buffers), between 30% and 100% of the whole trace (those
+    past the end are never freed). Live bytes never exceed `max_live_gib`: when a buffer would
+    go over, the live buffers due to die soonest are freed first (a program under memory
+    pressure waiting for its work to finish).
+
+    allocations: how many buffers (--scale multiplies it).
+
+    Defaults: 89,905 events, peak live 11.619 GiB with seed 0 (10 to 16 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    lo, hi = math.log(min_bytes), math.log(max_bytes)
+    cap = int(max_live_gib * GIB)
+    deaths = []   # (allocation index it dies at, ID)
+    size_of = {}
+    live = 0
+    for t in range(allocations):
+        while deaths and deaths[0][0] <= t:
+            _, ident = heapq.heappop(deaths)
+            rec.free(ident)
+            live -= size_of.pop(ident)
+        nbytes = int(math.exp(rng.uniform(lo, hi)))
+        while deaths and live + nbytes > cap:
+            _, ident = heapq.heappop(deaths)
+            rec.free(ident)
+            live -= size_of.pop(ident)
+        r = rng.random()
+        if r < long_fraction:
+            lifetime = int(allocations * rng.uniform(0.3, 1.0))
+        elif r < long_fraction + medium_fraction:
+            lifetime = 1 + int(rng.expovariate(1.0 / medium_lifetime))
+        else:
+            lifetime = 1 + int(rng.expovariate(1.0 / short_lifetime))
+        ident = rec.alloc(nbytes)
+        size_of[ident] = nbytes
+        live += nbytes
+        if t + lifetime < allocations:
+            heapq.heappush(deaths, (t + lifetime, ident))
+
+
+def _llm_weights(rec, layers, hidden, kv_dim, intermediate, vocab, dtype_bytes=2):
+    """Allocates a decoder's weights tensor by tensor (embedding, per layer: q, k, v, o, gate,
+    up, down, two norms; final norm, LM head) and returns their IDs and sizes."""
+    shapes = [vocab * hidden]
+    for _ in range(layers):
+        shapes += [hidden * hidden, hidden * kv_dim, hidden * kv_dim, hidden * hidden,
+                   hidden * intermediate, hidden * intermediate, intermediate * hidden,
+                   hidden, hidden]
+    shapes += [hidden, vocab * hidden]
+    return [(rec.alloc(n * dtype_bytes), n * dtype_bytes) for n in shapes]
+
+
+@workload(length="batches")
+def inference_varying(rec, seed, *, batches=90, layers=28, hidden=3072, heads=24, kv_heads=8,
+                      head_dim=128, intermediate=8192, vocab=128256, max_tokens=16384,
+                      min_seq=32, max_seq=4096):
+    """Batched inference (forward only) with varying batch size and sequence length.
+
+    Stands for a model server or offline scorer running a 3B decoder (Llama-3.2-3B's shape,
+    bf16) over requests of any size: the weights are allocated once at the start, tensor by
+    tensor, and never freed; then each batch picks a batch size (1..32, powers of two) and a
+    sequence length (log-uniform `min_seq`..`max_seq`, the batch cut to `max_tokens`
+    tokens), and the forward pass allocates and frees activations layer by layer as an eager
+    PyTorch model does: norm (and its fp32 variance), Q, K, V, rotary copies, the attention
+    output and its log-sum-exp, the output projection, the residual sum, the MLP's gate, up,
+    SiLU and product, the down projection and the next residual. The batch ends with the
+    last token's logits (fp32).
+
+    batches: forward passes (--scale multiplies it); the model: layers, hidden, heads,
+    kv_heads, head_dim, intermediate, vocab.
+
+    Defaults: 96,735 events, peak live 7.560 GiB with seed 0 (7 to 8 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    kv_dim = kv_heads * head_dim
+    _llm_weights(rec, layers, hidden, kv_dim, intermediate, vocab)
+    lo, hi = math.log(min_seq), math.log(max_seq)
+    for _ in range(batches):
+        batch = rng.choice([1, 2, 4, 8, 16, 32])
+        seq = int(math.exp(rng.uniform(lo, hi)))
+        batch = max(1, min(batch, max_tokens // seq))
+        t = batch * seq
+        ids = rec.alloc(t * 8)
+        x = rec.alloc(t * hidden * 2)
+        rec.free(ids)
+        for _ in range(layers):
+            var = rec.alloc(t * 4)
+            n = rec.alloc(t * hidden * 2)
+            rec.free(var)
+            q = rec.alloc(t * hidden * 2)
+            k = rec.alloc(t * kv_dim * 2)
+            v = rec.alloc(t * kv_dim * 2)
+            rec.free(n)
+            q_rot = rec.alloc(t * hidden * 2)
+            rec.free(q)
+            k_rot = rec.alloc(t * kv_dim * 2)
+            rec.free(k)
+            attn = rec.alloc(t * hidden * 2)
+            lse = rec.alloc(batch * heads * seq * 4)
+            rec.free_all((q_rot, k_rot, v, lse))
+            o = rec.alloc(t * hidden * 2)
+            rec.free(attn)
+            x2 = rec.alloc(t * hidden * 2)
+            rec.free_all((x, o))
+            var = rec.alloc(t * 4)
+            n2 = rec.alloc(t * hidden * 2)
+            rec.free(var)
+            gate = rec.alloc(t * intermediate * 2)
+            up = rec.alloc(t * intermediate * 2)
+            rec.free(n2)
+            act = rec.alloc(t * intermediate * 2)
+            rec.free(gate)
+            prod = rec.alloc(t * intermediate * 2)
+            rec.free_all((act, up))
+            d = rec.alloc(t * hidden * 2)
+            rec.free(prod)
+            x = rec.alloc(t * hidden * 2)
+            rec.free_all((x2, d))
+        last = rec.alloc(batch * hidden * 2)
+        rec.free(x)
+        logits = rec.alloc(batch * vocab * 4)
+        rec.free_all((last, logits))
+
+
+@workload(length="iterations")
+def rl_phases(rec, seed, *, iterations=4, layers=16, hidden=2048, heads=16, kv_heads=4,
+              head_dim=128, intermediate=5632, vocab=32000, rollout_batch=64,
+              prompt_median=384, response_median=192, max_response=512, block_tokens=16,
+              micro_batch=4):
+    """Reinforcement learning of an LLM: generation (rollout) and training phases in turn.
+
+    Stands for RLHF / GRPO-style post-training with the policy's generation engine and its
+    trainer sharing one GPU (a 0.85B decoder, bf16, Adam): each iteration first generates
+    responses for `rollout_batch` prompts, then trains on them, so the memory alternates
+    between many small and medium buffers and a few large ones. The weights live throughout;
+    Adam's two fp32 states are allocated at the first optimizer step and live on.
+
+    Rollout: each sequence's KV cache is a list of paged blocks of `block_tokens` tokens (all
+    layers), allocated as it grows (the prompt's at once) and freed when the sequence ends
+    (response lengths lognormal, median `response_median`, at most `max_response`); every
+    decode step allocates and frees its temporaries sized by the running batch (hidden, QKV,
+    attention output, MLP, fp32 logits and probabilities, sampled tokens). Each sequence's
+    tokens and log-probabilities are kept for training. Training: micro-batches of
+    `micro_batch` sequences padded to the longest; the forward pass keeps per layer what the
+    backward pass needs (norm output, QKV, attention output and log-sum-exp, the MLP's gate,
+    up and product), the loss needs fp32 logits; the backward pass walks the layers back,
+    allocating activation gradients and, on the first micro-batch, the weights' gradients
+    (bf16), and frees the layer's saved activations. The optimizer step uses a temporary per
+    weight (fp32), then the gradients and the rollout's outputs are freed.
+
+    iterations: rollout + training rounds (--scale multiplies it).
+
+    Defaults: 93,865 events, peak live 15.675 GiB with seed 0 (14 to 20 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    kv_dim = kv_heads * head_dim
+    qkv_width = hidden + 2 * kv_dim
+    block_bytes = block_tokens * layers * 2 * kv_dim * 2
+    weights = _llm_weights(rec, layers, hidden, kv_dim, intermediate, vocab)
+    adam = []
+    for _ in range(iterations):
+        # --- Rollout.
+        seqs = []  # [prompt, response, generated, [block IDs]]
+        for _ in range(rollout_batch):
+            prompt = _lognormal_int(rng, prompt_median, 0.5, 16, 2048)
+            response = _lognormal_int(rng, response_median, 0.8, 1, max_response)
+            seqs.append([prompt, response, 0, []])
+        # Prefill, in groups of 16 prompts.
+        for g in range(0, len(seqs), 16):
+            group = seqs[g:g + 16]
+            t = sum(s[0] for s in group)
+            x = rec.alloc(t * hidden * 2)
+            qkv = rec.alloc(t * qkv_width * 2)
+            mlp = rec.alloc(t * 2 * intermediate * 2)
+            rec.free(qkv)
+            for s in group:
+                for _ in range(-(-(s[0] + 1) // block_tokens)):
+                    s[3].append(rec.alloc(block_bytes))
+            rec.free_all((mlp, x))
+        running = list(seqs)
+        kept = []  # tokens and log-probabilities of finished sequences
+        while running:
+            batch = len(running)
+            x = rec.alloc(batch * hidden * 2)
+            qkv = rec.alloc(batch * qkv_width * 2)
+            attn = rec.alloc(batch * hidden * 2)
+            rec.free(qkv)
+            mlp = rec.alloc(batch * 2 * intermediate * 2)
+            rec.free_all((attn, mlp))
+            logits = rec.alloc(batch * vocab * 4)
+            probs = rec.alloc(batch * vocab * 4)
+            rec.free(logits)
+            tokens = rec.alloc(batch * 8)
+            rec.free_all((probs, x, tokens))
+            still = []
+            for s in running:
+                s[2] += 1
+                if s[2] >= s[1]:
+                    kept.append(rec.alloc((s[0] + s[1]) * 8))
+                    kept.append(rec.alloc(s[1] * 4))
+                    rec.free_all(s[3])
+                    continue
+                if s[0] + s[2] + 1 > len(s[3]) * block_tokens:
+                    s[3].append(rec.alloc(block_bytes))
+                still.append(s)
+            running = still
+        # --- Training.
+        grads = None
+        for m in range(0, len(seqs), micro_batch):
+            mb = seqs[m:m + micro_batch]
+            t = len(mb) * max(s[0] + s[1] for s in mb)
+            x = rec.alloc(t * hidden * 2)
+            saved = []
+            for _ in range(layers):
+                n = rec.alloc(t * hidden * 2)
+                qkv = rec.alloc(t * qkv_width * 2)
+                attn = rec.alloc(t * hidden * 2)
+                lse = rec.alloc(t * heads * 4)
+                o = rec.alloc(t * hidden * 2)
+                x2 = rec.alloc(t * hidden * 2)
+                rec.free_all((o, x))
+                n2 = rec.alloc(t * hidden * 2)
+                gate = rec.alloc(t * intermediate * 2)
+                up = rec.alloc(t * intermediate * 2)
+                prod = rec.alloc(t * intermediate * 2)
+                d = rec.alloc(t * hidden * 2)
+                x = rec.alloc(t * hidden * 2)
+                rec.free_all((x2, d))
+                saved.append((n, qkv, attn, lse, n2, gate, up, prod))
+            logits = rec.alloc(t * vocab * 4)
+            rec.free(x)
+            loss = rec.alloc(t * 4)
+            dlogits = rec.alloc(t * vocab * 4)
+            rec.free_all((logits, loss))
+            dx = rec.alloc(t * hidden * 2)
+            rec.free(dlogits)
+            new_grads = grads is None
+            if new_grads:
+                grads = [rec.alloc(weights[-1][1]), rec.alloc(weights[-2][1])]
+            for i in reversed(range(layers)):
+                dmlp = rec.alloc(t * intermediate * 2)
+                dgate = rec.alloc(t * intermediate * 2)
+                dup = rec.alloc(t * intermediate * 2)
+                rec.free(dmlp)
+                dn2 = rec.alloc(t * hidden * 2)
+                rec.free_all((dgate, dup))
+                dattn = rec.alloc(t * hidden * 2)
+                dqkv = rec.alloc(t * qkv_width * 2)
+                rec.free(dattn)
+                dx2 = rec.alloc(t * hidden * 2)
+                rec.free_all((dqkv, dn2, dx))
+                dx = dx2
+                if new_grads:
+                    grads += [rec.alloc(nbytes) for _, nbytes in weights[1 + 9 * i:10 + 9 * i]]
+                rec.free_all(saved[i])
+            if new_grads:
+                grads.append(rec.alloc(weights[0][1]))
+            rec.free(dx)
+        if not adam:
+            adam = [rec.alloc(2 * nbytes) for _, nbytes in weights for _ in range(2)]
+        for _, nbytes in weights:
+            tmp = rec.alloc(2 * nbytes)
+            rec.free(tmp)
+        rec.free_all(grads)
+        rec.free_all(kept)
+
+
+@workload(length="documents")
+def long_prefill(rec, seed, *, documents=3, contexts=(24576, 49152, 98304), chunk=4096,
+                 layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+                 intermediate=14336, vocab=128256, head_group=4):
+    """Long-context prefill in chunks: a few huge, growing buffers among many small ones.
+
+    Stands for the prefill of long documents (about 24k to 96k tokens) by an 8B decoder
+    (Llama-3-8B's shape, bf16) with eager attention, in chunks of `chunk` tokens, as a
+    Hugging Face model with a dynamic cache does it. Each document's length is one of
+    `contexts` (in a seeded order, each once before any repeats) less up to 15%. For every
+    chunk a causal mask (1 byte per chunk token x context so far) and rotary tables are made;
+    then every layer allocates its small and medium temporaries (norm variance, norm output,
+    Q, K, V, the MLP's gate, up, product and down projection, residual sums), concatenates
+    the chunk's K and V onto the layer's cache (new K and V tensors the size of the context
+    so far, the old ones freed: the cache grows by reallocation, layer by layer), and
+    computes attention `head_group` heads at a time through an explicit bf16 score matrix
+    (chunk x context x head_group: the huge buffer, growing with the context) and its fp32
+    row maxima (small). A document ends with the last token's logits; its cache is freed.
+
+    documents: documents prefilled one after another (--scale multiplies it); contexts:
+    their possible lengths in tokens (--set contexts=16384,32768); the model: layers, hidden,
+    heads, kv_heads, head_dim, intermediate, vocab.
+
+    Defaults: 86,532 events, peak live 15.087 GiB with seed 0 (12 to 16 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    kv_dim = kv_heads * head_dim
+    order = list(contexts)
+    rng.shuffle(order)
+    for doc in range(documents):
+        length = _round_up(int(order[doc % len(order)] * rng.uniform(0.85, 1.0)), 128)
+        k_cache = [None] * layers
+        v_cache = [None] * layers
+        x = None
+        for start in range(0, length, chunk):
+            c = min(chunk, length - start)
+            ctx = start + c
+            ids = rec.alloc(c * 8)
+            pos = rec.alloc(c * 8)
+            if x is not None:
+                rec.free(x)
+            x = rec.alloc(c * hidden * 2)
+            rec.free(ids)
+            mask = rec.alloc(c * ctx)
+            cos = rec.alloc(c * head_dim * 2)
+            sin = rec.alloc(c * head_dim * 2)
+            for i in range(layers):
+                var = rec.alloc(c * 4)
+                n = rec.alloc(c * hidden * 2)
+                rec.free(var)
+                q = rec.alloc(c * hidden * 2)
+                k = rec.alloc(c * kv_dim * 2)
+                v = rec.alloc(c * kv_dim * 2)
+                rec.free(n)
+                for cache, new in ((k_cache, k), (v_cache, v)):
+                    grown = rec.alloc(ctx * kv_dim * 2)
+                    if cache[i] is not None:
+                        rec.free(cache[i])
+                    rec.free(new)
+                    cache[i] = grown
+                attn = rec.alloc(c * hidden * 2)
+                for _ in range(heads // head_group):
+                    scores = rec.alloc(c * ctx * head_group * 2)
+                    row_max = rec.alloc(c * head_group * 4)
+                    rec.free_all((row_max, scores))
+                rec.free(q)
+                o = rec.alloc(c * hidden * 2)
+                rec.free(attn)
+                x2 = rec.alloc(c * hidden * 2)
+                rec.free_all((x, o))
+                n2 = rec.alloc(c * hidden * 2)
+                gate = rec.alloc(c * intermediate * 2)
+                up = rec.alloc(c * intermediate * 2)
+                rec.free(n2)
+                prod = rec.alloc(c * intermediate * 2)
+                rec.free_all((gate, up))
+                d = rec.alloc(c * hidden * 2)
+                rec.free(prod)
+                x = rec.alloc(c * hidden * 2)
+                rec.free_all((x2, d))
+            rec.free_all((mask, cos, sin, pos))
+        last = rec.alloc(hidden * 2)
+        rec.free(x)
+        logits = rec.alloc(vocab * 4)
+        rec.free_all((last, logits))
+        rec.free_all(k_cache)
+        rec.free_all(v_cache)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and checking.
+
+
+def run(name, sink, seed=0, scale=1.0, overrides=None):
+    """Emits the events of workload `name` through `sink(op, ident, nbytes)`."""
+    w = WORKLOADS[name]
+    w.fn(Recorder(sink), seed, **w.params(scale, overrides))
+
+
+def events(name, seed=0, scale=1.0, overrides=None):
+    """The events of workload `name` as a list of (op, ident, nbytes)."""
+    out = []
+    run(name, lambda op, ident, nbytes: out.append((op, ident, nbytes)), seed, scale, overrides)
+    return out
+
+
+class Stats:
+    """A sink that checks the events as they come (IDs allocated once, freed at most once and
+    only when live, sizes positive) and keeps counts and peak live bytes."""
+
+    def __init__(self):
+        self.events = 0
+        self.allocs = 0
+        self.frees = 0
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.max_alloc = 0
+        self.live = {}      # ID -> bytes
+        self.seen = set()   # every ID ever allocated
+
+    def __call__(self, op, ident, nbytes):
+        self.events += 1
+        if op == "a":
+            if ident in self.seen:
+                raise ValueError(f"event {self.events}: ID {ident} allocated twice")
+            if not isinstance(nbytes, int) or nbytes <= 0:
+                raise ValueError(f"event {self.events}: ID {ident} of {nbytes!r} bytes")
+            self.seen.add(ident)
+            self.live[ident] = nbytes
+            self.allocs += 1
+            self.live_bytes += nbytes
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+            self.max_alloc = max(self.max_alloc, nbytes)
+        elif op == "f":
+            if ident not in self.live:
+                why = "freed twice" if ident in self.seen else "never allocated"
+                raise ValueError(f"event {self.events}: free of ID {ident}, {why}")
+            self.live_bytes -= self.live.pop(ident)
+            self.frees += 1
+        else:
+            raise ValueError(f"event {self.events}: unknown op {op!r}")
+
+
+def write(name, out, seed=0, scale=1.0, overrides=None):
+    """Writes the trace to the text stream `out`."""
+    buf = []
+
+    def sink(op, ident, nbytes):
+        buf.append(f"a {ident} {nbytes}\n" if op == "a" else f"f {ident}\n")
+        if len(buf) >= 8192:
+            out.write("".join(buf))
+            buf.clear()
+
+    run(name, sink, seed, scale, overrides)
+    out.write("".join(buf))
+
+
+def _parse_value(default, text):
+    if isinstance(default, bool):
+        return text.lower() in ("1", "true", "yes")
+    if isinstance(default, int):
+        return int(text)
+    if isinstance(default, float):
+        return float(text)
+    if isinstance(default, tuple):
+        return tuple(int(v) for v in text.split(",") if v)
+    return text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="workloads: " + ", ".join(WORKLOADS))
+    p.add_argument("name", nargs="?", help="the workload (--list shows them)")
+    p.add_argument("--list", action="store_true", help="list the workloads and exit")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--scale", type=float, default=1.0,
+                   help="multiplies the trace's length (default 1)")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="overrides a parameter of the workload (repeatable)")
+    p.add_argument("--stats", action="store_true",
+                   help="print events, allocations and peak live bytes instead of the trace")
+    a = p.parse_args(argv)
+    if a.list:
+        width = max(len(n) for n in WORKLOADS)
+        for name, w in WORKLOADS.items():
+            print(f"{name:<{width}}  {w.events:>6} events  peak {w.peak_gib_seed0:6.3f} GiB  "
+                  f"{w.summary}")
+        return 0
+    if a.name not in WORKLOADS:
+        p.error(f"unknown workload {a.name!r}; one of: {', '.join(WORKLOADS)}")
+    if a.scale <= 0:
+        p.error("--scale must be positive")
+    w = WORKLOADS[a.name]
+    overrides = {}
+    for item in a.set:
+        key, eq, text = item.partition("=")
+        if not eq or key not in w.defaults:
+            p.error(f"--set {item}: {a.name}'s parameters are {', '.join(w.defaults)}")
+        overrides[key] = _parse_value(w.defaults[key], text)
+    if a.stats:
+        s = Stats()
+        run(a.name, s, a.seed, a.scale, overrides)
+        print(f"{a.name}: {s.events} events, {s.allocs} allocations, {s.frees} frees, "
+              f"peak live {s.peak_live_bytes} bytes ({s.peak_live_bytes / GIB:.3f} GiB), "
+              f"largest {s.max_alloc / MIB:.1f} MiB, {len(s.live)} live at the end")
+        return 0
+    write(a.name, sys.stdout, a.seed, a.scale, overrides)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
