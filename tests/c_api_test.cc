@@ -297,7 +297,11 @@ TEST_F(CApiTest, SnapshotEntriesAreTheJsonSnapshotsSegmentsTaggedByPool) {
   int private_live = 0, private_free = 0;
   for (size_t i = 0; i < snap->num_segments; ++i) {
     const vmm_segment_entry& s = snap->segments[i];
-    if (s.pool != private_pool) continue;
+    if (s.pool != private_pool) {
+      EXPECT_EQ(s.mempool_id[0] | s.mempool_id[1], 0u) << "not a private pool";
+      continue;
+    }
+    EXPECT_EQ(s.mempool_id[1], 7u) << "the private pool's MempoolId";
     for (size_t k = 0; k < s.num_blocks; ++k) {
       const vmm_block_entry& b = s.blocks[k];
       if (b.state == VMM_BLOCK_ACTIVE_ALLOCATED) {

@@ -117,6 +117,8 @@ static_assert(VMM_BLOCK_INACTIVE == static_cast<int>(TorchBlockState::kInactive)
 // PyTorch's DeviceStats: 9 statistics of 3 kinds, 5 counters, 2 oversize statistics, one size.
 static_assert(sizeof(vmm_stat) == 32 && sizeof(vmm_torch_stats) == (9 * 3 + 2) * 32 + 6 * 8,
               "vmm_torch_stats layout");
+static_assert(sizeof(vmm_block_entry) == 40 && sizeof(vmm_segment_entry) == 8 * 8 + 24 + 16,
+              "vmm_block_entry / vmm_segment_entry layout (vmm_torch/_signatures.py mirrors it)");
 
 // PoolStats as PyTorch's DeviceStats: the fields stats.h's lists name, in [VMM_STAT_ALL] and
 // [VMM_STAT_LARGE] (vmm_c.h says why).
@@ -327,8 +329,13 @@ int vmm_snapshot_get(vmm_snapshot_entries** out) {
   size_t count = 0;
   for (const vmm::Snapshot& snap : snaps) count += snap.segments.size();
   auto* entries = static_cast<vmm_snapshot_entries*>(std::calloc(1, sizeof(vmm_snapshot_entries)));
+  if (entries == nullptr) return vmm::Fail(absl::ResourceExhaustedError("vmm_snapshot_get"));
   entries->segments =
       static_cast<vmm_segment_entry*>(std::calloc(count + 1, sizeof(vmm_segment_entry)));
+  if (entries->segments == nullptr) {
+    std::free(entries);
+    return vmm::Fail(absl::ResourceExhaustedError("vmm_snapshot_get"));
+  }
   for (const vmm::Snapshot& snap : snaps) {
     for (const vmm::SegmentInfo& seg : snap.segments) {
       const vmm::TorchSegmentTotals totals = vmm::TorchSegmentSummary(seg);
@@ -342,8 +349,14 @@ int vmm_snapshot_get(vmm_snapshot_entries** out) {
       e.requested_size = totals.requested;
       e.stream = static_cast<uint64_t>(totals.stream);
       e.is_large = seg.large ? 1 : 0;
+      e.mempool_id[0] = snap.mempool_id[0];
+      e.mempool_id[1] = snap.mempool_id[1];
       e.blocks = static_cast<vmm_block_entry*>(
           std::calloc(seg.blocks.size() + 1, sizeof(vmm_block_entry)));
+      if (e.blocks == nullptr) {
+        vmm_snapshot_entries_release(entries);
+        return vmm::Fail(absl::ResourceExhaustedError("vmm_snapshot_get"));
+      }
       for (const vmm::BlockInfo& b : seg.blocks) {
         vmm_block_entry& be = e.blocks[e.num_blocks++];
         be.address = b.addr;

@@ -207,6 +207,7 @@ typedef struct vmm_segment_entry {
   int is_large;     /* 1 for the large arena */
   size_t num_blocks;
   vmm_block_entry* blocks;
+  uint64_t mempool_id[2]; /* a private pool's MempoolId, also once closed; else {0, 0} */
 } vmm_segment_entry;
 typedef struct vmm_snapshot_entries {
   size_t num_segments;

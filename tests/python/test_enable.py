@@ -106,3 +106,21 @@ def _env(**extra):
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env.update(extra)
     return env
+
+
+def test_a_cuda_module_that_cannot_load_falls_back(tmp_path, monkeypatch, caplog):
+    """A _cuda_allocator.so built against another torch (here: not a library at all) is said
+    once and ignored: enable() and sends then use CUDAPluggableAllocator and torch's events."""
+    import types
+
+    from vmm_torch import _cuda
+
+    (tmp_path / _cuda.MODULE_FILE).write_bytes(b"not an ELF file")
+    libs = types.SimpleNamespace(extension_path=str(tmp_path / "_C.so"),
+                                 libvmm_path=str(tmp_path / "libvmm.so"))
+    monkeypatch.setattr(_cuda, "_module", None)
+    monkeypatch.setattr(_cuda, "_looked", False)
+    with caplog.at_level("WARNING", logger="vmm_torch"):
+        assert _cuda.module(libs) is None
+        assert _cuda.module(libs) is None  # looked once
+    assert sum("cannot be used" in r.getMessage() for r in caplog.records) == 1

@@ -324,3 +324,10 @@ def test_flat_containers_skip_the_pickler_walk():
     assert not reductions._flat(((t,),))                    # nested: the pickler walks it
     assert not reductions._flat(tuple(range(17)))
     assert not reductions._flat({"t": t})
+
+    class Tagged(int):  # a scalar subclass may hold tensors the pickler must reach
+        pass
+
+    tagged = Tagged(1)
+    tagged.t = t
+    assert not reductions._flat((tagged,))

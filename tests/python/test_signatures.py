@@ -208,7 +208,8 @@ def test_the_statistics_and_snapshot_structs_have_the_c_layout():
     assert _signatures.TorchStats.num_alloc_retries.offset == 9 * 3 * 32
     assert ctypes.sizeof(_signatures.BlockEntry) == 4 * 8 + 8  # the int padded to 8
     assert _signatures.SegmentEntry.pool.offset == 8
-    assert ctypes.sizeof(_signatures.SegmentEntry) == 8 * 8 + 8 + 8 + 8
+    assert ctypes.sizeof(_signatures.SegmentEntry) == 8 * 8 + 8 + 8 + 8 + 16
+    assert _signatures.SegmentEntry.mempool_id.offset == 8 * 8 + 8 + 8 + 8
     assert STRUCTS["vmm_stat"] == [("current", "int64_t"), ("peak", "int64_t"),
                                    ("allocated", "int64_t"), ("freed", "int64_t")]
     assert ("requested_bytes", "vmm_stat[3]") in STRUCTS["vmm_torch_stats"]

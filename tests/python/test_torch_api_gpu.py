@@ -285,3 +285,82 @@ def test_graph_trees_record_a_second_graph_after_the_first_replays():
         print(json.dumps(dict(max_error=max(errors))))
     """)
     assert r["max_error"] < 1e-3
+
+
+# --- Cases a review found failing, with the fixes since (run on the GPU next) -----------------
+
+
+def test_graph_trees_checkpoint_with_an_output_that_died():
+    # f replays (the tree is executing), one of its outputs dies at once, then h runs for
+    # the first time: the tree checkpoints the pool (apply_checkpoint_execution_state_in_
+    # allocator) and raw_deletes the dead output's pointer, which setCheckpointPoolState
+    # re-allocated outside CUDAPluggableAllocator's bookkeeping ("Trying to free a pointer not
+    # allocated here"). The next step then frees the live output, whose deleter is not the
+    # allocator's ("Expected standard deleter").
+    r = run("""
+        f = torch.compile(lambda x: ((x @ x).relu(), x * 2), mode="reduce-overhead")
+        h = torch.compile(lambda x: (x + 1) * 2, mode="reduce-overhead")
+        x = torch.randn(256, 256, device="cuda")
+        for i in range(3):
+            torch.compiler.cudagraph_mark_step_begin()
+            a = f(x)[0]
+        errors = []
+        for i in range(4):
+            torch.compiler.cudagraph_mark_step_begin()
+            a = f(x)[0]          # the second output dies here
+            b = h(a)
+            errors.append((b - ((x @ x).relu() + 1) * 2).abs().max().item())
+        print(json.dumps(dict(max_error=max(errors))))
+    """)
+    assert r["max_error"] < 1e-3
+
+
+def test_cudnn_benchmark_asks_the_allocator_for_its_largest_block():
+    # cuDNN's benchmark mode calls CUDACachingAllocator::cacheInfo (Conv_v8's
+    # get_available_workspace), which VmmAllocator leaves to CUDAPluggableAllocator: it raises.
+    r = run("""
+        torch.backends.cudnn.benchmark = True
+        conv = torch.nn.Conv2d(3, 8, 3).cuda()
+        y = conv(torch.randn(2, 3, 32, 32, device="cuda"))
+        print(json.dumps(dict(shape=list(y.shape))))
+    """)
+    assert r["shape"] == [2, 8, 30, 30]
+
+
+def test_a_tensor_that_outlives_its_mempool_without_enable():
+    # Without enable(), PyTorch's allocator keeps only a raw pointer to the MemPool's
+    # VmmAllocator (PrivatePool::allocator_); vmm_torch.MemPool._vmm_allocator is the only
+    # reference. Once the pool is gone, the tensor's segment is released through the destroyed
+    # allocator (raw_delete: use after free).
+    r = run("""
+        import gc
+        torch.cuda.init()
+        pool = vmm_torch.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+        del pool
+        gc.collect()        # the VmmAllocator is destroyed here
+        del t               # cached in PyTorch's (now freeable) private pool
+        torch.cuda.empty_cache()   # released through the destroyed allocator
+        u = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+        print(json.dumps(dict(ok=True)))
+    """, enable=False)
+    assert r["ok"]
+
+
+def test_a_mempool_allocation_lets_pytorch_free_its_cache_first_without_enable():
+    # PyTorch's allocator, current, caches most of the device; a MemPool allocation then finds
+    # the device full. Native frees its cache and retries when the pool's allocator returns
+    # null (allocPrimitive: "*ptr ? cudaSuccess : cudaErrorMemoryAllocation");
+    # VmmAllocator::Malloc throws OutOfMemoryError instead, so the retry never happens.
+    r = run("""
+        torch.cuda.init()
+        free, _ = torch.cuda.mem_get_info()
+        junk = torch.empty(int(free * 0.8), dtype=torch.uint8, device="cuda")
+        del junk            # cached by PyTorch's own allocator
+        pool = vmm_torch.MemPool()
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(int(free * 0.5), dtype=torch.uint8, device="cuda")
+        print(json.dumps(dict(ok=True)))
+    """, enable=False)
+    assert r["ok"]

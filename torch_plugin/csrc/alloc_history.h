@@ -44,6 +44,7 @@ class History {
                  cca::RecordContext when, bool clear,
                  const std::vector<std::string>& skip_actions) {
     std::lock_guard<std::mutex> lock(mu_);
+    enabled_ = enabled;
     recorder_ = enabled ? recorder : nullptr;
     when_ = enabled ? when : cca::RecordContext::NEVER;
     max_entries_ = std::max<size_t>(max_entries, 1);
@@ -85,7 +86,9 @@ class History {
     std::lock_guard<std::mutex> lock(mu_);
     if (is_alloc && context != nullptr) contexts_[addr] = context;
     if (action == cda::TraceEntry::FREE_COMPLETED) contexts_.erase(addr);
-    const bool traced = when_ >= cca::RecordContext::STATE && skip_.count(action) == 0;
+    // The trace is kept while history is on, whatever `when` says of stacks (as PyTorch's
+    // allocator does: context=None still records the events, without stacks).
+    const bool traced = enabled_ && skip_.count(action) == 0;
     if (!traced && trackers_.empty()) return;
     cda::TraceEntry entry(action, device, addr, size, stream, pool, /*time=*/0,
                           when_ >= cca::RecordContext::ALLOC ? context : nullptr);
@@ -116,6 +119,7 @@ class History {
  private:
   std::atomic<bool> on_{false};
   std::mutex mu_;
+  bool enabled_ = false;  // _record_memory_history is on (the trace is kept)
   cca::CreateContextFn recorder_ = nullptr;
   cca::RecordContext when_ = cca::RecordContext::NEVER;
   size_t max_entries_ = 1;

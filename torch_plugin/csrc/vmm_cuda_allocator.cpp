@@ -155,11 +155,6 @@ void ToStatArray(const vmm_stat (&in)[VMM_STAT_TYPES], c10::CachingAllocator::St
   for (size_t i = 0; i < VMM_STAT_TYPES && i < out->size(); ++i) (*out)[i] = ToStat(in[i]);
 }
 
-// The deleter of the blocks setCheckpointPoolState allocates again (a free of any vmm pool).
-void FreeRestoredBlock(void* ptr) {
-  if (vmm.free(ptr, -1) != 0) TORCH_WARN("vmm: free failed: ", vmm.last_error());
-}
-
 // A checkpoint of a private pool (CUDA graph trees): its live blocks when it was taken.
 struct VmmPoolState : cca::AllocatorState {
   c10::DeviceIndex device = 0;
@@ -206,11 +201,17 @@ class VmmAllocator : public Pluggable {
     reset_fn_ = [] {
       if (vmm.empty_cache(-1) != 0) TORCH_WARN("vmm: empty_cache failed: ", vmm.last_error());
     };
-    memory_fraction_fn_ = [](double fraction, int device) {
+    memory_fraction_fn_ = [this](double fraction, int device) {
       CheckOk(vmm.set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
+      std::lock_guard<std::mutex> lock(mu_);
+      fractions_[device] = fraction;
     };
     record_stream_fn_ = [](void* ptr, cudaStream_t stream) {
-      CheckOk(vmm.record_stream(ptr, stream), "record_stream");
+      // Memory vmm does not own (an import, DLPack) is left alone, as PyTorch's allocator
+      // ignores pointers it did not allocate.
+      if (vmm.record_stream(ptr, stream) != 0 && vmm.last_error_code() != VMM_INVALID_ARGUMENT) {
+        ThrowLastError("record_stream");
+      }
     };
   }
 
@@ -287,12 +288,9 @@ class VmmAllocator : public Pluggable {
     int devices = 0;
     for (size_t i = 0; i < entries->num_segments; ++i) {
       const vmm_segment_entry& s = entries->segments[i];
-      MempoolId_t owner{0, 0};
-      if (s.pool != 0) {
-        std::optional<MempoolId_t> id = MempoolOf(s.pool);
-        if (!id.has_value()) continue;  // an explicit pool: not PyTorch's memory
-        owner = *id;
-      }
+      const MempoolId_t owner{s.mempool_id[0], s.mempool_id[1]};
+      const bool private_pool = owner.first != 0 || owner.second != 0;
+      if (s.pool != 0 && !private_pool) continue;  // an explicit pool: not PyTorch's memory
       if (!all_pools && owner != mempool_id) continue;
       cda::SegmentInfo segment;
       segment.device = static_cast<c10::DeviceIndex>(s.device);
@@ -458,6 +456,10 @@ class VmmAllocator : public Pluggable {
         std::lock_guard<std::mutex> lock(allocator_mutex_);
         allocation_metadata_.erase(ptr);
       }
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        restored_.erase(ptr);
+      }
       Free(ptr, block.size, device, stream);
       delta.ptrs_freed.push_back(ptr);
     }
@@ -465,12 +467,51 @@ class VmmAllocator : public Pluggable {
       cudaStream_t stream = reinterpret_cast<cudaStream_t>(block.stream);
       void* ptr = vmm.pool_alloc_at(pool, block.address, block.size, stream);
       if (ptr == nullptr) ThrowLastError("restoring a CUDA graph pool's checkpoint");
-      // Freed by vmm directly: PyTorch's bookkeeping of pluggable allocations cannot be
-      // extended from here (its entries' type is not exported).
-      delta.dataptrs_allocd.emplace_back(ptr, ptr, &FreeRestoredBlock,
+      // PyTorch's own deleter (graph trees check it, and free through raw_delete), with the
+      // block in restored_: the base class's bookkeeping of allocations cannot be extended
+      // from here (its entries' type is not exported), so raw_delete looks there first.
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        restored_[ptr] = Restored{block.size, device, stream};
+      }
+      delta.dataptrs_allocd.emplace_back(ptr, ptr, raw_deleter(),
                                          c10::Device(c10::DeviceType::CUDA, device));
     }
     return delta;
+  }
+
+  // Blocks a checkpoint restored (setCheckpointPoolState) are freed here; the others by the
+  // base class, which knows them.
+  void raw_delete(void* ptr) override {
+    std::optional<Restored> restored;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = restored_.find(ptr);
+      if (it != restored_.end()) {
+        restored = it->second;
+        restored_.erase(it);
+      }
+    }
+    if (restored.has_value()) {
+      Free(ptr, restored->size, restored->device, restored->stream);
+      return;
+    }
+    Pluggable::raw_delete(ptr);
+  }
+
+  // The largest block an allocation could get now (cuDNN sizes its workspace by it): what the
+  // device has free, which vmm can map.
+  void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
+    c10::cuda::CUDAGuard guard(device);
+    size_t device_free = 0, device_total = 0;
+    C10_CUDA_CHECK(cudaMemGetInfo(&device_free, &device_total));
+    *largest_block = device_free;
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = fractions_.find(device);
+    return it == fractions_.end() ? 1.0 : it->second;
   }
 
   void emptyCache(MempoolId_t mempool_id) override {
@@ -494,6 +535,11 @@ class VmmAllocator : public Pluggable {
     int64_t vmm_pool = 0;
     bool use_on_oom = false;
   };
+  struct Restored {  // a block setCheckpointPoolState allocated again
+    size_t size;
+    int device;
+    cudaStream_t stream;
+  };
 
   // Adds a use of private pool `id` (created with `owner`'s options, or this allocator's).
   int64_t UsePool(c10::DeviceIndex device, MempoolId_t id, VmmAllocator* owner) {
@@ -504,15 +550,6 @@ class VmmAllocator : public Pluggable {
     std::lock_guard<std::mutex> lock(mu_);
     pools_[{device, id}].vmm_pool = pool;
     return pool;
-  }
-
-  // The MempoolId of vmm private pool `pool`, if this allocator made it.
-  std::optional<MempoolId_t> MempoolOf(int64_t pool) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [key, info] : pools_) {
-      if (info.vmm_pool == pool) return key.second;
-    }
-    return std::nullopt;
   }
 
   // The private pool the allocation goes to (its MempoolId and vmm id), if a route's filter
@@ -541,6 +578,11 @@ class VmmAllocator : public Pluggable {
       ptr = vmm.pool_alloc(OwnPool(device), size, stream, 0);
     } else {
       ptr = vmm.alloc(size, device, stream);
+    }
+    if (ptr == nullptr && own_pools_only_ && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED) {
+      // A MemPool's segment asked for by PyTorch's own allocator: it expects null, then
+      // frees its cache, retries, and reports the out of memory itself.
+      return nullptr;
     }
     if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
       ptr = AllocateOnOom(size, device, stream, &pool_id);
@@ -646,6 +688,8 @@ class VmmAllocator : public Pluggable {
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
   std::unordered_map<int, int64_t> own_pools_;  // device -> vmm pool (UseOwnPools)
+  std::unordered_map<void*, Restored> restored_;
+  std::unordered_map<int, double> fractions_;  // set_per_process_memory_fraction's, by device
 };
 
 std::shared_ptr<VmmAllocator> installed;
@@ -670,6 +714,12 @@ PYBIND11_MODULE(_cuda_allocator, m) {
         RequireBound();
         auto allocator = std::make_shared<VmmAllocator>(options);
         allocator->UseOwnPools();
+        // PyTorch's MemPool and its private pool keep a raw pointer to the allocator, which
+        // tensors of the pool may outlive: each one lives as long as the process.
+        static std::mutex kept_mu;
+        static auto* kept = new std::vector<std::shared_ptr<VmmAllocator>>();
+        std::lock_guard<std::mutex> lock(kept_mu);
+        kept->push_back(allocator);
         return allocator;
       },
       "A vmm allocator for torch.cuda.MemPool whose pools take `options`.");

@@ -258,7 +258,11 @@ __attribute__((visibility("default"))) void vmm_torch_memory_fraction(double fra
 
 __attribute__((visibility("default"))) void vmm_torch_record_stream(void* ptr, void* stream) {
   RequireBound();
-  TORCH_CHECK(vmm.record_stream(ptr, stream) == 0, "vmm: ", vmm.last_error());
+  // Memory vmm does not own (an import, DLPack) is left alone, as PyTorch's allocator ignores
+  // pointers it did not allocate.
+  TORCH_CHECK(vmm.record_stream(ptr, stream) == 0 ||
+                  vmm.last_error_code() == VMM_INVALID_ARGUMENT,
+              "vmm: ", vmm.last_error());
 }
 
 }  // extern "C"

@@ -13,6 +13,7 @@ falls back to ``CUDAPluggableAllocator``, which covers allocation only.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import threading
 from types import ModuleType
@@ -24,24 +25,31 @@ MODULE_FILE = "_cuda_allocator.so"
 _module: Optional[ModuleType] = None
 _looked = False
 _lock = threading.Lock()
+_log = logging.getLogger("vmm_torch")
 
 
 def module(libs: Any) -> Optional[ModuleType]:
     """The module beside the libraries `libs` loaded (a vmm_torch._lib.Libraries), bound to
-    their libvmm.so, or None where it was not built. An import that fails (a module built
-    against another torch) raises ImportError."""
+    their libvmm.so, or None where it was not built or cannot be loaded (a module built against
+    another torch: said once in a warning, and vmm_torch falls back)."""
     global _module, _looked
     with _lock:
         if _looked:
             return _module
         path = os.path.join(os.path.dirname(libs.extension_path), MODULE_FILE)
-        if os.path.exists(path):
+        _looked = True
+        if not os.path.exists(path):
+            return None
+        try:
             spec = importlib.util.spec_from_file_location("vmm_torch._cuda_allocator", path)
             if spec is None or spec.loader is None:
-                raise ImportError(f"vmm_torch: cannot load {path}")
+                raise ImportError(f"cannot load {path}")
             loaded = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(loaded)
             loaded.bind(libs.libvmm_path)
-            _module = loaded
-        _looked = True
+        except (ImportError, RuntimeError) as error:  # built against another torch: fall back
+            _log.warning("vmm_torch: %s cannot be used (%s); falling back to "
+                         "CUDAPluggableAllocator", path, error)
+            return None
+        _module = loaded
         return _module

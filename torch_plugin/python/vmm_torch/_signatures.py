@@ -227,6 +227,7 @@ class SegmentEntry(ctypes.Structure):
         ("is_large", ctypes.c_int),
         ("num_blocks", ctypes.c_size_t),
         ("blocks", ctypes.POINTER(BlockEntry)),
+        ("mempool_id", ctypes.c_uint64 * 2),
     ]
 
 

@@ -169,10 +169,11 @@ _SCALARS = (str, bytes, bytearray, int, float, bool, type(None))
 
 def _flat(obj: Any) -> bool:
     """Whether `obj` is a plain tuple or list (not a subclass, which may pickle otherwise)
-    of at most 16 items, each a plain tensor (not a subclass) or a scalar."""
+    of at most 16 items, each a plain tensor or a plain scalar (no subclass of either: one
+    may carry tensors in its attributes)."""
     if type(obj) not in (tuple, list) or len(obj) > 16:
         return False
-    return all(type(item) is torch.Tensor or isinstance(item, _SCALARS) for item in obj)
+    return all(type(item) is torch.Tensor or type(item) in _SCALARS for item in obj)
 
 
 def prepare_send(obj: Any) -> bool:
@@ -188,7 +189,7 @@ def prepare_send(obj: Any) -> bool:
     their receivers acknowledge (sharing.set_send_budget). An object that cannot be pickled is
     left to the feeder (which reports it as before).
     Returns whether `obj` holds vmm tensors."""
-    if isinstance(obj, _SCALARS):
+    if type(obj) in _SCALARS:
         return False
     preparer = _Preparer()
     if isinstance(obj, torch.Tensor):
