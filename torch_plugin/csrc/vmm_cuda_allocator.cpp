@@ -473,6 +473,7 @@ class VmmAllocator : public Pluggable {
       {
         std::lock_guard<std::mutex> lock(mu_);
         restored_[ptr] = Restored{block.size, device, stream};
+        any_restored_.store(true, std::memory_order_relaxed);
       }
       delta.dataptrs_allocd.emplace_back(ptr, ptr, raw_deleter(),
                                          c10::Device(c10::DeviceType::CUDA, device));
@@ -484,7 +485,7 @@ class VmmAllocator : public Pluggable {
   // base class, which knows them.
   void raw_delete(void* ptr) override {
     std::optional<Restored> restored;
-    {
+    if (any_restored_.load(std::memory_order_relaxed)) {  // no lock on the common path
       std::lock_guard<std::mutex> lock(mu_);
       auto it = restored_.find(ptr);
       if (it != restored_.end()) {
@@ -689,6 +690,7 @@ class VmmAllocator : public Pluggable {
   bool own_pools_only_ = false;                  // set before the allocator is handed out
   std::unordered_map<int, int64_t> own_pools_;  // device -> vmm pool (UseOwnPools)
   std::unordered_map<void*, Restored> restored_;
+  std::atomic<bool> any_restored_{false};  // restored_ was ever used (raw_delete's check)
   std::unordered_map<int, double> fractions_;  // set_per_process_memory_fraction's, by device
 };
 
