@@ -67,6 +67,7 @@ FIELD_TYPES = {
     "size_t": {ctypes.c_size_t},
     "vmm_stat": {_signatures.Stat},
     "vmm_stat[3]": {_signatures.Stat * 3},
+    "uint64_t[2]": {ctypes.c_uint64 * 2},
     "vmm_block_entry*": {P(_signatures.BlockEntry)},
     "vmm_segment_entry*": {P(_signatures.SegmentEntry)},
 }
