@@ -45,38 +45,6 @@
 
 namespace {
 
-// The functions of libvmm.so this extension calls, typed by their declarations in vmm_c.h.
-struct Vmm {
-  decltype(&vmm_last_error_code) last_error_code = nullptr;
-  decltype(&vmm_last_error) last_error = nullptr;
-  decltype(&vmm_alloc) alloc = nullptr;
-  decltype(&vmm_free) free = nullptr;
-  decltype(&vmm_record_stream) record_stream = nullptr;
-  decltype(&vmm_empty_cache) empty_cache = nullptr;
-  decltype(&vmm_set_memory_fraction) set_memory_fraction = nullptr;
-  decltype(&vmm_block_free) block_free = nullptr;
-  decltype(&vmm_import_info) import_info = nullptr;
-  decltype(&vmm_import_release) import_release = nullptr;
-};
-
-Vmm vmm;
-
-void Bind(const std::string& path) {
-  void* lib = OpenLibvmm(path);
-  Vmm v;
-  Lookup(lib, "vmm_last_error_code", &v.last_error_code);
-  Lookup(lib, "vmm_last_error", &v.last_error);
-  Lookup(lib, "vmm_alloc", &v.alloc);
-  Lookup(lib, "vmm_free", &v.free);
-  Lookup(lib, "vmm_record_stream", &v.record_stream);
-  Lookup(lib, "vmm_empty_cache", &v.empty_cache);
-  Lookup(lib, "vmm_set_memory_fraction", &v.set_memory_fraction);
-  Lookup(lib, "vmm_block_free", &v.block_free);
-  Lookup(lib, "vmm_import_info", &v.import_info);
-  Lookup(lib, "vmm_import_release", &v.import_release);
-  vmm = v;
-}
-
 void RequireBound() { TORCH_CHECK(vmm.alloc != nullptr, "vmm: call torch.ops.vmm.bind first"); }
 
 void FreeBlock(void* ptr) { vmm.block_free(ptr); }
