@@ -18,20 +18,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 status=0
 
-# step NAME SECONDS COMMAND...: stdout to NAME.jsonl, stderr to NAME.log.
-step() {
-  local name=$1 limit=$2
-  shift 2
-  echo "== $name: $*"
-  local start=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.jsonl" 2>"$out/$name.log"
-  local rc=$?
-  echo "   rc=$rc, $((SECONDS - start)) s"
-  if [[ $rc -ne 0 ]]; then
-    tail -n 5 "$out/$name.log"
-    [[ $status -ne 0 ]] || status=$rc
-  fi
-}
+# shellcheck source=bench/step.sh
+source "$here/step.sh"
 
 step build_torch_peer 300 "$here/build_torch_peer.sh" "$out/torch_peer_bench"
 step vmm_peer 300 "$bin/vmm_peer_bench" --trace="$trace"

@@ -36,19 +36,14 @@ status=0
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 
-# run NAME COMMAND...: stdout to NAME.jsonl, stderr to NAME.log.
+# shellcheck source=bench/step.sh
+source "$here/step.sh"
+
+# run NAME COMMAND...: a step of STEP_LIMIT seconds (bench/step.sh).
 run() {
   local name=$1
   shift
-  echo "== $name: $*"
-  local start=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.jsonl" 2>"$out/$name.log"
-  local rc=$?
-  echo "   rc=$rc, $((SECONDS - start)) s"
-  if [[ $rc -ne 0 ]]; then
-    tail -n 5 "$out/$name.log"
-    [[ $status -ne 0 ]] || status=$rc
-  fi
+  step "$name" "$limit" "$@"
 }
 
 names=("$@")
