@@ -1136,6 +1136,7 @@ absl::Status FetchFromServer(absl::Span<const FdToken> tokens, size_t first_inde
         pid, ReadReply(reply->bytes, tokens.subspan(b, n), first_index + b, pid, reply->fds,
                        out)));
     answered_before = true;
+    reconnected = false;  // one reconnect per batch: a full server may close an idle one again
     b += n;
   }
   cache.Put(pid, server_id, timeout, std::move(sock));
