@@ -109,6 +109,7 @@
 #include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/pool_options.h"
+#include "allocator/reclaim_policy.h"
 #include "allocator/stats.h"
 #include "allocator/stream_reclaim.h"
 
@@ -297,6 +298,11 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Maps new memory so that `arena` can fit `n` bytes for `stream`; returns the free block.
   absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the chosen free chunks (reclaim_policy.h) end to end from `to`, granting access
+  // once; synchronises `stream` first when the choice says so. On failure the chunks are
+  // moved back (or released, their places made gaps) and the error returned.
+  absl::Status MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unmaps and releases one chunk, telling the observer if it was exported.
   absl::Status ReleaseChunk(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
