@@ -13,8 +13,10 @@ void LogChunkTeardownError(const absl::Status& status) {
   LogError(absl::StrCat("pool teardown: ", status.message()));
 }
 
-absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats) {
+absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats,
+                               size_t chunk_size) {
   Driver& driver = *config_.driver;
+  const size_t piece_size = chunk_size != 0 ? chunk_size : config_.max_chunk;
   struct Piece {
     uintptr_t addr;
     size_t size;
@@ -34,7 +36,7 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
     return cause;
   };
   for (uintptr_t a = addr; a < addr + len;) {
-    const size_t size = std::min(config_.max_chunk, addr + len - a);
+    const size_t size = std::min(piece_size, addr + len - a);
     ++stats.driver_create;
     absl::StatusOr<PhysHandle> handle = driver.Create(config_.device, size, config_.handle_bits);
     if (!handle.ok()) return rollback(handle.status());
@@ -59,6 +61,50 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
   stats.reserved_bytes.Increase(static_cast<int64_t>(len));
   stats.segment.Increase(static_cast<int64_t>(pieces.size()));
   return absl::OkStatus();
+}
+
+absl::Status ChunkMap::Move(uintptr_t from, uintptr_t to, PoolStats& stats, bool* lost) {
+  *lost = false;
+  auto it = chunks_.find(from);
+  if (it == chunks_.end()) {
+    return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(from)));
+  }
+  Driver& driver = *config_.driver;
+  Chunk chunk = it->second;
+  ++stats.driver_unmap;
+  VMM_RETURN_IF_ERROR(driver.Unmap(from, chunk.size));
+  ++stats.driver_map;
+  absl::Status mapped = driver.Map(to, chunk.size, chunk.handle);
+  if (!mapped.ok()) {
+    // Back where it was, with its access, so that the caller's bookkeeping still holds.
+    ++stats.driver_map;
+    absl::Status back = driver.Map(from, chunk.size, chunk.handle);
+    if (back.ok()) {
+      ++stats.driver_set_access;
+      back = driver.SetAccess(from, chunk.size, config_.access);
+      if (!back.ok()) {
+        ++stats.driver_unmap;
+        (void)driver.Unmap(from, chunk.size);
+      }
+    }
+    if (!back.ok()) {
+      LogError(absl::StrCat("moving a free chunk back: ", back.message()));
+      ++stats.driver_release;
+      (void)driver.Release(chunk.handle);
+      Forget(it, stats);
+      *lost = true;
+    }
+    return mapped;
+  }
+  chunks_.erase(it);
+  chunk.id = next_id_++;
+  chunks_[to] = chunk;
+  return absl::OkStatus();
+}
+
+absl::Status ChunkMap::GrantAccess(uintptr_t addr, size_t len, PoolStats& stats) {
+  ++stats.driver_set_access;
+  return config_.driver->SetAccess(addr, len, config_.access);
 }
 
 absl::StatusOr<Chunk> ChunkMap::Release(uintptr_t addr, PoolStats& stats) {

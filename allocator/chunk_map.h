@@ -61,7 +61,19 @@ class ChunkMap {
   // dedicated when `dedicated`. On failure nothing stays mapped or created, and the driver's
   // error is returned. Adds the new chunks' bytes to `stats.reserved_bytes` and their count
   // to `stats.segment`.
-  absl::Status MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats);
+  // `chunk_size` (0: max_chunk) is the size of every chunk but the last.
+  absl::Status MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats,
+                        size_t chunk_size = 0);
+
+  // Moves the chunk at `from` (a chunk's start; not exported) to `to`, a free stretch of the
+  // reserved range: unmaps it and maps its handle there (no access granted: the caller calls
+  // GrantAccess once for the range it filled). It gets a fresh id. On an Unmap failure nothing
+  // changes. On a Map failure the chunk is mapped back at `from` with its access; if even that
+  // fails, it is released and forgotten and `*lost` is set (the caller's bookkeeping must
+  // drop `from`). The driver's error is returned.
+  absl::Status Move(uintptr_t from, uintptr_t to, PoolStats& stats, bool* lost);
+  // SetAccess for the pool's devices over [addr, addr + len), which must be mapped.
+  absl::Status GrantAccess(uintptr_t addr, size_t len, PoolStats& stats);
 
   // Unmaps and releases the chunk at `addr` (which must be a chunk's start) and forgets it.
   // An Unmap failure leaves the chunk in place and is returned; a Release failure after a

@@ -13,6 +13,7 @@
 #include "allocator/growth_policy.h"
 #include "allocator/handle_probe.h"
 #include "allocator/log.h"
+#include "allocator/reclaim_policy.h"
 #include "allocator/status_macros.h"
 
 namespace vmm {
@@ -92,6 +93,7 @@ absl::Status Pool::Init() {
                        ResolveHandleType(*driver_, device, granularity_, options_.handle_type));
   options_.max_chunk = std::max(granularity_, options_.max_chunk / granularity_ * granularity_);
   options_.small_chunk = RoundUp(options_.small_chunk, granularity_);
+  options_.large_page = RoundUp(options_.large_page, granularity_);
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   size_t reserve = options_.reserve_size;
   if (reserve == 0) reserve = 2 * info.total;
@@ -381,38 +383,128 @@ absl::Status Pool::RecordStream(void* ptr, Stream stream) {
 }
 
 absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool dedicated) {
-  std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, granularity_, dedicated);
+  // The large arena grows in pages of large_page bytes, which a later miss may move
+  // (reclaim_policy.h); blocks with chunks of their own keep one chunk of up to max_chunk.
+  const size_t page = options_.large_page;
+  const bool paged = !dedicated && &arena == &large_ && page != 0;
+  const size_t unit = paged ? page : granularity_;
+  std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated);
   if (!plan) {
     return absl::ResourceExhaustedError(
         absl::StrCat("no gap of ", FormatBytes(n), " left in the pool's reserved address range"));
   }
   const size_t needed = plan->len;
-  if (!dedicated) {
+  ReclaimChoice reclaim;
+  if (paged && !keep_memory_) {
+    ReclaimRequest request;
+    request.arena = &large_;
+    request.page = page;
+    request.chunks = &chunks_;
+    request.exclude_lo = plan->gap->prev;
+    request.exclude_hi = plan->gap->next;
+    request.requester = stream;
+    request.needed = needed;
+    reclaim = ChooseReclaim(request);
+  }
+  const size_t moved = reclaim.bytes;
+  if (!dedicated && moved < needed) {
     GrowthRequest request;
     request.small_arena = &arena == &small_;
-    request.needed = needed;
+    request.needed = needed - moved;
     request.reserved = static_cast<size_t>(stats_.reserved_bytes.current);
     request.granularity = granularity_;
-    Arena::Extend(*plan, GrowthExtra(options_, request));
+    Arena::Extend(*plan, GrowthExtra(options_, request) / unit * unit);
   }
+  // The new bytes (if any) go after the moved pages: [addr + moved, addr + len).
   auto try_map = [&](const Arena::GrowthPlan& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const size_t fresh = p.len - moved;
+    if (fresh == 0) return absl::OkStatus();
     if (memory_limit_ != 0 &&
-        static_cast<size_t>(stats_.reserved_bytes.current) + p.len > memory_limit_) {
+        static_cast<size_t>(stats_.reserved_bytes.current) + fresh > memory_limit_) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "growing by ", FormatBytes(p.len), " would pass the pool's memory limit of ",
+          "growing by ", FormatBytes(fresh), " would pass the pool's memory limit of ",
           FormatBytes(memory_limit_)));
     }
-    return chunks_.MapRange(p.addr, p.len, dedicated, stats_);
+    return chunks_.MapRange(p.addr + moved, fresh, dedicated, stats_, paged ? page : 0);
   };
   absl::Status mapped = try_map(*plan);
   if (!mapped.ok() && plan->len > needed) {
     // Retry with exactly what the request needs.
-    plan = arena.PlanGrowth(n, stream, granularity_, dedicated);
+    plan = arena.PlanGrowth(n, stream, unit, dedicated);
     mapped = try_map(*plan);
   }
   VMM_RETURN_IF_ERROR(mapped);
-  ++stats_.num_device_alloc;
+  if (!reclaim.chunks.empty()) {
+    absl::Status s = MoveChunks(reclaim, plan->addr, stream);
+    if (!s.ok()) {
+      // Give back what was created for this growth; the arena never saw it.
+      std::vector<uintptr_t> fresh;
+      for (auto c = chunks_.lower_bound(plan->addr + moved);
+           c != chunks_.end() && c->first < plan->addr + plan->len; ++c) {
+        fresh.push_back(c->first);
+      }
+      for (uintptr_t addr : fresh) {
+        absl::StatusOr<Chunk> released = chunks_.Release(addr, stats_);
+        if (!released.ok()) LogError(absl::StrCat("rolling back a growth: ",
+                                                  released.status().message()));
+      }
+      return s;
+    }
+  }
+  if (plan->len > moved) ++stats_.num_device_alloc;
   return arena.CommitGrowth(*plan, stream, dedicated);
+}
+
+absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream stream) {
+  if (reclaim.sync_requester) {
+    // The requester's own free blocks: its queued work may still use them (invariant 3).
+    ++stats_.num_sync_stream;
+    VMM_RETURN_IF_ERROR(driver_->SynchronizeStream(stream));
+  }
+  struct Moved {
+    uintptr_t from;
+    uintptr_t at;
+    size_t size;
+  };
+  std::vector<Moved> moved;
+  std::vector<std::pair<uintptr_t, size_t>> lost;  // chunks gone from where the arena has them
+  uintptr_t at = to;
+  absl::Status s;
+  for (uintptr_t from : reclaim.chunks) {
+    const size_t size = chunks_.find(from)->second.size;
+    bool gone = false;
+    s = chunks_.Move(from, at, stats_, &gone);
+    if (!s.ok()) {
+      if (gone) lost.emplace_back(from, size);
+      break;
+    }
+    moved.push_back(Moved{from, at, size});
+    at += size;
+  }
+  if (s.ok()) s = chunks_.GrantAccess(to, at - to, stats_);
+  if (!s.ok()) {
+    // Move back what moved; a chunk that cannot go back is released.
+    for (const Moved& m : moved) {
+      bool gone = false;
+      absl::Status back = chunks_.Move(m.at, m.from, stats_, &gone);
+      if (back.ok()) back = chunks_.GrantAccess(m.from, m.size, stats_);
+      if (back.ok()) continue;
+      if (!gone) {
+        auto c = chunks_.find(m.at);
+        if (c == chunks_.end()) c = chunks_.find(m.from);
+        if (c != chunks_.end()) (void)chunks_.Release(c->first, stats_);
+      }
+      lost.emplace_back(m.from, m.size);
+    }
+    for (const auto& [from, size] : lost) {
+      ArenaOf(from).MakeGap(from, size);
+      ++stats_.num_device_free;
+    }
+    return s;
+  }
+  for (const Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
+  stats_.num_chunk_moves += static_cast<int64_t>(moved.size());
+  return absl::OkStatus();
 }
 
 absl::Status Pool::ReleaseChunk(uintptr_t addr) {

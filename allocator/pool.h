@@ -16,6 +16,15 @@
 // size; small-arena growth maps `small_chunk` at a time. A growth is backed by physical chunks
 // of at most `max_chunk` bytes.
 //
+// Reclaiming free pages (reclaim_policy.h). With `large_page` set, the large arena grows in
+// chunks of exactly that size, and a miss that would grow first takes pages wholly inside
+// free blocks elsewhere in the arena: each is unmapped there and mapped where the request
+// goes (one SetAccess for the range), so the pool's physical memory grows only by what free
+// pages cannot cover (growth_fraction then applies to that part only). Never exported,
+// dedicated or spare chunks, never free blocks tagged with another stream (their work is not
+// known complete), and the requester's own only after synchronising its stream; nothing while
+// the pool keeps its memory. Only on a miss: the cached path is unchanged.
+//
 // Streams. A block freed on stream S is reusable at once on S. Other streams get it only
 // after the work queued on S before the free has completed: when a request misses, the pool
 // records an event on each other stream with cached blocks and, once it has completed, retags
@@ -78,7 +87,8 @@
 // exported chunk goes back to the driver.
 //
 // Where the pieces live: chunk_map.h (physical chunks, growth with rollback),
-// growth_policy.h (how much a miss maps), stream_reclaim.h (events for stream-ordered reuse),
+// growth_policy.h (how much a miss maps), reclaim_policy.h (which free pages a miss moves
+// instead), stream_reclaim.h (events for stream-ordered reuse),
 // arena.h / free_blocks.h / block_index.h (blocks, free bins, live index), pool_introspection.cc
 // (stats, snapshot, invariants), pool_options.h (options and their text form).
 //
@@ -109,6 +119,7 @@
 #include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/pool_options.h"
+#include "allocator/reclaim_policy.h"
 #include "allocator/stats.h"
 #include "allocator/stream_reclaim.h"
 
@@ -297,6 +308,11 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Maps new memory so that `arena` can fit `n` bytes for `stream`; returns the free block.
   absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the chosen free chunks (reclaim_policy.h) end to end from `to`, granting access
+  // once; synchronises `stream` first when the choice says so. On failure the chunks are
+  // moved back (or released, their places made gaps) and the error returned.
+  absl::Status MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unmaps and releases one chunk, telling the observer if it was exported.
   absl::Status ReleaseChunk(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -25,6 +25,7 @@ constexpr SizeKey kSizeKeys[] = {
     {"small_chunk", &PoolOptions::small_chunk},
     {"max_growth_extra", &PoolOptions::max_growth_extra},
     {"max_chunk", &PoolOptions::max_chunk},
+    {"large_page", &PoolOptions::large_page},
     {"spare_export_bytes", &PoolOptions::spare_export_bytes},
 };
 
@@ -74,7 +75,8 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
 
 absl::string_view PoolOptionKeys() {
   return "handle_type, reserve_size, memory_limit, release_threshold, small_size, small_chunk, "
-         "growth_fraction, max_growth_extra, max_chunk, peer_devices, spare_export_bytes";
+         "growth_fraction, max_growth_extra, max_chunk, large_page, peer_devices, "
+         "spare_export_bytes";
 }
 
 absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,

@@ -73,7 +73,11 @@ struct Stat {
   X(driver_event, "driver_calls.event", "event record/query calls for stream ordering")   \
   X(num_exports, "num_exports", "blocks exported")                                        \
   X(num_export_reuses, "num_export_reuses",                                               \
-    "exported chunks reused for a shareable block once every receiver released them")
+    "exported chunks reused for a shareable block once every receiver released them")     \
+  X(num_chunk_moves, "num_chunk_moves",                                                   \
+    "free chunks unmapped and mapped again where a miss needed memory (no growth)")       \
+  X(num_sync_stream, "num_sync_stream",                                                   \
+    "stream synchronisations before moving free memory that stream last used")
 
 // X(name): the statistics above that PyTorch's DeviceStats (c10/core/CachingDeviceAllocator.h)
 // also keeps, under the same name (their key above is that name too). The one list of which

@@ -32,6 +32,9 @@ ABSL_FLAG(std::vector<std::string>, max_growth_extra_mib, {},
           "PoolOptions::max_growth_extra values in MiB, 'inf' for no cap (default: the "
           "PoolOptions default)");
 ABSL_FLAG(int64_t, max_chunk_mib, 0, "PoolOptions::max_chunk in MiB (0: the default)");
+ABSL_FLAG(std::vector<std::string>, large_page_mib, {},
+          "PoolOptions::large_page values in MiB, 0 for off (default: the PoolOptions "
+          "default)");
 ABSL_FLAG(int64_t, host_capacity_gib, 256,
           "physical capacity of the host backend in GiB (memfd memory is never touched)");
 ABSL_FLAG(int, warm_reps, 3, "replays from a warm cache after the first one");
@@ -98,6 +101,12 @@ int main(int argc, char** argv) {
   }
   if (fractions.empty()) fractions.push_back(defaults.growth_fraction);
   if (extras.empty()) extras.push_back(defaults.max_growth_extra);
+  std::vector<size_t> pages;
+  if (!ParseMib(absl::GetFlag(FLAGS_large_page_mib), &pages)) {
+    std::fprintf(stderr, "replay: bad --large_page_mib value\n");
+    return 2;
+  }
+  if (pages.empty()) pages.push_back(defaults.large_page);
 
   absl::StatusOr<vmm::Driver*> driver = vmm_bench::BenchDriver(
       absl::GetFlag(FLAGS_backend), static_cast<size_t>(absl::GetFlag(FLAGS_host_capacity_gib))
@@ -116,7 +125,9 @@ int main(int argc, char** argv) {
   int failures = 0;
   for (double fraction : fractions) {
     for (size_t extra : extras) {
+     for (size_t page : pages) {
       vmm::PoolOptions options;
+      options.large_page = page;
       options.growth_fraction = fraction;
       options.max_growth_extra = extra;
       if (absl::GetFlag(FLAGS_max_chunk_mib) > 0) {
@@ -133,6 +144,7 @@ int main(int argc, char** argv) {
           .Num("growth_fraction", fraction);
       tags.Str("max_growth_extra_mib", extra == SIZE_MAX ? "inf" : std::to_string(extra / kMiB));
       tags.Int("max_chunk_mib", static_cast<int64_t>(options.max_chunk / kMiB));
+      tags.Int("large_page_mib", static_cast<int64_t>(options.large_page / kMiB));
       vmm_bench::ReplaySummary sum;
       if (!vmm_bench::RunReplayWorkload(adapter, trace, replay_options, tags, &sum)) {
         std::fprintf(stderr, "replay: growth_fraction=%g max_growth_extra=%zu MiB failed\n",
@@ -141,11 +153,12 @@ int main(int argc, char** argv) {
         continue;
       }
       std::fprintf(stderr,
-                   "growth_fraction=%-5g max_growth_extra=%5s MiB  ratio=%.4f  "
+                   "growth_fraction=%-5g max_growth_extra=%5s MiB page=%4zu MiB  ratio=%.4f  "
                    "peak_reserved=%.3f GiB  growths=%lld releases=%lld driver_calls=%lld "
-                   "(create=%lld map=%lld set_access=%lld unmap=%lld release=%lld)  "
-                   "%.0f ns/op cold, %.0f warm\n",
+                   "(create=%lld map=%lld set_access=%lld unmap=%lld release=%lld) moves=%lld "
+                   "syncs=%lld  %.0f ns/op cold, %.0f warm\n",
                    fraction, extra == SIZE_MAX ? "inf" : std::to_string(extra / kMiB).c_str(),
+                   options.large_page / kMiB,
                    sum.ratio, static_cast<double>(sum.peak_reserved) / (1 << 30),
                    static_cast<long long>(sum.Count("num_device_alloc")),
                    static_cast<long long>(sum.Count("num_device_free")),
@@ -154,8 +167,11 @@ int main(int argc, char** argv) {
                    static_cast<long long>(sum.Count("driver_map")),
                    static_cast<long long>(sum.Count("driver_set_access")),
                    static_cast<long long>(sum.Count("driver_unmap")),
-                   static_cast<long long>(sum.Count("driver_release")), sum.ns_per_op_cold,
+                   static_cast<long long>(sum.Count("driver_release")),
+                   static_cast<long long>(sum.Count("num_chunk_moves")),
+                   static_cast<long long>(sum.Count("num_sync_stream")), sum.ns_per_op_cold,
                    sum.ns_per_op_warm);
+     }
     }
   }
   return failures == 0 ? 0 : 1;

@@ -92,7 +92,9 @@ class VmmAdapter {
                   {"driver_set_access", s.driver_set_access},
                   {"driver_unmap", s.driver_unmap},
                   {"driver_release", s.driver_release},
-                  {"driver_event", s.driver_event}};
+                  {"driver_event", s.driver_event},
+                  {"num_chunk_moves", s.num_chunk_moves},
+                  {"num_sync_stream", s.num_sync_stream}};
     return out;
   }
 

@@ -74,6 +74,15 @@ TEST(PoolOptionsTest, EveryKeyIsApplied) {
   }
 }
 
+// Pages of the large arena that a miss may move (reclaim_policy.h): off unless told.
+TEST(PoolOptionsTest, LargePageIsOffUnlessTold) {
+  EXPECT_EQ(PoolOptions().large_page, 0u);
+  absl::StatusOr<PoolOptions> o = ParsePoolOptions("large_page=32M");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->large_page, size_t{32} << 20);
+  EXPECT_FALSE(ParsePoolOptions("large_page=big").ok());
+}
+
 // Exported chunks kept for reuse (pool.h): 64 MiB unless told; 0 turns the reuse off.
 TEST(PoolOptionsTest, SpareExportBytesDefaultsTo64MiBAndMayBeZero) {
   EXPECT_EQ(PoolOptions().spare_export_bytes, size_t{64} << 20);

@@ -1,0 +1,73 @@
+// reclaim_policy.h: which free memory a miss takes instead of growing the pool (internal to
+// the pool).
+//
+// When no cached block fits a request, the pool plans the fewest new bytes that give it a
+// contiguous fit (Arena::PlanGrowth). Before creating those bytes, it takes physical chunks
+// that back free space elsewhere in the large arena: each such chunk is unmapped where it is
+// and mapped where the request goes (Pool::Grow, ChunkMap::Move), so the pool's physical
+// memory does not grow while free memory it already holds could serve the request. The large
+// arena's growth is made of chunks of exactly `large_page` bytes (pool_options.h) so that
+// free space there becomes movable page by page.
+//
+// Invariants (each policy must keep them; the pool relies on them):
+//   1. Only chunks wholly inside one free (kFree) block are taken: nothing allocated, pending,
+//      retired or in use by a kernel is ever moved.
+//   2. Never an exported chunk (nor a dedicated or spare one): an importer may map it, and
+//      moving it would show the importer another tensor's bytes (export invariant, pool.h).
+//   3. Stream order: a chunk is taken only from a block every stream may use (kAnyStream: the
+//      work that used it is known complete) or one tagged with the requesting stream; for the
+//      latter the pool synchronises that stream before unmapping (`sync_requester`). Blocks
+//      tagged with other streams are never taken: their work is not known complete.
+//   4. Not from the free blocks the growth plan attaches to (its gap's neighbours): the plan
+//      extends them, and taking memory out of them would change the plan.
+//   5. Only chunks of exactly `page` bytes (large_page: what the large arena grows by, so
+//      free space there is made of them), laid end to end from the start of the planned
+//      range; they add up to no more than it needs (the rest is created fresh).
+//   6. Nothing while the pool keeps its memory (Pool::SetKeepMemory: a captured graph may
+//      write to free addresses), nor for blocks that get chunks of their own (shareable).
+//      (6 is checked by the pool before it asks.)
+//
+// Policy today: from the usable free blocks of the large arena, smallest first
+// (a small hole is the memory least likely to serve a later request as it is; a large free
+// block stays whole as long as possible), ties to the lower address; within a block, chunks
+// from its upper end down, so what stays of the block is one contiguous piece, each taken if
+// it still fits what the plan needs. Free blocks that need no stream synchronisation
+// (kAnyStream) go before the requester's own.
+// A new policy is a new implementation of ChooseReclaim in this file.
+#ifndef VMM_ALLOCATOR_RECLAIM_POLICY_H_
+#define VMM_ALLOCATOR_RECLAIM_POLICY_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "allocator/arena.h"
+#include "allocator/block.h"
+#include "allocator/chunk_map.h"
+
+namespace vmm {
+
+struct ReclaimRequest {
+  const Arena* arena = nullptr;  // the large arena
+  const ChunkMap* chunks = nullptr;
+  // The free blocks the growth plan attaches to (invariant 4); may be null.
+  const Block* exclude_lo = nullptr;
+  const Block* exclude_hi = nullptr;
+  Stream requester = kAnyStream;
+  size_t page = 0;    // the chunk size that may be taken (invariant 5)
+  size_t needed = 0;  // bytes the plan must map
+};
+
+struct ReclaimChoice {
+  // Chunk addresses to move, in order; their sizes add up to at most `needed`.
+  std::vector<uintptr_t> chunks;
+  size_t bytes = 0;  // their total size
+  // Whether a chosen chunk lies in a block tagged with the requesting stream (invariant 3).
+  bool sync_requester = false;
+};
+
+ReclaimChoice ChooseReclaim(const ReclaimRequest& request);
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_RECLAIM_POLICY_H_

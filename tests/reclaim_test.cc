@@ -1,0 +1,308 @@
+// Tests of reclaiming free memory on a miss (allocator/reclaim_policy.h): a pool whose large
+// arena grows in pages moves wholly free pages to where a request goes instead of growing,
+// never moves exported memory or memory another stream may still use, and keeps its
+// bookkeeping and every live block's bytes intact throughout.
+#include <condition_variable>
+#include <cstring>
+#include <iterator>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <vector>
+
+#include "allocator/driver_factory.h"
+#include "allocator/host_driver.h"
+#include "allocator/pool.h"
+#include "gtest/gtest.h"
+#include "tests/status_matchers.h"
+
+namespace vmm {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr size_t kPage = 4 * kMiB;
+
+// Holds a stream's work until Release (a host function waiting on a flag).
+class StreamGate {
+ public:
+  StreamGate(Driver* driver, Stream stream) : state_(std::make_shared<State>()) {
+    auto* arg = new std::shared_ptr<State>(state_);
+    EXPECT_TRUE(driver->LaunchHostFunc(stream, &StreamGate::Wait, arg).ok());
+  }
+  ~StreamGate() { Release(); }
+  void Release() {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->open = true;
+    state_->cv.notify_all();
+  }
+
+ private:
+  struct State {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false;
+  };
+  static void Wait(void* arg) {
+    std::unique_ptr<std::shared_ptr<State>> state(static_cast<std::shared_ptr<State>*>(arg));
+    std::unique_lock<std::mutex> lock((*state)->mu);
+    (*state)->cv.wait(lock, [&] { return (*state)->open; });
+  }
+  std::shared_ptr<State> state_;
+};
+
+class ReclaimTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 256 * kMiB});
+    driver_ = owned_.get();
+  }
+
+  // Exact growth in pages of kPage, so that the tests can predict the reserved bytes.
+  std::unique_ptr<Pool> MakePool(ExportObserver* observer = nullptr) {
+    PoolOptions options;
+    options.growth_fraction = 0;
+    options.large_page = kPage;
+    options.reserve_size = 1024 * kMiB;
+    auto pool = Pool::Create(driver_, options, observer);
+    EXPECT_TRUE(pool.ok()) << pool.status();
+    return pool.ok() ? std::move(*pool) : nullptr;
+  }
+
+  void* Alloc(Pool& pool, size_t size, Stream stream = 0) {
+    auto p = pool.Allocate(size, stream);
+    EXPECT_TRUE(p.ok()) << p.status();
+    return p.ok() ? *p : nullptr;
+  }
+
+  std::unique_ptr<Driver> owned_;
+  Driver* driver_ = nullptr;
+};
+
+// Two 8 MiB holes between live blocks; a 16 MiB request fits neither.
+struct Holes {
+  void* a;
+  void* b;
+  void* c;
+  void* d;
+};
+
+Holes MakeHoles(Pool& pool, Stream stream = 0) {
+  Holes h;
+  h.a = *pool.Allocate(8 * kMiB, stream);
+  h.b = *pool.Allocate(4 * kMiB, stream);
+  h.c = *pool.Allocate(8 * kMiB, stream);
+  h.d = *pool.Allocate(4 * kMiB, stream);
+  std::memset(h.b, 0xbb, 4 * kMiB);
+  std::memset(h.d, 0xdd, 4 * kMiB);
+  return h;
+}
+
+bool Filled(const void* p, size_t n, unsigned char value) {
+  const auto* bytes = static_cast<const unsigned char*>(p);
+  for (size_t i = 0; i < n; i += 4096) {
+    if (bytes[i] != value || bytes[n - 1 - (i % n)] != value) return false;
+  }
+  return true;
+}
+
+TEST_F(ReclaimTest, AMissTakesWhollyFreePagesInsteadOfGrowing) {
+  auto pool = MakePool();
+  Holes h = MakeHoles(*pool);
+  ASSERT_OK(pool->Free(h.a));
+  ASSERT_OK(pool->Free(h.c));
+  const PoolStats before = pool->GetStats();
+  ASSERT_EQ(before.reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  void* e = Alloc(*pool, 16 * kMiB);
+  ASSERT_NE(e, nullptr);
+  std::memset(e, 0xee, 16 * kMiB);  // the moved pages are mapped and accessible
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_EQ(after.reserved_bytes.peak, before.reserved_bytes.peak);
+  EXPECT_EQ(after.driver_create, before.driver_create);
+  EXPECT_EQ(after.num_device_alloc, before.num_device_alloc);
+  EXPECT_EQ(after.num_chunk_moves, 4);
+  EXPECT_EQ(after.driver_unmap - before.driver_unmap, 4);
+  EXPECT_EQ(after.driver_map - before.driver_map, 4);
+  EXPECT_EQ(after.driver_set_access - before.driver_set_access, 1);
+  EXPECT_EQ(after.num_sync_stream, 1);  // the holes were freed on the requesting stream
+  EXPECT_TRUE(Filled(h.b, 4 * kMiB, 0xbb));
+  EXPECT_TRUE(Filled(h.d, 4 * kMiB, 0xdd));
+  EXPECT_TRUE(Filled(e, 16 * kMiB, 0xee));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {h.b, h.d, e}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+}
+
+TEST_F(ReclaimTest, OnlyWhatIsMissingIsCreated) {
+  auto pool = MakePool();
+  Holes h = MakeHoles(*pool);
+  ASSERT_OK(pool->Free(h.a));
+  const PoolStats before = pool->GetStats();
+  void* e = Alloc(*pool, 16 * kMiB);  // one 8 MiB hole: two pages moved, two created
+  ASSERT_NE(e, nullptr);
+  std::memset(e, 0xee, 16 * kMiB);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
+            static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(after.driver_create - before.driver_create, 2);
+  EXPECT_EQ(after.num_chunk_moves, 2);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(ReclaimTest, ExportedChunksAreNeverMoved) {
+  auto pool = MakePool();
+  Holes h = MakeHoles(*pool);
+  // c's pages are exported to a receiver that has not reported: they stay parked where the
+  // receiver maps them.
+  ASSERT_OK_AND_ASSIGN(ExportedBlock exported,
+                       pool->Export(h.c, HandleType::kNone, ExportNeighbours::kRefuse,
+                                    ExportUse::kTracked));
+  ASSERT_EQ(exported.chunks.size(), 2u);
+  ASSERT_OK(pool->Free(h.a));
+  ASSERT_OK(pool->Free(h.c));
+  const PoolStats before = pool->GetStats();
+  void* e = Alloc(*pool, 16 * kMiB);
+  ASSERT_NE(e, nullptr);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_chunk_moves, 2);  // a's pages only
+  EXPECT_EQ(after.driver_create - before.driver_create, 2);
+  EXPECT_EQ(after.exported_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(pool->SendBytesInUse(), 8 * kMiB);
+  // The exported chunks are where they were, under the same ids.
+  const Snapshot snap = pool->GetSnapshot();
+  for (const ExportedChunk& c : exported.chunks) {
+    EXPECT_FALSE(reinterpret_cast<uintptr_t>(e) <= c.addr &&
+                 c.addr < reinterpret_cast<uintptr_t>(e) + 16 * kMiB);
+  }
+  EXPECT_OK(pool->CheckInvariants());
+  // Once the receiver reported, the pages are spare (kept for sends), still not moved.
+  pool->SettleExport(exported.chunks, /*released=*/true);
+  void* f = Alloc(*pool, 16 * kMiB);
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(pool->GetStats().num_chunk_moves, 2);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(ReclaimTest, AFreeBlockAnotherStreamMayStillUseIsNotMoved) {
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  {
+    auto gate = std::make_unique<StreamGate>(driver_, t);
+    // a: freed while t still uses it (record_stream); c: freed on busy t itself.
+    void* a = Alloc(*pool, 8 * kMiB, s);
+    void* b = Alloc(*pool, 4 * kMiB, s);
+    void* c = Alloc(*pool, 8 * kMiB, t);
+    void* d = Alloc(*pool, 4 * kMiB, s);
+    ASSERT_OK(pool->RecordStream(a, t));
+    ASSERT_OK(pool->Free(a));
+    ASSERT_OK(pool->Free(c));
+    const PoolStats before = pool->GetStats();
+    void* e = Alloc(*pool, 16 * kMiB, s);
+    ASSERT_NE(e, nullptr);
+    PoolStats after = pool->GetStats();
+    EXPECT_EQ(after.num_chunk_moves, 0) << "t's work may still use a and c";
+    EXPECT_EQ(after.driver_unmap, before.driver_unmap);
+    EXPECT_EQ(after.driver_create - before.driver_create, 4);
+    EXPECT_OK(pool->CheckInvariants());
+    // Once t is done, the next miss takes them: c's pages (now for every stream) as they are,
+    // a's (back on s, the requester's own) after synchronising s.
+    gate->Release();
+    ASSERT_OK(driver_->SynchronizeStream(t));
+    void* f = Alloc(*pool, 16 * kMiB, s);
+    ASSERT_NE(f, nullptr);
+    after = pool->GetStats();
+    EXPECT_EQ(after.num_chunk_moves, 4);
+    EXPECT_EQ(after.num_sync_stream, 1);
+    EXPECT_EQ(after.driver_create - before.driver_create, 4);
+    EXPECT_OK(pool->CheckInvariants());
+    for (void* p : {b, d, e, f}) ASSERT_OK(pool->Free(p));
+  }
+  ASSERT_OK(driver_->DestroyStream(s));
+  ASSERT_OK(driver_->DestroyStream(t));
+}
+
+TEST_F(ReclaimTest, AKeepingPoolMovesNothing) {
+  auto pool = MakePool();
+  pool->SetKeepMemory(true);
+  Holes h = MakeHoles(*pool);
+  ASSERT_OK(pool->Free(h.a));
+  ASSERT_OK(pool->Free(h.c));
+  void* e = Alloc(*pool, 16 * kMiB);
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(pool->GetStats().num_chunk_moves, 0);
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(40 * kMiB));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(ReclaimTest, TheCachedPathMakesNoDriverCall) {
+  auto pool = MakePool();
+  Holes h = MakeHoles(*pool);
+  ASSERT_OK(pool->Free(h.a));
+  const PoolStats before = pool->GetStats();
+  for (int i = 0; i < 100; ++i) {
+    void* p = Alloc(*pool, (i % 7 + 2) * kMiB);
+    ASSERT_OK(pool->Free(p));
+  }
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.driver_create, before.driver_create);
+  EXPECT_EQ(after.driver_map, before.driver_map);
+  EXPECT_EQ(after.driver_unmap, before.driver_unmap);
+  EXPECT_EQ(after.driver_event, before.driver_event);
+  EXPECT_EQ(after.num_sync_stream, before.num_sync_stream);
+  EXPECT_EQ(after.num_chunk_moves, 0);
+}
+
+// Random allocations and frees (some exported) under a memory limit: after every step the
+// pool's invariants hold and every live block still holds the bytes written into it.
+TEST_F(ReclaimTest, InvariantsAndContentsHoldThroughRandomSteps) {
+  auto pool = MakePool();
+  pool->SetMemoryLimit(200 * kMiB);
+  std::mt19937_64 rng(42);
+  struct Live {
+    size_t size;
+    unsigned char value;
+  };
+  std::map<void*, Live> live;
+  size_t live_bytes = 0;
+  int64_t moves_seen = 0;
+  for (int step = 0; step < 3000; ++step) {
+    const bool alloc = live.empty() || (rng() % 100 < 55 && live_bytes < 120 * kMiB);
+    if (alloc) {
+      const size_t size = rng() % 4 == 0 ? 512 * (1 + rng() % 1024)
+                                         : (1 + rng() % (24 * kMiB / 512)) * 512;
+      auto p = pool->Allocate(size, 0);
+      ASSERT_TRUE(p.ok()) << p.status() << " at step " << step;
+      const auto value = static_cast<unsigned char>(1 + rng() % 250);
+      std::memset(*p, value, size);
+      live[*p] = Live{size, value};
+      live_bytes += size;
+      if (rng() % 50 == 0) {
+        ASSERT_OK(pool->Export(*p).status());
+      }
+    } else {
+      auto it = live.begin();
+      std::advance(it, static_cast<long>(rng() % live.size()));
+      ASSERT_TRUE(Filled(it->first, it->second.size, it->second.value)) << "step " << step;
+      live_bytes -= it->second.size;
+      ASSERT_OK(pool->Free(it->first));
+      live.erase(it);
+    }
+    ASSERT_OK(pool->CheckInvariants()) << "step " << step;
+    const int64_t moves = pool->GetStats().num_chunk_moves;
+    if (moves != moves_seen) {
+      // Memory moved: every live block must still hold its bytes.
+      for (const auto& [p, l] : live) ASSERT_TRUE(Filled(p, l.size, l.value)) << "step " << step;
+      moves_seen = moves;
+    }
+  }
+  EXPECT_GT(moves_seen, 0);
+  for (const auto& [p, l] : live) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+}  // namespace
+}  // namespace vmm
