@@ -160,8 +160,16 @@ class VmmAllocator : public Pluggable {
   }
 
   // Closes the pools of its own (their memory goes back once their last blocks are freed).
-  ~VmmAllocator() override {
+  ~VmmAllocator() override { Close(); }
+
+  // Closes the pools of its own now (vmm_torch.MemPool's end; the allocator object itself
+  // lives on, since PyTorch may still free segments through it): cached memory goes back,
+  // blocks still live go when freed; later allocations through it fail as out of memory.
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
     for (const auto& [device, pool] : own_pools_) vmm.pool_destroy(pool);
+    own_pools_.clear();
   }
 
   const std::string& options() const { return options_; }
@@ -445,12 +453,20 @@ class VmmAllocator : public Pluggable {
   }
 
   // The largest block an allocation could get now (cuDNN sizes its workspace by it): what the
-  // device has free, which vmm can map.
+  // device has free, which vmm can map, within the memory fraction set for the device.
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
     c10::cuda::CUDAGuard guard(device);
     size_t device_free = 0, device_total = 0;
     C10_CUDA_CHECK(cudaMemGetInfo(&device_free, &device_total));
-    *largest_block = device_free;
+    size_t largest = device_free;
+    vmm_torch_stats stats{};
+    if (vmm.device_torch_stats(device, &stats) == 0) {
+      const auto cap = static_cast<size_t>(getMemoryFraction(device) * device_total);
+      const auto reserved =
+          static_cast<size_t>(std::max<int64_t>(stats.reserved_bytes[VMM_STAT_ALL].current, 0));
+      largest = std::min(largest, cap > reserved ? cap - reserved : 0);
+    }
+    *largest_block = largest;
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
@@ -520,13 +536,15 @@ class VmmAllocator : public Pluggable {
       pool_id = route->first;
       ptr = vmm.pool_alloc(route->second, size, stream, 0);
     } else if (own_pools_only_) {
-      ptr = vmm.pool_alloc(OwnPool(device), size, stream, 0);
+      const int64_t own = OwnPool(device);
+      ptr = own < 0 ? nullptr : vmm.pool_alloc(own, size, stream, 0);
     } else {
       ptr = vmm.alloc(size, device, stream);
     }
-    if (ptr == nullptr && own_pools_only_ && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED) {
+    if (ptr == nullptr && own_pools_only_) {
       // A MemPool's segment asked for by PyTorch's own allocator: it expects null, then
-      // frees its cache, retries, and reports the out of memory itself.
+      // frees its cache, retries, and reports the out of memory itself (also for more than
+      // the device holds, or a closed MemPool).
       return nullptr;
     }
     if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
@@ -540,9 +558,11 @@ class VmmAllocator : public Pluggable {
     return ptr;
   }
 
-  // This allocator's own pool on `device`, created with its options on first use.
+  // This allocator's own pool on `device`, created with its options on first use; -1 once
+  // closed (Close).
   int64_t OwnPool(int device) {
     std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return -1;
     auto it = own_pools_.find(device);
     if (it != own_pools_.end()) return it->second;
     const int64_t pool = vmm.pool_create(VMM_BACKEND_CUDA, device, options_.c_str());
@@ -632,6 +652,7 @@ class VmmAllocator : public Pluggable {
   std::unordered_map<std::pair<int, MempoolId_t>, PoolInfo, MempoolIdHash> pools_;
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
+  bool closed_ = false;                          // Close() ran: no own pool any more
   std::unordered_map<int, int64_t> own_pools_;  // device -> vmm pool (UseOwnPools)
   std::unordered_map<void*, Restored> restored_;
   std::atomic<bool> any_restored_{false};  // restored_ was ever used (raw_delete's check)
@@ -669,6 +690,14 @@ PYBIND11_MODULE(_cuda_allocator, m) {
         return allocator;
       },
       "A vmm allocator for torch.cuda.MemPool whose pools take `options`.");
+  m.def(
+      "close_pool_allocator",
+      [](const std::shared_ptr<cca::CUDAAllocator>& allocator) {
+        auto* mine = dynamic_cast<VmmAllocator*>(allocator.get());
+        TORCH_CHECK_VALUE(mine != nullptr, "vmm: not a vmm allocator");
+        mine->Close();
+      },
+      "Closes the vmm pools of a MemPool's allocator (pool_allocator).");
   m.def(
       "pool_ids",
       [](const std::shared_ptr<cca::CUDAAllocator>& allocator, int device, uint64_t id0,

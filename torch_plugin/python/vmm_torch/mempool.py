@@ -54,6 +54,17 @@ class MemPool(_base()):  # type: ignore[misc]
         with torch.cuda.device(self._vmm_device):
             super().__init__(self._vmm_allocator, use_on_oom=use_on_oom, no_split=True)
 
+    def __del__(self) -> None:
+        # The allocator object lives on (PyTorch may still free segments through it); its
+        # vmm pools close now: cached memory goes back, live blocks when they are freed.
+        allocator = self.__dict__.get("_vmm_allocator")
+        if allocator is None:
+            return
+        try:
+            _cuda.module(_lib.load()).close_pool_allocator(allocator)
+        except Exception:  # interpreter shutdown: the process's memory goes with it
+            pass
+
     @property
     def vmm_device(self) -> int:
         """The CUDA device whose memory the pool holds."""
