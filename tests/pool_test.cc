@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
+#include "tests/stream_gate.h"
 #include "tests/test_backend.h"
 
 namespace vmm {
@@ -448,35 +449,6 @@ TEST_F(PoolTest, StatsTrackCurrentPeakAndTotals) {
 }
 
 // --- Streams --------------------------------------------------------------------------------
-
-// Holds a stream until Release() (a host function that waits). The waiting function shares
-// the gate's state, so the gate may go away before the stream reaches it.
-class StreamGate {
- public:
-  StreamGate(Driver* driver, Stream stream) : state_(std::make_shared<State>()) {
-    auto* arg = new std::shared_ptr<State>(state_);
-    EXPECT_TRUE(driver->LaunchHostFunc(stream, &StreamGate::Wait, arg).ok());
-  }
-  ~StreamGate() { Release(); }
-  void Release() {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->open = true;
-    state_->cv.notify_all();
-  }
-
- private:
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool open = false;
-  };
-  static void Wait(void* arg) {
-    std::unique_ptr<std::shared_ptr<State>> state(static_cast<std::shared_ptr<State>*>(arg));
-    std::unique_lock<std::mutex> lock((*state)->mu);
-    (*state)->cv.wait(lock, [&] { return (*state)->open; });
-  }
-  std::shared_ptr<State> state_;
-};
 
 TEST_F(PoolTest, BlockFreedOnAStreamIsReusedOnItAtOnce) {
   auto pool = MakePool();

@@ -16,40 +16,13 @@
 #include "allocator/pool.h"
 #include "gtest/gtest.h"
 #include "tests/status_matchers.h"
+#include "tests/stream_gate.h"
 
 namespace vmm {
 namespace {
 
 constexpr size_t kMiB = size_t{1} << 20;
 constexpr size_t kPage = 4 * kMiB;
-
-// Holds a stream's work until Release (a host function waiting on a flag).
-class StreamGate {
- public:
-  StreamGate(Driver* driver, Stream stream) : state_(std::make_shared<State>()) {
-    auto* arg = new std::shared_ptr<State>(state_);
-    EXPECT_TRUE(driver->LaunchHostFunc(stream, &StreamGate::Wait, arg).ok());
-  }
-  ~StreamGate() { Release(); }
-  void Release() {
-    std::lock_guard<std::mutex> lock(state_->mu);
-    state_->open = true;
-    state_->cv.notify_all();
-  }
-
- private:
-  struct State {
-    std::mutex mu;
-    std::condition_variable cv;
-    bool open = false;
-  };
-  static void Wait(void* arg) {
-    std::unique_ptr<std::shared_ptr<State>> state(static_cast<std::shared_ptr<State>*>(arg));
-    std::unique_lock<std::mutex> lock((*state)->mu);
-    (*state)->cv.wait(lock, [&] { return (*state)->open; });
-  }
-  std::shared_ptr<State> state_;
-};
 
 class ReclaimTest : public ::testing::Test {
  protected:
