@@ -59,6 +59,7 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
     if (dedicated) MarkExported(chunks_.find(p.addr), stats);
   }
   stats.reserved_bytes.Increase(static_cast<int64_t>(len));
+  if (cap_ != nullptr) cap_->Add(static_cast<int64_t>(len));
   stats.segment.Increase(static_cast<int64_t>(pieces.size()));
   return absl::OkStatus();
 }
@@ -125,6 +126,7 @@ absl::StatusOr<Chunk> ChunkMap::Release(uintptr_t addr, PoolStats& stats) {
 void ChunkMap::Forget(Map::iterator it, PoolStats& stats) {
   const auto size = static_cast<int64_t>(it->second.size);
   stats.reserved_bytes.Decrease(size);
+  if (cap_ != nullptr) cap_->Add(-size);
   stats.segment.Decrease(1);
   if (it->second.exported) {
     --exported_;

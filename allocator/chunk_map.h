@@ -20,6 +20,7 @@
 #include "absl/container/btree_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "allocator/device_cap.h"
 #include "allocator/driver.h"
 #include "allocator/stats.h"
 
@@ -56,6 +57,9 @@ class ChunkMap {
   };
 
   void Init(Config config) { config_ = std::move(config); }
+  // From now on the bytes this map maps and releases also count in `cap` (device_cap.h; it
+  // must outlive the map's chunks). The caller adds what is mapped already.
+  void ShareCap(DeviceCap* cap) { cap_ = cap; }
 
   // Creates, maps and grants access to [addr, addr + len) in chunks, marking them exported and
   // dedicated when `dedicated`. On failure nothing stays mapped or created, and the driver's
@@ -118,6 +122,7 @@ class ChunkMap {
   bool AnyExportedIn(uintptr_t addr, uintptr_t end) const;
 
   Config config_;
+  DeviceCap* cap_ = nullptr;  // ShareCap's (not owned)
   Map chunks_;
   uint64_t next_id_ = 1;
   int64_t exported_ = 0;
@@ -129,6 +134,7 @@ void ChunkMap::ReleaseAll(F&& released) {
     absl::Status s = config_.driver->Unmap(addr, chunk.size);
     if (s.ok()) s = config_.driver->Release(chunk.handle);
     if (!s.ok()) LogChunkTeardownError(s);
+    if (cap_ != nullptr) cap_->Add(-static_cast<int64_t>(chunk.size));
     released(chunk);
   }
   chunks_.clear();

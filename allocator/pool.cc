@@ -419,6 +419,12 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   auto try_map = [&](const Arena::GrowthPlan& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t fresh = p.len - moved;
     if (fresh == 0) return absl::OkStatus();
+    if (device_cap_ != nullptr && !device_cap_->Allows(fresh)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "growing by ", FormatBytes(fresh), " would pass the device's memory fraction of ",
+          FormatBytes(device_cap_->limit()), " (its pools hold ",
+          FormatBytes(static_cast<size_t>(std::max<int64_t>(device_cap_->held(), 0))), ")"));
+    }
     if (memory_limit_ != 0 &&
         static_cast<size_t>(stats_.reserved_bytes.current) + fresh > memory_limit_) {
       return absl::ResourceExhaustedError(absl::StrCat(
@@ -685,6 +691,14 @@ absl::Status Pool::EmptyCache() {
   VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
   VMM_RETURN_IF_ERROR(ReleaseKeptExports());
   return ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX);
+}
+
+void Pool::ShareDeviceCap(std::shared_ptr<DeviceCap> cap) {
+  MutexLock lock(&mu_);
+  if (device_cap_ != nullptr || cap == nullptr) return;
+  device_cap_ = std::move(cap);
+  chunks_.ShareCap(device_cap_.get());
+  device_cap_->Add(stats_.reserved_bytes.current);
 }
 
 void Pool::SetMemoryLimit(size_t bytes) {

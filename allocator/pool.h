@@ -114,6 +114,7 @@
 #include "absl/status/statusor.h"
 #include "allocator/arena.h"
 #include "allocator/chunk_map.h"
+#include "allocator/device_cap.h"
 #include "allocator/driver.h"
 #include "allocator/export_observer.h"
 #include "allocator/fork_guard.h"
@@ -203,6 +204,10 @@ class Pool {
   absl::Status EmptyCache();
   // Sets the most physical bytes the pool may hold (0: no limit).
   void SetMemoryLimit(size_t bytes);
+  // From now on this pool's physical bytes also count against `cap`, shared with other pools
+  // of the device (device_cap.h): a growth that would take their sum past its limit fails as
+  // one past the pool's own limit does. Once per pool.
+  void ShareDeviceCap(std::shared_ptr<DeviceCap> cap);
   // Keeps every mapped chunk while `keep` (file comment, "Keeping memory"). Turning it off
   // releases nothing by itself: EmptyCache then gives back what is free.
   void SetKeepMemory(bool keep);
@@ -385,6 +390,7 @@ class Pool {
   std::vector<uintptr_t> spare_ ABSL_GUARDED_BY(mu_);
   size_t spare_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t memory_limit_ ABSL_GUARDED_BY(mu_) = 0;
+  std::shared_ptr<DeviceCap> device_cap_ ABSL_GUARDED_BY(mu_);  // ShareDeviceCap's
   // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it
   // was set (a path that forgot to ask), for CheckInvariants.
   bool keep_memory_ ABSL_GUARDED_BY(mu_) = false;

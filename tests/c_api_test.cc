@@ -574,4 +574,23 @@ TEST_F(CApiTest, APrivatePoolsBlocksAreExportedAndSentAsAnExplicitPools) {
   EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
 }
 
+// PyTorch's set_per_process_memory_fraction caps everything its allocator holds on the device,
+// CUDA graph pools and MemPools included: the device pool and the private pools share one cap.
+TEST_F(CApiTest, AMemoryFractionAlsoCapsTheDevicesPrivatePools) {
+  const size_t total = vmm::GetHostDriver()->GetMemInfo(0)->total;
+  ASSERT_EQ(vmm_set_memory_fraction(static_cast<double>(32 * kMiB) / total, 0), 0)
+      << vmm_last_error();
+  const int64_t id = UsePrivate(1, 0);
+  void* p = vmm_pool_alloc(id, 64 * kMiB, nullptr, 0);
+  const int code = vmm_last_error_code();
+  if (p != nullptr) vmm_block_free(p);
+  ASSERT_EQ(vmm_set_memory_fraction(1.0, 0), 0);
+  EXPECT_EQ(p, nullptr) << "64 MiB in a private pool under a 32 MiB fraction";
+  EXPECT_EQ(code, VMM_RESOURCE_EXHAUSTED);
+  void* q = vmm_pool_alloc(id, 64 * kMiB, nullptr, 0);  // the whole device again
+  EXPECT_NE(q, nullptr) << vmm_last_error();
+  if (q != nullptr) vmm_block_free(q);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+}
+
 }  // namespace

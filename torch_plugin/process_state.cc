@@ -105,6 +105,7 @@ absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> created,
                        CreateExportablePool(driver, DevicePoolOptions(device)));
   if (fractions_[device] > 0) VMM_RETURN_IF_ERROR(ApplyFraction(*created, fractions_[device]));
+  VMM_RETURN_IF_ERROR(ShareCapLocked(device, *created));
   pool = created.release();  // freed by the destructor (never, for the process's state)
   device_pools_[device].store(pool, std::memory_order_release);
   any_device_pool_ = true;
@@ -130,6 +131,9 @@ void ProcessState::AbandonParentsDevicePools() {
     p.store(nullptr, std::memory_order_release);
   }
   any_device_pool_ = false;
+  // The parent's pools count in the parent's caps (which they keep); the child's own pools
+  // start fresh ones.
+  for (auto& cap : caps_) cap = nullptr;
 }
 
 absl::StatusOr<void*> ProcessState::DeviceAllocate(int device, size_t size, Stream stream) {
@@ -152,7 +156,32 @@ absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
   MutexLock lock(&mu_);
   fractions_[device] = fraction;
   Pool* pool = device_pools_[device].load();
-  return pool != nullptr ? ApplyFraction(*pool, fraction) : absl::OkStatus();
+  if (pool != nullptr) {
+    VMM_RETURN_IF_ERROR(ApplyFraction(*pool, fraction));
+    return ShareCapLocked(device, *pool);
+  }
+  if (caps_[device] != nullptr) {  // private pools only: measure the device with the default driver
+    absl::StatusOr<Driver*> driver = DefaultDriver();
+    absl::StatusOr<MemInfo> info =
+        driver.ok() ? (*driver)->GetMemInfo(device) : absl::StatusOr<MemInfo>(driver.status());
+    if (info.ok()) caps_[device]->SetLimit(static_cast<size_t>(fraction * info->total));
+  }
+  return absl::OkStatus();
+}
+
+std::shared_ptr<DeviceCap> ProcessState::CapForLocked(int device) {
+  if (caps_[device] == nullptr) caps_[device] = std::make_shared<DeviceCap>();
+  return caps_[device];
+}
+
+absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
+  std::shared_ptr<DeviceCap> cap = CapForLocked(device);
+  pool.ShareDeviceCap(cap);
+  if (fractions_[device] > 0) {
+    VMM_ASSIGN_OR_RETURN(MemInfo info, pool.driver()->GetMemInfo(pool.device()));
+    cap->SetLimit(static_cast<size_t>(fractions_[device] * static_cast<double>(info.total)));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ProcessState::ApplyFraction(Pool& pool, double fraction) {
@@ -286,6 +315,10 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   options.device = device;
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
   pool->SetKeepMemory(true);
+  if (device < kMaxDevices) {  // counts against the device's memory fraction with its pool
+    MutexLock state_lock(&mu_);
+    VMM_RETURN_IF_ERROR(ShareCapLocked(device, *pool));
+  }
   std::shared_ptr<ExplicitPool> entry = Register(std::move(pool), /*is_private=*/true, id0, id1);
   private_[key] = PrivateUse{entry, 1};
   return entry->id;
