@@ -2,7 +2,7 @@
 //
 // set_per_process_memory_fraction caps everything PyTorch's allocator holds on a device; with
 // vmm registered, that is the device pool and the private pools (CUDA graph pools, MemPools)
-// on the device (torch_plugin/process_state.h). Each such pool shares the device's DeviceCap:
+// on that GPU (torch_plugin/process_state.h). Each such pool shares the DeviceCap of its GPU:
 // its ChunkMap adds what it maps and subtracts what it releases, and Pool::Grow refuses a
 // growth that would take the pools' sum past the limit (ResourceExhausted, after which the
 // pool trims its own cache and retries, as for its own memory limit). Checked, not reserved:

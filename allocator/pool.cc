@@ -421,7 +421,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     if (fresh == 0) return absl::OkStatus();
     if (device_cap_ != nullptr && !device_cap_->Allows(fresh)) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "growing by ", FormatBytes(fresh), " would pass the device's memory fraction of ",
+          "growing by ", FormatBytes(fresh), " would pass the memory fraction of its GPU, ",
           FormatBytes(device_cap_->limit()), " (its pools hold ",
           FormatBytes(static_cast<size_t>(std::max<int64_t>(device_cap_->held(), 0))), ")"));
     }

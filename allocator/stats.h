@@ -107,7 +107,7 @@ struct PoolStats {
 };
 
 // Adds the statistics of one more pool to `total` (the statistics of several pools as one, e.g.
-// a device's): every field of a Stat and every counter is summed, so a peak is the sum of the
+// a GPU's): every field of a Stat and every counter is summed, so a peak is the sum of the
 // pools' peaks (at least the peak of the sum, and equal to it when one pool alone allocated);
 // largest_free_block is the largest of the pools' and fragmentation is derived again.
 inline void AddPoolStats(const PoolStats& pool, PoolStats& total) {

@@ -224,7 +224,7 @@ TEST_F(CApiTest, ThePrivatePoolsOfADeviceAreInItsStats) {
   EXPECT_EQ(after.num_device_alloc, before.num_device_alloc + 2);
   // Private pools of device 0 are not device 1's.
   EXPECT_EQ(DeviceStats(1).allocated_bytes[VMM_STAT_ALL].current, 0);
-  // The device's reset reaches them too.
+  // The reset of the GPU's statistics reaches them too.
   vmm_block_free(pa);
   vmm_block_free(pb);
   ASSERT_EQ(vmm_reset_peak_stats(0), 0);

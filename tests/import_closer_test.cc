@@ -143,17 +143,50 @@ TEST_F(ImportCloserTest, AMappingSharedWithALiveImportStays) {
   EXPECT_EQ(reports.forwarded(), std::vector<bool>{true});
 }
 
+// Stops the closing thread inside the close of one import (in its unmap report) until Finish
+// or FinishAfter: what a slow close (a long device synchronize) looks like to the others.
+class SlowClose {
+ public:
+  explicit SlowClose(ImportedBuffer& buffer) {
+    buffer.OnUnmapped([this](bool) {
+      inside_.store(true);
+      while (!finish_.load()) absl::SleepFor(absl::Milliseconds(1));
+    });
+  }
+  ~SlowClose() {
+    Finish();
+    if (finisher_.joinable()) finisher_.join();
+  }
+  // Whether the closing thread got inside the close within 10 s.
+  bool WaitInside() {
+    const absl::Time start = absl::Now();
+    while (!inside_.load() && absl::Now() - start < absl::Seconds(10)) {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+    return inside_.load();
+  }
+  void Finish() { finish_.store(true); }
+  // Lets the close finish `delay` from now, from another thread.
+  void FinishAfter(absl::Duration delay) {
+    finisher_ = std::thread([this, delay] {
+      absl::SleepFor(delay);
+      Finish();
+    });
+  }
+  void Join() { finisher_.join(); }
+
+ private:
+  std::atomic<bool> inside_{false};
+  std::atomic<bool> finish_{false};
+  std::thread finisher_;
+};
+
 // FlushCloses waits for an import being closed, not only for queued ones, and no longer than
 // it is told.
 TEST_F(ImportCloserTest, FlushWaitsForACloseInProgress) {
-  std::atomic<bool> inside{false};
-  std::atomic<bool> finish{false};
   std::unique_ptr<ImportedBuffer> slow = Imported(Exported(2 * kMiB));
   ASSERT_NE(slow, nullptr);
-  slow->OnUnmapped([&](bool) {
-    inside.store(true);
-    while (!finish.load()) absl::SleepFor(absl::Milliseconds(1));
-  });
+  SlowClose gate(*slow);
   std::unique_ptr<ImportedBuffer> after = Imported(Exported(2 * kMiB));
   ASSERT_NE(after, nullptr);
   Reports reports;
@@ -162,21 +195,14 @@ TEST_F(ImportCloserTest, FlushWaitsForACloseInProgress) {
   CloseLater(std::move(slow));
   CloseLater(std::move(after));
   EXPECT_LT(absl::Now() - queued_at, absl::Milliseconds(500)) << "CloseLater waited";
-  const absl::Time start = absl::Now();
-  while (!inside.load() && absl::Now() - start < absl::Seconds(10)) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_TRUE(inside.load());
+  ASSERT_TRUE(gate.WaitInside());
   const absl::Time flush_at = absl::Now();
   EXPECT_GE(FlushCloses(absl::Milliseconds(100)), 1u) << "the close in progress counts";
   EXPECT_GE(absl::Now() - flush_at, absl::Milliseconds(90));
   EXPECT_TRUE(reports.forwarded().empty()) << "closed out of order";
-  std::thread finisher([&] {
-    absl::SleepFor(absl::Milliseconds(100));
-    finish.store(true);
-  });
+  gate.FinishAfter(absl::Milliseconds(100));
   EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
-  finisher.join();
+  gate.Join();
   EXPECT_EQ(reports.forwarded(), std::vector<bool>{false});
 }
 
@@ -184,24 +210,12 @@ TEST_F(ImportCloserTest, FlushWaitsForACloseInProgress) {
 // A fork waits for a close in progress (it may hold the driver's locks), and the child starts
 // with an empty queue of its own.
 TEST_F(ImportCloserTest, AForkWaitsForARunningCloseAndTheChildHasAnEmptyQueue) {
-  std::atomic<bool> inside{false};
-  std::atomic<bool> finish{false};
   std::unique_ptr<ImportedBuffer> slow = Imported(Exported(2 * kMiB));
   ASSERT_NE(slow, nullptr);
-  slow->OnUnmapped([&](bool) {
-    inside.store(true);
-    while (!finish.load()) absl::SleepFor(absl::Milliseconds(1));
-  });
+  SlowClose gate(*slow);
   CloseLater(std::move(slow));
-  const absl::Time start = absl::Now();
-  while (!inside.load() && absl::Now() - start < absl::Seconds(10)) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_TRUE(inside.load());
-  std::thread finisher([&] {
-    absl::SleepFor(absl::Milliseconds(200));
-    finish.store(true);
-  });
+  ASSERT_TRUE(gate.WaitInside());
+  gate.FinishAfter(absl::Milliseconds(200));
   const absl::Time fork_at = absl::Now();
   EXPECT_EQ(InForkedChild([] {
               if (FlushCloses(absl::ZeroDuration()) != 0) return 1;
@@ -210,7 +224,7 @@ TEST_F(ImportCloserTest, AForkWaitsForARunningCloseAndTheChildHasAnEmptyQueue) {
             }),
             0);
   EXPECT_GE(absl::Now() - fork_at, absl::Milliseconds(150)) << "the fork did not wait";
-  finisher.join();
+  gate.Join();
   EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
 }
 

@@ -19,6 +19,7 @@
 #include "gmock/gmock.h"
 #include "tests/forwarding_driver.h"
 #include "gtest/gtest.h"
+#include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
 #include "tests/test_backend.h"
 
@@ -90,12 +91,10 @@ class PoolReuseTest : public ::testing::Test {
   // A pool observed by observer_; skips the test where memory is not exportable.
   std::unique_ptr<Pool> MakePool(PoolOptions options = Exact(), Driver* driver = nullptr,
                                  ExportObserver* observer = nullptr) {
-    auto pool = Pool::Create(driver != nullptr ? driver : driver_, options,
-                             observer != nullptr ? observer : &observer_);
-    EXPECT_TRUE(pool.ok()) << pool.status();
-    if (!pool.ok()) return nullptr;
-    if ((*pool)->handle_type() == HandleType::kNone) return nullptr;
-    return std::move(*pool);
+    std::unique_ptr<Pool> pool = CreatePoolOrFail(driver != nullptr ? driver : driver_, options,
+                                                  observer != nullptr ? observer : &observer_);
+    if (pool == nullptr || pool->handle_type() == HandleType::kNone) return nullptr;
+    return pool;
   }
 
   static void* Shareable(Pool& pool, size_t size) {

@@ -20,6 +20,7 @@
 #include "allocator/host_driver.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
 #include "tests/stream_gate.h"
 #include "tests/test_backend.h"
@@ -80,15 +81,11 @@ class PoolTest : public ::testing::Test {
   std::unique_ptr<Pool> MakePool(PoolOptions options = Exact(),
                                  ExportObserver* observer = nullptr) {
     if (options.reserve_size == 0) options.reserve_size = 1024 * kMiB;
-    auto pool = Pool::Create(driver_, options, observer);
-    EXPECT_TRUE(pool.ok()) << pool.status();
-    return pool.ok() ? std::move(*pool) : nullptr;
+    return CreatePoolOrFail(driver_, options, observer);
   }
 
   void* Alloc(Pool& pool, size_t size, Stream stream = 0) {
-    auto p = pool.Allocate(size, stream);
-    EXPECT_TRUE(p.ok()) << p.status();
-    return p.ok() ? *p : nullptr;
+    return AllocateOrFail(pool, size, stream);
   }
 
   size_t DeviceFree() { return driver_->GetMemInfo(0)->free; }

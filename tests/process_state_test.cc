@@ -213,7 +213,7 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
   EXPECT_EQ(pool.GetStats().reserved_bytes.current, static_cast<int64_t>(4 * kMiB))
       << "release_threshold=0 releases nothing while the pool keeps its memory";
   EXPECT_EQ(state_.ClosePool(*id).code(), absl::StatusCode::kFailedPrecondition);
-  // Tagged in snapshots, and counted in its device's stats.
+  // Tagged in snapshots, and counted in the stats of its GPU.
   bool tagged = false;
   for (const Snapshot& snap : state_.Snapshots()) {
     if (snap.pool_id != *id) continue;

@@ -15,6 +15,7 @@
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
 #include "gtest/gtest.h"
+#include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
 #include "tests/stream_gate.h"
 
@@ -37,15 +38,11 @@ class ReclaimTest : public ::testing::Test {
     options.growth_fraction = 0;
     options.large_page = kPage;
     options.reserve_size = 1024 * kMiB;
-    auto pool = Pool::Create(driver_, options, observer);
-    EXPECT_TRUE(pool.ok()) << pool.status();
-    return pool.ok() ? std::move(*pool) : nullptr;
+    return CreatePoolOrFail(driver_, options, observer);
   }
 
   void* Alloc(Pool& pool, size_t size, Stream stream = 0) {
-    auto p = pool.Allocate(size, stream);
-    EXPECT_TRUE(p.ok()) << p.status();
-    return p.ok() ? *p : nullptr;
+    return AllocateOrFail(pool, size, stream);
   }
 
   std::unique_ptr<Driver> owned_;

@@ -315,7 +315,7 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   options.device = device;
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
   pool->SetKeepMemory(true);
-  if (device < kMaxDevices) {  // counts against the device's memory fraction with its pool
+  if (device < kMaxDevices) {  // counts against the GPU's memory fraction with its pool
     MutexLock state_lock(&mu_);
     VMM_RETURN_IF_ERROR(ShareCapLocked(device, *pool));
   }

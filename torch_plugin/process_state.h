@@ -269,10 +269,10 @@ class ProcessState {
   // The import whose buffer starts at `ptr`, with one more reference (0 if none).
   int64_t RetainImportAt(const void* ptr);
 
-  // The device's cap (caps_), made on first use.
+  // The cap of GPU `device` (caps_), made on first use.
   std::shared_ptr<DeviceCap> CapForLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Makes `pool` (the device pool or a private pool of `device`) count against the device's
-  // cap, whose limit follows the fraction set for the device (measured by the pool's driver).
+  // Makes `pool` (the device pool or a private pool of `device`) count against the cap of
+  // its GPU, whose limit follows the fraction set for the device (measured by the pool's driver).
   absl::Status ShareCapLocked(int device, Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status ApplyFraction(Pool& pool, double fraction);
   // The open pool `id` (explicit or private), or InvalidArgument.
@@ -297,8 +297,8 @@ class ProcessState {
   PoolOptions options_ ABSL_GUARDED_BY(mu_);
   bool any_device_pool_ ABSL_GUARDED_BY(mu_) = false;
   std::array<double, kMaxDevices> fractions_ ABSL_GUARDED_BY(mu_){};
-  // The cap set_per_process_memory_fraction puts on each device's pool and private pools
-  // together (allocator/device_cap.h); made with the device's first such pool.
+  // The cap set_per_process_memory_fraction puts on each GPU's device pool and private
+  // pools together (allocator/device_cap.h); made with the first such pool of the GPU.
   std::array<std::shared_ptr<DeviceCap>, kMaxDevices> caps_ ABSL_GUARDED_BY(mu_){};
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);

@@ -65,7 +65,7 @@ class History {
     on_.store(true, std::memory_order_relaxed);
   }
 
-  // Records `action` on `addr`/`size` (for OOM, `addr` is the device's free bytes). The
+  // Records `action` on `addr`/`size` (for OOM, `addr` is the GPU's free bytes). The
   // stack is gathered outside the lock (the recorder takes the GIL).
   void Record(cda::TraceEntry::Action action, c10::DeviceIndex device, size_t addr,
               size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
