@@ -103,6 +103,16 @@ class PoolReuseTest : public ::testing::Test {
     return p.ok() ? *p : nullptr;
   }
 
+  // A shareable block of `size` sent once, freed and reported released by its receiver (so
+  // its chunk is spare, where it fits); its address.
+  static void* MakeSpare(Pool& pool, size_t size) {
+    void* p = Shareable(pool, size);
+    const std::vector<ExportedChunk> sent = Send(pool, p);
+    EXPECT_OK(pool.Free(p));
+    pool.SettleExport(sent, true);
+    return p;
+  }
+
   // Exports the block at `p` for one tracked send; its chunks.
   static std::vector<ExportedChunk> Send(Pool& pool, void* p) {
     absl::StatusOr<ExportedBlock> e =
@@ -209,10 +219,7 @@ TEST_F(PoolReuseTest, AFreedTrackedSendIsParkedThenSpareThenReusedUnderANewId) {
 TEST_F(PoolReuseTest, TheRestOfAReusedChunkIsNeverHandedOut) {
   auto pool = MakePool();
   SKIP_IF_NOT_EXPORTABLE(pool);
-  void* p = Shareable(*pool, 8 * kMiB);
-  const std::vector<ExportedChunk> sent = Send(*pool, p);
-  ASSERT_OK(pool->Free(p));
-  pool->SettleExport(sent, true);
+  void* p = MakeSpare(*pool, 8 * kMiB);
   void* q = Shareable(*pool, kMiB);
   ASSERT_EQ(q, p);
   EXPECT_EQ(pool->GetStats().num_export_reuses, 1);
@@ -237,10 +244,7 @@ TEST_F(PoolReuseTest, TheRestOfAReusedChunkIsNeverHandedOut) {
 TEST_F(PoolReuseTest, ASpareChunkTooSmallIsLeftAndTheBlockGrows) {
   auto pool = MakePool();
   SKIP_IF_NOT_EXPORTABLE(pool);
-  void* p = Shareable(*pool, 2 * kMiB);
-  const std::vector<ExportedChunk> sent = Send(*pool, p);
-  ASSERT_OK(pool->Free(p));
-  pool->SettleExport(sent, true);
+  void* p = MakeSpare(*pool, 2 * kMiB);
   const PoolStats before = pool->GetStats();
   void* big = Shareable(*pool, 4 * kMiB);
   EXPECT_NE(big, p);
@@ -548,10 +552,7 @@ TEST_F(PoolReuseTest, AFailedGrowthReleasesSpareChunksFirst) {
   ASSERT_EQ(Reserved(*pool), 0);
 
   // The same for a plain allocation.
-  void* p = Shareable(*pool, 2 * kMiB);
-  const std::vector<ExportedChunk> sent = Send(*pool, p);
-  ASSERT_OK(pool->Free(p));
-  pool->SettleExport(sent, true);
+  void* p = MakeSpare(*pool, 2 * kMiB);
   ASSERT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB));
   void* plain = pool->Allocate(8 * kMiB, 0).value_or(nullptr);
   EXPECT_NE(plain, nullptr) << "the spare chunk was not given back for the growth";
