@@ -574,6 +574,22 @@ TEST_F(CApiTest, APrivatePoolsBlocksAreExportedAndSentAsAnExplicitPools) {
   EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
 }
 
+// The fraction caps the device pool; it leaves the pool's own memory_limit option alone.
+TEST_F(CApiTest, AMemoryFractionCapsTheDevicePool) {
+  const size_t total = vmm::GetHostDriver()->GetMemInfo(0)->total;
+  ASSERT_EQ(vmm_set_memory_fraction(static_cast<double>(32 * kMiB) / total, 0), 0)
+      << vmm_last_error();
+  void* p = vmm_alloc(64 * kMiB, 0, nullptr);
+  const int code = vmm_last_error_code();
+  if (p != nullptr) vmm_free(p, 0);
+  ASSERT_EQ(vmm_set_memory_fraction(1.0, 0), 0);
+  EXPECT_EQ(p, nullptr) << "64 MiB in the device pool under a 32 MiB fraction";
+  EXPECT_EQ(code, VMM_RESOURCE_EXHAUSTED);
+  void* q = vmm_alloc(64 * kMiB, 0, nullptr);
+  EXPECT_NE(q, nullptr) << vmm_last_error();
+  if (q != nullptr) vmm_free(q, 0);
+}
+
 // PyTorch's set_per_process_memory_fraction caps everything its allocator holds on the device,
 // CUDA graph pools and MemPools included: the device pool and the private pools share one cap.
 TEST_F(CApiTest, AMemoryFractionAlsoCapsTheDevicesPrivatePools) {

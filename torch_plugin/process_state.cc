@@ -104,7 +104,6 @@ absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   VMM_ASSIGN_OR_RETURN(Driver * driver, DefaultDriver());
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> created,
                        CreateExportablePool(driver, DevicePoolOptions(device)));
-  if (fractions_[device] > 0) VMM_RETURN_IF_ERROR(ApplyFraction(*created, fractions_[device]));
   VMM_RETURN_IF_ERROR(ShareCapLocked(device, *created));
   pool = created.release();  // freed by the destructor (never, for the process's state)
   device_pools_[device].store(pool, std::memory_order_release);
@@ -156,10 +155,7 @@ absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
   MutexLock lock(&mu_);
   fractions_[device] = fraction;
   Pool* pool = device_pools_[device].load();
-  if (pool != nullptr) {
-    VMM_RETURN_IF_ERROR(ApplyFraction(*pool, fraction));
-    return ShareCapLocked(device, *pool);
-  }
+  if (pool != nullptr) return ShareCapLocked(device, *pool);
   if (caps_[device] != nullptr) {  // private pools only: measure the device with the default driver
     absl::StatusOr<Driver*> driver = DefaultDriver();
     absl::StatusOr<MemInfo> info =
@@ -181,12 +177,6 @@ absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
     VMM_ASSIGN_OR_RETURN(MemInfo info, pool.driver()->GetMemInfo(pool.device()));
     cap->SetLimit(static_cast<size_t>(fractions_[device] * static_cast<double>(info.total)));
   }
-  return absl::OkStatus();
-}
-
-absl::Status ProcessState::ApplyFraction(Pool& pool, double fraction) {
-  VMM_ASSIGN_OR_RETURN(MemInfo info, pool.driver()->GetMemInfo(pool.device()));
-  pool.SetMemoryLimit(static_cast<size_t>(fraction * static_cast<double>(info.total)));
   return absl::OkStatus();
 }
 

@@ -274,7 +274,6 @@ class ProcessState {
   // Makes `pool` (the device pool or a private pool of `device`) count against the cap of
   // its GPU, whose limit follows the fraction set for the device (measured by the pool's driver).
   absl::Status ShareCapLocked(int device, Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ApplyFraction(Pool& pool, double fraction);
   // The open pool `id` (explicit or private), or InvalidArgument.
   absl::StatusOr<std::shared_ptr<ExplicitPool>> FindOpenLocked(int64_t id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

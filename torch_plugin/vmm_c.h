@@ -105,7 +105,8 @@ int vmm_record_stream(void* ptr, void* stream);
 /* Releases the cached memory of `device`'s pool and of the private pools on it (device < 0:
  * all pools, explicit and private ones too). A private pool in use releases nothing. */
 int vmm_empty_cache(int device);
-/* Caps `device`'s pool at `fraction` of the memory of the device (0 < fraction <= 1). */
+/* Caps what the device pool and the private pools of GPU `device` hold together at `fraction`
+ * of its memory (0 < fraction <= 1; a pool's own memory_limit option still applies). */
 int vmm_set_memory_fraction(double fraction, int device);
 /* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
  * says) as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused device gives
