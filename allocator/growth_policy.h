@@ -9,7 +9,10 @@
 // Policy today:
 //   - small arena: map `small_chunk` at a time;
 //   - large arena: `growth_fraction` of the bytes already reserved, capped at
-//     `max_growth_extra`, rounded down to granularity (growth_fraction 0: exact growth).
+//     `max_growth_extra`, rounded down to granularity (growth_fraction 0: exact growth);
+//   - large arena in pages (large_page set): exact growth. Extra pages would only be free
+//     memory that the next misses take by moving anyway (reclaim_policy.h), and they would
+//     show in peak reserved; each page costs its own create and map either way.
 // A new policy is a new implementation of GrowthExtra in this file.
 #ifndef VMM_ALLOCATOR_GROWTH_POLICY_H_
 #define VMM_ALLOCATOR_GROWTH_POLICY_H_
@@ -25,6 +28,7 @@ struct GrowthRequest {
   size_t needed = 0;         // bytes the plan must map at least (multiple of granularity)
   size_t reserved = 0;       // bytes the pool holds now
   size_t granularity = 0;
+  bool paged = false;        // the large arena grows in large_page chunks (reclaim_policy.h)
 };
 
 // GrowthExtra returns the bytes to map beyond `request.needed` (a multiple of granularity).

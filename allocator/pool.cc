@@ -413,6 +413,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     request.needed = needed - moved;
     request.reserved = static_cast<size_t>(stats_.reserved_bytes.current);
     request.granularity = granularity_;
+    request.paged = paged;
     Arena::Extend(*plan, GrowthExtra(options_, request) / unit * unit);
   }
   // The new bytes (if any) go after the moved pages: [addr + moved, addr + len).

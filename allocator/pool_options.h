@@ -29,8 +29,12 @@ struct PoolOptions {
   size_t memory_limit = 0;
   // Free bytes the pool keeps cached when it could release memory on Free; SIZE_MAX keeps all.
   size_t release_threshold = SIZE_MAX;
-  // Requests up to this many bytes are served by the small arena.
-  size_t small_size = size_t{1} << 20;
+  // Requests up to this many bytes are served by the small arena. Its chunks are shared by
+  // many blocks, so one block that lives on keeps a whole chunk: kept small, the arena holds
+  // the tiny buffers, while blocks of a few hundred KiB (KV-cache pages, per-step activations
+  // of a small batch) go to the large arena, whose pages move once free (bench/traces.py
+  // rl_phases: peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB).
+  size_t small_size = size_t{256} << 10;
   // The small arena grows by this much at a time (rounded to granularity).
   size_t small_chunk = size_t{2} << 20;
   // Growth in the large arena is at least this fraction of the bytes already reserved...
@@ -45,16 +49,17 @@ struct PoolOptions {
   // 0.70 ms as eight of 1 GiB). The cost is that a chunk is released only when all of it is free.
   size_t max_chunk = size_t{64} << 30;
   // Size of every physical chunk behind the large arena's growth (rounded to granularity; 0:
-  // off, growths are chunks of up to max_chunk as before). Memory of this size is what a miss
-  // can take from free space elsewhere in the arena instead of growing the pool
-  // (reclaim_policy.h): a chunk wholly inside a free block is unmapped there and mapped where
-  // the request goes. Smaller pages leave less free memory stranded in partly used chunks;
-  // larger ones make fewer driver calls per byte grown and give an exported block fewer
-  // handles. Blocks from AllocateShareable keep chunks of their own (max_chunk at most).
-  // Off by default for now: the trace suite's figures for 8-64 MiB are in bench/README.md
-  // (32 MiB: peak reserved / peak allocated 1.01-1.09 instead of 1.03-1.25, at 4-20 times
-  // the driver calls); the pool's tests still assume growth in single chunks.
-  size_t large_page = 0;
+  // off, growths are chunks of up to max_chunk). Memory of this size is what a miss can take
+  // from free space elsewhere in the arena instead of growing the pool (reclaim_policy.h): a
+  // chunk wholly inside a free block is unmapped there and mapped where the request goes.
+  // Smaller pages leave less free memory stranded in partly used chunks; larger ones make
+  // fewer driver calls per byte grown or moved, and give an exported block fewer handles.
+  // 8 MiB kept peak reserved / peak allocated within 1.002-1.014 on every trace of
+  // bench/traces.py (host replay; 16 MiB: up to 1.030, 32 MiB: up to 1.055) at about twice
+  // the driver calls of 16 MiB (bench/README.md). Blocks from AllocateShareable keep chunks
+  // of their own (max_chunk at most). The PyTorch plugin's pools turn it off unless asked
+  // (torch_plugin/process_state.cc: a tensor sent in place would span one handle per page).
+  size_t large_page = size_t{8} << 20;
   // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
   // the pool was made (and again after EmptyCache), can be used by kernels and copies on them

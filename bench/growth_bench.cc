@@ -136,6 +136,7 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage("Times growing a vmm pool against the bare driver calls.");
   absl::ParseCommandLine(argc, argv);
   vmm::PoolOptions options;
+  options.large_page = 0;  // one growth in chunks of `chunk` bytes
   const std::optional<vmm::HandleRequest> request =
       vmm::ParseHandleRequest(absl::GetFlag(FLAGS_handle_type));
   if (!request) {

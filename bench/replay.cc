@@ -39,6 +39,9 @@ ABSL_FLAG(int64_t, host_capacity_gib, 256,
           "physical capacity of the host backend in GiB (memfd memory is never touched)");
 ABSL_FLAG(int, warm_reps, 3, "replays from a warm cache after the first one");
 ABSL_FLAG(std::string, label, "vmm", "allocator label in the results");
+ABSL_FLAG(std::string, options, "",
+          "pool option text (pool_options.h, e.g. 'small_size=256K,small_chunk=8M') applied "
+          "before the swept flags above");
 
 namespace {
 
@@ -91,7 +94,12 @@ int main(int argc, char** argv) {
     return 1;
   }
 
-  const vmm::PoolOptions defaults;
+  absl::StatusOr<vmm::PoolOptions> parsed = vmm::ParsePoolOptions(absl::GetFlag(FLAGS_options));
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "replay: --options: %s\n", parsed.status().ToString().c_str());
+    return 2;
+  }
+  const vmm::PoolOptions defaults = *parsed;
   std::vector<double> fractions;
   std::vector<size_t> extras;
   if (!ParseFractions(absl::GetFlag(FLAGS_growth_fraction), &fractions) ||
@@ -126,7 +134,7 @@ int main(int argc, char** argv) {
   for (double fraction : fractions) {
     for (size_t extra : extras) {
      for (size_t page : pages) {
-      vmm::PoolOptions options;
+      vmm::PoolOptions options = defaults;
       options.large_page = page;
       options.growth_fraction = fraction;
       options.max_growth_extra = extra;

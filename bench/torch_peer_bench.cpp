@@ -101,6 +101,19 @@ class TorchAdapter {
     out.counts.emplace_back("segments_allocated", s.segment[all].allocated);
     out.counts.emplace_back("segments_freed", s.segment[all].freed);
     out.counts.emplace_back("num_alloc_retries", s.num_alloc_retries);
+    if (name_ == "torch_expandable") {
+      // Expandable segments map and unmap pages of 2 MiB (small pool) and 20 MiB (large pool):
+      // each page mapped is a cuMemCreate and a cuMemMap, each unmapped a cuMemUnmap and a
+      // cuMemRelease, and each map a cuMemSetAccess (num_device_alloc counts maps). A lower
+      // bound of the driver calls, from PyTorch's own byte counts.
+      constexpr size_t kSmall = 1, kLarge = 2;  // StatType::SMALL_POOL, LARGE_POOL
+      const int64_t mapped = s.reserved_bytes[kSmall].allocated / (int64_t{2} << 20) +
+                             s.reserved_bytes[kLarge].allocated / (int64_t{20} << 20);
+      const int64_t unmapped = s.reserved_bytes[kSmall].freed / (int64_t{2} << 20) +
+                               s.reserved_bytes[kLarge].freed / (int64_t{20} << 20);
+      out.counts.emplace_back("driver_calls",
+                              2 * (mapped + unmapped) + std::max<int64_t>(device_alloc, 0));
+    }
     return out;
   }
 

@@ -13,6 +13,7 @@
 #include "allocator/sharing.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
 
 namespace vmm {
@@ -30,7 +31,7 @@ class ExportRegistryTest : public ::testing::Test {
   }
 
   std::unique_ptr<Pool> MakePool(HandleRequest handle_type) {
-    PoolOptions options;
+    PoolOptions options = SingleChunkOptions();
     options.growth_fraction = 0;
     options.reserve_size = 1024 * kMiB;
     options.handle_type = handle_type;
@@ -73,7 +74,7 @@ TEST_F(ExportRegistryTest, HandlesAreCachedPerChunkAndDroppedWhenTheChunkGoes) {
 }
 
 TEST_F(ExportRegistryTest, FabricHandlesAreCachedAndDroppedToo) {
-  PoolOptions options;
+  PoolOptions options = SingleChunkOptions();
   options.handle_type = HandleRequest::kFabric;
   options.reserve_size = 1024 * kMiB;
   auto pool = CreateExportablePool(driver_.get(), options);
@@ -90,7 +91,7 @@ TEST_F(ExportRegistryTest, FabricHandlesAreCachedAndDroppedToo) {
 }
 
 TEST_F(ExportRegistryTest, PoolsNotMadeForExportAreRefused) {
-  PoolOptions options;
+  PoolOptions options = SingleChunkOptions();
   options.reserve_size = 1024 * kMiB;
   auto pool = Pool::Create(driver_.get(), options);
   ASSERT_TRUE(pool.ok()) << pool.status();

@@ -14,6 +14,16 @@
 
 namespace vmm {
 
+// Options for tests that predict where blocks go and what the pool maps: growth in single
+// chunks (large_page off: no pages moved, reclaim_test covers those) and a small arena of
+// requests up to 1 MiB.
+inline PoolOptions SingleChunkOptions() {
+  PoolOptions options;
+  options.large_page = 0;
+  options.small_size = size_t{1} << 20;
+  return options;
+}
+
 // Pool::Create, or null (the test failed).
 inline std::unique_ptr<Pool> CreatePoolOrFail(Driver* driver, const PoolOptions& options,
                                               ExportObserver* observer = nullptr) {

@@ -74,12 +74,17 @@ TEST(PoolOptionsTest, EveryKeyIsApplied) {
   }
 }
 
-// Pages of the large arena that a miss may move (reclaim_policy.h): off unless told.
-TEST(PoolOptionsTest, LargePageIsOffUnlessTold) {
-  EXPECT_EQ(PoolOptions().large_page, 0u);
+// Pages of the large arena that a miss may move (reclaim_policy.h): 8 MiB unless told, 0 off;
+// the small arena serves requests up to 256 KiB.
+TEST(PoolOptionsTest, LargePageIs8MiBUnlessTold) {
+  EXPECT_EQ(PoolOptions().large_page, size_t{8} << 20);
+  EXPECT_EQ(PoolOptions().small_size, size_t{256} << 10);
   absl::StatusOr<PoolOptions> o = ParsePoolOptions("large_page=32M");
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->large_page, size_t{32} << 20);
+  o = ParsePoolOptions("large_page=0");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->large_page, 0u);
   EXPECT_FALSE(ParsePoolOptions("large_page=big").ok());
 }
 

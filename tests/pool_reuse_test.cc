@@ -82,7 +82,7 @@ class PoolReuseTest : public ::testing::Test {
 
   // Exact growth (reserved bytes predictable), on `driver` (default: the test's).
   static PoolOptions Exact() {
-    PoolOptions options;
+    PoolOptions options = SingleChunkOptions();
     options.growth_fraction = 0;
     options.reserve_size = 1024 * kMiB;
     return options;

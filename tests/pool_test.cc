@@ -73,7 +73,7 @@ class PoolTest : public ::testing::Test {
   // A pool that grows by exactly what each request needs unless the test says otherwise, so
   // that the tests can predict the reserved bytes.
   static PoolOptions Exact() {
-    PoolOptions options;
+    PoolOptions options = SingleChunkOptions();
     options.growth_fraction = 0;
     return options;
   }
@@ -199,7 +199,7 @@ TEST_F(PoolTest, GrowthExtendsTheFreeBlockAtTheEdge) {
 }
 
 TEST_F(PoolTest, GrowthIsRaisedToAFractionOfTheReservedBytes) {
-  PoolOptions options;
+  PoolOptions options = SingleChunkOptions();
   options.growth_fraction = 0.5;
   options.max_growth_extra = 8 * kMiB;
   auto pool = MakePool(options);

@@ -76,6 +76,43 @@ bool Filled(const void* p, size_t n, unsigned char value) {
   return true;
 }
 
+// With pages, growth is exact whatever growth_fraction says (growth_policy.h): extra pages
+// would only be free memory in peak reserved.
+TEST_F(ReclaimTest, PagedGrowthMapsOnlyWhatTheRequestNeeds) {
+  PoolOptions options;
+  options.large_page = kPage;
+  options.growth_fraction = 0.5;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  void* a = Alloc(*pool, 12 * kMiB);
+  void* b = Alloc(*pool, 10 * kMiB);  // rounded up to whole pages: 12 MiB
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  EXPECT_EQ(pool->GetStats().segment.current, 6);
+  for (void* p : {a, b}) EXPECT_OK(pool->Free(p));
+}
+
+// By default the pool pages its large arena and keeps only requests up to 256 KiB in the small
+// arena, so blocks of a few hundred KiB land in pages that move once free.
+TEST_F(ReclaimTest, DefaultsPageTheLargeArenaAndKeepTheSmallArenaSmall) {
+  PoolOptions options;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  void* tiny = Alloc(*pool, 256 * 1024);
+  void* kv_page = Alloc(*pool, 512 * 1024);
+  EXPECT_TRUE(pool->InSmallArena(tiny));
+  EXPECT_FALSE(pool->InSmallArena(kv_page));
+  // The rest of kv_page's 8 MiB page and two more pages.
+  void* big = Alloc(*pool, 20 * kMiB);
+  const PoolStats stats = pool->GetStats();
+  // The small arena's 2 MiB chunk, then three 8 MiB pages.
+  EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(26 * kMiB));
+  EXPECT_EQ(stats.segment.current, 4);
+  for (void* p : {tiny, kv_page, big}) EXPECT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
 TEST_F(ReclaimTest, AMissTakesWhollyFreePagesInsteadOfGrowing) {
   auto pool = MakePool();
   Holes h = MakeHoles(*pool);

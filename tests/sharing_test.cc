@@ -45,6 +45,7 @@
 #include "gmock/gmock.h"
 #include "tests/forwarding_driver.h"
 #include "gtest/gtest.h"
+#include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
 #include "tests/subprocess.h"
 #include "tests/test_backend.h"
@@ -68,7 +69,7 @@ class PoolFixture : public ::testing::TestWithParam<HandleRequest> {
   void MakePool(Driver* driver, size_t reserve) {
     driver_ = driver;
     free_at_start_ = driver_->GetMemInfo(0)->free;
-    PoolOptions options;
+    PoolOptions options = SingleChunkOptions();
     options.reserve_size = reserve;
     options.handle_type = GetParam();
     auto pool = CreateExportablePool(driver_, options);
@@ -252,7 +253,7 @@ TEST_P(SharingTest, AnotherProcessReadsAndWritesTheSameMemory) {
 
 TEST_P(SharingTest, BlocksSpanningManyChunksImportAsOneRange) {
   pool_.reset();
-  PoolOptions options;
+  PoolOptions options = SingleChunkOptions();
   options.reserve_size = 1024 * kMiB;
   options.handle_type = GetParam();
   options.max_chunk = 2 * kMiB;  // a 9 MiB block spans five chunks
@@ -425,7 +426,7 @@ void ExpectTheProcessStillWorks(Driver* driver, Pool& pool, const BufferDescript
   auto p = pool.Allocate(3 * kMiB, 0);
   ASSERT_OK(p);
   EXPECT_OK(pool.Free(*p));
-  PoolOptions options;
+  PoolOptions options = SingleChunkOptions();
   options.reserve_size = 64 * kMiB;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> another, CreateExportablePool(driver, options));
   auto q = another->Allocate(kMiB, 0);
@@ -520,7 +521,7 @@ TEST(SharingAccountingTest, DuplicatedHandlesDoNotUseUpTheImportersMemory) {
   HostDriverOptions host;
   host.capacity = 256 * kMiB;
   std::unique_ptr<Driver> driver = NewHostDriver(host);
-  PoolOptions options;
+  PoolOptions options = SingleChunkOptions();
   options.reserve_size = 256 * kMiB;
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> exporter, CreateExportablePool(driver.get(), options));
   ASSERT_OK_AND_ASSIGN(void* a, exporter->Allocate(2 * kMiB, 0));
@@ -763,7 +764,7 @@ TEST_P(ReExportTest, CReadsABytesThroughBAfterAExits) { SendOnAfterTheExporterGo
 
 TEST_P(ReExportTest, ReExportingAgainReusesTheFirstExport) {
   pool_.reset();
-  PoolOptions options;
+  PoolOptions options = SingleChunkOptions();
   options.reserve_size = 1024 * kMiB;
   options.handle_type = GetParam();
   options.max_chunk = 2 * kMiB;  // a 9 MiB block spans five chunks

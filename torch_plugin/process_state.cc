@@ -16,11 +16,21 @@
 namespace vmm {
 namespace {
 
-// Device pools grow by exactly what a request needs unless configured otherwise: in PyTorch
-// training that gave the smallest peak reserved (below expandable segments), and a growth
-// costs about 0.1 ms, nothing beside a training step (README: results).
-PoolOptions DevicePoolDefaults() {
+// Every pool of the plugin grows in single chunks rather than large_page pages
+// (pool_options.h) unless asked: a tensor sent in place spans the chunks behind it, and an
+// importer's cost grows with their number (one handle per 8 MiB page would be 128 for a 1 GiB
+// tensor). `large_page=8M` turns the moving of free pages on.
+PoolOptions PluginPoolDefaults() {
   PoolOptions defaults;
+  defaults.large_page = 0;
+  return defaults;
+}
+
+// Device pools also grow by exactly what a request needs: in PyTorch training that gave the
+// smallest peak reserved (below expandable segments), and a growth costs about 0.1 ms, nothing
+// beside a training step (README: results).
+PoolOptions DevicePoolDefaults() {
+  PoolOptions defaults = PluginPoolDefaults();
   defaults.growth_fraction = 0;
   return defaults;
 }
@@ -182,7 +192,8 @@ absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
 
 absl::StatusOr<int64_t> ProcessState::CreatePool(Backend backend, int device,
                                                  absl::string_view options_text) {
-  VMM_ASSIGN_OR_RETURN(PoolOptions options, ParsePoolOptions(options_text));
+  VMM_ASSIGN_OR_RETURN(PoolOptions options,
+                       ParsePoolOptions(options_text, PluginPoolDefaults()));
   if (device < 0) return BadDevice(device);
   VMM_ASSIGN_OR_RETURN(Driver * driver, DriverFor(backend));
   options.device = device;

@@ -33,7 +33,8 @@
 #                       $OUT/chain-profile/);
 #              dist     vmm_torch.distributed against torch.distributed, 4 ranks on the GPU;
 #              train    the training loop under native (twice), expandable-segments and vmm
-#                       (two growth policies) allocators, TRAIN_STEPS (300) steps, compared;
+#                       (single-chunk growth, the plugin's default, and large_page=8M),
+#                       TRAIN_STEPS (300) steps, compared;
 #                       then the stats tools on vmm's dump.
 #   compare  this build against .gpu/before (built by `BEFORE=<git-rev> tests/gpu/prepare.sh`),
 #            interleaved, which goes first alternating: the cached alloc+free pair (pool_bench,
@@ -297,8 +298,8 @@ bench_train() {
   train_run native_repeat -u PYTORCH_CUDA_ALLOC_CONF -- --allocator native
   train_run expandable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- --allocator expandable
   train_run vmm -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm --dump "$logs/vmm_dump.json"
-  train_run vmm_growth_fraction_0.05 -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm \
-    --vmm-option growth_fraction=0.05
+  train_run vmm_large_page_8M -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm \
+    --vmm-option large_page=8M
   step train_compare 20 python3 bench/compare_training.py "$logs"/train_*.json
   step stats_summary 60 python3 -m vmm_torch.stats summarize "$logs/vmm_dump.json"
   step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" \
