@@ -128,7 +128,11 @@ def enable(**options: Any) -> None:
       or "none" (not shareable).
     - sizes, as ints (bytes) or strings like "40G": ``reserve_size`` (virtual range per
       device), ``memory_limit`` (most physical bytes), ``release_threshold`` (cached bytes kept
-      when freeing), ``small_size``, ``small_chunk``, ``max_growth_extra``, ``max_chunk``.
+      when freeing), ``small_size``, ``small_chunk``, ``max_growth_extra``, ``max_chunk``,
+      ``large_page`` (grow in pages of this size, and move free pages to where a miss needs
+      memory instead of growing: less memory stranded in holes, more driver calls, and a
+      tensor sent in place spans one handle per page; off unless given, "8M" is the C++
+      pools' default).
     - ``growth_fraction``: grow by at least this fraction of what is reserved (0..1).
     - ``peer_devices``: list of other device indices granted access to the memory.
 
