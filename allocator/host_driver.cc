@@ -35,6 +35,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -109,6 +110,19 @@ size_t ValidGranularity(size_t requested) {
   LogWarning(absl::StrCat("host: granularity ", requested,
                           " is not a power of two of at least a page; using ", fallback));
   return fallback;
+}
+
+// Each physical allocation of the host backend is a memfd, so a pool of many chunks (8 MiB
+// pages: 128 per GiB) holds many files: the soft limit on open files is raised to the hard
+// one, once, as programs that keep many files do. A failure leaves the limit as it was.
+void RaiseOpenFileLimit() {
+  static const bool raised = [] {
+    rlimit limit{};
+    if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) return false;
+    limit.rlim_cur = limit.rlim_max;
+    return ::setrlimit(RLIMIT_NOFILE, &limit) == 0;
+  }();
+  (void)raised;
 }
 
 // `requested` when it is in 1..kMaxHostDevices, else 1 with a warning (as above).
@@ -882,6 +896,7 @@ absl::Status HostDriver::MemsetAsync(DevPtr dst, uint8_t value, size_t bytes, St
 }  // namespace
 
 std::unique_ptr<Driver> NewHostDriver(const HostDriverOptions& options) {
+  RaiseOpenFileLimit();
   return std::make_unique<HostDriver>(options);
 }
 

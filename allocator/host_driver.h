@@ -24,6 +24,9 @@
 // can touch once any device has been granted access: access is recorded, not enforced per
 // device.
 //
+// Open files. Every physical allocation is a memfd; NewHostDriver raises the soft limit on open
+// files (RLIMIT_NOFILE) to the hard limit once, so that pools of many chunks fit.
+//
 // Out of memory is simulated by a capacity: Create() past it returns ResourceExhausted, and
 // GetMemInfo() reports capacity minus the bytes of live physical allocations, each memfd
 // counted once however many imports and mappings of it this driver holds.

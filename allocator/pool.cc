@@ -69,7 +69,8 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
   if (options.small_size == 0 || options.small_chunk == 0 || options.max_chunk == 0) {
     return absl::InvalidArgumentError("small_size, small_chunk and max_chunk must be positive");
   }
-  std::unique_ptr<Pool> pool(new Pool(driver, options, observer));
+  std::unique_ptr<Pool> pool(
+      new Pool(driver, ResolveAutoSizes(options, /*exportable=*/observer != nullptr), observer));
   VMM_RETURN_IF_ERROR(pool->Init());
   return pool;
 }
@@ -439,6 +440,20 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     // Retry with exactly what the request needs.
     plan = arena.PlanGrowth(n, stream, unit, dedicated);
     mapped = try_map(*plan);
+  }
+  if (!mapped.ok() && paged && absl::IsResourceExhausted(mapped)) {
+    // Whole pages do not fit under the limit or on the device: end the growth with a short
+    // chunk (to granularity), which is never moved (reclaim_policy.h, invariant 5), so that a
+    // request that fits is not refused for its rounding to pages. Only where the plan keeps
+    // its place: the chunks chosen to move were chosen for it (invariant 4).
+    std::optional<Arena::GrowthPlan> exact =
+        arena.PlanGrowth(n, stream, granularity_, dedicated);
+    if (exact && exact->addr == plan->addr && exact->gap == plan->gap &&
+        exact->side == plan->side &&
+        exact->len < plan->len && exact->len >= moved) {
+      plan = exact;
+      mapped = try_map(*plan);
+    }
   }
   VMM_RETURN_IF_ERROR(mapped);
   if (!reclaim.chunks.empty()) {

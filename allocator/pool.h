@@ -8,19 +8,21 @@
 // `small_size` are served from a separate small arena so that long-lived small blocks do not
 // pin large regions.
 //
-// Growth policy. A request that no cached block fits grows the pool by the fewest new bytes
-// that give a contiguous fit: a free block at the edge of a gap is extended rather than a
-// fresh chunk mapped beside it. The amount is then raised to `growth_quantum(reserved)`
-// (`growth_fraction` of what is already reserved, capped at `max_growth_extra`), so a pool
-// that keeps growing makes few driver calls while the overshoot stays a small fraction of its
-// size; small-arena growth maps `small_chunk` at a time. A growth is backed by physical chunks
-// of at most `max_chunk` bytes.
+// Growth policy (growth_policy.h). A request that no cached block fits grows the pool by the
+// fewest new bytes that give a contiguous fit: a free block at the edge of a gap is extended
+// rather than a fresh chunk mapped beside it. Without pages (large_page 0) the amount is then
+// raised by `growth_fraction` of what is already reserved, capped at `max_growth_extra`, so a
+// pool that keeps growing makes few driver calls while the overshoot stays a small fraction of
+// its size, and a growth is backed by physical chunks of at most `max_chunk` bytes; with pages
+// it is exact, in chunks of `large_page` (the last one shorter where whole pages would not fit
+// under a limit). Small-arena growth maps `small_chunk` at a time.
 //
-// Reclaiming free pages (reclaim_policy.h). With `large_page` set, the large arena grows in
-// chunks of exactly that size, and a miss that would grow first takes pages wholly inside
-// free blocks elsewhere in the arena: each is unmapped there and mapped where the request
-// goes (one SetAccess for the range), so the pool's physical memory grows only by what free
-// pages cannot cover (growth_fraction then applies to that part only). Never exported,
+// Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
+// made without an export observer, pool_options.h), the large arena grows in chunks of
+// exactly that size, and a miss that would grow first takes pages wholly inside free blocks
+// elsewhere in the arena: each is unmapped there and mapped where the request goes (one
+// SetAccess for the range), so the pool's physical memory grows only by what free pages
+// cannot cover. Never exported,
 // dedicated or spare chunks, never free blocks tagged with another stream (their work is not
 // known complete), and the requester's own only after synchronising its stream; nothing while
 // the pool keeps its memory. Only on a miss: the cached path is unchanged.
@@ -287,6 +289,9 @@ class Pool {
   ExportObserver* observer() const { return observer_; }
   HandleType handle_type() const { return handle_type_; }
   size_t granularity() const { return granularity_; }
+  // The options in force: kAutoSize fields decided, sizes rounded to granularity (set by
+  // Create, constant afterwards).
+  const PoolOptions& options() const { return options_; }
   const std::string& device_uuid() const { return device_uuid_; }
 
  private:

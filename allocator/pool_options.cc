@@ -62,6 +62,10 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
   }
   for (const SizeKey& k : kSizeKeys) {
     if (key != k.name) continue;
+    if (value == "auto" && (key == "small_size" || key == "large_page")) {
+      o.*k.field = kAutoSize;
+      return absl::OkStatus();
+    }
     absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
     if (!bytes.ok()) return Invalid(key, value, "a size in bytes (e.g. 512M)");
     o.*k.field = static_cast<size_t>(*bytes);
@@ -72,6 +76,15 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
 }
 
 }  // namespace
+
+PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
+  PoolOptions out = options;
+  if (out.large_page == kAutoSize) out.large_page = exportable ? 0 : size_t{8} << 20;
+  if (out.small_size == kAutoSize) {
+    out.small_size = out.large_page != 0 ? size_t{256} << 10 : size_t{1} << 20;
+  }
+  return out;
+}
 
 absl::string_view PoolOptionKeys() {
   return "handle_type, reserve_size, memory_limit, release_threshold, small_size, small_chunk, "

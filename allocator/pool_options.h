@@ -4,7 +4,7 @@
 //
 // Option text is "key=value" pairs separated by commas (whitespace around keys and values is
 // ignored). Keys are the field names below; sizes are read by ParseByteSize (K, M, G, T
-// suffixes, powers of 1024); handle_type is auto|none|posix_fd|fabric; growth_fraction a number
+// suffixes, powers of 1024; small_size and large_page also take "auto"); handle_type is auto|none|posix_fd|fabric; growth_fraction a number
 // in [0, 1]; peer_devices device indices separated by ':' ("1:2"). An unknown key, a repeated
 // key, a pair without '=', or a malformed value is InvalidArgument naming it.
 #ifndef VMM_ALLOCATOR_POOL_OPTIONS_H_
@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -19,6 +20,10 @@
 #include "allocator/handle_probe.h"
 
 namespace vmm {
+
+// A size option whose value the pool picks when it is created (option text: "auto"); see
+// small_size and large_page.
+inline constexpr size_t kAutoSize = std::numeric_limits<size_t>::max();
 
 struct PoolOptions {
   int device = 0;
@@ -30,37 +35,42 @@ struct PoolOptions {
   // Free bytes the pool keeps cached when it could release memory on Free; SIZE_MAX keeps all.
   size_t release_threshold = SIZE_MAX;
   // Requests up to this many bytes are served by the small arena. Its chunks are shared by
-  // many blocks, so one block that lives on keeps a whole chunk: kept small, the arena holds
-  // the tiny buffers, while blocks of a few hundred KiB (KV-cache pages, per-step activations
-  // of a small batch) go to the large arena, whose pages move once free (bench/traces.py
-  // rl_phases: peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB).
-  size_t small_size = size_t{256} << 10;
-  // The small arena grows by this much at a time (rounded to granularity).
+  // many blocks, so one block that lives on keeps a whole chunk. kAutoSize (the default):
+  // 256 KiB where the large arena grows in pages, else 1 MiB (PyTorch's small-block limit).
+  // With pages, blocks of a few hundred KiB (KV-cache pages, per-step activations of a small
+  // batch) go to the large arena, whose pages move once free (bench/traces.py rl_phases:
+  // peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB); without pages such
+  // a block would pin the free space of a whole large chunk instead.
+  size_t small_size = kAutoSize;  // The small arena grows by this much at a time (rounded to granularity).
   size_t small_chunk = size_t{2} << 20;
-  // Growth in the large arena is at least this fraction of the bytes already reserved...
+  // Growth in the large arena, where it does not grow in pages (large_page 0), is at least
+  // this fraction of the bytes already reserved...
   // (On the training trace, bench/training_trace.py, 0.05 and 64 MiB give peak reserved / peak
   // allocated 1.0034 with 98 growths; exact growth (0) gives 1.0000 with 112. bench/README.md.)
   double growth_fraction = 0.05;
   // ...but never more than this many bytes beyond what the request needs.
   size_t max_growth_extra = size_t{64} << 20;
-  // Largest single physical allocation. A growth is one chunk up to this size: fewer chunks
+  // Largest single physical allocation (a growth without pages, AllocateShareable's block, a
+  // small-arena chunk). A growth is one chunk up to this size: fewer chunks
   // make fewer driver calls, and an importer maps and grants access to one allocation much
   // faster than to several (on an H200, SetAccess over 8 GiB took 0.32 ms as one allocation,
   // 0.70 ms as eight of 1 GiB). The cost is that a chunk is released only when all of it is free.
   size_t max_chunk = size_t{64} << 30;
   // Size of every physical chunk behind the large arena's growth (rounded to granularity; 0:
-  // off, growths are chunks of up to max_chunk). Memory of this size is what a miss can take
-  // from free space elsewhere in the arena instead of growing the pool (reclaim_policy.h): a
-  // chunk wholly inside a free block is unmapped there and mapped where the request goes.
-  // Smaller pages leave less free memory stranded in partly used chunks; larger ones make
-  // fewer driver calls per byte grown or moved, and give an exported block fewer handles.
-  // 8 MiB kept peak reserved / peak allocated within 1.002-1.014 on every trace of
-  // bench/traces.py (host replay; 16 MiB: up to 1.030, 32 MiB: up to 1.055) at about twice
-  // the driver calls of 16 MiB (bench/README.md). Blocks from AllocateShareable keep chunks
-  // of their own (max_chunk at most). The PyTorch plugin's pools turn it off unless asked
-  // (torch_plugin/process_state.cc: a tensor sent in place would span one handle per page).
-  size_t large_page = size_t{8} << 20;
-  // Other devices granted read-write access to every range the pool maps: each growth's
+  // off, growths are chunks of up to max_chunk, grown by growth_fraction). Memory of this size
+  // is what a miss can take from free space elsewhere in the pool instead of growing it
+  // (reclaim_policy.h): a chunk wholly inside a free block is unmapped there and mapped where
+  // the request goes; paged growth is exact (growth_fraction and max_growth_extra do not
+  // apply). Smaller pages leave less free memory stranded in partly used chunks; larger ones
+  // make fewer driver calls per byte grown or moved, and give an exported block fewer handles.
+  // 8 MiB kept peak reserved / peak allocated within 1.000-1.014 on every trace of
+  // bench/traces.py (16 MiB: up to 1.030, 32 MiB: up to 1.055) at about twice the driver
+  // calls of 16 MiB (bench/README.md). kAutoSize (the default): 8 MiB for a pool made without
+  // an export observer (Pool::Create), 0 for one made to export (CreateExportablePool, the
+  // PyTorch plugin's pools): an exported block carries one handle per chunk it spans, and an
+  // importer's cost and open files grow with them (3 GiB in 8 MiB pages is 384 handles).
+  // Blocks from AllocateShareable keep chunks of their own (max_chunk at most).
+  size_t large_page = kAutoSize;  // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
   // the pool was made (and again after EmptyCache), can be used by kernels and copies on them
   // directly. Each must be another device of the driver (Pool::Create: InvalidArgument). On
@@ -79,6 +89,11 @@ struct PoolOptions {
 // result. `device` is not an option: callers set it. Empty text gives `defaults`.
 [[nodiscard]] absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,
                                                            const PoolOptions& defaults = {});
+
+// `options` with its kAutoSize fields decided (Pool::Create calls it): large_page 8 MiB, or 0
+// for a pool made to export (`exportable`); small_size 256 KiB where the large arena then
+// pages, else 1 MiB. Fields given explicitly are kept.
+PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable);
 
 // The keys ParsePoolOptions accepts, comma separated, for messages and documentation.
 absl::string_view PoolOptionKeys();

@@ -16,7 +16,7 @@ expect() {  # expect FILE METRIC: FILE has a result line for METRIC
 }
 
 "$bin/replay" --trace="$tmp/trace.txt" --backend=host --warm_reps=1 \
-  --growth_fraction=0,0.05 --max_growth_extra_mib=64,inf >"$tmp/replay.jsonl"
+  --large_page_mib=0 --growth_fraction=0,0.05 --max_growth_extra_mib=64,inf >"$tmp/replay.jsonl"
 expect "$tmp/replay.jsonl" peak_reserved_over_peak_allocated
 expect "$tmp/replay.jsonl" num_device_alloc_plus_free
 expect "$tmp/replay.jsonl" ns_per_op_warm

@@ -34,7 +34,8 @@ ABSL_FLAG(std::vector<std::string>, max_growth_extra_mib, {},
 ABSL_FLAG(int64_t, max_chunk_mib, 0, "PoolOptions::max_chunk in MiB (0: the default)");
 ABSL_FLAG(std::vector<std::string>, large_page_mib, {},
           "PoolOptions::large_page values in MiB, 0 for off (default: the PoolOptions "
-          "default)");
+          "default, auto: 8 MiB pages for a pool that does not export); growth_fraction and "
+          "max_growth_extra apply only with 0");
 ABSL_FLAG(int64_t, host_capacity_gib, 256,
           "physical capacity of the host backend in GiB (memfd memory is never touched)");
 ABSL_FLAG(int, warm_reps, 3, "replays from a warm cache after the first one");
@@ -152,7 +153,8 @@ int main(int argc, char** argv) {
           .Num("growth_fraction", fraction);
       tags.Str("max_growth_extra_mib", extra == SIZE_MAX ? "inf" : std::to_string(extra / kMiB));
       tags.Int("max_chunk_mib", static_cast<int64_t>(options.max_chunk / kMiB));
-      tags.Int("large_page_mib", static_cast<int64_t>(options.large_page / kMiB));
+      tags.Int("large_page_mib",
+               static_cast<int64_t>(adapter.pool()->options().large_page / kMiB));
       vmm_bench::ReplaySummary sum;
       if (!vmm_bench::RunReplayWorkload(adapter, trace, replay_options, tags, &sum)) {
         std::fprintf(stderr, "replay: growth_fraction=%g max_growth_extra=%zu MiB failed\n",
@@ -166,7 +168,7 @@ int main(int argc, char** argv) {
                    "(create=%lld map=%lld set_access=%lld unmap=%lld release=%lld) moves=%lld "
                    "syncs=%lld  %.0f ns/op cold, %.0f warm\n",
                    fraction, extra == SIZE_MAX ? "inf" : std::to_string(extra / kMiB).c_str(),
-                   options.large_page / kMiB,
+                   adapter.pool()->options().large_page / kMiB,
                    sum.ratio, static_cast<double>(sum.peak_reserved) / (1 << 30),
                    static_cast<long long>(sum.Count("num_device_alloc")),
                    static_cast<long long>(sum.Count("num_device_free")),

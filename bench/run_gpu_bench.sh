@@ -31,7 +31,7 @@ if [[ -x "$out/torch_peer_bench" ]]; then
 fi
 step growth 180 "$bin/growth_bench" --backend=cuda
 step replay_sweep 240 "$bin/replay" --backend=cuda --trace="$trace" \
-  --growth_fraction=0,0.01,0.02,0.05 --max_growth_extra_mib=64,128,inf
+  --large_page_mib=0 --growth_fraction=0,0.01,0.02,0.05 --max_growth_extra_mib=64,128,inf
 
 rm -f "$out/build_torch_peer.jsonl"
 python3 "$here/report.py" "$out"/*.jsonl >"$out/report.md" && cat "$out/report.md"

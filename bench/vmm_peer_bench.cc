@@ -49,7 +49,9 @@ ABSL_FLAG(int, reps, 7, "pair test repetitions (median reported)");
 ABSL_FLAG(int, warm_reps, 3, "warm replays after the cold one");
 ABSL_FLAG(int64_t, cuda_malloc_iters, 2000, "pairs per repetition for cuda_malloc");
 ABSL_FLAG(bool, cuda_malloc_replay, false, "also replay the trace through cuda_malloc");
-ABSL_FLAG(double, growth_fraction, -1, "vmm PoolOptions::growth_fraction (<0: default)");
+ABSL_FLAG(double, growth_fraction, -1,
+          "vmm PoolOptions::growth_fraction (<0: default; applies with --large_page_mib=0)");
+ABSL_FLAG(int64_t, large_page_mib, -1, "vmm PoolOptions::large_page in MiB (<0: default)");
 ABSL_FLAG(std::string, max_growth_extra_mib, "",
           "vmm PoolOptions::max_growth_extra in MiB, 'inf' for no cap (empty: default)");
 
@@ -235,6 +237,9 @@ int main(int argc, char** argv) {
         return 1;
       }
       vmm::PoolOptions options;
+      if (absl::GetFlag(FLAGS_large_page_mib) >= 0) {
+        options.large_page = static_cast<size_t>(absl::GetFlag(FLAGS_large_page_mib)) << 20;
+      }
       if (absl::GetFlag(FLAGS_growth_fraction) >= 0) {
         options.growth_fraction = absl::GetFlag(FLAGS_growth_fraction);
       }
@@ -259,7 +264,9 @@ int main(int argc, char** argv) {
           .Str("max_growth_extra_mib", options.max_growth_extra == SIZE_MAX
                                            ? "inf"
                                            : std::to_string(options.max_growth_extra >> 20))
-          .Int("max_chunk_mib", static_cast<int64_t>(options.max_chunk >> 20));
+          .Int("max_chunk_mib", static_cast<int64_t>(options.max_chunk >> 20))
+          .Int("large_page_mib",
+               static_cast<int64_t>(adapter.pool()->options().large_page >> 20));
       ok &= RunAll(adapter, iters, replay, tags);
     } else if (name == "cuda_malloc_async") {
       CudaMallocAsyncAdapter adapter;

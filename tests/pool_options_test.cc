@@ -74,18 +74,35 @@ TEST(PoolOptionsTest, EveryKeyIsApplied) {
   }
 }
 
-// Pages of the large arena that a miss may move (reclaim_policy.h): 8 MiB unless told, 0 off;
-// the small arena serves requests up to 256 KiB.
-TEST(PoolOptionsTest, LargePageIs8MiBUnlessTold) {
-  EXPECT_EQ(PoolOptions().large_page, size_t{8} << 20);
-  EXPECT_EQ(PoolOptions().small_size, size_t{256} << 10);
+// Pages of the large arena that a miss may move (reclaim_policy.h) and the small arena's limit
+// are left to the pool unless told ("auto"): 8 MiB pages and 256 KiB for a pool that does not
+// export, no pages and 1 MiB for one made to export; explicit values are kept.
+TEST(PoolOptionsTest, LargePageAndSmallSizeAreLeftToThePoolUnlessTold) {
+  EXPECT_EQ(PoolOptions().large_page, kAutoSize);
+  EXPECT_EQ(PoolOptions().small_size, kAutoSize);
+  const PoolOptions plain = ResolveAutoSizes(PoolOptions(), /*exportable=*/false);
+  EXPECT_EQ(plain.large_page, size_t{8} << 20);
+  EXPECT_EQ(plain.small_size, size_t{256} << 10);
+  const PoolOptions exportable = ResolveAutoSizes(PoolOptions(), /*exportable=*/true);
+  EXPECT_EQ(exportable.large_page, 0u);
+  EXPECT_EQ(exportable.small_size, size_t{1} << 20);
   absl::StatusOr<PoolOptions> o = ParsePoolOptions("large_page=32M");
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->large_page, size_t{32} << 20);
-  o = ParsePoolOptions("large_page=0");
+  EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/true).large_page, size_t{32} << 20);
+  EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/true).small_size, size_t{256} << 10);
+  o = ParsePoolOptions("large_page=0,small_size=64K");
   ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_EQ(o->large_page, 0u);
+  EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/false).large_page, 0u);
+  EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/false).small_size, size_t{64} << 10);
+  o = ParsePoolOptions("large_page=8M,small_size=auto");
+  ASSERT_TRUE(o.ok()) << o.status();
+  o = ParsePoolOptions("large_page=auto", *o);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->large_page, kAutoSize);
+  EXPECT_EQ(o->small_size, kAutoSize);
   EXPECT_FALSE(ParsePoolOptions("large_page=big").ok());
+  EXPECT_FALSE(ParsePoolOptions("max_chunk=auto").ok());
 }
 
 // Exported chunks kept for reuse (pool.h): 64 MiB unless told; 0 turns the reuse off.

@@ -37,6 +37,39 @@ class ProcessStateTest : public ::testing::Test {
   ProcessState state_;
 };
 
+// The plugin's pools keep single chunks unless told (process_state.cc): a tensor sent in place
+// spans one handle, and a block of a few hundred KiB goes to the small arena (1 MiB) rather
+// than pin the free space of a large chunk against empty_cache().
+TEST_F(ProcessStateTest, ExplicitPoolsKeepSingleChunksAndAOneMiBSmallArena) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=2G");
+  ASSERT_TRUE(id.ok()) << id.status();
+  Pool* pool = (*state_.FindPool(*id))->pool.get();
+  EXPECT_EQ(pool->options().large_page, 0u);
+  EXPECT_EQ(pool->options().small_size, kMiB);
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, 24 * kMiB, 0, false);
+  ASSERT_TRUE(p.ok()) << p.status();
+  absl::StatusOr<BufferDescriptor> d = state_.Export(*p);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->handles().size(), 1u);
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  absl::StatusOr<void*> activations = state_.PoolAllocate(*id, 256 * kMiB, 0, false);
+  ASSERT_TRUE(activations.ok()) << activations.status();
+  ASSERT_TRUE(state_.FreeBlock(*activations).ok());
+  absl::StatusOr<void*> kept = state_.PoolAllocate(*id, 512 * 1024, 0, false);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  EXPECT_LE(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(2 * kMiB))
+      << "empty_cache() left a large chunk mapped for a 512 KiB block";
+  ASSERT_TRUE(state_.FreeBlock(*kept).ok());
+  ASSERT_TRUE(state_.ClosePool(*id).ok());
+
+  absl::StatusOr<int64_t> paged = HostPool("reserve_size=256M,large_page=8M");
+  ASSERT_TRUE(paged.ok()) << paged.status();
+  EXPECT_EQ((*state_.FindPool(*paged))->pool->options().large_page, 8 * kMiB);
+  EXPECT_EQ((*state_.FindPool(*paged))->pool->options().small_size, 256 * 1024u);
+  ASSERT_TRUE(state_.ClosePool(*paged).ok());
+}
+
 TEST_F(ProcessStateTest, ExplicitPoolsAllocateFreeAndClose) {
   absl::StatusOr<int64_t> id = HostPool();
   ASSERT_TRUE(id.ok()) << id.status();

@@ -14,6 +14,7 @@
 #include "allocator/driver_factory.h"
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
+#include "allocator/sharing.h"
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
@@ -111,6 +112,53 @@ TEST_F(ReclaimTest, DefaultsPageTheLargeArenaAndKeepTheSmallArenaSmall) {
   EXPECT_EQ(stats.segment.current, 4);
   for (void* p : {tiny, kv_page, big}) EXPECT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
+}
+
+// A request that fits under the memory limit, or on the device, is served although whole
+// pages would not fit: the growth ends with a shorter chunk (never moved).
+TEST_F(ReclaimTest, ARequestThatFitsIsNotRefusedForItsRoundingToPages) {
+  for (bool by_limit : {true, false}) {
+    SCOPED_TRACE(by_limit ? "memory limit" : "device size");
+    std::unique_ptr<Driver> small_device =
+        NewHostDriver(HostDriverOptions{2 * kMiB, by_limit ? 256 * kMiB : 20 * kMiB});
+    PoolOptions options;  // the defaults: 8 MiB pages
+    options.reserve_size = 1024 * kMiB;
+    if (by_limit) options.memory_limit = 20 * kMiB;
+    auto pool = CreatePoolOrFail(small_device.get(), options);
+    ASSERT_NE(pool, nullptr);
+    void* p = Alloc(*pool, 18 * kMiB);
+    ASSERT_NE(p, nullptr);
+    EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(18 * kMiB));
+    EXPECT_OK(pool->Free(p));
+    // The short chunk stays put: a miss takes only whole pages.
+    void* q = Alloc(*pool, 16 * kMiB);
+    EXPECT_NE(q, nullptr);
+    EXPECT_OK(pool->CheckInvariants());
+    if (q != nullptr) EXPECT_OK(pool->Free(q));
+  }
+}
+
+// A pool made to export keeps single chunks unless told (pool_options.h): a 3 GiB block
+// exports as one handle, not 384, so sharing it stays within a common open-file limit.
+TEST_F(ReclaimTest, APoolMadeToExportKeepsSingleChunksUnlessTold) {
+  std::unique_ptr<Driver> big = NewHostDriver(HostDriverOptions{2 * kMiB, size_t{16} << 30});
+  PoolOptions options;
+  options.reserve_size = size_t{8} << 30;
+  options.handle_type = HandleRequest::kPosixFd;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> pool, CreateExportablePool(big.get(), options));
+  EXPECT_EQ(pool->options().large_page, 0u);
+  EXPECT_EQ(pool->options().small_size, size_t{1} << 20);
+  ASSERT_OK_AND_ASSIGN(void* p, pool->Allocate(size_t{3} << 30, 0));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool, p));
+  EXPECT_EQ(d.handles().size(), 1u);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> imported, ImportBuffer(big.get(), d));
+  imported.reset();
+  EXPECT_OK(pool->Free(p));
+
+  options.large_page = 8 * kMiB;  // asked for: pages, and the small arena to 256 KiB
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> paged, CreateExportablePool(big.get(), options));
+  EXPECT_EQ(paged->options().large_page, 8 * kMiB);
+  EXPECT_EQ(paged->options().small_size, size_t{256} << 10);
 }
 
 TEST_F(ReclaimTest, AMissTakesWhollyFreePagesInsteadOfGrowing) {

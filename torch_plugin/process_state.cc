@@ -19,7 +19,8 @@ namespace {
 // Every pool of the plugin grows in single chunks rather than large_page pages
 // (pool_options.h) unless asked: a tensor sent in place spans the chunks behind it, and an
 // importer's cost grows with their number (one handle per 8 MiB page would be 128 for a 1 GiB
-// tensor). `large_page=8M` turns the moving of free pages on.
+// tensor). `large_page=8M` turns the moving of free pages on (and small_size, left to the
+// pool, then becomes 256 KiB instead of 1 MiB).
 PoolOptions PluginPoolDefaults() {
   PoolOptions defaults;
   defaults.large_page = 0;
