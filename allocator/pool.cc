@@ -69,8 +69,13 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
   if (options.small_size == 0 || options.small_chunk == 0 || options.max_chunk == 0) {
     return absl::InvalidArgumentError("small_size, small_chunk and max_chunk must be positive");
   }
-  std::unique_ptr<Pool> pool(
-      new Pool(driver, ResolveAutoSizes(options, /*exportable=*/observer != nullptr), observer));
+  const PoolOptions resolved = ResolveAutoSizes(options, /*exportable=*/observer != nullptr);
+  if (resolved.large_page > std::min(resolved.max_chunk, size_t{1} << 48)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "large_page ", resolved.large_page, " is larger than max_chunk ", resolved.max_chunk,
+        ": a page is one physical chunk"));
+  }
+  std::unique_ptr<Pool> pool(new Pool(driver, resolved, observer));
   VMM_RETURN_IF_ERROR(pool->Init());
   return pool;
 }
@@ -388,15 +393,21 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // (reclaim_policy.h); blocks with chunks of their own keep one chunk of up to max_chunk.
   const size_t page = options_.large_page;
   const bool paged = !dedicated && &arena == &large_ && page != 0;
-  const size_t unit = paged ? page : granularity_;
+  size_t unit = paged ? page : granularity_;
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated);
+  if (!plan && paged) {
+    // No gap holds the request in whole pages (a small range): plan it to granularity, the
+    // last chunk shorter than a page (never moved), and move nothing for it.
+    unit = granularity_;
+    plan = arena.PlanGrowth(n, stream, unit, dedicated);
+  }
   if (!plan) {
     return absl::ResourceExhaustedError(
         absl::StrCat("no gap of ", FormatBytes(n), " left in the pool's reserved address range"));
   }
   const size_t needed = plan->len;
   ReclaimChoice reclaim;
-  if (paged && !keep_memory_) {
+  if (paged && unit == page && !keep_memory_) {
     ReclaimRequest request;
     request.arena = &large_;
     request.page = page;
@@ -441,20 +452,6 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     plan = arena.PlanGrowth(n, stream, unit, dedicated);
     mapped = try_map(*plan);
   }
-  if (!mapped.ok() && paged && absl::IsResourceExhausted(mapped)) {
-    // Whole pages do not fit under the limit or on the device: end the growth with a short
-    // chunk (to granularity), which is never moved (reclaim_policy.h, invariant 5), so that a
-    // request that fits is not refused for its rounding to pages. Only where the plan keeps
-    // its place: the chunks chosen to move were chosen for it (invariant 4).
-    std::optional<Arena::GrowthPlan> exact =
-        arena.PlanGrowth(n, stream, granularity_, dedicated);
-    if (exact && exact->addr == plan->addr && exact->gap == plan->gap &&
-        exact->side == plan->side &&
-        exact->len < plan->len && exact->len >= moved) {
-      plan = exact;
-      mapped = try_map(*plan);
-    }
-  }
   VMM_RETURN_IF_ERROR(mapped);
   if (!reclaim.chunks.empty()) {
     absl::Status s = MoveChunks(reclaim, plan->addr, stream);
@@ -466,9 +463,13 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
         fresh.push_back(c->first);
       }
       for (uintptr_t addr : fresh) {
+        const size_t size = chunks_.find(addr)->second.size;
         absl::StatusOr<Chunk> released = chunks_.Release(addr, stats_);
-        if (!released.ok()) LogError(absl::StrCat("rolling back a growth: ",
-                                                  released.status().message()));
+        if (released.ok()) continue;
+        // Still mapped (and granted): keep it as free memory rather than a chunk in a gap.
+        LogError(absl::StrCat("rolling back a growth: ", released.status().message(),
+                              "; its memory stays in the pool, free"));
+        AdoptStranded(addr, size);
       }
       return s;
     }
@@ -513,8 +514,22 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
       if (back.ok()) continue;
       if (!gone) {
         auto c = chunks_.find(m.at);
-        if (c == chunks_.end()) c = chunks_.find(m.from);
-        if (c != chunks_.end()) (void)chunks_.Release(c->first, stats_);
+        const bool at_destination = c != chunks_.end();
+        if (!at_destination) c = chunks_.find(m.from);
+        if (c != chunks_.end() && !chunks_.Release(c->first, stats_).ok()) {
+          // Neither back nor released: keep it as free memory where it is, if it can be used
+          // there, rather than a chunk the arena does not know.
+          const uintptr_t where = at_destination ? m.at : m.from;
+          if (chunks_.GrantAccess(where, m.size, stats_).ok()) {
+            LogError(absl::StrCat("moving free memory back failed; ", FormatBytes(m.size),
+                                  " stay in the pool, free, at ", absl::Hex(where)));
+            if (!at_destination) continue;  // still where the arena has it
+            AdoptStranded(m.at, m.size);
+          } else {
+            LogError(absl::StrCat("moving free memory back failed; ", FormatBytes(m.size),
+                                  " at ", absl::Hex(where), " can be neither used nor released"));
+          }
+        }
       }
       lost.emplace_back(m.from, m.size);
     }
@@ -527,6 +542,20 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
   for (const Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
   stats_.num_chunk_moves += static_cast<int64_t>(moved.size());
   return absl::OkStatus();
+}
+
+void Pool::AdoptStranded(uintptr_t addr, size_t size) {
+  Arena& arena = ArenaOf(addr);
+  Block* gap = arena.BlockContaining(addr);
+  if (gap == nullptr || gap->state != BlockState::kUnmapped || gap->end() < addr + size) {
+    LogError(absl::StrCat("a chunk at ", absl::Hex(addr), " is mapped where the pool has no gap"));
+    return;
+  }
+  Arena::GrowthPlan range;
+  range.gap = gap;
+  range.addr = addr;
+  range.len = size;
+  arena.CommitGrowth(range, kAnyStream, /*alone=*/false);
 }
 
 absl::Status Pool::ReleaseChunk(uintptr_t addr) {

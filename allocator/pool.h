@@ -14,8 +14,10 @@
 // raised by `growth_fraction` of what is already reserved, capped at `max_growth_extra`, so a
 // pool that keeps growing makes few driver calls while the overshoot stays a small fraction of
 // its size, and a growth is backed by physical chunks of at most `max_chunk` bytes; with pages
-// it is exact, in chunks of `large_page` (the last one shorter where whole pages would not fit
-// under a limit). Small-arena growth maps `small_chunk` at a time.
+// it is exact, in whole chunks of `large_page` (to granularity, the last one shorter, only where
+// no gap of the range holds the request in whole pages). Near a memory limit, a fraction cap or
+// the GPU's capacity the rounding to pages counts: a request within a page of the limit can
+// fail (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk` at a time.
 //
 // Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
 // made without an export observer, pool_options.h), the large arena grows in chunks of
@@ -326,6 +328,9 @@ class Pool {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Unmaps and releases one chunk, telling the observer if it was exported.
   absl::Status ReleaseChunk(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes [addr, addr + size), a chunk still mapped and granted inside a gap (a rollback whose
+  // release failed), a free block, so that the arena and the chunk map agree again.
+  void AdoptStranded(uintptr_t addr, size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases chunks covered by free blocks; `any_stream` also takes blocks whose streams
   // may still be running (callers synchronise first). Stops once `target` bytes are released.
   absl::Status ReleaseFreeChunks(bool any_stream, size_t target)
