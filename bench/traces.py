@@ -294,6 +294,20 @@ def churn(rec, seed, *, allocations=45000, min_bytes=4 * KIB, max_bytes=GIB,
             heapq.heappush(deaths, (t + lifetime, ident))
 
 
+def _rms_norm(rec, tokens, hidden):
+    """An RMSNorm of `tokens` rows: its fp32 variance, then the bf16 output (returned)."""
+    var = rec.alloc(tokens * 4)
+    out = rec.alloc(tokens * hidden * 2)
+    rec.free(var)
+    return out
+
+
+def _qkv(rec, tokens, hidden, kv_dim):
+    """The attention projections of `tokens` rows (bf16): q, k, v."""
+    return (rec.alloc(tokens * hidden * 2), rec.alloc(tokens * kv_dim * 2),
+            rec.alloc(tokens * kv_dim * 2))
+
+
 def _llm_weights(rec, layers, hidden, kv_dim, intermediate, vocab, dtype_bytes=2):
     """Allocates a decoder's weights tensor by tensor (embedding, per layer: q, k, v, o, gate,
     up, down, two norms; final norm, LM head) and returns their IDs and sizes."""
@@ -340,12 +354,8 @@ def inference_varying(rec, seed, *, batches=90, layers=28, hidden=3072, heads=24
         x = rec.alloc(t * hidden * 2)
         rec.free(ids)
         for _ in range(layers):
-            var = rec.alloc(t * 4)
-            n = rec.alloc(t * hidden * 2)
-            rec.free(var)
-            q = rec.alloc(t * hidden * 2)
-            k = rec.alloc(t * kv_dim * 2)
-            v = rec.alloc(t * kv_dim * 2)
+            n = _rms_norm(rec, t, hidden)
+            q, k, v = _qkv(rec, t, hidden, kv_dim)
             rec.free(n)
             q_rot = rec.alloc(t * hidden * 2)
             rec.free(q)
@@ -358,9 +368,7 @@ def inference_varying(rec, seed, *, batches=90, layers=28, hidden=3072, heads=24
             rec.free(attn)
             x2 = rec.alloc(t * hidden * 2)
             rec.free_all((x, o))
-            var = rec.alloc(t * 4)
-            n2 = rec.alloc(t * hidden * 2)
-            rec.free(var)
+            n2 = _rms_norm(rec, t, hidden)
             gate = rec.alloc(t * intermediate * 2)
             up = rec.alloc(t * intermediate * 2)
             rec.free(n2)
@@ -568,12 +576,8 @@ def long_prefill(rec, seed, *, documents=3, contexts=(24576, 49152, 98304), chun
             cos = rec.alloc(c * head_dim * 2)
             sin = rec.alloc(c * head_dim * 2)
             for i in range(layers):
-                var = rec.alloc(c * 4)
-                n = rec.alloc(c * hidden * 2)
-                rec.free(var)
-                q = rec.alloc(c * hidden * 2)
-                k = rec.alloc(c * kv_dim * 2)
-                v = rec.alloc(c * kv_dim * 2)
+                n = _rms_norm(rec, c, hidden)
+                q, k, v = _qkv(rec, c, hidden, kv_dim)
                 rec.free(n)
                 for cache, new in ((k_cache, k), (v_cache, v)):
                     grown = rec.alloc(ctx * kv_dim * 2)

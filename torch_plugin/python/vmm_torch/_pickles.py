@@ -63,6 +63,13 @@ _WIDTHS = {
 }
 
 
+# Opcodes whose effect on the walk is named rather than read from pickletools' stack notes.
+_NAMED = {"MARK": _MARK, "TUPLE": _TUPLE_MARK, "PUT": _PUT_LINE, "MEMOIZE": _MEMOIZE,
+          "GET": _GET_LINE, "DUP": _DUP, "POP": _POP, "STOP": _STOP}
+_NAMED_FIXED = {"BINPUT": _PUT, "LONG_BINPUT": _PUT, "BINGET": _GET, "LONG_BINGET": _GET,
+                "PROTO": _SKIP, "FRAME": _SKIP}
+
+
 def _categories() -> Tuple[List[int], List[Any], List[str]]:
     category, argument, names = [_INVALID] * 256, [0] * 256, ["?"] * 256
     for op in pickletools.opcodes:
@@ -70,30 +77,12 @@ def _categories() -> Tuple[List[int], List[Any], List[str]]:
         names[code] = name
         before = op.stack_before
         fixed = 0 if arg is None else arg.n
-        if name == "MARK":
-            category[code] = _MARK
+        if name in _NAMED:
+            category[code] = _NAMED[name]
+        elif name in _NAMED_FIXED:  # takes the opcode's fixed-size argument
+            category[code], argument[code] = _NAMED_FIXED[name], fixed
         elif name in ("EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"):
             category[code], argument[code] = _TUPLE, len(before)
-        elif name == "TUPLE":
-            category[code] = _TUPLE_MARK
-        elif name in ("BINPUT", "LONG_BINPUT"):
-            category[code], argument[code] = _PUT, fixed
-        elif name == "PUT":
-            category[code] = _PUT_LINE
-        elif name == "MEMOIZE":
-            category[code] = _MEMOIZE
-        elif name in ("BINGET", "LONG_BINGET"):
-            category[code], argument[code] = _GET, fixed
-        elif name == "GET":
-            category[code] = _GET_LINE
-        elif name == "DUP":
-            category[code] = _DUP
-        elif name in ("PROTO", "FRAME"):
-            category[code], argument[code] = _SKIP, fixed
-        elif name == "POP":
-            category[code] = _POP
-        elif name == "STOP":
-            category[code] = _STOP
         elif pickletools.markobject in before:  # pops to the mark, then the items under it
             category[code] = _TO_MARK
             argument[code] = (before.index(pickletools.markobject), len(op.stack_after),

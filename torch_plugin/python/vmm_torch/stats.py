@@ -22,7 +22,7 @@ raise :class:`DumpError` saying where). Every command fails in one line on stder
 
 ``timeline`` draws the Active Memory Timeline of https://pytorch.org/memory_viz as a
 self-contained SVG from a snapshot (what ``torch.cuda.memory._dump_snapshot`` writes, or the
-same dict as JSON): each allocation of the device's trace is a band from its alloc to its
+same dict as JSON): each allocation of the GPU's trace is a band from its alloc to its
 free (``free_completed``, else ``free_requested``, else the end), stacked on those allocated
 before it; x counts the allocs and frees, y bytes. The snapshot is untrusted too: pickles
 load only as builtin containers and scalars (:mod:`vmm_torch._pickles`: no global is
@@ -648,7 +648,7 @@ class Allocation(NamedTuple):
 
 
 class Timeline(NamedTuple):
-    """The allocations of one device's trace in stacking order (those alive before the trace
+    """The allocations of one GPU's trace in stacking order (those alive before the trace
     first), and the number of events (alloc and free) that the x axis counts."""
     allocations: List[Allocation]
     events: int
@@ -692,7 +692,7 @@ def _spans(trace: List[Dict[str, Any]]) -> Tuple[List[List[Any]], Set[int]]:
 
 def timeline(snapshot: Document, device: int = 0) -> Timeline:
     """The allocations of `device`'s trace in the checked snapshot (DumpError if the snapshot
-    has no trace for it). Blocks "active_allocated" in the device's segments that the trace
+    has no trace for it). Blocks "active_allocated" in that GPU's segments that the trace
     does not hold at its end were allocated before it began and stay to its end, as in
     PyTorch's memory viewer (their size is the requested one where given)."""
     check_snapshot(snapshot)
@@ -983,14 +983,19 @@ def _os_error(e: OSError) -> str:
     return e.strerror if e.strerror else str(e)
 
 
-def _read(path: str) -> Document:
+def _load(path: str, load: Callable[[str], Document], kind: str) -> Document:
+    """load(path), its failures as CommandErrors naming `path` (`kind`: what the file should be)."""
     try:
-        return load_dump(path)
+        return load(path)
     except OSError as e:
         raise CommandError(path, _os_error(e)) from None
     except (DumpError, RecursionError, MemoryError) as e:
-        what = e if isinstance(e, DumpError) else f"not a dump ({type(e).__name__})"
+        what = e if isinstance(e, DumpError) else f"not a {kind} ({type(e).__name__})"
         raise CommandError(path, what) from None
+
+
+def _read(path: str) -> Document:
+    return _load(path, load_dump, "dump")
 
 
 def _checked(path: str, make: Callable[[], Any]) -> Any:
@@ -1010,13 +1015,7 @@ def _write(path: str, data: Any, binary: bool = False) -> None:
 
 
 def _read_snapshot(path: str) -> Document:
-    try:
-        return load_snapshot(path)
-    except OSError as e:
-        raise CommandError(path, _os_error(e)) from None
-    except (DumpError, RecursionError, MemoryError) as e:
-        what = e if isinstance(e, DumpError) else f"not a snapshot ({type(e).__name__})"
-        raise CommandError(path, what) from None
+    return _load(path, load_snapshot, "snapshot")
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:
