@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Times each step of Queue.put's preparation of a vmm CUDA tensor and of its export, in one
-process (GPU): medians in microseconds over --reps fresh tensors."""
+"""Times the steps of a send of a vmm CUDA tensor in one process (GPU): Queue.put's preparation
+(reductions.prepare_send) and the feeder thread's export (reductions.reduce_tensor), each as
+the package takes it (one call of vmm's CUDA module each where it was built) and step by step
+through the Python path; medians in microseconds over --reps fresh tensors. The send budget
+is off and every export is acknowledged at once, so nothing is held between repetitions."""
 import argparse
 import json
 import os
 import statistics
+import threading
 import time
 
 os.environ.setdefault("VMM_SEND_BUDGET", "0")
@@ -21,6 +25,7 @@ def main():
     vmm_torch.enable()
     reductions.install_reducers()
     dev = torch.device("cuda", 0)
+    module = sharing.cuda_module()
     steps = {}
 
     def timed(name, fn, *a):
@@ -29,28 +34,49 @@ def main():
         steps.setdefault(name, []).append((time.perf_counter_ns() - t0) / 1e3)
         return r
 
-    keep = []
-    for i in range(args.reps + 3):
+    def fresh():
         t = torch.empty(args.size, dtype=torch.uint8, device=dev)
-        t.fill_(i % 251)
+        t.fill_(1)
         torch.cuda.synchronize()
-        timed("is_cuda+layout", lambda: (t.is_cuda, t.layout, t.requires_grad, t.is_leaf))
+        return t
+
+    def in_feeder(fn, *a):
+        # The export runs where a queue's feeder thread would (the thread's name decides).
+        out = []
+        thread = threading.Thread(target=lambda: out.append(fn(*a)), name=sharing.FEEDER_THREAD)
+        thread.start()
+        thread.join()
+        return out[0]
+
+    for _ in range(args.reps + 3):
+        t = fresh()
+        timed("prepare_send(tensor)", reductions.prepare_send, t)
+        _, payload = in_feeder(timed, "reduce_tensor(feeder)", reductions.reduce_tensor, t)
+        sharing.ack_send(payload[-1], wait=True)
+        t = fresh()
+        timed("prepare_send((tensor, 1))", reductions.prepare_send, (t, 1))
+        _, payload = in_feeder(reductions.reduce_tensor, t)
+        sharing.ack_send(payload[-1], wait=True)
+        # The Python path, step by step.
+        t = fresh()
+        timed("attributes", lambda: (t.is_cuda, t.layout, t.requires_grad, t.is_leaf))
         base = timed("storage_address", sharing.storage_address, t)
         kind = timed("send_kind_marked", sharing.send_kind_marked, base)
-        key = timed("ready_key", sharing.ready_key, t, base)
-        ev = timed("record_ready", sharing.record_ready, t.device)
-        timed("note_ready_event", sharing.note_ready_event, key, ev)
+        timed("ready_key", sharing.ready_key, t, base)
+        timed("record_ready", sharing.record_ready, t, base)
         timed("wait_for_send_room", sharing.wait_for_send_room)
-        u = torch.empty(args.size, dtype=torch.uint8, device=dev)
-        u.fill_(1)
-        torch.cuda.synchronize()
-        timed("prepare_send(total)", reductions.prepare_send, u)
-        timed("prepare_send(tuple)", reductions.prepare_send, (u, 1))
         timed("current_stream", torch.cuda.current_stream, dev)
-        payload = timed("send_payload(export)", sharing.send_payload, t, base, kind)
-        keep.append((t, u, payload))
+        payload = timed("send_payload(export, stream synchronised)", sharing.send_payload, t,
+                        base, kind)
+        sharing.ack_send(payload[-1], wait=True)
+        if module is not None:
+            t = fresh()
+            timed("module.prepare_send", module.prepare_send, t)
+            _, data, ticket = timed("module.export_send", module.export_send, t)
+            sharing.ack_send(ticket, wait=True)
     out = {k: round(statistics.median(v[3:]), 2) for k, v in steps.items()}
-    print(json.dumps(dict(bench="put_steps", size=args.size, us=out)))
+    print(json.dumps(dict(bench="put_steps", size=args.size, cuda_module=module is not None,
+                          us=out)))
 
 
 if __name__ == "__main__":

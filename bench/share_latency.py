@@ -19,7 +19,8 @@ rebuild function starts, less the export (queue feeder thread, pipe, unpickling 
 rebuild); for vmm, put_prepare (Queue.put's preparation of the tensors, in the producer's
 thread) and to_feeder (from its end until the feeder's export starts) are parts of it, and
 ready_wait (waiting for the put's CUDA event) and vmm_export (vmm_export_send) parts of the
-export. import: the rebuild function (vmm's sharing.rebuild_tensor, split into
+export where the Python path takes it (vmm's CUDA module, where it was built, takes both in one
+call: then export has no parts). import: the rebuild function (vmm's sharing.rebuild_tensor, split into
 vmm_import, the C call, and wrap, the tensor over it; PyTorch's rebuild_cuda_tensor). unpickle_other: from the
 end of the rebuild until the queue's get returns. first_read: from then until tensor[0].item()
 returns. Timestamps are time.perf_counter_ns (CLOCK_MONOTONIC: one clock for all processes).

@@ -147,3 +147,15 @@ def test_cuda_pool_tensor_through_torch_multiprocessing(handle_type):
         assert replies.get(timeout=TIMEOUT) == ("done", 1)
         proc.join(TIMEOUT)
         assert proc.exitcode == 0
+
+
+def test_send_steps_of_the_cuda_module():
+    result = run_in_spawned_process(workers.gpu_send_steps)
+    assert result["module"], "vmm's CUDA module was not built"
+    assert result["alone"] == (True, True)
+    assert result["waited"] == (True, False)
+    assert result["non_leaf"] == -1 and result["non_leaf_put"] is True
+    assert result["shared_chunk"]
+    assert result["moved_and_exported"] == (True, True, True, 768.0, 0.0)
+    assert result["received"] == [(v, v, 4 << 20) for v in (1.0, 2.0, 3.0)]
+    assert result["exitcode"] == 0

@@ -272,3 +272,75 @@ def keep_and_read(inbox, commands, replies):
     replies.put(t.tolist())
     while commands.get(timeout=60) is not None:
         replies.put(t.tolist())
+
+
+def min_max_of_received(q, results, count):
+    """Receives `count` CUDA tensors and replies (min, max, numel) of each (test_gpu.py)."""
+    import vmm_torch
+
+    vmm_torch.install_reducers()
+    for _ in range(count):
+        t = q.get(timeout=60)
+        results.put((float(t.min()), float(t.max()), t.numel()))
+        del t
+
+
+def gpu_send_steps(results):
+    """In a fresh process with vmm enabled: the steps of a send as vmm's CUDA module takes them
+    (one call each), and sends whose writes are still running on a side stream at the put,
+    dropped at once, read by a spawned consumer (test_gpu.py)."""
+    import threading
+
+    import torch.multiprocessing as mp
+    import vmm_torch
+    from vmm_torch import _signatures, reductions, sharing
+
+    vmm_torch.enable()
+    vmm_torch.install_reducers()
+    module = sharing.cuda_module()
+    out = {"module": module is not None}
+    if module is None:
+        results.put(out)
+        return
+    alone = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    kind, base = module.prepare_send(alone)
+    out["alone"] = (kind == _signatures.SEND_IN_PLACE, base == alone.data_ptr())
+    out["waited"] = (module.wait_ready(alone), module.wait_ready(alone))  # (True, False)
+    leaf = torch.ones(4, device="cuda", requires_grad=True)
+    out["non_leaf"] = module.prepare_send(leaf * 2)[0]
+    try:
+        reductions.prepare_send([leaf * 2])
+        out["non_leaf_put"] = None
+    except RuntimeError as error:
+        out["non_leaf_put"] = "non-leaf" in str(error)
+    small, beside = torch.full((256,), 3.0, device="cuda"), torch.zeros(256, device="cuda")
+    out["shared_chunk"] = module.prepare_send(small)[0] == _signatures.SEND_RELOCATE
+    before = small.data_ptr()
+    assert reductions.prepare_send(small)  # moves it, then records its event
+    exported = []
+    feeder = threading.Thread(target=lambda: exported.append(module.export_send(small)),
+                              name=sharing.FEEDER_THREAD)
+    feeder.start()
+    feeder.join()
+    kind, data, ticket = exported[0]
+    out["moved_and_exported"] = (small.data_ptr() != before, kind == _signatures.SEND_IN_PLACE,
+                                 isinstance(data, bytes) and len(ticket) == 64,
+                                 float(small.sum()), float(beside.sum()))
+    sharing.ack_send(ticket, wait=True)
+    # Writes still queued on a side stream when put returns: the receiver sees them all.
+    ctx = mp.get_context("spawn")
+    q, replies = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=min_max_of_received, args=(q, replies, 3))
+    proc.start()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for value in (1.0, 2.0, 3.0):
+            t = torch.empty(16 << 20, device="cuda")
+            torch.cuda._sleep(50_000_000)  # tens of milliseconds before the fill runs
+            t.fill_(value)
+            q.put(t)
+            del t
+    out["received"] = [replies.get(timeout=120) for _ in range(3)]
+    proc.join(120)
+    out["exitcode"] = proc.exitcode
+    results.put(out)

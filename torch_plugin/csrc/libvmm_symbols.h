@@ -58,6 +58,10 @@ struct Vmm {
   decltype(&vmm_private_pool_find) private_pool_find = nullptr;
   decltype(&vmm_pool_live_blocks) pool_live_blocks = nullptr;
   decltype(&vmm_pool_alloc_at) pool_alloc_at = nullptr;
+  decltype(&vmm_send_prepare) send_prepare = nullptr;
+  decltype(&vmm_send_kind) send_kind = nullptr;
+  decltype(&vmm_export_send) export_send = nullptr;
+  decltype(&vmm_release_buffer) release_buffer = nullptr;
 };
 
 // This module's binding (Bind).
@@ -92,6 +96,10 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_private_pool_find", &v.private_pool_find);
   Lookup(lib, "vmm_pool_live_blocks", &v.pool_live_blocks);
   Lookup(lib, "vmm_pool_alloc_at", &v.pool_alloc_at);
+  Lookup(lib, "vmm_send_prepare", &v.send_prepare);
+  Lookup(lib, "vmm_send_kind", &v.send_kind);
+  Lookup(lib, "vmm_export_send", &v.export_send);
+  Lookup(lib, "vmm_release_buffer", &v.release_buffer);
   vmm = v;
 }
 

@@ -1,17 +1,21 @@
 // ready_events.h: the CUDA events a torch.multiprocessing put records for the tensors it
 // sends (vmm_torch.reductions.prepare_send) and the queue's feeder thread waits for before the
-// send goes (vmm_torch.sharing.wait_until_ready), so that the receiver reads what was written
-// before the put. One call each from Python instead of torch.cuda.Event, current_stream,
-// record and is_current_stream_capturing (tens of microseconds on every put), and the events
-// are reused instead of created for each put. Used by vmm_cuda_allocator.cpp's module.
+// send goes (send_steps.h), so that the receiver reads what was written before the put. They
+// are kept by storage (its address and its StorageImpl, so that a later storage at the same
+// address finds none of an earlier one's), at most kMaxStorages storages (the oldest dropped:
+// a put whose object is never pickled leaves its entry), and reused instead of created for
+// each put. Used by vmm_cuda_allocator.cpp's module.
 //
 // Failures: Record throws c10::Error while the current stream captures a CUDA graph (a send
-// then could not be ordered) or when the CUDA runtime fails; Wait and Discard of an id that
-// is not outstanding throw c10::ValueError. Thread safe.
+// then could not be ordered) or when the CUDA runtime fails; Wait throws c10::Error when the
+// CUDA runtime fails. Thread safe.
 #ifndef VMM_TORCH_PLUGIN_CSRC_READY_EVENTS_H_
 #define VMM_TORCH_PLUGIN_CSRC_READY_EVENTS_H_
 
+#include <cstddef>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
@@ -25,10 +29,27 @@
 
 namespace vmm_torch {
 
+// A storage among the ready events: its address and its StorageImpl.
+struct StorageKey {
+  uintptr_t base = 0;
+  uintptr_t impl = 0;
+  bool operator==(const StorageKey& other) const {
+    return base == other.base && impl == other.impl;
+  }
+};
+
+struct StorageKeyHash {
+  size_t operator()(const StorageKey& key) const {
+    return std::hash<uintptr_t>()(key.base) * 31 + std::hash<uintptr_t>()(key.impl);
+  }
+};
+
 class ReadyEvents {
  public:
-  // Records an event on the current stream of `device`; returns its id (> 0).
-  int64_t Record(c10::DeviceIndex device) {
+  static constexpr size_t kMaxStorages = 65536;
+
+  // Records an event on the current stream of `device` for the storage `key`.
+  void Record(const StorageKey& key, c10::DeviceIndex device) {
     c10::cuda::CUDAGuard guard(device);
     const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -39,38 +60,71 @@ class ReadyEvents {
     cudaEvent_t event = Take(device);
     const cudaError_t recorded = cudaEventRecord(event, stream);
     if (recorded != cudaSuccess) {
-      Give(device, event);
+      Give({{device, event}});
       C10_CUDA_CHECK(recorded);
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    const int64_t id = ++last_id_;
-    outstanding_.emplace(id, std::make_pair(device, event));
-    return id;
+    std::vector<Event> dropped;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<Event>& events = by_storage_[key];
+      if (events.empty()) order_.push_back(key);
+      events.emplace_back(device, event);
+      while (by_storage_.size() > kMaxStorages) DropOldest(&dropped);
+      if (order_.size() > 2 * kMaxStorages) Compact();
+    }
+    Give(dropped);
   }
 
-  // Waits until the work event `id` follows is done (the caller releases the GIL), then
-  // takes the event back.
-  void Wait(int64_t id) {
-    const auto [device, event] = Claim(id);
-    const cudaError_t done = cudaEventSynchronize(event);
-    Give(device, event);
-    C10_CUDA_CHECK(done);
+  // Waits until the work the events of storage `key` follow is done (call it without the
+  // GIL), and reuses them; false when there were none.
+  bool Wait(const StorageKey& key) {
+    std::vector<Event> events = Claim(key);
+    cudaError_t failed = cudaSuccess;
+    for (const Event& event : events) {
+      const cudaError_t done = cudaEventSynchronize(event.second);
+      if (done != cudaSuccess && failed == cudaSuccess) failed = done;
+    }
+    Give(events);
+    C10_CUDA_CHECK(failed);
+    return !events.empty();
   }
 
-  // Takes the event `id` back without waiting (a put whose object was never sent).
-  void Discard(int64_t id) {
-    const auto [device, event] = Claim(id);
-    Give(device, event);
-  }
+  // Reuses the events of storage `key` without waiting (a send that synchronised otherwise).
+  void Discard(const StorageKey& key) { Give(Claim(key)); }
 
  private:
-  std::pair<c10::DeviceIndex, cudaEvent_t> Claim(int64_t id) {
+  using Event = std::pair<c10::DeviceIndex, cudaEvent_t>;
+
+  std::vector<Event> Claim(const StorageKey& key) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = outstanding_.find(id);
-    TORCH_CHECK_VALUE(it != outstanding_.end(), "vmm: no outstanding ready event ", id);
-    auto out = it->second;
-    outstanding_.erase(it);
-    return out;
+    auto it = by_storage_.find(key);
+    if (it == by_storage_.end()) return {};
+    std::vector<Event> events = std::move(it->second);
+    by_storage_.erase(it);
+    return events;
+  }
+
+  // The oldest storage's events into `dropped` (order_ may name storages claimed since).
+  void DropOldest(std::vector<Event>* dropped) {
+    while (!order_.empty()) {
+      const StorageKey key = order_.front();
+      order_.pop_front();
+      auto it = by_storage_.find(key);
+      if (it == by_storage_.end()) continue;
+      dropped->insert(dropped->end(), it->second.begin(), it->second.end());
+      by_storage_.erase(it);
+      return;
+    }
+  }
+
+  // Drops the names of claimed storages from order_, keeping the order of the rest.
+  void Compact() {
+    std::deque<StorageKey> kept;
+    std::unordered_map<StorageKey, bool, StorageKeyHash> seen;
+    for (const StorageKey& key : order_) {
+      if (by_storage_.count(key) != 0 && seen.emplace(key, true).second) kept.push_back(key);
+    }
+    order_.swap(kept);
   }
 
   cudaEvent_t Take(c10::DeviceIndex device) {
@@ -88,14 +142,16 @@ class ReadyEvents {
     return event;
   }
 
-  void Give(c10::DeviceIndex device, cudaEvent_t event) {
+  void Give(const std::vector<Event>& events) {
+    if (events.empty()) return;
     std::lock_guard<std::mutex> lock(mu_);
-    free_[device].push_back(event);
+    for (const Event& event : events) free_[event.first].push_back(event.second);
   }
 
-  std::mutex mu_;
-  int64_t last_id_ = 0;
-  std::unordered_map<int64_t, std::pair<c10::DeviceIndex, cudaEvent_t>> outstanding_;
+  std::mutex mu_;  // guards everything below
+  // Storages with events, and the order they got their first one (oldest first).
+  std::unordered_map<StorageKey, std::vector<Event>, StorageKeyHash> by_storage_;
+  std::deque<StorageKey> order_;
   std::unordered_map<c10::DeviceIndex, std::vector<cudaEvent_t>> free_;
 };
 

@@ -30,8 +30,8 @@
 //   pool_allocator(options): a VmmAllocator object (torch._C._cuda_CUDAAllocator) for
 //     torch.cuda.MemPool: the private pools made for it take `options`.
 //   pool_ids(allocator, device, id0, id1): vmm's ids of the pools behind a MemPool.
-//   record_ready(device), wait_ready(id), discard_ready(id): the events of sends
-//     (ready_events.h).
+//   prepare_send(t), export_send(t): the steps of a send of a CUDA tensor (send_steps.h);
+//   record_ready(t), wait_ready(t), discard_ready(t): its ready events (ready_events.h).
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -57,6 +57,7 @@
 
 #include "torch_plugin/csrc/alloc_history.h"
 #include "torch_plugin/csrc/ready_events.h"
+#include "torch_plugin/csrc/send_steps.h"
 #include "torch_plugin/csrc/libvmm_symbols.h"
 #include "torch_plugin/vmm_c.h"
 
@@ -715,16 +716,49 @@ PYBIND11_MODULE(_cuda_allocator, m) {
       },
       "vmm's ids of the pools behind MemPool (id0, id1) of `allocator` on `device`.");
   m.def("is_installed", [] { return installed != nullptr; });
-  // The events of sends (ready_events.h): one object for the process, never destroyed (the
-  // CUDA context may be gone at exit).
+  // The two steps of a send (send_steps.h) and their events (ready_events.h): one object
+  // for the process, never destroyed (the CUDA context may be gone at exit).
   static auto* ready = new vmm_torch::ReadyEvents();
   m.def(
-      "record_ready", [](int device) { return ready->Record(static_cast<c10::DeviceIndex>(device)); },
-      "Records a pooled event on the current stream of `device`; its id.");
+      "prepare_send",
+      [](const at::Tensor& t) {
+        RequireBound();
+        return vmm_torch::PrepareSend(t, vmm.send_prepare, ready);
+      },
+      "Queue.put's step for a tensor: (kind, storage address); a CUDA tensor of memory sent "
+      "as it is gets its ready event. Kind -1: a non-leaf tensor that requires grad.");
   m.def(
-      "wait_ready", [](int64_t id) { ready->Wait(id); },
-      py::call_guard<py::gil_scoped_release>(), "Waits for ready event `id` and reuses it.");
+      "export_send",
+      [](const at::Tensor& t) -> py::tuple {
+        RequireBound();
+        vmm_torch::Exported out;
+        {
+          py::gil_scoped_release unlocked;
+          out = vmm_torch::ExportSend(t, vmm.send_kind, vmm.export_send, vmm.release_buffer,
+                                      ready);
+        }
+        if (!out.bytes) return py::make_tuple(out.kind, py::none(), py::none());
+        return py::make_tuple(out.kind, py::bytes(out.bytes->first),
+                              py::bytes(out.bytes->second));
+      },
+      "The feeder thread's step for a tensor: (kind, descriptor, ticket), waiting for its "
+      "ready events first; descriptor None unless it went as it is (and was exported: "
+      "else libvmm's last error says why).");
   m.def(
-      "discard_ready", [](int64_t id) { ready->Discard(id); },
-      "Reuses ready event `id` without waiting.");
+      "record_ready",
+      [](const at::Tensor& t) {
+        const vmm_torch::StorageKey key = vmm_torch::StorageOf(t);
+        TORCH_CHECK_VALUE(t.is_cuda() && key.base != 0, "vmm: not a CUDA tensor with storage");
+        ready->Record(key, t.device().index());
+      },
+      "Records a ready event for the storage of CUDA tensor `t` on the current stream.");
+  m.def(
+      "wait_ready",
+      [](const at::Tensor& t) { return ready->Wait(vmm_torch::StorageOf(t)); },
+      py::call_guard<py::gil_scoped_release>(),
+      "Waits for the ready events of the storage of `t` and reuses them; False if none.");
+  m.def(
+      "discard_ready",
+      [](const at::Tensor& t) { ready->Discard(vmm_torch::StorageOf(t)); },
+      "Reuses the ready events of the storage of `t` without waiting.");
 }

@@ -46,12 +46,13 @@ import threading
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
 from . import _lib, sharing
-from ._signatures import SEND_NOT_EXPORTABLE, SEND_NOT_VMM, SEND_RELOCATE
+from ._signatures import (SEND_IMPORT, SEND_IN_PLACE, SEND_NOT_EXPORTABLE, SEND_NOT_VMM,
+                          SEND_RELOCATE)
 
 #: The rebuild function of the payload (kept under its former name).
 rebuild_tensor_from_bytes = sharing.rebuild_tensor
@@ -88,6 +89,22 @@ def _on_feeder_thread() -> bool:
 
 
 def _reduce(tensor: torch.Tensor) -> Reduction:
+    in_feeder = _on_feeder_thread()
+    module = sharing.cuda_module() if in_feeder and tensor.is_cuda else None
+    if module is not None:
+        # The common case in one call: the put's events waited for, the memory exported.
+        kind, data, ticket = module.export_send(tensor)
+        if data is not None:
+            _vmm_feeders.add(threading.current_thread())
+            return (sharing.rebuild_tensor,
+                    sharing.sent_payload(tensor, data, ticket,
+                                         isinstance(tensor, torch.nn.Parameter),
+                                         tensor.requires_grad))
+        if kind in (SEND_IN_PLACE, SEND_IMPORT):
+            _lib.raise_last_error("send")
+        if kind == SEND_NOT_VMM:
+            return _torch_reduce_tensor(tensor)
+        # Otherwise the steps below, which send it through PyTorch or raise why it cannot go.
     base = sharing.storage_address(tensor)
     kind = sharing.send_kind(base)
     if kind == SEND_NOT_VMM:
@@ -95,7 +112,7 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
     requires_grad = tensor.requires_grad
     if requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
-    if kind == SEND_RELOCATE and _on_feeder_thread():
+    if kind == SEND_RELOCATE and in_feeder:
         # Moving it here would race with its owner, who may still write to it (put returned).
         # Queue.put prepares every tensor pickle reaches, so only a tensor that gained a
         # neighbour otherwise (a put that bypassed the patched method) gets here.
@@ -104,7 +121,7 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
             "its own before it is sent, which Queue.put does in the sending thread; it was not "
             "prepared there (was the queue's put bypassed?); send tensor.clone()",
             "FAILED_PRECONDITION")
-    if _on_feeder_thread():
+    if in_feeder:
         _vmm_feeders.add(threading.current_thread())
     return (sharing.rebuild_tensor,
             sharing.send_payload(tensor, base, kind, isinstance(tensor, torch.nn.Parameter),
@@ -137,18 +154,12 @@ class _Preparer(pickle.Pickler):
 
     def __init__(self) -> None:
         super().__init__(_Discard(), protocol=pickle.HIGHEST_PROTOCOL)
-        #: CUDA device -> ready keys (sharing.ready_key) of the vmm tensors prepared there.
-        self.cuda_bases: Dict[torch.device, List[Tuple[int, int]]] = {}
         self.found_vmm = False
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            base = _prepare_tensor(obj)
-            if base is not None:
+            if _prepare_tensor(obj):
                 self.found_vmm = True
-                if obj.is_cuda:
-                    self.cuda_bases.setdefault(obj.device, []).append(
-                        sharing.ready_key(obj, base))
             return _NOTHING
         kind = type(obj)
         if kind in ForkingPickler._extra_reducers or kind.__module__ == "numpy":
@@ -162,6 +173,9 @@ class _Discard:
 
 
 _NOTHING = (int, ())
+
+#: The kind vmm's CUDA module gives a non-leaf tensor that requires grad (send_steps.h).
+_NON_LEAF = -1
 
 
 _SCALARS = (str, bytes, bytearray, int, float, bool, type(None))
@@ -191,43 +205,52 @@ def prepare_send(obj: Any) -> bool:
     Returns whether `obj` holds vmm tensors."""
     if type(obj) in _SCALARS:
         return False
-    preparer = _Preparer()
     if isinstance(obj, torch.Tensor):
-        preparer.reducer_override(obj)  # the common case, without a pickler's round
+        found = _prepare_tensor(obj)  # the common case, without a pickler's round
     elif _flat(obj):
-        for item in obj:  # a tuple or list of tensors and scalars: no pickler's round either
-            if isinstance(item, torch.Tensor):
-                preparer.reducer_override(item)
+        # A tuple or list of tensors and scalars: no pickler's round either.
+        found = False
+        for item in obj:
+            if isinstance(item, torch.Tensor) and _prepare_tensor(item):
+                found = True
     else:
+        preparer = _Preparer()
         try:
             preparer.dump(obj)
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
             pass  # not picklable: the feeder thread fails on it as it would without vmm
-    for device, bases in preparer.cuda_bases.items():
-        # What the current stream wrote before put: the feeder thread waits for it before the
-        # send goes (sharing.wait_until_ready), this thread goes on. One event per storage
-        # (a pooled event is waited for once).
-        for key in bases:
-            sharing.note_ready_event(key, sharing.record_ready(device))
-    if preparer.found_vmm:
+        found = preparer.found_vmm
+    if found:
         sharing.wait_for_send_room()
-    return preparer.found_vmm
+    return found
 
 
-def _prepare_tensor(tensor: torch.Tensor) -> Optional[int]:
-    """Prepares one tensor (see prepare_send); its storage address (after a move) if it is
-    vmm memory, else None."""
-    if tensor.requires_grad and not tensor.is_leaf:
+def _prepare_tensor(tensor: torch.Tensor) -> bool:
+    """Prepares one tensor (see prepare_send); whether it is vmm memory. A CUDA tensor of
+    memory that goes as it is takes one call of vmm's CUDA module where it was built."""
+    module = sharing.cuda_module() if tensor.is_cuda else None
+    if module is not None:
+        kind, base = module.prepare_send(tensor)
+        if kind in (SEND_IN_PLACE, SEND_IMPORT):
+            return True  # its ready event is recorded
+    elif tensor.requires_grad and not tensor.is_leaf:
+        kind, base = _NON_LEAF, 0
+    else:
+        base = sharing.storage_address(tensor)
+        kind = sharing.send_kind_marked(base)
+    if kind == _NON_LEAF:
         raise _non_leaf_error()
-    base = sharing.storage_address(tensor)
-    kind = sharing.send_kind_marked(base)
     if kind == SEND_NOT_VMM:
-        return None
+        return False
     if kind == SEND_NOT_EXPORTABLE:
         sharing.send_payload(tensor, 0, SEND_NOT_EXPORTABLE)  # raises the one message
     elif kind == SEND_RELOCATE:
         base = sharing.relocate_storage(tensor, base)
-    return base
+    if tensor.is_cuda:
+        # What the current stream wrote before put: the feeder thread waits for it before the
+        # send goes (sharing.wait_until_ready), this thread goes on.
+        sharing.record_ready(tensor, base)
+    return True
 
 
 _original_puts: Dict[type, Callable[..., Any]] = {}

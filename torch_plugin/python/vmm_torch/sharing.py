@@ -211,10 +211,17 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
     return ptr
 
 
-#: Ready key -> events Queue.put recorded after the writes a send of that storage must carry
-#: (reductions.prepare_send), for the queue's feeder thread; oldest first, at most
-#: READY_EVENTS_KEPT keys (a put whose object is never pickled leaves its entry).
-_ready_events: "Dict[Tuple[int, int], List[ReadyEvent]]" = {}
+def cuda_module() -> Any:
+    """vmm's CUDA module (vmm_torch._cuda), or None where it was not built: it takes a send's
+    steps in one call each (prepare_send, export_send) and keeps the ready events."""
+    return _cuda.module(_lib.load())
+
+
+#: Where vmm's CUDA module is missing: ready key -> the torch.cuda.Events Queue.put recorded
+#: after the writes a send of that storage must carry (reductions.prepare_send), for the
+#: queue's feeder thread; oldest first, at most READY_EVENTS_KEPT keys (a put whose object is
+#: never pickled leaves its entry). The module keeps its own (ready_events.h).
+_ready_events: "Dict[Tuple[int, int], List[torch.cuda.Event]]" = {}
 _ready_lock = threading.Lock()
 READY_EVENTS_KEPT = 65536
 
@@ -226,61 +233,54 @@ def ready_key(t: torch.Tensor, base: int) -> Tuple[int, int]:
     return base, storage._cdata
 
 
-#: A ready event: a torch.cuda.Event, or the id of a pooled event of vmm's CUDA module
-#: (vmm_torch._cuda: record_ready / wait_ready / discard_ready, one call each).
-ReadyEvent = Union["torch.cuda.Event", int]
-
-
-def record_ready(device: torch.device) -> ReadyEvent:
-    """An event recorded on the current stream of CUDA `device` (in the thread that put the
-    tensor): what the send must wait for. RuntimeError while that stream captures a CUDA
-    graph."""
-    module = _cuda.module(_lib.load())
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def record_ready(t: torch.Tensor, base: int) -> None:
+    """Records an event on the current stream of CUDA tensor `t`'s device (in the thread that
+    put it), after the writes a send of its storage (at `base`) must carry. RuntimeError while
+    that stream captures a CUDA graph."""
+    module = cuda_module()
     if module is not None:
-        return module.record_ready(index)
+        module.record_ready(t)
+        return
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
                            "stream captures a CUDA graph; send it after the capture")
     event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(index))
-    return event
-
-
-def _discard(events: "List[ReadyEvent]") -> None:
-    for event in events:
-        if isinstance(event, int):
-            _cuda.module(_lib.load()).discard_ready(event)
-
-
-def note_ready_event(key: Tuple[int, int], event: ReadyEvent) -> None:
-    """Queue.put recorded `event` (record_ready) after the writes to the storage of `key`
-    (ready_key)."""
-    dropped: "List[ReadyEvent]" = []
+    event.record(torch.cuda.current_stream(t.device))
     with _ready_lock:
-        _ready_events.setdefault(key, []).append(event)
+        _ready_events.setdefault(ready_key(t, base), []).append(event)
         while len(_ready_events) > READY_EVENTS_KEPT:
-            dropped += _ready_events.pop(next(iter(_ready_events)))
-    _discard(dropped)
+            _ready_events.pop(next(iter(_ready_events)))
 
 
-def _take_ready_events(key: Tuple[int, int]) -> "List[ReadyEvent]":
+def _take_ready_events(t: torch.Tensor, base: int) -> "List[torch.cuda.Event]":
     with _ready_lock:
-        return _ready_events.pop(key, [])
+        return _ready_events.pop(ready_key(t, base), [])
 
 
-def wait_until_ready(key: Tuple[int, int], device: torch.device) -> None:
+def wait_until_ready(t: torch.Tensor, base: int) -> None:
     """In a queue's feeder thread: waits for the events Queue.put recorded for the storage of
-    `key` (ready_key; the GIL released meanwhile); without any (a put that bypassed the patched
-    method, or an entry dropped), for all work on `device`."""
-    events = _take_ready_events(key)
+    CUDA tensor `t` (at `base`; the GIL released meanwhile); without any (a put that bypassed
+    the patched method, or an entry dropped), for all work on its device."""
+    module = cuda_module()
+    if module is not None:
+        if not module.wait_ready(t):
+            torch.cuda.synchronize(t.device)
+        return
+    events = _take_ready_events(t, base)
     if not events:
-        torch.cuda.synchronize(device)
+        torch.cuda.synchronize(t.device)
     for event in events:
-        if isinstance(event, int):
-            _cuda.module(_lib.load()).wait_ready(event)
-        else:
-            event.synchronize()
+        event.synchronize()
+
+
+def discard_ready(t: torch.Tensor, base: int) -> None:
+    """Forgets the events recorded for the storage of CUDA tensor `t` (at `base`): a send that
+    synchronised its stream instead."""
+    module = cuda_module()
+    if module is not None:
+        module.discard_ready(t)
+    else:
+        _take_ready_events(t, base)
 
 
 def export_send(base: int) -> Tuple[bytes, bytes]:
@@ -316,12 +316,12 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
         # queue's put recorded an event for it in the sending thread; elsewhere the sending
         # thread's current stream is synchronized here.
         if in_feeder:
-            wait_until_ready(ready_key(t, base), t.device)
+            wait_until_ready(t, base)
         else:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
                                    "stream captures a CUDA graph; send it after the capture")
-            _discard(_take_ready_events(ready_key(t, base)))
+            discard_ready(t, base)
             torch.cuda.current_stream(t.device).synchronize()
     try:
         data, ticket = export_send(base)
@@ -333,6 +333,12 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
         if kind != SEND_IN_PLACE or error.code != "FAILED_PRECONDITION" or in_feeder:
             raise
         data, ticket = export_send(relocate_storage(t, base))
+    return sent_payload(t, data, ticket, parameter, requires_grad)
+
+
+def sent_payload(t: torch.Tensor, data: bytes, ticket: bytes, parameter: bool,
+                 requires_grad: bool) -> SendPayload:
+    """The payload of a send of `t` exported as descriptor `data` with `ticket`."""
     return (data, dtype_code(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
             f"cuda:{t.get_device()}" if t.is_cuda else "cpu", parameter, requires_grad, ticket)
 
