@@ -227,13 +227,19 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
   Arena& arena = shareable ? large_ : ArenaFor(n);
-  Block* block = shareable ? TakeSpareChunk(n, stream) : arena.BestFit(stream, n);
+  Block* block = shareable ? TakeSpareChunk(n, SIZE_MAX, stream) : arena.BestFit(stream, n);
+  bool in_exported_chunk = shareable;
   if (block == nullptr && !shareable) {
     // Blocks other streams freed may be done with; blocks every stream may use can join
     // this stream's neighbouring blocks.
     VMM_RETURN_IF_ERROR(ReclaimOtherStreams(stream));
     arena.NarrowAnyTo(stream);
     block = arena.BestFit(stream, n);
+    if (block == nullptr && &arena == &large_ && !spare_.empty()) {
+      // Memory a send left behind, before growing (file comment, "Reusing exported chunks").
+      block = TakeSpareChunk(n, std::max(n / 8, granularity_), stream);
+      in_exported_chunk = block != nullptr;
+    }
   }
   if (block == nullptr) {
     absl::StatusOr<Block*> grown = Grow(arena, n, stream, shareable);
@@ -261,7 +267,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         std::max(active_bytes_peak_, stats_.allocated_bytes.current + pending_bytes_);
     active_peak_ = std::max(active_peak_, stats_.allocation.current + pending_blocks_);
   }
-  if (shareable && block->next != nullptr && block->next->state == BlockState::kFree &&
+  if (in_exported_chunk && block->next != nullptr && block->next->state == BlockState::kFree &&
       chunks_.OverlapsExported(block->next->addr, block->next->end())) {
     // The rest of its own chunk is never handed out.
     retired_bytes_ += static_cast<int64_t>(block->next->size);
@@ -621,7 +627,7 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
       if (!release_parked) continue;  // parked: receivers have not reported yet
       chunk.untracked = true;           // given up: their reports will find it gone
       doomed.push_back(c->first);
-    } else if (spare_bytes_ + chunk.size <= options_.spare_export_bytes) {
+    } else if (chunk.size <= options_.spare_export_bytes - spare_bytes_) {
       chunk.spare = true;
       spare_.push_back(c->first);
       spare_bytes_ += chunk.size;
@@ -640,13 +646,13 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
   return absl::OkStatus();
 }
 
-Block* Pool::TakeSpareChunk(size_t n, Stream stream) {
+Block* Pool::TakeSpareChunk(size_t n, size_t max_slack, Stream stream) {
   // The smallest spare chunk that fits (of equals, the newest).
   size_t best = spare_.size();
   size_t best_size = SIZE_MAX;
   for (size_t i = spare_.size(); i-- > 0;) {
     auto c = chunks_.find(spare_[i]);
-    if (c == chunks_.end() || c->second.size < n) continue;
+    if (c == chunks_.end() || c->second.size < n || c->second.size - n > max_slack) continue;
     if (c->second.size < best_size) {
       best = i;
       best_size = c->second.size;

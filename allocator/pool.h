@@ -64,12 +64,15 @@
 //   - kept *spare* once all have, under a fresh id at once (ExportObserver::ChunkRenamed: fds
 //     re-registered under a new key, so a descriptor of an earlier send fetches nothing from
 //     then on): AllocateShareable takes the smallest spare chunk that fits before growing,
-//     and makes no driver call.
+//     and so does an allocation of the large arena that fills one closely (at most an eighth
+//     of the request, or a granule, left over) before it grows; neither makes a driver call,
+//     and a later send of the block exports it with the handle already exported.
 // A parked chunk whose send ends unreported (lease, forwarded) is released. Spare and parked
 // chunks go back to the driver on EmptyCache and before a growth that fails for lack of
 // memory (a parked chunk so released is not reused: its receivers' reports find it gone).
 // Only chunks that could become spare are parked: of the large arena (AllocateShareable
-// allocates there) and no larger than spare_export_bytes; others are released once free.
+// allocates there) and no larger than spare_export_bytes (default: no cap; spare chunks are
+// cached memory, as free blocks are); others are released once free.
 //
 // Keeping memory. SetKeepMemory(true) makes the pool keep every chunk it has mapped: nothing goes
 // back to the driver (EmptyCache, the retry after a failing growth, the release threshold, a
@@ -351,9 +354,10 @@ class Pool {
   // parked ones too, giving up their reuse (EmptyCache, a failing growth).
   absl::Status ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool release_parked = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The smallest spare chunk of at least `n` bytes made a free block (not cached: the caller
-  // takes it at once), or nullptr if none.
-  Block* TakeSpareChunk(size_t n, Stream stream) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The smallest spare chunk of at least `n` bytes and at most `n + max_slack` made a free
+  // block (not cached: the caller takes it at once), or nullptr if none.
+  Block* TakeSpareChunk(size_t n, size_t max_slack, Stream stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases every spare chunk.
   absl::Status ReleaseSpareChunks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives up reuse where memory is asked back (EmptyCache, a failing growth): releases the

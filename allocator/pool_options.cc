@@ -66,6 +66,10 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
       o.*k.field = kAutoSize;
       return absl::OkStatus();
     }
+    if (value == "unlimited" && key == "spare_export_bytes") {
+      o.*k.field = SIZE_MAX;
+      return absl::OkStatus();
+    }
     absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
     if (!bytes.ok()) return Invalid(key, value, "a size in bytes (e.g. 512M)");
     o.*k.field = static_cast<size_t>(*bytes);

@@ -70,19 +70,22 @@ struct PoolOptions {
   // PyTorch plugin's pools): an exported block carries one handle per chunk it spans, and an
   // importer's cost and open files grow with them (3 GiB in 8 MiB pages is 384 handles).
   // Blocks from AllocateShareable keep chunks of their own (max_chunk at most).
-  size_t large_page = kAutoSize;  // Other devices granted read-write access to every range the pool maps: each growth's
+  size_t large_page = kAutoSize;
+  // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
   // the pool was made (and again after EmptyCache), can be used by kernels and copies on them
   // directly. Each must be another device of the driver (Pool::Create: InvalidArgument). On
   // CUDA the devices must be peer capable; where they are not, the growth's SetAccess fails and
   // so does the allocation that needed it. Driver::HasAccess tells what a chunk was granted.
   std::vector<int> peer_devices;
-  // Exported chunks kept for the next shareable block (a send) once nothing in them is
-  // allocated and every receiver of their sends has released its mapping, instead of being
-  // released: a small send then costs no chunk creation, mapping, access grant or export
-  // (pool.h, "Reusing exported chunks"). Released as any free chunk by EmptyCache and when
-  // memory runs short. 0 turns the reuse off.
-  size_t spare_export_bytes = size_t{64} << 20;
+  // How many bytes of exported chunks are kept, once nothing in them is allocated and every
+  // receiver of their sends has released its mapping, for the next shareable block (a send)
+  // or an allocation that fills one closely, instead of being released: that send then costs
+  // no chunk creation, mapping, access grant or export (pool.h, "Reusing exported chunks").
+  // Spare chunks are cached memory, as free blocks are: EmptyCache and a growth that fails
+  // for lack of memory release them. The default keeps all (SIZE_MAX; "unlimited" in option
+  // text); a chunk larger than the cap is released once free; 0 turns the reuse off.
+  size_t spare_export_bytes = SIZE_MAX;
 };
 
 // ParsePoolOptions applies option text (see the file comment) to `defaults` and returns the

@@ -105,12 +105,18 @@ TEST(PoolOptionsTest, LargePageAndSmallSizeAreLeftToThePoolUnlessTold) {
   EXPECT_FALSE(ParsePoolOptions("max_chunk=auto").ok());
 }
 
-// Exported chunks kept for reuse (pool.h): 64 MiB unless told; 0 turns the reuse off.
-TEST(PoolOptionsTest, SpareExportBytesDefaultsTo64MiBAndMayBeZero) {
-  EXPECT_EQ(PoolOptions().spare_export_bytes, size_t{64} << 20);
+// Exported chunks kept for reuse (pool.h): no cap unless told; 0 turns the reuse off.
+TEST(PoolOptionsTest, SpareExportBytesDefaultsToNoCapAndMayBeZero) {
+  EXPECT_EQ(PoolOptions().spare_export_bytes, SIZE_MAX);
   absl::StatusOr<PoolOptions> o = ParsePoolOptions("");
   ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->spare_export_bytes, SIZE_MAX);
+  o = ParsePoolOptions("spare_export_bytes=64M");
+  ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->spare_export_bytes, size_t{64} << 20);
+  o = ParsePoolOptions("spare_export_bytes=unlimited");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->spare_export_bytes, SIZE_MAX);
   o = ParsePoolOptions("spare_export_bytes=0");
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->spare_export_bytes, 0u);
@@ -118,11 +124,14 @@ TEST(PoolOptionsTest, SpareExportBytesDefaultsTo64MiBAndMayBeZero) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->spare_export_bytes, size_t{1} << 30);
   for (const char* bad : {"spare_export_bytes=-1", "spare_export_bytes=lots",
+                          "spare_export_bytes=auto",
                           "spare_export_bytes=1.5G", "spare_export_bytes"}) {
     o = ParsePoolOptions(bad);
     EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(o.status().message(), HasSubstr("spare_export_bytes")) << bad;
   }
+  EXPECT_THAT(ParsePoolOptions("large_page=unlimited").status().message(),
+              HasSubstr("option large_page: 'unlimited' is not a size"));
   EXPECT_THAT(ParsePoolOptions("spare_export_bytes=1M,spare_export_bytes=2M").status().message(),
               HasSubstr("spare_export_bytes is given twice"));
   // An unknown key's message lists it among the options.

@@ -252,7 +252,7 @@ TEST_F(PoolReuseTest, ASpareChunkTooSmallIsLeftAndTheBlockGrows) {
   EXPECT_EQ(s.num_export_reuses, before.num_export_reuses);
   EXPECT_GT(s.driver_create, before.driver_create);
   EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(6 * kMiB)) << "the spare one stays";
-  // Plain (not shareable) allocations never take a spare chunk either.
+  // Nor does a plain allocation of the small arena.
   void* plain = pool->Allocate(kMiB, 0).value_or(nullptr);
   ASSERT_NE(plain, nullptr);
   EXPECT_NE(plain, p);
@@ -261,6 +261,86 @@ TEST_F(PoolReuseTest, ASpareChunkTooSmallIsLeftAndTheBlockGrows) {
   EXPECT_EQ(fits, p);
   EXPECT_EQ(pool->GetStats().num_export_reuses, before.num_export_reuses + 1);
   for (void* b : {big, plain, fits}) ASSERT_OK(pool->Free(b));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// An ordinary allocation of the large arena that fills a spare chunk closely (at most an
+// eighth of the request, or a granule, left over) takes it before growing; the rest of the
+// chunk is never handed out; freed, the chunk is spare again; a send of the block exports the
+// chunk it already had.
+TEST_F(PoolReuseTest, AnAllocationThatFillsASpareChunkCloselyTakesItWithoutADriverCall) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = MakeSpare(*pool, 6 * kMiB);
+  const PoolStats before = pool->GetStats();
+  absl::StatusOr<void*> q = pool->Allocate(5 * kMiB, 0);  // 1 MiB left over: one granule
+  ASSERT_OK(q);
+  EXPECT_EQ(*q, p);
+  EXPECT_OK(pool->CheckInvariants());
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.driver_create, before.driver_create);
+  EXPECT_EQ(s.driver_map, before.driver_map);
+  EXPECT_EQ(s.num_export_reuses, before.num_export_reuses + 1);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(6 * kMiB));
+  absl::StatusOr<void*> beside = pool->Allocate(kMiB + 4096, 0);
+  ASSERT_OK(beside);
+  const auto start = reinterpret_cast<uintptr_t>(p);
+  const auto at = reinterpret_cast<uintptr_t>(*beside);
+  EXPECT_FALSE(at >= start && at < start + 6 * kMiB) << "the rest of the chunk was handed out";
+  absl::StatusOr<bool> shares = pool->SharesChunks(*q);
+  ASSERT_OK(shares);
+  EXPECT_FALSE(*shares);
+  const std::vector<ExportedChunk> sent = Send(*pool, *q);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].addr, start);
+  ASSERT_OK(pool->Free(*q));
+  pool->SettleExport(sent, /*released=*/true);
+  EXPECT_OK(pool->CheckInvariants());
+  // Spare again: the next close fit takes it again.
+  absl::StatusOr<void*> again = pool->Allocate(6 * kMiB, 0);
+  ASSERT_OK(again);
+  EXPECT_EQ(*again, p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, before.num_export_reuses + 2);
+  for (void* b : {*beside, *again}) ASSERT_OK(pool->Free(b));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A spare chunk much larger than an ordinary request is left for a request it fits: the
+// allocation grows instead of wasting the chunk's rest.
+TEST_F(PoolReuseTest, AnAllocationMuchSmallerThanASpareChunkGrowsInstead) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = MakeSpare(*pool, 32 * kMiB);
+  const PoolStats before = pool->GetStats();
+  absl::StatusOr<void*> q = pool->Allocate(8 * kMiB, 0);  // 24 MiB would be left over
+  ASSERT_OK(q);
+  EXPECT_NE(*q, p);
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_export_reuses, before.num_export_reuses);
+  EXPECT_GT(s.driver_create, before.driver_create);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(40 * kMiB));
+  ASSERT_OK(pool->Free(*q));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Without a cap (the default), a chunk of any size is kept spare: a send of 128 MiB, then an
+// allocation of the same size, makes no driver call.
+TEST_F(PoolReuseTest, ALargeSendsChunkIsKeptSpareByDefault) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  ASSERT_EQ(pool->options().spare_export_bytes, SIZE_MAX);
+  void* p = MakeSpare(*pool, 128 * kMiB);
+  EXPECT_THAT(observer_.released(), IsEmpty());
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(128 * kMiB));
+  const PoolStats before = pool->GetStats();
+  absl::StatusOr<void*> q = pool->Allocate(128 * kMiB, 0);
+  ASSERT_OK(q);
+  EXPECT_EQ(*q, p);
+  EXPECT_EQ(pool->GetStats().driver_create, before.driver_create);
+  ASSERT_OK(pool->Free(*q));
+  // Cached memory: EmptyCache gives it back.
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(Reserved(*pool), 0);
   EXPECT_OK(pool->CheckInvariants());
 }
 

@@ -157,5 +157,5 @@ def test_send_steps_of_the_cuda_module():
     assert result["non_leaf"] == -1 and result["non_leaf_put"] is True
     assert result["shared_chunk"]
     assert result["moved_and_exported"] == (True, True, True, 768.0, 0.0)
-    assert result["received"] == [(v, v, 4 << 20) for v in (1.0, 2.0, 3.0)]
+    assert result["received"] == [(v, v, 16 << 20) for v in (1.0, 2.0, 3.0)]
     assert result["exitcode"] == 0

@@ -86,6 +86,34 @@ def test_a_released_send_chunk_is_reused_for_the_next_send(pool):
     assert stats["awaiting_release"] == 0 and stats["held"] == 0
 
 
+def test_a_fresh_large_tensor_each_step_reuses_an_earlier_steps_chunk(pool):
+    """A producer that allocates and sends a fresh 96 MiB tensor each step while its receiver
+    keeps the previous one until the next arrives: the plain allocation takes the chunk of the
+    send before last (spare once its receiver dropped it), so after two chunks nothing is
+    created or released, and every received tensor holds its own step's bytes."""
+    n = 8
+    before, stats0 = _counts(pool), vmm_torch.send_stats()
+    kept = None
+    for i in range(n):
+        t = pool.empty((96 << 20,), dtype=torch.uint8).fill_(i)
+        received = pickle.loads(ForkingPickler.dumps(t))
+        del t
+        assert int(received[0]) == i and int(received[-1]) == i, f"step {i}"
+        if kept is not None:
+            assert int(kept[0]) == i - 1, "the previous step's tensor changed under its receiver"
+        kept = received  # the previous one goes: its import is closed, its report sent
+        del received
+        assert sharing.flush_acks(10) == 0
+        _settled(stats0["released"] + i)
+    del kept
+    assert sharing.flush_acks(10) == 0
+    _settled(stats0["released"] + n)
+    after = _counts(pool)
+    assert after["creates"] - before["creates"] == 2, after
+    assert after["releases"] == before["releases"], after
+    assert after["reuses"] - before["reuses"] == n - 2, after
+
+
 def test_awaiting_release_counts_acknowledged_sends_still_mapped(pool):
     """``awaiting_release``: acknowledged, its receiver still maps it (the chunk is parked,
     not reused); ``released`` once the receiver dropped it and reported."""
