@@ -21,10 +21,11 @@ Driver* GetDriver() {
 }
 
 // One allocate + free pair on the cached path, with `live` other blocks allocated and a
-// rotating choice of sizes: the figure docs/DESIGN.md §5 asks for (target <= 100 ns).
-void BM_CachedAllocFreePair(benchmark::State& state) {
+// rotating choice of sizes: the figure docs/DESIGN.md §5 asks for (target <= 100 ns). With
+// the pool's default options (large arena in pages), and with single chunks (large_page 0,
+// small_size 1 MiB: what pools made to export, the PyTorch plugin's, use).
+void CachedAllocFreePair(benchmark::State& state, PoolOptions options) {
   const size_t live = static_cast<size_t>(state.range(0));
-  PoolOptions options;
   options.reserve_size = size_t{16} << 30;
   auto pool = *Pool::Create(GetDriver(), options);
   std::vector<size_t> sizes = vmm_bench::MixedSizes(1024, 1);
@@ -35,6 +36,7 @@ void BM_CachedAllocFreePair(benchmark::State& state) {
     void* p = *pool->Allocate(s, 0);
     (void)pool->Free(p);
   }
+  const PoolStats warm = pool->GetStats();
   size_t i = 0;
   for (auto _ : state) {
     // Replace one live block with a new one of another size.
@@ -55,10 +57,31 @@ void BM_CachedAllocFreePair(benchmark::State& state) {
 
     ++i;
   }
-  state.counters["driver_creates"] = static_cast<double>(pool->GetStats().driver_create);
+  const PoolStats end = pool->GetStats();
+  state.counters["driver_creates"] = static_cast<double>(end.driver_create);
+  // Driver calls of the timed loop (the cached path makes none).
+  state.counters["loop_driver_calls"] =
+      static_cast<double>(end.driver_create + end.driver_map + end.driver_unmap +
+                          end.driver_event + end.num_sync_all_streams -
+                          (warm.driver_create + warm.driver_map + warm.driver_unmap +
+                           warm.driver_event + warm.num_sync_all_streams));
+  state.counters["loop_events"] = static_cast<double>(end.driver_event - warm.driver_event);
+  state.counters["loop_maps"] = static_cast<double>(end.driver_map - warm.driver_map);
+  state.counters["loop_syncs"] =
+      static_cast<double>(end.num_sync_all_streams - warm.num_sync_all_streams);
+  state.counters["iters"] = static_cast<double>(i);
   for (void* p : blocks) (void)pool->Free(p);
 }
+void BM_CachedAllocFreePair(benchmark::State& state) { CachedAllocFreePair(state, {}); }
 BENCHMARK(BM_CachedAllocFreePair)->Arg(64)->Arg(1024);
+
+void BM_CachedAllocFreePairSingleChunks(benchmark::State& state) {
+  PoolOptions options;
+  options.large_page = 0;
+  options.small_size = size_t{1} << 20;
+  CachedAllocFreePair(state, options);
+}
+BENCHMARK(BM_CachedAllocFreePairSingleChunks)->Arg(64)->Arg(1024);
 
 // Allocate then free the same size at once (the tightest loop).
 void BM_SameSizeAllocFree(benchmark::State& state) {
