@@ -7,6 +7,7 @@ is off and every export is acknowledged at once, so nothing is held between repe
 import argparse
 import json
 import os
+import queue
 import statistics
 import threading
 import time
@@ -40,13 +41,23 @@ def main():
         torch.cuda.synchronize()
         return t
 
+    # The exports run where a queue's feeder thread would: one long-lived thread of that name
+    # (the name decides), as a queue keeps its feeder.
+    jobs, answers = queue.Queue(), queue.Queue()
+
+    def feeder():
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            answers.put(job[0](*job[1:]))
+
+    thread = threading.Thread(target=feeder, name=sharing.FEEDER_THREAD, daemon=True)
+    thread.start()
+
     def in_feeder(fn, *a):
-        # The export runs where a queue's feeder thread would (the thread's name decides).
-        out = []
-        thread = threading.Thread(target=lambda: out.append(fn(*a)), name=sharing.FEEDER_THREAD)
-        thread.start()
-        thread.join()
-        return out[0]
+        jobs.put((fn,) + a)
+        return answers.get()
 
     for _ in range(args.reps + 3):
         t = fresh()
@@ -74,6 +85,8 @@ def main():
             timed("module.prepare_send", module.prepare_send, t)
             _, data, ticket = timed("module.export_send", module.export_send, t)
             sharing.ack_send(ticket, wait=True)
+    jobs.put(None)
+    thread.join()
     out = {k: round(statistics.median(v[3:]), 2) for k, v in steps.items()}
     print(json.dumps(dict(bench="put_steps", size=args.size, cuda_module=module is not None,
                           us=out)))
