@@ -139,10 +139,19 @@ void ChunkMap::Forget(Map::iterator it, PoolStats& stats) {
 bool ChunkMap::MarkExported(Map::iterator it, PoolStats& stats) {
   if (it->second.exported) return false;
   it->second.exported = true;
+  it->second.observed = true;
   ++exported_;
   stats.exported_bytes.Increase(static_cast<int64_t>(it->second.size));
   stats.exported_chunks.Increase(1);
   return true;
+}
+
+void ChunkMap::UnmarkExported(Map::iterator it, PoolStats& stats) {
+  if (!it->second.exported) return;
+  it->second.exported = false;
+  --exported_;
+  stats.exported_bytes.Decrease(static_cast<int64_t>(it->second.size));
+  stats.exported_chunks.Decrease(1);
 }
 
 ChunkMap::Map::iterator ChunkMap::Containing(uintptr_t addr) {

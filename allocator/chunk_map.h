@@ -38,6 +38,10 @@ struct Chunk {
   uint32_t importers = 0;
   bool untracked = false;
   bool spare = false;  // kept for the next shareable block (Pool's spare list)
+  // Exported once, and the pool's export observer may still cache its handle: the observer
+  // hears of its release even after the mark was taken off (a spare chunk an ordinary
+  // allocation took).
+  bool observed = false;
 };
 
 // Logs a failure of releasing chunks at teardown (chunk_map.cc; a function so that the
@@ -91,6 +95,8 @@ class ChunkMap {
 
   // Marks the chunk at `it` exported; false if it already was.
   bool MarkExported(Map::iterator it, PoolStats& stats);
+  // Takes the mark off the exported chunk at `it` (nothing maps it elsewhere any more).
+  void UnmarkExported(Map::iterator it, PoolStats& stats);
   // Gives the chunk at `it` a fresh id (what a chunk reused after its export is known by, so
   // that what named it before names nothing); returns it.
   uint64_t Renumber(Map::iterator it) { return it->second.id = next_id_++; }

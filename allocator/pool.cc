@@ -227,8 +227,10 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
   Arena& arena = shareable ? large_ : ArenaFor(n);
-  Block* block = shareable ? TakeSpareChunk(n, SIZE_MAX, stream) : arena.BestFit(stream, n);
-  bool in_exported_chunk = shareable;
+  // A spare chunk serves a request it fits closely: the rest of it is never handed out.
+  const size_t spare_slack = std::max(n / 8, granularity_);
+  Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
+                           : arena.BestFit(stream, n);
   if (block == nullptr && !shareable) {
     // Blocks other streams freed may be done with; blocks every stream may use can join
     // this stream's neighbouring blocks.
@@ -237,8 +239,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     block = arena.BestFit(stream, n);
     if (block == nullptr && &arena == &large_ && !spare_.empty()) {
       // Memory a send left behind, before growing (file comment, "Reusing exported chunks").
-      block = TakeSpareChunk(n, std::max(n / 8, granularity_), stream);
-      in_exported_chunk = block != nullptr;
+      block = TakeSpareChunk(n, spare_slack, stream, /*for_send=*/false);
     }
   }
   if (block == nullptr) {
@@ -267,7 +268,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         std::max(active_bytes_peak_, stats_.allocated_bytes.current + pending_bytes_);
     active_peak_ = std::max(active_peak_, stats_.allocation.current + pending_blocks_);
   }
-  if (in_exported_chunk && block->next != nullptr && block->next->state == BlockState::kFree &&
+  if (shareable && block->next != nullptr && block->next->state == BlockState::kFree &&
       chunks_.OverlapsExported(block->next->addr, block->next->end())) {
     // The rest of its own chunk is never handed out.
     retired_bytes_ += static_cast<int64_t>(block->next->size);
@@ -334,8 +335,14 @@ absl::Status Pool::FreeInUse(Block* block) {
 
 absl::Status Pool::ApplyReleaseThreshold() {
   if (keep_memory_) return absl::OkStatus();  // it would release nothing
-  const int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
-                         pending_bytes_ - retired_bytes_;
+  // Spare chunks are cached memory too (counted as retired), and go first.
+  int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
+                   pending_bytes_ - retired_bytes_ + static_cast<int64_t>(spare_bytes_);
+  if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
+  const size_t spare_before = spare_bytes_;
+  VMM_RETURN_IF_ERROR(
+      ReleaseSpareChunks(static_cast<size_t>(cached) - options_.release_threshold));
+  cached -= static_cast<int64_t>(spare_before - spare_bytes_);
   if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
   VMM_RETURN_IF_ERROR(ReclaimOtherStreams());
   return ReleaseFreeChunks(/*any_stream=*/false,
@@ -570,10 +577,8 @@ absl::Status Pool::ReleaseChunk(uintptr_t addr) {
   VMM_ASSIGN_OR_RETURN(const Chunk chunk, chunks_.Release(addr, stats_));
   ArenaOf(addr).MakeGap(addr, chunk.size);
   ++stats_.num_device_free;
-  if (chunk.exported) {
-    retired_bytes_ -= static_cast<int64_t>(chunk.size);
-    if (observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
-  }
+  if (chunk.exported) retired_bytes_ -= static_cast<int64_t>(chunk.size);
+  if (chunk.observed && observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
   return absl::OkStatus();
 }
 
@@ -646,7 +651,7 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
   return absl::OkStatus();
 }
 
-Block* Pool::TakeSpareChunk(size_t n, size_t max_slack, Stream stream) {
+Block* Pool::TakeSpareChunk(size_t n, size_t max_slack, Stream stream, bool for_send) {
   // The smallest spare chunk that fits (of equals, the newest).
   size_t best = spare_.size();
   size_t best_size = SIZE_MAX;
@@ -668,6 +673,12 @@ Block* Pool::TakeSpareChunk(size_t n, size_t max_slack, Stream stream) {
   spare_bytes_ -= chunk.size;
   retired_bytes_ -= static_cast<int64_t>(chunk.size);
   chunk.spare = false;  // renumbered when it became spare
+  if (!for_send) {
+    // Plain memory again (nothing maps it elsewhere): its blocks take the cached paths and
+    // its free space is handed out; the observer keeps its handle for a later send of it.
+    chunks_.UnmarkExported(c, stats_);
+    chunk.dedicated = false;
+  }
   ++stats_.num_export_reuses;
   return block;
 }
@@ -677,13 +688,20 @@ absl::Status Pool::ReleaseKeptExports() {
   // Retired chunks first: one that this pass makes spare goes with the spare ones.
   VMM_RETURN_IF_ERROR(
       ReleaseRetiredChunks(base_, base_ + reserve_size_, /*release_parked=*/true));
-  return ReleaseSpareChunks();
+  return ReleaseSpareChunks(SIZE_MAX);
 }
 
-absl::Status Pool::ReleaseSpareChunks() {
-  std::vector<uintptr_t> spare = std::move(spare_);
-  spare_.clear();
-  spare_bytes_ = 0;
+absl::Status Pool::ReleaseSpareChunks(size_t target) {
+  // The oldest first, until `target` bytes went.
+  size_t taken = 0;
+  size_t bytes = 0;
+  while (taken < spare_.size() && bytes < target) {
+    auto c = chunks_.find(spare_[taken++]);
+    if (c != chunks_.end()) bytes += c->second.size;
+  }
+  std::vector<uintptr_t> spare(spare_.begin(), spare_.begin() + static_cast<std::ptrdiff_t>(taken));
+  spare_.erase(spare_.begin(), spare_.begin() + static_cast<std::ptrdiff_t>(taken));
+  spare_bytes_ -= std::min(spare_bytes_, bytes);
   absl::Status first;
   for (uintptr_t addr : spare) {
     auto c = chunks_.find(addr);

@@ -355,11 +355,12 @@ class Pool {
   absl::Status ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool release_parked = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The smallest spare chunk of at least `n` bytes and at most `n + max_slack` made a free
-  // block (not cached: the caller takes it at once), or nullptr if none.
-  Block* TakeSpareChunk(size_t n, size_t max_slack, Stream stream)
+  // block (not cached: the caller takes it at once), or nullptr if none. For a send it stays
+  // marked exported; otherwise the mark comes off (plain memory again).
+  Block* TakeSpareChunk(size_t n, size_t max_slack, Stream stream, bool for_send)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Releases every spare chunk.
-  absl::Status ReleaseSpareChunks() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Releases spare chunks, the oldest first, until `target` bytes went (SIZE_MAX: all).
+  absl::Status ReleaseSpareChunks(size_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives up reuse where memory is asked back (EmptyCache, a failing growth): releases the
   // spare chunks and the parked ones (their receivers' reports will find them gone).
   absl::Status ReleaseKeptExports() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -104,7 +104,8 @@ Snapshot Pool::GetSnapshot() const {
     for (auto c = chunks_.lower_bound(seg.addr);
          c != chunks_.end() && c->first < seg.addr + seg.size; ++c) {
       seg.chunks.push_back(
-          ChunkInfo{c->first, c->second.size, c->second.exported, c->second.dedicated});
+          ChunkInfo{c->first, c->second.size, c->second.exported, c->second.dedicated,
+                    c->second.observed});
     }
   }
   return snap;

@@ -33,6 +33,7 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
       if (c->first < b->addr) break;
       const bool inside = c->first + chunk.size <= b->end();
       if (inside && !chunk.exported && !chunk.dedicated && !chunk.spare &&  // invariant 2
+          !chunk.observed &&
           chunk.size == r.page && choice.bytes + chunk.size <= r.needed) {  // invariant 5
         choice.chunks.push_back(c->first);
         choice.bytes += chunk.size;

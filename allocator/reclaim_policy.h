@@ -14,6 +14,8 @@
 //      retired or in use by a kernel is ever moved.
 //   2. Never an exported chunk (nor a dedicated or spare one): an importer may map it, and
 //      moving it would show the importer another tensor's bytes (export invariant, pool.h).
+//      Nor one exported before (Chunk::observed, a spare chunk a plain allocation took): a
+//      move gives the chunk a new id, and the export observer keeps its handle under the old.
 //   3. Stream order: a chunk is taken only from a block every stream may use (kAnyStream: the
 //      work that used it is known complete) or one tagged with the requesting stream; for the
 //      latter the pool synchronises that stream before unmapping (`sync_requester`). Blocks

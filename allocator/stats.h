@@ -144,6 +144,7 @@ struct ChunkInfo {
   size_t size = 0;
   bool exported = false;
   bool dedicated = false;
+  bool observed = false;  // exported once; the export observer may keep its handle (chunk_map.h)
 };
 
 // A maximal run of adjacent mapped chunks of one arena, and the blocks inside it.

@@ -219,18 +219,18 @@ TEST_F(PoolReuseTest, AFreedTrackedSendIsParkedThenSpareThenReusedUnderANewId) {
 TEST_F(PoolReuseTest, TheRestOfAReusedChunkIsNeverHandedOut) {
   auto pool = MakePool();
   SKIP_IF_NOT_EXPORTABLE(pool);
-  void* p = MakeSpare(*pool, 8 * kMiB);
-  void* q = Shareable(*pool, kMiB);
+  void* p = MakeSpare(*pool, 6 * kMiB);
+  void* q = Shareable(*pool, 4 * kMiB);  // 2 MiB of the chunk left: one granule
   ASSERT_EQ(q, p);
   EXPECT_EQ(pool->GetStats().num_export_reuses, 1);
   EXPECT_OK(pool->CheckInvariants());
   const auto start = reinterpret_cast<uintptr_t>(q);
   std::vector<void*> others;
-  for (size_t size : {size_t{4096}, kMiB, 3 * kMiB}) {
+  for (size_t size : {size_t{4096}, kMiB, kMiB + 4096, 2 * kMiB}) {
     absl::StatusOr<void*> o = pool->Allocate(size, 0);
     ASSERT_OK(o);
     const auto at = reinterpret_cast<uintptr_t>(*o);
-    EXPECT_FALSE(at >= start && at < start + 8 * kMiB) << size << " bytes landed in the chunk";
+    EXPECT_FALSE(at >= start && at < start + 6 * kMiB) << size << " bytes landed in the chunk";
     others.push_back(*o);
   }
   absl::StatusOr<bool> shares = pool->SharesChunks(q);
@@ -265,15 +265,16 @@ TEST_F(PoolReuseTest, ASpareChunkTooSmallIsLeftAndTheBlockGrows) {
 }
 
 // An ordinary allocation of the large arena that fills a spare chunk closely (at most an
-// eighth of the request, or a granule, left over) takes it before growing; the rest of the
-// chunk is never handed out; freed, the chunk is spare again; a send of the block exports the
-// chunk it already had.
-TEST_F(PoolReuseTest, AnAllocationThatFillsASpareChunkCloselyTakesItWithoutADriverCall) {
+// eighth of the request, or a granule, left over) takes it before growing, as plain memory
+// again: not exported, its free rest handed out, its frees on the cached path (no event, no
+// rename). A later send of a block there exports the chunk again.
+TEST_F(PoolReuseTest, AnAllocationThatFillsASpareChunkCloselyTakesItAsPlainMemory) {
   auto pool = MakePool();
   SKIP_IF_NOT_EXPORTABLE(pool);
   void* p = MakeSpare(*pool, 6 * kMiB);
+  const size_t renames = observer_.renamed().size();
   const PoolStats before = pool->GetStats();
-  absl::StatusOr<void*> q = pool->Allocate(5 * kMiB, 0);  // 1 MiB left over: one granule
+  absl::StatusOr<void*> q = pool->Allocate(4 * kMiB, 0);  // 2 MiB left over: one granule
   ASSERT_OK(q);
   EXPECT_EQ(*q, p);
   EXPECT_OK(pool->CheckInvariants());
@@ -281,28 +282,74 @@ TEST_F(PoolReuseTest, AnAllocationThatFillsASpareChunkCloselyTakesItWithoutADriv
   EXPECT_EQ(s.driver_create, before.driver_create);
   EXPECT_EQ(s.driver_map, before.driver_map);
   EXPECT_EQ(s.num_export_reuses, before.num_export_reuses + 1);
+  EXPECT_EQ(s.exported_chunks.current, before.exported_chunks.current - 1);
   EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(6 * kMiB));
-  absl::StatusOr<void*> beside = pool->Allocate(kMiB + 4096, 0);
+  // The rest is plain free memory: the next request that fits gets it, without growing.
+  absl::StatusOr<void*> beside = pool->Allocate(kMiB + 4096, 0);  // of the large arena
   ASSERT_OK(beside);
   const auto start = reinterpret_cast<uintptr_t>(p);
-  const auto at = reinterpret_cast<uintptr_t>(*beside);
-  EXPECT_FALSE(at >= start && at < start + 6 * kMiB) << "the rest of the chunk was handed out";
-  absl::StatusOr<bool> shares = pool->SharesChunks(*q);
-  ASSERT_OK(shares);
-  EXPECT_FALSE(*shares);
-  const std::vector<ExportedChunk> sent = Send(*pool, *q);
-  ASSERT_EQ(sent.size(), 1u);
-  EXPECT_EQ(sent[0].addr, start);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(*beside), start + 4 * kMiB);
+  EXPECT_EQ(pool->GetStats().driver_create, before.driver_create);
+  // Frees on the cached path: no event, no rename; the memory stays cached.
+  ASSERT_OK(pool->Free(*beside));
   ASSERT_OK(pool->Free(*q));
-  pool->SettleExport(sent, /*released=*/true);
   EXPECT_OK(pool->CheckInvariants());
-  // Spare again: the next close fit takes it again.
+  s = pool->GetStats();
+  EXPECT_EQ(s.driver_event, before.driver_event);
+  EXPECT_EQ(observer_.renamed().size(), renames);
+  EXPECT_THAT(observer_.released(), IsEmpty());
+  // Sent again: exported again (the observer's cached handle serves it), parked, then spare.
   absl::StatusOr<void*> again = pool->Allocate(6 * kMiB, 0);
   ASSERT_OK(again);
   EXPECT_EQ(*again, p);
-  EXPECT_EQ(pool->GetStats().num_export_reuses, before.num_export_reuses + 2);
-  for (void* b : {*beside, *again}) ASSERT_OK(pool->Free(b));
+  const std::vector<ExportedChunk> sent = Send(*pool, *again);
+  ASSERT_EQ(sent.size(), 1u);
+  EXPECT_EQ(sent[0].addr, start);
+  ASSERT_OK(pool->Free(*again));
+  pool->SettleExport(sent, /*released=*/true);
   EXPECT_OK(pool->CheckInvariants());
+  void* shareable = Shareable(*pool, 5 * kMiB);
+  EXPECT_EQ(shareable, p) << "spare again, for a send";
+  ASSERT_OK(pool->Free(shareable));
+  // Released, the observer hears of it, though the chunk was plain memory for a while.
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(Reserved(*pool), 0);
+  EXPECT_FALSE(observer_.released().empty());
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A small send does not take a spare chunk much larger than itself: it would hold the whole
+// chunk, and its receiver would map all of it.
+TEST_F(PoolReuseTest, ASmallSendLeavesALargeSpareChunk) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = MakeSpare(*pool, 64 * kMiB);
+  const PoolStats before = pool->GetStats();
+  void* small = Shareable(*pool, 4096);
+  EXPECT_NE(small, p);
+  EXPECT_EQ(pool->GetStats().num_export_reuses, before.num_export_reuses);
+  absl::StatusOr<void*> big = pool->Allocate(64 * kMiB, 0);
+  ASSERT_OK(big);
+  EXPECT_EQ(*big, p);
+  for (void* b : {small, *big}) ASSERT_OK(pool->Free(b));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A release threshold counts spare chunks as cached memory and releases them first.
+TEST_F(PoolReuseTest, AReleaseThresholdReleasesSpareChunks) {
+  PoolOptions options = Exact();
+  options.release_threshold = 4 * kMiB;
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  MakeSpare(*pool, 16 * kMiB);
+  EXPECT_EQ(Reserved(*pool), static_cast<int64_t>(16 * kMiB)) << "spare after the report";
+  // The next free applies the threshold.
+  absl::StatusOr<void*> q = pool->Allocate(2 * kMiB, 0);
+  ASSERT_OK(q);
+  ASSERT_OK(pool->Free(*q));
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_LE(Reserved(*pool), static_cast<int64_t>(4 * kMiB));
+  EXPECT_FALSE(observer_.released().empty());
 }
 
 // A spare chunk much larger than an ordinary request is left for a request it fits: the
@@ -565,7 +612,7 @@ TEST_F(PoolReuseTest, SendBytesInUseCountsLiveAndParkedSendsOnly) {
   ASSERT_OK(pool->Free(plain));
   pool->SettleExport(live_send, true);
   pool->SettleExport(parked_send, true);
-  // Spare now: 8 (kept first), then 2 and 4 up to the 64 MiB default; the plain chunk is
+  // Spare now: 8 (kept first), then 2 and 4 (no cap by default); the plain chunk is
   // parked for its send, which never reports here.
   EXPECT_EQ(pool->SendBytesInUse(), 6 * kMiB);
   // EmptyCache gives up on it too (its receiver keeps its own reference).

@@ -275,10 +275,13 @@ def keep_and_read(inbox, commands, replies):
 
 
 def min_max_of_received(q, results, count):
-    """Receives `count` CUDA tensors and replies (min, max, numel) of each (test_gpu.py)."""
+    """Says "ready", then receives `count` CUDA tensors and replies (min, max, numel) of each
+    (test_gpu.py)."""
     import vmm_torch
 
     vmm_torch.install_reducers()
+    torch.cuda.init()
+    results.put("ready")
     for _ in range(count):
         t = q.get(timeout=60)
         results.put((float(t.min()), float(t.max()), t.numel()))
@@ -306,6 +309,13 @@ def gpu_send_steps(results):
     kind, base = module.prepare_send(alone)
     out["alone"] = (kind == _signatures.SEND_IN_PLACE, base == alone.data_ptr())
     out["waited"] = (module.wait_ready(alone), module.wait_ready(alone))  # (True, False)
+    # A new storage at the same address finds none of the old one's events.
+    address = alone.data_ptr()
+    module.record_ready(alone)
+    del alone
+    again = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    out["same_address_new_storage"] = (again.data_ptr() == address, module.wait_ready(again))
+    del again
     leaf = torch.ones(4, device="cuda", requires_grad=True)
     out["non_leaf"] = module.prepare_send(leaf * 2)[0]
     try:
@@ -327,12 +337,27 @@ def gpu_send_steps(results):
                                  isinstance(data, bytes) and len(ticket) == 64,
                                  float(small.sum()), float(beside.sum()))
     sharing.ack_send(ticket, wait=True)
-    # Writes still queued on a side stream when put returns: the receiver sees them all.
+    # Writes still queued on a side stream when put returns: the export waits for them.
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.empty(16 << 20, device="cuda")
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds before the fill runs
+        t.fill_(4.0)
+        assert reductions.prepare_send(t)
+        busy_at_put = not side.query()
+    feeder = threading.Thread(target=lambda t=t: exported.append(module.export_send(t)),
+                              name=sharing.FEEDER_THREAD)
+    feeder.start()
+    feeder.join()
+    out["export_waited"] = (busy_at_put, side.query())  # (True, True)
+    sharing.ack_send(exported[-1][2], wait=True)
+    del t
+    # And through a queue, the tensor dropped at once: the receiver sees every write.
     ctx = mp.get_context("spawn")
     q, replies = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=min_max_of_received, args=(q, replies, 3))
     proc.start()
-    side = torch.cuda.Stream()
+    out["consumer"] = replies.get(timeout=120)  # ready before the puts
     with torch.cuda.stream(side):
         for value in (1.0, 2.0, 3.0):
             t = torch.empty(16 << 20, device="cuda")

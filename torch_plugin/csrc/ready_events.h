@@ -66,9 +66,12 @@ class ReadyEvents {
     std::vector<Event> dropped;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      std::vector<Event>& events = by_storage_[key];
-      if (events.empty()) order_.push_back(key);
-      events.emplace_back(device, event);
+      Entry& entry = by_storage_[key];
+      if (entry.events.empty()) {
+        entry.generation = ++generation_;
+        order_.push_back({key, entry.generation});
+      }
+      entry.events.emplace_back(device, event);
       while (by_storage_.size() > kMaxStorages) DropOldest(&dropped);
       if (order_.size() > 2 * kMaxStorages) Compact();
     }
@@ -81,6 +84,7 @@ class ReadyEvents {
     std::vector<Event> events = Claim(key);
     cudaError_t failed = cudaSuccess;
     for (const Event& event : events) {
+      c10::cuda::CUDAGuard guard(event.first);  // no context made on another device
       const cudaError_t done = cudaEventSynchronize(event.second);
       if (done != cudaSuccess && failed == cudaSuccess) failed = done;
     }
@@ -94,35 +98,49 @@ class ReadyEvents {
 
  private:
   using Event = std::pair<c10::DeviceIndex, cudaEvent_t>;
+  // A storage's events, and the generation of its place in order_ (a storage claimed and
+  // recorded again gets a new place; its old one is stale).
+  struct Entry {
+    std::vector<Event> events;
+    uint64_t generation = 0;
+  };
+  struct Place {
+    StorageKey key;
+    uint64_t generation = 0;
+  };
+
+  bool Current(const Place& place) const {
+    auto it = by_storage_.find(place.key);
+    return it != by_storage_.end() && it->second.generation == place.generation;
+  }
 
   std::vector<Event> Claim(const StorageKey& key) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = by_storage_.find(key);
     if (it == by_storage_.end()) return {};
-    std::vector<Event> events = std::move(it->second);
+    std::vector<Event> events = std::move(it->second.events);
     by_storage_.erase(it);
     return events;
   }
 
-  // The oldest storage's events into `dropped` (order_ may name storages claimed since).
+  // The oldest storage's events into `dropped` (order_ may hold stale places).
   void DropOldest(std::vector<Event>* dropped) {
     while (!order_.empty()) {
-      const StorageKey key = order_.front();
+      const Place place = order_.front();
       order_.pop_front();
-      auto it = by_storage_.find(key);
-      if (it == by_storage_.end()) continue;
-      dropped->insert(dropped->end(), it->second.begin(), it->second.end());
+      if (!Current(place)) continue;
+      auto it = by_storage_.find(place.key);
+      dropped->insert(dropped->end(), it->second.events.begin(), it->second.events.end());
       by_storage_.erase(it);
       return;
     }
   }
 
-  // Drops the names of claimed storages from order_, keeping the order of the rest.
+  // Drops the stale places from order_, keeping the order of the rest.
   void Compact() {
-    std::deque<StorageKey> kept;
-    std::unordered_map<StorageKey, bool, StorageKeyHash> seen;
-    for (const StorageKey& key : order_) {
-      if (by_storage_.count(key) != 0 && seen.emplace(key, true).second) kept.push_back(key);
+    std::deque<Place> kept;
+    for (const Place& place : order_) {
+      if (Current(place)) kept.push_back(place);
     }
     order_.swap(kept);
   }
@@ -150,8 +168,9 @@ class ReadyEvents {
 
   std::mutex mu_;  // guards everything below
   // Storages with events, and the order they got their first one (oldest first).
-  std::unordered_map<StorageKey, std::vector<Event>, StorageKeyHash> by_storage_;
-  std::deque<StorageKey> order_;
+  std::unordered_map<StorageKey, Entry, StorageKeyHash> by_storage_;
+  std::deque<Place> order_;
+  uint64_t generation_ = 0;
   std::unordered_map<c10::DeviceIndex, std::vector<cudaEvent_t>> free_;
 };
 

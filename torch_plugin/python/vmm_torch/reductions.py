@@ -18,8 +18,10 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
   that the receiver sees no other tensor's bytes. The move happens in the sending thread:
   ``Queue.put`` finds every tensor pickling will reach (a dry run of pickle) and moves those
   that need it before handing the object to its feeder thread, which never moves one.
-- **Ordering.** The sending thread synchronizes its current stream before a CUDA tensor is
-  sent (in ``Queue.put``, or where it pickles), so the receiver reads what was written before.
+- **Ordering.** The receiver reads what was written before the send: ``Queue.put`` records
+  an event on the sending thread's current stream, which the feeder thread waits for before
+  it exports (the sending thread goes on); where the caller pickles (pipes, ``SimpleQueue``,
+  ``Process`` arguments) the current stream is synchronized.
 - **Forwarding.** A received vmm tensor can be sent on (A -> B -> C): C maps A's memory through
   B's handles, with the same lifetime guarantee.
 - **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
@@ -130,9 +132,11 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
 
 def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     """ForkingPickler reducer: a vmm send for vmm memory (pool blocks and imports), else
-    PyTorch's reducer. The GIL is kept throughout (see vmm_torch._lib): this runs in a
-    queue's feeder thread. There, a failure becomes a payload that raises it in the receiver
-    (the feeder would print and drop it); elsewhere it raises in the caller."""
+    PyTorch's reducer. In a queue's feeder thread a CUDA tensor takes one call of vmm's CUDA
+    module where it was built (send_steps.h: the put's events waited for and the export, the
+    GIL released meanwhile); the other C calls keep the GIL (see vmm_torch._lib). There, a
+    failure becomes a payload that raises it in the receiver (the feeder would print and drop
+    it); elsewhere it raises in the caller."""
     try:
         return _reduce(tensor)
     except Exception as error:
