@@ -154,8 +154,6 @@ def test_send_steps_of_the_cuda_module():
     assert result["module"], "vmm's CUDA module was not built"
     assert result["alone"] == (True, True)
     assert result["waited"] == (True, False)
-    same_address, waited = result["same_address_new_storage"]
-    assert not waited  # another storage's event is never waited for
     assert result["export_waited"] == (True, True)
     assert result["consumer"] == "ready"
     assert result["non_leaf"] == -1 and result["non_leaf_put"] is True

@@ -1,10 +1,11 @@
 // ready_events.h: the CUDA events a torch.multiprocessing put records for the tensors it
 // sends (vmm_torch.reductions.prepare_send) and the queue's feeder thread waits for before the
 // send goes (send_steps.h), so that the receiver reads what was written before the put. They
-// are kept by storage (its address and its StorageImpl, so that a later storage at the same
-// address finds none of an earlier one's), at most kMaxStorages storages (the oldest dropped:
-// a put whose object is never pickled leaves its entry), and reused instead of created for
-// each put. Used by vmm_cuda_allocator.cpp's module.
+// are kept by storage (its address and its StorageImpl's), at most kMaxStorages storages (the
+// oldest dropped: a put whose object is never pickled leaves its entry), and reused instead of
+// created for each put. A storage made where an earlier one was, at both addresses (the heap
+// reuses a freed StorageImpl's), finds the earlier one's events too and waits for them as well:
+// more than it needs, never less. Used by vmm_cuda_allocator.cpp's module.
 //
 // Failures: Record throws c10::Error while the current stream captures a CUDA graph (a send
 // then could not be ordered) or when the CUDA runtime fails; Wait throws c10::Error when the

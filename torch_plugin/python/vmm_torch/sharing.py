@@ -228,7 +228,9 @@ READY_EVENTS_KEPT = 65536
 
 def ready_key(t: torch.Tensor, base: int) -> Tuple[int, int]:
     """What names the storage of `t` (at `base`) among the ready events: its address and its
-    StorageImpl, so that a later storage at the same address finds none of an earlier one's."""
+    StorageImpl's, so that another storage at the same address while the first lives finds
+    none of its events (one made after it died, where the heap reused its StorageImpl, may find
+    them, and waits for them too: more than it needs, never less)."""
     storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
     return base, storage._cdata
 
