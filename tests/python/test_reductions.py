@@ -304,7 +304,7 @@ def test_requires_grad_on_an_integer_dtype_is_refused_before_the_import(pool):
 
 def test_ready_keys_name_a_storage_not_only_its_address():
     """The events Queue.put records are found by (address, storage): views of one storage share
-    a key, and a later storage at the same address would not find an earlier one's events."""
+    a key, and another live storage has another key."""
     from vmm_torch import sharing
 
     t = torch.arange(8, dtype=torch.float32)
