@@ -79,14 +79,17 @@ class ReadyEvents {
     Give(dropped);
   }
 
-  // Waits until the work the events of storage `key` follow is done (call it without the
-  // GIL), and reuses them; false when there were none.
-  bool Wait(const StorageKey& key) {
+  // Waits until the work the events of storage `key` follow is done, and reuses them; false
+  // when there were none. An event not done yet is waited for inside `blocking(wait)` (which
+  // releases the GIL around `wait`); done ones cost a query, and the caller keeps the GIL.
+  template <typename Blocking>
+  bool Wait(const StorageKey& key, Blocking&& blocking) {
     std::vector<Event> events = Claim(key);
     cudaError_t failed = cudaSuccess;
     for (const Event& event : events) {
       c10::cuda::CUDAGuard guard(event.first);  // no context made on another device
-      const cudaError_t done = cudaEventSynchronize(event.second);
+      cudaError_t done = cudaEventQuery(event.second);
+      if (done == cudaErrorNotReady) blocking([&] { done = cudaEventSynchronize(event.second); });
       if (done != cudaSuccess && failed == cudaSuccess) failed = done;
     }
     Give(events);

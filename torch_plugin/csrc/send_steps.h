@@ -5,9 +5,11 @@
 //   Prepare (Queue.put, the sending thread): whether the tensor may travel and how
 //     (vmm_send_prepare, which also keeps a block alone in its chunks until it is sent), and
 //     for memory that goes as it is, an event on the current stream (ready_events.h).
-//   Export (the queue's feeder thread; call it without the GIL): waits for the storage's
-//     events (without any, synchronises the device, as a send not prepared by put must), then
-//     vmm_export_send: the descriptor's bytes and the ticket.
+//   Export (the queue's feeder thread): waits for the storage's events (without any,
+//     synchronises the device, as a send not prepared by put must), then vmm_export_send:
+//     the descriptor's bytes and the ticket. Only a wait that blocks runs inside `blocking`
+//     (the module releases the GIL there): a feeder that let the GIL go for every send would
+//     wait up to the interpreter's switch interval to get it back from a busy thread.
 //
 // Both return a kind (vmm_send_kind, or kNonLeaf for a non-leaf tensor that requires grad)
 // and leave every other case (relocation, refusals, errors) to the Python path, which raises.
@@ -72,9 +74,11 @@ struct Exported {
 };
 
 // What the feeder thread does for a tensor it pickles.
-inline Exported ExportSend(const at::Tensor& t, decltype(&vmm_send_kind) send_kind,
-                           decltype(&vmm_export_send) export_send,
-                           decltype(&vmm_release_buffer) release_buffer, ReadyEvents* ready) {
+template <typename Blocking>
+Exported ExportSend(const at::Tensor& t, decltype(&vmm_send_kind) send_kind,
+                    decltype(&vmm_export_send) export_send,
+                    decltype(&vmm_release_buffer) release_buffer, ReadyEvents* ready,
+                    Blocking&& blocking) {
   Exported out;
   if (IsNonLeaf(t)) {
     out.kind = kNonLeaf;
@@ -83,9 +87,11 @@ inline Exported ExportSend(const at::Tensor& t, decltype(&vmm_send_kind) send_ki
   const StorageKey key = StorageOf(t);
   out.kind = key.base == 0 ? VMM_SEND_NOT_VMM : send_kind(reinterpret_cast<const void*>(key.base));
   if (!GoesAsItIs(out.kind)) return out;
-  if (t.is_cuda() && !ready->Wait(key)) {
+  if (t.is_cuda() && !ready->Wait(key, blocking)) {
     c10::cuda::CUDAGuard guard(t.device().index());
-    C10_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaError_t synced = cudaSuccess;
+    blocking([&] { synced = cudaDeviceSynchronize(); });
+    C10_CUDA_CHECK(synced);
   }
   uint8_t* data = nullptr;
   size_t length = 0;

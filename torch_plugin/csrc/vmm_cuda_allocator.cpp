@@ -68,6 +68,15 @@ namespace cda = c10::CachingDeviceAllocator;
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 using c10::cuda::MempoolId_t;
 
+// Runs a blocking wait of the send steps without the GIL (send_steps.h).
+struct WithoutGil {
+  template <typename F>
+  void operator()(F&& wait) const {
+    py::gil_scoped_release unlocked;
+    wait();
+  }
+};
+
 void RequireBound() {
   TORCH_CHECK(vmm.alloc != nullptr, "vmm: call vmm_torch._cuda_allocator.bind first");
 }
@@ -731,12 +740,8 @@ PYBIND11_MODULE(_cuda_allocator, m) {
       "export_send",
       [](const at::Tensor& t) -> py::tuple {
         RequireBound();
-        vmm_torch::Exported out;
-        {
-          py::gil_scoped_release unlocked;
-          out = vmm_torch::ExportSend(t, vmm.send_kind, vmm.export_send, vmm.release_buffer,
-                                      ready);
-        }
+        const vmm_torch::Exported out = vmm_torch::ExportSend(
+            t, vmm.send_kind, vmm.export_send, vmm.release_buffer, ready, WithoutGil());
         if (!out.bytes) return py::make_tuple(out.kind, py::none(), py::none());
         return py::make_tuple(out.kind, py::bytes(out.bytes->first),
                               py::bytes(out.bytes->second));
@@ -754,8 +759,7 @@ PYBIND11_MODULE(_cuda_allocator, m) {
       "Records a ready event for the storage of CUDA tensor `t` on the current stream.");
   m.def(
       "wait_ready",
-      [](const at::Tensor& t) { return ready->Wait(vmm_torch::StorageOf(t)); },
-      py::call_guard<py::gil_scoped_release>(),
+      [](const at::Tensor& t) { return ready->Wait(vmm_torch::StorageOf(t), WithoutGil()); },
       "Waits for the ready events of the storage of `t` and reuses them; False if none.");
   m.def(
       "discard_ready",
