@@ -227,7 +227,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
   Arena& arena = shareable ? large_ : ArenaFor(n);
-  // A spare chunk serves a request it fits closely: the rest of it is never handed out.
+  // A spare chunk serves only a request it fits closely (an eighth of it, or a granule, left).
   const size_t spare_slack = std::max(n / 8, granularity_);
   Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
                            : arena.BestFit(stream, n);
@@ -699,8 +699,9 @@ absl::Status Pool::ReleaseSpareChunks(size_t target) {
     auto c = chunks_.find(spare_[taken++]);
     if (c != chunks_.end()) bytes += c->second.size;
   }
-  std::vector<uintptr_t> spare(spare_.begin(), spare_.begin() + static_cast<std::ptrdiff_t>(taken));
-  spare_.erase(spare_.begin(), spare_.begin() + static_cast<std::ptrdiff_t>(taken));
+  const auto first_kept = spare_.begin() + static_cast<std::ptrdiff_t>(taken);
+  std::vector<uintptr_t> spare(spare_.begin(), first_kept);
+  spare_.erase(spare_.begin(), first_kept);
   spare_bytes_ -= std::min(spare_bytes_, bytes);
   absl::Status first;
   for (uintptr_t addr : spare) {

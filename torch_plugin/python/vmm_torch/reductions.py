@@ -133,8 +133,9 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
 def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     """ForkingPickler reducer: a vmm send for vmm memory (pool blocks and imports), else
     PyTorch's reducer. In a queue's feeder thread a CUDA tensor takes one call of vmm's CUDA
-    module where it was built (send_steps.h: the put's events waited for and the export, the
-    GIL released meanwhile); the other C calls keep the GIL (see vmm_torch._lib). There, a
+    module where it was built (send_steps.h: the put's events waited for and the export; the
+    GIL goes only while an event still runs); the other C calls keep the GIL (see
+    vmm_torch._lib). There, a
     failure becomes a payload that raises it in the receiver (the feeder would print and drop
     it); elsewhere it raises in the caller."""
     try:

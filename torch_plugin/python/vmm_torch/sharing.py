@@ -261,8 +261,8 @@ def _take_ready_events(t: torch.Tensor, base: int) -> "List[torch.cuda.Event]":
 
 def wait_until_ready(t: torch.Tensor, base: int) -> None:
     """In a queue's feeder thread: waits for the events Queue.put recorded for the storage of
-    CUDA tensor `t` (at `base`; the GIL released meanwhile); without any (a put that bypassed
-    the patched method, or an entry dropped), for all work on its device."""
+    CUDA tensor `t` (at `base`; the GIL released while one still runs); without any (a put that
+    bypassed the patched method, or an entry dropped), for all work on its device."""
     module = cuda_module()
     if module is not None:
         if not module.wait_ready(t):
