@@ -767,6 +767,11 @@ class ReclaimAttack : public ::testing::Test {
   std::unique_ptr<Pool> MakePool(PoolOptions options = {}) {
     return CreatePoolOrFail(driver_.get(), options);
   }
+  // Expects `p` (an allocation) to have succeeded, and frees it.
+  static void ExpectAllocatedAndFree(Pool& pool, const absl::StatusOr<void*>& p) {
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (p.ok()) EXPECT_OK(pool.Free(*p));
+  }
   int64_t DriverHeld() {
     MemInfo info = *inner_->GetMemInfo(0);
     return static_cast<int64_t>(info.total - info.free);
@@ -878,9 +883,7 @@ TEST_F(ReclaimAttack, PageLargerThanTheLargeArenaRefusesEveryLargeRequest) {
     options.large_page = page;
     auto pool = MakePool(options);
     ASSERT_NE(pool, nullptr);
-    absl::StatusOr<void*> p = pool->Allocate(1 * kMiB, 0);  // > small_size: large arena
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (p.ok()) EXPECT_OK(pool->Free(*p));
+    ExpectAllocatedAndFree(*pool, pool->Allocate(1 * kMiB, 0));  // > small_size: large arena
   }
 }
 
@@ -891,9 +894,7 @@ TEST_F(ReclaimAttack, PageRoundingMakesARequestThatFitsTheRangeFail) {
     options.reserve_size = 16 * kMiB;  // large arena 14 MiB; max request 16 MiB
     options.large_page = page;
     auto pool = MakePool(options);
-    absl::StatusOr<void*> p = pool->Allocate(10 * kMiB, 0);
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (p.ok()) EXPECT_OK(pool->Free(*p));
+    ExpectAllocatedAndFree(*pool, pool->Allocate(10 * kMiB, 0));
   }
 }
 
@@ -912,8 +913,7 @@ TEST_F(ReclaimAttack, MemoryLimitBetweenPagesRefusesWhatFits) {
       ASSERT_OK(pool->CheckInvariants());
       p = pool->Allocate(8 * kMiB, 0);
     }
-    EXPECT_TRUE(p.ok()) << p.status();
-    if (p.ok()) EXPECT_OK(pool->Free(*p));
+    ExpectAllocatedAndFree(*pool, p);
   }
 }
 

@@ -33,23 +33,28 @@ def module(libs: Any) -> Optional[ModuleType]:
     their libvmm.so, or None where it was not built or cannot be loaded (a module built against
     another torch: said once in a warning, and vmm_torch falls back)."""
     global _module, _looked
-    with _lock:
-        if _looked:
-            return _module
-        path = os.path.join(os.path.dirname(libs.extension_path), MODULE_FILE)
-        _looked = True
-        if not os.path.exists(path):
-            return None
-        try:
-            spec = importlib.util.spec_from_file_location("vmm_torch._cuda_allocator", path)
-            if spec is None or spec.loader is None:
-                raise ImportError(f"cannot load {path}")
-            loaded = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(loaded)
-            loaded.bind(libs.libvmm_path)
-        except (ImportError, RuntimeError) as error:  # built against another torch: fall back
-            _log.warning("vmm_torch: %s cannot be used (%s); falling back to "
-                         "CUDAPluggableAllocator", path, error)
-            return None
-        _module = loaded
+    if _looked:  # every send asks: no lock once it was looked for
         return _module
+    with _lock:
+        if not _looked:
+            _module = _load(libs)
+            _looked = True  # after _module: a thread that sees it set finds the module too
+        return _module
+
+
+def _load(libs: Any) -> Optional[ModuleType]:
+    path = os.path.join(os.path.dirname(libs.extension_path), MODULE_FILE)
+    if not os.path.exists(path):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("vmm_torch._cuda_allocator", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load {path}")
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        loaded.bind(libs.libvmm_path)
+    except (ImportError, RuntimeError) as error:  # built against another torch: fall back
+        _log.warning("vmm_torch: %s cannot be used (%s); falling back to "
+                     "CUDAPluggableAllocator", path, error)
+        return None
+    return loaded
