@@ -231,6 +231,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   const size_t spare_slack = std::max(n / 8, granularity_);
   Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
                            : arena.BestFit(stream, n);
+  bool reopened_spare = false;  // a spare chunk taken as plain memory
   if (block == nullptr && !shareable) {
     // Blocks other streams freed may be done with; blocks every stream may use can join
     // this stream's neighbouring blocks.
@@ -240,6 +241,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     if (block == nullptr && &arena == &large_ && !spare_.empty()) {
       // Memory a send left behind, before growing (file comment, "Reusing exported chunks").
       block = TakeSpareChunk(n, spare_slack, stream, /*for_send=*/false);
+      reopened_spare = block != nullptr;
     }
   }
   if (block == nullptr) {
@@ -273,6 +275,11 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     // The rest of its own chunk is never handed out.
     retired_bytes_ += static_cast<int64_t>(block->next->size);
     arena.Retire(block->next);
+  } else if (reopened_spare && block->next != nullptr &&
+             block->next->state == BlockState::kFree) {
+    // Reopen left the chunk apart from its neighbours; the rest of it is plain free memory
+    // and joins a free neighbour of its tag.
+    arena.Retag(block->next, block->next->stream);
   }
   return reinterpret_cast<void*>(block->addr);
 }

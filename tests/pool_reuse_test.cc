@@ -318,6 +318,34 @@ TEST_F(PoolReuseTest, AnAllocationThatFillsASpareChunkCloselyTakesItAsPlainMemor
   EXPECT_OK(pool->CheckInvariants());
 }
 
+// The free rest of a spare chunk taken as plain memory joins the free block beside it: the
+// two make one block that a request larger than either part gets without growing.
+TEST_F(PoolReuseTest, TheRestOfASpareChunkTakenAsPlainMemoryJoinsItsFreeNeighbour) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* p = Shareable(*pool, 6 * kMiB);
+  absl::StatusOr<void*> next = pool->Allocate(2 * kMiB, 0);  // its own chunk, just above
+  ASSERT_OK(next);
+  const auto start = reinterpret_cast<uintptr_t>(p);
+  ASSERT_EQ(reinterpret_cast<uintptr_t>(*next), start + 6 * kMiB);
+  ASSERT_OK(pool->Free(*next));  // cached, 2 MiB: too small for what follows
+  const std::vector<ExportedChunk> sent = Send(*pool, p);
+  ASSERT_OK(pool->Free(p));
+  pool->SettleExport(sent, true);  // spare
+  absl::StatusOr<void*> q = pool->Allocate(5 * kMiB, 0);
+  ASSERT_OK(q);
+  EXPECT_EQ(*q, p) << "the spare chunk";
+  EXPECT_OK(pool->CheckInvariants());
+  const PoolStats before = pool->GetStats();
+  absl::StatusOr<void*> joined = pool->Allocate(3 * kMiB, 0);  // 1 MiB rest + 2 MiB beside
+  ASSERT_OK(joined);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(*joined), start + 5 * kMiB);
+  EXPECT_EQ(pool->GetStats().driver_create, before.driver_create) << "no growth";
+  ASSERT_OK(pool->Free(*joined));
+  ASSERT_OK(pool->Free(*q));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
 // A small send does not take a spare chunk much larger than itself: it would hold the whole
 // chunk, and its receiver would map all of it.
 TEST_F(PoolReuseTest, ASmallSendLeavesALargeSpareChunk) {
