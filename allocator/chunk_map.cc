@@ -64,42 +64,70 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
   return absl::OkStatus();
 }
 
-absl::Status ChunkMap::Move(uintptr_t from, uintptr_t to, PoolStats& stats, bool* lost) {
-  *lost = false;
-  auto it = chunks_.find(from);
-  if (it == chunks_.end()) {
-    return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(from)));
-  }
+absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, PoolStats& stats,
+                            std::vector<Moved>* moved, std::vector<Moved>* lost) {
   Driver& driver = *config_.driver;
-  Chunk chunk = it->second;
-  ++stats.driver_unmap;
-  VMM_RETURN_IF_ERROR(driver.Unmap(from, chunk.size));
-  ++stats.driver_map;
-  absl::Status mapped = driver.Map(to, chunk.size, chunk.handle);
-  if (!mapped.ok()) {
-    // Back where it was, with its access, so that the caller's bookkeeping still holds.
-    ++stats.driver_map;
-    absl::Status back = driver.Map(from, chunk.size, chunk.handle);
-    if (back.ok()) {
-      ++stats.driver_set_access;
-      back = driver.SetAccess(from, chunk.size, config_.access);
-      if (!back.ok()) {
-        ++stats.driver_unmap;
-        (void)driver.Unmap(from, chunk.size);
+  size_t i = 0;
+  while (i < froms.size()) {
+    // The run: chunks [i, j) that lie end to end, spanning [lo, hi).
+    auto first = chunks_.find(froms[i]);
+    if (first == chunks_.end()) {
+      return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(froms[i])));
+    }
+    uintptr_t lo = froms[i];
+    uintptr_t hi = lo + first->second.size;
+    size_t j = i + 1;
+    for (; j < froms.size(); ++j) {
+      auto c = chunks_.find(froms[j]);
+      if (c == chunks_.end()) break;
+      if (c->first + c->second.size == lo) {
+        lo = c->first;
+      } else if (c->first == hi) {
+        hi += c->second.size;
+      } else {
+        break;
       }
     }
-    if (!back.ok()) {
-      LogError(absl::StrCat("moving a free chunk back: ", back.message()));
-      ++stats.driver_release;
-      (void)driver.Release(chunk.handle);
-      Forget(it, stats);
-      *lost = true;
+    ++stats.driver_unmap;
+    VMM_RETURN_IF_ERROR(driver.Unmap(lo, hi - lo));
+    for (size_t k = i; k < j; ++k) {
+      auto it = chunks_.find(froms[k]);
+      Chunk chunk = it->second;
+      ++stats.driver_map;
+      absl::Status mapped = driver.Map(to, chunk.size, chunk.handle);
+      if (!mapped.ok()) {
+        // The rest of the run back where it was, with its access, so that the caller's
+        // bookkeeping still holds.
+        for (size_t r = k; r < j; ++r) {
+          auto back_it = chunks_.find(froms[r]);
+          const Chunk& c = back_it->second;
+          ++stats.driver_map;
+          absl::Status back = driver.Map(froms[r], c.size, c.handle);
+          if (back.ok()) {
+            ++stats.driver_set_access;
+            back = driver.SetAccess(froms[r], c.size, config_.access);
+            if (!back.ok()) {
+              ++stats.driver_unmap;
+              (void)driver.Unmap(froms[r], c.size);
+            }
+          }
+          if (back.ok()) continue;
+          LogError(absl::StrCat("moving a free chunk back: ", back.message()));
+          ++stats.driver_release;
+          (void)driver.Release(c.handle);
+          lost->push_back(Moved{froms[r], froms[r], c.size});
+          Forget(back_it, stats);
+        }
+        return mapped;
+      }
+      chunks_.erase(it);
+      chunk.id = next_id_++;
+      chunks_[to] = chunk;
+      moved->push_back(Moved{froms[k], to, chunk.size});
+      to += chunk.size;
     }
-    return mapped;
+    i = j;
   }
-  chunks_.erase(it);
-  chunk.id = next_id_++;
-  chunks_[to] = chunk;
   return absl::OkStatus();
 }
 
@@ -109,18 +137,42 @@ absl::Status ChunkMap::GrantAccess(uintptr_t addr, size_t len, PoolStats& stats)
 }
 
 absl::StatusOr<Chunk> ChunkMap::Release(uintptr_t addr, PoolStats& stats) {
-  auto it = chunks_.find(addr);
-  if (it == chunks_.end()) {
-    return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(addr)));
+  std::vector<std::pair<uintptr_t, Chunk>> released;
+  const uintptr_t addrs[] = {addr};
+  VMM_RETURN_IF_ERROR(Release(addrs, stats, &released));
+  return released.front().second;
+}
+
+absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& stats,
+                               std::vector<std::pair<uintptr_t, Chunk>>* released) {
+  Driver& driver = *config_.driver;
+  size_t i = 0;
+  while (i < addrs.size()) {
+    // The run: chunks [i, j) end to end from addrs[i] up to `end`.
+    auto first = chunks_.find(addrs[i]);
+    if (first == chunks_.end()) {
+      return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(addrs[i])));
+    }
+    uintptr_t end = addrs[i] + first->second.size;
+    size_t j = i + 1;
+    for (; j < addrs.size() && addrs[j] == end; ++j) {
+      auto c = chunks_.find(addrs[j]);
+      if (c == chunks_.end()) break;
+      end += c->second.size;
+    }
+    ++stats.driver_unmap;
+    VMM_RETURN_IF_ERROR(driver.Unmap(addrs[i], end - addrs[i]));
+    for (size_t k = i; k < j; ++k) {
+      auto it = chunks_.find(addrs[k]);
+      released->emplace_back(addrs[k], it->second);
+      ++stats.driver_release;
+      absl::Status freed = driver.Release(it->second.handle);
+      if (!freed.ok()) LogError(absl::StrCat("releasing a chunk: ", freed.message()));
+      Forget(it, stats);
+    }
+    i = j;
   }
-  const Chunk chunk = it->second;
-  ++stats.driver_unmap;
-  VMM_RETURN_IF_ERROR(config_.driver->Unmap(addr, chunk.size));
-  ++stats.driver_release;
-  absl::Status released = config_.driver->Release(chunk.handle);
-  if (!released.ok()) LogError(absl::StrCat("releasing a chunk: ", released.message()));
-  Forget(it, stats);
-  return chunk;
+  return absl::OkStatus();
 }
 
 void ChunkMap::Forget(Map::iterator it, PoolStats& stats) {

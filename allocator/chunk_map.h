@@ -3,8 +3,10 @@
 // A chunk is one physical allocation (Driver::Create) mapped at one address. MapRange backs a
 // range with chunks of at most `max_chunk` bytes and grants access once for the whole range;
 // when any driver call fails it unmaps and releases every piece it made, so a failed growth
-// leaves nothing behind. Release unmaps and releases one chunk. Every driver call is counted
-// in the PoolStats passed in.
+// leaves nothing behind. Release unmaps and releases chunks; Move unmaps chunks and maps their
+// handles elsewhere. Chunks side by side are whole mappings side by side, which one Unmap call
+// takes together (the driver allows it: driver_conformance_test), so both unmap each run of
+// adjacent chunks at once. Every driver call is counted in the PoolStats passed in.
 //
 // Export state lives here too: a chunk marked exported is never recycled (the pool's export
 // invariant, pool.h); `dedicated` chunks hold one shareable block alone.
@@ -20,6 +22,7 @@
 #include "absl/container/btree_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "allocator/device_cap.h"
 #include "allocator/driver.h"
 #include "allocator/stats.h"
@@ -73,13 +76,23 @@ class ChunkMap {
   absl::Status MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats,
                         size_t chunk_size = 0);
 
-  // Moves the chunk at `from` (a chunk's start; not exported) to `to`, a free stretch of the
-  // reserved range: unmaps it and maps its handle there (no access granted: the caller calls
-  // GrantAccess once for the range it filled). It gets a fresh id. On an Unmap failure nothing
-  // changes. On a Map failure the chunk is mapped back at `from` with its access; if even that
-  // fails, it is released and forgotten and `*lost` is set (the caller's bookkeeping must
-  // drop `from`). The driver's error is returned.
-  absl::Status Move(uintptr_t from, uintptr_t to, PoolStats& stats, bool* lost);
+  // A chunk Move took from `from` and mapped at `to`.
+  struct Moved {
+    uintptr_t from = 0;
+    uintptr_t to = 0;
+    size_t size = 0;
+  };
+  // Moves the chunks starting at `froms` (none exported) to `to`, a free stretch of the
+  // reserved range, end to end in the order given: unmaps them and maps their handles there
+  // (no access granted: the caller calls GrantAccess once for the range it filled). Chunks
+  // that lie end to end (in either order) are unmapped by one Unmap call, as whole mappings
+  // side by side may be. Each moved chunk gets a fresh id and is appended to `*moved`.
+  // On a failure the chunks not moved yet are where they were, mapped and accessible; one
+  // that cannot be mapped back is released, forgotten and appended to `*lost` (the caller's
+  // bookkeeping must drop it), and the chunks in `*moved` stay moved (the caller moves them
+  // back). The driver's error is returned.
+  absl::Status Move(absl::Span<const uintptr_t> froms, uintptr_t to, PoolStats& stats,
+                    std::vector<Moved>* moved, std::vector<Moved>* lost);
   // SetAccess for the pool's devices over [addr, addr + len), which must be mapped.
   absl::Status GrantAccess(uintptr_t addr, size_t len, PoolStats& stats);
 
@@ -87,6 +100,12 @@ class ChunkMap {
   // An Unmap failure leaves the chunk in place and is returned; a Release failure after a
   // successful Unmap is logged (the range is unmapped either way). Returns the chunk.
   absl::StatusOr<Chunk> Release(uintptr_t addr, PoolStats& stats);
+  // The same for the chunks at `addrs`, in order, with one Unmap for each run of them that
+  // lie end to end in ascending order. Appends each released chunk to `*released` with its
+  // address; on an Unmap failure the chunks of that run and after it stay, and the error is
+  // returned.
+  absl::Status Release(absl::Span<const uintptr_t> addrs, PoolStats& stats,
+                       std::vector<std::pair<uintptr_t, Chunk>>* released);
 
   // Unmaps and releases every chunk (teardown), logging failures; calls `released(chunk)`
   // for each.

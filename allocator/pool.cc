@@ -504,62 +504,47 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
     ++stats_.num_sync_stream;
     VMM_RETURN_IF_ERROR(driver_->SynchronizeStream(stream));
   }
-  struct Moved {
-    uintptr_t from;
-    uintptr_t at;
-    size_t size;
-  };
-  std::vector<Moved> moved;
-  std::vector<std::pair<uintptr_t, size_t>> lost;  // chunks gone from where the arena has them
-  uintptr_t at = to;
-  absl::Status s;
-  for (uintptr_t from : reclaim.chunks) {
-    const size_t size = chunks_.find(from)->second.size;
-    bool gone = false;
-    s = chunks_.Move(from, at, stats_, &gone);
-    if (!s.ok()) {
-      if (gone) lost.emplace_back(from, size);
-      break;
-    }
-    moved.push_back(Moved{from, at, size});
-    at += size;
-  }
-  if (s.ok()) s = chunks_.GrantAccess(to, at - to, stats_);
+  std::vector<ChunkMap::Moved> moved;
+  std::vector<ChunkMap::Moved> lost;  // chunks gone from where the arena has them
+  absl::Status s = chunks_.Move(reclaim.chunks, to, stats_, &moved, &lost);
+  if (s.ok()) s = chunks_.GrantAccess(to, reclaim.bytes, stats_);
   if (!s.ok()) {
     // Move back what moved; a chunk that cannot go back is released.
-    for (const Moved& m : moved) {
-      bool gone = false;
-      absl::Status back = chunks_.Move(m.at, m.from, stats_, &gone);
+    for (const ChunkMap::Moved& m : moved) {
+      std::vector<ChunkMap::Moved> back_moved;
+      std::vector<ChunkMap::Moved> gone;
+      const uintptr_t at[] = {m.to};
+      absl::Status back = chunks_.Move(at, m.from, stats_, &back_moved, &gone);
       if (back.ok()) back = chunks_.GrantAccess(m.from, m.size, stats_);
       if (back.ok()) continue;
-      if (!gone) {
-        auto c = chunks_.find(m.at);
+      if (gone.empty()) {
+        auto c = chunks_.find(m.to);
         const bool at_destination = c != chunks_.end();
         if (!at_destination) c = chunks_.find(m.from);
         if (c != chunks_.end() && !chunks_.Release(c->first, stats_).ok()) {
           // Neither back nor released: keep it as free memory where it is, if it can be used
           // there, rather than a chunk the arena does not know.
-          const uintptr_t where = at_destination ? m.at : m.from;
+          const uintptr_t where = at_destination ? m.to : m.from;
           if (chunks_.GrantAccess(where, m.size, stats_).ok()) {
             LogError(absl::StrCat("moving free memory back failed; ", FormatBytes(m.size),
                                   " stay in the pool, free, at ", absl::Hex(where)));
             if (!at_destination) continue;  // still where the arena has it
-            AdoptStranded(m.at, m.size);
+            AdoptStranded(m.to, m.size);
           } else {
             LogError(absl::StrCat("moving free memory back failed; ", FormatBytes(m.size),
                                   " at ", absl::Hex(where), " can be neither used nor released"));
           }
         }
       }
-      lost.emplace_back(m.from, m.size);
+      lost.push_back(m);
     }
-    for (const auto& [from, size] : lost) {
-      ArenaOf(from).MakeGap(from, size);
+    for (const ChunkMap::Moved& m : lost) {
+      ArenaOf(m.from).MakeGap(m.from, m.size);
       ++stats_.num_device_free;
     }
     return s;
   }
-  for (const Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
+  for (const ChunkMap::Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
   stats_.num_chunk_moves += static_cast<int64_t>(moved.size());
   return absl::OkStatus();
 }
@@ -578,15 +563,18 @@ void Pool::AdoptStranded(uintptr_t addr, size_t size) {
   arena.CommitGrowth(range, kAnyStream, /*alone=*/false);
 }
 
-absl::Status Pool::ReleaseChunk(uintptr_t addr) {
+absl::Status Pool::ReleaseChunks(absl::Span<const uintptr_t> addrs) {
   // Callers check keep_memory_ first; a release that got here anyway fails CheckInvariants.
   if (ABSL_PREDICT_FALSE(keep_memory_)) ++released_while_kept_;
-  VMM_ASSIGN_OR_RETURN(const Chunk chunk, chunks_.Release(addr, stats_));
-  ArenaOf(addr).MakeGap(addr, chunk.size);
-  ++stats_.num_device_free;
-  if (chunk.exported) retired_bytes_ -= static_cast<int64_t>(chunk.size);
-  if (chunk.observed && observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
-  return absl::OkStatus();
+  std::vector<std::pair<uintptr_t, Chunk>> released;
+  absl::Status s = chunks_.Release(addrs, stats_, &released);
+  for (const auto& [addr, chunk] : released) {
+    ArenaOf(addr).MakeGap(addr, chunk.size);
+    ++stats_.num_device_free;
+    if (chunk.exported) retired_bytes_ -= static_cast<int64_t>(chunk.size);
+    if (chunk.observed && observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
+  }
+  return s;
 }
 
 absl::Status Pool::ReleaseFreeChunks(bool any_stream, size_t target) {
@@ -601,11 +589,12 @@ absl::Status Pool::ReleaseFreeChunks(bool any_stream, size_t target) {
         doomed.push_back(c->first);
       }
     }
-    for (uintptr_t addr : doomed) {
-      if (released >= target) return absl::OkStatus();
-      released += chunks_.find(addr)->second.size;
-      VMM_RETURN_IF_ERROR(ReleaseChunk(addr));
+    size_t count = 0;  // the chunks that reach the target
+    while (count < doomed.size() && released < target) {
+      released += chunks_.find(doomed[count++])->second.size;
     }
+    VMM_RETURN_IF_ERROR(ReleaseChunks(absl::MakeConstSpan(doomed.data(), count)));
+    if (released >= target) return absl::OkStatus();
   }
   return absl::OkStatus();
 }
@@ -654,8 +643,7 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
   }
   // Kept memory: the doomed chunks stay retired (parked) until the pool stops keeping it.
   if (keep_memory_) return absl::OkStatus();
-  for (uintptr_t chunk : doomed) VMM_RETURN_IF_ERROR(ReleaseChunk(chunk));
-  return absl::OkStatus();
+  return ReleaseChunks(doomed);
 }
 
 Block* Pool::TakeSpareChunk(size_t n, size_t max_slack, Stream stream, bool for_send) {

@@ -119,6 +119,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "allocator/arena.h"
 #include "allocator/chunk_map.h"
 #include "allocator/device_cap.h"
@@ -329,8 +330,14 @@ class Pool {
   // moved back (or released, their places made gaps) and the error returned.
   absl::Status MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Unmaps and releases one chunk, telling the observer if it was exported.
-  absl::Status ReleaseChunk(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Unmaps and releases chunks, telling the observer of those it heard of (exported once);
+  // ChunkMap::Release says how many Unmap calls and what a failure leaves.
+  absl::Status ReleaseChunks(absl::Span<const uintptr_t> addrs)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ReleaseChunk(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const uintptr_t addrs[] = {addr};
+    return ReleaseChunks(addrs);
+  }
   // Makes [addr, addr + size), a chunk still mapped and granted inside a gap (a rollback whose
   // release failed), a free block, so that the arena and the chunk map agree again.
   void AdoptStranded(uintptr_t addr, size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

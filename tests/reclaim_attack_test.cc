@@ -873,6 +873,45 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMove) {
   }
 }
 
+// The same with a hole of two adjacent pages (one Unmap for both) and a fresh page: a 24 MiB
+// request takes the hole's two pages and creates the third. A failure after the hole is
+// unmapped (a Map of either page, or the access grant) puts back what did not move.
+TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
+  for (int op = 0; op < kNumOps; ++op) {
+    for (int skip = 0; skip < 4; ++skip) {
+      SCOPED_TRACE(absl::StrCat(kOpNames[op], " skip ", skip));
+      auto pool = MakePool();
+      std::vector<void*> p;
+      for (int i = 0; i < 4; ++i) {
+        p.push_back(AllocateOrFail(*pool, 8 * kMiB, 0));
+        Stamp(p.back(), 8 * kMiB, static_cast<unsigned char>(0x20 + i));
+      }
+      ASSERT_OK(pool->Free(p[1]));
+      ASSERT_OK(pool->Free(p[2]));
+      const PoolStats before = pool->GetStats();
+      const int64_t injected = driver_->injected();
+      driver_->Arm(op, skip, /*persistent=*/false);
+      absl::StatusOr<void*> c = pool->Allocate(24 * kMiB, 0);
+      driver_->Disarm();
+      ASSERT_OK(pool->CheckInvariants());
+      EXPECT_EQ(DriverHeld(), pool->GetStats().reserved_bytes.current);
+      EXPECT_EQ(CheckStamp(p[0], 8 * kMiB, 0x20), "");
+      EXPECT_EQ(CheckStamp(p[3], 8 * kMiB, 0x23), "");
+      if (c.ok() && driver_->injected() == injected) {
+        const PoolStats after = pool->GetStats();
+        EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
+        EXPECT_EQ(after.driver_unmap - before.driver_unmap, 1) << "one Unmap for the hole";
+      }
+      if (!c.ok()) c = pool->Allocate(24 * kMiB, 0);
+      ASSERT_OK(c.status());
+      Stamp(*c, 24 * kMiB, 0x77);
+      EXPECT_EQ(CheckStamp(*c, 24 * kMiB, 0x77), "");
+      ASSERT_OK(pool->CheckInvariants());
+      EXPECT_EQ(DriverHeld(), pool->GetStats().reserved_bytes.current);
+    }
+  }
+}
+
 // Hostile options: a large arena smaller than one page. With large_page 0 the same pool
 // serves the request; with the default page every large-arena request fails.
 TEST_F(ReclaimAttack, PageLargerThanTheLargeArenaRefusesEveryLargeRequest) {
