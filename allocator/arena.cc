@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 
@@ -99,12 +100,22 @@ size_t Arena::RetireFree(uintptr_t lo, uintptr_t hi) {
 
 std::optional<Arena::GrowthPlan> Arena::PlanGrowth(size_t n, Stream stream, size_t granularity,
                                                    bool alone) const {
+  return PlanGrowth(n, stream, granularity, alone, [](const GrowthPlan& p) { return p.len; });
+}
+
+std::optional<Arena::GrowthPlan> Arena::PlanGrowth(
+    size_t n, Stream stream, size_t granularity, bool alone,
+    absl::FunctionRef<size_t(const GrowthPlan&)> cost) const {
   auto usable = [&](const Block* b) { return !alone && UsableBy(b, stream); };
   std::optional<GrowthPlan> best;
+  size_t best_cost = 0;
   auto consider = [&](Block* gap, uintptr_t addr, size_t len, GrowthPlan::Side side) {
     if (len == 0 || len > gap->size) return;
-    if (!best || len < best->len || (len == best->len && addr < best->addr)) {
-      best = GrowthPlan{gap, addr, len, side};
+    const GrowthPlan plan{gap, addr, len, side};
+    const size_t c = cost(plan);
+    if (!best || std::make_tuple(c, len, addr) < std::make_tuple(best_cost, best->len, best->addr)) {
+      best = plan;
+      best_cost = c;
     }
   };
   for (Block* gap : gaps_) {

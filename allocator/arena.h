@@ -21,6 +21,7 @@
 
 #include "absl/base/attributes.h"
 #include "absl/container/btree_set.h"
+#include "absl/functional/function_ref.h"
 #include "allocator/block.h"
 #include "allocator/block_index.h"
 #include "allocator/free_blocks.h"
@@ -89,6 +90,11 @@ class Arena {
   // the range may still border them (see CommitGrowth).
   std::optional<GrowthPlan> PlanGrowth(size_t n, Stream stream, size_t granularity,
                                        bool alone) const;
+  // The same, but of the candidate ranges picks the one for which `cost` (the bytes a plan
+  // would have to create: the pool counts what it can move there instead) is least; ties go
+  // to the fewest new bytes, then the lower address.
+  std::optional<GrowthPlan> PlanGrowth(size_t n, Stream stream, size_t granularity, bool alone,
+                                       absl::FunctionRef<size_t(const GrowthPlan&)> cost) const;
   // Grows `plan` by up to `extra` bytes (within its gap, away from its free neighbour).
   static void Extend(GrowthPlan& plan, size_t extra);
   // Turns the planned range into a free block tagged `stream`, merged with the free

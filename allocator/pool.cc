@@ -414,7 +414,19 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   const size_t page = options_.large_page;
   const bool paged = !dedicated && &arena == &large_ && page != 0;
   size_t unit = paged ? page : granularity_;
-  std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated);
+  // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
+  ReclaimRequest request;
+  request.arena = &large_;
+  request.page = page;
+  request.chunks = &chunks_;
+  request.requester = stream;
+  const bool may_move = paged && !keep_memory_;
+  MovableMemory movable;
+  if (may_move) movable = FindMovable(request);
+  auto cost = [&](const Arena::GrowthPlan& p) {
+    return may_move && unit == page ? GrowthCost(movable, p) : p.len;
+  };
+  std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
   if (!plan && paged) {
     // No gap holds the request in whole pages (a small range): plan it to granularity, the
     // last chunk shorter than a page (never moved), and move nothing for it.
@@ -425,28 +437,23 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     return absl::ResourceExhaustedError(
         absl::StrCat("no gap of ", FormatBytes(n), " left in the pool's reserved address range"));
   }
-  const size_t needed = plan->len;
   ReclaimChoice reclaim;
-  if (paged && unit == page && !keep_memory_) {
-    ReclaimRequest request;
-    request.arena = &large_;
-    request.page = page;
-    request.chunks = &chunks_;
+  if (may_move && unit == page) {
     request.exclude_lo = plan->gap->prev;
     request.exclude_hi = plan->gap->next;
-    request.requester = stream;
-    request.needed = needed;
+    request.needed = plan->len;
     reclaim = ChooseReclaim(request);
   }
+  const size_t needed = plan->len;
   const size_t moved = reclaim.bytes;
   if (!dedicated && moved < needed) {
-    GrowthRequest request;
-    request.small_arena = &arena == &small_;
-    request.needed = needed - moved;
-    request.reserved = static_cast<size_t>(stats_.reserved_bytes.current);
-    request.granularity = granularity_;
-    request.paged = paged;
-    Arena::Extend(*plan, GrowthExtra(options_, request) / unit * unit);
+    GrowthRequest growth;
+    growth.small_arena = &arena == &small_;
+    growth.needed = needed - moved;
+    growth.reserved = static_cast<size_t>(stats_.reserved_bytes.current);
+    growth.granularity = granularity_;
+    growth.paged = paged;
+    Arena::Extend(*plan, GrowthExtra(options_, growth) / unit * unit);
   }
   // The new bytes (if any) go after the moved pages: [addr + moved, addr + len).
   auto try_map = [&](const Arena::GrowthPlan& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

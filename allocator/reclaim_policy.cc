@@ -5,6 +5,36 @@
 
 namespace vmm {
 
+namespace {
+
+// Invariants 1, 3 (and 4 unless `ignore_exclusions`): a block the requester may take from.
+bool IsSource(const ReclaimRequest& r, const Block* b, bool ignore_exclusions) {
+  if (b->state != BlockState::kFree || b->size < r.page) return false;                  // 1
+  if (!ignore_exclusions && (b == r.exclude_lo || b == r.exclude_hi)) return false;     // 4
+  return b->stream == kAnyStream || b->stream == r.requester;                           // 3
+}
+
+// Calls `take(addr, chunk)` for the chunks of `b` that may move (invariants 2 and 5), from
+// the block's upper end down, until it returns false.
+template <typename F>
+void ForEachMovableChunk(const ReclaimRequest& r, const Block* b, F&& take) {
+  auto c = r.chunks->FirstEndingAfter(b->end() - 1);
+  if (c == r.chunks->end() || c->first >= b->end()) return;
+  while (true) {
+    const Chunk& chunk = c->second;
+    if (c->first < b->addr) return;
+    const bool inside = c->first + chunk.size <= b->end();
+    if (inside && !chunk.exported && !chunk.dedicated && !chunk.spare && !chunk.observed &&
+        chunk.size == r.page) {
+      if (!take(c->first, chunk)) return;
+    }
+    if (c == r.chunks->begin()) return;
+    --c;
+  }
+}
+
+}  // namespace
+
 ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
   ReclaimChoice choice;
   if (r.page == 0 || r.needed < r.page) return choice;
@@ -14,37 +44,51 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
   };
   std::vector<Source> sources;
   for (const Block* b = r.arena->head(); b != nullptr; b = b->next) {
-    if (b->state != BlockState::kFree || b->size < r.page) continue;    // invariant 1
-    if (b == r.exclude_lo || b == r.exclude_hi) continue;               // invariant 4
-    if (b->stream != kAnyStream && b->stream != r.requester) continue;  // invariant 3
-    sources.push_back(Source{b, b->stream != kAnyStream});
+    if (IsSource(r, b, /*ignore_exclusions=*/false)) {
+      sources.push_back(Source{b, b->stream != kAnyStream});
+    }
   }
   std::sort(sources.begin(), sources.end(), [](const Source& a, const Source& b) {
     return std::make_tuple(a.needs_sync, a.block->size, a.block->addr) <
            std::make_tuple(b.needs_sync, b.block->size, b.block->addr);
   });
   for (const Source& s : sources) {
-    const Block* b = s.block;
-    // The chunks wholly inside the block, from its upper end down.
-    auto c = r.chunks->FirstEndingAfter(b->end() - 1);
-    if (c == r.chunks->end() || c->first >= b->end()) continue;
-    while (true) {
-      const Chunk& chunk = c->second;
-      if (c->first < b->addr) break;
-      const bool inside = c->first + chunk.size <= b->end();
-      if (inside && !chunk.exported && !chunk.dedicated && !chunk.spare &&  // invariant 2
-          !chunk.observed &&
-          chunk.size == r.page && choice.bytes + chunk.size <= r.needed) {  // invariant 5
-        choice.chunks.push_back(c->first);
-        choice.bytes += chunk.size;
-        choice.sync_requester |= s.needs_sync;
-        if (choice.bytes == r.needed) return choice;
-      }
-      if (c == r.chunks->begin()) break;
-      --c;
-    }
+    ForEachMovableChunk(r, s.block, [&](uintptr_t addr, const Chunk& chunk) {
+      if (choice.bytes + chunk.size > r.needed) return true;
+      choice.chunks.push_back(addr);
+      choice.bytes += chunk.size;
+      choice.sync_requester |= s.needs_sync;
+      return choice.bytes < r.needed;
+    });
+    if (choice.bytes == r.needed) break;
   }
   return choice;
+}
+
+MovableMemory FindMovable(const ReclaimRequest& r) {
+  MovableMemory movable;
+  if (r.page == 0) return movable;
+  for (const Block* b = r.arena->head(); b != nullptr; b = b->next) {
+    if (!IsSource(r, b, /*ignore_exclusions=*/true)) continue;
+    size_t bytes = 0;
+    ForEachMovableChunk(r, b, [&](uintptr_t, const Chunk& chunk) {
+      bytes += chunk.size;
+      return true;
+    });
+    if (bytes == 0) continue;
+    movable.by_block[b] = bytes;
+    movable.total += bytes;
+  }
+  return movable;
+}
+
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan) {
+  // The neighbours the plan joins keep their pages (invariant 4).
+  const size_t excluded = movable.In(plan.gap->prev) + movable.In(plan.gap->next);
+  const size_t created = plan.len - std::min(plan.len, movable.total - excluded);
+  // A page moved costs driver calls: a plan does not move many pages elsewhere to create a
+  // few fewer.
+  return created + plan.len / 64;
 }
 
 }  // namespace vmm

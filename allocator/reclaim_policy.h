@@ -35,7 +35,14 @@
 // from its upper end down, so what stays of the block is one contiguous piece, each taken if
 // it still fits what the plan needs. Free blocks that need no stream synchronisation
 // (kAnyStream) go before the requester's own.
-// A new policy is a new implementation of ChooseReclaim in this file.
+//
+// Where the growth goes is chosen with what can move in mind (FindMovable): the pool plans
+// the range that leaves the fewest bytes to create once the movable pages outside its
+// neighbours are taken, plus a sixty-fourth of its length (each page moved costs driver calls,
+// so a plan does not move many pages elsewhere to create a few fewer); ties go to the fewest
+// new bytes. Joining a free neighbour saves mapping its bytes but forbids moving its pages,
+// and a range that joins none may then create less.
+// A new policy is a new implementation of ChooseReclaim (and FindMovable) in this file.
 #ifndef VMM_ALLOCATOR_RECLAIM_POLICY_H_
 #define VMM_ALLOCATOR_RECLAIM_POLICY_H_
 
@@ -43,6 +50,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "allocator/arena.h"
 #include "allocator/block.h"
 #include "allocator/chunk_map.h"
@@ -69,6 +77,24 @@ struct ReclaimChoice {
 };
 
 ReclaimChoice ChooseReclaim(const ReclaimRequest& request);
+
+// What ChooseReclaim could take for `request`'s requester from each free block of the arena,
+// ignoring `exclude_*` and `needed`: the pool compares growth plans by it (a plan's
+// neighbours are excluded, invariant 4, so where a plan goes changes what it can move).
+struct MovableMemory {
+  size_t total = 0;
+  absl::flat_hash_map<const Block*, size_t> by_block;
+  size_t In(const Block* block) const {
+    auto it = by_block.find(block);
+    return it == by_block.end() ? 0 : it->second;
+  }
+};
+MovableMemory FindMovable(const ReclaimRequest& request);
+
+// What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
+// takes the least): the bytes left to create once the movable pages outside the plan's
+// neighbours are taken, plus a sixty-fourth of its length for the pages moved.
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan);
 
 }  // namespace vmm
 

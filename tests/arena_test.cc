@@ -256,6 +256,28 @@ TEST_F(ArenaTest, PlanGrowthExtendsAFreeBlockOnTheRightOfAGap) {
   EXPECT_EQ(arena_.BestFit(kS, 4 * kG + 512), b);
 }
 
+// With a cost, the candidate of least cost wins over the one with the fewest new bytes; equal
+// costs go to the fewest new bytes. [gap 30G][F7 3G][gap 10G][A 1G][gap 20G]: extending the
+// free block takes one granule; a cost that charges every range bordering it picks the gap
+// beyond the allocated block.
+TEST_F(ArenaTest, PlanGrowthWithACostPicksTheCheapestCandidate) {
+  Block* f = Grow(kBase + 30 * kG, 3 * kG, kS);
+  Alloc(Grow(kBase + 43 * kG, kG, kS, /*alone=*/true), kG, kS);
+  auto borders_f = [&](const Arena::GrowthPlan& p) {
+    return p.gap->prev == f || p.gap->next == f ? size_t{100} * kG : p.len;
+  };
+  std::optional<Arena::GrowthPlan> plan = arena_.PlanGrowth(4 * kG, kS, kG, false, borders_f);
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_EQ(plan->addr, kBase + 44 * kG);
+  EXPECT_EQ(plan->len, 4 * kG);
+  EXPECT_EQ(plan->side, Side::kAlone);
+  auto flat = [](const Arena::GrowthPlan&) { return size_t{0}; };
+  plan = arena_.PlanGrowth(4 * kG, kS, kG, false, flat);
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_EQ(plan->len, kG) << "equal costs: the fewest new bytes";
+  EXPECT_EQ(Layout(arena_), "U:1920K F7:192K U:640K A:64K U:1280K");  // nothing changed
+}
+
 TEST_F(ArenaTest, PlanGrowthTieGoesToTheLowerAddress) {
   // [gap 30G][F7 3G][gap 31G]: extending the block to the left (the first gap's right end) or
   // to the right (the second gap's left end) both cost one granule; the lower address wins.

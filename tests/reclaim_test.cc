@@ -173,6 +173,38 @@ TEST_F(ReclaimTest, APoolMadeToExportKeepsSingleChunksUnlessTold) {
   EXPECT_EQ(paged->options().small_size, size_t{256} << 10);
 }
 
+// A plan that joins free neighbours may not move their pages (reclaim_policy.h, invariant 4):
+// where that leaves more to create than a plan elsewhere that moves them, the pool grows
+// elsewhere. Here a 4-page gap lies between two free blocks of 2 pages, and nothing else is
+// free: joining the left one needs 3 new pages, all created; growing at the end takes the 4
+// free pages and creates 1.
+TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
+  auto pool = MakePool();
+  std::vector<void*> pages;
+  for (int i = 0; i < 10; ++i) {
+    pages.push_back(Alloc(*pool, kPage));
+    std::memset(pages.back(), 0x30 + i, kPage);
+  }
+  for (int i = 3; i <= 6; ++i) ASSERT_OK(pool->Free(pages[i]));
+  // Five pages at the end: four moved from the hole, which becomes a gap, and one created.
+  void* first = Alloc(*pool, 5 * kPage);
+  ASSERT_EQ(pool->GetStats().num_chunk_moves, 4);
+  for (int i : {1, 2, 7, 8}) ASSERT_OK(pool->Free(pages[i]));
+  const PoolStats before = pool->GetStats();
+  void* second = Alloc(*pool, 5 * kPage);
+  std::memset(second, 0xee, 5 * kPage);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 4);
+  EXPECT_EQ(after.driver_create - before.driver_create, 1);
+  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
+            static_cast<int64_t>(kPage));
+  EXPECT_TRUE(Filled(pages[0], kPage, 0x30));
+  EXPECT_TRUE(Filled(pages[9], kPage, 0x39));
+  EXPECT_TRUE(Filled(second, 5 * kPage, 0xee));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {pages[0], pages[9], first, second}) ASSERT_OK(pool->Free(p));
+}
+
 // Releasing free pages that lie end to end takes one Unmap for all of them (whole mappings
 // side by side), then one Release each; a page that is not next to them takes its own Unmap.
 TEST_F(ReclaimTest, EmptyCacheUnmapsAdjacentPagesInOneCall) {
