@@ -68,6 +68,7 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
                             std::vector<Moved>* moved, std::vector<Moved>* lost) {
   Driver& driver = *config_.driver;
   size_t i = 0;
+  size_t singles_until = 0;  // chunks before this index are unmapped one by one
   while (i < froms.size()) {
     // The run: chunks [i, j) that lie end to end, spanning [lo, hi).
     auto first = chunks_.find(froms[i]);
@@ -77,7 +78,7 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
     uintptr_t lo = froms[i];
     uintptr_t hi = lo + first->second.size;
     size_t j = i + 1;
-    for (; j < froms.size(); ++j) {
+    for (; j < froms.size() && j >= singles_until; ++j) {
       auto c = chunks_.find(froms[j]);
       if (c == chunks_.end()) break;
       if (c->first + c->second.size == lo) {
@@ -89,7 +90,11 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
       }
     }
     ++stats.driver_unmap;
-    VMM_RETURN_IF_ERROR(driver.Unmap(lo, hi - lo));
+    if (absl::Status unmapped = driver.Unmap(lo, hi - lo); !unmapped.ok()) {
+      if (j - i == 1) return unmapped;
+      singles_until = j;  // the run's chunks one by one: one that fails holds back no other
+      continue;
+    }
     for (size_t k = i; k < j; ++k) {
       auto it = chunks_.find(froms[k]);
       Chunk chunk = it->second;
@@ -147,6 +152,7 @@ absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& sta
                                std::vector<std::pair<uintptr_t, Chunk>>* released) {
   Driver& driver = *config_.driver;
   size_t i = 0;
+  size_t singles_until = 0;  // chunks before this index are unmapped one by one
   while (i < addrs.size()) {
     // The run: chunks [i, j) end to end from addrs[i] up to `end`.
     auto first = chunks_.find(addrs[i]);
@@ -155,13 +161,17 @@ absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& sta
     }
     uintptr_t end = addrs[i] + first->second.size;
     size_t j = i + 1;
-    for (; j < addrs.size() && addrs[j] == end; ++j) {
+    for (; j < addrs.size() && j >= singles_until && addrs[j] == end; ++j) {
       auto c = chunks_.find(addrs[j]);
       if (c == chunks_.end()) break;
       end += c->second.size;
     }
     ++stats.driver_unmap;
-    VMM_RETURN_IF_ERROR(driver.Unmap(addrs[i], end - addrs[i]));
+    if (absl::Status unmapped = driver.Unmap(addrs[i], end - addrs[i]); !unmapped.ok()) {
+      if (j - i == 1) return unmapped;
+      singles_until = j;  // the run's chunks one by one: one that fails holds back no other
+      continue;
+    }
     for (size_t k = i; k < j; ++k) {
       auto it = chunks_.find(addrs[k]);
       released->emplace_back(addrs[k], it->second);

@@ -17,6 +17,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/container/btree_map.h"
@@ -86,7 +87,8 @@ class ChunkMap {
   // reserved range, end to end in the order given: unmaps them and maps their handles there
   // (no access granted: the caller calls GrantAccess once for the range it filled). Chunks
   // that lie end to end (in either order) are unmapped by one Unmap call, as whole mappings
-  // side by side may be. Each moved chunk gets a fresh id and is appended to `*moved`.
+  // side by side may be; if that call fails, one by one. Each moved chunk gets a fresh id and
+  // is appended to `*moved`.
   // On a failure the chunks not moved yet are where they were, mapped and accessible; one
   // that cannot be mapped back is released, forgotten and appended to `*lost` (the caller's
   // bookkeeping must drop it), and the chunks in `*moved` stay moved (the caller moves them
@@ -101,9 +103,9 @@ class ChunkMap {
   // successful Unmap is logged (the range is unmapped either way). Returns the chunk.
   absl::StatusOr<Chunk> Release(uintptr_t addr, PoolStats& stats);
   // The same for the chunks at `addrs`, in order, with one Unmap for each run of them that
-  // lie end to end in ascending order. Appends each released chunk to `*released` with its
-  // address; on an Unmap failure the chunks of that run and after it stay, and the error is
-  // returned.
+  // lie end to end in ascending order (if that call fails, one by one). Appends each released
+  // chunk to `*released` with its address; when a chunk's own Unmap fails, it and the chunks
+  // after it stay, and the error is returned.
   absl::Status Release(absl::Span<const uintptr_t> addrs, PoolStats& stats,
                        std::vector<std::pair<uintptr_t, Chunk>>* released);
 

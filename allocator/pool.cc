@@ -276,7 +276,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     retired_bytes_ += static_cast<int64_t>(block->next->size);
     arena.Retire(block->next);
   } else if (reopened_spare && block->next != nullptr &&
-             block->next->state == BlockState::kFree) {
+             block->next->state == BlockState::kFree &&
+             chunks_.Containing(block->next->addr) == chunks_.Containing(block->addr)) {
     // Reopen left the chunk apart from its neighbours; the rest of it is plain free memory
     // and joins a free neighbour of its tag.
     arena.Retag(block->next, block->next->stream);
@@ -423,8 +424,10 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   const bool may_move = paged && !keep_memory_;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
+  const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) >
+                        stats_.allocated_bytes.peak;
   auto cost = [&](const Arena::GrowthPlan& p) {
-    return may_move && unit == page ? GrowthCost(movable, p) : p.len;
+    return may_move && unit == page ? GrowthCost(movable, p, new_high) : p.len;
   };
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
   if (!plan && paged) {
@@ -446,6 +449,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   }
   const size_t needed = plan->len;
   const size_t moved = reclaim.bytes;
+  const Arena::GrowthPlan exact = *plan;  // before Extend: the retry below maps just this
   if (!dedicated && moved < needed) {
     GrowthRequest growth;
     growth.small_arena = &arena == &small_;
@@ -475,8 +479,8 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   };
   absl::Status mapped = try_map(*plan);
   if (!mapped.ok() && plan->len > needed) {
-    // Retry with exactly what the request needs.
-    plan = arena.PlanGrowth(n, stream, unit, dedicated);
+    // Retry with exactly what the request needs, in the same place (the moves chosen for it).
+    plan = exact;
     mapped = try_map(*plan);
   }
   VMM_RETURN_IF_ERROR(mapped);
@@ -518,10 +522,10 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
   if (!s.ok()) {
     // Move back what moved; a chunk that cannot go back is released.
     for (const ChunkMap::Moved& m : moved) {
-      std::vector<ChunkMap::Moved> back_moved;
+      std::vector<ChunkMap::Moved> moved_back;  // m itself, once back
       std::vector<ChunkMap::Moved> gone;
       const uintptr_t at[] = {m.to};
-      absl::Status back = chunks_.Move(at, m.from, stats_, &back_moved, &gone);
+      absl::Status back = chunks_.Move(at, m.from, stats_, &moved_back, &gone);
       if (back.ok()) back = chunks_.GrantAccess(m.from, m.size, stats_);
       if (back.ok()) continue;
       if (gone.empty()) {
@@ -572,7 +576,7 @@ void Pool::AdoptStranded(uintptr_t addr, size_t size) {
 
 absl::Status Pool::ReleaseChunks(absl::Span<const uintptr_t> addrs) {
   // Callers check keep_memory_ first; a release that got here anyway fails CheckInvariants.
-  if (ABSL_PREDICT_FALSE(keep_memory_)) ++released_while_kept_;
+  if (ABSL_PREDICT_FALSE(keep_memory_)) released_while_kept_ += static_cast<int64_t>(addrs.size());
   std::vector<std::pair<uintptr_t, Chunk>> released;
   absl::Status s = chunks_.Release(addrs, stats_, &released);
   for (const auto& [addr, chunk] : released) {

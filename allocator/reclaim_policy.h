@@ -38,10 +38,9 @@
 //
 // Where the growth goes is chosen with what can move in mind (FindMovable): the pool plans
 // the range that leaves the fewest bytes to create once the movable pages outside its
-// neighbours are taken, plus a sixty-fourth of its length (each page moved costs driver calls,
-// so a plan does not move many pages elsewhere to create a few fewer); ties go to the fewest
-// new bytes. Joining a free neighbour saves mapping its bytes but forbids moving its pages,
-// and a range that joins none may then create less.
+// neighbours are taken, plus a share of its length for the pages it moves (GrowthCost); ties
+// go to the fewest new bytes. Joining a free neighbour saves mapping its bytes but forbids
+// moving its pages, and a range that joins none may then create less.
 // A new policy is a new implementation of ChooseReclaim (and FindMovable) in this file.
 #ifndef VMM_ALLOCATOR_RECLAIM_POLICY_H_
 #define VMM_ALLOCATOR_RECLAIM_POLICY_H_
@@ -93,8 +92,11 @@ MovableMemory FindMovable(const ReclaimRequest& request);
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
 // takes the least): the bytes left to create once the movable pages outside the plan's
-// neighbours are taken, plus a sixty-fourth of its length for the pages moved.
-size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan);
+// neighbours are taken, plus a share of its length for the pages moved: a sixty-fourth when
+// the request takes the pool's allocated bytes to a new high (`new_high`: what is created then
+// sets the peak), a half otherwise.
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan,
+                  bool new_high);
 
 }  // namespace vmm
 

@@ -912,6 +912,25 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
   }
 }
 
+// EmptyCache unmaps four adjacent free pages with one call; when that call fails, it unmaps
+// them one by one, so one failure holds back none of them.
+TEST_F(ReclaimAttack, AFailedUnmapOfARunIsRetriedPageByPage) {
+  auto pool = MakePool();
+  void* run = AllocateOrFail(*pool, 32 * kMiB, 0);  // four 8 MiB pages
+  void* kept = AllocateOrFail(*pool, 8 * kMiB, 0);
+  ASSERT_OK(pool->Free(run));
+  const PoolStats before = pool->GetStats();
+  driver_->Arm(kUnmap, /*skip=*/0, /*persistent=*/false);
+  ASSERT_OK(pool->EmptyCache());
+  driver_->Disarm();
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.driver_unmap - before.driver_unmap, 5) << "the run's call, then one a page";
+  EXPECT_EQ(after.reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(DriverHeld(), after.reserved_bytes.current);
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->Free(kept));
+}
+
 // Hostile options: a large arena smaller than one page. With large_page 0 the same pool
 // serves the request; with the default page every large-arena request fails.
 TEST_F(ReclaimAttack, PageLargerThanTheLargeArenaRefusesEveryLargeRequest) {

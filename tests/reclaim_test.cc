@@ -14,6 +14,7 @@
 #include "allocator/driver_factory.h"
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
+#include "allocator/reclaim_policy.h"
 #include "allocator/sharing.h"
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
@@ -203,6 +204,29 @@ TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
   EXPECT_TRUE(Filled(second, 5 * kPage, 0xee));
   EXPECT_OK(pool->CheckInvariants());
   for (void* p : {pages[0], pages[9], first, second}) ASSERT_OK(pool->Free(p));
+}
+
+// GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
+// are taken, plus a sixty-fourth of its length at a new allocated high, a half below it.
+TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
+  Block left, gap, right, elsewhere;
+  gap.prev = &left;
+  gap.next = &right;
+  MovableMemory movable;
+  movable.by_block[&left] = 4 * kPage;
+  movable.by_block[&elsewhere] = 6 * kPage;
+  movable.total = 10 * kPage;
+  Arena::GrowthPlan plan;
+  plan.gap = &gap;
+  plan.len = 8 * kPage;
+  // The left neighbour's 4 pages stay: 6 of the 8 can move, 2 are created.
+  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), 2 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/false), 2 * kPage + plan.len / 2);
+  // Away from that neighbour all 10 pages may move: nothing is created.
+  gap.prev = nullptr;
+  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), plan.len / 64);
+  plan.len = 12 * kPage;
+  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), 2 * kPage + plan.len / 64);
 }
 
 // Releasing free pages that lie end to end takes one Unmap for all of them (whole mappings
