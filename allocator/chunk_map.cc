@@ -64,37 +64,43 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
   return absl::OkStatus();
 }
 
-absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, PoolStats& stats,
-                            std::vector<Moved>* moved, std::vector<Moved>* lost) {
-  Driver& driver = *config_.driver;
-  size_t i = 0;
-  size_t singles_until = 0;  // chunks before this index are unmapped one by one
-  while (i < froms.size()) {
+absl::StatusOr<size_t> ChunkMap::UnmapRun(absl::Span<const uintptr_t> addrs, size_t i,
+                                          bool either_order, size_t* singles_until,
+                                          PoolStats& stats) {
+  while (true) {
     // The run: chunks [i, j) that lie end to end, spanning [lo, hi).
-    auto first = chunks_.find(froms[i]);
+    auto first = chunks_.find(addrs[i]);
     if (first == chunks_.end()) {
-      return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(froms[i])));
+      return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(addrs[i])));
     }
-    uintptr_t lo = froms[i];
+    uintptr_t lo = addrs[i];
     uintptr_t hi = lo + first->second.size;
     size_t j = i + 1;
-    for (; j < froms.size() && j >= singles_until; ++j) {
-      auto c = chunks_.find(froms[j]);
+    for (; j < addrs.size() && j >= *singles_until; ++j) {
+      auto c = chunks_.find(addrs[j]);
       if (c == chunks_.end()) break;
-      if (c->first + c->second.size == lo) {
-        lo = c->first;
-      } else if (c->first == hi) {
+      if (c->first == hi) {
         hi += c->second.size;
+      } else if (either_order && c->first + c->second.size == lo) {
+        lo = c->first;
       } else {
         break;
       }
     }
     ++stats.driver_unmap;
-    if (absl::Status unmapped = driver.Unmap(lo, hi - lo); !unmapped.ok()) {
-      if (j - i == 1) return unmapped;
-      singles_until = j;  // the run's chunks one by one: one that fails holds back no other
-      continue;
-    }
+    absl::Status unmapped = config_.driver->Unmap(lo, hi - lo);
+    if (unmapped.ok()) return j;
+    if (j - i == 1) return unmapped;
+    *singles_until = j;  // the run's chunks one by one: one that fails holds back no other
+  }
+}
+
+absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, PoolStats& stats,
+                            std::vector<Moved>* moved, std::vector<Moved>* lost) {
+  Driver& driver = *config_.driver;
+  size_t singles_until = 0;
+  for (size_t i = 0, j = 0; i < froms.size(); i = j) {
+    VMM_ASSIGN_OR_RETURN(j, UnmapRun(froms, i, /*either_order=*/true, &singles_until, stats));
     for (size_t k = i; k < j; ++k) {
       auto it = chunks_.find(froms[k]);
       Chunk chunk = it->second;
@@ -131,7 +137,6 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
       moved->push_back(Moved{froms[k], to, chunk.size});
       to += chunk.size;
     }
-    i = j;
   }
   return absl::OkStatus();
 }
@@ -151,27 +156,9 @@ absl::StatusOr<Chunk> ChunkMap::Release(uintptr_t addr, PoolStats& stats) {
 absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& stats,
                                std::vector<std::pair<uintptr_t, Chunk>>* released) {
   Driver& driver = *config_.driver;
-  size_t i = 0;
-  size_t singles_until = 0;  // chunks before this index are unmapped one by one
-  while (i < addrs.size()) {
-    // The run: chunks [i, j) end to end from addrs[i] up to `end`.
-    auto first = chunks_.find(addrs[i]);
-    if (first == chunks_.end()) {
-      return absl::InternalError(absl::StrCat("no chunk starts at ", absl::Hex(addrs[i])));
-    }
-    uintptr_t end = addrs[i] + first->second.size;
-    size_t j = i + 1;
-    for (; j < addrs.size() && j >= singles_until && addrs[j] == end; ++j) {
-      auto c = chunks_.find(addrs[j]);
-      if (c == chunks_.end()) break;
-      end += c->second.size;
-    }
-    ++stats.driver_unmap;
-    if (absl::Status unmapped = driver.Unmap(addrs[i], end - addrs[i]); !unmapped.ok()) {
-      if (j - i == 1) return unmapped;
-      singles_until = j;  // the run's chunks one by one: one that fails holds back no other
-      continue;
-    }
+  size_t singles_until = 0;
+  for (size_t i = 0, j = 0; i < addrs.size(); i = j) {
+    VMM_ASSIGN_OR_RETURN(j, UnmapRun(addrs, i, /*either_order=*/false, &singles_until, stats));
     for (size_t k = i; k < j; ++k) {
       auto it = chunks_.find(addrs[k]);
       released->emplace_back(addrs[k], it->second);
@@ -180,7 +167,6 @@ absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& sta
       if (!freed.ok()) LogError(absl::StrCat("releasing a chunk: ", freed.message()));
       Forget(it, stats);
     }
-    i = j;
   }
   return absl::OkStatus();
 }

@@ -146,6 +146,12 @@ class ChunkMap {
 
  private:
   void Forget(Map::iterator it, PoolStats& stats);
+  // Unmaps the chunks from addrs[i] on that lie end to end (above addrs[i], or also below it
+  // when `either_order`) with one Unmap call; if it fails, the chunks of that run one by one
+  // (`*singles_until` remembers where the run ended). Returns the index past what it
+  // unmapped, or the error of a single chunk's Unmap.
+  absl::StatusOr<size_t> UnmapRun(absl::Span<const uintptr_t> addrs, size_t i, bool either_order,
+                                  size_t* singles_until, PoolStats& stats);
   bool AnyExportedIn(uintptr_t addr, uintptr_t end) const;
 
   Config config_;
