@@ -90,9 +90,9 @@ class Arena {
   // the range may still border them (see CommitGrowth).
   std::optional<GrowthPlan> PlanGrowth(size_t n, Stream stream, size_t granularity,
                                        bool alone) const;
-  // The same, but of the candidate ranges picks the one for which `cost` (the bytes a plan
-  // would have to create: the pool counts what it can move there instead) is least; ties go
-  // to the fewest new bytes, then the lower address.
+  // The same, but of the candidate ranges picks the one for which `cost` is least (the pool's
+  // GrowthCost, reclaim_policy.h: what a plan would create once pages are moved to it, and a
+  // share for the moves); ties go to the fewest new bytes, then the lower address.
   std::optional<GrowthPlan> PlanGrowth(size_t n, Stream stream, size_t granularity, bool alone,
                                        absl::FunctionRef<size_t(const GrowthPlan&)> cost) const;
   // Grows `plan` by up to `extra` bytes (within its gap, away from its free neighbour).
