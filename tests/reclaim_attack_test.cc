@@ -776,6 +776,16 @@ class ReclaimAttack : public ::testing::Test {
     MemInfo info = *inner_->GetMemInfo(0);
     return static_cast<int64_t>(info.total - info.free);
   }
+  // After a request of `size` bytes that met an injected fault (`c`, its result): the pool
+  // serves it (again, if it failed), the memory holds what is written, and the pool is whole.
+  void ExpectServedAfterAFault(Pool& pool, absl::StatusOr<void*> c, size_t size) {
+    if (!c.ok()) c = pool.Allocate(size, 0);
+    ASSERT_OK(c.status());
+    Stamp(*c, size, 0x77);
+    EXPECT_EQ(CheckStamp(*c, size, 0x77), "");
+    ASSERT_OK(pool.CheckInvariants());
+    EXPECT_EQ(DriverHeld(), pool.GetStats().reserved_bytes.current);
+  }
   std::unique_ptr<Driver> inner_;
   std::unique_ptr<FaultDriver> driver_;
 };
@@ -863,12 +873,7 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMove) {
       ASSERT_OK(pool->CheckInvariants());
       EXPECT_EQ(CheckStamp(kept[0], 8 * kMiB, 0x11), "");
       EXPECT_EQ(CheckStamp(kept[1], 8 * kMiB, 0x13), "");
-      if (!c.ok()) c = pool->Allocate(16 * kMiB, 0);
-      ASSERT_OK(c.status());
-      Stamp(*c, 16 * kMiB, 0x77);
-      EXPECT_EQ(CheckStamp(*c, 16 * kMiB, 0x77), "");
-      ASSERT_OK(pool->CheckInvariants());
-      EXPECT_EQ(DriverHeld(), pool->GetStats().reserved_bytes.current);
+      ExpectServedAfterAFault(*pool, c, 16 * kMiB);
     }
   }
 }
@@ -902,12 +907,7 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
         EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
         EXPECT_EQ(after.driver_unmap - before.driver_unmap, 1) << "one Unmap for the hole";
       }
-      if (!c.ok()) c = pool->Allocate(24 * kMiB, 0);
-      ASSERT_OK(c.status());
-      Stamp(*c, 24 * kMiB, 0x77);
-      EXPECT_EQ(CheckStamp(*c, 24 * kMiB, 0x77), "");
-      ASSERT_OK(pool->CheckInvariants());
-      EXPECT_EQ(DriverHeld(), pool->GetStats().reserved_bytes.current);
+      ExpectServedAfterAFault(*pool, c, 24 * kMiB);
     }
   }
 }
