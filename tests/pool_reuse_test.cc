@@ -707,7 +707,7 @@ TEST_F(PoolReuseTest, AFailedGrowthReleasesSpareChunksFirst) {
   ASSERT_EQ(Reserved(*pool), 0);
 
   // The same for a plain allocation.
-  void* p = MakeSpare(*pool, 2 * kMiB);
+  MakeSpare(*pool, 2 * kMiB);
   ASSERT_EQ(Reserved(*pool), static_cast<int64_t>(2 * kMiB));
   void* plain = pool->Allocate(8 * kMiB, 0).value_or(nullptr);
   EXPECT_NE(plain, nullptr) << "the spare chunk was not given back for the growth";
