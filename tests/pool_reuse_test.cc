@@ -323,15 +323,14 @@ TEST_F(PoolReuseTest, AnAllocationThatFillsASpareChunkCloselyTakesItAsPlainMemor
 TEST_F(PoolReuseTest, TheRestOfASpareChunkTakenAsPlainMemoryJoinsItsFreeNeighbour) {
   auto pool = MakePool();
   SKIP_IF_NOT_EXPORTABLE(pool);
-  void* p = Shareable(*pool, 6 * kMiB);
-  absl::StatusOr<void*> next = pool->Allocate(2 * kMiB, 0);  // its own chunk, just above
+  void* p = MakeSpare(*pool, 6 * kMiB);
+  // Its own chunk just above the spare one (which it does not fill closely), then cached:
+  // 2 MiB, too small for what follows.
+  absl::StatusOr<void*> next = pool->Allocate(2 * kMiB, 0);
   ASSERT_OK(next);
   const auto start = reinterpret_cast<uintptr_t>(p);
   ASSERT_EQ(reinterpret_cast<uintptr_t>(*next), start + 6 * kMiB);
-  ASSERT_OK(pool->Free(*next));  // cached, 2 MiB: too small for what follows
-  const std::vector<ExportedChunk> sent = Send(*pool, p);
-  ASSERT_OK(pool->Free(p));
-  pool->SettleExport(sent, true);  // spare
+  ASSERT_OK(pool->Free(*next));
   absl::StatusOr<void*> q = pool->Allocate(5 * kMiB, 0);
   ASSERT_OK(q);
   EXPECT_EQ(*q, p) << "the spare chunk";
