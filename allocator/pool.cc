@@ -557,6 +557,7 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
   }
   for (const ChunkMap::Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
   stats_.num_chunk_moves += static_cast<int64_t>(moved.size());
+  stats_.moved_bytes += static_cast<int64_t>(reclaim.bytes);
   return absl::OkStatus();
 }
 

@@ -76,6 +76,7 @@ struct Stat {
     "exported chunks reused for a shareable block once every receiver released them")     \
   X(num_chunk_moves, "num_chunk_moves",                                                   \
     "free chunks unmapped and mapped again where a miss needed memory (no growth)")       \
+  X(moved_bytes, "moved_bytes", "bytes of the free chunks moved (num_chunk_moves' bytes)")  \
   X(num_sync_stream, "num_sync_stream",                                                   \
     "stream synchronisations before moving free memory that stream last used")
 

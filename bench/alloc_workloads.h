@@ -69,7 +69,12 @@ class JsonLine {
       return *this;
     }
     char buf[32];
-    std::snprintf(buf, sizeof(buf), "%.9g", value);
+    // Whole numbers (counts, bytes) in full; others to nine significant digits.
+    if (value == std::floor(value) && std::fabs(value) < 9.0e15) {
+      std::snprintf(buf, sizeof(buf), "%.0f", value);
+    } else {
+      std::snprintf(buf, sizeof(buf), "%.9g", value);
+    }
     fields_.emplace_back(key, buf);
     return *this;
   }
@@ -431,7 +436,9 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
 
   int64_t device_alloc = -1, device_free = -1;
   for (const auto& [count, delta] : counts) {
-    Result(bench, name, adapter.Name(), count, static_cast<double>(delta), "calls")
+    const bool bytes = count.size() > 6 && count.compare(count.size() - 6, 6, "_bytes") == 0;
+    Result(bench, name, adapter.Name(), count, static_cast<double>(delta),
+           bytes ? "bytes" : "calls")
         .Merge(common)
         .Print();
     if (count == "num_device_alloc") device_alloc = delta;
@@ -453,6 +460,16 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
         .Int("repetitions", options.warm_repetitions)
         .Merge(common)
         .Print();
+    // What a warm replay still asks of the driver (moves on the misses it has), on average.
+    for (const auto& [count, delta] : CountDeltas(after, end)) {
+      if (count != "driver_calls" && count != "moved_bytes") continue;
+      Result(bench, name, adapter.Name(), count + "_warm",
+             static_cast<double>(delta) / options.warm_repetitions,
+             count == "moved_bytes" ? "bytes" : "calls")
+          .Int("repetitions", options.warm_repetitions)
+          .Merge(common)
+          .Print();
+    }
   }
   if (summary != nullptr) {
     summary->peak_reserved = peak_reserved;

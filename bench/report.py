@@ -36,6 +36,8 @@ ALLOCATOR_ORDER = ["vmm", "torch_native", "torch_expandable", "torch_cuda_malloc
 # Metrics shown by default, in this order.
 MAIN_METRICS = ["ns_per_pair", "peak_reserved_over_peak_allocated", "num_device_alloc",
                 "num_device_free", "num_device_alloc_plus_free", "driver_calls",
+                "driver_create", "driver_map", "driver_unmap", "driver_release",
+                "driver_set_access", "moved_bytes", "driver_calls_warm", "moved_bytes_warm",
                 "ns_per_op_cold", "ns_per_op_warm", "grow_us", "grow_over_bare", "release_us"]
 # Fields that tell configurations of one allocator apart.
 CONFIG_FIELDS = ["growth_fraction", "max_growth_extra_mib", "max_chunk_mib", "large_page_mib"]
@@ -73,6 +75,8 @@ def fmt(value, unit):
         return "—"
     if unit == "x":
         return f"{value:.4f}"
+    if unit == "bytes":
+        return f"{value / 2**30:,.2f} GiB"
     if unit == "calls" or float(value).is_integer():
         return f"{value:,.0f}"
     return f"{value:,.1f}" if abs(value) < 1000 else f"{value:,.0f}"
@@ -179,7 +183,7 @@ def tables(records, show_all=False):
                 vmm = [v for c, v in medians.items() if c.split(" [")[0] == "vmm"]
                 marks = " ".join("✓" if check(v) else "✗" for v in vmm)
                 met = f"{text} {marks}".strip()
-            unit_text = f" ({unit})" if unit and unit != "calls" else ""
+            unit_text = f" ({unit})" if unit and unit not in ("calls", "bytes") else ""
             lines.append(f"| {name} | {metric}{unit_text} | " + " | ".join(cells) + f" | {met} |")
         lines.append("")
     return "\n".join(lines)

@@ -15,7 +15,10 @@ for name in $names; do
   [[ -s "$tmp/traces/$name.txt" ]] || { echo "no trace $name"; exit 1; }
   grep -q '"metric": "ns_per_op_warm"' "$tmp/out/$name.vmm.jsonl" ||
     { echo "no replay results for $name:"; cat "$tmp/out/$name.vmm.jsonl"; exit 1; }
-  grep -q "^| trace_replay/$name | peak_reserved_over_peak_allocated (x) | [0-9.]* |" \
-    "$tmp/out/report.md" || { echo "no row for $name:"; cat "$tmp/out/report.md"; exit 1; }
+  for row in "peak_reserved_over_peak_allocated (x) | [0-9.]*" "driver_map | [0-9,]*" \
+    "moved_bytes | [0-9.,]* GiB" "driver_calls_warm | [0-9.,]*"; do
+    grep -q "^| trace_replay/$name | $row |" "$tmp/out/report.md" ||
+      { echo "no row '$row' for $name:"; cat "$tmp/out/report.md"; exit 1; }
+  done
 done
 echo PASS

@@ -94,6 +94,7 @@ class VmmAdapter {
                   {"driver_release", s.driver_release},
                   {"driver_event", s.driver_event},
                   {"num_chunk_moves", s.num_chunk_moves},
+                  {"moved_bytes", s.moved_bytes},
                   {"num_sync_stream", s.num_sync_stream}};
     return out;
   }

@@ -190,12 +190,14 @@ TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
   // Five pages at the end: four moved from the hole, which becomes a gap, and one created.
   void* first = Alloc(*pool, 5 * kPage);
   ASSERT_EQ(pool->GetStats().num_chunk_moves, 4);
+  EXPECT_EQ(pool->GetStats().moved_bytes, static_cast<int64_t>(4 * kPage));
   for (int i : {1, 2, 7, 8}) ASSERT_OK(pool->Free(pages[i]));
   const PoolStats before = pool->GetStats();
   void* second = Alloc(*pool, 5 * kPage);
   std::memset(second, 0xee, 5 * kPage);
   const PoolStats after = pool->GetStats();
   EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 4);
+  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(4 * kPage));
   EXPECT_EQ(after.driver_create - before.driver_create, 1);
   EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
             static_cast<int64_t>(kPage));
