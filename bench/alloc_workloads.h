@@ -358,6 +358,14 @@ struct ReplayOptions {
   bool poll_reserved = false;
 };
 
+// The unit of an adapter's count: "bytes" for names ending in "_bytes", "ns" for driver
+// times ("driver_ns*"), else "calls".
+inline const char* CountUnit(const std::string& count) {
+  if (count.size() > 6 && count.compare(count.size() - 6, 6, "_bytes") == 0) return "bytes";
+  if (count.compare(0, 9, "driver_ns") == 0) return "ns";
+  return "calls";
+}
+
 namespace internal {
 
 // One pass over the trace. Blocks still live at the end are freed. Returns the seconds taken
@@ -436,9 +444,7 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
 
   int64_t device_alloc = -1, device_free = -1;
   for (const auto& [count, delta] : counts) {
-    const bool bytes = count.size() > 6 && count.compare(count.size() - 6, 6, "_bytes") == 0;
-    Result(bench, name, adapter.Name(), count, static_cast<double>(delta),
-           bytes ? "bytes" : "calls")
+    Result(bench, name, adapter.Name(), count, static_cast<double>(delta), CountUnit(count))
         .Merge(common)
         .Print();
     if (count == "num_device_alloc") device_alloc = delta;
@@ -462,14 +468,28 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
         .Print();
     // What a warm replay still asks of the driver (moves on the misses it has), on average.
     for (const auto& [count, delta] : CountDeltas(after, end)) {
-      if (count != "driver_calls" && count != "moved_bytes") continue;
-      Result(bench, name, adapter.Name(), count + "_warm",
-             static_cast<double>(delta) / options.warm_repetitions,
-             count == "moved_bytes" ? "bytes" : "calls")
+      if (count != "driver_calls" && count != "moved_bytes" && count != "driver_ns") continue;
+      const double per_replay = static_cast<double>(delta) / options.warm_repetitions;
+      Result(bench, name, adapter.Name(), count + "_warm", per_replay, CountUnit(count))
           .Int("repetitions", options.warm_repetitions)
           .Merge(common)
           .Print();
+      if (count == "driver_ns") {
+        Result(bench, name, adapter.Name(), "driver_ns_per_op_warm",
+               per_replay / static_cast<double>(trace.ops.size()), "ns")
+            .Int("repetitions", options.warm_repetitions)
+            .Merge(common)
+            .Print();
+      }
     }
+  }
+  for (const auto& [count, delta] : counts) {
+    if (count != "driver_ns") continue;
+    // The part of ns_per_op_cold spent in the driver's calls.
+    Result(bench, name, adapter.Name(), "driver_ns_per_op_cold",
+           static_cast<double>(delta) / static_cast<double>(trace.ops.size()), "ns")
+        .Merge(common)
+        .Print();
   }
   if (summary != nullptr) {
     summary->peak_reserved = peak_reserved;

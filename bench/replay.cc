@@ -142,7 +142,9 @@ int main(int argc, char** argv) {
       if (absl::GetFlag(FLAGS_max_chunk_mib) > 0) {
         options.max_chunk = static_cast<size_t>(absl::GetFlag(FLAGS_max_chunk_mib)) * kMiB;
       }
-      vmm_bench::VmmAdapter adapter(*driver, options, absl::GetFlag(FLAGS_label));
+      vmm_bench::TimedDriver timed(*driver);
+      vmm_bench::VmmAdapter adapter(&timed, options, absl::GetFlag(FLAGS_label));
+      adapter.ReportDriverTimes(&timed);
       if (absl::Status s = adapter.Init(); !s.ok()) {
         std::fprintf(stderr, "replay: creating the pool: %s\n", s.ToString().c_str());
         return 1;

@@ -21,6 +21,7 @@
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
 #include "bench/alloc_workloads.h"
+#include "bench/timed_driver.h"
 
 namespace vmm_bench {
 
@@ -77,6 +78,10 @@ class VmmAdapter {
     if (!s.ok()) std::fprintf(stderr, "%s: Free: %s\n", name_.c_str(), s.ToString().c_str());
   }
 
+  // Also report the nanoseconds `timed` (the driver the pool was given, or one it forwards
+  // to) spent in the pool's driver calls, as counts named "driver_ns*" (timed_driver.h).
+  void ReportDriverTimes(const TimedDriver* timed) { timed_ = timed; }
+
   AllocStats Stats() const {
     const vmm::PoolStats s = pool_->GetStats();
     AllocStats out;
@@ -96,6 +101,9 @@ class VmmAdapter {
                   {"num_chunk_moves", s.num_chunk_moves},
                   {"moved_bytes", s.moved_bytes},
                   {"num_sync_stream", s.num_sync_stream}};
+    if (timed_ != nullptr) {
+      for (auto& time : timed_->Times()) out.counts.push_back(std::move(time));
+    }
     return out;
   }
 
@@ -113,6 +121,7 @@ class VmmAdapter {
   const vmm::PoolOptions options_;
   const std::string name_;
   std::unique_ptr<vmm::Pool> pool_;
+  const TimedDriver* timed_ = nullptr;
 };
 
 }  // namespace vmm_bench

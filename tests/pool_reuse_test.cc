@@ -17,7 +17,7 @@
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
 #include "gmock/gmock.h"
-#include "tests/forwarding_driver.h"
+#include "allocator/forwarding_driver.h"
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"

@@ -43,7 +43,7 @@
 #include "allocator/kept_handles.h"
 #include "allocator/pool.h"
 #include "gmock/gmock.h"
-#include "tests/forwarding_driver.h"
+#include "allocator/forwarding_driver.h"
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"

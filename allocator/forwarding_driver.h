@@ -1,7 +1,8 @@
-// forwarding_driver.h: a Driver that passes every call to another, for tests that change or
-// count one call (subclass it and override that call, calling ForwardingDriver's).
-#ifndef VMM_TESTS_FORWARDING_DRIVER_H_
-#define VMM_TESTS_FORWARDING_DRIVER_H_
+// forwarding_driver.h: a Driver that passes every call to another, for tests and benchmarks
+// that change, count or time some calls (subclass it and override those calls, calling
+// ForwardingDriver's). It owns nothing; the inner driver must outlive it.
+#ifndef VMM_ALLOCATOR_FORWARDING_DRIVER_H_
+#define VMM_ALLOCATOR_FORWARDING_DRIVER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -69,4 +70,4 @@ class ForwardingDriver : public Driver {
 
 }  // namespace vmm
 
-#endif  // VMM_TESTS_FORWARDING_DRIVER_H_
+#endif  // VMM_ALLOCATOR_FORWARDING_DRIVER_H_
