@@ -100,6 +100,12 @@ absl::Status Pool::Init() {
   options_.max_chunk = std::max(granularity_, options_.max_chunk / granularity_ * granularity_);
   options_.small_chunk = RoundUp(options_.small_chunk, granularity_);
   options_.large_page = RoundUp(options_.large_page, granularity_);
+  // Whole pages, at least one and at most what max_chunk holds (pool_options.h).
+  if (options_.large_page != 0) {
+    const size_t most = std::max(options_.large_page, options_.max_chunk);
+    options_.growth_page = std::clamp(options_.growth_page, options_.large_page, most) /
+                           options_.large_page * options_.large_page;
+  }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   size_t reserve = options_.reserve_size;
   if (reserve == 0) reserve = 2 * info.total;
@@ -475,7 +481,8 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
           "growing by ", FormatBytes(fresh), " would pass the pool's memory limit of ",
           FormatBytes(memory_limit_)));
     }
-    return chunks_.MapRange(p.addr + moved, fresh, dedicated, stats_, paged ? page : 0);
+    return chunks_.MapRange(p.addr + moved, fresh, dedicated, stats_,
+                            paged ? GrowthChunk(n, unit) : 0);
   };
   absl::Status mapped = try_map(*plan);
   if (!mapped.ok() && plan->len > needed) {
@@ -507,6 +514,17 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   }
   if (plan->len > moved) ++stats_.num_device_alloc;
   return arena.CommitGrowth(*plan, stream, dedicated);
+}
+
+size_t Pool::GrowthChunk(size_t n, size_t unit) const {
+  const size_t page = options_.large_page;
+  // A growth planned to granularity (no gap held the request in whole pages) stays in pages.
+  if (moved_memory_ || unit != page) return page;
+  // The largest power-of-two number of pages within the request and growth_page: chunks of
+  // a few sizes, each a whole number of the smaller ones, which later moves can combine.
+  size_t chunk = page;
+  while (chunk * 2 <= std::min(n, options_.growth_page)) chunk *= 2;
+  return chunk;
 }
 
 absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream stream) {
@@ -556,6 +574,7 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
     return s;
   }
   for (const ChunkMap::Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
+  moved_memory_ = true;
   stats_.num_chunk_moves += static_cast<int64_t>(moved.size());
   stats_.moved_bytes += static_cast<int64_t>(reclaim.bytes);
   return absl::OkStatus();

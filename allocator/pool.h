@@ -15,13 +15,15 @@
 // pool that keeps growing makes few driver calls while the overshoot stays a small fraction of
 // its size, and a growth is backed by physical chunks of at most `max_chunk` bytes; with pages
 // it is exact, in whole chunks of `large_page` (to granularity, the last one shorter, only where
-// no gap of the range holds the request in whole pages). Near a memory limit, a fraction cap or
+// no gap of the range holds the request in whole pages), or, until a miss first moves memory,
+// in chunks of up to `growth_page` (pool_options.h). Near a memory limit, a fraction cap or
 // the GPU's capacity the rounding to pages counts: a request within a page of the limit can
 // fail (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk` at a time.
 //
 // Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
 // made without an export observer, pool_options.h), the large arena grows in chunks of
-// exactly that size, and a miss that would grow first takes pages wholly inside free blocks
+// that size (of several pages before the first move), and a miss that would grow first takes
+// chunks wholly inside free blocks
 // elsewhere in the arena: each is unmapped there and mapped where the request goes (one
 // SetAccess for the range), so the pool's physical memory grows only by what free pages
 // cannot cover. Never exported,
@@ -325,6 +327,10 @@ class Pool {
   // Maps new memory so that `arena` can fit `n` bytes for `stream`; returns the free block.
   absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The size of the chunks a paged growth of a request of `n` bytes, planned in `unit`s,
+  // creates: large_page, or while the pool has never moved memory the largest power-of-two
+  // number of pages within `n` and growth_page (pool_options.h).
+  size_t GrowthChunk(size_t n, size_t unit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the chosen free chunks (reclaim_policy.h) end to end from `to`, granting access
   // once; synchronises `stream` first when the choice says so. On failure the chunks are
   // moved back (or released, their places made gaps) and the error returned.
@@ -416,6 +422,9 @@ class Pool {
   // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it
   // was set (a path that forgot to ask), for CheckInvariants.
   bool keep_memory_ ABSL_GUARDED_BY(mu_) = false;
+  // Whether a miss has moved memory yet: until then paged growths use chunks of up to
+  // growth_page (pool_options.h).
+  bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
   int64_t released_while_kept_ ABSL_GUARDED_BY(mu_) = 0;
   // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
   // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:

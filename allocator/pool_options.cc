@@ -26,6 +26,7 @@ constexpr SizeKey kSizeKeys[] = {
     {"max_growth_extra", &PoolOptions::max_growth_extra},
     {"max_chunk", &PoolOptions::max_chunk},
     {"large_page", &PoolOptions::large_page},
+    {"growth_page", &PoolOptions::growth_page},
     {"spare_export_bytes", &PoolOptions::spare_export_bytes},
 };
 
@@ -62,7 +63,8 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
   }
   for (const SizeKey& k : kSizeKeys) {
     if (key != k.name) continue;
-    if (value == "auto" && (key == "small_size" || key == "large_page")) {
+    if (value == "auto" && (key == "small_size" || key == "large_page" ||
+                            key == "growth_page")) {
       o.*k.field = kAutoSize;
       return absl::OkStatus();
     }
@@ -87,13 +89,14 @@ PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
   if (out.small_size == kAutoSize) {
     out.small_size = out.large_page != 0 ? size_t{256} << 10 : size_t{1} << 20;
   }
+  if (out.growth_page == kAutoSize) out.growth_page = 4 * out.large_page;
   return out;
 }
 
 absl::string_view PoolOptionKeys() {
   return "handle_type, reserve_size, memory_limit, release_threshold, small_size, small_chunk, "
-         "growth_fraction, max_growth_extra, max_chunk, large_page, peer_devices, "
-         "spare_export_bytes";
+         "growth_fraction, max_growth_extra, max_chunk, large_page, growth_page, "
+         "peer_devices, spare_export_bytes";
 }
 
 absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,

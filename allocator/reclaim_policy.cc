@@ -25,7 +25,7 @@ void ForEachMovableChunk(const ReclaimRequest& r, const Block* b, F&& take) {
     if (c->first < b->addr) return;
     const bool inside = c->first + chunk.size <= b->end();
     if (inside && !chunk.exported && !chunk.dedicated && !chunk.spare && !chunk.observed &&
-        chunk.size == r.page) {
+        chunk.size % r.page == 0) {
       if (!take(c->first, chunk)) return;
     }
     if (c == r.chunks->begin()) return;

@@ -6,8 +6,9 @@
 // that back free space elsewhere in the large arena: each such chunk is unmapped where it is
 // and mapped where the request goes (Pool::Grow, ChunkMap::Move), so the pool's physical
 // memory does not grow while free memory it already holds could serve the request. The large
-// arena's growth is made of chunks of exactly `large_page` bytes (pool_options.h) so that
-// free space there becomes movable page by page.
+// arena's growth is made of chunks of `large_page` bytes (pool_options.h) so that free space
+// there becomes movable page by page; until the pool first moves memory, of chunks of up to
+// `growth_page` (a power-of-two number of pages), which move whole.
 //
 // Invariants (each policy must keep them; the pool relies on them):
 //   1. Only chunks wholly inside one free (kFree) block are taken: nothing allocated, pending,
@@ -22,9 +23,11 @@
 //      tagged with other streams are never taken: their work is not known complete.
 //   4. Not from the free blocks the growth plan attaches to (its gap's neighbours): the plan
 //      extends them, and taking memory out of them would change the plan.
-//   5. Only chunks of exactly `page` bytes (large_page: what the large arena grows by, so
-//      free space there is made of them), laid end to end from the start of the planned
-//      range; they add up to no more than it needs (the rest is created fresh).
+//   5. Only chunks of a whole number of `page` bytes (large_page: what the large arena grows
+//      by, so free space there is made of them; growth_page chunks hold several), each moved
+//      whole, laid end to end from the start of the planned range; they add up to no more
+//      than it needs (the rest is created fresh), so a chunk larger than what is still
+//      needed stays where it is.
 //   6. Nothing while the pool keeps its memory (Pool::SetKeepMemory: a captured graph may
 //      write to free addresses), nor for blocks that get chunks of their own (shareable).
 //      (6 is checked by the pool before it asks.)

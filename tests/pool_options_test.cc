@@ -105,6 +105,27 @@ TEST(PoolOptionsTest, LargePageAndSmallSizeAreLeftToThePoolUnlessTold) {
   EXPECT_FALSE(ParsePoolOptions("max_chunk=auto").ok());
 }
 
+// The chunks of a pool's growths before it first moves memory (pool_options.h growth_page):
+// four pages unless told, none for a pool without pages; "auto" gives it back to the pool, a
+// malformed size is refused naming the option.
+TEST(PoolOptionsTest, GrowthPageIsFourPagesUnlessTold) {
+  EXPECT_EQ(PoolOptions().growth_page, kAutoSize);
+  EXPECT_EQ(ResolveAutoSizes(PoolOptions(), /*exportable=*/false).growth_page, size_t{32} << 20);
+  EXPECT_EQ(ResolveAutoSizes(PoolOptions(), /*exportable=*/true).growth_page, 0u);
+  absl::StatusOr<PoolOptions> o = ParsePoolOptions("large_page=4M");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/false).growth_page, size_t{16} << 20);
+  o = ParsePoolOptions("growth_page=64M", *o);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/false).growth_page, size_t{64} << 20);
+  o = ParsePoolOptions("growth_page=auto", *o);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->growth_page, kAutoSize);
+  o = ParsePoolOptions("growth_page=lots");
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("growth_page"));
+}
+
 // Exported chunks kept for reuse (pool.h): no cap unless told; 0 turns the reuse off.
 TEST(PoolOptionsTest, SpareExportBytesDefaultsToNoCapAndMayBeZero) {
   EXPECT_EQ(PoolOptions().spare_export_bytes, SIZE_MAX);

@@ -916,9 +916,12 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
 // them one by one, so one failure holds back none of them.
 TEST_F(ReclaimAttack, AFailedUnmapOfARunIsRetriedPageByPage) {
   auto pool = MakePool();
-  void* run = AllocateOrFail(*pool, 32 * kMiB, 0);  // four 8 MiB pages
+  // Four 8 MiB pages side by side (allocated one by one: a fresh pool would make one 32 MiB
+  // request a single chunk, pool_options.h growth_page), freed into one block.
+  std::vector<void*> run;
+  for (int i = 0; i < 4; ++i) run.push_back(AllocateOrFail(*pool, 8 * kMiB, 0));
   void* kept = AllocateOrFail(*pool, 8 * kMiB, 0);
-  ASSERT_OK(pool->Free(run));
+  for (void* p : run) ASSERT_OK(pool->Free(p));
   const PoolStats before = pool->GetStats();
   driver_->Arm(kUnmap, /*skip=*/0, /*persistent=*/false);
   ASSERT_OK(pool->EmptyCache());

@@ -34,11 +34,15 @@ class ReclaimTest : public ::testing::Test {
     driver_ = owned_.get();
   }
 
-  // Exact growth in pages of kPage, so that the tests can predict the reserved bytes.
-  std::unique_ptr<Pool> MakePool(ExportObserver* observer = nullptr) {
+  // Exact growth in pages of kPage, so that the tests can predict the reserved bytes; every
+  // chunk one page (growth_page), so that they can predict the pages each hole holds.
+  // `growth_page` 0: the default, chunks of up to four pages until the first move.
+  std::unique_ptr<Pool> MakePool(ExportObserver* observer = nullptr,
+                                 size_t growth_page = kPage) {
     PoolOptions options;
     options.growth_fraction = 0;
     options.large_page = kPage;
+    if (growth_page != 0) options.growth_page = growth_page;
     options.reserve_size = 1024 * kMiB;
     return CreatePoolOrFail(driver_, options, observer);
   }
@@ -83,6 +87,7 @@ bool Filled(const void* p, size_t n, unsigned char value) {
 TEST_F(ReclaimTest, PagedGrowthMapsOnlyWhatTheRequestNeeds) {
   PoolOptions options;
   options.large_page = kPage;
+  options.growth_page = kPage;  // one chunk per page
   options.growth_fraction = 0.5;
   options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(driver_, options);
@@ -101,16 +106,19 @@ TEST_F(ReclaimTest, DefaultsPageTheLargeArenaAndKeepTheSmallArenaSmall) {
   options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(driver_, options);
   ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->options().large_page, 8 * kMiB);
+  EXPECT_EQ(pool->options().growth_page, 32 * kMiB);
   void* tiny = Alloc(*pool, 256 * 1024);
   void* kv_page = Alloc(*pool, 512 * 1024);
   EXPECT_TRUE(pool->InSmallArena(tiny));
   EXPECT_FALSE(pool->InSmallArena(kv_page));
-  // The rest of kv_page's 8 MiB page and two more pages.
+  // The rest of kv_page's 8 MiB page and two more pages, as one chunk: the pool has not
+  // moved memory yet, and 16 MiB is the largest power-of-two number of pages within 20 MiB.
   void* big = Alloc(*pool, 20 * kMiB);
   const PoolStats stats = pool->GetStats();
-  // The small arena's 2 MiB chunk, then three 8 MiB pages.
+  // The small arena's 2 MiB chunk, an 8 MiB page and a chunk of two pages.
   EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(26 * kMiB));
-  EXPECT_EQ(stats.segment.current, 4);
+  EXPECT_EQ(stats.segment.current, 3);
   for (void* p : {tiny, kv_page, big}) EXPECT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
 }
@@ -280,6 +288,112 @@ TEST_F(ReclaimTest, AMissTakesWhollyFreePagesInsteadOfGrowing) {
   EXPECT_OK(pool->CheckInvariants());
   ASSERT_OK(pool->EmptyCache());
   EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+}
+
+// Until a miss first moves memory, a paged growth is made of chunks of the largest
+// power-of-two number of pages within the request and growth_page (pool_options.h); after it,
+// of single pages.
+TEST_F(ReclaimTest, AFreshPoolGrowsInChunksOfSeveralPagesUntilItFirstMoves) {
+  auto pool = MakePool(nullptr, 4 * kPage);
+  void* four = Alloc(*pool, 4 * kPage);  // one chunk of four pages
+  EXPECT_EQ(pool->GetStats().segment.current, 1);
+  void* three = Alloc(*pool, 3 * kPage);  // two pages, then one
+  EXPECT_EQ(pool->GetStats().segment.current, 3);
+  void* nine = Alloc(*pool, 9 * kPage);  // growth_page caps it: four, four, one
+  EXPECT_EQ(pool->GetStats().segment.current, 6);
+  EXPECT_EQ(pool->GetStats().driver_create, 6);
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(16 * kPage));
+  // The first move: `three`'s pages go where a request of four pages needs them.
+  ASSERT_OK(pool->Free(three));
+  const PoolStats before = pool->GetStats();
+  void* moved_to = Alloc(*pool, 4 * kPage);
+  PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
+  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(3 * kPage));
+  EXPECT_EQ(after.driver_create - before.driver_create, 1);  // the fourth page
+  // From now on growth is in single pages.
+  void* fresh = Alloc(*pool, 4 * kPage);
+  const PoolStats last = pool->GetStats();
+  EXPECT_EQ(last.driver_create - after.driver_create, 4);
+  EXPECT_EQ(last.segment.current - after.segment.current, 4);
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {four, nine, moved_to, fresh}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A chunk of several pages wholly inside a free block moves whole, one Map for all its pages;
+// one larger than what the plan still needs stays where it is (reclaim_policy.h, invariant 5).
+TEST_F(ReclaimTest, AChunkOfSeveralPagesMovesWholeOrNotAtAll) {
+  auto pool = MakePool(nullptr, 4 * kPage);
+  void* x = Alloc(*pool, 4 * kPage);  // one chunk of four pages
+  void* y = Alloc(*pool, kPage);
+  void* z = Alloc(*pool, 3 * kPage);  // chunks of two pages and one
+  void* w = Alloc(*pool, kPage);
+  std::memset(y, 0x11, kPage);
+  std::memset(w, 0x22, kPage);
+  ASSERT_OK(pool->Free(x));
+  ASSERT_OK(pool->Free(z));
+  // Five pages fit neither hole (four, three). The smaller hole goes first: its two chunks
+  // (three pages) move, x's chunk of four would pass the two pages still needed and stays;
+  // two pages are created.
+  PoolStats before = pool->GetStats();
+  void* five = Alloc(*pool, 5 * kPage);
+  std::memset(five, 0x55, 5 * kPage);
+  PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
+  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(3 * kPage));
+  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
+            static_cast<int64_t>(2 * kPage));
+  // x's hole is still mapped: four pages fit it without a driver call.
+  before = after;
+  void* again = Alloc(*pool, 4 * kPage);
+  EXPECT_EQ(again, x);
+  after = pool->GetStats();
+  EXPECT_EQ(after.driver_create + after.driver_map, before.driver_create + before.driver_map);
+  std::memset(again, 0x44, 4 * kPage);
+  // Freed again, x's chunk serves a request of six pages elsewhere with one Map.
+  ASSERT_OK(pool->Free(again));
+  before = pool->GetStats();
+  void* six = Alloc(*pool, 6 * kPage);
+  std::memset(six, 0x66, 6 * kPage);
+  after = pool->GetStats();
+  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 1);
+  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(4 * kPage));
+  EXPECT_EQ(after.driver_create - before.driver_create, 2);
+  EXPECT_EQ(after.driver_map - before.driver_map, 3);  // the moved chunk, two fresh pages
+  EXPECT_TRUE(Filled(y, kPage, 0x11));
+  EXPECT_TRUE(Filled(w, kPage, 0x22));
+  EXPECT_TRUE(Filled(five, 5 * kPage, 0x55));
+  EXPECT_TRUE(Filled(six, 6 * kPage, 0x66));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {y, w, five, six}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// growth_page is rounded down to whole pages, raised to one page and capped by max_chunk.
+TEST_F(ReclaimTest, GrowthPageIsWholePagesWithinMaxChunk) {
+  struct Case {
+    size_t growth_page;
+    size_t max_chunk;
+    size_t expected;
+  };
+  for (const Case& c : {Case{6 * kPage + kMiB, 64 * kPage, 6 * kPage},
+                        Case{kMiB, 64 * kPage, kPage}, Case{0, 64 * kPage, kPage},
+                        Case{64 * kPage, 5 * kPage, 5 * kPage},
+                        Case{SIZE_MAX - 1, 8 * kPage, 8 * kPage}}) {
+    SCOPED_TRACE(c.growth_page);
+    PoolOptions options;
+    options.large_page = kPage;
+    options.growth_page = c.growth_page;
+    options.max_chunk = c.max_chunk;
+    options.reserve_size = 1024 * kMiB;
+    auto pool = CreatePoolOrFail(driver_, options);
+    ASSERT_NE(pool, nullptr);
+    EXPECT_EQ(pool->options().growth_page, c.expected);
+    void* p = Alloc(*pool, 16 * kPage);
+    EXPECT_OK(pool->CheckInvariants());
+    ASSERT_OK(pool->Free(p));
+  }
 }
 
 TEST_F(ReclaimTest, OnlyWhatIsMissingIsCreated) {

@@ -20,9 +20,9 @@
  * Options are "key=value" pairs separated by commas, e.g. "handle_type=posix_fd,
  * memory_limit=40G,peer_devices=1:2" (allocator/pool_options.h: keys handle_type
  * (auto|none|posix_fd|fabric), reserve_size, memory_limit, release_threshold, small_size,
- * small_chunk, growth_fraction, max_growth_extra, max_chunk, large_page, peer_devices,
- * spare_export_bytes). Sizes accept K, M, G and T suffixes (powers of
- * 1024; "64MiB" and "2KB" too; small_size and large_page also "auto"). An unknown key, a key
+ * small_chunk, growth_fraction, max_growth_extra, max_chunk, large_page, growth_page,
+ * peer_devices, spare_export_bytes). Sizes accept K, M, G and T suffixes (powers of
+ * 1024; "64MiB" and "2KB" too; small_size, large_page and growth_page also "auto"). An unknown key, a key
  * given twice or a malformed value (also "1 K" or "+5") is an error naming it.
  * Every pool of this interface grows in single chunks (large_page=0) unless told; device pools
  * (the registered allocator) also default to growth_fraction=0 (exact growth, the smallest

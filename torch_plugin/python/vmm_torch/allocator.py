@@ -132,7 +132,8 @@ def enable(**options: Any) -> None:
       ``large_page`` (grow in pages of this size, and move free pages to where a miss needs
       memory instead of growing: less memory stranded in holes, more driver calls, and a
       tensor sent in place spans one handle per page; off unless given, "8M" is the C++
-      pools' default).
+      pools' default), ``growth_page`` (with pages: the largest chunk a growth makes before
+      the pool first moves memory, four pages unless given).
     - ``growth_fraction``: grow by at least this fraction of what is reserved (0..1).
     - ``peer_devices``: list of other device indices granted access to the memory.
 
