@@ -12,7 +12,7 @@
 //     `max_growth_extra`, rounded down to granularity (growth_fraction 0: exact growth);
 //   - large arena in pages (large_page set): exact growth. Extra pages would only be free
 //     memory that the next misses take by moving anyway (reclaim_policy.h), and they would
-//     show in peak reserved; each page costs its own create and map either way.
+//     show in peak reserved; the chunks they would come in cost their driver calls either way.
 // A new policy is a new implementation of GrowthExtra in this file.
 #ifndef VMM_ALLOCATOR_GROWTH_POLICY_H_
 #define VMM_ALLOCATOR_GROWTH_POLICY_H_

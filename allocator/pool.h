@@ -327,10 +327,11 @@ class Pool {
   // Maps new memory so that `arena` can fit `n` bytes for `stream`; returns the free block.
   absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The size of the chunks a paged growth of a request of `n` bytes, planned in `unit`s,
-  // creates: large_page, or while the pool has never moved memory the largest power-of-two
-  // number of pages within `n` and growth_page (pool_options.h).
-  size_t GrowthChunk(size_t n, size_t unit) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The largest chunk a paged growth of `fresh` new bytes for a request of `n`, planned in
+  // `unit`s, creates: large_page; or, until the pool first moves memory or runs short of it,
+  // and while it holds at most half of what it may, the largest power-of-two number of pages
+  // within `n` and growth_page (pool_options.h; the growth's last chunk is what is left). Asks the driver for the device's free memory.
+  size_t GrowthChunk(size_t n, size_t unit, size_t fresh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the chosen free chunks (reclaim_policy.h) end to end from `to`, granting access
   // once; synchronises `stream` first when the choice says so. On failure the chunks are
   // moved back (or released, their places made gaps) and the error returned.
@@ -422,9 +423,9 @@ class Pool {
   // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it
   // was set (a path that forgot to ask), for CheckInvariants.
   bool keep_memory_ ABSL_GUARDED_BY(mu_) = false;
-  // Whether a miss has moved memory yet: until then paged growths use chunks of up to
-  // growth_page (pool_options.h).
-  bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
+  // Set once a miss has moved memory or a growth failed for lack of memory: from then on
+  // paged growth is in single pages (GrowthChunk; pool_options.h growth_page). Never reset.
+  bool single_pages_ ABSL_GUARDED_BY(mu_) = false;
   int64_t released_while_kept_ ABSL_GUARDED_BY(mu_) = 0;
   // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
   // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:

@@ -56,11 +56,11 @@ struct PoolOptions {
   // faster than to several (on an H200, SetAccess over 8 GiB took 0.32 ms as one allocation,
   // 0.70 ms as eight of 1 GiB). The cost is that a chunk is released only when all of it is free.
   size_t max_chunk = size_t{64} << 30;
-  // Size of every physical chunk behind the large arena's growth (rounded to granularity; 0:
-  // off, growths are chunks of up to max_chunk, grown by growth_fraction). Memory of this size
-  // is what a miss can take from free space elsewhere in the pool instead of growing it
-  // (reclaim_policy.h): a chunk wholly inside a free block is unmapped there and mapped where
-  // the request goes; paged growth is exact (growth_fraction and max_growth_extra do not
+  // Size of the physical chunks behind the large arena's growth, its pages (rounded to
+  // granularity; 0: off, growths are chunks of up to max_chunk, grown by growth_fraction; see
+  // also growth_page). Memory in such chunks is what a miss can take from free space elsewhere
+  // in the pool instead of growing it (reclaim_policy.h): a chunk wholly inside a free block
+  // is unmapped there and mapped where the request goes; paged growth is exact (growth_fraction and max_growth_extra do not
   // apply). Smaller pages leave less free memory stranded in partly used chunks; larger ones
   // make fewer driver calls per byte grown or moved, and give an exported block fewer handles.
   // 8 MiB kept peak reserved / peak allocated within 1.000-1.014 on every trace of
@@ -72,16 +72,23 @@ struct PoolOptions {
   // Blocks from AllocateShareable keep chunks of their own (max_chunk at most).
   size_t large_page = kAutoSize;
   // Largest chunk of a paged growth made before the pool first moves memory (large_page set;
-  // rounded down to a whole number of pages). A pool that has never needed to move memory is
-  // filling up (a model loading, the first steps of a loop) and what it frees serves its later
-  // requests as it lies, so its growths are made of chunks of up to this size: on the GPU the
-  // driver's cost is per physical allocation (an H200 spent about 30 us granting access and
-  // 15 us creating per chunk, whatever its size, bench/replay's driver_ns), so fewer, larger
-  // chunks grow the pool several times faster. Once a miss has moved memory the workload
-  // churns, and growth is in single pages, which strand the least. Chunks of several pages
-  // stay movable, whole (reclaim_policy.h). kAutoSize (the default): four pages; large_page
-  // or less: every chunk one page (bench/traces.py: the training trace's growth takes 1,338
-  // driver calls instead of 4,816; the other traces' peak ratios within +-0.003 at seed 0).
+  // rounded down to whole pages, at least one, at most max_chunk; 0 without pages). A pool
+  // that has never needed to move memory is filling up (a model loading, the first steps of
+  // a loop) and what it frees serves its later requests as it lies, so its growths are made
+  // of chunks of the largest power-of-two number of pages within the request and this size
+  // (the last one what is left):
+  // on the GPU the driver's cost is per physical allocation (an H200 spent about 30 us
+  // granting access and 15-35 us creating per chunk, whatever its size: bench/replay's
+  // driver_ns), so fewer, larger chunks grow the pool several times faster. Such a chunk
+  // moves and is released only whole, so a small block left in one keeps the rest of it:
+  // once a miss has moved memory (the workload churns), once a growth has failed for lack of
+  // memory, and for any growth that would take the pool past half of what it may hold (its
+  // memory_limit, its share of a memory fraction, the device's free memory), growth is in
+  // single pages, which strand the least. The switch is never undone (not by EmptyCache).
+  // kAutoSize (the default): four pages, one for a pool made to export (an exported block
+  // retires the whole of the chunks it spans); large_page or less: every chunk one page.
+  // (bench/traces.py, host replay at seed 0: the training trace grows with 1,338 driver calls
+  // instead of 4,816; the other traces' peak ratios move by at most 0.003.)
   size_t growth_page = kAutoSize;
   // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
@@ -107,7 +114,8 @@ struct PoolOptions {
 
 // `options` with its kAutoSize fields decided (Pool::Create calls it): large_page 8 MiB, or 0
 // for a pool made to export (`exportable`); small_size 256 KiB where the large arena then
-// pages, else 1 MiB; growth_page four times large_page. Fields given explicitly are kept.
+// pages, else 1 MiB. Fields given explicitly are kept. growth_page stays kAutoSize: the pool
+// decides it once its page is rounded to the granularity (Pool::Init).
 PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable);
 
 // The keys ParsePoolOptions accepts, comma separated, for messages and documentation.

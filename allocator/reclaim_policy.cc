@@ -52,17 +52,76 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
     return std::make_tuple(a.needs_sync, a.block->size, a.block->addr) <
            std::make_tuple(b.needs_sync, b.block->size, b.block->addr);
   });
+  // Every movable chunk in that order, for the second pass.
+  struct Candidate {
+    uintptr_t addr;
+    size_t size;
+    bool needs_sync;
+  };
+  std::vector<Candidate> candidates;
+  bool passed_over = false;  // a chunk that did not fit what was still needed
   for (const Source& s : sources) {
     ForEachMovableChunk(r, s.block, [&](uintptr_t addr, const Chunk& chunk) {
-      if (choice.bytes + chunk.size > r.needed) return true;
+      candidates.push_back(Candidate{addr, chunk.size, s.needs_sync});
+      if (choice.bytes + chunk.size > r.needed) {
+        passed_over = true;
+        return true;
+      }
       choice.chunks.push_back(addr);
       choice.bytes += chunk.size;
       choice.sync_requester |= s.needs_sync;
-      return choice.bytes < r.needed;
+      return true;
     });
-    if (choice.bytes == r.needed) break;
+    if (choice.bytes == r.needed) return choice;
   }
-  return choice;
+  if (!passed_over) return choice;
+  // Chunks of several pages were passed over and bytes remain to create: the largest first
+  // (stable: in the first pass's order among equals) may leave fewer.
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [](const Candidate& a, const Candidate& b) { return a.size > b.size; });
+  ReclaimChoice largest;
+  for (const Candidate& c : candidates) {
+    if (largest.bytes + c.size > r.needed) continue;
+    largest.chunks.push_back(c.addr);
+    largest.bytes += c.size;
+    largest.sync_requester |= c.needs_sync;
+    if (largest.bytes == r.needed) break;
+  }
+  return largest.bytes > choice.bytes ? largest : choice;
+}
+
+void MovableMemory::Add(const Block* block, size_t size, size_t count) {
+  auto add = [&](ChunkCounts& counts) {
+    auto it = std::find_if(counts.begin(), counts.end(),
+                           [&](const std::pair<size_t, size_t>& c) { return c.first <= size; });
+    if (it != counts.end() && it->first == size) {
+      it->second += count;
+    } else {
+      counts.insert(it, {size, count});
+    }
+  };
+  add(total);
+  add(by_block[block]);
+}
+
+size_t MovableMemory::Fit(size_t needed, const Block* except_a, const Block* except_b) const {
+  ChunkCounts left = total;
+  for (const Block* except : {except_a, except_b == except_a ? nullptr : except_b}) {
+    if (except == nullptr) continue;
+    auto it = by_block.find(except);
+    if (it == by_block.end()) continue;
+    for (const auto& [size, count] : it->second) {
+      for (auto& [s, c] : left) {
+        if (s == size) c -= std::min(c, count);
+      }
+    }
+  }
+  size_t taken = 0;
+  for (const auto& [size, count] : left) {  // largest first
+    const size_t n = std::min(count, (needed - taken) / size);
+    taken += n * size;
+  }
+  return taken;
 }
 
 MovableMemory FindMovable(const ReclaimRequest& r) {
@@ -70,14 +129,10 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   if (r.page == 0) return movable;
   for (const Block* b = r.arena->head(); b != nullptr; b = b->next) {
     if (!IsSource(r, b, /*ignore_exclusions=*/true)) continue;
-    size_t bytes = 0;
     ForEachMovableChunk(r, b, [&](uintptr_t, const Chunk& chunk) {
-      bytes += chunk.size;
+      movable.Add(b, chunk.size, 1);
       return true;
     });
-    if (bytes == 0) continue;
-    movable.by_block[b] = bytes;
-    movable.total += bytes;
   }
   return movable;
 }
@@ -85,8 +140,7 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
 size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan,
                   bool new_high) {
   // The neighbours the plan joins keep their pages (invariant 4).
-  const size_t excluded = movable.In(plan.gap->prev) + movable.In(plan.gap->next);
-  const size_t created = plan.len - std::min(plan.len, movable.total - excluded);
+  const size_t created = plan.len - movable.Fit(plan.len, plan.gap->prev, plan.gap->next);
   // Pages moved cost driver calls, and a range away from the free neighbours leaves gaps
   // among live blocks. When the request takes the allocated bytes to a new high, what is
   // created now sets the peak: a plan may move up to 64 bytes elsewhere to create one fewer.

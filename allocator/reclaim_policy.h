@@ -8,7 +8,7 @@
 // memory does not grow while free memory it already holds could serve the request. The large
 // arena's growth is made of chunks of `large_page` bytes (pool_options.h) so that free space
 // there becomes movable page by page; until the pool first moves memory, of chunks of up to
-// `growth_page` (a power-of-two number of pages), which move whole.
+// `growth_page` (several pages), which move whole.
 //
 // Invariants (each policy must keep them; the pool relies on them):
 //   1. Only chunks wholly inside one free (kFree) block are taken: nothing allocated, pending,
@@ -35,24 +35,28 @@
 // Policy today: from the usable free blocks of the large arena, smallest first
 // (a small hole is the memory least likely to serve a later request as it is; a large free
 // block stays whole as long as possible), ties to the lower address; within a block, chunks
-// from its upper end down, so what stays of the block is one contiguous piece, each taken if
-// it still fits what the plan needs. Free blocks that need no stream synchronisation
-// (kAnyStream) go before the requester's own.
+// from its upper end down (what stays of the block is one contiguous piece while its chunks
+// are single pages), each taken if it still fits what the plan needs. Free blocks that need
+// no stream synchronisation (kAnyStream) go before the requester's own. Where chunks of
+// several pages were passed over and the choice leaves bytes to create, the same chunks
+// taken largest first are tried too, and kept if they leave fewer.
 //
 // Where the growth goes is chosen with what can move in mind (FindMovable): the pool plans
-// the range that leaves the fewest bytes to create once the movable pages outside its
-// neighbours are taken, plus a share of its length for the pages it moves (GrowthCost); ties
-// go to the fewest new bytes. Joining a free neighbour saves mapping its bytes but forbids
-// moving its pages, and a range that joins none may then create less.
+// the range that leaves the fewest bytes to create once the movable chunks outside its
+// neighbours that fit it are taken, plus a share of its length for the pages it moves
+// (GrowthCost); ties go to the fewest new bytes. Joining a free neighbour saves mapping its
+// bytes but forbids moving its pages, and a range that joins none may then create less.
 // A new policy is a new implementation of ChooseReclaim (and FindMovable) in this file.
 #ifndef VMM_ALLOCATOR_RECLAIM_POLICY_H_
 #define VMM_ALLOCATOR_RECLAIM_POLICY_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/inlined_vector.h"
 #include "allocator/arena.h"
 #include "allocator/block.h"
 #include "allocator/chunk_map.h"
@@ -66,7 +70,7 @@ struct ReclaimRequest {
   const Block* exclude_lo = nullptr;
   const Block* exclude_hi = nullptr;
   Stream requester = kAnyStream;
-  size_t page = 0;    // the chunk size that may be taken (invariant 5)
+  size_t page = 0;    // chunks of whole multiples of it may be taken (invariant 5)
   size_t needed = 0;  // bytes the plan must map
 };
 
@@ -80,24 +84,29 @@ struct ReclaimChoice {
 
 ReclaimChoice ChooseReclaim(const ReclaimRequest& request);
 
+// Movable chunks by size, largest first: {size, count} (a few sizes: whole numbers of pages,
+// mostly powers of two).
+using ChunkCounts = absl::InlinedVector<std::pair<size_t, size_t>, 2>;
+
 // What ChooseReclaim could take for `request`'s requester from each free block of the arena,
 // ignoring `exclude_*` and `needed`: the pool compares growth plans by it (a plan's
 // neighbours are excluded, invariant 4, so where a plan goes changes what it can move).
 struct MovableMemory {
-  size_t total = 0;
-  absl::flat_hash_map<const Block*, size_t> by_block;
-  size_t In(const Block* block) const {
-    auto it = by_block.find(block);
-    return it == by_block.end() ? 0 : it->second;
-  }
+  ChunkCounts total;
+  absl::flat_hash_map<const Block*, ChunkCounts> by_block;
+  // Adds `count` chunks of `size` bytes in `block`.
+  void Add(const Block* block, size_t size, size_t count);
+  // The most bytes, up to `needed`, that the chunks outside `except_a` and `except_b` (may
+  // be null) give, taken largest first (invariant 5: a chunk moves whole).
+  size_t Fit(size_t needed, const Block* except_a, const Block* except_b) const;
 };
 MovableMemory FindMovable(const ReclaimRequest& request);
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
-// takes the least): the bytes left to create once the movable pages outside the plan's
-// neighbours are taken, plus a share of its length for the pages moved: a sixty-fourth when
-// the request takes the pool's allocated bytes to a new high (`new_high`: what is created then
-// sets the peak), a half otherwise.
+// takes the least): the bytes left to create once the movable chunks outside the plan's
+// neighbours that fit it are taken, plus a share of its length for the pages moved: a
+// sixty-fourth when the request takes the pool's allocated bytes to a new high (`new_high`:
+// what is created then sets the peak), a half otherwise.
 size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan,
                   bool new_high);
 

@@ -157,6 +157,8 @@ int main(int argc, char** argv) {
       tags.Int("max_chunk_mib", static_cast<int64_t>(options.max_chunk / kMiB));
       tags.Int("large_page_mib",
                static_cast<int64_t>(adapter.pool()->options().large_page / kMiB));
+      tags.Int("growth_page_mib",
+               static_cast<int64_t>(adapter.pool()->options().growth_page / kMiB));
       vmm_bench::ReplaySummary sum;
       if (!vmm_bench::RunReplayWorkload(adapter, trace, replay_options, tags, &sum)) {
         std::fprintf(stderr, "replay: growth_fraction=%g max_growth_extra=%zu MiB failed\n",

@@ -41,7 +41,8 @@ MAIN_METRICS = ["ns_per_pair", "peak_reserved_over_peak_allocated", "num_device_
                 "ns_per_op_cold", "ns_per_op_warm", "driver_ns_per_op_cold",
                 "driver_ns_per_op_warm", "grow_us", "grow_over_bare", "release_us"]
 # Fields that tell configurations of one allocator apart.
-CONFIG_FIELDS = ["growth_fraction", "max_growth_extra_mib", "max_chunk_mib", "large_page_mib"]
+CONFIG_FIELDS = ["growth_fraction", "max_growth_extra_mib", "max_chunk_mib", "large_page_mib",
+                 "growth_page_mib"]
 
 
 def target(name, metric, values):
@@ -77,8 +78,8 @@ def fmt(value, unit):
     if unit == "x":
         return f"{value:.4f}"
     if unit == "bytes":
-        return f"{value / 2**30:,.2f} GiB"
-    if unit == "calls" or float(value).is_integer():
+        return f"{value / 2**30:,.2f} GiB" if value >= 2**30 else f"{value / 2**20:,.1f} MiB"
+    if float(value).is_integer():
         return f"{value:,.0f}"
     return f"{value:,.1f}" if abs(value) < 1000 else f"{value:,.0f}"
 

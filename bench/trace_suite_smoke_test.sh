@@ -16,7 +16,7 @@ for name in $names; do
   grep -q '"metric": "ns_per_op_warm"' "$tmp/out/$name.vmm.jsonl" ||
     { echo "no replay results for $name:"; cat "$tmp/out/$name.vmm.jsonl"; exit 1; }
   for row in "peak_reserved_over_peak_allocated (x) | [0-9.]*" "driver_map | [0-9,]*" \
-    "moved_bytes | [0-9.,]* GiB" "driver_calls_warm | [0-9.,]*" \
+    "moved_bytes | [0-9.,]* [GM]iB" "driver_calls_warm | [0-9.,]*" \
     "driver_ns_per_op_cold (ns) | [0-9.,]*[1-9][0-9.,]*"; do
     grep -q "^| trace_replay/$name | $row |" "$tmp/out/report.md" ||
       { echo "no row '$row' for $name:"; cat "$tmp/out/report.md"; exit 1; }

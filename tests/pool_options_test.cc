@@ -106,16 +106,13 @@ TEST(PoolOptionsTest, LargePageAndSmallSizeAreLeftToThePoolUnlessTold) {
 }
 
 // The chunks of a pool's growths before it first moves memory (pool_options.h growth_page):
-// four pages unless told, none for a pool without pages; "auto" gives it back to the pool, a
-// malformed size is refused naming the option.
-TEST(PoolOptionsTest, GrowthPageIsFourPagesUnlessTold) {
+// left to the pool unless told (it is four of the pool's pages, once their size is rounded to
+// the granularity: tests/reclaim_test.cc); "auto" gives it back to the pool, a malformed size
+// is refused naming the option.
+TEST(PoolOptionsTest, GrowthPageIsLeftToThePoolUnlessTold) {
   EXPECT_EQ(PoolOptions().growth_page, kAutoSize);
-  EXPECT_EQ(ResolveAutoSizes(PoolOptions(), /*exportable=*/false).growth_page, size_t{32} << 20);
-  EXPECT_EQ(ResolveAutoSizes(PoolOptions(), /*exportable=*/true).growth_page, 0u);
-  absl::StatusOr<PoolOptions> o = ParsePoolOptions("large_page=4M");
-  ASSERT_TRUE(o.ok()) << o.status();
-  EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/false).growth_page, size_t{16} << 20);
-  o = ParsePoolOptions("growth_page=64M", *o);
+  EXPECT_EQ(ResolveAutoSizes(PoolOptions(), /*exportable=*/false).growth_page, kAutoSize);
+  absl::StatusOr<PoolOptions> o = ParsePoolOptions("large_page=4M,growth_page=64M");
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(ResolveAutoSizes(*o, /*exportable=*/false).growth_page, size_t{64} << 20);
   o = ParsePoolOptions("growth_page=auto", *o);

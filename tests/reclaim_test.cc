@@ -223,9 +223,8 @@ TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   gap.prev = &left;
   gap.next = &right;
   MovableMemory movable;
-  movable.by_block[&left] = 4 * kPage;
-  movable.by_block[&elsewhere] = 6 * kPage;
-  movable.total = 10 * kPage;
+  movable.Add(&left, kPage, 4);
+  movable.Add(&elsewhere, kPage, 6);
   Arena::GrowthPlan plan;
   plan.gap = &gap;
   plan.len = 8 * kPage;
@@ -237,6 +236,31 @@ TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), plan.len / 64);
   plan.len = 12 * kPage;
   EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), 2 * kPage + plan.len / 64);
+}
+
+// Chunks of several pages move whole (invariant 5): a plan counts only those that fit it,
+// the largest first.
+TEST(GrowthCostTest, CountsOnlyTheChunksThatFitThePlan) {
+  Block left, gap, elsewhere;
+  gap.prev = &left;
+  MovableMemory movable;
+  movable.Add(&elsewhere, 4 * kPage, 1);
+  movable.Add(&elsewhere, 2 * kPage, 1);
+  movable.Add(&elsewhere, kPage, 1);
+  movable.Add(&left, 8 * kPage, 1);
+  EXPECT_EQ(movable.Fit(5 * kPage, nullptr, nullptr), 5 * kPage);   // 4 + 1
+  EXPECT_EQ(movable.Fit(5 * kPage, &left, nullptr), 5 * kPage);
+  EXPECT_EQ(movable.Fit(3 * kPage, &left, &left), 3 * kPage);       // 2 + 1
+  EXPECT_EQ(movable.Fit(20 * kPage, &left, nullptr), 7 * kPage);
+  EXPECT_EQ(movable.Fit(20 * kPage, nullptr, nullptr), 15 * kPage);
+  Arena::GrowthPlan plan;
+  plan.gap = &gap;
+  plan.len = 3 * kPage;  // the 4-page chunk does not fit: 2 + 1 move, nothing is created
+  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), plan.len / 64);
+  movable = MovableMemory();
+  movable.Add(&elsewhere, 4 * kPage, 1);
+  // Only a chunk larger than the plan: all of it is created.
+  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), 3 * kPage + plan.len / 64);
 }
 
 // Releasing free pages that lie end to end takes one Unmap for all of them (whole mappings
@@ -321,9 +345,10 @@ TEST_F(ReclaimTest, AFreshPoolGrowsInChunksOfSeveralPagesUntilItFirstMoves) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
-// A chunk of several pages wholly inside a free block moves whole, one Map for all its pages;
-// one larger than what the plan still needs stays where it is (reclaim_policy.h, invariant 5).
-TEST_F(ReclaimTest, AChunkOfSeveralPagesMovesWholeOrNotAtAll) {
+// A chunk of several pages wholly inside a free block moves whole, one Map for all its pages,
+// and only where it fits what the plan still needs (reclaim_policy.h, invariant 5); with
+// chunks of several sizes the choice covers the need exactly where it can.
+TEST_F(ReclaimTest, AChunkOfSeveralPagesMovesWholeWhereItFits) {
   auto pool = MakePool(nullptr, 4 * kPage);
   void* x = Alloc(*pool, 4 * kPage);  // one chunk of four pages
   void* y = Alloc(*pool, kPage);
@@ -333,54 +358,87 @@ TEST_F(ReclaimTest, AChunkOfSeveralPagesMovesWholeOrNotAtAll) {
   std::memset(w, 0x22, kPage);
   ASSERT_OK(pool->Free(x));
   ASSERT_OK(pool->Free(z));
-  // Five pages fit neither hole (four, three). The smaller hole goes first: its two chunks
-  // (three pages) move, x's chunk of four would pass the two pages still needed and stays;
-  // two pages are created.
+  // Five pages fit neither hole (four, three). The smaller hole first would take its two
+  // chunks (three pages) and leave two to create, the four-page chunk not fitting; x's chunk
+  // and z's single page cover the five exactly.
   PoolStats before = pool->GetStats();
   void* five = Alloc(*pool, 5 * kPage);
   std::memset(five, 0x55, 5 * kPage);
   PoolStats after = pool->GetStats();
   EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
-  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(3 * kPage));
-  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
-            static_cast<int64_t>(2 * kPage));
-  // x's hole is still mapped: four pages fit it without a driver call.
+  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(5 * kPage));
+  EXPECT_EQ(after.driver_map - before.driver_map, 2);  // one Map for four pages
+  EXPECT_EQ(after.driver_create, before.driver_create);
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  // z's chunk of two pages stayed: two pages fit its hole without a driver call.
   before = after;
-  void* again = Alloc(*pool, 4 * kPage);
-  EXPECT_EQ(again, x);
+  void* two = Alloc(*pool, 2 * kPage);
+  EXPECT_EQ(two, z);
   after = pool->GetStats();
   EXPECT_EQ(after.driver_create + after.driver_map, before.driver_create + before.driver_map);
-  std::memset(again, 0x44, 4 * kPage);
-  // Freed again, x's chunk serves a request of six pages elsewhere with one Map.
-  ASSERT_OK(pool->Free(again));
-  before = pool->GetStats();
-  void* six = Alloc(*pool, 6 * kPage);
-  std::memset(six, 0x66, 6 * kPage);
-  after = pool->GetStats();
-  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 1);
-  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(4 * kPage));
-  EXPECT_EQ(after.driver_create - before.driver_create, 2);
-  EXPECT_EQ(after.driver_map - before.driver_map, 3);  // the moved chunk, two fresh pages
+  std::memset(two, 0x44, 2 * kPage);
   EXPECT_TRUE(Filled(y, kPage, 0x11));
   EXPECT_TRUE(Filled(w, kPage, 0x22));
   EXPECT_TRUE(Filled(five, 5 * kPage, 0x55));
-  EXPECT_TRUE(Filled(six, 6 * kPage, 0x66));
+  EXPECT_TRUE(Filled(two, 2 * kPage, 0x44));
   EXPECT_OK(pool->CheckInvariants());
-  for (void* p : {y, w, five, six}) ASSERT_OK(pool->Free(p));
+  for (void* p : {y, w, five, two}) ASSERT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
 }
 
-// growth_page is rounded down to whole pages, raised to one page and capped by max_chunk.
+// After a move, or where a growth would take the pool past half of what it may hold (its
+// memory limit here), growth is in single pages: a chunk of several pages moves and is
+// released only whole, and near a limit the pages a small block strands in one could be
+// what a later request needs.
+TEST_F(ReclaimTest, NearItsLimitAPoolGrowsInSinglePages) {
+  PoolOptions options;
+  options.growth_fraction = 0;
+  options.large_page = kPage;
+  options.growth_page = 4 * kPage;
+  options.memory_limit = 12 * kPage;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  void* a = Alloc(*pool, 4 * kPage);  // 4 of 12 pages: one chunk
+  EXPECT_EQ(pool->GetStats().segment.current, 1);
+  void* b = Alloc(*pool, 4 * kPage);  // 8 of 12, past half: single pages
+  EXPECT_EQ(pool->GetStats().segment.current, 5);
+  for (void* p : {a, b}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A growth that fails for lack of memory turns the pool to single pages too.
+TEST_F(ReclaimTest, AfterRunningShortAPoolGrowsInSinglePages) {
+  PoolOptions options;
+  options.growth_fraction = 0;
+  options.large_page = kPage;
+  options.growth_page = 4 * kPage;
+  options.memory_limit = 40 * kPage;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_FALSE(pool->Allocate(41 * kPage, 0).ok());
+  void* a = Alloc(*pool, 4 * kPage);
+  EXPECT_EQ(pool->GetStats().segment.current, 4);
+  ASSERT_OK(pool->Free(a));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// growth_page is rounded down to whole pages, raised to one page and capped by max_chunk; a
+// growth's chunks are the largest power-of-two number of pages within it, the last what is
+// left (seven pages: 4 + 3).
 TEST_F(ReclaimTest, GrowthPageIsWholePagesWithinMaxChunk) {
   struct Case {
     size_t growth_page;
     size_t max_chunk;
     size_t expected;
+    int chunks_for_seven_pages;
   };
-  for (const Case& c : {Case{6 * kPage + kMiB, 64 * kPage, 6 * kPage},
-                        Case{kMiB, 64 * kPage, kPage}, Case{0, 64 * kPage, kPage},
-                        Case{64 * kPage, 5 * kPage, 5 * kPage},
-                        Case{SIZE_MAX - 1, 8 * kPage, 8 * kPage}}) {
+  for (const Case& c : {Case{6 * kPage + kMiB, 64 * kPage, 6 * kPage, 2},
+                        Case{kMiB, 64 * kPage, kPage, 7}, Case{0, 64 * kPage, kPage, 7},
+                        Case{64 * kPage, 5 * kPage, 5 * kPage, 2},
+                        Case{2 * kPage, 64 * kPage, 2 * kPage, 4},
+                        Case{SIZE_MAX - 1, 8 * kPage, 8 * kPage, 2}}) {
     SCOPED_TRACE(c.growth_page);
     PoolOptions options;
     options.large_page = kPage;
@@ -390,10 +448,32 @@ TEST_F(ReclaimTest, GrowthPageIsWholePagesWithinMaxChunk) {
     auto pool = CreatePoolOrFail(driver_, options);
     ASSERT_NE(pool, nullptr);
     EXPECT_EQ(pool->options().growth_page, c.expected);
-    void* p = Alloc(*pool, 16 * kPage);
+    void* p = Alloc(*pool, 7 * kPage);
+    EXPECT_EQ(pool->GetStats().segment.current, c.chunks_for_seven_pages);
+    EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(7 * kPage));
     EXPECT_OK(pool->CheckInvariants());
     ASSERT_OK(pool->Free(p));
   }
+}
+
+// growth_page left to the pool: four pages of the page the pool uses (large_page rounded up
+// to the granularity), one page for a pool made to export, nothing without pages.
+TEST_F(ReclaimTest, TheDefaultGrowthPageIsFourOfThePoolsPages) {
+  PoolOptions options;
+  options.large_page = 3 * kMiB;  // the granularity is 2 MiB: 4 MiB pages
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->options().large_page, 4 * kMiB);
+  EXPECT_EQ(pool->options().growth_page, 16 * kMiB);
+  auto exportable = CreateExportablePool(driver_, options);
+  ASSERT_OK(exportable.status());
+  EXPECT_EQ((*exportable)->options().growth_page, 4 * kMiB);
+  options.large_page = 0;
+  options.growth_page = 64 * kMiB;
+  pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->options().growth_page, 0u);
 }
 
 TEST_F(ReclaimTest, OnlyWhatIsMissingIsCreated) {
