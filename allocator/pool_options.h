@@ -60,9 +60,10 @@ struct PoolOptions {
   // granularity; 0: off, growths are chunks of up to max_chunk, grown by growth_fraction; see
   // also growth_page). Memory in such chunks is what a miss can take from free space elsewhere
   // in the pool instead of growing it (reclaim_policy.h): a chunk wholly inside a free block
-  // is unmapped there and mapped where the request goes; paged growth is exact (growth_fraction and max_growth_extra do not
-  // apply). Smaller pages leave less free memory stranded in partly used chunks; larger ones
-  // make fewer driver calls per byte grown or moved, and give an exported block fewer handles.
+  // is unmapped there and mapped where the request goes; paged growth is exact
+  // (growth_fraction and max_growth_extra do not apply). Smaller pages leave less free memory
+  // stranded in partly used chunks; larger ones make fewer driver calls per byte grown or
+  // moved, and give an exported block fewer handles.
   // 8 MiB kept peak reserved / peak allocated within 1.000-1.014 on every trace of
   // bench/traces.py (16 MiB: up to 1.030, 32 MiB: up to 1.055) at about twice the driver
   // calls of 16 MiB (bench/README.md). kAutoSize (the default): 8 MiB for a pool made without
@@ -76,10 +77,10 @@ struct PoolOptions {
   // that has never needed to move memory is filling up (a model loading, the first steps of
   // a loop) and what it frees serves its later requests as it lies, so its growths are made
   // of chunks of the largest power-of-two number of pages within the request and this size
-  // (the last one what is left):
-  // on the GPU the driver's cost is per physical allocation (an H200 spent about 30 us
-  // granting access and 15-35 us creating per chunk, whatever its size: bench/replay's
-  // driver_ns), so fewer, larger chunks grow the pool several times faster. Such a chunk
+  // (the last one what is left): on the GPU the driver's cost is per physical allocation (an
+  // H200 spent about 30 us granting access and 15-35 us creating per chunk, whatever its
+  // size: bench/replay's driver_ns), so fewer, larger chunks grow the pool several times
+  // faster. Such a chunk
   // moves and is released only whole, so a small block left in one keeps the rest of it:
   // once a miss has moved memory (the workload churns), once a growth has failed for lack of
   // memory, and for any growth that would take the pool past half of what it may hold (its

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <utility>
 
 namespace vmm {
 
@@ -90,18 +91,24 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
   return largest.bytes > choice.bytes ? largest : choice;
 }
 
+namespace {
+
+// Adds `count` chunks of `size` to `counts`, keeping it largest first.
+void AddTo(ChunkCounts& counts, size_t size, size_t count) {
+  auto it = std::find_if(counts.begin(), counts.end(),
+                         [&](const std::pair<size_t, size_t>& c) { return c.first <= size; });
+  if (it != counts.end() && it->first == size) {
+    it->second += count;
+  } else {
+    counts.insert(it, {size, count});
+  }
+}
+
+}  // namespace
+
 void MovableMemory::Add(const Block* block, size_t size, size_t count) {
-  auto add = [&](ChunkCounts& counts) {
-    auto it = std::find_if(counts.begin(), counts.end(),
-                           [&](const std::pair<size_t, size_t>& c) { return c.first <= size; });
-    if (it != counts.end() && it->first == size) {
-      it->second += count;
-    } else {
-      counts.insert(it, {size, count});
-    }
-  };
-  add(total);
-  add(by_block[block]);
+  AddTo(total, size, count);
+  AddTo(by_block[block], size, count);
 }
 
 size_t MovableMemory::Fit(size_t needed, const Block* except_a, const Block* except_b) const {
@@ -129,10 +136,13 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   if (r.page == 0) return movable;
   for (const Block* b = r.arena->head(); b != nullptr; b = b->next) {
     if (!IsSource(r, b, /*ignore_exclusions=*/true)) continue;
+    ChunkCounts counts;  // this block's, then added to the whole at once
     ForEachMovableChunk(r, b, [&](uintptr_t, const Chunk& chunk) {
-      movable.Add(b, chunk.size, 1);
+      AddTo(counts, chunk.size, 1);
       return true;
     });
+    for (const auto& [size, count] : counts) AddTo(movable.total, size, count);
+    if (!counts.empty()) movable.by_block.emplace(b, std::move(counts));
   }
   return movable;
 }
