@@ -912,6 +912,42 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
   }
 }
 
+// The same with a chunk of four pages (a fresh pool's 32 MiB growth, pool_options.h
+// growth_page) freed between two live pages: a 48 MiB request moves it whole (one Unmap, one
+// Map) and creates two pages. A failure at any point leaves every live byte and the pool's
+// bookkeeping as they were, and the request is served after it.
+TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAChunkOfSeveralPages) {
+  for (int op = 0; op < kNumOps; ++op) {
+    for (int skip = 0; skip < 4; ++skip) {
+      SCOPED_TRACE(absl::StrCat(kOpNames[op], " skip ", skip));
+      auto pool = MakePool();
+      void* left = AllocateOrFail(*pool, 8 * kMiB, 0);
+      void* four = AllocateOrFail(*pool, 32 * kMiB, 0);
+      void* right = AllocateOrFail(*pool, 8 * kMiB, 0);
+      ASSERT_EQ(pool->GetStats().segment.current, 3) << "the 32 MiB growth is one chunk";
+      Stamp(left, 8 * kMiB, 0x31);
+      Stamp(right, 8 * kMiB, 0x32);
+      ASSERT_OK(pool->Free(four));
+      const PoolStats before = pool->GetStats();
+      const int64_t injected = driver_->injected();
+      driver_->Arm(op, skip, /*persistent=*/false);
+      absl::StatusOr<void*> c = pool->Allocate(48 * kMiB, 0);
+      driver_->Disarm();
+      ASSERT_OK(pool->CheckInvariants());
+      EXPECT_EQ(DriverHeld(), pool->GetStats().reserved_bytes.current);
+      EXPECT_EQ(CheckStamp(left, 8 * kMiB, 0x31), "");
+      EXPECT_EQ(CheckStamp(right, 8 * kMiB, 0x32), "");
+      if (c.ok() && driver_->injected() == injected) {
+        const PoolStats after = pool->GetStats();
+        EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 1);
+        EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(32 * kMiB));
+        EXPECT_EQ(after.driver_create - before.driver_create, 1) << "two pages, one chunk";
+      }
+      ExpectServedAfterAFault(*pool, c, 48 * kMiB);
+    }
+  }
+}
+
 // EmptyCache unmaps four adjacent free pages with one call; when that call fails, it unmaps
 // them one by one, so one failure holds back none of them.
 TEST_F(ReclaimAttack, AFailedUnmapOfARunIsRetriedPageByPage) {
