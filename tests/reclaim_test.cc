@@ -47,6 +47,17 @@ class ReclaimTest : public ::testing::Test {
     return CreatePoolOrFail(driver_, options, observer);
   }
 
+  // Chunks of up to four pages until the first move, and a memory limit.
+  std::unique_ptr<Pool> MakePoolWithLimit(size_t memory_limit) {
+    PoolOptions options;
+    options.growth_fraction = 0;
+    options.large_page = kPage;
+    options.growth_page = 4 * kPage;
+    options.memory_limit = memory_limit;
+    options.reserve_size = 1024 * kMiB;
+    return CreatePoolOrFail(driver_, options);
+  }
+
   void* Alloc(Pool& pool, size_t size, Stream stream = 0) {
     return AllocateOrFail(pool, size, stream);
   }
@@ -391,13 +402,7 @@ TEST_F(ReclaimTest, AChunkOfSeveralPagesMovesWholeWhereItFits) {
 // released only whole, and near a limit the pages a small block strands in one could be
 // what a later request needs.
 TEST_F(ReclaimTest, NearItsLimitAPoolGrowsInSinglePages) {
-  PoolOptions options;
-  options.growth_fraction = 0;
-  options.large_page = kPage;
-  options.growth_page = 4 * kPage;
-  options.memory_limit = 12 * kPage;
-  options.reserve_size = 1024 * kMiB;
-  auto pool = CreatePoolOrFail(driver_, options);
+  auto pool = MakePoolWithLimit(12 * kPage);
   ASSERT_NE(pool, nullptr);
   void* a = Alloc(*pool, 4 * kPage);  // 4 of 12 pages: one chunk
   EXPECT_EQ(pool->GetStats().segment.current, 1);
@@ -409,13 +414,7 @@ TEST_F(ReclaimTest, NearItsLimitAPoolGrowsInSinglePages) {
 
 // A growth that fails for lack of memory turns the pool to single pages too.
 TEST_F(ReclaimTest, AfterRunningShortAPoolGrowsInSinglePages) {
-  PoolOptions options;
-  options.growth_fraction = 0;
-  options.large_page = kPage;
-  options.growth_page = 4 * kPage;
-  options.memory_limit = 40 * kPage;
-  options.reserve_size = 1024 * kMiB;
-  auto pool = CreatePoolOrFail(driver_, options);
+  auto pool = MakePoolWithLimit(40 * kPage);
   ASSERT_NE(pool, nullptr);
   EXPECT_FALSE(pool->Allocate(41 * kPage, 0).ok());
   void* a = Alloc(*pool, 4 * kPage);
