@@ -95,12 +95,21 @@ absl::StatusOr<size_t> ChunkMap::UnmapRun(absl::Span<const uintptr_t> addrs, siz
   }
 }
 
+template <typename F>
+absl::Status ChunkMap::UnmapRuns(absl::Span<const uintptr_t> addrs, bool either_order,
+                                 PoolStats& stats, F&& unmapped) {
+  size_t singles_until = 0;
+  for (size_t i = 0, j = 0; i < addrs.size(); i = j) {
+    VMM_ASSIGN_OR_RETURN(j, UnmapRun(addrs, i, either_order, &singles_until, stats));
+    VMM_RETURN_IF_ERROR(unmapped(i, j));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, PoolStats& stats,
                             std::vector<Moved>* moved, std::vector<Moved>* lost) {
   Driver& driver = *config_.driver;
-  size_t singles_until = 0;
-  for (size_t i = 0, j = 0; i < froms.size(); i = j) {
-    VMM_ASSIGN_OR_RETURN(j, UnmapRun(froms, i, /*either_order=*/true, &singles_until, stats));
+  return UnmapRuns(froms, /*either_order=*/true, stats, [&](size_t i, size_t j) {
     for (size_t k = i; k < j; ++k) {
       auto it = chunks_.find(froms[k]);
       Chunk chunk = it->second;
@@ -137,8 +146,8 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
       moved->push_back(Moved{froms[k], to, chunk.size});
       to += chunk.size;
     }
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
 }
 
 absl::Status ChunkMap::GrantAccess(uintptr_t addr, size_t len, PoolStats& stats) {
@@ -156,9 +165,7 @@ absl::StatusOr<Chunk> ChunkMap::Release(uintptr_t addr, PoolStats& stats) {
 absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& stats,
                                std::vector<std::pair<uintptr_t, Chunk>>* released) {
   Driver& driver = *config_.driver;
-  size_t singles_until = 0;
-  for (size_t i = 0, j = 0; i < addrs.size(); i = j) {
-    VMM_ASSIGN_OR_RETURN(j, UnmapRun(addrs, i, /*either_order=*/false, &singles_until, stats));
+  return UnmapRuns(addrs, /*either_order=*/false, stats, [&](size_t i, size_t j) {
     for (size_t k = i; k < j; ++k) {
       auto it = chunks_.find(addrs[k]);
       released->emplace_back(addrs[k], it->second);
@@ -167,8 +174,8 @@ absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& sta
       if (!freed.ok()) LogError(absl::StrCat("releasing a chunk: ", freed.message()));
       Forget(it, stats);
     }
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  });
 }
 
 void ChunkMap::Forget(Map::iterator it, PoolStats& stats) {

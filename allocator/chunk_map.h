@@ -152,6 +152,11 @@ class ChunkMap {
   // unmapped, or the error of a single chunk's Unmap.
   absl::StatusOr<size_t> UnmapRun(absl::Span<const uintptr_t> addrs, size_t i, bool either_order,
                                   size_t* singles_until, PoolStats& stats);
+  // Unmaps `addrs` run by run (UnmapRun) and calls `unmapped(i, j)` after each run [i, j);
+  // stops at the first error, of an Unmap or of `unmapped`, and returns it.
+  template <typename F>
+  absl::Status UnmapRuns(absl::Span<const uintptr_t> addrs, bool either_order, PoolStats& stats,
+                         F&& unmapped);
   bool AnyExportedIn(uintptr_t addr, uintptr_t end) const;
 
   Config config_;

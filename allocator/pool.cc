@@ -529,7 +529,7 @@ size_t Pool::GrowthChunk(size_t n, size_t unit, size_t fresh) {
   if (single_pages_ || unit != page || options_.growth_page <= page) return page;
   // A chunk of several pages moves and is released only whole, so a small block left in one
   // keeps the rest of it: made only while the pool, grown, holds at most half of what it may
-  // (its memory limit, its share of a memory fraction, what the device has free).
+  // (its memory limit, its share of a memory fraction, what the GPU has free).
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current);
   size_t allowed = SIZE_MAX;
   if (memory_limit_ != 0) allowed = memory_limit_;

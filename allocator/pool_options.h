@@ -84,7 +84,7 @@ struct PoolOptions {
   // moves and is released only whole, so a small block left in one keeps the rest of it:
   // once a miss has moved memory (the workload churns), once a growth has failed for lack of
   // memory, and for any growth that would take the pool past half of what it may hold (its
-  // memory_limit, its share of a memory fraction, the device's free memory), growth is in
+  // memory_limit, its share of a memory fraction, the GPU's free memory), growth is in
   // single pages, which strand the least. The switch is never undone (not by EmptyCache).
   // kAutoSize (the default): four pages, one for a pool made to export (an exported block
   // retires the whole of the chunks it spans); large_page or less: every chunk one page.

@@ -786,6 +786,31 @@ class ReclaimAttack : public ::testing::Test {
     ASSERT_OK(pool.CheckInvariants());
     EXPECT_EQ(DriverHeld(), pool.GetStats().reserved_bytes.current);
   }
+  // Calls `f(op, skip)` for a one-shot failure of each driver call at each of the first four
+  // points it is made (AllocateWithOneShotFault), under a trace naming them.
+  template <typename F>
+  static void ForEachOneShotFault(F&& f) {
+    for (int op = 0; op < kNumOps; ++op) {
+      for (int skip = 0; skip < 4; ++skip) {
+        SCOPED_TRACE(absl::StrCat(kOpNames[op], " skip ", skip));
+        f(op, skip);
+      }
+    }
+  }
+  // Allocates `size` bytes while driver call `op` fails once, after `skip` successful ones;
+  // then checks the pool's invariants and that the driver holds what the pool reserves.
+  // `*faulted`: whether the failure happened.
+  absl::StatusOr<void*> AllocateWithOneShotFault(Pool& pool, int op, int skip, size_t size,
+                                                 bool* faulted) {
+    const int64_t injected = driver_->injected();
+    driver_->Arm(op, skip, /*persistent=*/false);
+    absl::StatusOr<void*> c = pool.Allocate(size, 0);
+    driver_->Disarm();
+    *faulted = driver_->injected() != injected;
+    EXPECT_OK(pool.CheckInvariants());
+    EXPECT_EQ(DriverHeld(), pool.GetStats().reserved_bytes.current);
+    return c;
+  }
   std::unique_ptr<Driver> inner_;
   std::unique_ptr<FaultDriver> driver_;
 };
@@ -862,54 +887,42 @@ TEST_F(ReclaimAttack, UnmapFailingWhileMovingBackKeepsTheChunkAsFreeMemory) {
 // One-shot failures of each driver call at each point of a move leave the pool whole, the
 // live blocks intact, and the pool able to serve the request afterwards.
 TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMove) {
-  for (int op = 0; op < kNumOps; ++op) {
-    for (int skip = 0; skip < 4; ++skip) {
-      SCOPED_TRACE(absl::StrCat(kOpNames[op], " skip ", skip));
-      auto pool = MakePool();
-      std::vector<void*> kept = TwoFreePages(*pool);
-      driver_->Arm(op, skip, /*persistent=*/false);
-      absl::StatusOr<void*> c = pool->Allocate(16 * kMiB, 0);
-      driver_->Disarm();
-      ASSERT_OK(pool->CheckInvariants());
-      EXPECT_EQ(CheckStamp(kept[0], 8 * kMiB, 0x11), "");
-      EXPECT_EQ(CheckStamp(kept[1], 8 * kMiB, 0x13), "");
-      ExpectServedAfterAFault(*pool, c, 16 * kMiB);
-    }
-  }
+  ForEachOneShotFault([&](int op, int skip) {
+    auto pool = MakePool();
+    std::vector<void*> kept = TwoFreePages(*pool);
+    bool faulted = false;
+    absl::StatusOr<void*> c = AllocateWithOneShotFault(*pool, op, skip, 16 * kMiB, &faulted);
+    EXPECT_EQ(CheckStamp(kept[0], 8 * kMiB, 0x11), "");
+    EXPECT_EQ(CheckStamp(kept[1], 8 * kMiB, 0x13), "");
+    ExpectServedAfterAFault(*pool, c, 16 * kMiB);
+  });
 }
 
 // The same with a hole of two adjacent pages (one Unmap for both) and a fresh page: a 24 MiB
 // request takes the hole's two pages and creates the third. A failure after the hole is
 // unmapped (a Map of either page, or the access grant) puts back what did not move.
 TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
-  for (int op = 0; op < kNumOps; ++op) {
-    for (int skip = 0; skip < 4; ++skip) {
-      SCOPED_TRACE(absl::StrCat(kOpNames[op], " skip ", skip));
-      auto pool = MakePool();
-      std::vector<void*> p;
-      for (int i = 0; i < 4; ++i) {
-        p.push_back(AllocateOrFail(*pool, 8 * kMiB, 0));
-        Stamp(p.back(), 8 * kMiB, static_cast<unsigned char>(0x20 + i));
-      }
-      ASSERT_OK(pool->Free(p[1]));
-      ASSERT_OK(pool->Free(p[2]));
-      const PoolStats before = pool->GetStats();
-      const int64_t injected = driver_->injected();
-      driver_->Arm(op, skip, /*persistent=*/false);
-      absl::StatusOr<void*> c = pool->Allocate(24 * kMiB, 0);
-      driver_->Disarm();
-      ASSERT_OK(pool->CheckInvariants());
-      EXPECT_EQ(DriverHeld(), pool->GetStats().reserved_bytes.current);
-      EXPECT_EQ(CheckStamp(p[0], 8 * kMiB, 0x20), "");
-      EXPECT_EQ(CheckStamp(p[3], 8 * kMiB, 0x23), "");
-      if (c.ok() && driver_->injected() == injected) {
-        const PoolStats after = pool->GetStats();
-        EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
-        EXPECT_EQ(after.driver_unmap - before.driver_unmap, 1) << "one Unmap for the hole";
-      }
-      ExpectServedAfterAFault(*pool, c, 24 * kMiB);
+  ForEachOneShotFault([&](int op, int skip) {
+    auto pool = MakePool();
+    std::vector<void*> p;
+    for (int i = 0; i < 4; ++i) {
+      p.push_back(AllocateOrFail(*pool, 8 * kMiB, 0));
+      Stamp(p.back(), 8 * kMiB, static_cast<unsigned char>(0x20 + i));
     }
-  }
+    ASSERT_OK(pool->Free(p[1]));
+    ASSERT_OK(pool->Free(p[2]));
+    const PoolStats before = pool->GetStats();
+    bool faulted = false;
+    absl::StatusOr<void*> c = AllocateWithOneShotFault(*pool, op, skip, 24 * kMiB, &faulted);
+    EXPECT_EQ(CheckStamp(p[0], 8 * kMiB, 0x20), "");
+    EXPECT_EQ(CheckStamp(p[3], 8 * kMiB, 0x23), "");
+    if (c.ok() && !faulted) {
+      const PoolStats after = pool->GetStats();
+      EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
+      EXPECT_EQ(after.driver_unmap - before.driver_unmap, 1) << "one Unmap for the hole";
+    }
+    ExpectServedAfterAFault(*pool, c, 24 * kMiB);
+  });
 }
 
 // The same with a chunk of four pages (a fresh pool's 32 MiB growth, pool_options.h
@@ -917,35 +930,28 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
 // Map) and creates two pages. A failure at any point leaves every live byte and the pool's
 // bookkeeping as they were, and the request is served after it.
 TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAChunkOfSeveralPages) {
-  for (int op = 0; op < kNumOps; ++op) {
-    for (int skip = 0; skip < 4; ++skip) {
-      SCOPED_TRACE(absl::StrCat(kOpNames[op], " skip ", skip));
-      auto pool = MakePool();
-      void* left = AllocateOrFail(*pool, 8 * kMiB, 0);
-      void* four = AllocateOrFail(*pool, 32 * kMiB, 0);
-      void* right = AllocateOrFail(*pool, 8 * kMiB, 0);
-      ASSERT_EQ(pool->GetStats().segment.current, 3) << "the 32 MiB growth is one chunk";
-      Stamp(left, 8 * kMiB, 0x31);
-      Stamp(right, 8 * kMiB, 0x32);
-      ASSERT_OK(pool->Free(four));
-      const PoolStats before = pool->GetStats();
-      const int64_t injected = driver_->injected();
-      driver_->Arm(op, skip, /*persistent=*/false);
-      absl::StatusOr<void*> c = pool->Allocate(48 * kMiB, 0);
-      driver_->Disarm();
-      ASSERT_OK(pool->CheckInvariants());
-      EXPECT_EQ(DriverHeld(), pool->GetStats().reserved_bytes.current);
-      EXPECT_EQ(CheckStamp(left, 8 * kMiB, 0x31), "");
-      EXPECT_EQ(CheckStamp(right, 8 * kMiB, 0x32), "");
-      if (c.ok() && driver_->injected() == injected) {
-        const PoolStats after = pool->GetStats();
-        EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 1);
-        EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(32 * kMiB));
-        EXPECT_EQ(after.driver_create - before.driver_create, 1) << "two pages, one chunk";
-      }
-      ExpectServedAfterAFault(*pool, c, 48 * kMiB);
+  ForEachOneShotFault([&](int op, int skip) {
+    auto pool = MakePool();
+    void* left = AllocateOrFail(*pool, 8 * kMiB, 0);
+    void* four = AllocateOrFail(*pool, 32 * kMiB, 0);
+    void* right = AllocateOrFail(*pool, 8 * kMiB, 0);
+    ASSERT_EQ(pool->GetStats().segment.current, 3) << "the 32 MiB growth is one chunk";
+    Stamp(left, 8 * kMiB, 0x31);
+    Stamp(right, 8 * kMiB, 0x32);
+    ASSERT_OK(pool->Free(four));
+    const PoolStats before = pool->GetStats();
+    bool faulted = false;
+    absl::StatusOr<void*> c = AllocateWithOneShotFault(*pool, op, skip, 48 * kMiB, &faulted);
+    EXPECT_EQ(CheckStamp(left, 8 * kMiB, 0x31), "");
+    EXPECT_EQ(CheckStamp(right, 8 * kMiB, 0x32), "");
+    if (c.ok() && !faulted) {
+      const PoolStats after = pool->GetStats();
+      EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 1);
+      EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(32 * kMiB));
+      EXPECT_EQ(after.driver_create - before.driver_create, 1) << "two pages, one chunk";
     }
-  }
+    ExpectServedAfterAFault(*pool, c, 48 * kMiB);
+  });
 }
 
 // EmptyCache unmaps four adjacent free pages with one call; when that call fails, it unmaps
