@@ -729,8 +729,16 @@ absl::Status CudaDriver::Map(DevPtr ptr, size_t size, PhysHandle handle) {
   if (handle == 0) return absl::InvalidArgumentError("Map: null handle");
   ScopedContext scope(api_);
   VMM_RETURN_IF_ERROR(EnterAnyContext(scope));
-  return Check(api_.MemMap(ptr, size, /*offset=*/0, handle, /*flags=*/0), "cuMemMap",
-               absl::StrFormat("0x%x, %d bytes, handle 0x%x", ptr, size, handle));
+  const CUresult result = api_.MemMap(ptr, size, /*offset=*/0, handle, /*flags=*/0);
+  const std::string what = absl::StrFormat("0x%x, %d bytes, handle 0x%x", ptr, size, handle);
+  if (result == CUDA_ERROR_NOT_SUPPORTED) {
+    // With the range aligned (CheckRange), what the driver does not support is a size other
+    // than the allocation's: it maps whole allocations only (driver.h).
+    return absl::InvalidArgumentError(absl::StrCat(
+        Check(result, "cuMemMap", what).message(),
+        " (a mapping covers a whole allocation: is the size the allocation's?)"));
+  }
+  return Check(result, "cuMemMap", what);
 }
 
 absl::Status CudaDriver::Unmap(DevPtr ptr, size_t size) {

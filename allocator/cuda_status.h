@@ -25,7 +25,8 @@ namespace vmm {
 //   CUDA_ERROR_NOT_SUPPORTED                                   -> kUnimplemented
 //   CUDA_ERROR_NOT_INITIALIZED, _DEINITIALIZED, _NO_DEVICE     -> kFailedPrecondition
 //   anything else                                              -> kInternal
-// CUDA_SUCCESS gives kOk.
+// CUDA_SUCCESS gives kOk. One call refines it: cuMemMap's CUDA_ERROR_NOT_SUPPORTED on an
+// aligned range is a size other than the allocation's, kInvalidArgument (CudaDriver::Map).
 absl::StatusCode CudaErrorCode(CUresult result);
 
 // The status for `result` returned by `call` (a driver function name such as "cuMemMap"):

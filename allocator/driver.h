@@ -11,8 +11,10 @@
 // Conventions, shared by both backends and checked by tests/driver_conformance_test.cc:
 //   - Sizes and addresses given to Create/Reserve/Map/Unmap/SetAccess are multiples of
 //     Granularity(device); anything else is InvalidArgument.
-//   - Map(ptr, size, handle) maps the first `size` bytes of `handle` at `ptr`, which must lie in
-//     a reserved range and not overlap another mapping; SetAccess must follow before the memory
+//   - Map(ptr, size, handle) maps the whole of `handle` at `ptr`: `size` must be the
+//     allocation's size (CUDA maps no part of an allocation, neither a prefix nor from an
+//     offset: CUDA_ERROR_NOT_SUPPORTED on an H200, driver 580). The range must lie in a
+//     reserved range and not overlap another mapping; SetAccess must follow before the memory
 //     is touched. Unmap must cover whole mappings. Release may come before Unmap: the physical
 //     memory lives until it is both released and unmapped (as in CUDA).
 //   - Errors are absl::Status naming the call and the driver's error, with codes by meaning:
@@ -128,7 +130,7 @@ class Driver {
   virtual absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) = 0;
   // Frees a whole reserved range; it must have no mappings left.
   virtual absl::Status Unreserve(DevPtr ptr, size_t size) = 0;
-  // Maps the first `size` bytes of `handle` at `ptr`.
+  // Maps `handle`, whose size is `size`, at `ptr`. InvalidArgument for any other size.
   virtual absl::Status Map(DevPtr ptr, size_t size, PhysHandle handle) = 0;
   // Unmaps [ptr, ptr+size), which must consist of whole mappings.
   virtual absl::Status Unmap(DevPtr ptr, size_t size) = 0;

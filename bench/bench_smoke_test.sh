@@ -25,6 +25,16 @@ expect "$tmp/replay.jsonl" ns_per_op_warm
 "$bin/growth_bench" --backend=host --reps=2 --grow_mib=64 --chunk_mib=0,2 >"$tmp/growth.jsonl"
 expect "$tmp/growth.jsonl" grow_over_bare
 
+"$bin/move_bench" --backend=host --reps=2 --chunks=4 --chunk_mib=2,8 >"$tmp/move.jsonl"
+expect "$tmp/move.jsonl" caller_us_per_chunk
+[[ $(grep -c '"metric": "us_per_chunk"' "$tmp/move.jsonl") -eq 10 ]] ||
+  { echo "expected 10 us_per_chunk lines:"; cat "$tmp/move.jsonl"; exit 1; }
+if "$bin/move_bench" --backend=host --chunk_mib=3 >/dev/null 2>"$tmp/bad_chunk.log"; then
+  echo "move_bench accepted --chunk_mib=3"; exit 1
+fi
+grep -q "'3' is not a positive multiple of the granularity" "$tmp/bad_chunk.log" ||
+  { cat "$tmp/bad_chunk.log"; exit 1; }
+
 "$bin/vmm_peer_bench" --allocators=vmm --backend=host --live=8 --iters=1000 --reps=2 \
   --warm_reps=1 --trace="$tmp/trace.txt" >"$tmp/peer.jsonl"
 expect "$tmp/peer.jsonl" ns_per_pair

@@ -4,7 +4,7 @@
 #
 #   bench/run_gpu_bench.sh BIN_DIR TRACE OUT_DIR
 #
-# BIN_DIR holds replay, growth_bench, vmm_peer_bench and import_bench built on the Debian
+# BIN_DIR holds replay, growth_bench, move_bench, vmm_peer_bench and import_bench built on the Debian
 # machine with `bazel build -c opt //bench/...` (see bench/README.md); TRACE is the training trace
 # (python3 training_trace.py > trace.txt). torch_peer_bench is built here, against the
 # installed torch. A failing step is logged and the others still run; the exit status is
@@ -30,6 +30,7 @@ if [[ -x "$out/torch_peer_bench" ]]; then
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$out/torch_peer_bench" --trace="$trace"
 fi
 step growth 180 "$bin/growth_bench" --backend=cuda
+step move 120 "$bin/move_bench" --backend=cuda
 step replay_sweep 240 "$bin/replay" --backend=cuda --trace="$trace" \
   --large_page_mib=0 --growth_fraction=0,0.01,0.02,0.05 --max_growth_extra_mib=64,128,inf
 

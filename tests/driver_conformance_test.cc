@@ -469,11 +469,13 @@ TEST_P(DriverConformanceTest, TwoDevicesHostAccessIsTrackedPerPartAndPerMapping)
   EXPECT_TRUE(Granted(two, va + gran_, 1));
 
   ASSERT_OK(two->Unmap(va, 2 * gran_));
-  ASSERT_OK(two->Map(va, gran_, handle));
-  EXPECT_FALSE(Granted(two, va, 0));
-  EXPECT_FALSE(Granted(two, va, 1));
-  EXPECT_EQ(two->HasAccess(va + gran_, 0).status().code(), absl::StatusCode::kInvalidArgument);
-  ASSERT_OK(two->Unmap(va, gran_));
+  EXPECT_EQ(two->HasAccess(va, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_OK(two->Map(va, 2 * gran_, handle));
+  for (DevPtr at : {va, va + gran_}) {
+    EXPECT_FALSE(Granted(two, at, 0));
+    EXPECT_FALSE(Granted(two, at, 1));
+  }
+  ASSERT_OK(two->Unmap(va, 2 * gran_));
   ASSERT_OK(two->Release(handle));
   ASSERT_OK(two->Unreserve(va, 2 * gran_));
 }
@@ -605,8 +607,9 @@ TEST_P(DriverConformanceTest, RejectsBadMappings) {
 
   // Outside any reservation.
   EXPECT_ERROR(driver()->Map(gone, gran_, handle), absl::StatusCode::kInvalidArgument);
-  // Larger than the allocation.
+  // Larger than the allocation, and part of it (a mapping covers a whole allocation).
   EXPECT_ERROR(driver()->Map(va, 3 * gran_, handle), absl::StatusCode::kInvalidArgument);
+  EXPECT_ERROR(driver()->Map(va, gran_, handle), absl::StatusCode::kInvalidArgument);
   // Access where nothing is mapped yet.
   EXPECT_ERROR(driver()->SetAccess(va, gran_, {kDevice}), absl::StatusCode::kInvalidArgument);
 

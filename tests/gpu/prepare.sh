@@ -18,6 +18,7 @@ targets=(
   //tests:pool_reuse_test
   //tools:vmm_demo //tools:vmm_peer
   //bench:pool_bench //bench:replay //bench:growth_bench //bench:vmm_peer_bench //bench:import_bench
+  //bench:move_bench
   //torch_plugin:python/vmm_torch/libvmm.so
 )
 
@@ -62,7 +63,7 @@ done
 # (where they look for it when they are not run by Bazel: tests/subprocess.h).
 install -m 0755 "$bin/tools/vmm_demo" "$bin/tools/vmm_peer" .gpu/bin/
 install -m 0755 "$bin/bench/pool_bench" "$bin/bench/replay" "$bin/bench/growth_bench" \
-  "$bin/bench/vmm_peer_bench" "$bin/bench/import_bench" .gpu/bin/
+  "$bin/bench/vmm_peer_bench" "$bin/bench/import_bench" "$bin/bench/move_bench" .gpu/bin/
 install -m 0644 "$bin/torch_plugin/python/vmm_torch/libvmm.so" .gpu/lib/
 if [[ -n "${BEFORE:-}" ]]; then
   build_before_at "$BEFORE" "$root/.gpu/before"

@@ -1,0 +1,279 @@
+// move_bench: what moving physical chunks from one address range to another costs the driver,
+// by chunk size, and whether unmapping the old addresses on a second thread hides that part.
+//
+// The pool's reclaim (allocator/reclaim_policy.h) moves free chunks: unmap where they are, map
+// where the request goes, grant access there. For each chunk size, --chunks chunks are made and
+// mapped side by side in one reserved range; each variant then moves all of them to a second
+// range (and back, alternately), and the median over --reps of the time per chunk is printed:
+//   - batched:    what ChunkMap::Move does: one Unmap over the old run, a Map per chunk, one
+//                 SetAccess over the new range;
+//   - serial:     chunk by chunk: Map at the new address, SetAccess there, Unmap at the old
+//                 (the chunk is mapped twice in between, which both backends allow);
+//   - background: as serial, but a second thread does the Unmaps while the calling thread goes
+//                 on; `caller_us_per_chunk` is what the calling thread spent (what a deferred
+//                 unmap would save an allocation), `us_per_chunk` the time until both are done;
+//   - map_access / unmap: each half alone.
+// Measured on an H200 (docs/results/2026-12-02.md, run AG): about 50 us a chunk whatever its
+// size, and the background unmaps do not shorten the caller's time (the driver serialises
+// them with its maps).
+//
+//   bazel run -c opt //bench:move_bench                      # CUDA if present, else host
+//   bazel run -c opt //bench:move_bench -- --backend=host --chunk_mib=2,8 --chunks=16
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/types/span.h"
+#include "allocator/driver.h"
+#include "bench/alloc_workloads.h"
+#include "bench/vmm_adapter.h"
+
+ABSL_FLAG(std::string, backend, "auto", "driver backend: auto, cuda or host");
+ABSL_FLAG(std::vector<std::string>, chunk_mib, std::vector<std::string>({"2", "8", "32"}),
+          "chunk sizes in MiB (multiples of the allocation granularity)");
+ABSL_FLAG(int, chunks, 128, "chunks moved together");
+ABSL_FLAG(int, reps, 5, "timed repetitions of each variant (the median is reported)");
+
+namespace {
+
+using vmm::DevPtr;
+using vmm::Driver;
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kMiB = size_t{1} << 20;
+constexpr int kDevice = 0;
+
+// The chunks of one size and the two ranges they move between. Every method returns the first
+// error (naming the call) and leaves the chunks mapped at `at` exactly once on success.
+class MoveRig {
+ public:
+  MoveRig(Driver* driver, size_t chunk, int count) : d_(driver), chunk_(chunk), count_(count) {}
+  MoveRig(const MoveRig&) = delete;
+  MoveRig& operator=(const MoveRig&) = delete;
+  ~MoveRig() {
+    if (mapped_) (void)d_->Unmap(range_[at_], Bytes());
+    for (vmm::PhysHandle h : handles_) (void)d_->Release(h);
+    for (DevPtr r : range_) {
+      if (r != 0) (void)d_->Unreserve(r, Bytes());
+    }
+  }
+
+  absl::Status Init() {
+    for (DevPtr& r : range_) {
+      absl::StatusOr<DevPtr> reserved = d_->Reserve(Bytes(), 0);
+      if (!reserved.ok()) return reserved.status();
+      r = *reserved;
+    }
+    for (int i = 0; i < count_; ++i) {
+      absl::StatusOr<vmm::PhysHandle> h = d_->Create(kDevice, chunk_, 0);
+      if (!h.ok()) return h.status();
+      handles_.push_back(*h);
+    }
+    for (int i = 0; i < count_; ++i) {
+      if (absl::Status s = d_->Map(Addr(at_, i), chunk_, handles_[i]); !s.ok()) return s;
+    }
+    mapped_ = true;
+    return d_->SetAccess(range_[at_], Bytes(), Device());
+  }
+
+  // One Unmap of the whole run, a Map per chunk, one SetAccess (ChunkMap::Move).
+  absl::Status MoveBatched() {
+    const int to = 1 - at_;
+    if (absl::Status s = d_->Unmap(range_[at_], Bytes()); !s.ok()) return s;
+    mapped_ = false;
+    for (int i = 0; i < count_; ++i) {
+      if (absl::Status s = d_->Map(Addr(to, i), chunk_, handles_[i]); !s.ok()) return s;
+    }
+    at_ = to;
+    mapped_ = true;
+    return d_->SetAccess(range_[at_], Bytes(), Device());
+  }
+
+  // Chunk by chunk: map and grant at the new address, then `unmap_old(i)`.
+  absl::Status MoveEach(const std::function<absl::Status(int)>& unmap_old) {
+    const int to = 1 - at_;
+    for (int i = 0; i < count_; ++i) {
+      if (absl::Status s = d_->Map(Addr(to, i), chunk_, handles_[i]); !s.ok()) return s;
+      if (absl::Status s = d_->SetAccess(Addr(to, i), chunk_, Device()); !s.ok()) return s;
+      if (absl::Status s = unmap_old(i); !s.ok()) return s;
+    }
+    at_ = to;
+    return absl::OkStatus();
+  }
+
+  absl::Status MoveSerial() {
+    const int from = at_;
+    return MoveEach([&](int i) { return d_->Unmap(Addr(from, i), chunk_); });
+  }
+
+  // MoveEach with the old mappings unmapped by a second thread; `caller_us` is the time the
+  // calling thread spent before handing the last one over.
+  absl::Status MoveWithBackgroundUnmap(double* caller_us) {
+    const int from = at_;
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<int> queue;  // guarded by mu
+    bool done = false;      // guarded by mu
+    absl::Status unmapped;  // written by the thread, read after join
+    std::thread unmapper([&] {
+      for (;;) {
+        int i;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] { return !queue.empty() || done; });
+          if (queue.empty()) return;
+          i = queue.front();
+          queue.pop_front();
+        }
+        absl::Status s = d_->Unmap(Addr(from, i), chunk_);
+        if (!s.ok() && unmapped.ok()) unmapped = s;
+      }
+    });
+    const auto start = Clock::now();
+    absl::Status moved = MoveEach([&](int i) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        queue.push_back(i);
+      }
+      cv.notify_one();
+      return absl::OkStatus();
+    });
+    *caller_us = vmm_bench::SecondsSince(start) * 1e6;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      done = true;
+    }
+    cv.notify_one();
+    unmapper.join();
+    return moved.ok() ? unmapped : moved;
+  }
+
+  // Maps the chunks a second time in the other range and grants access there (map_access),
+  // then unmaps that second mapping (unmap); the chunks stay where they were.
+  absl::Status MapAccessOther(double* map_us, double* unmap_us) {
+    const int other = 1 - at_;
+    auto start = Clock::now();
+    for (int i = 0; i < count_; ++i) {
+      if (absl::Status s = d_->Map(Addr(other, i), chunk_, handles_[i]); !s.ok()) return s;
+      if (absl::Status s = d_->SetAccess(Addr(other, i), chunk_, Device()); !s.ok()) return s;
+    }
+    *map_us = vmm_bench::SecondsSince(start) * 1e6;
+    start = Clock::now();
+    for (int i = 0; i < count_; ++i) {
+      if (absl::Status s = d_->Unmap(Addr(other, i), chunk_); !s.ok()) return s;
+    }
+    *unmap_us = vmm_bench::SecondsSince(start) * 1e6;
+    return absl::OkStatus();
+  }
+
+ private:
+  size_t Bytes() const { return chunk_ * static_cast<size_t>(count_); }
+  DevPtr Addr(int range, int i) const { return range_[range] + chunk_ * static_cast<size_t>(i); }
+  static absl::Span<const int> Device() { return absl::MakeConstSpan(&kDevice, 1); }
+
+  Driver* const d_;
+  const size_t chunk_;
+  const int count_;
+  DevPtr range_[2] = {0, 0};
+  int at_ = 0;  // the range the chunks are mapped in
+  bool mapped_ = false;
+  std::vector<vmm::PhysHandle> handles_;
+};
+
+int Fail(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "move_bench: %s: %s\n", what.c_str(), status.ToString().c_str());
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("Times moving physical chunks between address ranges.");
+  absl::ParseCommandLine(argc, argv);
+  const int count = absl::GetFlag(FLAGS_chunks);
+  const int reps = absl::GetFlag(FLAGS_reps);
+  if (count < 1 || reps < 1) {
+    std::fprintf(stderr, "move_bench: --chunks and --reps must be at least 1\n");
+    return 2;
+  }
+  absl::StatusOr<Driver*> driver = vmm_bench::BenchDriver(absl::GetFlag(FLAGS_backend),
+                                                          size_t{64} << 30);
+  if (!driver.ok()) return Fail("driver", driver.status());
+  absl::StatusOr<size_t> granularity = (*driver)->Granularity(kDevice);
+  if (!granularity.ok()) return Fail("Granularity", granularity.status());
+  const std::string backend((*driver)->Name());
+
+  for (const std::string& flag : absl::GetFlag(FLAGS_chunk_mib)) {
+    uint64_t mib = 0;
+    if (!absl::SimpleAtoi(flag, &mib) || mib == 0 || (mib * kMiB) % *granularity != 0) {
+      std::fprintf(stderr, "move_bench: --chunk_mib value '%s' is not a positive multiple of "
+                   "the granularity (%zu bytes)\n", flag.c_str(), *granularity);
+      return 2;
+    }
+    const size_t chunk = static_cast<size_t>(mib) * kMiB;
+    MoveRig rig(*driver, chunk, count);
+    if (absl::Status s = rig.Init(); !s.ok()) return Fail("setting up", s);
+    std::vector<double> batched, serial, background, caller, map_access, unmap;
+    // Repetition 0 warms every path; it is not counted.
+    for (int rep = 0; rep <= reps; ++rep) {
+      auto start = Clock::now();
+      if (absl::Status s = rig.MoveBatched(); !s.ok()) return Fail("batched move", s);
+      const double batched_us = vmm_bench::SecondsSince(start) * 1e6;
+      start = Clock::now();
+      if (absl::Status s = rig.MoveSerial(); !s.ok()) return Fail("serial move", s);
+      const double serial_us = vmm_bench::SecondsSince(start) * 1e6;
+      double caller_us = 0;
+      start = Clock::now();
+      if (absl::Status s = rig.MoveWithBackgroundUnmap(&caller_us); !s.ok()) {
+        return Fail("move with background unmaps", s);
+      }
+      const double background_us = vmm_bench::SecondsSince(start) * 1e6;
+      double map_us = 0, unmap_us = 0;
+      if (absl::Status s = rig.MapAccessOther(&map_us, &unmap_us); !s.ok()) {
+        return Fail("map and unmap alone", s);
+      }
+      if (rep == 0) continue;
+      batched.push_back(batched_us / count);
+      serial.push_back(serial_us / count);
+      background.push_back(background_us / count);
+      caller.push_back(caller_us / count);
+      map_access.push_back(map_us / count);
+      unmap.push_back(unmap_us / count);
+    }
+    const std::string name = "move/chunk=" + std::to_string(mib) + "MiB";
+    vmm_bench::JsonLine tags;
+    tags.Str("backend", backend).Int("chunks", count).Int("repetitions", reps);
+    auto print = [&](const char* variant, const char* metric, const std::vector<double>& v) {
+      vmm_bench::Result("move", name, variant, metric, vmm_bench::Median(v), "us")
+          .Merge(tags)
+          .Print();
+    };
+    print("batched", "us_per_chunk", batched);
+    print("serial", "us_per_chunk", serial);
+    print("background", "us_per_chunk", background);
+    print("background", "caller_us_per_chunk", caller);
+    print("map_access", "us_per_chunk", map_access);
+    print("unmap", "us_per_chunk", unmap);
+    std::fprintf(stderr,
+                 "%s (%s, %d chunks): batched %.1f, serial %.1f, background unmap %.1f "
+                 "(caller %.1f), map+access %.1f, unmap %.1f us a chunk\n",
+                 name.c_str(), backend.c_str(), count, vmm_bench::Median(batched),
+                 vmm_bench::Median(serial), vmm_bench::Median(background),
+                 vmm_bench::Median(caller), vmm_bench::Median(map_access),
+                 vmm_bench::Median(unmap));
+  }
+  return 0;
+}
