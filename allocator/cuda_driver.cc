@@ -469,6 +469,10 @@ class CudaDriver final : public Driver {
   std::vector<size_t> granularity_ ABSL_GUARDED_BY(mu_);  // 0 until first asked for
   absl::flat_hash_map<Stream, int> stream_devices_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Event, int> event_devices_ ABSL_GUARDED_BY(mu_);
+  // The size of each allocation Create made and Release has not dropped, so that Map refuses
+  // part of one itself (driver.h: a mapping is of a whole allocation). Imported handles carry
+  // no size the driver tells; their Map goes to the driver as it is.
+  absl::flat_hash_map<PhysHandle, size_t> created_sizes_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::StatusOr<Driver*> CudaDriver::Load() {
@@ -675,7 +679,11 @@ absl::StatusOr<PhysHandle> CudaDriver::Create(int device, size_t size, uint32_t 
   const CUmemAllocationProp prop = DeviceAllocationProp(device, ToCudaHandleTypes(handle_types));
   CUmemGenericAllocationHandle handle = 0;
   CUresult result = api_.MemCreate(&handle, size, &prop, 0);
-  if (result == CUDA_SUCCESS) return PhysHandle{handle};
+  if (result == CUDA_SUCCESS) {
+    MutexLock lock(&mu_);
+    created_sizes_[PhysHandle{handle}] = size;
+    return PhysHandle{handle};
+  }
 
   std::string context = absl::StrCat("device ", device, ", ", size, " bytes, handle types ",
                                      HandleTypesName(handle_types));
@@ -691,7 +699,11 @@ absl::Status CudaDriver::Release(PhysHandle handle) {
   if (handle == 0) return absl::InvalidArgumentError("Release: null handle");
   ScopedContext scope(api_);
   VMM_RETURN_IF_ERROR(EnterAnyContext(scope));
-  return Check(api_.MemRelease(handle), "cuMemRelease", absl::StrFormat("handle 0x%x", handle));
+  VMM_RETURN_IF_ERROR(
+      Check(api_.MemRelease(handle), "cuMemRelease", absl::StrFormat("handle 0x%x", handle)));
+  MutexLock lock(&mu_);
+  created_sizes_.erase(handle);
+  return absl::OkStatus();
 }
 
 // --- Virtual address ranges ----------------------------------------------------------------
@@ -729,14 +741,21 @@ absl::Status CudaDriver::Map(DevPtr ptr, size_t size, PhysHandle handle) {
   if (handle == 0) return absl::InvalidArgumentError("Map: null handle");
   ScopedContext scope(api_);
   VMM_RETURN_IF_ERROR(EnterAnyContext(scope));
+  {
+    MutexLock lock(&mu_);
+    auto it = created_sizes_.find(handle);
+    if (it != created_sizes_.end() && it->second != size) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "Map: %d bytes of handle 0x%x, whose allocation has %d: a mapping covers a whole "
+          "allocation",
+          size, handle, it->second));
+    }
+  }
+  std::string what = absl::StrFormat("0x%x, %d bytes, handle 0x%x", ptr, size, handle);
   const CUresult result = api_.MemMap(ptr, size, /*offset=*/0, handle, /*flags=*/0);
-  const std::string what = absl::StrFormat("0x%x, %d bytes, handle 0x%x", ptr, size, handle);
   if (result == CUDA_ERROR_NOT_SUPPORTED) {
-    // With the range aligned (CheckRange), what the driver does not support is a size other
-    // than the allocation's: it maps whole allocations only (driver.h).
-    return absl::InvalidArgumentError(absl::StrCat(
-        Check(result, "cuMemMap", what).message(),
-        " (a mapping covers a whole allocation: is the size the allocation's?)"));
+    // Seen for a size other than an imported allocation's (driver 580 maps no part of one).
+    absl::StrAppend(&what, "; is the size the whole allocation's?");
   }
   return Check(result, "cuMemMap", what);
 }

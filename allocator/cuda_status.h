@@ -25,8 +25,7 @@ namespace vmm {
 //   CUDA_ERROR_NOT_SUPPORTED                                   -> kUnimplemented
 //   CUDA_ERROR_NOT_INITIALIZED, _DEINITIALIZED, _NO_DEVICE     -> kFailedPrecondition
 //   anything else                                              -> kInternal
-// CUDA_SUCCESS gives kOk. One call refines it: cuMemMap's CUDA_ERROR_NOT_SUPPORTED on an
-// aligned range is a size other than the allocation's, kInvalidArgument (CudaDriver::Map).
+// CUDA_SUCCESS gives kOk.
 absl::StatusCode CudaErrorCode(CUresult result);
 
 // The status for `result` returned by `call` (a driver function name such as "cuMemMap"):

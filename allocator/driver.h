@@ -12,10 +12,11 @@
 //   - Sizes and addresses given to Create/Reserve/Map/Unmap/SetAccess are multiples of
 //     Granularity(device); anything else is InvalidArgument.
 //   - Map(ptr, size, handle) maps the whole of `handle` at `ptr`: `size` must be the
-//     allocation's size (CUDA maps no part of an allocation, neither a prefix nor from an
-//     offset: CUDA_ERROR_NOT_SUPPORTED on an H200, driver 580). The range must lie in a
-//     reserved range and not overlap another mapping; SetAccess must follow before the memory
-//     is touched. Unmap must cover whole mappings. Release may come before Unmap: the physical
+//     allocation's size (CUDA's cuMemMap takes no offset, and refused a prefix with
+//     CUDA_ERROR_NOT_SUPPORTED on an H200, driver 580). Both backends refuse another size of
+//     an allocation they created with InvalidArgument (for an imported one the CUDA driver's
+//     own error). The range must lie in a reserved range and not overlap another mapping;
+//     SetAccess must follow before the memory is touched. Unmap must cover whole mappings. Release may come before Unmap: the physical
 //     memory lives until it is both released and unmapped (as in CUDA).
 //   - Errors are absl::Status naming the call and the driver's error, with codes by meaning:
 //     ResourceExhausted (out of memory), InvalidArgument (bad address, size or handle),

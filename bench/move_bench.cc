@@ -13,9 +13,9 @@
 //                 on; `caller_us_per_chunk` is what the calling thread spent (what a deferred
 //                 unmap would save an allocation), `us_per_chunk` the time until both are done;
 //   - map_access / unmap: each half alone.
-// Measured on an H200 (docs/results/2026-12-02.md, run AG): about 50 us a chunk whatever its
-// size, and the background unmaps do not shorten the caller's time (the driver serialises
-// them with its maps).
+// Measured on an H200 (docs/results/2026-12-02.md, run AG): 55-63 us a chunk from 2 to 32 MiB;
+// with the unmaps on a second thread the caller spent 40-54 us a chunk and both threads
+// together more than the serial way (the driver runs the two threads' calls partly in turn).
 //
 //   bazel run -c opt //bench:move_bench                      # CUDA if present, else host
 //   bazel run -c opt //bench:move_bench -- --backend=host --chunk_mib=2,8 --chunks=16
@@ -57,14 +57,20 @@ constexpr size_t kMiB = size_t{1} << 20;
 constexpr int kDevice = 0;
 
 // The chunks of one size and the two ranges they move between. Every method returns the first
-// error (naming the call) and leaves the chunks mapped at `at` exactly once on success.
+// error (naming the call); on success the chunks are mapped in range `at_` only. Which chunk is
+// mapped where is kept chunk by chunk, so that the destructor undoes whatever a failure left.
 class MoveRig {
  public:
-  MoveRig(Driver* driver, size_t chunk, int count) : d_(driver), chunk_(chunk), count_(count) {}
+  MoveRig(Driver* driver, size_t chunk, int count)
+      : d_(driver), chunk_(chunk), count_(count), mapped_{Flags(count), Flags(count)} {}
   MoveRig(const MoveRig&) = delete;
   MoveRig& operator=(const MoveRig&) = delete;
   ~MoveRig() {
-    if (mapped_) (void)d_->Unmap(range_[at_], Bytes());
+    for (int r = 0; r < 2; ++r) {
+      for (int i = 0; i < count_; ++i) {
+        if (mapped_[r][i]) (void)d_->Unmap(Addr(r, i), chunk_);
+      }
+    }
     for (vmm::PhysHandle h : handles_) (void)d_->Release(h);
     for (DevPtr r : range_) {
       if (r != 0) (void)d_->Unreserve(r, Bytes());
@@ -83,30 +89,28 @@ class MoveRig {
       handles_.push_back(*h);
     }
     for (int i = 0; i < count_; ++i) {
-      if (absl::Status s = d_->Map(Addr(at_, i), chunk_, handles_[i]); !s.ok()) return s;
+      if (absl::Status s = MapChunk(at_, i); !s.ok()) return s;
     }
-    mapped_ = true;
     return d_->SetAccess(range_[at_], Bytes(), Device());
   }
 
   // One Unmap of the whole run, a Map per chunk, one SetAccess (ChunkMap::Move).
   absl::Status MoveBatched() {
-    const int to = 1 - at_;
-    if (absl::Status s = d_->Unmap(range_[at_], Bytes()); !s.ok()) return s;
-    mapped_ = false;
+    const int from = at_, to = 1 - at_;
+    if (absl::Status s = d_->Unmap(range_[from], Bytes()); !s.ok()) return s;
+    std::fill(mapped_[from].begin(), mapped_[from].end(), 0);
     for (int i = 0; i < count_; ++i) {
-      if (absl::Status s = d_->Map(Addr(to, i), chunk_, handles_[i]); !s.ok()) return s;
+      if (absl::Status s = MapChunk(to, i); !s.ok()) return s;
     }
     at_ = to;
-    mapped_ = true;
-    return d_->SetAccess(range_[at_], Bytes(), Device());
+    return d_->SetAccess(range_[to], Bytes(), Device());
   }
 
   // Chunk by chunk: map and grant at the new address, then `unmap_old(i)`.
   absl::Status MoveEach(const std::function<absl::Status(int)>& unmap_old) {
     const int to = 1 - at_;
     for (int i = 0; i < count_; ++i) {
-      if (absl::Status s = d_->Map(Addr(to, i), chunk_, handles_[i]); !s.ok()) return s;
+      if (absl::Status s = MapChunk(to, i); !s.ok()) return s;
       if (absl::Status s = d_->SetAccess(Addr(to, i), chunk_, Device()); !s.ok()) return s;
       if (absl::Status s = unmap_old(i); !s.ok()) return s;
     }
@@ -116,13 +120,15 @@ class MoveRig {
 
   absl::Status MoveSerial() {
     const int from = at_;
-    return MoveEach([&](int i) { return d_->Unmap(Addr(from, i), chunk_); });
+    return MoveEach([&](int i) { return UnmapChunk(from, i); });
   }
 
-  // MoveEach with the old mappings unmapped by a second thread; `caller_us` is the time the
-  // calling thread spent before handing the last one over.
-  absl::Status MoveWithBackgroundUnmap(double* caller_us) {
+  // MoveEach with the old mappings unmapped by a second thread. `caller_us` is the time the
+  // calling thread spent until it handed the last one over, `total_us` until the second
+  // thread had unmapped it, both from just before the thread starts.
+  absl::Status MoveWithBackgroundUnmap(double* caller_us, double* total_us) {
     const int from = at_;
+    const auto start = Clock::now();
     std::mutex mu;
     std::condition_variable cv;
     std::deque<int> queue;  // guarded by mu
@@ -138,11 +144,11 @@ class MoveRig {
           i = queue.front();
           queue.pop_front();
         }
-        absl::Status s = d_->Unmap(Addr(from, i), chunk_);
+        // Only this thread touches mapped_[from] until the join: the caller maps into `to`.
+        absl::Status s = UnmapChunk(from, i);
         if (!s.ok() && unmapped.ok()) unmapped = s;
       }
     });
-    const auto start = Clock::now();
     absl::Status moved = MoveEach([&](int i) {
       {
         std::lock_guard<std::mutex> lock(mu);
@@ -158,6 +164,7 @@ class MoveRig {
     }
     cv.notify_one();
     unmapper.join();
+    *total_us = vmm_bench::SecondsSince(start) * 1e6;
     return moved.ok() ? unmapped : moved;
   }
 
@@ -167,29 +174,42 @@ class MoveRig {
     const int other = 1 - at_;
     auto start = Clock::now();
     for (int i = 0; i < count_; ++i) {
-      if (absl::Status s = d_->Map(Addr(other, i), chunk_, handles_[i]); !s.ok()) return s;
+      if (absl::Status s = MapChunk(other, i); !s.ok()) return s;
       if (absl::Status s = d_->SetAccess(Addr(other, i), chunk_, Device()); !s.ok()) return s;
     }
     *map_us = vmm_bench::SecondsSince(start) * 1e6;
     start = Clock::now();
     for (int i = 0; i < count_; ++i) {
-      if (absl::Status s = d_->Unmap(Addr(other, i), chunk_); !s.ok()) return s;
+      if (absl::Status s = UnmapChunk(other, i); !s.ok()) return s;
     }
     *unmap_us = vmm_bench::SecondsSince(start) * 1e6;
     return absl::OkStatus();
   }
 
  private:
+  // One flag a chunk (uint8_t, not bool: two threads write flags of different ranges).
+  using Flags = std::vector<uint8_t>;
+
   size_t Bytes() const { return chunk_ * static_cast<size_t>(count_); }
   DevPtr Addr(int range, int i) const { return range_[range] + chunk_ * static_cast<size_t>(i); }
   static absl::Span<const int> Device() { return absl::MakeConstSpan(&kDevice, 1); }
+  absl::Status MapChunk(int range, int i) {
+    absl::Status s = d_->Map(Addr(range, i), chunk_, handles_[i]);
+    if (s.ok()) mapped_[range][i] = 1;
+    return s;
+  }
+  absl::Status UnmapChunk(int range, int i) {
+    absl::Status s = d_->Unmap(Addr(range, i), chunk_);
+    if (s.ok()) mapped_[range][i] = 0;
+    return s;
+  }
 
   Driver* const d_;
   const size_t chunk_;
   const int count_;
   DevPtr range_[2] = {0, 0};
-  int at_ = 0;  // the range the chunks are mapped in
-  bool mapped_ = false;
+  int at_ = 0;  // the range the chunks are mapped in once a move succeeded
+  Flags mapped_[2];  // mapped_[r][i]: chunk i is mapped in range r
   std::vector<vmm::PhysHandle> handles_;
 };
 
@@ -216,13 +236,21 @@ int main(int argc, char** argv) {
   if (!granularity.ok()) return Fail("Granularity", granularity.status());
   const std::string backend((*driver)->Name());
 
+  // Every size is checked before any is measured.
+  std::vector<uint64_t> sizes_mib;
   for (const std::string& flag : absl::GetFlag(FLAGS_chunk_mib)) {
     uint64_t mib = 0;
-    if (!absl::SimpleAtoi(flag, &mib) || mib == 0 || (mib * kMiB) % *granularity != 0) {
+    const uint64_t most = SIZE_MAX / kMiB / 2 / static_cast<uint64_t>(count);  // two ranges
+    if (!absl::SimpleAtoi(flag, &mib) || mib == 0 || mib > most ||
+        (mib * kMiB) % *granularity != 0) {
       std::fprintf(stderr, "move_bench: --chunk_mib value '%s' is not a positive multiple of "
-                   "the granularity (%zu bytes)\n", flag.c_str(), *granularity);
+                   "the granularity (%zu bytes) that %d chunks can take\n", flag.c_str(),
+                   *granularity, count);
       return 2;
     }
+    sizes_mib.push_back(mib);
+  }
+  for (const uint64_t mib : sizes_mib) {
     const size_t chunk = static_cast<size_t>(mib) * kMiB;
     MoveRig rig(*driver, chunk, count);
     if (absl::Status s = rig.Init(); !s.ok()) return Fail("setting up", s);
@@ -235,12 +263,10 @@ int main(int argc, char** argv) {
       start = Clock::now();
       if (absl::Status s = rig.MoveSerial(); !s.ok()) return Fail("serial move", s);
       const double serial_us = vmm_bench::SecondsSince(start) * 1e6;
-      double caller_us = 0;
-      start = Clock::now();
-      if (absl::Status s = rig.MoveWithBackgroundUnmap(&caller_us); !s.ok()) {
+      double caller_us = 0, background_us = 0;
+      if (absl::Status s = rig.MoveWithBackgroundUnmap(&caller_us, &background_us); !s.ok()) {
         return Fail("move with background unmaps", s);
       }
-      const double background_us = vmm_bench::SecondsSince(start) * 1e6;
       double map_us = 0, unmap_us = 0;
       if (absl::Status s = rig.MapAccessOther(&map_us, &unmap_us); !s.ok()) {
         return Fail("map and unmap alone", s);

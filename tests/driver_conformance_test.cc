@@ -137,7 +137,7 @@ class Buffer {
     return Adopt(driver, handle, size, access);
   }
 
-  // Takes over `handle` (which it releases) and maps its first `size` bytes.
+  // Takes over `handle` (which it releases) and maps it, `size` bytes (its whole size).
   static absl::StatusOr<std::unique_ptr<Buffer>> Adopt(Driver* driver, PhysHandle handle,
                                                        size_t size,
                                                        const std::vector<int>& access = {kDevice}) {
