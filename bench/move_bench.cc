@@ -13,9 +13,10 @@
 //                 on; `caller_us_per_chunk` is what the calling thread spent (what a deferred
 //                 unmap would save an allocation), `us_per_chunk` the time until both are done;
 //   - map_access / unmap: each half alone.
-// Measured on an H200 (docs/results/2026-12-02.md, run AG): 55-63 us a chunk from 2 to 32 MiB;
-// with the unmaps on a second thread the caller spent 40-54 us a chunk and both threads
-// together more than the serial way (the driver runs the two threads' calls partly in turn).
+// Measured on an H200 (docs/results/2026-12-02.md, runs AG and AH): 45-63 us a chunk, with no
+// steady trend from 2 to 32 MiB; with the unmaps on a second thread the caller saved 0-15 us a
+// chunk and both threads together took longer than the serial way (the driver runs the two
+// threads' calls largely in turn).
 //
 //   bazel run -c opt //bench:move_bench                      # CUDA if present, else host
 //   bazel run -c opt //bench:move_bench -- --backend=host --chunk_mib=2,8 --chunks=16
