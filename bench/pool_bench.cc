@@ -104,6 +104,7 @@ void CachedAllocFreePair(benchmark::State& state, PoolOptions options) {
   state.counters["loop_syncs"] =
       static_cast<double>(end.num_sync_all_streams - warm.num_sync_all_streams);
   state.counters["iters"] = static_cast<double>(i - first);
+  state.counters["free_blocks"] = static_cast<double>(end.inactive_split.current);
   for (void* p : blocks) (void)pool->Free(p);
 }
 void BM_CachedAllocFreePair(benchmark::State& state) { CachedAllocFreePair(state, {}); }
