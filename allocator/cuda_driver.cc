@@ -754,7 +754,7 @@ absl::Status CudaDriver::Map(DevPtr ptr, size_t size, PhysHandle handle) {
   std::string what = absl::StrFormat("0x%x, %d bytes, handle 0x%x", ptr, size, handle);
   const CUresult result = api_.MemMap(ptr, size, /*offset=*/0, handle, /*flags=*/0);
   if (result == CUDA_ERROR_NOT_SUPPORTED) {
-    // Seen for a size other than an imported allocation's (driver 580 maps no part of one).
+    // How driver 580 refused part of an allocation; an imported one's size is not known here.
     absl::StrAppend(&what, "; is the size the whole allocation's?");
   }
   return Check(result, "cuMemMap", what);

@@ -16,8 +16,9 @@
 //     CUDA_ERROR_NOT_SUPPORTED on an H200, driver 580). Both backends refuse another size of
 //     an allocation they created with InvalidArgument (for an imported one the CUDA driver's
 //     own error). The range must lie in a reserved range and not overlap another mapping;
-//     SetAccess must follow before the memory is touched. Unmap must cover whole mappings. Release may come before Unmap: the physical
-//     memory lives until it is both released and unmapped (as in CUDA).
+//     SetAccess must follow before the memory is touched. Unmap must cover whole mappings.
+//     Release may come before Unmap: the physical memory lives until it is both released and
+//     unmapped (as in CUDA).
 //   - Errors are absl::Status naming the call and the driver's error, with codes by meaning:
 //     ResourceExhausted (out of memory), InvalidArgument (bad address, size or handle),
 //     FailedPrecondition (no driver, no device, wrong state), PermissionDenied /
