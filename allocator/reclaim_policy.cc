@@ -136,13 +136,12 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   if (r.page == 0) return movable;
   for (const Block* b = r.arena->head(); b != nullptr; b = b->next) {
     if (!IsSource(r, b, /*ignore_exclusions=*/true)) continue;
-    ChunkCounts counts;  // this block's, then added to the whole at once
+    ChunkCounts counts;  // this block's, counted first: a few sizes, one Add each
     ForEachMovableChunk(r, b, [&](uintptr_t, const Chunk& chunk) {
       AddTo(counts, chunk.size, 1);
       return true;
     });
-    for (const auto& [size, count] : counts) AddTo(movable.total, size, count);
-    if (!counts.empty()) movable.by_block.emplace(b, std::move(counts));
+    for (const auto& [size, count] : counts) movable.Add(b, size, count);
   }
   return movable;
 }
