@@ -449,6 +449,13 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
         .Print();
     if (count == "num_device_alloc") device_alloc = delta;
     if (count == "num_device_free") device_free = delta;
+    if (count == "driver_ns") {
+      // The part of ns_per_op_cold spent in the driver's calls.
+      Result(bench, name, adapter.Name(), "driver_ns_per_op_cold",
+             static_cast<double>(delta) / static_cast<double>(trace.ops.size()), "ns")
+          .Merge(common)
+          .Print();
+    }
   }
   if (device_alloc >= 0 && device_free >= 0) {
     // docs/DESIGN.md §5 compares this sum (maps + unmaps) with PyTorch's expandable segments.
@@ -482,14 +489,6 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
             .Print();
       }
     }
-  }
-  for (const auto& [count, delta] : counts) {
-    if (count != "driver_ns") continue;
-    // The part of ns_per_op_cold spent in the driver's calls.
-    Result(bench, name, adapter.Name(), "driver_ns_per_op_cold",
-           static_cast<double>(delta) / static_cast<double>(trace.ops.size()), "ns")
-        .Merge(common)
-        .Print();
   }
   if (summary != nullptr) {
     summary->peak_reserved = peak_reserved;
