@@ -12,7 +12,13 @@
 //   - background: as serial, but a second thread does the Unmaps while the calling thread goes
 //                 on; `caller_us_per_chunk` is what the calling thread spent (what a deferred
 //                 unmap would save an allocation), `us_per_chunk` the time until both are done;
-//   - map_access / unmap: each half alone.
+//   - map_access / unmap: each half alone;
+//   - recreate:   the other way to reuse free memory: release the chunks where they are (one
+//                 Unmap over the run, a Release each) and create their bytes anew as one
+//                 allocation in the other range (Create, Map, SetAccess); `us_per_chunk` per
+//                 chunk released, `release_us_per_chunk` the releasing part, `create_us` the
+//                 one allocation's Create, Map and SetAccess. (The rig then turns it back into
+//                 chunks, untimed.)
 // Measured on an H200 (docs/results/2026-12-02.md, runs AG and AH): 45-63 us a chunk, with no
 // steady trend from 2 to 32 MiB; with the unmaps on a second thread the caller saved 0-15 us a
 // chunk and both threads together took longer than the serial way (the driver runs the two
@@ -28,6 +34,7 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -72,6 +79,8 @@ class MoveRig {
         if (mapped_[r][i]) (void)d_->Unmap(Addr(r, i), chunk_);
       }
     }
+    if (whole_at_ >= 0) (void)d_->Unmap(range_[whole_at_], Bytes());
+    if (whole_) (void)d_->Release(*whole_);
     for (vmm::PhysHandle h : handles_) (void)d_->Release(h);
     for (DevPtr r : range_) {
       if (r != 0) (void)d_->Unreserve(r, Bytes());
@@ -169,6 +178,44 @@ class MoveRig {
     return moved.ok() ? unmapped : moved;
   }
 
+  // Releases the chunks and creates their bytes as one allocation in the other range (timed:
+  // `release_us` for the Unmap and Releases, `create_us` for Create, Map and SetAccess), then
+  // makes that range chunks again, untimed.
+  absl::Status Recreate(double* release_us, double* create_us) {
+    const int from = at_, to = 1 - at_;
+    auto start = Clock::now();
+    if (absl::Status s = d_->Unmap(range_[from], Bytes()); !s.ok()) return s;
+    std::fill(mapped_[from].begin(), mapped_[from].end(), 0);
+    for (; !handles_.empty(); handles_.pop_back()) {
+      if (absl::Status s = d_->Release(handles_.back()); !s.ok()) return s;
+    }
+    *release_us = vmm_bench::SecondsSince(start) * 1e6;
+    start = Clock::now();
+    absl::StatusOr<vmm::PhysHandle> whole = d_->Create(kDevice, Bytes(), 0);
+    if (!whole.ok()) return whole.status();
+    whole_ = *whole;
+    if (absl::Status s = d_->Map(range_[to], Bytes(), *whole_); !s.ok()) return s;
+    whole_at_ = to;
+    if (absl::Status s = d_->SetAccess(range_[to], Bytes(), Device()); !s.ok()) return s;
+    *create_us = vmm_bench::SecondsSince(start) * 1e6;
+    // Back to chunks, in the range the memory went to.
+    if (absl::Status s = d_->Unmap(range_[to], Bytes()); !s.ok()) return s;
+    whole_at_ = -1;
+    absl::Status released = d_->Release(*whole_);
+    whole_.reset();
+    if (!released.ok()) return released;
+    for (int i = 0; i < count_; ++i) {
+      absl::StatusOr<vmm::PhysHandle> h = d_->Create(kDevice, chunk_, 0);
+      if (!h.ok()) return h.status();
+      handles_.push_back(*h);
+    }
+    for (int i = 0; i < count_; ++i) {
+      if (absl::Status s = MapChunk(to, i); !s.ok()) return s;
+    }
+    at_ = to;
+    return d_->SetAccess(range_[to], Bytes(), Device());
+  }
+
   // Maps the chunks a second time in the other range and grants access there (map_access),
   // then unmaps that second mapping (unmap); the chunks stay where they were.
   absl::Status MapAccessOther(double* map_us, double* unmap_us) {
@@ -211,7 +258,9 @@ class MoveRig {
   DevPtr range_[2] = {0, 0};
   int at_ = 0;  // the range the chunks are mapped in once a move succeeded
   Flags mapped_[2];  // mapped_[r][i]: chunk i is mapped in range r
-  std::vector<vmm::PhysHandle> handles_;
+  std::vector<vmm::PhysHandle> handles_;  // the chunks' (fewer while Recreate runs)
+  std::optional<vmm::PhysHandle> whole_;  // Recreate's one allocation, while it exists
+  int whole_at_ = -1;                     // the range it is mapped in, or -1
 };
 
 int Fail(const std::string& what, const absl::Status& status) {
@@ -255,7 +304,8 @@ int main(int argc, char** argv) {
     const size_t chunk = static_cast<size_t>(mib) * kMiB;
     MoveRig rig(*driver, chunk, count);
     if (absl::Status s = rig.Init(); !s.ok()) return Fail("setting up", s);
-    std::vector<double> batched, serial, background, caller, map_access, unmap;
+    std::vector<double> batched, serial, background, caller, map_access, unmap, recreate,
+        release, create;
     // Repetition 0 warms every path; it is not counted.
     for (int rep = 0; rep <= reps; ++rep) {
       auto start = Clock::now();
@@ -272,7 +322,14 @@ int main(int argc, char** argv) {
       if (absl::Status s = rig.MapAccessOther(&map_us, &unmap_us); !s.ok()) {
         return Fail("map and unmap alone", s);
       }
+      double release_us = 0, create_us = 0;
+      if (absl::Status s = rig.Recreate(&release_us, &create_us); !s.ok()) {
+        return Fail("release and create anew", s);
+      }
       if (rep == 0) continue;
+      recreate.push_back((release_us + create_us) / count);
+      release.push_back(release_us / count);
+      create.push_back(create_us);
       batched.push_back(batched_us / count);
       serial.push_back(serial_us / count);
       background.push_back(background_us / count);
@@ -294,13 +351,18 @@ int main(int argc, char** argv) {
     print("background", "caller_us_per_chunk", caller);
     print("map_access", "us_per_chunk", map_access);
     print("unmap", "us_per_chunk", unmap);
+    print("recreate", "us_per_chunk", recreate);
+    print("recreate", "release_us_per_chunk", release);
+    print("recreate", "create_us", create);
     std::fprintf(stderr,
                  "%s (%s, %d chunks): batched %.1f, serial %.1f, background unmap %.1f "
-                 "(caller %.1f), map+access %.1f, unmap %.1f us a chunk\n",
+                 "(caller %.1f), map+access %.1f, unmap %.1f us a chunk; release and create "
+                 "as one %.1f (release %.1f a chunk, create+map+access %.1f in all)\n",
                  name.c_str(), backend.c_str(), count, vmm_bench::Median(batched),
                  vmm_bench::Median(serial), vmm_bench::Median(background),
                  vmm_bench::Median(caller), vmm_bench::Median(map_access),
-                 vmm_bench::Median(unmap));
+                 vmm_bench::Median(unmap), vmm_bench::Median(recreate),
+                 vmm_bench::Median(release), vmm_bench::Median(create));
   }
   return 0;
 }

@@ -40,7 +40,7 @@ MAIN_METRICS = ["ns_per_pair", "peak_reserved_over_peak_allocated", "num_device_
                 "driver_set_access", "moved_bytes", "driver_calls_warm", "moved_bytes_warm",
                 "ns_per_op_cold", "ns_per_op_warm", "driver_ns_per_op_cold",
                 "driver_ns_per_op_warm", "grow_us", "grow_over_bare", "release_us",
-                "us_per_chunk", "caller_us_per_chunk"]
+                "us_per_chunk", "caller_us_per_chunk", "release_us_per_chunk", "create_us"]
 # Fields that tell configurations of one allocator apart.
 CONFIG_FIELDS = ["growth_fraction", "max_growth_extra_mib", "max_chunk_mib", "large_page_mib",
                  "growth_page_mib"]
