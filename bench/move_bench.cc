@@ -19,10 +19,10 @@
 //                 chunk released, `release_us_per_chunk` the releasing part, `create_us` the
 //                 one allocation's Create, Map and SetAccess. (The rig then turns it back into
 //                 chunks, untimed.)
-// Measured on an H200 (docs/results/2026-12-02.md, runs AG and AH): 45-63 us a chunk, with no
-// steady trend from 2 to 32 MiB; with the unmaps on a second thread the caller saved 0-15 us a
-// chunk and both threads together took longer than the serial way (the driver runs the two
-// threads' calls largely in turn).
+// Measured on an H200 (docs/results/2026-12-02.md, runs AG, AH and AJ): 45-73 us a chunk, with
+// no steady trend from 2 to 128 MiB; with the unmaps on a second thread the caller saved 0-15 us
+// a chunk and both threads together took longer than the serial way (the driver runs the two
+// threads' calls largely in turn); releasing cost 43-52 us a chunk at 2-8 MiB, 206 at 128 MiB.
 //
 //   bazel run -c opt //bench:move_bench                      # CUDA if present, else host
 //   bazel run -c opt //bench:move_bench -- --backend=host --chunk_mib=2,8 --chunks=16
