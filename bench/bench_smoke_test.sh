@@ -28,6 +28,7 @@ expect "$tmp/growth.jsonl" grow_over_bare
 "$bin/move_bench" --backend=host --reps=2 --chunks=4 --chunk_mib=2,8 >"$tmp/move.jsonl"
 expect "$tmp/move.jsonl" caller_us_per_chunk
 expect "$tmp/move.jsonl" release_us_per_chunk
+expect "$tmp/move.jsonl" create_us
 [[ $(grep -c '"metric": "us_per_chunk"' "$tmp/move.jsonl") -eq 12 ]] ||
   { echo "expected 12 us_per_chunk lines:"; cat "$tmp/move.jsonl"; exit 1; }
 if "$bin/move_bench" --backend=host --chunk_mib=3 >/dev/null 2>"$tmp/bad_chunk.log"; then

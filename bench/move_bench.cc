@@ -19,10 +19,11 @@
 //                 chunk released, `release_us_per_chunk` the releasing part, `create_us` the
 //                 one allocation's Create, Map and SetAccess. (The rig then turns it back into
 //                 chunks, untimed.)
-// Measured on an H200 (docs/results/2026-12-02.md, runs AG, AH and AJ): 45-73 us a chunk, with
-// no steady trend from 2 to 128 MiB; with the unmaps on a second thread the caller saved 0-15 us
-// a chunk and both threads together took longer than the serial way (the driver runs the two
-// threads' calls largely in turn); releasing cost 43-52 us a chunk at 2-8 MiB, 206 at 128 MiB.
+// Measured on an H200 (docs/results/2026-12-02.md, runs AG, AH and AJ): 45-63 us a chunk, with
+// no steady trend from 2 to 32 MiB, and 73 at 128 MiB (one run); with the unmaps on a second
+// thread the caller saved 0-15 us a chunk and both threads together took longer than the serial
+// way (the driver runs the two threads' calls largely in turn); releasing and creating anew
+// cost 46-55 us a chunk at 2-8 MiB, 85 at 32 MiB and 217 at 128 MiB.
 //
 //   bazel run -c opt //bench:move_bench                      # CUDA if present, else host
 //   bazel run -c opt //bench:move_bench -- --backend=host --chunk_mib=2,8 --chunks=16
@@ -93,15 +94,7 @@ class MoveRig {
       if (!reserved.ok()) return reserved.status();
       r = *reserved;
     }
-    for (int i = 0; i < count_; ++i) {
-      absl::StatusOr<vmm::PhysHandle> h = d_->Create(kDevice, chunk_, 0);
-      if (!h.ok()) return h.status();
-      handles_.push_back(*h);
-    }
-    for (int i = 0; i < count_; ++i) {
-      if (absl::Status s = MapChunk(at_, i); !s.ok()) return s;
-    }
-    return d_->SetAccess(range_[at_], Bytes(), Device());
+    return MakeChunks(at_);
   }
 
   // One Unmap of the whole run, a Map per chunk, one SetAccess (ChunkMap::Move).
@@ -201,19 +194,9 @@ class MoveRig {
     // Back to chunks, in the range the memory went to.
     if (absl::Status s = d_->Unmap(range_[to], Bytes()); !s.ok()) return s;
     whole_at_ = -1;
-    absl::Status released = d_->Release(*whole_);
+    if (absl::Status s = d_->Release(*whole_); !s.ok()) return s;  // the destructor retries
     whole_.reset();
-    if (!released.ok()) return released;
-    for (int i = 0; i < count_; ++i) {
-      absl::StatusOr<vmm::PhysHandle> h = d_->Create(kDevice, chunk_, 0);
-      if (!h.ok()) return h.status();
-      handles_.push_back(*h);
-    }
-    for (int i = 0; i < count_; ++i) {
-      if (absl::Status s = MapChunk(to, i); !s.ok()) return s;
-    }
-    at_ = to;
-    return d_->SetAccess(range_[to], Bytes(), Device());
+    return MakeChunks(to);
   }
 
   // Maps the chunks a second time in the other range and grants access there (map_access),
@@ -245,6 +228,20 @@ class MoveRig {
     absl::Status s = d_->Map(Addr(range, i), chunk_, handles_[i]);
     if (s.ok()) mapped_[range][i] = 1;
     return s;
+  }
+  // Creates the chunks (none may exist), maps them side by side in `range` and grants access
+  // there; the chunks are then at `range`.
+  absl::Status MakeChunks(int range) {
+    for (int i = 0; i < count_; ++i) {
+      absl::StatusOr<vmm::PhysHandle> h = d_->Create(kDevice, chunk_, 0);
+      if (!h.ok()) return h.status();
+      handles_.push_back(*h);
+    }
+    for (int i = 0; i < count_; ++i) {
+      if (absl::Status s = MapChunk(range, i); !s.ok()) return s;
+    }
+    at_ = range;
+    return d_->SetAccess(range_[range], Bytes(), Device());
   }
   absl::Status UnmapChunk(int range, int i) {
     absl::Status s = d_->Unmap(Addr(range, i), chunk_);
