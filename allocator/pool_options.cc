@@ -1,5 +1,6 @@
 #include "allocator/pool_options.h"
 
+#include <cstdint>
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
@@ -13,21 +14,24 @@
 namespace vmm {
 namespace {
 
+// A size option, and the word besides a size it takes (nullptr: none) with the value it sets.
 struct SizeKey {
   const char* name;
   size_t PoolOptions::*field;
+  const char* word = nullptr;
+  size_t word_value = 0;
 };
 constexpr SizeKey kSizeKeys[] = {
     {"reserve_size", &PoolOptions::reserve_size},
     {"memory_limit", &PoolOptions::memory_limit},
     {"release_threshold", &PoolOptions::release_threshold},
-    {"small_size", &PoolOptions::small_size},
+    {"small_size", &PoolOptions::small_size, "auto", kAutoSize},
     {"small_chunk", &PoolOptions::small_chunk},
     {"max_growth_extra", &PoolOptions::max_growth_extra},
     {"max_chunk", &PoolOptions::max_chunk},
-    {"large_page", &PoolOptions::large_page},
-    {"growth_page", &PoolOptions::growth_page},
-    {"spare_export_bytes", &PoolOptions::spare_export_bytes},
+    {"large_page", &PoolOptions::large_page, "auto", kAutoSize},
+    {"growth_page", &PoolOptions::growth_page, "auto", kAutoSize},
+    {"spare_export_bytes", &PoolOptions::spare_export_bytes, "unlimited", SIZE_MAX},
 };
 
 absl::Status Invalid(absl::string_view key, absl::string_view value, absl::string_view what) {
@@ -63,13 +67,8 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
   }
   for (const SizeKey& k : kSizeKeys) {
     if (key != k.name) continue;
-    if (value == "auto" && (key == "small_size" || key == "large_page" ||
-                            key == "growth_page")) {
-      o.*k.field = kAutoSize;
-      return absl::OkStatus();
-    }
-    if (value == "unlimited" && key == "spare_export_bytes") {
-      o.*k.field = SIZE_MAX;
+    if (k.word != nullptr && value == k.word) {
+      o.*k.field = k.word_value;
       return absl::OkStatus();
     }
     absl::StatusOr<uint64_t> bytes = ParseByteSize(value);

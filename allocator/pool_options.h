@@ -4,8 +4,9 @@
 //
 // Option text is "key=value" pairs separated by commas (whitespace around keys and values is
 // ignored). Keys are the field names below; sizes are read by ParseByteSize (K, M, G, T
-// suffixes, powers of 1024; small_size, large_page and growth_page also take "auto"); handle_type is auto|none|posix_fd|fabric; growth_fraction a number
-// in [0, 1]; peer_devices device indices separated by ':' ("1:2"). An unknown key, a repeated
+// suffixes, powers of 1024; small_size, large_page and growth_page also take "auto",
+// spare_export_bytes "unlimited"); handle_type is auto|none|posix_fd|fabric; growth_fraction a
+// number in [0, 1]; peer_devices device indices separated by ':' ("1:2"). An unknown key, a repeated
 // key, a pair without '=', or a malformed value is InvalidArgument naming it.
 #ifndef VMM_ALLOCATOR_POOL_OPTIONS_H_
 #define VMM_ALLOCATOR_POOL_OPTIONS_H_
