@@ -4,7 +4,10 @@
 #   bench/trace_suite.sh BIN_DIR OUT_DIR [NAME...]
 #
 # BIN_DIR holds replay and vmm_peer_bench (`bazel build -c opt //bench/...`; .gpu/bin after
-# tests/gpu/prepare.sh). NAMEs pick workloads (default: all of `traces.py --list`). Each trace
+# tests/gpu/prepare.sh). NAMEs pick workloads (default: all of `traces.py --list`); a NAME of
+# the form WORKLOAD:PARAM=VALUE[:PARAM=VALUE...] is a variant of a workload, its parameters
+# set with `traces.py --set` (e.g. churn:max_bytes=67108864, long_prefill:contexts=16384,32768),
+# reported as WORKLOAD+PARAM-VALUE... (commas become dots). Each trace
 # is generated into a temporary folder (TRACE_DIR: this folder instead, kept) and replayed,
 # each program in a process of its own and under `timeout`, by:
 #   vmm                 replay (the default growth policy; REPLAY_ARGS adds flags, e.g. a sweep)
@@ -74,10 +77,20 @@ else
   echo "backend $backend: vmm only (the peers need a GPU)"
 fi
 
-for name in "${names[@]}"; do
+for spec in "${names[@]}"; do
+  # WORKLOAD[:PARAM=VALUE...]: the workload, its --set arguments, and the name of its files.
+  IFS=: read -r -a parts <<<"$spec"
+  workload=${parts[0]}
+  sets=()
+  name=$workload
+  for param in "${parts[@]:1}"; do
+    sets+=(--set "$param")
+    name+="+${param/=/-}"
+  done
+  name=${name//,/.}
   trace=$traces/$name.txt
   echo "== trace $name (seed ${TRACE_SEED:-0}, scale ${TRACE_SCALE:-1})"
-  if ! "$python" "$here/traces.py" "$name" --seed "${TRACE_SEED:-0}" \
+  if ! "$python" "$here/traces.py" "$workload" "${sets[@]}" --seed "${TRACE_SEED:-0}" \
       --scale "${TRACE_SCALE:-1}" >"$trace"; then
     echo "   generating $name failed"
     [[ $status -ne 0 ]] || status=1
