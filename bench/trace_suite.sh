@@ -7,7 +7,7 @@
 # tests/gpu/prepare.sh). NAMEs pick workloads (default: all of `traces.py --list`); a NAME of
 # the form WORKLOAD:PARAM=VALUE[:PARAM=VALUE...] is a variant of a workload, its parameters
 # set with `traces.py --set` (e.g. churn:max_bytes=67108864, long_prefill:contexts=16384,32768),
-# reported as WORKLOAD+PARAM-VALUE... (commas become dots). Each trace
+# reported as WORKLOAD.PARAM-VALUE... (commas become underscores). Each trace
 # is generated into a temporary folder (TRACE_DIR: this folder instead, kept) and replayed,
 # each program in a process of its own and under `timeout`, by:
 #   vmm                 replay (the default growth policy; REPLAY_ARGS adds flags, e.g. a sweep)
@@ -85,9 +85,9 @@ for spec in "${names[@]}"; do
   name=$workload
   for param in "${parts[@]:1}"; do
     sets+=(--set "$param")
-    name+="+${param/=/-}"
+    name+=".${param/=/-}"
   done
-  name=${name//,/.}
+  name=${name//,/_}
   trace=$traces/$name.txt
   echo "== trace $name (seed ${TRACE_SEED:-0}, scale ${TRACE_SCALE:-1})"
   if ! "$python" "$here/traces.py" "$workload" "${sets[@]}" --seed "${TRACE_SEED:-0}" \
