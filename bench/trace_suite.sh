@@ -7,7 +7,8 @@
 # tests/gpu/prepare.sh). NAMEs pick workloads (default: all of `traces.py --list`); a NAME of
 # the form WORKLOAD:PARAM=VALUE[:PARAM=VALUE...] is a variant of a workload, its parameters
 # set with `traces.py --set` (e.g. churn:max_bytes=67108864, long_prefill:contexts=16384,32768),
-# reported as WORKLOAD.PARAM-VALUE... (commas become underscores). Each trace
+# reported as WORKLOAD.PARAM-VALUE... (commas become underscores); a NAME with an empty part or
+# a '/' is refused (logged, and the exit status is 1) and the others still run. Each trace
 # is generated into a temporary folder (TRACE_DIR: this folder instead, kept) and replayed,
 # each program in a process of its own and under `timeout`, by:
 #   vmm                 replay (the default growth policy; REPLAY_ARGS adds flags, e.g. a sweep)
@@ -79,6 +80,11 @@ fi
 
 for spec in "${names[@]}"; do
   # WORKLOAD[:PARAM=VALUE...]: the workload, its --set arguments, and the name of its files.
+  if [[ -z $spec || $spec == :* || $spec == *: || $spec == *::* || $spec == */* ]]; then
+    echo "== trace '$spec': not WORKLOAD[:PARAM=VALUE...] (an empty part, or a '/')"
+    [[ $status -ne 0 ]] || status=1
+    continue
+  fi
   IFS=: read -r -a parts <<<"$spec"
   workload=${parts[0]}
   sets=()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of trace_suite.sh on the host backend: every trace of traces.py, at a small
-# scale, replayed by vmm, with a row of report.md per trace.
+# scale, replayed by vmm, with a row of report.md per trace; then a variant of a workload
+# (WORKLOAD:PARAM=VALUE) beside a malformed NAME, which is refused while the variant still runs.
 set -euo pipefail
 
 here=${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-vmm}/bench
@@ -22,4 +23,17 @@ for name in $names; do
       { echo "no row '$row' for $name:"; cat "$tmp/out/report.md"; exit 1; }
   done
 done
+# A variant is named WORKLOAD.PARAM-VALUE, a training variant keeps the training target, and a
+# malformed NAME fails the run (exit status 1) without stopping the others.
+status=0
+BACKEND=host TRACE_SCALE=0.05 WARM_REPS=0 STEP_LIMIT=60 \
+  "$here/trace_suite.sh" "$here" "$tmp/variants" "churn:" "training:layers=4" \
+  "kv_serving:growth=1.25" >"$tmp/variants.log" 2>&1 || status=$?
+[[ $status -eq 1 ]] || { echo "a malformed NAME gave exit status $status"; cat "$tmp/variants.log"; exit 1; }
+grep -q "trace 'churn:': not WORKLOAD" "$tmp/variants.log" ||
+  { echo "no refusal of 'churn:'"; cat "$tmp/variants.log"; exit 1; }
+grep -q "^| trace_replay/training.layers-4 | peak_reserved_over_peak_allocated (x) | [0-9.]* | ≤ 1.01" \
+  "$tmp/variants/report.md" || { echo "no training variant row"; cat "$tmp/variants/report.md"; exit 1; }
+grep -q "^| trace_replay/kv_serving.growth-1.25 | driver_map | [0-9,]* |" "$tmp/variants/report.md" ||
+  { echo "no kv_serving variant row"; cat "$tmp/variants/report.md"; exit 1; }
 echo PASS
