@@ -8,7 +8,8 @@
 # the form WORKLOAD:PARAM=VALUE[:PARAM=VALUE...] is a variant of a workload, its parameters
 # set with `traces.py --set` (e.g. churn:max_bytes=67108864, long_prefill:contexts=16384,32768),
 # reported as WORKLOAD.PARAM-VALUE... (commas become underscores); a NAME with an empty part or
-# a '/' is refused (logged, and the exit status is 1) and the others still run. Each trace
+# a '/' is refused (logged, and the exit status is 1) and the others still run; @FILE reads
+# NAMEs from FILE, one a line, '#' starting a comment (bench/trace_variants.txt). Each trace
 # is generated into a temporary folder (TRACE_DIR: this folder instead, kept) and replayed,
 # each program in a process of its own and under `timeout`, by:
 #   vmm                 replay (the default growth policy; REPLAY_ARGS adds flags, e.g. a sweep)
@@ -50,8 +51,17 @@ run() {
   step "$name" "$limit" "$@"
 }
 
-names=("$@")
-if [[ ${#names[@]} -eq 0 ]]; then
+names=()
+for arg in "$@"; do
+  if [[ $arg == @* ]]; then
+    # @FILE: its NAMEs, one a line; '#' starts a comment.
+    [[ -r ${arg#@} ]] || { echo "trace_suite.sh: cannot read ${arg#@}" >&2; exit 2; }
+    mapfile -t -O "${#names[@]}" names < <(sed 's/#.*//' "${arg#@}" | awk 'NF {print $1}')
+  else
+    names+=("$arg")
+  fi
+done
+if [[ $# -eq 0 ]]; then
   mapfile -t names < <("$python" "$here/traces.py" --list | awk '{print $1}')
 fi
 if [[ -n "${TRACE_DIR:-}" ]]; then

@@ -24,16 +24,27 @@ for name in $names; do
   done
 done
 # A variant is named WORKLOAD.PARAM-VALUE, a training variant keeps the training target, and a
-# malformed NAME fails the run (exit status 1) without stopping the others.
+# malformed NAME fails the run (exit status 1) without stopping the others; @FILE adds the
+# NAMEs of a file (here the project's list of variants, each of which must replay).
 status=0
 BACKEND=host TRACE_SCALE=0.05 WARM_REPS=0 STEP_LIMIT=60 \
   "$here/trace_suite.sh" "$here" "$tmp/variants" "churn:" "training:layers=4" \
-  "kv_serving:growth=1.25" >"$tmp/variants.log" 2>&1 || status=$?
+  "@$here/trace_variants.txt" >"$tmp/variants.log" 2>&1 || status=$?
 [[ $status -eq 1 ]] || { echo "a malformed NAME gave exit status $status"; cat "$tmp/variants.log"; exit 1; }
 grep -q "trace 'churn:': not WORKLOAD" "$tmp/variants.log" ||
   { echo "no refusal of 'churn:'"; cat "$tmp/variants.log"; exit 1; }
 grep -q "^| trace_replay/training.layers-4 | peak_reserved_over_peak_allocated (x) | [0-9.]* | ≤ 1.01" \
   "$tmp/variants/report.md" || { echo "no training variant row"; cat "$tmp/variants/report.md"; exit 1; }
-grep -q "^| trace_replay/kv_serving.growth-1.25 | driver_map | [0-9,]* |" "$tmp/variants/report.md" ||
-  { echo "no kv_serving variant row"; cat "$tmp/variants/report.md"; exit 1; }
+listed=0
+while read -r spec; do
+  name=${spec%%:*}
+  rest=${spec#"$name"}
+  rest=${rest//:/.}
+  rest=${rest//=/-}
+  name+=${rest//,/_}
+  grep -q "^| trace_replay/$name | driver_map | [0-9,]* |" "$tmp/variants/report.md" ||
+    { echo "no row for $name ($spec)"; cat "$tmp/variants.log"; exit 1; }
+  listed=$((listed + 1))
+done < <(sed 's/#.*//' "$here/trace_variants.txt" | awk 'NF {print $1}')
+[[ $listed -ge 10 ]] || { echo "trace_variants.txt lists $listed variants"; exit 1; }
 echo PASS

@@ -19,7 +19,8 @@
 #                       (bench/run_gpu_bench.sh), and pool_bench;
 #              traces   every trace of bench/traces.py replayed by vmm, PyTorch native,
 #                       expandable segments and cudaMallocAsync (bench/trace_suite.sh;
-#                       TRACES names some, TRACE_SCALE shortens them); traces_report.md and
+#                       TRACES names some, or variants such as @bench/trace_variants.txt,
+#                       TRACE_SCALE shortens them); traces_report.md and
 #                       the JSON lines (traces/) in $OUT;
 #              latency  share latency (with its breakdown) and imported bandwidth per mode,
 #                       without an IMEX channel, then with one, then SHARE_ROUNDS (3) rounds in
