@@ -185,7 +185,8 @@ def tables(records, show_all=False):
             met = ""
             if goal:
                 text, check = goal
-                vmm = [v for c, v in medians.items() if c.split(" [")[0] == "vmm"]
+                # One mark per vmm column, in the columns' order.
+                vmm = [medians[c] for c in columns if c in medians and c.split(" [")[0] == "vmm"]
                 marks = " ".join("✓" if check(v) else "✗" for v in vmm)
                 met = f"{text} {marks}".strip()
             unit_text = f" ({unit})" if unit and unit not in ("calls", "bytes") else ""
