@@ -6,8 +6,8 @@
 // ignored). Keys are the field names below; sizes are read by ParseByteSize (K, M, G, T
 // suffixes, powers of 1024; small_size, large_page and growth_page also take "auto",
 // spare_export_bytes "unlimited"); handle_type is auto|none|posix_fd|fabric; growth_fraction a
-// number in [0, 1]; peer_devices device indices separated by ':' ("1:2"). An unknown key, a repeated
-// key, a pair without '=', or a malformed value is InvalidArgument naming it.
+// number in [0, 1]; peer_devices device indices separated by ':' ("1:2"). An unknown key, a
+// repeated key, a pair without '=', or a malformed value is InvalidArgument naming it.
 #ifndef VMM_ALLOCATOR_POOL_OPTIONS_H_
 #define VMM_ALLOCATOR_POOL_OPTIONS_H_
 
@@ -42,7 +42,8 @@ struct PoolOptions {
   // batch) go to the large arena, whose pages move once free (bench/traces.py rl_phases:
   // peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB); without pages such
   // a block would pin the free space of a whole large chunk instead.
-  size_t small_size = kAutoSize;  // The small arena grows by this much at a time (rounded to granularity).
+  size_t small_size = kAutoSize;
+  // The small arena grows by this much at a time (rounded to granularity).
   size_t small_chunk = size_t{2} << 20;
   // Growth in the large arena, where it does not grow in pages (large_page 0), is at least
   // this fraction of the bytes already reserved...
