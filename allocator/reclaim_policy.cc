@@ -53,17 +53,9 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
     return std::make_tuple(a.needs_sync, a.block->size, a.block->addr) <
            std::make_tuple(b.needs_sync, b.block->size, b.block->addr);
   });
-  // Every movable chunk in that order, for the second pass.
-  struct Candidate {
-    uintptr_t addr;
-    size_t size;
-    bool needs_sync;
-  };
-  std::vector<Candidate> candidates;
   bool passed_over = false;  // a chunk that did not fit what was still needed
   for (const Source& s : sources) {
     ForEachMovableChunk(r, s.block, [&](uintptr_t addr, const Chunk& chunk) {
-      candidates.push_back(Candidate{addr, chunk.size, s.needs_sync});
       if (choice.bytes + chunk.size > r.needed) {
         passed_over = true;
         return true;
@@ -76,8 +68,20 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
     if (choice.bytes == r.needed) return choice;
   }
   if (!passed_over) return choice;
-  // Chunks of several pages were passed over and bytes remain to create: the largest first
-  // (stable: in the first pass's order among equals) may leave fewer.
+  // Chunks of several pages were passed over and bytes remain to create: the same chunks
+  // taken largest first (stable: in the first pass's order among equals) may leave fewer.
+  struct Candidate {
+    uintptr_t addr;
+    size_t size;
+    bool needs_sync;
+  };
+  std::vector<Candidate> candidates;
+  for (const Source& s : sources) {
+    ForEachMovableChunk(r, s.block, [&](uintptr_t addr, const Chunk& chunk) {
+      candidates.push_back(Candidate{addr, chunk.size, s.needs_sync});
+      return true;
+    });
+  }
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const Candidate& a, const Candidate& b) { return a.size > b.size; });
   ReclaimChoice largest;
@@ -112,21 +116,23 @@ void MovableMemory::Add(const Block* block, size_t size, size_t count) {
 }
 
 size_t MovableMemory::Fit(size_t needed, const Block* except_a, const Block* except_b) const {
-  ChunkCounts left = total;
-  for (const Block* except : {except_a, except_b == except_a ? nullptr : except_b}) {
-    if (except == nullptr) continue;
-    auto it = by_block.find(except);
-    if (it == by_block.end()) continue;
-    for (const auto& [size, count] : it->second) {
-      for (auto& [s, c] : left) {
-        if (s == size) c -= std::min(c, count);
+  // How many chunks of `size` the excepted blocks hold (they are not taken).
+  auto excepted = [&](size_t size) {
+    size_t n = 0;
+    for (const Block* except : {except_a, except_b == except_a ? nullptr : except_b}) {
+      if (except == nullptr) continue;
+      auto it = by_block.find(except);
+      if (it == by_block.end()) continue;
+      for (const auto& [s, c] : it->second) {
+        if (s == size) n += c;
       }
     }
-  }
+    return n;
+  };
   size_t taken = 0;
-  for (const auto& [size, count] : left) {  // largest first
-    const size_t n = std::min(count, (needed - taken) / size);
-    taken += n * size;
+  for (const auto& [size, count] : total) {  // largest first
+    const size_t usable = count - std::min(count, excepted(size));
+    taken += std::min(usable, (needed - taken) / size) * size;
   }
   return taken;
 }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "allocator/driver_factory.h"
+#include "allocator/forwarding_driver.h"
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
 #include "allocator/reclaim_policy.h"
@@ -409,6 +410,41 @@ TEST_F(ReclaimTest, NearItsLimitAPoolGrowsInSinglePages) {
   void* b = Alloc(*pool, 4 * kPage);  // 8 of 12, past half: single pages
   EXPECT_EQ(pool->GetStats().segment.current, 5);
   for (void* p : {a, b}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Whether a growth may be of several pages depends on what the GPU has free, a driver call
+// (GetMemInfo) made only when the answer could change the chunk: not for a growth of one
+// page, nor where the memory limit already decides it.
+TEST_F(ReclaimTest, AGrowthAsksWhatTheGpuHasFreeOnlyWhenItCouldMatter) {
+  class CountingDriver : public ForwardingDriver {
+   public:
+    using ForwardingDriver::ForwardingDriver;
+    absl::StatusOr<MemInfo> GetMemInfo(int device) override {
+      ++mem_info_calls;
+      return ForwardingDriver::GetMemInfo(device);
+    }
+    int mem_info_calls = 0;
+  };
+  CountingDriver counting(driver_);
+  PoolOptions options;
+  options.growth_fraction = 0;
+  options.large_page = kPage;
+  options.growth_page = 4 * kPage;
+  options.memory_limit = 12 * kPage;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(&counting, options);
+  ASSERT_NE(pool, nullptr);
+  const int at_create = counting.mem_info_calls;
+  void* one = Alloc(*pool, kPage);  // a single page: nothing to decide
+  EXPECT_EQ(counting.mem_info_calls, at_create);
+  void* four = Alloc(*pool, 4 * kPage);  // 5 of 12 pages: within half the limit, so ask
+  EXPECT_EQ(counting.mem_info_calls, at_create + 1);
+  EXPECT_EQ(pool->GetStats().segment.current, 2);
+  void* more = Alloc(*pool, 4 * kPage);  // past half the limit: single pages, not asked
+  EXPECT_EQ(counting.mem_info_calls, at_create + 1);
+  EXPECT_EQ(pool->GetStats().segment.current, 6);
+  for (void* p : {one, four, more}) ASSERT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
 }
 
