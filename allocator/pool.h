@@ -331,7 +331,8 @@ class Pool {
   // `unit`s, creates: large_page; or, until the pool first moves memory or runs short of it,
   // and while it holds at most half of what it may, the largest power-of-two number of pages
   // within `n` and growth_page (pool_options.h; the growth's last chunk is what is left).
-  // Asks the driver how much of the GPU's memory is free.
+  // Asks the driver how much of the GPU's memory is free only where the chunk could be several
+  // pages and the memory limit and memory fraction leave the answer open.
   size_t GrowthChunk(size_t n, size_t unit, size_t fresh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the chosen free chunks (reclaim_policy.h) end to end from `to`, granting access
   // once; synchronises `stream` first when the choice says so. On failure the chunks are

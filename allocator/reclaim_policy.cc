@@ -116,22 +116,23 @@ void MovableMemory::Add(const Block* block, size_t size, size_t count) {
 }
 
 size_t MovableMemory::Fit(size_t needed, const Block* except_a, const Block* except_b) const {
-  // How many chunks of `size` the excepted blocks hold (they are not taken).
-  auto excepted = [&](size_t size) {
-    size_t n = 0;
-    for (const Block* except : {except_a, except_b == except_a ? nullptr : except_b}) {
-      if (except == nullptr) continue;
-      auto it = by_block.find(except);
-      if (it == by_block.end()) continue;
-      for (const auto& [s, c] : it->second) {
-        if (s == size) n += c;
-      }
-    }
-    return n;
-  };
+  // The excepted blocks' chunks are not taken (looked up once; one block excepted twice counts
+  // once).
+  const ChunkCounts* excepted[2] = {nullptr, nullptr};
+  int n_excepted = 0;
+  for (const Block* except : {except_a, except_b == except_a ? nullptr : except_b}) {
+    if (except == nullptr) continue;
+    if (auto it = by_block.find(except); it != by_block.end()) excepted[n_excepted++] = &it->second;
+  }
   size_t taken = 0;
   for (const auto& [size, count] : total) {  // largest first
-    const size_t usable = count - std::min(count, excepted(size));
+    size_t kept = 0;
+    for (int i = 0; i < n_excepted; ++i) {
+      for (const auto& [s, c] : *excepted[i]) {
+        if (s == size) kept += c;
+      }
+    }
+    const size_t usable = count - std::min(count, kept);
     taken += std::min(usable, (needed - taken) / size) * size;
   }
   return taken;
