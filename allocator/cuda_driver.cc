@@ -744,11 +744,8 @@ absl::Status CudaDriver::Map(DevPtr ptr, size_t size, PhysHandle handle) {
   {
     MutexLock lock(&mu_);
     auto it = created_sizes_.find(handle);
-    if (it != created_sizes_.end() && it->second != size) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "Map: %d bytes of handle 0x%x, whose allocation has %d: a mapping covers a whole "
-          "allocation",
-          size, handle, it->second));
+    if (it != created_sizes_.end()) {
+      VMM_RETURN_IF_ERROR(CheckMapsWholeAllocation("Map", size, handle, it->second));
     }
   }
   std::string what = absl::StrFormat("0x%x, %d bytes, handle 0x%x", ptr, size, handle);

@@ -176,6 +176,12 @@ class Driver {
   virtual absl::Status MemsetAsync(DevPtr dst, uint8_t value, size_t bytes, Stream stream) = 0;
 };
 
+// Map's rule on every backend: a mapping covers a whole allocation. OK if `size` is
+// `allocation_size`, else InvalidArgument naming both (`who` first, e.g. "host: Map"). Each
+// backend calls it with the size it knows the allocation has.
+absl::Status CheckMapsWholeAllocation(absl::string_view who, size_t size, PhysHandle handle,
+                                      size_t allocation_size);
+
 }  // namespace vmm
 
 #endif  // VMM_ALLOCATOR_DRIVER_H_

@@ -548,13 +548,8 @@ absl::Status HostDriver::Map(DevPtr ptr, size_t size, PhysHandle handle) {
         absl::StrFormat("host: Map: [0x%x, +%u) overlaps an existing mapping", ptr, size));
   }
   VMM_ASSIGN_OR_RETURN(Allocation * allocation, LiveAllocation("Map", handle));
-  if (size != allocation->size) {
-    // As CUDA: a mapping is of a whole allocation (and pages beyond the end of the file would
-    // raise SIGBUS).
-    return absl::InvalidArgumentError(absl::StrCat(
-        "host: Map: size ", size, " is not the allocation's ", allocation->size,
-        " bytes (a mapping covers a whole allocation)"));
-  }
+  // As CUDA (and pages beyond the end of the file would raise SIGBUS).
+  VMM_RETURN_IF_ERROR(CheckMapsWholeAllocation("host: Map", size, handle, allocation->size));
   void* p =
       ::mmap(ToPointer(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED, allocation->fd.get(), 0);
   if (p == MAP_FAILED) {
