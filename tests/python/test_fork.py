@@ -5,7 +5,11 @@ own. Tensors made before the fork stay readable in the child.
 
 The scenario runs in a fresh interpreter: forking the test runner itself, which may have
 initialised CUDA and started threads (a fork of such a process may hang), would test the
-runner rather than vmm."""
+runner rather than vmm. Its parent runs CPU ops on two threads, as on any machine with several
+cores, and its child sets one thread first, as PyTorch's DataLoader workers do: PyTorch's
+OpenMP runtime is not fork-safe, and a child's first multi-threaded op after a parent's hangs
+(PyTorch alone shows it; the scenario without the child's line hung on the 16-core GPU machine
+and, with the parent's, hangs here too)."""
 
 import subprocess
 import sys
@@ -17,6 +21,7 @@ SCENARIO = textwrap.dedent(r'''
     import vmm_torch
 
     MIB = 1 << 20
+    torch.set_num_threads(2)  # the parent's CPU ops start OpenMP threads, as with many cores
 
 
     def in_child(check):
@@ -24,6 +29,7 @@ SCENARIO = textwrap.dedent(r'''
         if pid == 0:
             code = 1
             try:
+                torch.set_num_threads(1)  # OpenMP threads do not survive fork (DataLoader's rule)
                 check()
                 code = 0
             except BaseException as e:
