@@ -52,9 +52,9 @@ def target(name, metric, values):
     if metric == "ns_per_pair" and name.endswith("live=64"):
         return "≤ 100 ns", lambda v: v <= 100
     if metric == "peak_reserved_over_peak_allocated":
-        # The training trace and its variants (trace_suite.sh's WORKLOAD.PARAM-VALUE names).
-        if (not name.startswith("trace_replay/") or name == "trace_replay/training"
-                or name.startswith("trace_replay/training.")):
+        # A variant (trace_suite.sh's WORKLOAD.PARAM-VALUE names) takes its workload's target.
+        workload = name.split(".", 1)[0]
+        if not name.startswith("trace_replay/") or workload == "trace_replay/training":
             return "≤ 1.01", lambda v: v <= 1.01
         # The other traces of bench/traces.py.
         ref = values.get("cuda_malloc_async")
