@@ -3,7 +3,7 @@
 def vmm_py_test(name, src, deps = [], **kwargs):
     native.py_test(
         name = name,
-        srcs = [src, "run_pytest.py"],
+        srcs = [src, "run_pytest.py", "conftest.py"],
         main = "run_pytest.py",
         args = ["$(location %s)" % src],
         python_version = "PY3",

@@ -4,13 +4,10 @@ makes for CUDA graph pools, MemPools, memory_stats() and memory_snapshot()."""
 
 import ctypes
 import json
-import os
 
 import pytest
 
-os.environ.setdefault("VMM_BACKEND", "host")  # device 0's pools on the host backend
-
-from vmm_torch import _lib, _signatures  # noqa: E402  (after the backend is chosen)
+from vmm_torch import _lib, _signatures
 
 MIB = 1 << 20
 NEW_FUNCTIONS = (
@@ -19,6 +16,16 @@ NEW_FUNCTIONS = (
     "vmm_private_pool_use_count", "vmm_private_pool_find", "vmm_pool_live_blocks",
     "vmm_pool_alloc_at",
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def host_is_the_default_backend():
+    """Device 0's pools on the host backend for this module's tests only (vmm reads
+    VMM_BACKEND at each call). Set for the whole test process, it would reach every later test
+    and the processes they spawn, and on a GPU machine turn their CUDA pools into host ones."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VMM_BACKEND", "host")
+        yield
 
 
 @pytest.fixture(scope="module")

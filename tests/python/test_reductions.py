@@ -20,9 +20,25 @@ from vmm_torch import _lib, _tensors, reductions, sharing
 MIB = 1 << 20
 
 
+# Sends here are received at once or never (hostile payloads the receiver refuses): a short
+# lease lets the ones never received end soon after the module (tests/python/conftest.py).
+LEASE_S = 5
+
+
 @pytest.fixture(scope="module", autouse=True)
 def reducers():
     vmm_torch.install_reducers()
+    before = vmm_torch.send_stats()["lease_seconds"]
+    vmm_torch.set_send_lease(LEASE_S)
+    yield
+    vmm_torch.set_send_lease(before)
+
+
+def settle_earlier_sends():
+    """Waits for this module's earlier sends to be acknowledged or to end with their lease, for
+    tests that count the process's sends (one ending meanwhile would change the counts)."""
+    assert sharing.flush_acks(5) == 0
+    assert vmm_torch.wait_for_sends(LEASE_S + 10) == 0
 
 
 def round_trip(t):
@@ -212,8 +228,7 @@ def test_a_sent_tensor_outlives_its_sender_until_received():
     with vmm_torch.Pool("host", handle_type="fabric") as p:
         t = p.empty((MIB,), dtype=torch.uint8)
         t.fill_(7)
-        # Earlier tests' acknowledgements (queued, sent in the background) are counted first.
-        assert sharing.flush_acks(5) == 0
+        settle_earlier_sends()
         payload = ForkingPickler.dumps(t)
         held = vmm_torch.send_stats()
         assert held["held"] >= 1 and held["held_bytes"] >= MIB
@@ -231,13 +246,14 @@ def test_a_sent_tensor_outlives_its_sender_until_received():
 
 def test_a_send_nobody_receives_ends_with_its_lease_and_goes_stale():
     with vmm_torch.Pool("host", handle_type="fabric") as p:
+        settle_earlier_sends()
         before = vmm_torch.send_stats()
         vmm_torch.set_send_lease(0.3)
         try:
             t = p.empty((MIB,), dtype=torch.uint8, shareable=True)
             payload = ForkingPickler.dumps(t)
         finally:
-            vmm_torch.set_send_lease(600)
+            vmm_torch.set_send_lease(before["lease_seconds"])
         del t
         gc.collect()
         assert eventually(lambda: vmm_torch.send_stats()["expired"] == before["expired"] + 1)

@@ -125,55 +125,61 @@ PTH = "vmm_torch_autoenable.pth"
 HOOK = "_vmm_torch_autoenable"
 
 
-def _user_site_env(tmp_path):
-    """An environment whose interpreters run the package's .pth (a user site holding it)."""
+def _site_env(tmp_path):
+    """An interpreter that runs the package's .pth at startup, and its environment: a fresh
+    virtual environment whose site-packages holds the .pth and the hook (a user site would do
+    only outside a virtual environment, where Python reads one), seeing this interpreter's
+    import path (torch, vmm_torch) through PYTHONPATH."""
     spec = importlib.util.find_spec(HOOK)
     source = os.path.dirname(os.path.abspath(spec.origin))
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    site_dir = tmp_path / "userbase" / "lib" / version / "site-packages"
-    site_dir.mkdir(parents=True)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   capture_output=True, timeout=120)
+    python = str(venv / "bin" / "python")
+    site_dir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True, timeout=60).stdout.strip()
     for name in (PTH, HOOK + ".py"):
         shutil.copy(os.path.join(source, name), site_dir)
-    env = dict(os.environ, PYTHONUSERBASE=str(tmp_path / "userbase"))
-    env.pop("PYTHONNOUSERSITE", None)
+    env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(vmm_torch.__file__)))] +
-        [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    return env
+        [p for p in sys.path if p and os.path.isdir(p)])
+    return python, env
 
 
-def _run(code, env):
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=120)
+def _run(python, code, env):
+    return subprocess.run([python, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
 
 
 @pytest.mark.parametrize("value,expected", [("1", "True"), ("0", "False"), ("", "False")])
 def test_the_variable_installs_the_reducers_at_import_torch(tmp_path, value, expected):
-    env = _user_site_env(tmp_path)
+    python, env = _site_env(tmp_path)
     env["VMM_TORCH_ENABLE"] = value
     code = ("import sys; import torch; "
             "r = sys.modules.get('vmm_torch.reductions'); "
             "print(bool(r and r.reducers_installed()))")
-    result = _run(code, env)
+    result = _run(python, code, env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == expected, result.stderr
 
 
 def test_a_lookup_of_torch_before_the_import_does_not_disarm_the_hook(tmp_path):
-    env = _user_site_env(tmp_path)
+    python, env = _site_env(tmp_path)
     env["VMM_TORCH_ENABLE"] = "1"
     code = ("import importlib.util, sys; assert importlib.util.find_spec('torch'); "
             "assert 'vmm_torch' not in sys.modules; import torch; "
             "import vmm_torch.reductions as r; print(r.reducers_installed())")
-    result = _run(code, env)
+    result = _run(python, code, env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True", result.stderr
 
 
 def test_malformed_options_are_said_and_torch_still_imports(tmp_path):
-    env = _user_site_env(tmp_path)
+    python, env = _site_env(tmp_path)
     env["VMM_TORCH_ENABLE"] = "colour=blue"
-    result = _run("import torch; print('imported')", env)
+    result = _run(python, "import torch; print('imported')", env)
     assert result.returncode == 0 and result.stdout.strip() == "imported"
     # On a CPU-only torch the options are not applied (nothing to enable) but the reducers
     # are; with CUDA the bad option is reported naming the variable.

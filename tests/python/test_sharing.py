@@ -161,13 +161,14 @@ def test_shared_tensor_pickles_as_the_payload(pool):
     rebuild, payload = shared.__reduce__()
     assert rebuild is sharing.rebuild_shared_tensor and payload == shared.payload
     assert len(payload) == len(sharing.PAYLOAD_FIELDS)
-    _, reduced = reductions.reduce_tensor(t)
+    rebuild_sent, reduced = reductions.reduce_tensor(t)
     # All but the (separately exported) descriptor bytes; a send adds its ticket.
     assert len(reduced) == len(sharing.SEND_PAYLOAD_FIELDS)
     assert payload[1:] == reduced[1:len(payload)]
     assert type(payload[0]) is bytes and payload[0][:4] == b"VMMD"
     opened = sharing.rebuild_tensor(*payload)  # what torch.multiprocessing's receiver runs
     assert torch.equal(opened, t) and opened.stride() == t.stride()
+    assert torch.equal(rebuild_sent(*reduced), t)  # the send received, so it ends
 
 
 def test_no_python_decode_on_the_data_path(pool, monkeypatch):
