@@ -1,5 +1,6 @@
 """Checks for the whole Python suite: no test module changes the process environment when it
-is imported, no test leaves it changed, and no module leaves sends of this process held.
+is imported, no test or module (its fixtures included) leaves it changed, and no module leaves
+sends of this process held.
 
 The suite runs one file per process under Bazel but all files in one pytest process on the GPU
 machine, where a variable set at a module's import (VMM_BACKEND=host, once) reached every later
@@ -10,11 +11,13 @@ back; a module whose sends are not all received gives them a short lease (set_se
 
 import os
 import sys
+import time
 
 import pytest
 
-# Set by pytest itself while a test runs.
-_PYTEST_OWN = frozenset({"PYTEST_CURRENT_TEST"})
+# Set by pytest itself while a test runs, and by PyTorch when CUDA starts (before 2.9 it sets
+# CUDA_MODULE_LOADING=LAZY where the variable is unset).
+_SET_BY_OTHERS = frozenset({"PYTEST_CURRENT_TEST", "CUDA_MODULE_LOADING"})
 _at_start: dict[str, str] = {}
 # How long a module's sends may take to be acknowledged or to reach the end of their lease
 # once the module is done.
@@ -22,7 +25,7 @@ SENDS_SETTLE_S = 30
 
 
 def _changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
-    names = (before.keys() | after.keys()) - _PYTEST_OWN
+    names = (before.keys() | after.keys()) - _SET_BY_OTHERS
     return sorted(f"{n}: {before.get(n)!r} -> {after.get(n)!r}"
                   for n in names if before.get(n) != after.get(n))
 
@@ -48,30 +51,48 @@ def _environment_left_as_found():
     assert not changed, "the test left the environment changed: " + "; ".join(changed)
 
 
-
 def _vmm_loaded() -> bool:
     """Whether a test loaded libvmm in this process (the checks never load it themselves)."""
     lib = sys.modules.get("vmm_torch._lib")
     return lib is not None and getattr(lib, "_loaded", None) is not None
 
 
-def _sends_held(wait_s: float) -> int:
-    """This process's sends still held after waiting at most `wait_s` for them to end."""
+def _sends_held() -> int:
     import vmm_torch
+
+    return vmm_torch.send_stats()["held"]
+
+
+def _sends_held_once_at_most(limit: int, wait_s: float) -> int:
+    """This process's sends held, once their acknowledgements are sent and at most `limit`
+    are held or `wait_s` has passed."""
     from vmm_torch import sharing
 
+    deadline = time.monotonic() + wait_s
     sharing.flush_acks(wait_s)
-    return vmm_torch.wait_for_sends(wait_s)
+    while (held := _sends_held()) > limit and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return held
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _no_sends_left_held():
-    # Sends an earlier module left are that module's failure, not this one's.
-    before = _sends_held(0) if _vmm_loaded() else 0
+def _module_leaves_no_state():
+    """Set up before a module's own module fixtures and torn down after them, so it sees what
+    the module leaves, its fixtures included."""
+    environment = dict(os.environ)
+    # Sends an earlier module left are that module's failure, not this one's; waiting only
+    # until the count is back to them keeps one leak from costing every later module the wait.
+    before = _sends_held() if _vmm_loaded() else 0
     yield
-    if not _vmm_loaded():
-        return
-    held = _sends_held(SENDS_SETTLE_S)
-    assert held <= before, (
-        f"the module left {held - before} send(s) held {SENDS_SETTLE_S} s after it ended "
-        f"(receive them, or give sends nobody receives a short lease: set_send_lease)")
+    problems = []
+    changed = _changes(environment, dict(os.environ))
+    if changed:
+        problems.append("the module left the environment changed: " + "; ".join(changed))
+    if _vmm_loaded():
+        held = _sends_held_once_at_most(before, SENDS_SETTLE_S)
+        if held > before:
+            problems.append(
+                f"the module left {held - before} send(s) held {SENDS_SETTLE_S} s after it "
+                f"ended (receive them, or give sends nobody receives a short lease: "
+                f"set_send_lease)")
+    assert not problems, "\n".join(problems)

@@ -229,7 +229,12 @@ def test_a_sent_tensor_outlives_its_sender_until_received():
         t = p.empty((MIB,), dtype=torch.uint8)
         t.fill_(7)
         settle_earlier_sends()
-        payload = ForkingPickler.dumps(t)
+        lease = vmm_torch.send_stats()["lease_seconds"]
+        vmm_torch.set_send_lease(600)  # received below, however slow the machine
+        try:
+            payload = ForkingPickler.dumps(t)
+        finally:
+            vmm_torch.set_send_lease(lease)
         held = vmm_torch.send_stats()
         assert held["held"] >= 1 and held["held_bytes"] >= MIB
         del t
