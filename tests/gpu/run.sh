@@ -9,9 +9,9 @@
 #            removed if an earlier run made it: the POSIX fd fallback), then with one (fabric).
 #   python   pip-installs vmm_torch against the machine's torch and runs the Python suite, with
 #            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python but the
-#            parity suite; PYTEST_LIMIT_S: its time limit, default 500 s, since the whole suite
-#            runs about 7.5 minutes on an H200; REUSE_PLUGIN=1 keeps an install an earlier call on the
-#            same machine made).
+#            parity suite; PYTEST_LIMIT_S: its time limit, default 500 s, since the whole
+#            suite runs about 7.5 minutes on an H200; REUSE_PLUGIN=1 keeps an install an
+#            earlier call on the same machine made).
 #   parity   the torch.multiprocessing parity suite (tests/python/test_mp_parity.py) in its
 #            five modes (native-cpu, vmm-host, native, vmm-fabric, vmm-fd; VMM_PARITY_MODES
 #            picks some), with an IMEX channel; the case x mode table goes to $OUT/parity.md.
