@@ -2,6 +2,7 @@
 reduce_tensor's compact payload, its rebuild through ForkingPickler, the wrap_import operator,
 and hostile payloads (which must fail cleanly and leave no import behind)."""
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -25,13 +26,22 @@ MIB = 1 << 20
 LEASE_S = 5
 
 
+@contextlib.contextmanager
+def send_lease(seconds):
+    """The lease of sends made inside, then the lease there was."""
+    before = vmm_torch.send_stats()["lease_seconds"]
+    vmm_torch.set_send_lease(seconds)
+    try:
+        yield
+    finally:
+        vmm_torch.set_send_lease(before)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def reducers():
     vmm_torch.install_reducers()
-    before = vmm_torch.send_stats()["lease_seconds"]
-    vmm_torch.set_send_lease(LEASE_S)
-    yield
-    vmm_torch.set_send_lease(before)
+    with send_lease(LEASE_S):
+        yield
 
 
 def settle_earlier_sends():
@@ -229,12 +239,8 @@ def test_a_sent_tensor_outlives_its_sender_until_received():
         t = p.empty((MIB,), dtype=torch.uint8)
         t.fill_(7)
         settle_earlier_sends()
-        lease = vmm_torch.send_stats()["lease_seconds"]
-        vmm_torch.set_send_lease(600)  # received below, however slow the machine
-        try:
+        with send_lease(600):  # received below, however slow the machine
             payload = ForkingPickler.dumps(t)
-        finally:
-            vmm_torch.set_send_lease(lease)
         held = vmm_torch.send_stats()
         assert held["held"] >= 1 and held["held_bytes"] >= MIB
         del t
@@ -253,12 +259,9 @@ def test_a_send_nobody_receives_ends_with_its_lease_and_goes_stale():
     with vmm_torch.Pool("host", handle_type="fabric") as p:
         settle_earlier_sends()
         before = vmm_torch.send_stats()
-        vmm_torch.set_send_lease(0.3)
-        try:
+        with send_lease(0.3):
             t = p.empty((MIB,), dtype=torch.uint8, shareable=True)
             payload = ForkingPickler.dumps(t)
-        finally:
-            vmm_torch.set_send_lease(before["lease_seconds"])
         del t
         gc.collect()
         assert eventually(lambda: vmm_torch.send_stats()["expired"] == before["expired"] + 1)
