@@ -8,6 +8,7 @@
 
 #include "absl/base/attributes.h"
 #include "absl/base/optimization.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/byte_size.h"
 #include "allocator/growth_policy.h"
@@ -332,16 +333,12 @@ absl::Status Pool::FreeInUse(Block* block) {
   block->state = BlockState::kPendingFree;
   pending_bytes_ += static_cast<int64_t>(block->size);
   ++pending_blocks_;
-  VMM_ASSIGN_OR_RETURN(const bool all_recorded, reclaim_.RecordUses(block, streams, stats_));
-  const bool lost_stream = !all_recorded;
-  if (lost_stream) {
-    // A stream is gone (or broken): wait for the whole device instead. That completes the
-    // events recorded above as well, and ProcessPending recycles the block if it has any,
-    // so it must not be recycled twice (nor touched: recycling may merge it away).
-    const bool has_events = block->pending_events > 0;
-    VMM_RETURN_IF_ERROR(SynchronizeAll());
-    if (!has_events) Recycle(block);
-    return absl::OkStatus();
+  if (!reclaim_.RecordUses(block, streams, stats_)) {
+    // A stream took no event (none could be made, or the stream is gone or broken): the block
+    // waits on a fence that only a device synchronisation completes, so wait for the whole
+    // device now. If that fails the block stays pending, and the next synchronisation that
+    // succeeds (a miss, EmptyCache) recycles it. `block` must not be touched after this.
+    return SynchronizeAll();
   }
   if (block->pending_events == 0) {
     Recycle(block);
@@ -662,6 +659,27 @@ void Pool::RetireChunkSpace(uintptr_t chunk_addr) {
   retired_bytes_ += static_cast<int64_t>(ArenaOf(chunk_addr).RetireFree(chunk_addr, chunk_end));
 }
 
+absl::Status Pool::WaitForFreeSpaceOf(uintptr_t chunk_addr, Stream exporter) {
+  const uintptr_t chunk_end = chunk_addr + chunks_.find(chunk_addr)->second.size;
+  absl::InlinedVector<Stream, 2> streams;
+  for (const Block* b = ArenaOf(chunk_addr).BlockContaining(chunk_addr);
+       b != nullptr && b->addr < chunk_end; b = b->next) {
+    if (b->state == BlockState::kFree && b->stream != kAnyStream && b->stream != exporter &&
+        std::find(streams.begin(), streams.end(), b->stream) == streams.end()) {
+      streams.push_back(b->stream);
+    }
+  }
+  for (Stream s : streams) {
+    ++stats_.num_sync_stream;
+    if (driver_->SynchronizeStream(s).ok()) continue;
+    // Gone or broken: wait for everything instead (not SynchronizeAll: recycling pending
+    // blocks here could release chunks under the caller's iteration).
+    ++stats_.num_sync_all_streams;
+    return driver_->SynchronizeDevice(options_.device);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool release_parked) {
   std::vector<uintptr_t> candidates;
   for (auto c = std::as_const(chunks_).FirstEndingAfter(addr);
@@ -785,9 +803,10 @@ void Pool::SettleExport(const std::vector<ExportedChunk>& exported, bool release
   }
 }
 
-absl::Status Pool::ProcessPending() {
+absl::Status Pool::ProcessPending(bool device_synced) {
   return reclaim_.ProcessPending(
-      [this](Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { Recycle(block); }, stats_);
+      [this](Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { Recycle(block); }, stats_,
+      device_synced);
 }
 
 absl::Status Pool::ReclaimOtherStreams(Stream requester) {
@@ -806,7 +825,8 @@ absl::Status Pool::SynchronizeAndRetag() {
 absl::Status Pool::SynchronizeAll() {
   ++stats_.num_sync_all_streams;
   VMM_RETURN_IF_ERROR(driver_->SynchronizeDevice(options_.device));
-  return ProcessPending();
+  // Every event recorded so far is complete, and so is every fence (stream_reclaim.h).
+  return ProcessPending(/*device_synced=*/true);
 }
 
 absl::Status Pool::EmptyCache() {
@@ -952,6 +972,7 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   auto c = chunks_.Containing(block->addr);
   out.offset = block->addr - c->first;
   for (; c != chunks_.end() && c->first < block->end(); ++c) {
+    if (!c->second.exported) VMM_RETURN_IF_ERROR(WaitForFreeSpaceOf(c->first, block->stream));
     if (chunks_.MarkExported(c, stats_)) RetireChunkSpace(c->first);
     // Conservative at once: if the export fails half way, some chunks may be out already.
     if (use == ExportUse::kUntracked) c->second.untracked = true;

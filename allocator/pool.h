@@ -197,6 +197,9 @@ class Pool {
   // FailedPrecondition when the pool's memory is not exportable.
   absl::StatusOr<void*> AllocateShareable(size_t size, Stream stream);
   // Returns a block to the pool. InvalidArgument if `ptr` is not a live block of this pool.
+  // Any other error reports a driver fault met while finishing pending frees; the block is
+  // freed all the same (no longer live), and its memory is reused only once the streams that
+  // used it are known done (a device synchronisation, if no event could be recorded).
   absl::Status Free(void* ptr);
   // Marks the block as used by `stream` too: Free waits for that stream's work.
   absl::Status RecordStream(void* ptr, Stream stream);
@@ -365,6 +368,13 @@ class Pool {
   void Cache(Arena& arena, Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Retires the free blocks inside the exported chunk at `chunk_addr`.
   void RetireChunkSpace(uintptr_t chunk_addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Before the chunk at `chunk_addr` is first exported by a block of stream `exporter`:
+  // waits for the streams other than `exporter` that freed blocks in it, since those retire
+  // with the chunk and go (released or reused as spare) once the exported block is freed,
+  // with no event recorded on them. The exporter's own work is waited for at that free
+  // (FreeInUse). A stream that cannot be synchronised (gone) makes it wait for the device.
+  absl::Status WaitForFreeSpaceOf(uintptr_t chunk_addr, Stream exporter)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the exported chunks around [addr, end) that nothing uses any more, or keeps
   // them parked or spare (file comment, "Reusing exported chunks"); `release_parked` releases
   // parked ones too, giving up their reuse (EmptyCache, a failing growth).
@@ -380,8 +390,9 @@ class Pool {
   // Gives up reuse where memory is asked back (EmptyCache, a failing growth): releases the
   // spare chunks and the parked ones (their receivers' reports will find them gone).
   absl::Status ReleaseKeptExports() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Finishes the frees whose streams are done (StreamReclaim::ProcessPending + Recycle).
-  absl::Status ProcessPending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Finishes the frees whose streams are done (StreamReclaim::ProcessPending + Recycle);
+  // `device_synced`: all are, the device was just synchronised.
+  absl::Status ProcessPending(bool device_synced = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes cached blocks of finished streams reusable by every stream (not `requester`'s).
   absl::Status ReclaimOtherStreams(Stream requester = kAnyStream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

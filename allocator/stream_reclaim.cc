@@ -17,31 +17,38 @@ absl::StatusOr<Event> StreamReclaim::GetEvent() {
   return driver_->CreateEvent(device_);
 }
 
-absl::StatusOr<bool> StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
-                                               PoolStats& stats) {
+bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
+                               PoolStats& stats) {
   bool all = true;
   for (Stream s : streams) {
-    VMM_ASSIGN_OR_RETURN(Event event, GetEvent());
-    ++stats.driver_event;
-    absl::Status recorded = driver_->RecordEvent(event, s);
-    if (!recorded.ok()) {
-      spare_events_.push_back(event);
-      all = false;
-      continue;
+    absl::StatusOr<Event> event = GetEvent();
+    absl::Status recorded = event.status();
+    if (event.ok()) {
+      ++stats.driver_event;
+      recorded = driver_->RecordEvent(*event, s);
+      if (!recorded.ok()) spare_events_.push_back(*event);
     }
-    pending_.push_back(Pending{event, block});
+    if (!recorded.ok()) {
+      LogWarningOnce("free-record", absl::StrCat("stream ordering of a free: ", recorded.message(),
+                                                 "; the block waits for a device synchronisation"));
+      all = false;
+    }
+    pending_.push_back(Pending{recorded.ok() ? *event : kFence, block});
     ++block->pending_events;
   }
   return all;
 }
 
 absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
-                                           PoolStats& stats) {
+                                           PoolStats& stats, bool device_synced) {
   size_t kept = 0;
   for (size_t i = 0; i < pending_.size(); ++i) {
     Pending p = pending_[i];
-    ++stats.driver_event;
-    absl::StatusOr<bool> complete = driver_->EventDone(p.event);
+    absl::StatusOr<bool> complete = device_synced;
+    if (!device_synced && p.event != kFence) {
+      ++stats.driver_event;
+      complete = driver_->EventDone(p.event);
+    }
     if (!complete.ok()) {
       // Keep the list whole: the entries not yet visited stay pending.
       for (size_t j = i; j < pending_.size(); ++j) pending_[kept++] = pending_[j];
@@ -52,7 +59,7 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
       pending_[kept++] = p;
       continue;
     }
-    spare_events_.push_back(p.event);
+    if (p.event != kFence) spare_events_.push_back(p.event);
     if (--p.block->pending_events == 0) done(p.block);
   }
   pending_.resize(kept);
@@ -75,7 +82,13 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
     StreamState& r = streams_[s];
     if (!r.in_flight) {
       if (r.event == 0) {
-        VMM_ASSIGN_OR_RETURN(r.event, GetEvent());
+        absl::StatusOr<Event> event = GetEvent();
+        if (!event.ok()) {
+          LogWarningOnce("reclaim-create", absl::StrCat("stream ordering: ", event.status().message(),
+                                                        "; synchronising the device instead"));
+          return false;
+        }
+        r.event = *event;
       }
       ++stats.driver_event;
       absl::Status recorded = driver_->RecordEvent(r.event, s);
@@ -131,7 +144,9 @@ void StreamReclaim::RetagAll(absl::Span<Arena* const> arenas) {
 }
 
 void StreamReclaim::DestroyEvents() {
-  for (const Pending& p : pending_) spare_events_.push_back(p.event);
+  for (const Pending& p : pending_) {
+    if (p.event != kFence) spare_events_.push_back(p.event);
+  }
   pending_.clear();
   for (auto& [stream, r] : streams_) {
     if (r.event != 0) spare_events_.push_back(r.event);

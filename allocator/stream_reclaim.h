@@ -5,7 +5,10 @@
 //   - Pending frees. A block that other streams used (record_stream), or that lies in memory
 //     about to be unmapped, is freed only once their work queued before the free has
 //     completed: RecordUses records one event per stream and ProcessPending hands the block
-//     back (to a callback) when all of its events are done.
+//     back (to a callback) when all of its events are done. Where no event could be made or
+//     recorded for a stream (the driver out of resources, a stream gone), the block waits on
+//     a fence instead, which only a device synchronisation completes (ProcessPending with
+//     `device_synced`): the block is never handed back before that stream's work is done.
 //   - Reclaiming other streams' cached blocks. A cached block is tagged with the stream that
 //     freed it; another stream may take it only after that stream's work queued before the
 //     free has completed. Reclaim records one event per such stream and, once it completes,
@@ -40,16 +43,20 @@ class StreamReclaim {
     device_ = device;
   }
 
-  // Records an event on each of `streams` for `block` (kPendingFree). Returns false when a
-  // stream could not take one (gone or broken): the caller must then wait for the whole
-  // device, which completes the events recorded so far too.
-  absl::StatusOr<bool> RecordUses(Block* block, absl::Span<const Stream> streams,
-                                  PoolStats& stats);
+  // Records an event on each of `streams` for `block` (kPendingFree), each counted in
+  // block->pending_events. Returns false when a stream could not take one (no event could
+  // be made, or the stream is gone or broken): the block then waits on a fence for it too,
+  // and the caller should synchronise the device and call ProcessPending(.., true).
+  bool RecordUses(Block* block, absl::Span<const Stream> streams, PoolStats& stats);
   bool has_pending() const { return !pending_.empty(); }
-  // Events still due, summed over pending blocks (for invariant checks).
+  // Events and fences still due, summed over pending blocks (for invariant checks).
   size_t pending_events() const { return pending_.size(); }
-  // Queries the pending events; calls `done(block)` for each block whose last event completed.
-  absl::Status ProcessPending(absl::FunctionRef<void(Block*)> done, PoolStats& stats);
+  // Queries the pending events; calls `done(block)` for each block whose last event (or
+  // fence) completed. `device_synced`: the device was synchronised since every entry was
+  // recorded, so all are complete (no query made; fences complete only so). On a failed
+  // query the entries not yet visited stay pending.
+  absl::Status ProcessPending(absl::FunctionRef<void(Block*)> done, PoolStats& stats,
+                              bool device_synced = false);
 
   // The reclaim pass over `arenas` for a request on `requester` (kAnyStream: none). Returns
   // false when an event could not be recorded: the caller must synchronise the device and
@@ -64,9 +71,10 @@ class StreamReclaim {
 
  private:
   struct Pending {
-    Event event;
+    Event event;  // kFence: no event; complete after a device synchronisation
     Block* block;
   };
+  static constexpr Event kFence = 0;
   struct StreamState {
     Event event = 0;
     uint64_t seq = 0;  // the pool's free counter when the event was recorded

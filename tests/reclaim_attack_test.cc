@@ -37,8 +37,13 @@ constexpr size_t kMiB = size_t{1} << 20;
 // ---------------------------------------------------------------------------------------------
 // Failure injection.
 
-enum FaultOp { kCreate, kMap, kUnmap, kSetAccess, kSyncStream, kNumOps };
-const char* const kOpNames[kNumOps] = {"Create", "Map", "Unmap", "SetAccess", "SynchronizeStream"};
+enum FaultOp {
+  kCreate, kMap, kUnmap, kSetAccess, kSyncStream,
+  kCreateEvent, kRecordEvent, kEventDone, kSyncDevice, kNumOps
+};
+const char* const kOpNames[kNumOps] = {"Create",      "Map",         "Unmap",
+                                       "SetAccess",   "SynchronizeStream", "CreateEvent",
+                                       "RecordEvent", "EventDone",   "SynchronizeDevice"};
 
 class FaultDriver : public ForwardingDriver {
  public:
@@ -82,6 +87,22 @@ class FaultDriver : public ForwardingDriver {
   absl::Status SynchronizeStream(Stream s) override {
     if (absl::Status st = Hit(kSyncStream); !st.ok()) return st;
     return ForwardingDriver::SynchronizeStream(s);
+  }
+  absl::StatusOr<Event> CreateEvent(int d) override {
+    if (absl::Status s = Hit(kCreateEvent); !s.ok()) return s;
+    return ForwardingDriver::CreateEvent(d);
+  }
+  absl::Status RecordEvent(Event e, Stream s) override {
+    if (absl::Status st = Hit(kRecordEvent); !st.ok()) return st;
+    return ForwardingDriver::RecordEvent(e, s);
+  }
+  absl::StatusOr<bool> EventDone(Event e) override {
+    if (absl::Status s = Hit(kEventDone); !s.ok()) return s;
+    return ForwardingDriver::EventDone(e);
+  }
+  absl::Status SynchronizeDevice(int d) override {
+    if (absl::Status s = Hit(kSyncDevice); !s.ok()) return s;
+    return ForwardingDriver::SynchronizeDevice(d);
   }
 
  private:
@@ -1124,6 +1145,83 @@ TEST(ReclaimAttackThreads, ConcurrentMissesNeverTouchLiveBlocks) {
   EXPECT_OK(pool->CheckInvariants());
   std::cout << "moves " << pool->GetStats().num_chunk_moves << ", ooms " << ooms << std::endl;
   EXPECT_GT(pool->GetStats().num_chunk_moves, 0);
+}
+
+// Stream order when the driver fails events: a free whose stream took no event (CreateEvent
+// failed) waits for a device synchronisation; its memory is neither moved nor reused before
+// that stream's work is done, and nothing is left pending for ever.
+TEST_F(ReclaimAttack, AFreeWhoseStreamTookNoEventWaitsForThatStream) {
+  auto pool = MakePool();
+  const Stream s = *inner_->CreateStream(0);
+  const Stream t1 = *inner_->CreateStream(0);
+  const Stream t2 = *inner_->CreateStream(0);
+  void* a = AllocateOrFail(*pool, 8 * kMiB, s);
+  void* p = AllocateOrFail(*pool, 8 * kMiB, s);
+  void* c = AllocateOrFail(*pool, 8 * kMiB, s);
+  ASSERT_OK(pool->RecordStream(p, t1));
+  ASSERT_OK(pool->RecordStream(p, t2));
+  // t2 writes p for a while: it sleeps 300 ms first.
+  ASSERT_OK(inner_->LaunchHostFunc(t2, &SleepUs, reinterpret_cast<void*>(uintptr_t{300000})));
+  ASSERT_OK(inner_->MemsetAsync(reinterpret_cast<DevPtr>(p), 0xEE, 8 * kMiB, t2));
+  driver_->Arm(kCreateEvent, /*skip=*/1, /*persistent=*/false);  // t1's event made, t2's not
+  (void)pool->Free(p);
+  driver_->Disarm();
+  EXPECT_OK(pool->CheckInvariants());
+  ::usleep(50000);  // t1's event completes; t2 still sleeps
+  // Whatever p's memory serves next sees none of t2's bytes land after it was handed out.
+  void* big = AllocateOrFail(*pool, 16 * kMiB, s);
+  Stamp(big, 16 * kMiB, 0x22);
+  ASSERT_OK(inner_->SynchronizeDevice(0));
+  EXPECT_EQ(CheckStamp(big, 16 * kMiB, 0x22), "");
+  for (void* q : {a, c, big}) EXPECT_OK(pool->Free(q));
+  EXPECT_OK(pool->EmptyCache());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+  EXPECT_EQ(DriverHeld(), 0);
+}
+
+// The only stream of a free takes no event, and the device synchronisation that should
+// finish it fails: the block stays pending (not lost), and a later one recycles it.
+TEST_F(ReclaimAttack, AFreeLeftPendingByFailedSynchronisationsIsRecycledLater) {
+  auto pool = MakePool();
+  const Stream s = *inner_->CreateStream(0);
+  const Stream t = *inner_->CreateStream(0);
+  void* p = AllocateOrFail(*pool, 8 * kMiB, s);
+  ASSERT_OK(pool->RecordStream(p, t));
+  driver_->Arm(kCreateEvent, /*skip=*/0, /*persistent=*/false);
+  driver_->Arm(kSyncDevice, /*skip=*/0, /*persistent=*/false);
+  EXPECT_FALSE(pool->Free(p).ok());
+  driver_->Disarm();
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->GetStats().allocated_bytes.current, 0);
+  EXPECT_OK(pool->EmptyCache());
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+  EXPECT_EQ(DriverHeld(), 0);
+}
+
+// A block is exported while another stream still writes a block it freed in the same chunk
+// (a stream-ordered free): that free space retires with the chunk, and the chunk goes once
+// the exported block is freed, so the export waits for that stream first.
+TEST_F(ReclaimAttack, ExportWaitsForStreamsThatFreedSpaceInItsChunk) {
+  auto pool = MakePool();
+  const Stream s = *inner_->CreateStream(0);
+  const Stream t = *inner_->CreateStream(0);
+  void* a = AllocateOrFail(*pool, 200 * kKiB, s);  // the small arena: one chunk holds both
+  ASSERT_OK(pool->EmptyCache());  // the rest of a's chunk: free for every stream
+  void* b = AllocateOrFail(*pool, 100 * kKiB, t);
+  ASSERT_EQ(pool->GetStats().reserved_bytes.current, int64_t{2 * kMiB});
+  ASSERT_OK(inner_->LaunchHostFunc(t, &SleepUs, reinterpret_cast<void*>(uintptr_t{300000})));
+  ASSERT_OK(inner_->MemsetAsync(reinterpret_cast<DevPtr>(b), 0x5A, 100 * kKiB, t));
+  ASSERT_OK(pool->Free(b));  // stream-ordered: t still writes it
+  ASSERT_OK(pool->Export(a, HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kUntracked)
+                .status());
+  // t's write was waited for: it has landed.
+  EXPECT_EQ(CheckStamp(b, 100 * kKiB, 0x5A), "");
+  ASSERT_OK(pool->Free(a));  // the chunk goes once s is done with a
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+  EXPECT_EQ(DriverHeld(), 0);
 }
 
 }  // namespace
