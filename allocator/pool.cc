@@ -260,7 +260,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     if (!grown.ok() && absl::IsResourceExhausted(grown.status())) {
       // Trim everything that is free, then try once more. Memory is tight: from now on
       // paged growth is in single pages, which strand the least (GrowthChunk).
-      single_pages_ = true;
+      short_of_memory_ = true;
       ++stats_.num_alloc_retries;
       VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
       VMM_RETURN_IF_ERROR(ReleaseKeptExports());
@@ -523,7 +523,10 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
 size_t Pool::GrowthChunk(size_t n, size_t unit, size_t fresh) {
   const size_t page = options_.large_page;
   // A growth planned to granularity (no gap held the request in whole pages) stays in pages.
-  if (single_pages_ || unit != page || options_.growth_page <= page) return page;
+  if (short_of_memory_ || unit != page || options_.growth_page <= page) return page;
+  // Once memory has moved, single pages, but for a request of kLargeRequestChunks growth
+  // chunks or more (pool_options.h growth_page).
+  if (moved_memory_ && n / kLargeRequestChunks < options_.growth_page) return page;
   // The largest power-of-two number of pages within the request and growth_page (the last
   // chunk of the growth is what is left, a whole number of pages). Splitting that last one
   // into powers of two too made more chunks and stranded more (inference_varying 1.0080 ->
@@ -598,7 +601,7 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
     return s;
   }
   for (const ChunkMap::Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
-  single_pages_ = true;  // the workload churns: growth in single pages (GrowthChunk)
+  moved_memory_ = true;  // the workload churns: growth in single pages (GrowthChunk)
   stats_.num_chunk_moves += static_cast<int64_t>(moved.size());
   stats_.moved_bytes += static_cast<int64_t>(reclaim.bytes);
   return absl::OkStatus();

@@ -15,8 +15,9 @@
 // pool that keeps growing makes few driver calls while the overshoot stays a small fraction of
 // its size, and a growth is backed by physical chunks of at most `max_chunk` bytes; with pages
 // it is exact, in whole chunks of `large_page` (to granularity, the last one shorter, only where
-// no gap of the range holds the request in whole pages), or, until a miss first moves memory,
-// in chunks of up to `growth_page` (pool_options.h). Near a memory limit, a fraction cap or
+// no gap of the range holds the request in whole pages), or, until a miss first moves memory
+// (after it, for requests of kLargeRequestChunks growth chunks or more), in chunks of up to
+// `growth_page` (pool_options.h). Near a memory limit, a fraction cap or
 // the GPU's capacity the rounding to pages counts: a request within a page of the limit can
 // fail (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk` at a time.
 //
@@ -331,8 +332,9 @@ class Pool {
   absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The largest chunk a paged growth of `fresh` new bytes for a request of `n`, planned in
-  // `unit`s, creates: large_page; or, until the pool first moves memory or runs short of it,
-  // and while it holds at most half of what it may, the largest power-of-two number of pages
+  // `unit`s, creates: large_page; or, until the pool first moves memory (after it, for `n` of
+  // kLargeRequestChunks growth chunks or more) and unless it ran short of it, and while it
+  // holds at most half of what it may, the largest power-of-two number of pages
   // within `n` and growth_page (pool_options.h; the growth's last chunk is what is left).
   // Asks the driver how much of the GPU's memory is free only where the chunk could be several
   // pages and the memory limit and memory fraction leave the answer open.
@@ -436,9 +438,11 @@ class Pool {
   // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it
   // was set (a path that forgot to ask), for CheckInvariants.
   bool keep_memory_ ABSL_GUARDED_BY(mu_) = false;
-  // Set once a miss has moved memory or a growth failed for lack of memory: from then on
-  // paged growth is in single pages (GrowthChunk; pool_options.h growth_page). Never reset.
-  bool single_pages_ ABSL_GUARDED_BY(mu_) = false;
+  // Set once a miss has moved memory, and once a growth failed for lack of memory: from
+  // then on paged growth is in single pages (GrowthChunk; pool_options.h growth_page), after
+  // a move except for requests of kLargeRequestChunks growth chunks or more. Never reset.
+  bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
+  bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
   int64_t released_while_kept_ ABSL_GUARDED_BY(mu_) = 0;
   // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
   // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:

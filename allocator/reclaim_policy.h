@@ -7,8 +7,9 @@
 // and mapped where the request goes (Pool::Grow, ChunkMap::Move), so the pool's physical
 // memory does not grow while free memory it already holds could serve the request. The large
 // arena's growth is made of chunks of `large_page` bytes (pool_options.h) so that free space
-// there becomes movable page by page; until the pool first moves memory, of chunks of up to
-// `growth_page` (several pages), which move whole.
+// there becomes movable page by page; until the pool first moves memory (after it, for
+// requests of 1 GiB or more by default), of chunks of up to `growth_page` (several pages),
+// which move whole.
 //
 // Invariants (each policy must keep them; the pool relies on them):
 //   1. Only chunks wholly inside one free (kFree) block are taken: nothing allocated, pending,

@@ -357,6 +357,36 @@ TEST_F(ReclaimTest, AFreshPoolGrowsInChunksOfSeveralPagesUntilItFirstMoves) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
+// After the first move a request of kLargeRequestChunks growth chunks or more still grows in
+// them (pool_options.h growth_page); one just below, in single pages.
+TEST_F(ReclaimTest, AfterAMoveOnlyALargeRequestGrowsInChunksOfSeveralPages) {
+  owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 2048 * kMiB});  // under half of it
+  driver_ = owned_.get();
+  constexpr size_t kGrowthPage = 2 * kPage;
+  constexpr size_t kLarge = kLargeRequestChunks * kGrowthPage;  // 256 MiB
+  auto pool = MakePool(nullptr, kGrowthPage);
+  void* a = Alloc(*pool, kPage);
+  void* b = Alloc(*pool, kPage);
+  ASSERT_OK(pool->Free(a));
+  void* moved_to = Alloc(*pool, 2 * kPage);  // a's page moves, one page is created
+  ASSERT_EQ(pool->GetStats().num_chunk_moves, 1);
+  PoolStats before = pool->GetStats();
+  void* below = Alloc(*pool, kLarge - kPage);
+  PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.driver_create - before.driver_create,
+            static_cast<int64_t>((kLarge - kPage) / kPage));
+  before = after;
+  void* large = Alloc(*pool, kLarge);
+  after = pool->GetStats();
+  EXPECT_EQ(after.driver_create - before.driver_create,
+            static_cast<int64_t>(kLarge / kGrowthPage));
+  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
+            static_cast<int64_t>(kLarge));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {b, moved_to, below, large}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
 // A chunk of several pages wholly inside a free block moves whole, one Map for all its pages,
 // and only where it fits what the plan still needs (reclaim_policy.h, invariant 5); with
 // chunks of several sizes the choice covers the need exactly where it can.
