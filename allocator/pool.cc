@@ -146,7 +146,7 @@ absl::Status Pool::Init() {
 
 Pool::~Pool() {
   MutexLock lock(&mu_);
-  absl::Status sync = driver_->SynchronizeDevice(options_.device);
+  absl::Status sync = SynchronizeDevices();
   if (!sync.ok()) LogError(absl::StrCat("pool teardown: ", sync.message()));
   if (const size_t live = small_.live().count() + large_.live().count(); live > 0) {
     LogWarning(absl::StrCat("pool on device ", options_.device, " destroyed with ", live,
@@ -236,6 +236,15 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
+  if (reclaim_.fences() > 0) {
+    // A free whose stream took no event and could not be synchronised waits on a fence that
+    // only a synchronisation of the devices completes (FreeInUse): try again now, rather than
+    // leave its memory pending and the cached path closed until EmptyCache.
+    if (absl::Status synced = SynchronizeAll(); !synced.ok()) {
+      LogWarningOnce("fence-sync",
+                     absl::StrCat("a free still waits for a device: ", synced.message()));
+    }
+  }
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
   Arena& arena = shareable ? large_ : ArenaFor(n);
   // A spare chunk serves only a request it fits closely (an eighth of it, or a granule, left).
@@ -311,8 +320,10 @@ absl::Status Pool::Free(void* ptr) {
   if (ABSL_PREDICT_TRUE(block->stream_uses.empty() &&
                         !chunks_.OverlapsExported(block->addr, block->end()))) {
     Cache(arena, block);
-  } else {
-    VMM_RETURN_IF_ERROR(FreeInUse(block));
+  } else if (absl::Status in_use = FreeInUse(block); !in_use.ok()) {
+    // Freed all the same (pool.h): the threshold still applies.
+    if (options_.release_threshold != SIZE_MAX) ApplyReleaseThreshold().IgnoreError();
+    return in_use;
   }
   if (ABSL_PREDICT_FALSE(options_.release_threshold != SIZE_MAX)) return ApplyReleaseThreshold();
   return absl::OkStatus();
@@ -334,10 +345,11 @@ absl::Status Pool::FreeInUse(Block* block) {
   pending_bytes_ += static_cast<int64_t>(block->size);
   ++pending_blocks_;
   if (!reclaim_.RecordUses(block, streams, stats_)) {
-    // A stream took no event (none could be made, or the stream is gone or broken): the block
-    // waits on a fence that only a device synchronisation completes, so wait for the whole
-    // device now. If that fails the block stays pending, and the next synchronisation that
-    // succeeds (a miss, EmptyCache) recycles it. `block` must not be touched after this.
+    // A stream took no event and could not be synchronised (gone or broken): the block waits
+    // on a fence that only a synchronisation of the devices completes, so wait for them now.
+    // If that fails the block stays pending, and the next synchronisation that succeeds (the
+    // next allocation that is not served by the cached path, EmptyCache) recycles it.
+    // `block` must not be touched after this.
     return SynchronizeAll();
   }
   if (block->pending_events == 0) {
@@ -662,23 +674,40 @@ void Pool::RetireChunkSpace(uintptr_t chunk_addr) {
   retired_bytes_ += static_cast<int64_t>(ArenaOf(chunk_addr).RetireFree(chunk_addr, chunk_end));
 }
 
-absl::Status Pool::WaitForFreeSpaceOf(uintptr_t chunk_addr, Stream exporter) {
-  const uintptr_t chunk_end = chunk_addr + chunks_.find(chunk_addr)->second.size;
+absl::Status Pool::WaitForSpaceBeforeExport(uintptr_t addr, uintptr_t end, Stream exporter) {
+  // Every chunk first exported now, all waited for before any is marked: a failed wait
+  // leaves the export undone.
   absl::InlinedVector<Stream, 2> streams;
-  for (const Block* b = ArenaOf(chunk_addr).BlockContaining(chunk_addr);
-       b != nullptr && b->addr < chunk_end; b = b->next) {
-    if (b->state == BlockState::kFree && b->stream != kAnyStream && b->stream != exporter &&
-        std::find(streams.begin(), streams.end(), b->stream) == streams.end()) {
-      streams.push_back(b->stream);
+  for (auto c = std::as_const(chunks_).FirstEndingAfter(addr);
+       c != chunks_.end() && c->first < end; ++c) {
+    if (c->second.exported) continue;
+    const uintptr_t chunk_end = c->first + c->second.size;
+    for (const Block* b = ArenaOf(c->first).BlockContaining(c->first);
+         b != nullptr && b->addr < chunk_end; b = b->next) {
+      // Free space, and blocks freed while other streams used them: their events cover
+      // those streams, not their own.
+      const bool freed = b->state == BlockState::kFree || b->state == BlockState::kPendingFree;
+      if (freed && b->stream != kAnyStream && b->stream != exporter &&
+          std::find(streams.begin(), streams.end(), b->stream) == streams.end()) {
+        streams.push_back(b->stream);
+      }
     }
   }
   for (Stream s : streams) {
     ++stats_.num_sync_stream;
     if (driver_->SynchronizeStream(s).ok()) continue;
     // Gone or broken: wait for everything instead (not SynchronizeAll: recycling pending
-    // blocks here could release chunks under the caller's iteration).
+    // blocks here could release chunks the caller is about to export).
     ++stats_.num_sync_all_streams;
-    return driver_->SynchronizeDevice(options_.device);
+    return SynchronizeDevices();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Pool::SynchronizeDevices() {
+  VMM_RETURN_IF_ERROR(driver_->SynchronizeDevice(options_.device));
+  for (int peer : options_.peer_devices) {
+    VMM_RETURN_IF_ERROR(driver_->SynchronizeDevice(peer));
   }
   return absl::OkStatus();
 }
@@ -827,7 +856,7 @@ absl::Status Pool::SynchronizeAndRetag() {
 
 absl::Status Pool::SynchronizeAll() {
   ++stats_.num_sync_all_streams;
-  VMM_RETURN_IF_ERROR(driver_->SynchronizeDevice(options_.device));
+  VMM_RETURN_IF_ERROR(SynchronizeDevices());
   // Every event recorded so far is complete, and so is every fence (stream_reclaim.h).
   return ProcessPending(/*device_synced=*/true);
 }
@@ -974,8 +1003,8 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   out.size = block->requested;
   auto c = chunks_.Containing(block->addr);
   out.offset = block->addr - c->first;
+  VMM_RETURN_IF_ERROR(WaitForSpaceBeforeExport(block->addr, block->end(), block->stream));
   for (; c != chunks_.end() && c->first < block->end(); ++c) {
-    if (!c->second.exported) VMM_RETURN_IF_ERROR(WaitForFreeSpaceOf(c->first, block->stream));
     if (chunks_.MarkExported(c, stats_)) RetireChunkSpace(c->first);
     // Conservative at once: if the export fails half way, some chunks may be out already.
     if (use == ExportUse::kUntracked) c->second.untracked = true;

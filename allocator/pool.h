@@ -370,12 +370,13 @@ class Pool {
   void Cache(Arena& arena, Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Retires the free blocks inside the exported chunk at `chunk_addr`.
   void RetireChunkSpace(uintptr_t chunk_addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Before the chunk at `chunk_addr` is first exported by a block of stream `exporter`:
-  // waits for the streams other than `exporter` that freed blocks in it, since those retire
-  // with the chunk and go (released or reused as spare) once the exported block is freed,
-  // with no event recorded on them. The exporter's own work is waited for at that free
-  // (FreeInUse). A stream that cannot be synchronised (gone) makes it wait for the device.
-  absl::Status WaitForFreeSpaceOf(uintptr_t chunk_addr, Stream exporter)
+  // Before the chunks of [addr, end) not yet exported are exported by a block of stream
+  // `exporter`: waits for the streams other than `exporter` that freed blocks in them (free,
+  // or pending on other streams' events), since those retire with the chunk and go (released
+  // or reused as spare) once the exported block is freed, with no event recorded on their own
+  // stream. The exporter's own work is waited for at that free (FreeInUse). A stream that
+  // cannot be synchronised (gone) makes it wait for the devices (SynchronizeDevices).
+  absl::Status WaitForSpaceBeforeExport(uintptr_t addr, uintptr_t end, Stream exporter)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the exported chunks around [addr, end) that nothing uses any more, or keeps
   // them parked or spare (file comment, "Reusing exported chunks"); `release_parked` releases
@@ -401,6 +402,9 @@ class Pool {
   // Waits for the device, finishes pending frees, and makes every cached block reusable.
   absl::Status SynchronizeAndRetag() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status SynchronizeAll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Synchronises the pool's device and its peer_devices: the devices whose streams can reach
+  // the pool's memory.
+  absl::Status SynchronizeDevices() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string Summary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateDerivedStats(PoolStats& stats) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -78,7 +78,8 @@ struct Stat {
     "free chunks unmapped and mapped again where a miss needed memory (no growth)")       \
   X(moved_bytes, "moved_bytes", "bytes of the free chunks moved (num_chunk_moves' bytes)")  \
   X(num_sync_stream, "num_sync_stream",                                                   \
-    "stream synchronisations before moving free memory that stream last used")
+    "stream synchronisations: before moving or exporting free memory that stream last "  \
+    "used, and for a free whose stream could take no event")
 
 // X(name): the statistics above that PyTorch's DeviceStats (c10/core/CachingDeviceAllocator.h)
 // also keeps, under the same name (their key above is that name too). The one list of which

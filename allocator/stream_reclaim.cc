@@ -29,9 +29,15 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
       if (!recorded.ok()) spare_events_.push_back(*event);
     }
     if (!recorded.ok()) {
+      // No event (none could be made, or the stream is of another device, whose streams take
+      // only that device's events): wait for the stream itself, or, if that fails too (gone
+      // or broken), leave a fence.
+      ++stats.num_sync_stream;
+      if (driver_->SynchronizeStream(s).ok()) continue;
       LogWarningOnce("free-record", absl::StrCat("stream ordering of a free: ", recorded.message(),
                                                  "; the block waits for a device synchronisation"));
       all = false;
+      ++fences_;
     }
     pending_.push_back(Pending{recorded.ok() ? *event : kFence, block});
     ++block->pending_events;
@@ -59,7 +65,11 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
       pending_[kept++] = p;
       continue;
     }
-    if (p.event != kFence) spare_events_.push_back(p.event);
+    if (p.event != kFence) {
+      spare_events_.push_back(p.event);
+    } else {
+      --fences_;
+    }
     if (--p.block->pending_events == 0) done(p.block);
   }
   pending_.resize(kept);
@@ -145,7 +155,11 @@ void StreamReclaim::RetagAll(absl::Span<Arena* const> arenas) {
 
 void StreamReclaim::DestroyEvents() {
   for (const Pending& p : pending_) {
-    if (p.event != kFence) spare_events_.push_back(p.event);
+    if (p.event != kFence) {
+      spare_events_.push_back(p.event);
+    } else {
+      --fences_;
+    }
   }
   pending_.clear();
   for (auto& [stream, r] : streams_) {

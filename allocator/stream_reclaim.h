@@ -6,9 +6,11 @@
 //     about to be unmapped, is freed only once their work queued before the free has
 //     completed: RecordUses records one event per stream and ProcessPending hands the block
 //     back (to a callback) when all of its events are done. Where no event could be made or
-//     recorded for a stream (the driver out of resources, a stream gone), the block waits on
-//     a fence instead, which only a device synchronisation completes (ProcessPending with
-//     `device_synced`): the block is never handed back before that stream's work is done.
+//     recorded for a stream (the driver out of resources, a stream of another device), that
+//     stream is synchronised at once; where that fails too (a stream gone or broken), the
+//     block waits on a fence instead, which only a synchronisation of the devices completes
+//     (ProcessPending with `device_synced`): the block is never handed back before that
+//     stream's work is done.
 //   - Reclaiming other streams' cached blocks. A cached block is tagged with the stream that
 //     freed it; another stream may take it only after that stream's work queued before the
 //     free has completed. Reclaim records one event per such stream and, once it completes,
@@ -44,11 +46,14 @@ class StreamReclaim {
   }
 
   // Records an event on each of `streams` for `block` (kPendingFree), each counted in
-  // block->pending_events. Returns false when a stream could not take one (no event could
-  // be made, or the stream is gone or broken): the block then waits on a fence for it too,
-  // and the caller should synchronise the device and call ProcessPending(.., true).
+  // block->pending_events; a stream that cannot take one is synchronised instead
+  // (num_sync_stream). Returns false when that failed too (the stream is gone or broken): the
+  // block then waits on a fence for it, and the caller should synchronise the devices and
+  // call ProcessPending(.., true).
   bool RecordUses(Block* block, absl::Span<const Stream> streams, PoolStats& stats);
   bool has_pending() const { return !pending_.empty(); }
+  // Fences among the pending entries: only a synchronisation of the devices completes them.
+  size_t fences() const { return fences_; }
   // Events and fences still due, summed over pending blocks (for invariant checks).
   size_t pending_events() const { return pending_.size(); }
   // Queries the pending events; calls `done(block)` for each block whose last event (or
@@ -86,6 +91,7 @@ class StreamReclaim {
   Driver* driver_ = nullptr;
   int device_ = 0;
   std::vector<Pending> pending_;
+  size_t fences_ = 0;
   absl::flat_hash_map<Stream, StreamState> streams_;
   std::vector<Event> spare_events_;
 };

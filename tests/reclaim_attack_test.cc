@@ -27,6 +27,7 @@
 #include "allocator/forwarding_driver.h"
 #include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
+#include "tests/stream_gate.h"
 
 namespace vmm {
 namespace {
@@ -102,7 +103,16 @@ class FaultDriver : public ForwardingDriver {
   }
   absl::Status SynchronizeDevice(int d) override {
     if (absl::Status s = Hit(kSyncDevice); !s.ok()) return s;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++device_syncs_[d];
+    }
     return ForwardingDriver::SynchronizeDevice(d);
+  }
+  // Successful SynchronizeDevice calls for device `d`.
+  int device_syncs(int d) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return device_syncs_[d];
   }
 
  private:
@@ -112,6 +122,7 @@ class FaultDriver : public ForwardingDriver {
     bool persistent = false;
     absl::StatusCode code = absl::StatusCode::kInternal;
   };
+  std::map<int, int> device_syncs_;
   absl::Status Hit(int op) {
     std::lock_guard<std::mutex> lock(mu_);
     Arm_& a = arm_[op];
@@ -785,6 +796,9 @@ class ReclaimAttack : public ::testing::Test {
     driver_ = std::make_unique<FaultDriver>(inner_.get());
   }
   void TearDown() override { driver_->Disarm(); }
+  // A free whose stream takes no event, with or without that stream's synchronisation failing
+  // too (the tests below say what it shows).
+  void FreeWhoseStreamTookNoEvent(bool stream_sync_fails);
   std::unique_ptr<Pool> MakePool(PoolOptions options = {}) {
     return CreatePoolOrFail(driver_.get(), options);
   }
@@ -1148,9 +1162,18 @@ TEST(ReclaimAttackThreads, ConcurrentMissesNeverTouchLiveBlocks) {
 }
 
 // Stream order when the driver fails events: a free whose stream took no event (CreateEvent
-// failed) waits for a device synchronisation; its memory is neither moved nor reused before
-// that stream's work is done, and nothing is left pending for ever.
+// failed) waits for that stream (synchronised at once) or, where that fails too, for the
+// device; its memory is neither moved nor reused before that stream's work is done, and
+// nothing is left pending for ever.
 TEST_F(ReclaimAttack, AFreeWhoseStreamTookNoEventWaitsForThatStream) {
+  FreeWhoseStreamTookNoEvent(/*stream_sync_fails=*/false);
+}
+
+TEST_F(ReclaimAttack, AFreeWhoseStreamTookNoEventAndCannotBeSynchronisedWaitsForTheDevice) {
+  FreeWhoseStreamTookNoEvent(/*stream_sync_fails=*/true);
+}
+
+void ReclaimAttack::FreeWhoseStreamTookNoEvent(bool stream_sync_fails) {
   auto pool = MakePool();
   const Stream s = *inner_->CreateStream(0);
   const Stream t1 = *inner_->CreateStream(0);
@@ -1164,8 +1187,15 @@ TEST_F(ReclaimAttack, AFreeWhoseStreamTookNoEventWaitsForThatStream) {
   ASSERT_OK(inner_->LaunchHostFunc(t2, &SleepUs, reinterpret_cast<void*>(uintptr_t{300000})));
   ASSERT_OK(inner_->MemsetAsync(reinterpret_cast<DevPtr>(p), 0xEE, 8 * kMiB, t2));
   driver_->Arm(kCreateEvent, /*skip=*/1, /*persistent=*/false);  // t1's event made, t2's not
-  (void)pool->Free(p);
+  if (stream_sync_fails) driver_->Arm(kSyncStream, /*skip=*/0, /*persistent=*/false);
+  const PoolStats before = pool->GetStats();
+  const int64_t injected = driver_->injected();
+  EXPECT_OK(pool->Free(p));
   driver_->Disarm();
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(driver_->injected() - injected, stream_sync_fails ? 2 : 1);
+  EXPECT_EQ(after.num_sync_stream - before.num_sync_stream, 1);
+  EXPECT_EQ(after.num_sync_all_streams - before.num_sync_all_streams, stream_sync_fails ? 1 : 0);
   EXPECT_OK(pool->CheckInvariants());
   ::usleep(50000);  // t1's event completes; t2 still sleeps
   // Whatever p's memory serves next sees none of t2's bytes land after it was handed out.
@@ -1179,8 +1209,9 @@ TEST_F(ReclaimAttack, AFreeWhoseStreamTookNoEventWaitsForThatStream) {
   EXPECT_EQ(DriverHeld(), 0);
 }
 
-// The only stream of a free takes no event, and the device synchronisation that should
-// finish it fails: the block stays pending (not lost), and a later one recycles it.
+// The only stream of a free takes no event and cannot be synchronised, and the device
+// synchronisation that should finish it fails: the block stays pending (not lost), and the
+// next allocation the cached path does not serve synchronises again and recycles it.
 TEST_F(ReclaimAttack, AFreeLeftPendingByFailedSynchronisationsIsRecycledLater) {
   auto pool = MakePool();
   const Stream s = *inner_->CreateStream(0);
@@ -1188,11 +1219,19 @@ TEST_F(ReclaimAttack, AFreeLeftPendingByFailedSynchronisationsIsRecycledLater) {
   void* p = AllocateOrFail(*pool, 8 * kMiB, s);
   ASSERT_OK(pool->RecordStream(p, t));
   driver_->Arm(kCreateEvent, /*skip=*/0, /*persistent=*/false);
+  driver_->Arm(kSyncStream, /*skip=*/0, /*persistent=*/false);
   driver_->Arm(kSyncDevice, /*skip=*/0, /*persistent=*/false);
   EXPECT_FALSE(pool->Free(p).ok());
   driver_->Disarm();
   EXPECT_OK(pool->CheckInvariants());
-  EXPECT_EQ(pool->GetStats().allocated_bytes.current, 0);
+  PoolStats st = pool->GetStats();
+  EXPECT_EQ(st.allocated_bytes.current, 0);
+  EXPECT_EQ(st.active_bytes.current, static_cast<int64_t>(8 * kMiB));  // still pending
+  void* q = AllocateOrFail(*pool, 64 * kKiB, s);
+  st = pool->GetStats();
+  EXPECT_EQ(st.active_bytes.current, st.allocated_bytes.current);  // p recycled
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_OK(pool->Free(q));
   EXPECT_OK(pool->EmptyCache());
   EXPECT_OK(pool->CheckInvariants());
   EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
@@ -1219,6 +1258,72 @@ TEST_F(ReclaimAttack, ExportWaitsForStreamsThatFreedSpaceInItsChunk) {
   EXPECT_EQ(CheckStamp(b, 100 * kKiB, 0x5A), "");
   ASSERT_OK(pool->Free(a));  // the chunk goes once s is done with a
   EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+  EXPECT_EQ(DriverHeld(), 0);
+}
+
+// A free that waits on a fence is finished by synchronising the pool's device and its peer
+// devices: a stream of a peer device can reach the pool's memory too.
+TEST_F(ReclaimAttack, AFenceIsFinishedBySynchronisingThePeerDevicesToo) {
+  inner_ = NewHostDriver(HostDriverOptions{2 * kMiB, 512 * kMiB, /*device_count=*/2});
+  driver_ = std::make_unique<FaultDriver>(inner_.get());
+  PoolOptions options;
+  options.peer_devices = {1};
+  auto pool = MakePool(options);
+  const Stream s = *inner_->CreateStream(0);
+  const Stream t = *inner_->CreateStream(1);
+  void* p = AllocateOrFail(*pool, 8 * kMiB, s);
+  ASSERT_OK(pool->RecordStream(p, t));
+  driver_->Arm(kCreateEvent, /*skip=*/0, /*persistent=*/false);
+  driver_->Arm(kSyncStream, /*skip=*/0, /*persistent=*/false);
+  const int on_device = driver_->device_syncs(0);
+  const int on_peer = driver_->device_syncs(1);
+  EXPECT_OK(pool->Free(p));
+  driver_->Disarm();
+  EXPECT_EQ(driver_->device_syncs(0) - on_device, 1);
+  EXPECT_EQ(driver_->device_syncs(1) - on_peer, 1);
+  const PoolStats st = pool->GetStats();
+  EXPECT_EQ(st.active_bytes.current, 0);  // recycled
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_OK(pool->EmptyCache());
+  EXPECT_EQ(DriverHeld(), 0);
+}
+
+// A block freed while another stream (RecordStream) still used it is pending on that
+// stream's event, not on its own stream's, whose order covers reuse. If a block of a third
+// stream exports its chunk meanwhile, the block retires with the chunk, and the chunk goes
+// once the exported block is freed: the export waits for the pending block's own stream.
+TEST_F(ReclaimAttack, ExportWaitsForTheOwnStreamOfAFreeStillPendingInItsChunk) {
+  auto pool = MakePool();
+  const Stream s = *inner_->CreateStream(0);  // p's own stream
+  const Stream t = *inner_->CreateStream(0);  // p's other user
+  const Stream u = *inner_->CreateStream(0);  // the exporter's
+  void* a = AllocateOrFail(*pool, 200 * kKiB, u);  // the small arena: one chunk holds a and p
+  ASSERT_OK(pool->EmptyCache());
+  void* p = AllocateOrFail(*pool, 100 * kKiB, s);
+  ASSERT_OK(pool->EmptyCache());  // the rest of the chunk: free for every stream
+  ASSERT_EQ(pool->GetStats().reserved_bytes.current, int64_t{2 * kMiB});
+  ASSERT_OK(pool->RecordStream(p, t));
+  StreamGate t_busy(inner_.get(), t);
+  StreamGate s_busy(inner_.get(), s);  // work on p queued before the free
+  ASSERT_OK(pool->Free(p));             // pending on t's event
+  // s's work ends 300 ms from now, on another thread; the export must wait for it.
+  std::atomic<bool> s_released{false};
+  std::thread releaser([&] {
+    ::usleep(300000);
+    s_released = true;
+    s_busy.Release();
+  });
+  ASSERT_OK(pool->Export(a, HandleType::kNone, ExportNeighbours::kAllow, ExportUse::kUntracked)
+                .status());
+  EXPECT_TRUE(s_released.load()) << "the export did not wait for p's own stream";
+  releaser.join();
+  t_busy.Release();
+  ASSERT_OK(inner_->SynchronizeStream(t));
+  ASSERT_OK(pool->Free(a));
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(inner_->SynchronizeDevice(0));
   ASSERT_OK(pool->EmptyCache());
   EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
   EXPECT_EQ(DriverHeld(), 0);

@@ -462,9 +462,12 @@ absl::Status ProcessState::FreeBlockNow(void* ptr) {
     return absl::InvalidArgumentError(absl::StrCat(
         "free of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ", which no vmm pool allocated"));
   }
-  VMM_RETURN_IF_ERROR(owner.pool->Free(ptr));
+  absl::Status freed = owner.pool->Free(ptr);
+  // InvalidArgument: not a live block, nothing freed. Any other error is a driver fault met
+  // after the block was freed (Pool::Free): it is gone all the same.
+  if (absl::IsInvalidArgument(freed)) return freed;
   if (owner.keep != nullptr) BlockGone(owner.keep);
-  return absl::OkStatus();
+  return freed;
 }
 
 absl::StatusOr<BufferDescriptor> ProcessState::Export(const void* ptr) {
