@@ -23,4 +23,8 @@ void CloseLater(std::unique_ptr<ImportedBuffer> buffer) {
 
 size_t FlushCloses(absl::Duration timeout) { return Closer::ForThisProcess().Flush(timeout); }
 
+void HoldCloses() { Closer::ForThisProcess().Hold(); }
+
+void ReleaseCloses() { Closer::ForThisProcess().Release(); }
+
 }  // namespace vmm

@@ -31,6 +31,12 @@ void CloseLater(std::unique_ptr<ImportedBuffer> buffer);
 // Waits until every import queued so far is closed, at most `timeout`; returns how many are
 // still queued or being closed.
 size_t FlushCloses(absl::Duration timeout);
+// Pauses the closing thread while a CUDA graph is captured: closing synchronizes the devices,
+// which a capture in CUDA's global mode (PyTorch's default) forbids to every thread (the
+// capture is invalidated). HoldCloses returns once no close is running; imports dropped
+// meanwhile are closed after the last ReleaseCloses. Holds nest.
+void HoldCloses();
+void ReleaseCloses();
 
 }  // namespace vmm
 

@@ -13,7 +13,9 @@
 // leaked, never drained. With `kForkWaits`, fork() waits for a batch being drained to finish
 // (a pthread_atfork gate), so that the child never inherits a lock the drain held (closing an
 // import holds the driver's); the drain must then never fork. If the thread cannot be started,
-// items are drained by the caller of Add (said once, naming the work). Thread safe.
+// items are drained by the caller of Add (said once, naming the work). Hold() pauses the
+// thread (once the batch it drains is done) until as many Release() calls: items queued
+// meanwhile wait (the closing of imports pauses while a CUDA graph is captured). Thread safe.
 #ifndef VMM_ALLOCATOR_PROCESS_QUEUE_H_
 #define VMM_ALLOCATOR_PROCESS_QUEUE_H_
 
@@ -87,8 +89,22 @@ class ProcessQueue {
     kDrain(here);
   }
 
+  // Pauses the thread: returns once no batch is being drained, and none starts until the
+  // matching Release(). Holds nest. Items added meanwhile are queued (or, with no thread,
+  // drained by the caller of Add as always).
+  void Hold() {
+    MutexLock lock(&mu_);
+    ++holds_;
+    while (draining_ != 0) drained_.wait(mu_);
+  }
+  // Ends one Hold(); the thread resumes once none is left.
+  void Release() {
+    MutexLock lock(&mu_);
+    if (holds_ > 0 && --holds_ == 0) wake_.notify_one();
+  }
+
   // Waits until every item queued so far has been drained, at most `timeout`; returns how
-  // many are still queued or being drained.
+  // many are still queued or being drained (a held queue drains nothing meanwhile).
   size_t Flush(absl::Duration timeout) {
     const absl::Time deadline = absl::Now() + timeout;
     MutexLock lock(&mu_);
@@ -129,7 +145,7 @@ class ProcessQueue {
         MutexLock lock(&mu_);
         draining_ = 0;
         drained_.notify_all();
-        while (queued_.empty()) wake_.wait(mu_);  // unlocks mu_ while waiting
+        while (queued_.empty() || holds_ > 0) wake_.wait(mu_);  // unlocks mu_ while waiting
         batch.swap(queued_);
         draining_ = batch.size();
       }
@@ -148,6 +164,7 @@ class ProcessQueue {
   Mutex mu_;
   std::vector<Item> queued_ ABSL_GUARDED_BY(mu_);
   size_t draining_ ABSL_GUARDED_BY(mu_) = 0;
+  int holds_ ABSL_GUARDED_BY(mu_) = 0;  // Hold() calls not yet released
   bool started_ ABSL_GUARDED_BY(mu_) = false;
   bool no_thread_ ABSL_GUARDED_BY(mu_) = false;
   std::condition_variable_any wake_;

@@ -102,6 +102,28 @@ TEST_F(ImportCloserTest, NothingQueuedFlushesAtOnce) {
   EXPECT_LT(absl::Now() - start, absl::Seconds(1));
 }
 
+// While held (a CUDA graph being captured), nothing is closed; imports queued meanwhile are
+// closed once the last hold is released.
+TEST_F(ImportCloserTest, HeldClosesWaitForTheLastRelease) {
+  HoldCloses();
+  HoldCloses();
+  std::unique_ptr<ImportedBuffer> b = Imported(Exported(2 * kMiB));
+  ASSERT_NE(b, nullptr);
+  Reports reports;
+  b->OnUnmapped(reports.Callback());
+  CloseLater(std::move(b));
+  EXPECT_EQ(FlushCloses(absl::Milliseconds(300)), 1u);
+  EXPECT_TRUE(reports.threads().empty()) << "closed while held";
+  ReleaseCloses();
+  EXPECT_EQ(FlushCloses(absl::Milliseconds(300)), 1u);
+  EXPECT_TRUE(reports.threads().empty()) << "closed while one hold is left";
+  ReleaseCloses();
+  EXPECT_EQ(FlushCloses(absl::Seconds(10)), 0u);
+  EXPECT_EQ(reports.threads().size(), 1u);
+  ReleaseCloses();  // one too many: ignored
+  EXPECT_EQ(OpenImportMappings(), open_at_start_);
+}
+
 TEST_F(ImportCloserTest, QueuedImportsAreClosedOnTheClosingThreadAndFlushed) {
   constexpr int kImports = 20;
   Reports reports;

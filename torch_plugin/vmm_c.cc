@@ -519,6 +519,16 @@ int64_t vmm_send_ack_flush(double timeout_seconds) {
                                                       absl::ZeroDuration())));
 }
 
+int vmm_imports_hold_closing(void) {
+  vmm::HoldCloses();
+  return 0;
+}
+
+int vmm_imports_release_closing(void) {
+  vmm::ReleaseCloses();
+  return 0;
+}
+
 int vmm_send_set_lease(double seconds) {
   if (!(seconds > 0) || seconds > 1e9) {
     return vmm::Fail(absl::InvalidArgumentError(

@@ -333,6 +333,11 @@ int vmm_send_check(const uint8_t* ticket, size_t len);
 /* Waits until every queued acknowledgement has been sent, at most `timeout_seconds`; returns
  * how many are still queued. */
 int64_t vmm_send_ack_flush(double timeout_seconds);
+/* Pauses / resumes the thread that closes dropped imports (import_closer.h), around a CUDA
+ * graph capture: closing synchronizes the devices, which invalidates a capture in CUDA's
+ * global mode. The pause returns once no close is running; holds nest. Return 0. */
+int vmm_imports_hold_closing(void);
+int vmm_imports_release_closing(void);
 /* The lease of sends made from now on, in seconds (> 0). */
 int vmm_send_set_lease(double seconds);
 /* This process's sends: held now, and totals. */

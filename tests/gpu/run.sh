@@ -12,6 +12,9 @@
 #            parity suite; PYTEST_LIMIT_S: its time limit, default 500 s, since the whole
 #            suite runs about 7.5 minutes on an H200; REUSE_PLUGIN=1 keeps an install an
 #            earlier call on the same machine made).
+#   dropin   tests/gpu/dropin/run.sh: small PyTorch programs run with PyTorch's allocator and
+#            with vmm, with an IMEX channel; the case table goes to the summary (about 2.5
+#            minutes on an H200; known_gaps.txt lists what vmm is known to fail).
 #   parity   the torch.multiprocessing parity suite (tests/python/test_mp_parity.py) in its
 #            five modes (native-cpu, vmm-host, native, vmm-fabric, vmm-fd; VMM_PARITY_MODES
 #            picks some), with an IMEX channel; the case x mode table goes to $OUT/parity.md.
@@ -186,6 +189,15 @@ phase_python() {
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
   step pytest "${PYTEST_LIMIT_S:-500}" python3 -m pytest -v -rfE \
     ${PYTEST_ARGS:-tests/python --ignore=tests/python/test_mp_parity.py}
+}
+
+# --- dropin ------------------------------------------------------------------------------------
+
+phase_dropin() {
+  with_imex_channel  # sends use fabric handles, as where IMEX runs
+  install_plugin
+  step dropin 420 env OUT="$OUT" tests/gpu/dropin/run.sh "$site"
+  sed -n '/^case /,/^$/p;/^summary:/p' "$logs/dropin.log" | tee -a "$summary"
 }
 
 # --- parity ------------------------------------------------------------------------------------
@@ -432,7 +444,7 @@ phase_multi() {
 : >"$summary"
 for phase in "$@"; do
   if [[ $(type -t "phase_$phase") != function ]]; then
-    note "unknown phase '$phase' (tests python parity bench compare multi)"
+    note "unknown phase '$phase' (tests python dropin parity bench compare multi)"
     continue
   fi
   note "=== phase $phase"

@@ -154,8 +154,24 @@ def test_parameters_and_requires_grad(pool):
 def test_other_tensors_use_torch_reducers():
     rebuild, _ = reductions.reduce_tensor(torch.arange(4.0))
     assert rebuild.__module__.startswith("torch.")
+    # PyTorch's reducer, called by name, is vmm's once installed: its own would ask a
+    # pluggable allocator for CUDA IPC handles it cannot give.
+    from torch.multiprocessing import reductions as torch_reductions
+    assert torch_reductions.reduce_tensor is reductions.reduce_tensor
+    rebuild, _ = torch_reductions.reduce_tensor(torch.arange(4.0))
+    assert rebuild.__module__.startswith("torch.")
     assert torch.equal(round_trip(torch.arange(4.0)), torch.arange(4.0))
     assert not vmm_torch.in_vmm_pool(torch.eye(3).to_sparse())
+
+
+def test_a_direct_call_of_torchs_reducer_sends_vmm_memory(pool):
+    from torch.multiprocessing import reductions as torch_reductions
+    original = filled(pool, (4, 8))
+    rebuild, args = torch_reductions.reduce_tensor(original)
+    assert rebuild is sharing.rebuild_tensor
+    received = rebuild(*args)
+    assert torch.equal(received, original)
+    assert sharing.flush_acks(5) == 0
 
 
 def test_imported_tensors_are_forwarded_as_vmm_sends(pool):

@@ -72,6 +72,30 @@ def test_memory_functions_answer_from_vmm():
     assert r["freed_after_reset"] == 0
 
 
+def test_empty_tensors_take_no_memory():
+    # PyTorch's allocator gives a tensor of no elements a null pointer and counts nothing.
+    r = run("""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
+        ts = [torch.empty(0, device="cuda") for _ in range(1000)]
+        ts += [torch.empty((4, 0, 3), dtype=torch.float16, device="cuda") for _ in range(10)]
+        during = torch.cuda.memory_stats()
+        out = dict(ptrs=sorted({t.data_ptr() for t in ts}),
+                   allocated=during["allocated_bytes.all.current"]
+                   - before["allocated_bytes.all.current"],
+                   count=during["allocation.all.current"] - before["allocation.all.current"])
+        cat = torch.cat([ts[0], torch.ones(3, device="cuda")])
+        out["cat"] = cat.tolist()
+        del ts, cat
+        out["after"] = (torch.cuda.memory_stats()["allocated_bytes.all.current"]
+                        - before["allocated_bytes.all.current"])
+        print(json.dumps(out))
+    """)
+    assert r["ptrs"] == [0]
+    assert r["allocated"] == 0 and r["count"] == 0
+    assert r["cat"] == [1.0, 1.0, 1.0] and r["after"] == 0
+
+
 def test_snapshot_and_history_draw_a_timeline():
     r = run("""
         import pickle, time

@@ -62,6 +62,8 @@ struct Vmm {
   decltype(&vmm_send_kind) send_kind = nullptr;
   decltype(&vmm_export_send) export_send = nullptr;
   decltype(&vmm_release_buffer) release_buffer = nullptr;
+  decltype(&vmm_imports_hold_closing) imports_hold_closing = nullptr;
+  decltype(&vmm_imports_release_closing) imports_release_closing = nullptr;
 };
 
 // This module's binding (Bind).
@@ -100,6 +102,8 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_send_kind", &v.send_kind);
   Lookup(lib, "vmm_export_send", &v.export_send);
   Lookup(lib, "vmm_release_buffer", &v.release_buffer);
+  Lookup(lib, "vmm_imports_hold_closing", &v.imports_hold_closing);
+  Lookup(lib, "vmm_imports_release_closing", &v.imports_release_closing);
   vmm = v;
 }
 

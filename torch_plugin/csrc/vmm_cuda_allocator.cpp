@@ -312,17 +312,24 @@ class VmmAllocator : public Pluggable {
 
   // --- Private pools ------------------------------------------------------------------
 
+  // A route is open from before a CUDA graph's capture begins to after it ends (and for a
+  // MemPool's context): imports dropped meanwhile are closed after it, since closing one
+  // synchronizes the devices, which would invalidate a capture in CUDA's global mode
+  // (vmm_imports_hold_closing waits for a close already running).
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                            std::function<bool(cudaStream_t)> filter) override {
     const int64_t pool = UsePool(device, mempool_id, nullptr);
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const Route& route : routes_) {
-      TORCH_CHECK(!(route.device == device && route.id == mempool_id),
-                  "vmm: beginAllocateToPool: already allocating to pool (", mempool_id.first,
-                  ", ", mempool_id.second, ")");
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (const Route& route : routes_) {
+        TORCH_CHECK(!(route.device == device && route.id == mempool_id),
+                    "vmm: beginAllocateToPool: already allocating to pool (", mempool_id.first,
+                    ", ", mempool_id.second, ")");
+      }
+      routes_.push_back(Route{device, mempool_id, std::move(filter), pool});
+      routes_empty_.store(false, std::memory_order_relaxed);
     }
-    routes_.push_back(Route{device, mempool_id, std::move(filter), pool});
-    routes_empty_.store(false, std::memory_order_relaxed);
+    vmm.imports_hold_closing();
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
@@ -331,6 +338,7 @@ class VmmAllocator : public Pluggable {
       if (it->device == device && it->id == mempool_id) {
         routes_.erase(it);
         routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
+        vmm.imports_release_closing();
         return;
       }
     }
@@ -534,6 +542,9 @@ class VmmAllocator : public Pluggable {
   }
 
   void* Malloc(size_t size, int device, cudaStream_t stream) {
+    // An empty tensor gets no memory and counts in no statistic, as with PyTorch's own
+    // allocator (its storage's pointer is null; Free ignores null).
+    if (size == 0) return nullptr;
     RequireBound();
     // The driver calls of a growth must not be captured (nor refused) when the stream
     // captures a CUDA graph: as PyTorch's allocator does around cudaMalloc.
@@ -642,6 +653,7 @@ class VmmAllocator : public Pluggable {
   }
 
   void Free(void* ptr, size_t size, int device, cudaStream_t stream) {
+    if (ptr == nullptr) return;  // an empty tensor's (Malloc)
     if (history_.on()) {
       history_.Record(cda::TraceEntry::FREE_REQUESTED, static_cast<c10::DeviceIndex>(device),
                       reinterpret_cast<size_t>(ptr), size, stream, {0, 0});

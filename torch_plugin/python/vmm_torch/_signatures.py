@@ -325,6 +325,8 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_send_over_budget": (_int, []),
     "vmm_send_wait_for_room": (_int, [ctypes.c_double]),
     "vmm_send_ack_flush": (_int64, [ctypes.c_double]),
+    "vmm_imports_hold_closing": (_int, []),
+    "vmm_imports_release_closing": (_int, []),
     "vmm_send_set_lease": (_int, [ctypes.c_double]),
     "vmm_send_stats_get": (_int, [_P(SendStats)]),
     "vmm_send_wait": (_int64, [ctypes.c_double]),

@@ -48,7 +48,7 @@ import threading
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -74,7 +74,14 @@ Reduction = Tuple[Callable[..., Any], Tuple[Any, ...]]
 _log = logging.getLogger("vmm_torch")
 
 
+#: PyTorch's own torch.multiprocessing.reductions.reduce_tensor, kept when install_reducers
+#: puts vmm's in its place.
+_torch_reducer: Optional[Callable[[torch.Tensor], Reduction]] = None
+
+
 def _torch_reduce_tensor(tensor: torch.Tensor) -> Reduction:
+    if _torch_reducer is not None:
+        return _torch_reducer(tensor)
     from torch.multiprocessing import reductions
 
     return reductions.reduce_tensor(tensor)
@@ -352,14 +359,22 @@ def install_reducers() -> None:
     """Makes torch.multiprocessing carry tensors of vmm memory as vmm sends (CUDA tensors of
     the enabled allocator or of an explicit Pool, CPU tensors of host pools, and tensors
     received from another process), and makes ``Queue.put`` check what cannot travel.
-    Idempotent; affects this process's pickling only."""
-    global _installed
+    ``torch.multiprocessing.reductions.reduce_tensor`` becomes vmm's reducer too (for other
+    tensors it is PyTorch's). Idempotent; affects this process's pickling only."""
+    global _installed, _torch_reducer
     import torch.multiprocessing  # noqa: F401  (registers PyTorch's reducers first)
+    from torch.multiprocessing import reductions
 
     with _install_lock:
         _lib.load()  # now, not in the first reducer call (a queue's feeder thread)
         for tensor_type in (torch.Tensor, torch.nn.Parameter):
             ForkingPickler.register(tensor_type, reduce_tensor)
+        # Programs that call PyTorch's reducer themselves (handing weights to another process
+        # as `func, args = reduce_tensor(t)`, then `func(*args)` there) get vmm's: PyTorch's
+        # would ask the allocator for a CUDA IPC handle, which a pluggable allocator has not.
+        if reductions.reduce_tensor is not reduce_tensor:
+            _torch_reducer = reductions.reduce_tensor
+            reductions.reduce_tensor = reduce_tensor
         _patch_queue_puts()
         _register_exit_wait()
         _installed = True

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The drop-in suite: small PyTorch programs that work with PyTorch's own CUDA allocator, each
+# run twice, with it and with vmm (VMM_TORCH_ENABLE=1), under `timeout 60`. One line per case:
+#
+#   case native_rc vmm_rc verdict   (ok | VMM-BREAKS | known-gap | gap-closed | native-fails)
+#
+# then the tail of stderr of each failing run and a summary. A case exits 0 when the behaviour
+# is PyTorch's and says on stderr what differed otherwise. known_gaps.txt lists the cases vmm
+# is known to fail (docs/DESIGN.md says why): they report known-gap; one that passes reports
+# gap-closed. Exit status 0 when every case is ok or known-gap.
+#
+#   tests/gpu/dropin/run.sh [VMM_SITE] [case names...]     (tests/gpu/run.sh dropin runs it)
+#
+# VMM_SITE (or the VMM_PY variable): the folder vmm_torch is pip-installed into, as
+# tests/gpu/run.sh does it (`pip install --target /tmp/vmm_site ./torch_plugin/python`, the
+# default). If it holds no vmm_torch and .gpu/lib/libvmm.so exists (tests/gpu/prepare.sh), it
+# is installed there the same way. A folder installed with --target is not a site folder, so
+# the package's vmm_torch_autoenable.pth (what makes VMM_TORCH_ENABLE work in every process)
+# would not run: a sitecustomize that calls site.addsitedir(VMM_SITE) is put first on
+# PYTHONPATH (it chains to any sitecustomize it hides). Both modes get the same PYTHONPATH.
+# JOBS (default 8): cases run at once; cases marked "# EXCLUSIVE" run alone afterwards.
+# OUT: results go to $OUT/dropin when set, else /tmp/dropin_results.
+# VMM_ENABLE_TEXT: the value of VMM_TORCH_ENABLE in the vmm runs (default 1; e.g.
+# handle_type=posix_fd). Fabric handles need an IMEX channel (tests/gpu/run.sh makes one).
+set -uo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../../.." && pwd)"
+cd "$root" || exit 1
+[[ -d /opt/torch/.venv/bin ]] && export PATH="/opt/torch/.venv/bin:$PATH"
+[[ -d "$root/.gpu/lib" ]] && export LD_LIBRARY_PATH="$root/.gpu/lib:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1
+VMM_ENABLE_TEXT=${VMM_ENABLE_TEXT:-1}
+
+site_dir=${VMM_PY:-/tmp/vmm_site}
+if [[ $# -gt 0 && -d "$1" ]]; then
+  site_dir=$1
+  shift
+fi
+site_dir="$(mkdir -p "$site_dir" && cd "$site_dir" && pwd)"
+if [[ ! -e "$site_dir/vmm_torch/__init__.py" ]]; then
+  if [[ -e "$root/.gpu/lib/libvmm.so" ]]; then
+    echo "installing vmm_torch into $site_dir (as tests/gpu/run.sh does)"
+    env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q --no-build-isolation \
+      --no-deps --no-index --target "$site_dir" ./torch_plugin/python || exit 1
+  else
+    echo "no vmm_torch in $site_dir and no .gpu/lib/libvmm.so to install it from" >&2
+    exit 1
+  fi
+fi
+
+results=${OUT:+$OUT/dropin}
+results=${results:-/tmp/dropin_results}
+rm -rf "$results"
+mkdir -p "$results/customize"
+cat >"$results/customize/sitecustomize.py" <<EOF
+import importlib.machinery, importlib.util, os, site, sys
+site.addsitedir(${site_dir@Q})
+_here = os.path.dirname(os.path.abspath(__file__))
+_path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+_spec = importlib.machinery.PathFinder.find_spec("sitecustomize", _path)
+if _spec is not None and _spec.loader is not None:
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+EOF
+export PYTHONPATH="$results/customize:$site_dir${PYTHONPATH:+:$PYTHONPATH}"
+
+# Both modes must be what they claim, or every verdict is meaningless.
+probe='import torch, vmm_torch; torch.empty(1, device="cuda"); print(vmm_torch.enabled_hooks() or "native", torch.__version__)'
+native_probe=$(env -u VMM_TORCH_ENABLE timeout 120 python3 -c "$probe" 2>&1 | tail -n 1)
+vmm_probe=$(VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" timeout 120 python3 -c "$probe" 2>&1 | tail -n 1)
+echo "native mode: $native_probe"
+echo "vmm mode:    $vmm_probe"
+if [[ "$vmm_probe" != *vmm_cuda_allocator* ]]; then
+  echo "VMM_TORCH_ENABLE=$VMM_ENABLE_TEXT did not make vmm's full CUDA allocator current; stopping" >&2
+  exit 1
+fi
+if [[ "$native_probe" != native* ]]; then
+  echo "vmm is enabled without VMM_TORCH_ENABLE; stopping" >&2
+  exit 1
+fi
+
+if [[ $# -gt 0 ]]; then
+  cases=()
+  for name in "$@"; do cases+=("$here/case_${name#case_}"); done
+  cases=("${cases[@]/%.py/}")
+  cases=("${cases[@]/%/.py}")
+else
+  cases=("$here"/case_*.py)
+fi
+
+# run_one FILE MODE: one run, rc and stderr into $results.
+run_one() {
+  local file=$1 mode=$2 name
+  name=$(basename "$file" .py)
+  local start=$SECONDS
+  if [[ $mode == native ]]; then
+    env -u VMM_TORCH_ENABLE timeout 60 python3 "$file" >"$results/$name.$mode.out" \
+      2>"$results/$name.$mode.err"
+  else
+    VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" timeout 60 python3 "$file" >"$results/$name.$mode.out" \
+      2>"$results/$name.$mode.err"
+  fi
+  echo $? >"$results/$name.$mode.rc"
+  echo $((SECONDS - start)) >"$results/$name.$mode.time"
+}
+export -f run_one
+export results VMM_ENABLE_TEXT
+
+started=$SECONDS
+parallel=() exclusive=()
+for f in "${cases[@]}"; do
+  [[ -e "$f" ]] || { echo "no such case: $f" >&2; continue; }
+  if grep -q '^# EXCLUSIVE' "$f"; then exclusive+=("$f"); else parallel+=("$f"); fi
+done
+if [[ ${#parallel[@]} -gt 0 ]]; then
+  for f in "${parallel[@]}"; do printf '%s native\n%s vmm\n' "$f" "$f"; done |
+    xargs -P "${JOBS:-8}" -n 2 bash -c 'run_one "$0" "$1"'
+fi
+for f in "${exclusive[@]}"; do
+  run_one "$f" native
+  run_one "$f" vmm
+done
+
+# known_gaps.txt: a case name per line, then its reason (# comments).
+known=" $(sed -e 's/#.*//' "$here/known_gaps.txt" | tr -s ' \n' ' ') "
+ok=0 breaks=0 nfail=0 gaps=0 closed=0
+lines=() details=()
+for f in "${parallel[@]}" "${exclusive[@]}"; do
+  name=$(basename "$f" .py)
+  n=$(cat "$results/$name.native.rc" 2>/dev/null || echo "?")
+  v=$(cat "$results/$name.vmm.rc" 2>/dev/null || echo "?")
+  gap=0
+  [[ $known == *" ${name#case_} "* ]] && gap=1
+  if [[ $n == 0 && $v == 0 && $gap == 1 ]]; then
+    verdict=gap-closed
+    ((closed++))
+  elif [[ $n == 0 && $v == 0 ]]; then
+    verdict=ok
+    ((ok++))
+  elif [[ $n == 0 && $gap == 1 ]]; then
+    verdict=known-gap
+    ((gaps++))
+  elif [[ $n == 0 ]]; then
+    verdict=VMM-BREAKS
+    ((breaks++))
+    details+=("--- $name: vmm rc=$v ($(cat "$results/$name.vmm.time")s)$([[ $v == 124 ]] && echo ' TIMEOUT')"
+              "$(tail -n 12 "$results/$name.vmm.err")")
+  else
+    verdict=native-fails
+    ((nfail++))
+    details+=("--- $name: native rc=$n ($(cat "$results/$name.native.time")s)$([[ $n == 124 ]] && echo ' TIMEOUT')"
+              "$(tail -n 12 "$results/$name.native.err")")
+  fi
+  lines+=("$(printf '%-40s %4s %4s %s' "${name#case_}" "$n" "$v" "$verdict")")
+done
+printf '%-40s %4s %4s %s\n' case native vmm verdict
+printf '%s\n' "${lines[@]}"
+if [[ ${#details[@]} -gt 0 ]]; then
+  echo
+  printf '%s\n' "${details[@]}"
+fi
+echo
+echo "summary: ${#lines[@]} cases: $ok ok, $breaks VMM-BREAKS, $gaps known-gap," \
+  "$closed gap-closed, $nfail native-fails ($((SECONDS - started)) s; logs in $results)"
+[[ $breaks -eq 0 && $nfail -eq 0 && $closed -eq 0 ]]
