@@ -11,9 +11,9 @@ Why vmm may differ: vmm tags free blocks with streams and reclaims blocks other 
 freed once their events complete (ReclaimOtherStreams, NarrowAnyTo); a wrong tag or event
 hands x's memory to the default stream early.
 """
-import sys
 
 import torch
+from dropin_report import report
 
 
 def main():
@@ -35,11 +35,7 @@ def main():
                 errors.append(f"n={n} round {rnd}: {bad} elements of y are not 2 (x's memory "
                               f"was given to the default stream while the side stream used it)")
             del y, fills
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ Why vmm may differ: the DLPack tensor's deleter is not the allocator's, and vmm'
 record_stream hook is given pointers inside blocks it owns (vmm_cuda_allocator.cpp,
 record_stream_fn_).
 """
-import sys
 
 import torch
 from torch.utils import dlpack
+from dropin_report import report
 
 
 def main():
@@ -55,11 +55,7 @@ def main():
         y = dlpack.from_dlpack(cap)
         if float(y.sum().item()) != 7.0 * 4096:
             errors.append("__dlpack__(stream=...) gave wrong values")
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

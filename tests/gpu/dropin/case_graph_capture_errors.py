@@ -12,9 +12,9 @@ endAllocateToPool / releasePool must remove and close on every path, and an OOM 
 takes another branch of VmmAllocator::Malloc (no AllocateOnOom).
 """
 import gc
-import sys
 
 import torch
+from dropin_report import report
 
 
 def main():
@@ -71,11 +71,7 @@ def main():
             errors.append(f"round {rnd}: replay after the failed captures differs from eager")
         del g3, out, ref
         gc.collect()
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

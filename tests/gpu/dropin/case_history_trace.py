@@ -12,10 +12,10 @@ Why vmm may differ: vmm keeps its own bounded trace and context recorder
 """
 import os
 import pickle
-import sys
 import tempfile
 
 import torch
+from dropin_report import report
 
 MIB = 1 << 20
 
@@ -81,11 +81,7 @@ def main():
         errors.append("the bounded trace holds no alloc entry")
     torch.cuda.memory._record_memory_history(enabled=None)
     del b
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

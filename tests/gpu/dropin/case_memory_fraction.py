@@ -10,9 +10,9 @@ fraction is 1.0 again, the 30% tensor fits. Inside a CUDA-graph MemPool the cap 
 Why vmm may differ: the cap is vmm's DeviceCap, checked at each growth (device_cap.h), with
 cached and parked memory counted its own way.
 """
-import sys
 
 import torch
+from dropin_report import report
 
 
 def oom(nbytes):
@@ -54,11 +54,7 @@ def main():
     torch.cuda.empty_cache()
     if oom(int(total * 0.30)):
         errors.append("a 30% tensor did not fit once the fraction was 1.0")
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ Why vmm may differ: vmm closes imports of up to 16 MiB on a background thread
 while the main thread captures in global mode, the synchronization is a prohibited call
 during capture (the capture can be invalidated, or the close fails and the mapping leaks).
 """
-import sys
 
 import torch
 import torch.multiprocessing as mp
+from dropin_report import report
 
 N_PER_ROUND = 150
 ROUNDS = 6
@@ -70,11 +70,7 @@ def main():
             torch.cuda.synchronize()
     done.set()
     p.join(30)
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ unmap; the producer's background release thread then frees the block, settles/pa
 its chunk (driver calls, event records on the block's stream) — possibly while the main thread
 is capturing in global mode.
 """
-import sys
 
 import torch
 import torch.multiprocessing as mp
+from dropin_report import report
 
 MIB = 1 << 20
 
@@ -80,11 +80,7 @@ def main():
             errors.append("a replay differs from eager")
             break
     p.join(30)
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

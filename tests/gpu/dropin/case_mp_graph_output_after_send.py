@@ -9,10 +9,10 @@ tensor (here the graph's second output in the same private-pool chunk) into memo
 own and swaps the storage; the graph keeps writing to the old address, so static_out stops
 following replays.
 """
-import sys
 
 import torch
 import torch.multiprocessing as mp
+from dropin_report import report
 
 
 def child(q, reply):
@@ -56,11 +56,7 @@ def main():
         if aux != value * 3:
             errors.append(f"after replay with input {value}: static_aux[0] = {aux}")
     p.join(30)
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ of its own (sharing.relocate_storage): the bytes are copied on the *current* str
 does not wait for the side stream, and the storage is swapped; the side stream's pending
 write lands in the old block. The sender's own tensor then loses the write.
 """
-import sys
 
 import torch
 import torch.multiprocessing as mp
+from dropin_report import report
 
 N = 4096
 
@@ -56,11 +56,7 @@ def main():
     if remote != float(N):
         errors.append(f"the receiver's tensor sums to {remote}, expected {N}")
     del before, after
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ block's deferred free runs on a background thread; moved (relocated) blocks, par
 spare chunks are bookkept separately.
 """
 import gc
-import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
+from dropin_report import report
 
 MIB = 1 << 20
 
@@ -63,11 +63,7 @@ def main():
                       f"{base} before the sends ({now - base} bytes still held)")
     p.join(30)
     del keep
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ Why vmm may differ: vmm moves the storage before sending (its views follow), sen
 as its own import payload (descriptor, shape, strides, offset) and checks each view against
 the imported buffer.
 """
-import sys
 
 import torch
 import torch.multiprocessing as mp
+from dropin_report import report
 
 
 def views(base, img):
@@ -63,11 +63,7 @@ def main():
     if not bool((base[:, 7] == -1.0).all().item()):
         errors.append("the receiver's write is not visible in the sender's tensor")
     p.join(30)
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

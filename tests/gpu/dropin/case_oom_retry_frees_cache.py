@@ -10,9 +10,9 @@ contents are right and, after del and empty_cache(), mem_get_info() is back near
 Why vmm may differ: vmm releases whole physical chunks only (a chunk with a live block in it
 stays), trims before a failing growth's retry, and keeps a device-wide cap (device_cap.h).
 """
-import sys
 
 import torch
+from dropin_report import report
 
 MIB = 1 << 20
 
@@ -58,11 +58,7 @@ def main():
     free1, _ = torch.cuda.mem_get_info()
     if free1 < free0 - 256 * MIB:
         errors.append(f"after empty_cache: {free1} bytes free, {free0} at the start")
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ with 1 MiB and 64 MiB tensors).
 Why vmm may differ: vmm's record_stream hook and its stream-ordered reuse with events decide
 when a freed block may be handed out again (stream_reclaim, Pool::RecordStream).
 """
-import sys
 
 import torch
+from dropin_report import report
 
 
 def run(n, cycles):
@@ -50,11 +50,7 @@ def main():
         if early:
             errors.append(f"n={n}: the block was handed out again while the recorded stream "
                           f"still used it")
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

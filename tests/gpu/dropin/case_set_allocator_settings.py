@@ -10,9 +10,9 @@ get_allocator_backend() returns a string.
 Why vmm may differ: the settings go to PyTorch's allocator configuration while vmm's
 allocator is current; vmm may refuse them or be confused by them.
 """
-import sys
 
 import torch
+from dropin_report import report
 
 MIB = 1 << 20
 
@@ -46,11 +46,7 @@ def main():
     torch.cuda.empty_cache()
     if torch.cuda.memory_allocated() != base:
         errors.append(f"memory_allocated {torch.cuda.memory_allocated()} != {base} at the end")
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ free memory grows).
 Why vmm may differ: its statistics come from its own pool bookkeeping mapped onto PyTorch's
 DeviceStats (vmm_c.cc), with its own rounding and its own notion of a segment.
 """
-import sys
 
 import torch
+from dropin_report import report
 
 MIB = 1 << 20
 errors = []
@@ -103,11 +103,7 @@ def main():
     check("allocated" in s.lower(), "memory_summary() has no 'allocated' row")
     torch.cuda.reset_accumulated_memory_stats()
     check(stat("allocated_bytes.all.freed") == 0, "reset_accumulated_memory_stats left freed")
-    if errors:
-        for e in errors:
-            print("FAIL:", e, file=sys.stderr)
-        sys.exit(1)
-    print("ok")
+    report(errors)
 
 
 if __name__ == "__main__":
