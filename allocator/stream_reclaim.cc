@@ -155,13 +155,10 @@ void StreamReclaim::RetagAll(absl::Span<Arena* const> arenas) {
 
 void StreamReclaim::DestroyEvents() {
   for (const Pending& p : pending_) {
-    if (p.event != kFence) {
-      spare_events_.push_back(p.event);
-    } else {
-      --fences_;
-    }
+    if (p.event != kFence) spare_events_.push_back(p.event);
   }
   pending_.clear();
+  fences_ = 0;
   for (auto& [stream, r] : streams_) {
     if (r.event != 0) spare_events_.push_back(r.event);
   }
