@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "allocator/block.h"
 #include "allocator/device_cap.h"
 #include "allocator/driver.h"
 #include "allocator/stats.h"
@@ -42,6 +43,10 @@ struct Chunk {
   uint32_t importers = 0;
   bool untracked = false;
   bool spare = false;  // kept for the next shareable block (Pool's spare list)
+  // The stream of the block whose export marked it: the free space it then retired was not
+  // waited for on that stream (Pool::WaitForSpaceBeforeExport), so it returns to service
+  // tagged with it (Pool::UnmarkChunk).
+  Stream marked_by = kAnyStream;
   // Exported once, and the pool's export observer may still cache its handle: the observer
   // hears of its release even after the mark was taken off (a spare chunk an ordinary
   // allocation took).

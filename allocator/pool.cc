@@ -727,15 +727,19 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
         b->end() < c->first + chunk.size) {
       continue;  // something in it is still allocated or pending
     }
-    // Parking serves reuse only: a chunk that could never be spare (of the small arena, or
-    // larger than spare_export_bytes) goes as soon as it is free, as before reuse.
-    const bool reusable = at >= large_base_ && chunk.size <= options_.spare_export_bytes;
-    if (chunk.untracked || !reusable) {
+    // Parking serves reuse only: a chunk of the large arena may become spare (up to
+    // spare_export_bytes); one of the small arena, where sends go in place, free memory of
+    // that arena again once no receiver maps it. Others go as soon as they are free.
+    const bool spare_able = at >= large_base_ && chunk.size <= options_.spare_export_bytes;
+    const bool reopenable = at < large_base_ && !options_.isolate_sends;
+    if (chunk.untracked || !(spare_able || reopenable)) {
       doomed.push_back(c->first);
     } else if (chunk.importers > 0) {
       if (!release_parked) continue;  // parked: receivers have not reported yet
       chunk.untracked = true;           // given up: their reports will find it gone
       doomed.push_back(c->first);
+    } else if (reopenable) {
+      UnmarkChunk(c);
     } else if (chunk.size <= options_.spare_export_bytes - spare_bytes_) {
       chunk.spare = true;
       spare_.push_back(c->first);
@@ -832,6 +836,35 @@ void Pool::SettleExport(const std::vector<ExportedChunk>& exported, bool release
     }
     absl::Status s = ReleaseRetiredChunks(e.addr, e.addr + chunk.size);
     if (!s.ok()) LogError(absl::StrCat("releasing exported memory: ", s.message()));
+    // Not released, spare or parked: live blocks remain in it (file comment).
+    c = chunks_.find(e.addr);
+    if (released && c != chunks_.end() && c->second.exported && !c->second.spare &&
+        c->second.importers == 0 && !c->second.untracked && !c->second.dedicated &&
+        !options_.isolate_sends) {
+      UnmarkChunk(c);
+    }
+  }
+}
+
+void Pool::UnmarkChunk(ChunkMap::Map::iterator c) {
+  const uintptr_t lo = c->first;
+  const uintptr_t hi = lo + c->second.size;
+  const uint64_t old_id = c->second.id;
+  const uint64_t new_id = chunks_.Renumber(c);
+  if (observer_ != nullptr) observer_->ChunkRenamed(id_, old_id, new_id);
+  chunks_.UnmarkExported(c, stats_);
+  ++stats_.num_export_reuses;
+  Arena& arena = ArenaOf(lo);
+  for (Block* b = arena.BlockContaining(lo); b != nullptr && b->addr < hi;) {
+    if (b->state != BlockState::kRetired) {
+      b = b->next;
+      continue;
+    }
+    // Retired neighbours merge across chunks: only this chunk's part comes back.
+    if (b->addr < lo) b = arena.Split(b, lo);
+    if (b->end() > hi) arena.Split(b, hi);
+    retired_bytes_ -= static_cast<int64_t>(b->size);
+    b = arena.AddFree(b, c->second.marked_by, ++free_seq_)->next;
   }
 }
 
@@ -1005,10 +1038,15 @@ absl::StatusOr<ExportedBlock> Pool::Export(void* ptr, HandleType type, ChunkVisi
   out.offset = block->addr - c->first;
   VMM_RETURN_IF_ERROR(WaitForSpaceBeforeExport(block->addr, block->end(), block->stream));
   for (; c != chunks_.end() && c->first < block->end(); ++c) {
-    if (chunks_.MarkExported(c, stats_)) RetireChunkSpace(c->first);
+    const bool newly_marked = chunks_.MarkExported(c, stats_);
+    if (newly_marked) {
+      c->second.marked_by = block->stream;
+      RetireChunkSpace(c->first);
+    }
     // Conservative at once: if the export fails half way, some chunks may be out already.
     if (use == ExportUse::kUntracked) c->second.untracked = true;
     ExportedChunk e;
+    e.newly_marked = newly_marked;
     e.id = c->second.id;
     e.addr = c->first;
     e.size = c->second.size;

@@ -70,12 +70,20 @@
 //     and so does an allocation of the large arena that fills one closely (at most an eighth
 //     of the request, or a granule, left over) before it grows; neither makes a driver call,
 //     and a later send of the block exports it with the handle already exported.
+// A chunk that still holds live blocks when its last receiver reports its release (a block
+// sent in place with its neighbours: ExportNeighbours::kAllow) loses its mark instead, unless
+// the pool isolates sends (PoolOptions::isolate_sends) or the chunk is dedicated: under a fresh
+// id, as a spare chunk, its retired space becomes free memory again (for the exporting
+// block's stream first, stream-ordered) and later frees in it are cached as usual. So does a
+// chunk of the small arena once wholly free and unreported (parked until then): small sends
+// go in place there, and a stream of them reuses the same chunks.
 // A parked chunk whose send ends unreported (lease, forwarded) is released. Spare and parked
 // chunks go back to the driver on EmptyCache and before a growth that fails for lack of
 // memory (a parked chunk so released is not reused: its receivers' reports find it gone).
-// Only chunks that could become spare are parked: of the large arena (AllocateShareable
-// allocates there) and no larger than spare_export_bytes (default: no cap; spare chunks are
-// cached memory, as free blocks are); others are released once free.
+// Only chunks that could become spare or free again are parked: of the large arena
+// (AllocateShareable allocates there) and no larger than spare_export_bytes (default: no cap;
+// spare chunks are cached memory, as free blocks are), or of the small arena where sends are
+// not isolated; others are released once free.
 //
 // Keeping memory. SetKeepMemory(true) makes the pool keep every chunk it has mapped: nothing goes
 // back to the driver (EmptyCache, the retry after a failing growth, the release threshold, a
@@ -143,6 +151,8 @@ struct ExportedChunk {
   uintptr_t addr = 0;
   size_t size = 0;
   PhysHandle handle = 0;  // only while Export's visitor runs (the pool's lock held); else 0
+  // Marked exported by this export (its free space retired now), not by an earlier one.
+  bool newly_marked = false;
 };
 
 // What Export() returns: the chunks a block spans, in address order, and where it starts.
@@ -249,8 +259,9 @@ class Pool {
   // The receiver of a kTracked export of `chunks` (as Export returned them) reported:
   // `released` true when it has unmapped them, false when it cannot count its importers (it
   // forwarded the memory, or the send ended unreported). A chunk released or reused since
-  // (its id changed) is skipped. Chunks left wholly free are then kept or released (file
-  // comment); a release error is logged.
+  // (its id changed) is skipped. Chunks left wholly free are then kept or released, and
+  // chunks with live blocks and no receiver left lose their mark (file comment); a release
+  // error is logged.
   void SettleExport(const std::vector<ExportedChunk>& chunks, bool released);
 
   // Whether any physical chunk the live block at `ptr` spans also holds another live block,
@@ -388,6 +399,13 @@ class Pool {
   // marked exported; otherwise the mark comes off (plain memory again).
   Block* TakeSpareChunk(size_t n, size_t max_slack, Stream stream, bool for_send)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes the export mark off chunk `c`, which no receiver maps any more (it still holds live
+  // blocks, or it is of the small arena): a fresh id (the observer hears of it), and its
+  // retired space becomes free memory tagged with the stream whose export marked it (the
+  // space retired then was not waited for on that stream; what retired later was recycled
+  // only after its streams' work), so other streams reuse it only after that stream's work
+  // (the pool's stream-ordered reuse).
+  void UnmarkChunk(ChunkMap::Map::iterator c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases spare chunks, the oldest first, until `target` bytes went (SIZE_MAX: all).
   absl::Status ReleaseSpareChunks(size_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives up reuse where memory is asked back (EmptyCache, a failing growth): releases the

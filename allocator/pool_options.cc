@@ -54,6 +54,16 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
     o.growth_fraction = f;
     return absl::OkStatus();
   }
+  if (key == "isolate_sends") {
+    if (value == "1" || value == "true") {
+      o.isolate_sends = true;
+    } else if (value == "0" || value == "false") {
+      o.isolate_sends = false;
+    } else {
+      return Invalid(key, value, "one of 0, 1, false, true");
+    }
+    return absl::OkStatus();
+  }
   if (key == "peer_devices") {
     o.peer_devices.clear();
     for (absl::string_view d : absl::StrSplit(value, ':', absl::SkipEmpty())) {
@@ -94,7 +104,7 @@ PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
 absl::string_view PoolOptionKeys() {
   return "handle_type, reserve_size, memory_limit, release_threshold, small_size, small_chunk, "
          "growth_fraction, max_growth_extra, max_chunk, large_page, growth_page, "
-         "peer_devices, spare_export_bytes";
+         "peer_devices, spare_export_bytes, isolate_sends";
 }
 
 absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,

@@ -6,8 +6,9 @@
 // ignored). Keys are the field names below; sizes are read by ParseByteSize (K, M, G, T
 // suffixes, powers of 1024; small_size, large_page and growth_page also take "auto",
 // spare_export_bytes "unlimited"); handle_type is auto|none|posix_fd|fabric; growth_fraction a
-// number in [0, 1]; peer_devices device indices separated by ':' ("1:2"). An unknown key, a
-// repeated key, a pair without '=', or a malformed value is InvalidArgument naming it.
+// number in [0, 1]; peer_devices device indices separated by ':' ("1:2"); isolate_sends 0, 1,
+// false or true. An unknown key, a repeated key, a pair without '=', or a malformed value is
+// InvalidArgument naming it.
 #ifndef VMM_ALLOCATOR_POOL_OPTIONS_H_
 #define VMM_ALLOCATOR_POOL_OPTIONS_H_
 
@@ -118,6 +119,15 @@ struct PoolOptions {
   // for lack of memory release them. The default keeps all (SIZE_MAX; "unlimited" in option
   // text); a chunk larger than the cap is released once free; 0 turns the reuse off.
   size_t spare_export_bytes = SIZE_MAX;
+  // How a process's sends (torch.multiprocessing, vmm_export_send) carry a block that shares
+  // a physical chunk with other live blocks. false (the default, PyTorch's model): in place,
+  // the chunks exported with their neighbours, whose bytes the receiver can read, as a
+  // receiver of PyTorch's IPC maps a whole cudaMalloc segment; the tensor keeps its address.
+  // The chunks' free space retires while receivers map them and comes back once every
+  // receiver has reported its release (Pool::SettleExport). true: such a block is first
+  // moved to chunks of its own (a copy, and a new address: torch_plugin/process_state.h), so
+  // a receiver sees no other tensor's bytes. Option text: 0, 1, false or true.
+  bool isolate_sends = false;
 };
 
 // ParsePoolOptions applies option text (see the file comment) to `defaults` and returns the

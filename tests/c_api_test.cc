@@ -559,9 +559,10 @@ TEST_F(CApiTest, APrivatePoolsBlocksAreExportedAndSentAsAnExplicitPools) {
   EXPECT_EQ(size, 4 * kMiB);
   EXPECT_EQ(reinterpret_cast<const uint8_t*>(ptr)[4 * kMiB - 1], 0x3c);
   vmm_import_release(reinterpret_cast<void*>(import));
-  // A block sharing its chunk moves beside it: into the same private pool.
+  // A block sharing its chunk is sent in place (pool option isolate_sends moves it instead);
+  // a block allocated beside it lands in the same private pool.
   void* small = PoolAlloc(id, 4096);
-  EXPECT_EQ(vmm_send_kind(small), VMM_SEND_RELOCATE);
+  EXPECT_EQ(vmm_send_kind(small), VMM_SEND_IN_PLACE);
   void* beside = vmm_alloc_beside(small, 4096, nullptr);
   ASSERT_NE(beside, nullptr) << vmm_last_error();
   const auto [base, range] = ReservedRange(id);

@@ -2,6 +2,9 @@
 #include "allocator/pool_options.h"
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "allocator/byte_size.h"
@@ -56,7 +59,7 @@ TEST(PoolOptionsTest, EveryKeyIsApplied) {
   absl::StatusOr<PoolOptions> o = ParsePoolOptions(
       "handle_type=posix_fd, reserve_size=8G, memory_limit=40G, release_threshold=1G,"
       "small_size=512K, small_chunk=4M, growth_fraction=0.1, max_growth_extra=128M,"
-      "max_chunk=1G, peer_devices=1:2, spare_export_bytes=16M");
+      "max_chunk=1G, peer_devices=1:2, spare_export_bytes=16M, isolate_sends=true");
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->handle_type, HandleRequest::kPosixFd);
   EXPECT_EQ(o->reserve_size, size_t{8} << 30);
@@ -69,6 +72,7 @@ TEST(PoolOptionsTest, EveryKeyIsApplied) {
   EXPECT_EQ(o->max_chunk, size_t{1} << 30);
   EXPECT_EQ(o->peer_devices, (std::vector<int>{1, 2}));
   EXPECT_EQ(o->spare_export_bytes, size_t{16} << 20);
+  EXPECT_TRUE(o->isolate_sends);
   for (const char* name : {"auto", "none", "fabric"}) {
     EXPECT_TRUE(ParsePoolOptions(std::string("handle_type=") + name).ok()) << name;
   }
@@ -121,6 +125,24 @@ TEST(PoolOptionsTest, GrowthPageIsLeftToThePoolUnlessTold) {
   o = ParsePoolOptions("growth_page=lots");
   EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(o.status().message(), HasSubstr("growth_page"));
+}
+
+// Sends in place with their neighbours unless told to isolate (pool_options.h).
+TEST(PoolOptionsTest, IsolateSendsIsOffUnlessToldAndTakesOnlyBooleans) {
+  EXPECT_FALSE(PoolOptions().isolate_sends);
+  for (const auto& [text, want] : std::vector<std::pair<const char*, bool>>{
+           {"isolate_sends=1", true}, {"isolate_sends=true", true},
+           {"isolate_sends=0", false}, {"isolate_sends = false", false}}) {
+    absl::StatusOr<PoolOptions> o = ParsePoolOptions(text);
+    ASSERT_TRUE(o.ok()) << text << ": " << o.status();
+    EXPECT_EQ(o->isolate_sends, want) << text;
+  }
+  for (const char* bad : {"isolate_sends=yes", "isolate_sends=2", "isolate_sends=",
+                          "isolate_sends=True"}) {
+    absl::StatusOr<PoolOptions> o = ParsePoolOptions(bad);
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(o.status().message(), HasSubstr("isolate_sends")) << bad;
+  }
 }
 
 // Exported chunks kept for reuse (pool.h): no cap unless told; 0 turns the reuse off.

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -876,4 +877,153 @@ TEST_F(PoolReuseTest, ThreadsSendAndSettleConcurrently) {
 }
 
 }  // namespace
+// A chunk exported with live neighbours (a block sent in place, ExportNeighbours::kAllow)
+// loses its mark when its last receiver reports: its retired space is free again, its
+// neighbours untouched; a retired block that crosses into a chunk still exported keeps that
+// part retired. Dedicated chunks, untracked exports and pools that isolate sends keep the
+// mark (pool.h).
+TEST_F(PoolReuseTest, AChunkWithLiveBlocksLosesItsMarkWhenItsLastReceiverReports) {
+  PoolOptions options = Exact();
+  options.small_size = 64 << 10;  // 1 MiB blocks in the large arena
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  // a [0, 3M) in chunk A [0, 4M); b [3M, 5M) across A and chunk B [4M, 6M); c [5M, 6M) in B.
+  ASSERT_OK_AND_ASSIGN(void* a, pool->Allocate(3 * kMiB, 0));
+  ASSERT_OK_AND_ASSIGN(void* b, pool->Allocate(2 * kMiB, 0));
+  ASSERT_OK_AND_ASSIGN(void* c, pool->Allocate(kMiB, 0));
+  auto at = [a](size_t offset) { return static_cast<void*>(static_cast<char*>(a) + offset); };
+  ASSERT_EQ(b, at(3 * kMiB));
+  ASSERT_EQ(c, at(5 * kMiB));
+  const std::vector<ExportedChunk> sent_c = Send(*pool, c);
+  const std::vector<ExportedChunk> sent_a = Send(*pool, a);
+  ASSERT_EQ(sent_c.size(), 1u);
+  ASSERT_EQ(sent_a.size(), 1u);
+  ASSERT_EQ(sent_c[0].addr, reinterpret_cast<uintptr_t>(at(4 * kMiB)));
+  ASSERT_OK(pool->Free(b));  // retired in both chunks, as one block
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, static_cast<int64_t>(6 * kMiB));
+
+  pool->SettleExport(sent_c, /*released=*/true);
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, static_cast<int64_t>(4 * kMiB)) << "A";
+  ASSERT_EQ(observer_.renamed().size(), 1u);
+  EXPECT_EQ(observer_.renamed()[0].old_id, sent_c[0].id);
+  EXPECT_THAT(observer_.released(), IsEmpty());
+  const int64_t reserved = Reserved(*pool);
+  ASSERT_OK_AND_ASSIGN(void* in_b, pool->Allocate(kMiB, 0));
+  EXPECT_EQ(in_b, at(4 * kMiB)) << "B's part of b is free again; A's is still retired";
+  ASSERT_OK_AND_ASSIGN(void* more, pool->Allocate(kMiB, 0));
+  EXPECT_NE(more, at(3 * kMiB));
+  EXPECT_GT(Reserved(*pool), reserved) << "grown: A's retired part is not handed out";
+
+  pool->SettleExport(sent_a, /*released=*/true);
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, 0);
+  // A's rest is free again (the best fit may first take the same size elsewhere).
+  ASSERT_OK_AND_ASSIGN(void* one, pool->Allocate(kMiB, 0));
+  ASSERT_OK_AND_ASSIGN(void* two, pool->Allocate(kMiB, 0));
+  EXPECT_TRUE(one == at(3 * kMiB) || two == at(3 * kMiB));
+  for (void* p : {a, c, in_b, more, one, two}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A chunk of the small arena sent in place and then freed is parked while its receiver maps
+// it, and is free small-arena memory again once the receiver reports: a stream of small sends
+// reuses its chunks with no driver call. A pool that isolates sends releases it as before.
+TEST_F(PoolReuseTest, ASmallChunkSentInPlaceIsParkedThenFreeAgain) {
+  PoolOptions isolated = Exact();
+  isolated.isolate_sends = true;
+  for (const bool isolate : {false, true}) {
+    auto pool = MakePool(isolate ? isolated : Exact());
+    SKIP_IF_NOT_EXPORTABLE(pool);
+    ASSERT_OK_AND_ASSIGN(void* p, pool->Allocate(4096, 0));
+    ASSERT_TRUE(pool->InSmallArena(p));
+    const int64_t reserved = Reserved(*pool);
+    const std::vector<ExportedChunk> sent = Send(*pool, p);
+    ASSERT_OK(pool->Free(p));
+    EXPECT_OK(pool->CheckInvariants());
+    if (isolate) {
+      EXPECT_EQ(Reserved(*pool), 0) << "released once free";
+      continue;
+    }
+    EXPECT_EQ(Reserved(*pool), reserved) << "parked";
+    EXPECT_EQ(pool->SendBytesInUse(), static_cast<size_t>(reserved));
+    ASSERT_OK_AND_ASSIGN(void* q, pool->Allocate(4096, 0));
+    EXPECT_EQ(Reserved(*pool), 2 * reserved) << "nothing lands where the receiver sees it";
+    ASSERT_OK(pool->Free(q));
+    pool->SettleExport(sent, /*released=*/true);
+    EXPECT_OK(pool->CheckInvariants());
+    EXPECT_EQ(pool->GetStats().exported_bytes.current, 0);
+    EXPECT_EQ(pool->SendBytesInUse(), 0u);
+    EXPECT_EQ(Reserved(*pool), 2 * reserved) << "free memory again, not released";
+    const PoolStats before = pool->GetStats();
+    std::vector<void*> blocks;  // both chunks, filled
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_OK_AND_ASSIGN(void* b, pool->Allocate(kMiB, 0));
+      blocks.push_back(b);
+    }
+    EXPECT_THAT(blocks, ::testing::Contains(p)) << "the chunk is used again";
+    EXPECT_EQ(pool->GetStats().driver_create, before.driver_create);
+    for (void* b : blocks) ASSERT_OK(pool->Free(b));
+    ASSERT_OK(pool->EmptyCache());
+    EXPECT_EQ(Reserved(*pool), 0);
+    EXPECT_OK(pool->CheckInvariants());
+  }
+}
+
+// The space an export retired without waiting (free blocks of the exporting block's own
+// stream: Pool::WaitForSpaceBeforeExport) comes back tagged with that stream, so that another
+// stream reuses it only after that stream's work, as any free block of it.
+TEST_F(PoolReuseTest, SpaceAnUnmarkedChunkReturnsIsTaggedWithTheExportingStream) {
+  PoolOptions options = Exact();
+  options.small_size = 64 << 10;
+  auto pool = MakePool(options);
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  constexpr Stream kStream = 7;
+  ASSERT_OK_AND_ASSIGN(void* a, pool->Allocate(3 * kMiB, kStream));
+  const uintptr_t rest = reinterpret_cast<uintptr_t>(a) + 3 * kMiB;  // free, of kStream
+  const std::vector<ExportedChunk> sent = Send(*pool, a);
+  pool->SettleExport(sent, /*released=*/true);
+  EXPECT_OK(pool->CheckInvariants());
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, 0);
+  std::optional<BlockInfo> found;
+  for (const SegmentInfo& segment : pool->GetSnapshot().segments) {
+    for (const BlockInfo& b : segment.blocks) {
+      if (b.addr == rest) found = b;
+    }
+  }
+  ASSERT_TRUE(found.has_value());
+  EXPECT_EQ(found->state, BlockState::kFree);
+  EXPECT_EQ(found->stream, kStream);
+  ASSERT_OK(pool->Free(a));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+TEST_F(PoolReuseTest, DedicatedUntrackedAndIsolatedChunksKeepTheirMark) {
+  PoolOptions isolated = Exact();
+  isolated.isolate_sends = true;
+  for (const bool isolate : {false, true}) {
+    auto pool = MakePool(isolate ? isolated : Exact());
+    SKIP_IF_NOT_EXPORTABLE(pool);
+    const size_t renames = observer_.renamed().size();
+    // A shareable block keeps its chunk to itself.
+    void* shared = Shareable(*pool, kMiB);
+    const std::vector<ExportedChunk> sent = Send(*pool, shared);
+    pool->SettleExport(sent, /*released=*/true);
+    EXPECT_EQ(pool->GetStats().exported_bytes.current, static_cast<int64_t>(2 * kMiB));
+    EXPECT_EQ(observer_.renamed().size(), renames) << "dedicated";
+    // Blocks with neighbours: one exported also untracked, one in a pool that isolates.
+    ASSERT_OK_AND_ASSIGN(void* x, pool->Allocate(3 * kMiB, 0));
+    ASSERT_OK_AND_ASSIGN(void* y, pool->Allocate(kMiB, 0));
+    const std::vector<ExportedChunk> sent_x = Send(*pool, x);
+    if (!isolate) ASSERT_OK(pool->Export(x).status());  // untracked: importers unknown
+    pool->SettleExport(sent_x, /*released=*/true);
+    EXPECT_EQ(pool->GetStats().exported_bytes.current, static_cast<int64_t>(6 * kMiB))
+        << (isolate ? "isolated" : "untracked");
+    EXPECT_EQ(observer_.renamed().size(), renames);
+    for (void* p : {shared, x, y}) ASSERT_OK(pool->Free(p));
+    EXPECT_OK(pool->CheckInvariants());
+  }
+}
+
 }  // namespace vmm

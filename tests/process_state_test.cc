@@ -28,6 +28,8 @@ using ::testing::HasSubstr;
 
 constexpr size_t kMiB = size_t{1} << 20;
 constexpr char kHostOptions[] = "reserve_size=256M";
+// A pool whose sends move a block that shares a chunk (PoolOptions::isolate_sends).
+constexpr char kIsolatedOptions[] = "reserve_size=256M,isolate_sends=1";
 
 class ProcessStateTest : public ::testing::Test {
  protected:
@@ -331,8 +333,83 @@ TEST_F(ProcessStateTest, ASentBlockIsFreedOnlyOnceItsReceiverAcknowledges) {
             absl::StatusCode::kNotFound);
 }
 
-TEST_F(ProcessStateTest, BlocksSharingAChunkAreRelocatedNotSentInPlace) {
-  absl::StatusOr<int64_t> id = HostPool();
+// By default a block is sent where it is, its chunk exported with its neighbours (PyTorch's
+// model: the tensor keeps its address). The chunk's free space retires while the receiver maps
+// it, and comes back, neighbours still live, once the receiver reports its release.
+TEST_F(ProcessStateTest, ABlockSharingAChunkIsSentInPlaceAndItsChunkComesBackOnRelease) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  // Three blocks of one small chunk: a is sent, b freed meanwhile, c lives on.
+  absl::StatusOr<void*> a = state_.PoolAllocate(*id, 4096, 0, false);
+  absl::StatusOr<void*> b = state_.PoolAllocate(*id, 4096, 0, false);
+  absl::StatusOr<void*> c = state_.PoolAllocate(*id, 4096, 0, false);
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  Pool* pool = state_.Owner(*a).pool;
+  ASSERT_TRUE(*pool->SharesChunks(*a));
+  std::memset(*a, 0x11, 4096);
+  std::memset(*c, 0x33, 4096);
+  EXPECT_EQ(state_.KindOfSend(*a), ProcessState::SendKind::kInPlace);
+  EXPECT_EQ(state_.PrepareSend(*a), ProcessState::SendKind::kInPlace);
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, 0) << "preparing marks nothing";
+  EXPECT_EQ(state_.KindOfSend(static_cast<char*>(*a) + 8), ProcessState::SendKind::kNotVmm);
+  const uint64_t held_before = SendLedger::Get().GetStats().held_bytes;
+  absl::StatusOr<ProcessState::Send> send = state_.ExportSend(*a);
+  ASSERT_TRUE(send.ok()) << send.status();
+  const BufferDescriptor& d = send->descriptor;
+  EXPECT_EQ(d.size(), 4096u);
+  ASSERT_EQ(d.sizes().size(), 1u);
+  const auto chunk = static_cast<int64_t>(d.sizes()[0]);
+  EXPECT_EQ(SendLedger::Get().GetStats().held_bytes, held_before + chunk)
+      << "the chunk it was the first to export";
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, chunk);
+  // A second send from the chunk holds only its block; its receiver is quick (no import).
+  absl::StatusOr<ProcessState::Send> send_c = state_.ExportSend(*c);
+  ASSERT_TRUE(send_c.ok()) << send_c.status();
+  EXPECT_EQ(SendLedger::Get().GetStats().held_bytes, held_before + chunk + 4096);
+  state_.ReceivedSend(/*import_id=*/987654321, send_c->ticket);
+  EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, chunk) << "a's receiver maps it";
+  // The sender drops a and b; b's space retires (nothing lands where the receiver sees it).
+  ASSERT_TRUE(state_.FreeBlock(*a).ok());
+  ASSERT_TRUE(state_.FreeBlock(*b).ok());
+  absl::StatusOr<void*> elsewhere = state_.PoolAllocate(*id, 4096, 0, false);
+  ASSERT_TRUE(elsewhere.ok());
+  EXPECT_NE(*elsewhere, *b) << "freed space in an exported chunk is not reused";
+  absl::StatusOr<int64_t> import = state_.Import(d.Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(import.ok()) << import.status();
+  state_.ReceivedSend(*import, send->ticket);
+  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
+  ASSERT_TRUE(info.ok());
+  const auto* bytes = reinterpret_cast<const uint8_t*>(info->ptr);
+  EXPECT_EQ(bytes[0], 0x11);
+  EXPECT_EQ(bytes[4095], 0x11);
+  EXPECT_EQ(info->size, 4096u);
+  // The neighbour is mapped too, where it lies beside the block (PyTorch's exposure).
+  const ptrdiff_t to_c = static_cast<char*>(*c) - static_cast<char*>(*a);
+  EXPECT_EQ(bytes[to_c], 0x33);
+  EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
+  EXPECT_EQ(state_.block_holds().held(), 0u) << "acknowledged: a's free happened";
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, chunk) << "still mapped by the receiver";
+  absl::StatusOr<void*> still_elsewhere = state_.PoolAllocate(*id, 4096, 0, false);
+  ASSERT_TRUE(still_elsewhere.ok());
+  EXPECT_TRUE(*still_elsewhere != *a && *still_elsewhere != *b);
+  // Released: c still lives in the chunk, whose mark comes off and whose space is free again.
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  EXPECT_EQ(FlushCloses(absl::Seconds(5)), 0u);
+  EXPECT_EQ(FlushAcks(absl::Seconds(5)), 0u);
+  EXPECT_EQ(pool->GetStats().exported_bytes.current, 0);
+  absl::StatusOr<void*> again = state_.PoolAllocate(*id, 8192, 0, false);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, *a) << "a's and b's retired space is free again, as one block";
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  for (void* p : {*c, *elsewhere, *still_elsewhere, *again}) {
+    ASSERT_TRUE(state_.FreeBlock(p).ok());
+  }
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
+TEST_F(ProcessStateTest, WithIsolatedSendsBlocksSharingAChunkAreRelocated) {
+  absl::StatusOr<int64_t> id = HostPool(kIsolatedOptions);
   ASSERT_TRUE(id.ok()) << id.status();
   absl::StatusOr<void*> a = state_.PoolAllocate(*id, 4096, 0, false);
   absl::StatusOr<void*> b = state_.PoolAllocate(*id, 4096, 0, false);
@@ -390,8 +467,8 @@ TEST_F(ProcessStateTest, AnImportIsForwardedAndHeldUntilAcknowledged) {
   EXPECT_EQ(state_.import_count(), 0u) << "the forwarding hold ended with the acknowledgement";
 }
 
-TEST_F(ProcessStateTest, ASmallBlockIsRelocatedEvenAloneAndPrepareMarksNothing) {
-  absl::StatusOr<int64_t> id = HostPool();
+TEST_F(ProcessStateTest, WithIsolatedSendsASmallBlockIsRelocatedEvenAlone) {
+  absl::StatusOr<int64_t> id = HostPool(kIsolatedOptions);
   ASSERT_TRUE(id.ok()) << id.status();
   absl::StatusOr<void*> small = state_.PoolAllocate(*id, 4096, 0, false);
   ASSERT_TRUE(small.ok()) << small.status();
@@ -523,11 +600,11 @@ TEST_F(ProcessStateTest, TheSendBudgetComesFromTheEnvironment) {
   EXPECT_EQ(state_.send_budget(), 12345u);
 }
 
-// The budget counts unacknowledged sends (the ledger's held bytes: whole chunks) and blocks
-// moved for a send that have not gone yet; the ledger is the process's, so the budget is set
-// above what other tests left held.
+// The budget counts unacknowledged sends (the ledger's held bytes: whole chunks, where sends
+// are isolated) and blocks moved for a send that have not gone yet; the ledger is the
+// process's, so the budget is set above what other tests left held.
 TEST_F(ProcessStateTest, OverSendBudgetCountsUnacknowledgedSendsAndMovesNotYetSent) {
-  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd,isolate_sends=1");
   ASSERT_TRUE(id.ok()) << id.status();
   const uint64_t base = SendLedger::Get().GetStats().held_bytes;
   state_.SetSendBudget(base + 3 * kMiB);

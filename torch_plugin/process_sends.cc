@@ -1,8 +1,10 @@
 // ProcessState's sends (process_state.h): exports held for one receiver.
 #include <unistd.h>
 
+#include <algorithm>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "allocator/fork_guard.h"
@@ -14,12 +16,23 @@
 namespace vmm {
 namespace {
 
-// The physical bytes a send holds: whole chunks, not only the tensor's bytes (a small tensor
-// moved for its send holds a chunk of its own).
-uint64_t HeldBytes(const BufferDescriptor& d) {
+// The bytes a send holds. Whole chunks where they are the send's alone (a block isolated
+// for its send, a small tensor moved holding a chunk of its own; a forwarded import).
+// Otherwise its block's bytes, or, where more, the chunks this send was the first to export:
+// their free space retires while the receiver maps them, so a producer that sends each fresh
+// small tensor in place pins a chunk per tensor in flight (later sends from a chunk already
+// exported add only their blocks, as in PyTorch, where a send holds its block).
+uint64_t HeldBytes(const BufferDescriptor& d, bool whole_chunks,
+                   const std::vector<ExportedChunk>& chunks = {}) {
   uint64_t bytes = 0;
-  for (uint64_t size : d.sizes()) bytes += size;
-  return bytes;
+  if (whole_chunks) {
+    for (uint64_t size : d.sizes()) bytes += size;
+    return bytes;
+  }
+  for (const ExportedChunk& c : chunks) {
+    if (c.newly_marked) bytes += c.size;
+  }
+  return std::max<uint64_t>(bytes, d.size());
 }
 
 // FailedPrecondition for a block that shares a chunk with another live block; the caller moves
@@ -38,6 +51,9 @@ ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
   PoolRef owner = Owner(ptr);
   if (owner.pool != nullptr) {
     if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
+    if (!owner.pool->options().isolate_sends) {
+      return owner.pool->BlockSize(ptr).ok() ? SendKind::kInPlace : SendKind::kNotVmm;
+    }
     absl::StatusOr<bool> shares = owner.pool->SharesChunks(ptr);
     if (!shares.ok()) return SendKind::kNotVmm;  // not the start of a live block
     return *shares || owner.pool->InSmallArena(ptr) ? SendKind::kRelocate : SendKind::kInPlace;
@@ -51,6 +67,8 @@ ProcessState::SendKind ProcessState::PrepareSend(const void* ptr) {
   PoolRef owner = ptr != nullptr ? Owner(ptr) : PoolRef{};
   if (owner.pool == nullptr) return KindOfSend(ptr);  // an import, or not vmm memory
   if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
+  // Sent in place with its neighbours: nothing to keep away meanwhile.
+  if (!owner.pool->options().isolate_sends) return KindOfSend(ptr);
   // A small block moves to a chunk of its own (a spare one, usually: pool.h) rather than
   // retire the rest of its small chunk.
   if (owner.pool->InSmallArena(ptr)) return KindOfSend(ptr);
@@ -98,11 +116,13 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   std::weak_ptr<ProcessState*> self = self_;
   PoolRef owner = Owner(ptr);
   if (owner.pool != nullptr) {
-    // The export refuses a block with live neighbours under the pool's lock, so none can be
-    // allocated beside it between the check and the marking.
+    // Isolated: the export refuses a block with live neighbours under the pool's lock, so
+    // none can be allocated beside it between the check and the marking.
+    const bool isolated = owner.pool->options().isolate_sends;
     std::vector<ExportedChunk> chunks;
     absl::StatusOr<BufferDescriptor> d = ExportBuffer(
-        *owner.pool, const_cast<void*>(ptr), ExportNeighbours::kRefuse, ExportUse::kTracked,
+        *owner.pool, const_cast<void*>(ptr),
+        isolated ? ExportNeighbours::kRefuse : ExportNeighbours::kAllow, ExportUse::kTracked,
         &chunks);
     if (!d.ok()) {
       absl::StatusOr<bool> shares_now = owner.pool->SharesChunks(ptr);
@@ -116,7 +136,7 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
     // The chunks are reused for later sends only once this send's receiver has unmapped
     // them (settle); `keep` keeps an explicit pool alive until then.
     absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(
-        HeldBytes(*d),
+        HeldBytes(*d, isolated, chunks),
         [self, ptr, keep = owner.keep]() {
           if (auto state = self.lock()) (*state)->ReleaseBlockHold(ptr);
         },
@@ -163,9 +183,10 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
                                      absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ": ",
                                      d.status().message()));
   }
-  absl::StatusOr<SendLedger::Ticket> ticket = SendLedger::Get().Hold(HeldBytes(*d), [self, id]() {
-    if (auto state = self.lock()) (void)(*state)->AddImportRef(id, -1);
-  });
+  absl::StatusOr<SendLedger::Ticket> ticket =
+      SendLedger::Get().Hold(HeldBytes(*d, /*whole_chunks=*/true), [self, id]() {
+        if (auto state = self.lock()) (void)(*state)->AddImportRef(id, -1);
+      });
   if (!ticket.ok()) {
     (void)AddImportRef(id, -1);
     return ticket.status();

@@ -189,14 +189,20 @@ class ProcessState {
   size_t import_count();
 
   // --- Sends (process_sends.cc) ------------------------------------------------------------
+  // How a pool block is sent depends on its pool's `isolate_sends` (pool_options.h). Off (the
+  // default): every block of a pool that exports is kInPlace, its chunks exported with any
+  // neighbours they hold (the receiver can read their bytes, as with PyTorch's IPC). On: a
+  // block that shares a chunk with another live block, and any block of the small arena, is
+  // kRelocate: the caller moves it to chunks of its own first (AllocateBeside, a copy), so
+  // that its receiver sees no other tensor's bytes.
   enum class SendKind { kNotVmm, kInPlace, kRelocate, kImport, kNotExportable };
   // How the storage starting at `ptr` can be sent (never fails: kNotVmm for what vmm does not
   // know, or an address inside a block).
   SendKind KindOfSend(const void* ptr);
-  // KindOfSend, and for a pool block alone in its chunks, marks those chunks exported (their
-  // free space retired) so that no block can land beside it before it is sent: kInPlace then
-  // stays true until it is freed. What the sending thread calls before handing a tensor to
-  // another thread that sends it (a queue's feeder).
+  // KindOfSend, and in a pool that isolates sends, for a block alone in its chunks, marks
+  // those chunks exported (their free space retired) so that no block can land beside it
+  // before it is sent: kInPlace then stays true until it is freed. What the sending thread
+  // calls before handing a tensor to another thread that sends it (a queue's feeder).
   SendKind PrepareSend(const void* ptr);
   // A block of at least `size` bytes in chunks of its own from the pool that owns `ptr`, for
   // `stream` (where a kRelocate block moves to). InvalidArgument if no pool owns `ptr`.
@@ -206,14 +212,15 @@ class ProcessState {
     SendLedger::Ticket ticket{};
   };
   // Exports the storage starting at `ptr` (kInPlace or kImport) for one receiver and holds it
-  // until the ticket is acknowledged or the lease ends. Errors: FailedPrecondition for a block
-  // that shares its chunks with another live block (checked with the export, under the pool's
-  // lock; the caller moves it, vmm_alloc_beside, and sends again) or a pool that cannot
-  // export; InvalidArgument for a pointer that is neither a pool block nor an import; for an
-  // import, ReExportImport's errors (sharing.h: FailedPrecondition when the driver exports no
-  // imported handle or the process keeps no fds for the import), naming the pointer; the
-  // export's driver error; those of the send ledger and the fd server (SendLedger::Hold: the
-  // failed system call's when the server cannot start; Unavailable when it cannot listen).
+  // until the ticket is acknowledged or the lease ends. Errors: FailedPrecondition, in a pool
+  // that isolates sends, for a block that shares its chunks with another live block (checked
+  // with the export, under the pool's lock; the caller moves it, vmm_alloc_beside, and sends
+  // again), or for a pool that cannot export; InvalidArgument for a pointer that is neither a
+  // pool block nor an import; for an import, ReExportImport's errors (sharing.h:
+  // FailedPrecondition when the driver exports no imported handle or the process keeps no fds
+  // for the import), naming the pointer; the export's driver error; those of the send ledger
+  // and the fd server (SendLedger::Hold: the failed system call's when the server cannot
+  // start; Unavailable when it cannot listen).
   absl::StatusOr<Send> ExportSend(const void* ptr);
   // The receiver's half: import `import_id` (of this state) holds a send's `ticket`. Queues
   // the ack, and the report that the memory is no longer mapped here (kReleased, or

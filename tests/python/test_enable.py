@@ -34,6 +34,8 @@ def test_option_text():
     assert format_options({"peer_devices": [1, 2]}) == "peer_devices=1:2"
     assert format_options({"peer_devices": 3}) == "peer_devices=3"
     assert format_options({"max_chunk": None}) == ""
+    assert format_options({"isolate_sends": True}) == "isolate_sends=1"
+    assert format_options({"isolate_sends": False}) == "isolate_sends=0"
     for bad in ({"memory_limit": True}, {"memory_limit": "1G,handle_type=none"},
                 {"memory_limit": [1]}, {"bad key": 1}):
         with pytest.raises(ValueError):

@@ -158,6 +158,8 @@ def test_send_steps_of_the_cuda_module():
     assert result["consumer"] == "ready"
     assert result["non_leaf"] == -1 and result["non_leaf_put"] is True
     assert result["shared_chunk"]
+    assert result["in_place_exported"] == (True, True, True)
+    assert result["isolated_kind"]
     assert result["moved_and_exported"] == (True, True, True, 768.0, 0.0)
     assert result["received"] == [(v, v, 16 << 20) for v in (1.0, 2.0, 3.0)]
     assert result["exitcode"] == 0

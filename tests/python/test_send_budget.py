@@ -21,7 +21,7 @@ from vmm_torch import _lib, sharing
 
 TIMEOUT = 60
 MIB = 1 << 20
-SMALL = 1024  # float32 elements: 4 KiB, sent in a 2 MiB chunk of its own
+SMALL = 1024  # float32 elements: 4 KiB; a send that exports its 2 MiB chunk first holds it
 DEFAULT_BUDGET = 1 << 30
 
 
@@ -125,9 +125,11 @@ def _round(p, jobs, replies, n):
 
 def test_the_budget_bounds_what_a_producer_ahead_of_its_consumer_holds(budget):
     """A producer puts 60 small tensors as fast as it can to a consumer that takes 20 ms over
-    each. With no budget its pool reserves a chunk per tensor queued (most of 60 x 2 MiB);
-    with a 4 MiB budget put waits for the consumer, and the pool stays within the budget and
-    a few chunks. Every value arrives either way."""
+    each. Isolating sends, with no budget its pool reserves a chunk per tensor queued (most
+    of 60 x 2 MiB); with a 4 MiB budget put waits for the consumer, and the pool stays within
+    the budget and a few chunks. In place, tensors allocated before their chunk was exported
+    share it, and the pool stays within a few chunks even without a budget. Every value
+    arrives each way."""
     n = 60
     ctx = mp.get_context("spawn")
     jobs, replies = ctx.Queue(), ctx.Queue()
@@ -136,17 +138,18 @@ def test_the_budget_bounds_what_a_producer_ahead_of_its_consumer_holds(budget):
     try:
         assert replies.get(timeout=TIMEOUT) == "ready"
         peaks = {}
-        for limit in (0, 4 * MIB):
+        for isolate, limit in ((True, 0), (True, 4 * MIB), (False, 0)):
             budget(limit)
-            with vmm_torch.Pool("host") as p:
+            with vmm_torch.Pool("host", isolate_sends=isolate) as p:
                 released = vmm_torch.send_stats()["released"]
                 _, count, total, uneven, left = _round(p, jobs, replies, n)
                 assert (count, uneven, left) == (n, 0, 0)
                 assert total == SMALL * n * (n - 1) / 2
-                peaks[limit] = p.memory_stats()["reserved_bytes.all.peak"]
+                peaks[isolate, limit] = p.memory_stats()["reserved_bytes.all.peak"]
                 _settle(released + n)  # nothing of this round counts in the next
-        assert peaks[0] >= 30 * 2 * MIB, peaks
-        assert peaks[4 * MIB] <= 4 * MIB + 10 * 2 * MIB, peaks
+        assert peaks[True, 0] >= 30 * 2 * MIB, peaks
+        assert peaks[True, 4 * MIB] <= 4 * MIB + 10 * 2 * MIB, peaks
+        assert peaks[False, 0] <= 4 * MIB + 10 * 2 * MIB, peaks
         jobs.put("exit")
         proc.join(TIMEOUT)
         assert proc.exitcode == 0
@@ -214,14 +217,15 @@ def test_vmm_send_budget_sets_the_budget(value, over, warned):
 
 
 def test_what_a_receiver_keeps_holds_no_budget(budget):
-    """Three 4 KiB tensors (a 2 MiB chunk each) sent and received, and kept by their receiver:
-    once acknowledged they are the receiver's, so the sender is not over a 4 MiB budget (a
+    """Three 4 KiB tensors of one 2 MiB chunk sent in place and received, and kept by their
+    receiver: the first send holds the chunk it exported, the others their blocks; once
+    acknowledged they are the receiver's, so the sender is not over a 2 MiB budget (a
     consumer that keeps what it gets must not slow its producer)."""
-    budget(4 * MIB)
+    budget(2 * MIB)
     with vmm_torch.Pool("host") as p:
         sent = [p.empty((SMALL,)).fill_(i) for i in range(3)]
         payloads = [ForkingPickler.dumps(t) for t in sent]
-        assert _over_budget(), "three unacknowledged sends of 2 MiB"
+        assert _over_budget(), "a chunk and two blocks unacknowledged"
         received = [pickle.loads(payload) for payload in payloads]
         assert sharing.flush_acks(10) == 0
         assert eventually(lambda: vmm_torch.send_stats()["held"] == 0)

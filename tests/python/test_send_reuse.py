@@ -1,8 +1,10 @@
 """Sends reuse their chunks, on the host backend: a receiver reports when it has unmapped a send
-(after its import is closed on the closing thread), and the sender's pool keeps the chunk
-spare for its next send instead of creating one; a send forwarded on by its receiver
-(A -> B -> C) is released instead, never reused while C maps it; send_stats() counts
-``awaiting_release`` and ``released``."""
+(after its import is closed on the closing thread), and the sender's pool takes the export
+mark off the chunk (sends in place: its space is free memory again) or keeps it spare for its
+next send (isolate_sends: chunks of their own) instead of creating one; either counts in
+``vmm.num_export_reuses``. A send forwarded on by its receiver (A -> B -> C) is released
+instead, never reused while C maps it; send_stats() counts ``awaiting_release`` and
+``released``."""
 
 import pickle
 import time
@@ -18,7 +20,9 @@ from host_pools import eventually, pool  # noqa: F401 (pool: a fixture)
 from vmm_torch import sharing
 
 TIMEOUT = 60
-SMALL = 1024  # float32 elements: 4 KiB, a small block that moves to a chunk of its own
+SMALL = 1024  # float32 elements: 4 KiB, a small block (with isolate_sends, moved to a chunk
+# of its own)
+ISOLATE = [False, True]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,9 +67,23 @@ def quiet_ledger():
 # --- In one process (the receiver is this process: same reports, same ledger) -----------------
 
 
-def test_a_released_send_chunk_is_reused_for_the_next_send(pool):
+@pytest.fixture(params=[(handle_type, isolate) for handle_type in ("posix_fd", "fabric")
+                        for isolate in ISOLATE],
+                ids=lambda param: f"{param[0]}-{'isolated' if param[1] else 'in_place'}")
+def sender(request):
+    """A host pool per handle type, sending in place or isolating sends; its `isolated`."""
+    handle_type, isolate = request.param
+    with vmm_torch.Pool("host", handle_type=handle_type, isolate_sends=isolate) as p:
+        p.isolated = isolate
+        yield p
+
+
+def test_a_released_send_chunk_is_reused_for_the_next_send(sender):
     """Each send received, dropped and reported released before the next: every send after
-    the first takes the first one's chunk (no chunk created), and carries its own bytes."""
+    the first takes the first one's chunk (no chunk created), and carries its own bytes. In
+    place, the chunk is free small-arena memory again after each release; isolated, it is
+    kept spare."""
+    pool = sender
     n = 20
     before, stats0 = _counts(pool), vmm_torch.send_stats()
     for i in range(n):
@@ -78,10 +96,15 @@ def test_a_released_send_chunk_is_reused_for_the_next_send(pool):
         assert sharing.flush_acks(10) == 0  # closes the import, sends the report
         _settled(stats0["released"] + i + 1)
     after, stats = _counts(pool), vmm_torch.send_stats()
-    assert after["reuses"] - before["reuses"] == n - 1
-    # The first send: its small block's chunk and the chunk it moved to; nothing after.
-    assert after["creates"] - before["creates"] <= 2
-    assert after["exported"] == 1, "one chunk, kept spare"
+    if pool.isolated:
+        assert after["reuses"] - before["reuses"] == n - 1
+        # The first send: its small block's chunk and the chunk it moved to; nothing after.
+        assert after["creates"] - before["creates"] <= 2
+        assert after["exported"] == 1, "one chunk, kept spare"
+    else:
+        assert after["reuses"] - before["reuses"] == n, "each release unmarks the chunk"
+        assert after["creates"] - before["creates"] <= 1
+        assert after["exported"] == 0, "free memory again"
     assert stats["released"] - stats0["released"] == n
     assert stats["awaiting_release"] == 0 and stats["held"] == 0
 
@@ -140,11 +163,12 @@ def test_awaiting_release_counts_acknowledged_sends_still_mapped(pool):
     assert stats["released"] == stats0["released"] + 2
 
 
-def test_a_stale_payload_of_a_reused_chunk_is_refused():
+@pytest.mark.parametrize("isolate", ISOLATE)
+def test_a_stale_payload_of_a_reused_chunk_is_refused(isolate):
     """A chunk reused for a later send gets a fresh id and fds: the earlier send's payload,
     unpickled again, fails as stale (posix_fd) instead of mapping the later send's bytes.
     (Fabric handles name the memory itself: a replayed fabric payload maps the reused chunk.)"""
-    with vmm_torch.Pool("host", handle_type="posix_fd") as p:
+    with vmm_torch.Pool("host", handle_type="posix_fd", isolate_sends=isolate) as p:
         stats0 = vmm_torch.send_stats()
         t = _small(p, 1)
         first = ForkingPickler.dumps(t)
@@ -156,7 +180,9 @@ def test_a_stale_payload_of_a_reused_chunk_is_refused():
         reuses = _counts(p)["reuses"]
         t = _small(p, 2)
         second = ForkingPickler.dumps(t)
-        assert _counts(p)["reuses"] == reuses + 1, "the second send took the first's chunk"
+        # In place the first chunk was unmarked (reused) at the release, and holds t now.
+        assert _counts(p)["reuses"] == reuses + (1 if isolate else 0), \
+            "the second send took the first's chunk"
         with pytest.raises(vmm_torch.VmmError) as info:
             pickle.loads(first)
         assert info.value.code == "NOT_FOUND" and "stale" in str(info.value)
@@ -167,11 +193,13 @@ def test_a_stale_payload_of_a_reused_chunk_is_refused():
         _settled(stats0["released"] + 2)
 
 
-def test_empty_cache_releases_spare_chunks(pool):
-    """Spare chunks are cache: empty_cache releases them (nothing exported, nothing
-    reserved afterwards)."""
+def test_empty_cache_releases_spare_chunks(sender):
+    """Spare chunks (isolated sends) and chunks free again (in place) are cache: empty_cache
+    releases them (nothing exported, nothing reserved afterwards)."""
+    pool = sender
     stats0 = vmm_torch.send_stats()
-    # Three sends out at once: three chunks, spare once all are released.
+    # Three sends out at once: three chunks (one, in place), spare or free once all are
+    # released.
     tensors = [_small(pool, i) for i in range(3)]
     payloads = [ForkingPickler.dumps(t) for t in tensors]
     del tensors
@@ -179,16 +207,17 @@ def test_empty_cache_releases_spare_chunks(pool):
     del received
     assert sharing.flush_acks(10) == 0
     _settled(stats0["released"] + 3)
-    assert _counts(pool)["exported"] == 3
+    assert _counts(pool)["exported"] == (3 if pool.isolated else 0)
+    assert pool.memory_stats()["reserved_bytes.all.current"] > 0
     pool.empty_cache()
     assert _counts(pool)["exported"] == 0
     assert pool.memory_stats()["reserved_bytes.all.current"] == 0
 
 
 def test_spare_export_bytes_zero_turns_the_reuse_off():
-    """Pool option spare_export_bytes=0: a released send's chunk is released, each send
-    creates its chunk."""
-    with vmm_torch.Pool("host", spare_export_bytes=0) as p:
+    """Pool option spare_export_bytes=0 (with isolated sends: a chunk each): a released send's
+    chunk is released, each send creates its chunk."""
+    with vmm_torch.Pool("host", spare_export_bytes=0, isolate_sends=True) as p:
         stats0 = vmm_torch.send_stats()
         for i in range(5):
             received = pickle.loads(ForkingPickler.dumps(_small(p, i)))
@@ -227,7 +256,8 @@ def test_a_send_forwarded_in_this_process_is_released_not_reused(pool):
 # --- Across processes -------------------------------------------------------------------------
 
 
-def test_small_sends_to_a_consumer_reuse_a_few_chunks():
+@pytest.mark.parametrize("isolate", ISOLATE)
+def test_small_sends_to_a_consumer_reuse_a_few_chunks(isolate):
     """200 tensors of 4 KiB, one after another, to a consumer that reads, drops and
     acknowledges each (lock-step): most sends reuse a chunk, the pool creates a few, every
     send is reported released, and the consumer sums every value right (each reused chunk
@@ -239,7 +269,7 @@ def test_small_sends_to_a_consumer_reuse_a_few_chunks():
     proc.start()
     try:
         assert replies.get(timeout=TIMEOUT) == "ready"
-        with vmm_torch.Pool("host") as p:
+        with vmm_torch.Pool("host", isolate_sends=isolate) as p:
             before, stats0 = _counts(p), vmm_torch.send_stats()
             for i in range(n):
                 jobs.put(_small(p, i))
@@ -262,7 +292,8 @@ def test_small_sends_to_a_consumer_reuse_a_few_chunks():
             proc.kill()
 
 
-def test_a_forwarded_send_is_not_reused_while_its_last_receiver_maps_it():
+@pytest.mark.parametrize("isolate", ISOLATE)
+def test_a_forwarded_send_is_not_reused_while_its_last_receiver_maps_it(isolate):
     """A -> B -> C, B sending on the tensor it received: once B dropped it, A releases the
     chunk instead of reusing it (``released`` does not count it); A's later sends through B
     reuse chunks, and C, keeping its tensor, still reads A's first values."""
@@ -273,7 +304,7 @@ def test_a_forwarded_send_is_not_reused_while_its_last_receiver_maps_it():
     b.start()
     c.start()
     try:
-        with vmm_torch.Pool("host") as p:
+        with vmm_torch.Pool("host", isolate_sends=isolate) as p:
             before, stats0 = _counts(p), vmm_torch.send_stats()
             ab.put(_small(p, 7))
             assert from_b.get(timeout=TIMEOUT) == 7 * SMALL
@@ -293,7 +324,9 @@ def test_a_forwarded_send_is_not_reused_while_its_last_receiver_maps_it():
             to_c.put("read")
             assert from_c.get(timeout=TIMEOUT) == [7.0] * SMALL
             after = _counts(p)
-            assert after["reuses"] - before["reuses"] == 9, after
+            # Isolated: the first takes a new chunk, the others it once spare; in place,
+            # every release takes the mark off the chunk the sends share.
+            assert after["reuses"] - before["reuses"] == (9 if isolate else 10), after
             assert vmm_torch.send_stats()["released"] - stats0["released"] == 10
         ab.put(None)
         to_c.put(None)

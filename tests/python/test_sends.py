@@ -1,11 +1,13 @@
-"""Sends through torch.multiprocessing on the host backend: where a tensor moves, what the
-receiver sees, VMM_TORCH_ENABLE's hook, forked senders, errors carried to the receiver."""
+"""Sends through torch.multiprocessing on the host backend: in place or moved (isolate_sends),
+what the receiver sees (writes after put, shared storages, tensors made while pickling),
+VMM_TORCH_ENABLE's hook, forked senders, errors carried to the receiver."""
 
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -33,12 +35,14 @@ class Dropping:
         return {"kept": self.kept}
 
 
-def test_a_tensor_moves_in_put_and_writes_after_put_reach_the_receiver():
-    """Queue.put moves a tensor that shares its chunk in the caller: writes the owner makes
+@pytest.mark.parametrize("isolate", [False, True])
+def test_writes_after_put_reach_the_receiver(isolate):
+    """A tensor that shares its chunk is sent where it lies (its address kept) or, where its
+    pool isolates sends, moved by Queue.put in the caller: either way writes the owner makes
     after put land in the memory the receiver maps (none is lost to a move made later)."""
     vmm_torch.install_reducers()
     ctx = mp.get_context("spawn")
-    with vmm_torch.Pool("host") as pool:
+    with vmm_torch.Pool("host", isolate_sends=isolate) as pool:
         t = pool.zeros((256,))
         neighbour = pool.zeros((256,))  # same chunk as t
         before = t.data_ptr()
@@ -46,11 +50,68 @@ def test_a_tensor_moves_in_put_and_writes_after_put_reach_the_receiver():
         proc = ctx.Process(target=workers.read_after_done, args=(q, results), daemon=True)
         proc.start()
         q.put(t)
-        assert t.data_ptr() != before, "put moved the tensor to memory of its own"
+        assert (t.data_ptr() != before) == isolate, "moved only where sends are isolated"
         for _ in range(300):
             t.add_(1)
         q.put("done")
         assert results.get(timeout=TIMEOUT) == [300.0] * 256
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+        del neighbour
+
+
+def test_tensors_that_share_a_storage_arrive_sharing_one():
+    """Tied weights (two views of one storage) and a slice travel in one message; the
+    receiver gets one storage for the tied pair (as PyTorch's receivers do), a separate one
+    for a tensor of its own, and the right values; nothing moved in the sender."""
+    vmm_torch.install_reducers()
+    ctx = mp.get_context("spawn")
+    with vmm_torch.Pool("host") as pool:
+        weight = pool.empty((4, 8))
+        weight.copy_(torch.arange(32.0).view(4, 8))
+        other = pool.zeros((8,))
+        before = weight.data_ptr()
+        q, results = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=workers.storages_of_received, args=(q, results), daemon=True)
+        proc.start()
+        q.put({"emb": weight.detach(), "head": weight.detach(), "row": weight[2],
+               "other": other})
+        shared, values = results.get(timeout=TIMEOUT)
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+        assert weight.data_ptr() == before
+        assert shared[("emb", "head")] and shared[("emb", "row")]
+        assert not shared[("emb", "other")]
+        assert values["head"] == weight.tolist() and values["row"] == weight[2].tolist()
+
+
+class DerivedInPool:
+    """Pickles as a new tensor of `pool` made while pickling (in a queue's feeder thread, after
+    put: the dry run of Queue.put makes and drops another), twice `base`."""
+
+    def __init__(self, pool, base):
+        self.pool, self.base = pool, base
+
+    def __reduce__(self):
+        derived = self.pool.empty(tuple(self.base.shape)).copy_(self.base * 2)
+        return (torch.Tensor.detach, (derived,))
+
+
+def test_a_tensor_made_while_pickling_is_sent():
+    """__reduce__ returning a new vmm tensor (as ``__getstate__`` returning ``w.half()``):
+    Queue.put never prepared it; the feeder thread sends it in place and the receiver gets
+    its values (isolating sends, it would arrive as an error: it would have to move there)."""
+    vmm_torch.install_reducers()
+    ctx = mp.get_context("spawn")
+    with vmm_torch.Pool("host") as pool:
+        base = pool.zeros((64,)).fill_(3)
+        neighbour = pool.zeros((64,))
+        q, results = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=workers.read_after_done, args=(q, results), daemon=True)
+        proc.start()
+        q.put(DerivedInPool(pool, base))
+        q.put("done")
+        assert results.get(timeout=TIMEOUT) == [6.0] * 64
         proc.join(TIMEOUT)
         assert proc.exitcode == 0
         del neighbour
@@ -73,14 +134,13 @@ def test_a_sender_that_exits_at_once_is_still_received(method):
 
 def test_the_feeder_thread_never_moves_a_tensor_and_the_receiver_gets_the_error():
     """A tensor the sending thread did not prepare (put bypassed), sharing its chunk: the
-    feeder sends an error the receiver raises, with its type and code."""
-    with vmm_torch.Pool("host") as pool:
+    feeder of a pool that isolates sends sends an error the receiver raises, with its type
+    and code; by default it sends the tensor where it lies."""
+    with vmm_torch.Pool("host", isolate_sends=True) as pool:
         t = pool.zeros((16,))
         neighbour = pool.zeros((16,))
         assert sharing.send_kind(sharing.storage_address(t)) == sharing.SEND_RELOCATE
         before = t.data_ptr()
-        import threading
-
         out = {}
         thread = threading.Thread(target=lambda: out.update(r=reductions.reduce_tensor(t)),
                                   name=reductions._FEEDER_THREAD)
@@ -93,12 +153,27 @@ def test_the_feeder_thread_never_moves_a_tensor_and_the_receiver_gets_the_error(
             rebuild(*args)
         assert info.value.code == "FAILED_PRECONDITION" and "clone" in str(info.value)
         del neighbour
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((16,)).fill_(2)
+        neighbour = pool.zeros((16,))
+        assert sharing.send_kind(sharing.storage_address(t)) == sharing.SEND_IN_PLACE
+        out = {}
+        thread = threading.Thread(target=lambda: out.update(r=reductions.reduce_tensor(t)),
+                                  name=reductions._FEEDER_THREAD)
+        thread.start()
+        thread.join()
+        rebuild, args = out["r"]
+        assert rebuild is sharing.rebuild_tensor
+        received = rebuild(*args)
+        assert received.data_ptr() != t.data_ptr() and received.tolist() == [2.0] * 16
+        del received, neighbour
 
 
 def test_put_prepares_every_tensor_pickle_reaches():
     """Deep nesting, many items, slots, __getstate__: what pickle reaches, put prepares; what
-    pickle skips, put leaves alone (a non-leaf tensor dropped by __getstate__ is no error)."""
-    with vmm_torch.Pool("host") as pool:
+    pickle skips, put leaves alone (a non-leaf tensor dropped by __getstate__ is no error).
+    (A pool that isolates sends, where a prepared tensor that shares its chunk moves.)"""
+    with vmm_torch.Pool("host", isolate_sends=True) as pool:
         tensors = [pool.zeros((16,)) for _ in range(6)]
         neighbours = [pool.zeros((16,)) for _ in range(6)]
         deep = tensors[0]

@@ -187,6 +187,20 @@ def read_after_done(q, results):
     results.put(t.tolist())
 
 
+def storages_of_received(q, results):
+    """Receives a dict of tensors and replies, per pair of names, whether the two share one
+    storage here (the same StorageImpl), with their values (test_sends.py)."""
+    import vmm_torch
+    from vmm_torch import sharing
+
+    vmm_torch.install_reducers()
+    received = q.get(timeout=60)
+    names = sorted(received)
+    impls = {name: sharing._untyped_storage(received[name])._cdata for name in names}
+    shared = {(a, b): impls[a] == impls[b] for a in names for b in names if a < b}
+    results.put((shared, {name: received[name].tolist() for name in names}))
+
+
 def put_and_exit(q, handle_type):
     """In a forked or spawned child: puts a host-pool tensor holding 5s, drops it and returns
     at once (the process exits); the parent reads it afterwards (test_sends.py)."""
@@ -195,7 +209,7 @@ def put_and_exit(q, handle_type):
     vmm_torch.install_reducers()
     with vmm_torch.Pool("host", handle_type=handle_type) as pool:
         t = pool.empty((1024,))
-        other = pool.empty((1024,))  # shares t's chunk: t moves before it is sent
+        other = pool.empty((1024,))  # shares t's chunk: t is sent with it beside
         t.fill_(5)
         q.put(t)
         del t, other
@@ -316,20 +330,38 @@ def gpu_send_steps(results):
         out["non_leaf_put"] = None
     except RuntimeError as error:
         out["non_leaf_put"] = "non-leaf" in str(error)
+    # A tensor beside another in its chunk goes where it lies (its address kept)...
     small, beside = torch.full((256,), 3.0, device="cuda"), torch.zeros(256, device="cuda")
-    out["shared_chunk"] = module.prepare_send(small)[0] == _signatures.SEND_RELOCATE
+    out["shared_chunk"] = module.prepare_send(small)[0] == _signatures.SEND_IN_PLACE
     before = small.data_ptr()
-    assert reductions.prepare_send(small)  # moves it, then records its event
+    assert reductions.prepare_send(small)  # records its event
     exported = []
     feeder = threading.Thread(target=lambda: exported.append(module.export_send(small)),
                               name=sharing.FEEDER_THREAD)
     feeder.start()
     feeder.join()
     kind, data, ticket = exported[0]
-    out["moved_and_exported"] = (small.data_ptr() != before, kind == _signatures.SEND_IN_PLACE,
-                                 isinstance(data, bytes) and len(ticket) == 64,
-                                 float(small.sum()), float(beside.sum()))
+    out["in_place_exported"] = (small.data_ptr() == before, kind == _signatures.SEND_IN_PLACE,
+                                isinstance(data, bytes) and len(ticket) == 64)
     sharing.ack_send(ticket, wait=True)
+    # ...unless its pool isolates sends: then put moves it to memory of its own.
+    with vmm_torch.Pool(0, isolate_sends=True) as isolating:
+        small, beside = isolating.zeros((256,)), isolating.zeros((256,))
+        small.fill_(3.0)
+        out["isolated_kind"] = module.prepare_send(small)[0] == _signatures.SEND_RELOCATE
+        before = small.data_ptr()
+        assert reductions.prepare_send(small)  # moves it, then records its event
+        feeder = threading.Thread(target=lambda: exported.append(module.export_send(small)),
+                                  name=sharing.FEEDER_THREAD)
+        feeder.start()
+        feeder.join()
+        kind, data, ticket = exported[-1]
+        out["moved_and_exported"] = (small.data_ptr() != before,
+                                     kind == _signatures.SEND_IN_PLACE,
+                                     isinstance(data, bytes) and len(ticket) == 64,
+                                     float(small.sum()), float(beside.sum()))
+        sharing.ack_send(ticket, wait=True)
+        del small, beside
     # Writes still queued on a side stream when put returns: the export waits for them.
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):

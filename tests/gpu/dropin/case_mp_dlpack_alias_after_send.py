@@ -4,7 +4,8 @@ another process; the program then writes through the alias.
 With PyTorch's allocator sending does not move the tensor: the alias and the tensor remain
 the same memory (same data_ptr), so a write through the alias shows in the tensor.
 
-Why vmm may differ: Queue.put moves a small tensor that shares a physical chunk into memory
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): Queue.put moves a small tensor that shares a physical chunk into memory
 of its own (swapping the storage of the tensor and its views); a DLPack alias has a storage of
 its own and keeps the old address, which is freed: the two stop aliasing, and the alias
 points at freed memory that later allocations may take.

@@ -5,7 +5,8 @@ torch.multiprocessing queue.
 With PyTorch's allocator the tensors made during pickling (in the queue's feeder thread) are
 shared like any other: the receiver gets the object with the converted tensors.
 
-Why vmm may differ: vmm's Queue.put prepares the tensors it finds by a dry run of pickle in
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): vmm's Queue.put prepares the tensors it finds by a dry run of pickle in
 the caller (moving small ones into chunks of their own); the feeder thread's real pickling
 calls __getstate__ again and gets new tensors that were never prepared, which vmm refuses to
 move in the feeder thread ("was the queue's put bypassed?"): the receiver gets an error.

@@ -4,7 +4,8 @@ the first result); later replays must still update that output tensor.
 With PyTorch's allocator sending a tensor does not move it: after static_in is refilled and
 the graph replayed, static_out holds the new result.
 
-Why vmm may differ: Queue.put moves a tensor that shares a physical chunk with another live
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): Queue.put moves a tensor that shares a physical chunk with another live
 tensor (here the graph's second output in the same private-pool chunk) into memory of its
 own and swaps the storage; the graph keeps writing to the old address, so static_out stops
 following replays.

@@ -5,7 +5,8 @@ results to a post-processing process), and used afterwards by the sender.
 With PyTorch's allocator sending works in both places, the receiver gets the values, and
 the sender can still read its tensors (and, inside inference mode, write them) afterwards.
 
-Why vmm may differ: Queue.put moves small tensors into memory of their own with operators of
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): Queue.put moves small tensors into memory of their own with operators of
 its own (storage_bytes, copy_, swap_storage) on tensors that are inference tensors, which
 PyTorch restricts outside inference mode.
 """

@@ -5,7 +5,8 @@ With PyTorch's allocator the caller's tensor is never moved, so all of its in-pl
 land: after 20 add_(1) each of 300 tensors is all 20, whatever the workers saw (each worker
 reads a sum between 0 and 20 * numel).
 
-Why vmm may differ: vmm's reducer, run in the task-handler thread, moves a tensor that shares
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): vmm's reducer, run in the task-handler thread, moves a tensor that shares
 a physical chunk into memory of its own (copy, then swap of the storage) while the caller's
 thread is still launching add_ kernels on the old address: updates launched between the copy
 and the swap land in the old block and are lost.

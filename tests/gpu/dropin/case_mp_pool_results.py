@@ -5,7 +5,8 @@ With PyTorch's allocator: pool.map over 32 slices of one CUDA tensor returns, fr
 workers, new CUDA tensors (slice * k); the parent checks every result, does it again with
 imap_unordered and starmap, then closes the pool.
 
-Why vmm may differ: Pool pickles task arguments in its task-handler thread (not the caller,
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): Pool pickles task arguments in its task-handler thread (not the caller,
 not a Queue feeder: Connection.send), where vmm's reducer must move the shared storage and
 synchronize; results come back through the result queue from worker processes that keep
 running.

@@ -5,7 +5,8 @@ With PyTorch's allocator the tensor does not move: once the sender has synchroni
 tensor holds what the side stream wrote, and so does the receiver's (same memory), read after
 an Event the sender sets once synchronized.
 
-Why vmm may differ: Queue.put moves a small tensor that shares a physical chunk into memory
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): Queue.put moves a small tensor that shares a physical chunk into memory
 of its own (sharing.relocate_storage): the bytes are copied on the *current* stream, which
 does not wait for the side stream, and the storage is swapped; the side stream's pending
 write lands in the old block. The sender's own tensor then loses the write.

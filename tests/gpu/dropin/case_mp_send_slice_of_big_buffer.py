@@ -6,7 +6,8 @@ With PyTorch's allocator sending a view shares the allocation it lies in (CUDA I
 segment): no copy, no extra memory, so the send works however full the GPU is, and the
 receiver reads the slice's values.
 
-Why vmm may differ: Queue.put moves a storage that shares a physical chunk with another live
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): Queue.put moves a storage that shares a physical chunk with another live
 tensor into chunks of its own before sending: the *whole* storage (here about 55% of the
 GPU) is allocated again and copied, to send 4 KiB; with the GPU this full that allocation
 fails (out of memory in put) where PyTorch's send needs nothing.

@@ -6,8 +6,8 @@ in the producer frees the sent blocks: memory_allocated() returns to its value b
 sends (polled for up to 15 s), and memory_reserved() can be emptied to where it was.
 
 Why vmm may differ: a send is held in the producer until the receiver acknowledges, then its
-block's deferred free runs on a background thread; moved (relocated) blocks, parked and
-spare chunks are bookkept separately.
+block's deferred free runs on a background thread; exported chunks are parked, spare or
+unmarked once receivers report, bookkept apart from free blocks.
 """
 import gc
 import time

@@ -7,9 +7,10 @@ storage (PyTorch's receiver caches storages by IPC handle and offset), so torch.
 the weight once and torch.load returns the tie (same data_ptr); the checkpoint holds one
 copy of the embedding.
 
-Why vmm may differ: each tensor is imported separately (one send per tensor); two imports
-of one block share a mapping (same address) but get two storages, so torch.save (which keys
-storages by their StorageImpl) writes the weight twice and the loaded checkpoint is untied.
+Why vmm may differ: each tensor is a send and an import of its own; two imports of one block
+share a mapping (same address), and only the receiver finding the storage it already holds
+over those bytes (sharing.received_storage) gives them one storage, which torch.save keys by
+its StorageImpl; without it the weight is written twice and the loaded checkpoint is untied.
 """
 import io
 

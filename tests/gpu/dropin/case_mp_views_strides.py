@@ -6,7 +6,8 @@ its values; all of them share one storage in the receiver (a write through the c
 shows in the base and in the transpose there), and the receiver's write shows in the
 sender's tensor (same memory).
 
-Why vmm may differ: vmm moves the storage before sending (its views follow), sends each view
+Why vmm may differ (with the pool option isolate_sends=1; by default vmm sends in
+place): vmm moves the storage before sending (its views follow), sends each view
 as its own import payload (descriptor, shape, strides, offset) and checks each view against
 the imported buffer.
 """

@@ -6,7 +6,8 @@ naming the key), so this module only spells Python values the way it reads them:
 - sizes as ints (bytes) or strings with a K, M, G or T suffix ("40G");
 - growth_fraction as a number;
 - peer_devices as a list of device indices (or one index);
-- handle_type as a string.
+- handle_type as a string;
+- isolate_sends as a bool (or 0/1).
 """
 
 from __future__ import annotations
@@ -38,10 +39,16 @@ def _format_scalar(key: str, value: Any) -> str:
         f"option {key}: {value!r} ({type(value).__name__}) is not a number or a string")
 
 
+#: Options whose value is a flag: True/False are written 1/0.
+_FLAGS = ("isolate_sends",)
+
+
 def format_value(key: str, value: Any) -> str:
     """The text of one option's value."""
     if key == "peer_devices":
         return _format_peer_devices(value)
+    if key in _FLAGS and isinstance(value, bool):
+        return "1" if value else "0"
     return _format_scalar(key, value)
 
 

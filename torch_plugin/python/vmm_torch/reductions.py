@@ -13,11 +13,18 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
   own. A receiver that never reads (or dies) holds nothing forever: the send's lease ends
   after 600 s (``vmm_torch.set_send_lease``, or VMM_SEND_LEASE_S), and held sends show in
   ``vmm_torch.send_stats()``. No ``ipc_collect()`` is needed.
-- **Isolation.** A tensor that shares a physical chunk with another live tensor is moved into
-  chunks of its own (copied on the current stream, its storage swapped; its views follow) so
-  that the receiver sees no other tensor's bytes. The move happens in the sending thread:
-  ``Queue.put`` finds every tensor pickling will reach (a dry run of pickle) and moves those
-  that need it before handing the object to its feeder thread, which never moves one.
+- **In place.** A tensor travels where it lies, as with PyTorch: it keeps its address, and
+  its receiver maps the physical chunks its storage spans, with the bytes of any other tensor
+  in them (as a receiver of PyTorch's IPC maps a whole ``cudaMalloc`` segment). Free space in
+  those chunks is not reused while a receiver maps them; it comes back once every receiver
+  has released them. Tensors that share a storage arrive sharing one storage.
+- **Isolation, on request.** In a pool made with ``isolate_sends=True`` (``enable()``,
+  ``Pool``, ``VMM_TORCH_ENABLE=isolate_sends=1``) a tensor that shares a physical chunk with
+  another live tensor is first moved into chunks of its own (copied on the current stream, its
+  storage swapped; its views follow, its address changes) so that the receiver sees no other
+  tensor's bytes. The move happens in the sending thread: ``Queue.put`` finds every tensor
+  pickling will reach (a dry run of pickle) and moves those that need it before handing the
+  object to its feeder thread, which never moves one.
 - **Ordering.** The receiver reads what was written before the send: ``Queue.put`` records
   an event on the sending thread's current stream, which the feeder thread waits for before
   it exports (the sending thread goes on); where the caller pickles (pipes, ``SimpleQueue``,
@@ -122,13 +129,15 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
     if requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
     if kind == SEND_RELOCATE and in_feeder:
-        # Moving it here would race with its owner, who may still write to it (put returned).
-        # Queue.put prepares every tensor pickle reaches, so only a tensor that gained a
-        # neighbour otherwise (a put that bypassed the patched method) gets here.
+        # A pool that isolates sends. Moving it here would race with its owner, who may still
+        # write to it (put returned). Queue.put prepares every tensor pickle reaches, so only
+        # a tensor that gained a neighbour otherwise (a put that bypassed the patched method,
+        # a tensor made while pickling) gets here.
         raise _lib.VmmError(
             "this tensor shares a physical chunk with other tensors and must move to memory of "
-            "its own before it is sent, which Queue.put does in the sending thread; it was not "
-            "prepared there (was the queue's put bypassed?); send tensor.clone()",
+            "its own before it is sent (its pool isolates sends), which Queue.put does in the "
+            "sending thread; it was not prepared there (was the queue's put bypassed?); send "
+            "tensor.clone()",
             "FAILED_PRECONDITION")
     if in_feeder:
         _vmm_feeders.add(threading.current_thread())
@@ -205,10 +214,11 @@ def _flat(obj: Any) -> bool:
 def prepare_send(obj: Any) -> bool:
     """What Queue.put does before it hands `obj` to the queue's feeder thread, for every tensor
     pickling `obj` reaches: raises what sending it would raise (RuntimeError for a non-leaf
-    tensor that requires grad, VmmError for memory of a pool that cannot export), moves a vmm
-    tensor that shares a physical chunk to memory of its own — here in the caller's thread and
-    on its current stream, where the owner's work is ordered — and marks the chunks of one alone
-    in them, so that nothing lands beside it before the feeder sends it. Then, for CUDA tensors,
+    tensor that requires grad, VmmError for memory of a pool that cannot export); in a pool
+    that isolates sends, moves a vmm tensor that shares a physical chunk to memory of its own —
+    here in the caller's thread and on its current stream, where the owner's work is ordered —
+    and marks the chunks of one alone in them, so that nothing lands beside it before the
+    feeder sends it. Then, for CUDA tensors,
     records an event on the current stream, which the feeder thread waits for before the send
     goes, so that the receiver reads what was written before put.
     Last, if this process's unacknowledged sends hold more than the send budget, waits while

@@ -300,7 +300,8 @@ def export_send(base: int) -> Tuple[bytes, bytes]:
 def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
                  requires_grad: bool = False) -> SendPayload:
     """The payload of a send of `t`, whose storage starts at `base` and can be sent as `kind`
-    (send_kind): a block sharing its chunks is relocated first; an imported tensor is
+    (send_kind): a block sharing its chunks in a pool that isolates sends is relocated first;
+    an imported tensor is
     forwarded (the receiver maps the original exporter's memory). VmmError
     (FAILED_PRECONDITION) for a tensor of a pool whose handle type is none."""
     if kind == SEND_NOT_EXPORTABLE:
@@ -328,7 +329,8 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
     try:
         data, ticket = export_send(base)
     except _lib.VmmError as error:
-        # Another thread allocated into the block's chunk since send_kind looked: move it after
+        # (A pool that isolates sends.) Another thread allocated into the block's chunk since
+        # send_kind looked: move it after
         # all, but only in the thread that owns it (never in a queue's feeder thread, where the
         # owner may still be writing to it). A moved block's chunks hold nothing else, ever,
         # so the second export cannot fail for that.
@@ -416,8 +418,9 @@ _INT64_MAX = (1 << 63) - 1
 def set_send_budget(nbytes: int) -> None:
     """How many bytes this process's unacknowledged sends may hold before ``Queue.put`` waits
     for their receivers to acknowledge some (default 1 GiB, or VMM_SEND_BUDGET; 0: no budget).
-    A small tensor travels in a physical chunk of its own (2 MiB on an H200), so a producer
-    far ahead of its consumers would otherwise hold a chunk per tensor queued. The wait ends
+    A send holds its tensor's storage until received (in a pool that isolates sends, whole
+    chunks: a small tensor travels in one of its own, 2 MiB on an H200), so a producer far
+    ahead of its consumers would otherwise hold memory per tensor queued. The wait ends
     once no acknowledgement came for SEND_STALL_S (receivers not reading), so a program that
     fills a queue before it starts its consumers is never stopped."""
     # The C call takes an int64_t: ctypes would wrap a larger value silently (2**64 to 0, which
@@ -574,12 +577,48 @@ def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offse
     finally:
         if ticket is not None:
             received_send(import_id, ticket)
-    tensor = wrap_import(import_id, shape, stride, storage_offset, dtype)
+    tensor = received_storage(wrap_import(import_id, shape, stride, storage_offset, dtype))
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     if requires_grad:
         tensor.requires_grad_(True)
     return tensor
+
+
+#: The storages this process received, by (device, address, bytes), weakly: a storage received
+#: while one over the same bytes lives (two sends of one block share the import's mapping) is
+#: that one, as PyTorch's receivers find theirs by IPC handle, so tensors that shared a storage
+#: in the sender share one here (tied weights stay tied, torch.save writes them once).
+_received: "Dict[Tuple[str, int, int], Any]" = {}
+_received_lock = threading.Lock()
+_received_sweep_at = 64
+
+
+def _untyped_storage(t: torch.Tensor) -> Any:
+    return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage().untyped()
+
+
+def received_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (just wrapped over an import, its view checked) or the same view of the live
+    storage this process received earlier over the same bytes; then `tensor` and its
+    reference of the import go when the caller drops it (the mapping is shared)."""
+    global _received_sweep_at
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    storage = _untyped_storage(tensor)
+    key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
+    with _received_lock:
+        ref = _received.get(key)
+        earlier = None if ref is None else torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+        if earlier is None:
+            _received[key] = StorageWeakRef(storage)
+            if len(_received) > _received_sweep_at:
+                for stale in [k for k, r in _received.items() if r.expired()]:
+                    del _received[stale]
+                _received_sweep_at = max(64, 2 * len(_received))
+            return tensor
+    view = torch.empty((0,), dtype=tensor.dtype, device=tensor.device)
+    return view.set_(earlier, tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
