@@ -85,6 +85,15 @@ absl::StatusCode CudaErrorCode(CUresult result) {
     case CUDA_ERROR_NOT_INITIALIZED:
     case CUDA_ERROR_DEINITIALIZED:
     case CUDA_ERROR_NO_DEVICE:
+    case CUDA_ERROR_CAPTURED_EVENT:
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+    case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
+    case CUDA_ERROR_STREAM_CAPTURE_MERGE:
+    case CUDA_ERROR_STREAM_CAPTURE_UNMATCHED:
+    case CUDA_ERROR_STREAM_CAPTURE_UNJOINED:
+    case CUDA_ERROR_STREAM_CAPTURE_ISOLATION:
+    case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+    case CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD:
       return absl::StatusCode::kFailedPrecondition;
     default:
       return absl::StatusCode::kInternal;
@@ -146,6 +155,7 @@ using CtxSynchronizeFn = PFN_cuCtxSynchronize_v2000;
   X(StreamCreate, PFN_cuStreamCreate_v2000)                                  \
   X(StreamDestroy, PFN_cuStreamDestroy_v4000)                                \
   X(StreamSynchronize, PFN_cuStreamSynchronize_v2000)                        \
+  X(StreamIsCapturing, PFN_cuStreamIsCapturing_v10000)                       \
   X(LaunchHostFunc, PFN_cuLaunchHostFunc_v10000)                             \
   X(EventCreate, PFN_cuEventCreate_v2000)                                    \
   X(EventDestroy, PFN_cuEventDestroy_v4000)                                  \
@@ -398,6 +408,7 @@ class CudaDriver final : public Driver {
   absl::StatusOr<Stream> CreateStream(int device) override;
   absl::Status DestroyStream(Stream stream) override;
   absl::Status SynchronizeStream(Stream stream) override;
+  absl::StatusOr<bool> StreamCapturing(Stream stream) override;
   absl::Status SynchronizeDevice(int device) override;
   absl::StatusOr<Event> CreateEvent(int device) override;
   absl::Status DestroyEvent(Event event) override;
@@ -917,6 +928,15 @@ absl::Status CudaDriver::SynchronizeStream(Stream stream) {
   ScopedContext scope(api_);
   VMM_RETURN_IF_ERROR(EnterStreamContext(stream, scope));
   return Check(api_.StreamSynchronize(ToCuStream(stream)), "cuStreamSynchronize");
+}
+
+absl::StatusOr<bool> CudaDriver::StreamCapturing(Stream stream) {
+  ScopedContext scope(api_);
+  VMM_RETURN_IF_ERROR(EnterStreamContext(stream, scope));
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  VMM_RETURN_IF_ERROR(
+      Check(api_.StreamIsCapturing(ToCuStream(stream), &status), "cuStreamIsCapturing"));
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
 }
 
 absl::Status CudaDriver::SynchronizeDevice(int device) {

@@ -48,6 +48,7 @@ class ForwardingDriver : public Driver {
   absl::StatusOr<Stream> CreateStream(int d) override { return inner_->CreateStream(d); }
   absl::Status DestroyStream(Stream s) override { return inner_->DestroyStream(s); }
   absl::Status SynchronizeStream(Stream s) override { return inner_->SynchronizeStream(s); }
+  absl::StatusOr<bool> StreamCapturing(Stream s) override { return inner_->StreamCapturing(s); }
   absl::Status SynchronizeDevice(int d) override { return inner_->SynchronizeDevice(d); }
   absl::StatusOr<Event> CreateEvent(int d) override { return inner_->CreateEvent(d); }
   absl::Status DestroyEvent(Event e) override { return inner_->DestroyEvent(e); }

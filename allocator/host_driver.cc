@@ -224,6 +224,8 @@ class HostDriver final : public Driver {
   absl::StatusOr<Stream> CreateStream(int device) override;
   absl::Status DestroyStream(Stream stream) override;
   absl::Status SynchronizeStream(Stream stream) override;
+  // Host streams never capture.
+  absl::StatusOr<bool> StreamCapturing(Stream) override { return false; }
   absl::Status SynchronizeDevice(int device) override;
   absl::StatusOr<Event> CreateEvent(int device) override;
   absl::Status DestroyEvent(Event event) override;

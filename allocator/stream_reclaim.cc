@@ -8,6 +8,35 @@
 
 namespace vmm {
 
+bool StreamReclaim::Capturing(Stream s, PoolStats& stats) {
+  if (s == kAnyStream) return false;
+  ++stats.driver_event;
+  absl::StatusOr<bool> capturing = driver_->StreamCapturing(s);
+  // The legacy stream while another stream captures in global mode answers FailedPrecondition
+  // (an implicit synchronisation): nothing may be queued there either.
+  return capturing.ok() ? *capturing : absl::IsFailedPrecondition(capturing.status());
+}
+
+// The event of a free deferred while its stream captured a graph, recorded now; kDeferred if
+// the stream was synchronised instead (no event could be recorded), kFence if that failed too.
+Event StreamReclaim::RecordDeferred(Stream s, PoolStats& stats) {
+  absl::StatusOr<Event> event = GetEvent();
+  absl::Status recorded = event.status();
+  if (event.ok()) {
+    ++stats.driver_event;
+    recorded = driver_->RecordEvent(*event, s);
+    if (recorded.ok()) return *event;
+    spare_events_.push_back(*event);
+  }
+  // As RecordUses: wait for the stream itself, else for a device synchronisation.
+  ++stats.num_sync_stream;
+  if (driver_->SynchronizeStream(s).ok()) return kDeferred;  // done: no event to query
+  LogWarningOnce("free-record", absl::StrCat("stream ordering of a free: ", recorded.message(),
+                                             "; the block waits for a device synchronisation"));
+  ++fences_;
+  return kFence;
+}
+
 absl::StatusOr<Event> StreamReclaim::GetEvent() {
   if (!spare_events_.empty()) {
     Event e = spare_events_.back();
@@ -21,6 +50,13 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
                                PoolStats& stats) {
   bool all = true;
   for (Stream s : streams) {
+    if (Capturing(s, stats)) {
+      // An event recorded there would join the graph, and synchronising the stream would end
+      // the capture: recorded once the capture is over (ProcessPending).
+      pending_.push_back(Pending{kDeferred, block, s});
+      ++block->pending_events;
+      continue;
+    }
     absl::StatusOr<Event> event = GetEvent();
     absl::Status recorded = event.status();
     if (event.ok()) {
@@ -39,7 +75,7 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
       all = false;
       ++fences_;
     }
-    pending_.push_back(Pending{recorded.ok() ? *event : kFence, block});
+    pending_.push_back(Pending{recorded.ok() ? *event : kFence, block, s});
     ++block->pending_events;
   }
   return all;
@@ -47,17 +83,53 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
 
 absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
                                            PoolStats& stats, bool device_synced) {
+  auto finish = [&](const Pending& p) {
+    if (p.event == kFence) {
+      --fences_;
+    } else if (p.event != kDeferred) {
+      spare_events_.push_back(p.event);
+    }
+    if (--p.block->pending_events == 0) done(p.block);
+  };
   size_t kept = 0;
   for (size_t i = 0; i < pending_.size(); ++i) {
     Pending p = pending_[i];
+    if (p.event == kDeferred) {
+      // Freed while its stream captured a graph. Still capturing: nothing to wait for yet.
+      // Done: a device synchronisation since covers its work, else its event is recorded now.
+      if (Capturing(p.stream, stats)) {
+        pending_[kept++] = p;
+        continue;
+      }
+      if (!device_synced) {
+        p.event = RecordDeferred(p.stream, stats);
+        if (p.event == kDeferred) {  // the stream was synchronised instead
+          finish(p);
+          continue;
+        }
+        if (p.event == kFence) {
+          pending_[kept++] = p;
+          continue;
+        }
+      }
+    }
     absl::StatusOr<bool> complete = device_synced;
     if (!device_synced && p.event != kFence) {
       ++stats.driver_event;
       complete = driver_->EventDone(p.event);
     }
+    if (!complete.ok() && absl::IsFailedPrecondition(complete.status())) {
+      // Recorded in a stream that was capturing a graph (it began capturing after the
+      // check): the event belongs to the graph now, and is left to it; recorded anew later.
+      LogWarningOnce("pending-capture", complete.status().message());
+      pending_[kept++] = Pending{kDeferred, p.block, p.stream};
+      continue;
+    }
     if (!complete.ok()) {
-      // Keep the list whole: the entries not yet visited stay pending.
-      for (size_t j = i; j < pending_.size(); ++j) pending_[kept++] = pending_[j];
+      // Keep the list whole: the entries not yet visited stay pending (this one as it was
+      // updated).
+      pending_[kept++] = p;
+      for (size_t j = i + 1; j < pending_.size(); ++j) pending_[kept++] = pending_[j];
       pending_.resize(kept);
       return complete.status();
     }
@@ -65,12 +137,7 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
       pending_[kept++] = p;
       continue;
     }
-    if (p.event != kFence) {
-      spare_events_.push_back(p.event);
-    } else {
-      --fences_;
-    }
-    if (--p.block->pending_events == 0) done(p.block);
+    finish(p);
   }
   pending_.resize(kept);
   return absl::OkStatus();
@@ -90,6 +157,9 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
   }
   for (Stream s : streams) {
     StreamState& r = streams_[s];
+    // A stream capturing a graph: an event recorded there would join the graph (and could
+    // not be queried); its blocks wait until it has finished capturing.
+    if (!r.in_flight && Capturing(s, stats)) continue;
     if (!r.in_flight) {
       if (r.event == 0) {
         absl::StatusOr<Event> event = GetEvent();
@@ -111,8 +181,16 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
       r.in_flight = true;
     }
     ++stats.driver_event;
-    VMM_ASSIGN_OR_RETURN(bool done, driver_->EventDone(r.event));
-    if (!done) continue;
+    absl::StatusOr<bool> done = driver_->EventDone(r.event);
+    if (!done.ok() && absl::IsFailedPrecondition(done.status())) {
+      // Recorded after the stream began capturing: left to the graph; recorded anew later.
+      LogWarningOnce("reclaim-capture", done.status().message());
+      r.event = 0;
+      r.in_flight = false;
+      continue;
+    }
+    VMM_RETURN_IF_ERROR(done.status());
+    if (!*done) continue;
     r.in_flight = false;
     for (Arena* arena : arenas) {
       for (Block* b : arena->free_blocks().BlocksOf(s)) {
@@ -155,7 +233,7 @@ void StreamReclaim::RetagAll(absl::Span<Arena* const> arenas) {
 
 void StreamReclaim::DestroyEvents() {
   for (const Pending& p : pending_) {
-    if (p.event != kFence) spare_events_.push_back(p.event);
+    if (p.event != kFence && p.event != kDeferred) spare_events_.push_back(p.event);
   }
   pending_.clear();
   fences_ = 0;

@@ -17,6 +17,13 @@
 //     retags that stream's blocks freed before the event for every stream (kAnyStream). The
 //     requesting stream's own blocks keep their tag: it may use them already, and they keep
 //     coalescing with its later frees.
+// A stream that is capturing a CUDA graph (Driver::StreamCapturing) takes no event and is not
+// synchronised: an event recorded there would join the graph (another thread's capture, in
+// thread_local mode), and a synchronisation would end the capture. A block freed with a use
+// on such a stream waits until the stream has finished capturing, and its event is recorded
+// then (as PyTorch defers a capture's free events); Reclaim leaves such a stream's blocks
+// tagged until then. An event that still ended up recorded in a capture (the capture began
+// after the check) is left to the graph, and recorded anew in the same way.
 // Events are reused (a spare list) and destroyed by DestroyEvents at teardown.
 //
 // Not thread safe: the owning Pool guards it with its mutex. Every event call is counted in
@@ -75,11 +82,18 @@ class StreamReclaim {
   void DestroyEvents();
 
  private:
+  // Whether `s` is capturing a graph now (a query failing for that reason counts), counted
+  // in driver_event.
+  bool Capturing(Stream s, PoolStats& stats);
   struct Pending {
-    Event event;  // kFence: no event; complete after a device synchronisation
+    // kFence: no event; complete after a device synchronisation. kDeferred: the stream was
+    // capturing a graph; the event is recorded once it has finished.
+    Event event;
     Block* block;
+    Stream stream;
   };
   static constexpr Event kFence = 0;
+  static constexpr Event kDeferred = 1;  // never a driver's event (a pointer)
   struct StreamState {
     Event event = 0;
     uint64_t seq = 0;  // the pool's free counter when the event was recorded
@@ -87,6 +101,9 @@ class StreamReclaim {
   };
 
   absl::StatusOr<Event> GetEvent();
+  // The event of a free deferred while `s` captured a graph, recorded now; kDeferred when `s`
+  // was synchronised instead, kFence (counted) when that failed too.
+  Event RecordDeferred(Stream s, PoolStats& stats);
 
   Driver* driver_ = nullptr;
   int device_ = 0;

@@ -1064,6 +1064,17 @@ TEST_P(DriverConformanceTest, HostImportsOfOneAllocationCountItOnce) {
 
 // --- Streams and events -------------------------------------------------------------------------
 
+// No stream of vmm's own, nor the legacy stream, is capturing a graph unless someone began a
+// capture there (the host backend's never do).
+TEST_P(DriverConformanceTest, StreamsAreNotCapturingUnlessACaptureBegan) {
+  ASSERT_OK_AND_ASSIGN(Stream stream, driver()->CreateStream(kDevice));
+  ASSERT_OK_AND_ASSIGN(bool capturing, driver()->StreamCapturing(stream));
+  EXPECT_FALSE(capturing);
+  ASSERT_OK_AND_ASSIGN(capturing, driver()->StreamCapturing(0));
+  EXPECT_FALSE(capturing);
+  ASSERT_OK(driver()->DestroyStream(stream));
+}
+
 TEST_P(DriverConformanceTest, EventsFollowStreamOrder) {
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<Buffer> buffer, Buffer::Make(driver(), gran_, 0));
   ASSERT_OK(Fill(driver(), buffer->va(), 0, gran_));

@@ -1,0 +1,203 @@
+// A pool never queues work on a stream that is capturing a CUDA graph (stream_reclaim.h): a
+// miss does not record its reclaim event there (another thread's capture in thread_local mode
+// would take the event into its graph, and the allocation would then fail querying it), a free
+// used by such a stream waits until the capture is over instead of recording or synchronising
+// there, and an event that a capture took after all is left to it. Runs on the host backend,
+// whose streams a driver wrapper here marks as capturing (real captures: the drop-in program
+// tests/gpu/dropin/case_graph_thread_local_background.py).
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+
+#include "absl/status/status.h"
+#include "allocator/forwarding_driver.h"
+#include "allocator/host_driver.h"
+#include "allocator/pool.h"
+#include "gtest/gtest.h"
+#include "tests/pool_helpers.h"
+#include "tests/status_matchers.h"
+#include "tests/stream_gate.h"
+
+namespace vmm {
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// The host driver, with streams marked as capturing: work queued on them joins "the graph"
+// (an event recorded there cannot be queried: FailedPrecondition, as CUDA's
+// CUDA_ERROR_CAPTURED_EVENT), and synchronising them is an error (it would end the capture).
+// Counts what a pool must never do to a capturing stream.
+class CapturingDriver : public ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+
+  void BeginCapture(Stream s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    capturing_.insert(s);
+  }
+  // As CUDA: an event last recorded before the capture began is not affected; use
+  // TakeIntoCapture for one the capture took after the pool's check.
+  void EndCapture(Stream s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    capturing_.erase(s);
+  }
+  // The events last recorded on `s` now belong to a graph.
+  void TakeIntoCapture(Stream s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [event, stream] : last_stream_) {
+      if (stream == s) captured_.insert(event);
+    }
+  }
+  int touched_capturing() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return touched_capturing_;
+  }
+  // Events recorded on `s` while it was not capturing.
+  int records_on(Stream s) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return records_[s];
+  }
+
+  absl::StatusOr<bool> StreamCapturing(Stream s) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return capturing_.count(s) != 0;
+  }
+  absl::Status RecordEvent(Event e, Stream s) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last_stream_[e] = s;
+      if (capturing_.count(s) != 0) {
+        ++touched_capturing_;
+        captured_.insert(e);
+        return absl::OkStatus();
+      }
+      captured_.erase(e);
+      ++records_[s];
+    }
+    return ForwardingDriver::RecordEvent(e, s);
+  }
+  absl::StatusOr<bool> EventDone(Event e) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (captured_.count(e) != 0) {
+        return absl::FailedPreconditionError("cuEventQuery: CUDA_ERROR_CAPTURED_EVENT");
+      }
+    }
+    return ForwardingDriver::EventDone(e);
+  }
+  absl::Status SynchronizeStream(Stream s) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (capturing_.count(s) != 0) {
+        ++touched_capturing_;
+        return absl::FailedPreconditionError("cuStreamSynchronize: capture invalidated");
+      }
+    }
+    return ForwardingDriver::SynchronizeStream(s);
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<Stream> capturing_;
+  std::set<Event> captured_;
+  std::map<Event, Stream> last_stream_;
+  std::map<Stream, int> records_;
+  int touched_capturing_ = 0;
+};
+
+class StreamCaptureTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    host_ = NewHostDriver(HostDriverOptions{2 * kMiB, 256 * kMiB});
+    driver_ = std::make_unique<CapturingDriver>(host_.get());
+    s_ = *driver_->CreateStream(0);
+    t_ = *driver_->CreateStream(0);
+    PoolOptions options = SingleChunkOptions();
+    options.reserve_size = 1024 * kMiB;
+    pool_ = CreatePoolOrFail(driver_.get(), options);
+    ASSERT_NE(pool_, nullptr);
+  }
+  void TearDown() override {
+    if (pool_ != nullptr) EXPECT_OK(pool_->CheckInvariants());
+    pool_.reset();
+    for (Stream s : {s_, t_}) {
+      driver_->EndCapture(s);
+      EXPECT_OK(driver_->SynchronizeStream(s));
+      EXPECT_OK(driver_->DestroyStream(s));
+    }
+  }
+
+  std::unique_ptr<Driver> host_;
+  std::unique_ptr<CapturingDriver> driver_;
+  std::unique_ptr<Pool> pool_;
+  Stream s_ = 0, t_ = 0;
+};
+
+TEST_F(StreamCaptureTest, AMissLeavesTheBlocksOfACapturingStreamAlone) {
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(4 * kMiB, s_));
+  ASSERT_OK(pool_->Free(a));  // cached for s
+  driver_->BeginCapture(s_);
+  ASSERT_OK_AND_ASSIGN(void* b, pool_->Allocate(4 * kMiB, t_));  // a miss on t
+  EXPECT_NE(b, a) << "s's work is not known complete";
+  EXPECT_EQ(driver_->touched_capturing(), 0) << "nothing queued on the capturing stream";
+  EXPECT_EQ(driver_->records_on(s_), 0);
+  ASSERT_OK(pool_->Free(b));
+  driver_->EndCapture(s_);
+  ASSERT_OK_AND_ASSIGN(void* c, pool_->Allocate(8 * kMiB, t_));  // a miss on t again
+  EXPECT_EQ(driver_->records_on(s_), 1) << "once the capture is over, s is reclaimed from";
+  ASSERT_OK(pool_->Free(c));
+}
+
+TEST_F(StreamCaptureTest, AFreeUsedByACapturingStreamWaitsForTheCaptureToEnd) {
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(4 * kMiB, s_));
+  ASSERT_OK(pool_->RecordStream(a, t_));
+  driver_->BeginCapture(t_);
+  ASSERT_OK(pool_->Free(a));
+  EXPECT_EQ(driver_->touched_capturing(), 0) << "no event recorded, no synchronisation";
+  EXPECT_EQ(pool_->GetStats().active.current, 1) << "a waits";
+  ASSERT_OK_AND_ASSIGN(void* b, pool_->Allocate(4 * kMiB, s_));
+  EXPECT_NE(b, a);
+  ASSERT_OK(pool_->Free(b));
+  ASSERT_OK(pool_->EmptyCache());  // a device synchronisation does not end a capture
+  EXPECT_EQ(pool_->GetStats().active.current, 1) << "a still waits";
+  EXPECT_EQ(driver_->records_on(t_), 0);
+  driver_->EndCapture(t_);
+  ASSERT_OK_AND_ASSIGN(void* c, pool_->Allocate(8 * kMiB, s_));  // a miss: the event now
+  EXPECT_EQ(driver_->records_on(t_), 1);
+  ASSERT_OK(driver_->SynchronizeStream(t_));
+  ASSERT_OK_AND_ASSIGN(void* d, pool_->Allocate(8 * kMiB, s_));  // a miss: it is done
+  EXPECT_EQ(pool_->GetStats().active.current, 2) << "a recycled; c and d live";
+  EXPECT_EQ(driver_->touched_capturing(), 0);
+  for (void* p : {c, d}) ASSERT_OK(pool_->Free(p));
+}
+
+TEST_F(StreamCaptureTest, AnEventACaptureTookIsLeftToItAndRecordedAgainLater) {
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(4 * kMiB, s_));
+  ASSERT_OK(pool_->RecordStream(a, t_));
+  {
+    StreamGate gate(driver_.get(), t_);  // t busy: the free's event is not done
+    ASSERT_OK(pool_->Free(a));
+    EXPECT_EQ(pool_->GetStats().active.current, 1);
+    // t begins capturing after the event was recorded, and the capture takes it.
+    driver_->BeginCapture(t_);
+    driver_->TakeIntoCapture(t_);
+  }
+  ASSERT_OK_AND_ASSIGN(void* b, pool_->Allocate(4 * kMiB, s_));  // queries it: no error
+  EXPECT_NE(b, a);
+  EXPECT_EQ(pool_->GetStats().active.current, 2) << "a still waits";
+  ASSERT_OK(pool_->Free(b));
+  const int records = driver_->records_on(t_);
+  driver_->EndCapture(t_);
+  ASSERT_OK_AND_ASSIGN(void* c, pool_->Allocate(8 * kMiB, s_));  // a miss: a new event
+  EXPECT_EQ(driver_->records_on(t_), records + 1);
+  ASSERT_OK(driver_->SynchronizeStream(t_));
+  ASSERT_OK_AND_ASSIGN(void* d, pool_->Allocate(8 * kMiB, s_));
+  EXPECT_EQ(pool_->GetStats().active.current, 2) << "a recycled; c and d live";
+  EXPECT_EQ(driver_->touched_capturing(), 0);
+  for (void* p : {c, d}) ASSERT_OK(pool_->Free(p));
+}
+
+}  // namespace
+}  // namespace vmm
