@@ -1,3 +1,4 @@
+#include "allocator/capture_window.h"
 #include "allocator/pool.h"
 
 #include <algorithm>
@@ -236,10 +237,11 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
-  if (reclaim_.fences() > 0) {
+  if (reclaim_.fences() > 0 && !CaptureWindowOpen()) {
     // A free whose stream took no event and could not be synchronised waits on a fence that
     // only a synchronisation of the devices completes (FreeInUse): try again now, rather than
-    // leave its memory pending and the cached path closed until EmptyCache.
+    // leave its memory pending and the cached path closed until EmptyCache. Not while a graph
+    // is captured (capture_window.h): the synchronisation would invalidate it.
     if (absl::Status synced = SynchronizeAll(); !synced.ok()) {
       LogWarningOnce("fence-sync",
                      absl::StrCat("a free still waits for a device: ", synced.message()));

@@ -18,6 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "allocator/capture_window.h"
 #include "allocator/fd_share.h"
 #include "allocator/fd_share_internal.h"
 #include "allocator/log.h"
@@ -378,7 +379,10 @@ class SendLedger::Impl {
         while (queue_.empty()) work_->wait(mu_);  // unlocks mu_ while waiting
         batch = TakeQueueLocked();
       }
+      // Frees and unmaps: not while a graph is captured (capture_window.h).
+      EnterBackgroundWork();
       Run(batch);
+      LeaveBackgroundWork();
     }
   }
 

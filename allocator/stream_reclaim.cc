@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "allocator/capture_window.h"
 #include "allocator/log.h"
 #include "allocator/status_macros.h"
 
@@ -10,6 +11,8 @@ namespace vmm {
 
 bool StreamReclaim::Capturing(Stream s, PoolStats& stats) {
   if (s == kAnyStream) return false;
+  // A capture under way anywhere in the process (capture_window.h): no event work at all.
+  if (CaptureWindowOpen()) return true;
   ++stats.driver_event;
   absl::StatusOr<bool> capturing = driver_->StreamCapturing(s);
   // The legacy stream while another stream captures in global mode answers FailedPrecondition
@@ -91,6 +94,8 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
     }
     if (--p.block->pending_events == 0) done(p.block);
   };
+  // While a graph is captured, querying an event invalidates it (capture_window.h).
+  if (!device_synced && CaptureWindowOpen()) return absl::OkStatus();
   size_t kept = 0;
   for (size_t i = 0; i < pending_.size(); ++i) {
     Pending p = pending_[i];

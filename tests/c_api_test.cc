@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "allocator/capture_window.h"
 #include "allocator/host_driver.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -573,6 +574,19 @@ TEST_F(CApiTest, APrivatePoolsBlocksAreExportedAndSentAsAnExplicitPools) {
   EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
   vmm_send_ack_flush(10);  // the import's mapping is closed on another thread
   EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
+}
+
+// What the plugin calls around a graph capture opens a capture window (capture_window.h) and
+// pauses the closing thread; holds nest.
+TEST_F(CApiTest, HoldingClosesOpensACaptureWindow) {
+  EXPECT_FALSE(vmm::CaptureWindowOpen());
+  ASSERT_EQ(vmm_imports_hold_closing(), 0);
+  ASSERT_EQ(vmm_imports_hold_closing(), 0);
+  EXPECT_TRUE(vmm::CaptureWindowOpen());
+  ASSERT_EQ(vmm_imports_release_closing(), 0);
+  EXPECT_TRUE(vmm::CaptureWindowOpen()) << "one hold is left";
+  ASSERT_EQ(vmm_imports_release_closing(), 0);
+  EXPECT_FALSE(vmm::CaptureWindowOpen());
 }
 
 // The fraction caps the device pool; it leaves the pool's own memory_limit option alone.

@@ -1,17 +1,23 @@
-// A pool never queues work on a stream that is capturing a CUDA graph (stream_reclaim.h): a
+// A pool never queues work on a stream that is capturing a CUDA graph (stream_reclaim.h), nor
+// records or queries any event while the framework says a capture is under way
+// (capture_window.h), when background work waits too: a
 // miss does not record its reclaim event there (another thread's capture in thread_local mode
 // would take the event into its graph, and the allocation would then fail querying it), a free
 // used by such a stream waits until the capture is over instead of recording or synchronising
 // there, and an event that a capture took after all is left to it. Runs on the host backend,
 // whose streams a driver wrapper here marks as capturing (real captures: the drop-in program
 // tests/gpu/dropin/case_graph_thread_local_background.py).
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "absl/status/status.h"
+#include "allocator/capture_window.h"
 #include "allocator/forwarding_driver.h"
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
@@ -197,6 +203,54 @@ TEST_F(StreamCaptureTest, AnEventACaptureTookIsLeftToItAndRecordedAgainLater) {
   EXPECT_EQ(pool_->GetStats().active.current, 2) << "a recycled; c and d live";
   EXPECT_EQ(driver_->touched_capturing(), 0);
   for (void* p : {c, d}) ASSERT_OK(pool_->Free(p));
+}
+
+// While a capture window is open (PyTorch captures a graph, in global mode), a pool records
+// and queries no event on any stream; what waited goes on once it closes.
+TEST_F(StreamCaptureTest, WhileACaptureWindowIsOpenNoEventIsRecordedOrQueried) {
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(4 * kMiB, s_));
+  ASSERT_OK(pool_->Free(a));  // cached for s
+  ASSERT_OK_AND_ASSIGN(void* used, pool_->Allocate(4 * kMiB, s_));
+  ASSERT_OK(pool_->RecordStream(used, t_));
+  OpenCaptureWindow();
+  ASSERT_OK(pool_->Free(used));  // used by t: its event is deferred
+  ASSERT_OK_AND_ASSIGN(void* b, pool_->Allocate(4 * kMiB, t_));  // a miss on t
+  EXPECT_NE(b, a);
+  EXPECT_EQ(driver_->records_on(s_) + driver_->records_on(t_), 0);
+  EXPECT_EQ(pool_->GetStats().active.current, 2) << "used still waits";
+  CloseCaptureWindow();
+  ASSERT_OK(pool_->Free(b));
+  ASSERT_OK_AND_ASSIGN(void* c, pool_->Allocate(16 * kMiB, s_));  // a miss: events now
+  EXPECT_GE(driver_->records_on(t_), 1);
+  ASSERT_OK(pool_->Free(c));
+}
+
+// Background work waits while a window is open, and a window opens only once the work
+// running has finished.
+TEST(CaptureWindowTest, BackgroundWorkAndWindowsExcludeEachOther) {
+  std::atomic<int> stage{0};
+  EnterBackgroundWork();
+  std::thread opener([&] {
+    OpenCaptureWindow();  // waits for the work running
+    stage.store(1);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(stage.load(), 0) << "the window waited for the running work";
+  EXPECT_TRUE(CaptureWindowOpen()) << "yet it counts as open at once";
+  LeaveBackgroundWork();
+  opener.join();
+  EXPECT_EQ(stage.load(), 1);
+  std::thread worker([&] {
+    EnterBackgroundWork();  // waits for the window to close
+    stage.store(2);
+    LeaveBackgroundWork();
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(stage.load(), 1) << "work waited while the window was open";
+  CloseCaptureWindow();
+  worker.join();
+  EXPECT_EQ(stage.load(), 2);
+  EXPECT_FALSE(CaptureWindowOpen());
 }
 
 }  // namespace

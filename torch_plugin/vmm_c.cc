@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "allocator/byte_size.h"
+#include "allocator/capture_window.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
 #include "allocator/log.h"
@@ -520,12 +521,14 @@ int64_t vmm_send_ack_flush(double timeout_seconds) {
 }
 
 int vmm_imports_hold_closing(void) {
+  vmm::OpenCaptureWindow();
   vmm::HoldCloses();
   return 0;
 }
 
 int vmm_imports_release_closing(void) {
   vmm::ReleaseCloses();
+  vmm::CloseCaptureWindow();
   return 0;
 }
 

@@ -333,9 +333,12 @@ int vmm_send_check(const uint8_t* ticket, size_t len);
 /* Waits until every queued acknowledgement has been sent, at most `timeout_seconds`; returns
  * how many are still queued. */
 int64_t vmm_send_ack_flush(double timeout_seconds);
-/* Pauses / resumes the thread that closes dropped imports (import_closer.h), around a CUDA
- * graph capture: closing synchronizes the devices, which invalidates a capture in CUDA's
- * global mode. The pause returns once no close is running; holds nest. Return 0. */
+/* Opens / closes a capture window (allocator/capture_window.h) around a CUDA graph capture
+ * (and a MemPool's context), and pauses / resumes the thread that closes dropped imports
+ * (import_closer.h) with it: closing synchronizes the devices, and an event query or an unmap
+ * by any thread invalidates a capture in CUDA's global mode. Meanwhile the send ledger's
+ * release thread waits and pools record and query no stream events. The pause returns once
+ * no close and no release is running; holds nest. Return 0. */
 int vmm_imports_hold_closing(void);
 int vmm_imports_release_closing(void);
 /* The lease of sends made from now on, in seconds (> 0). */

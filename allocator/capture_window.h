@@ -1,0 +1,35 @@
+// capture_window.h: whether the framework has a CUDA graph capture under way in this process,
+// so that vmm's own work does not disturb it.
+//
+// PyTorch opens an allocator route (beginAllocateToPool) before a capture begins and closes it
+// (endAllocateToPool) after the capture ends; it does the same around a MemPool's context. While
+// any route is open the capture *window* is open. In CUDA's global capture mode (PyTorch's
+// default) an event query, a synchronisation or an unmap by any thread invalidates the capture,
+// and an event recorded on the capturing stream by another thread joins its graph. So while the
+// window is open:
+//   - vmm's background threads (the send ledger's release thread) wait before their next piece
+//     of work (EnterBackgroundWork), and OpenCaptureWindow first waits for the piece running;
+//   - pools neither record nor query stream events (stream_reclaim.h): frees that wait for
+//     other streams keep waiting, and other streams' cached blocks keep their tags, as
+//     PyTorch's own allocator defers its events while captures are under way.
+// Windows nest (several captures, on several threads or devices). Thread safe.
+#ifndef VMM_ALLOCATOR_CAPTURE_WINDOW_H_
+#define VMM_ALLOCATOR_CAPTURE_WINDOW_H_
+
+namespace vmm {
+
+// Opens a window; returns once no background work is running.
+void OpenCaptureWindow();
+// Closes one window; background work goes on once none is open.
+void CloseCaptureWindow();
+// Whether a window is open now (one relaxed atomic load).
+bool CaptureWindowOpen();
+
+// A piece of background work: waits while a window is open, and holds the next one from
+// opening until LeaveBackgroundWork.
+void EnterBackgroundWork();
+void LeaveBackgroundWork();
+
+}  // namespace vmm
+
+#endif  // VMM_ALLOCATOR_CAPTURE_WINDOW_H_
