@@ -81,11 +81,12 @@ class PoolReuseTest : public ::testing::Test {
     ASSERT_OK_AND_ASSIGN(driver_, TestDriver(HostDriverOptions{2 * kMiB, 256 * kMiB}, &owned_));
   }
 
-  // Exact growth (reserved bytes predictable), on `driver` (default: the test's).
-  static PoolOptions Exact() {
+  // Exact growth (reserved bytes predictable), sends in place unless `isolate_sends`.
+  static PoolOptions Exact(bool isolate_sends = false) {
     PoolOptions options = SingleChunkOptions();
     options.growth_fraction = 0;
     options.reserve_size = 1024 * kMiB;
+    options.isolate_sends = isolate_sends;
     return options;
   }
 
@@ -931,10 +932,8 @@ TEST_F(PoolReuseTest, AChunkWithLiveBlocksLosesItsMarkWhenItsLastReceiverReports
 // it, and is free small-arena memory again once the receiver reports: a stream of small sends
 // reuses its chunks with no driver call. A pool that isolates sends releases it as before.
 TEST_F(PoolReuseTest, ASmallChunkSentInPlaceIsParkedThenFreeAgain) {
-  PoolOptions isolated = Exact();
-  isolated.isolate_sends = true;
   for (const bool isolate : {false, true}) {
-    auto pool = MakePool(isolate ? isolated : Exact());
+    auto pool = MakePool(Exact(isolate));
     SKIP_IF_NOT_EXPORTABLE(pool);
     ASSERT_OK_AND_ASSIGN(void* p, pool->Allocate(4096, 0));
     ASSERT_TRUE(pool->InSmallArena(p));
@@ -1000,10 +999,8 @@ TEST_F(PoolReuseTest, SpaceAnUnmarkedChunkReturnsIsTaggedWithTheExportingStream)
 }
 
 TEST_F(PoolReuseTest, DedicatedUntrackedAndIsolatedChunksKeepTheirMark) {
-  PoolOptions isolated = Exact();
-  isolated.isolate_sends = true;
   for (const bool isolate : {false, true}) {
-    auto pool = MakePool(isolate ? isolated : Exact());
+    auto pool = MakePool(Exact(isolate));
     SKIP_IF_NOT_EXPORTABLE(pool);
     const size_t renames = observer_.renamed().size();
     // A shareable block keeps its chunk to itself.
