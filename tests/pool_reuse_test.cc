@@ -1013,7 +1013,9 @@ TEST_F(PoolReuseTest, DedicatedUntrackedAndIsolatedChunksKeepTheirMark) {
     ASSERT_OK_AND_ASSIGN(void* x, pool->Allocate(3 * kMiB, 0));
     ASSERT_OK_AND_ASSIGN(void* y, pool->Allocate(kMiB, 0));
     const std::vector<ExportedChunk> sent_x = Send(*pool, x);
-    if (!isolate) ASSERT_OK(pool->Export(x).status());  // untracked: importers unknown
+    if (!isolate) {
+      ASSERT_OK(pool->Export(x).status());  // untracked: importers unknown
+    }
     pool->SettleExport(sent_x, /*released=*/true);
     EXPECT_EQ(pool->GetStats().exported_bytes.current, static_cast<int64_t>(6 * kMiB))
         << (isolate ? "isolated" : "untracked");

@@ -126,7 +126,9 @@ class StreamCaptureTest : public ::testing::Test {
     ASSERT_NE(pool_, nullptr);
   }
   void TearDown() override {
-    if (pool_ != nullptr) EXPECT_OK(pool_->CheckInvariants());
+    if (pool_ != nullptr) {
+      EXPECT_OK(pool_->CheckInvariants());
+    }
     pool_.reset();
     for (Stream s : {s_, t_}) {
       driver_->EndCapture(s);

@@ -301,9 +301,8 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
                  requires_grad: bool = False) -> SendPayload:
     """The payload of a send of `t`, whose storage starts at `base` and can be sent as `kind`
     (send_kind): a block sharing its chunks in a pool that isolates sends is relocated first;
-    an imported tensor is
-    forwarded (the receiver maps the original exporter's memory). VmmError
-    (FAILED_PRECONDITION) for a tensor of a pool whose handle type is none."""
+    an imported tensor is forwarded (the receiver maps the original exporter's memory).
+    VmmError (FAILED_PRECONDITION) for a tensor of a pool whose handle type is none."""
     if kind == SEND_NOT_EXPORTABLE:
         raise _lib.VmmError(
             "cannot send this tensor to another process: its vmm pool was made with "
@@ -330,9 +329,8 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
         data, ticket = export_send(base)
     except _lib.VmmError as error:
         # (A pool that isolates sends.) Another thread allocated into the block's chunk since
-        # send_kind looked: move it after
-        # all, but only in the thread that owns it (never in a queue's feeder thread, where the
-        # owner may still be writing to it). A moved block's chunks hold nothing else, ever,
+        # send_kind looked: move it after all, but only in the thread that owns it (never in a
+        # queue's feeder thread, where the owner may still be writing to it). A moved block's chunks hold nothing else, ever,
         # so the second export cannot fail for that.
         if kind != SEND_IN_PLACE or error.code != "FAILED_PRECONDITION" or in_feeder:
             raise
