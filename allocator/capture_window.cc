@@ -1,11 +1,17 @@
 #include "allocator/capture_window.h"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <mutex>
+
+#include "allocator/log.h"
 
 namespace vmm {
 namespace {
+
+using Clock = std::chrono::steady_clock;
 
 struct Window {
   std::mutex mu;
@@ -13,7 +19,17 @@ struct Window {
   int open = 0;  // windows open (guarded by mu; mirrored in open_now for lock-free reads)
   int busy = 0;  // pieces of background work running
   std::atomic<bool> open_now{false};
+  std::atomic<int64_t> opened_at{0};  // Clock ticks when the first open window opened
 };
+
+int64_t Now() { return Clock::now().time_since_epoch().count(); }
+
+// Whether the windows open now opened longer than kStaleAfter ago (guarded by w.mu or not:
+// a hint either way).
+bool Stale(const Window& w) {
+  const auto age = Clock::duration(Now() - w.opened_at.load(std::memory_order_relaxed));
+  return age > kStaleAfter;
+}
 
 // Never destroyed: background threads may use it during exit.
 Window& TheWindow() {
@@ -26,7 +42,7 @@ Window& TheWindow() {
 void OpenCaptureWindow() {
   Window& w = TheWindow();
   std::unique_lock<std::mutex> lock(w.mu);
-  ++w.open;
+  if (w.open++ == 0) w.opened_at.store(Now(), std::memory_order_relaxed);
   w.open_now.store(true, std::memory_order_relaxed);
   w.changed.wait(lock, [&] { return w.busy == 0; });
 }
@@ -39,12 +55,23 @@ void CloseCaptureWindow() {
   w.changed.notify_all();
 }
 
-bool CaptureWindowOpen() { return TheWindow().open_now.load(std::memory_order_relaxed); }
+bool CaptureWindowOpen() {
+  const Window& w = TheWindow();
+  return w.open_now.load(std::memory_order_relaxed) && !Stale(w);
+}
 
 void EnterBackgroundWork() {
   Window& w = TheWindow();
   std::unique_lock<std::mutex> lock(w.mu);
-  w.changed.wait(lock, [&] { return w.open == 0; });
+  while (w.open > 0 && !Stale(w)) {
+    w.changed.wait_for(lock, kStaleAfter);
+  }
+  if (w.open > 0) {
+    LogWarningOnce("capture-window",
+                   "a capture window has been open for over a minute (a capture that failed "
+                   "before it ended its allocator route, or a long MemPool context); vmm's "
+                   "background work and stream events go on");
+  }
   ++w.busy;
 }
 

@@ -12,11 +12,19 @@
 //   - pools neither record nor query stream events (stream_reclaim.h): frees that wait for
 //     other streams keep waiting, and other streams' cached blocks keep their tags, as
 //     PyTorch's own allocator defers its events while captures are under way.
-// Windows nest (several captures, on several threads or devices). Thread safe.
+// Windows nest (several captures, on several threads or devices). A window left open for
+// longer than kStaleAfter (a capture that raised before it ended its route: PyTorch's
+// capture_end checks cudaStreamEndCapture before it ends the route, and a MemPool context
+// held that long) no longer holds anything back: background work and stream events go on,
+// said once. Thread safe.
 #ifndef VMM_ALLOCATOR_CAPTURE_WINDOW_H_
 #define VMM_ALLOCATOR_CAPTURE_WINDOW_H_
 
+#include <chrono>
+
 namespace vmm {
+
+inline constexpr std::chrono::seconds kStaleAfter{60};
 
 // Opens a window; returns once no background work is running.
 void OpenCaptureWindow();

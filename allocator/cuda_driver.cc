@@ -85,6 +85,7 @@ absl::StatusCode CudaErrorCode(CUresult result) {
     case CUDA_ERROR_NOT_INITIALIZED:
     case CUDA_ERROR_DEINITIALIZED:
     case CUDA_ERROR_NO_DEVICE:
+      return absl::StatusCode::kFailedPrecondition;
     case CUDA_ERROR_CAPTURED_EVENT:
     case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
     case CUDA_ERROR_STREAM_CAPTURE_INVALIDATED:
@@ -94,7 +95,7 @@ absl::StatusCode CudaErrorCode(CUresult result) {
     case CUDA_ERROR_STREAM_CAPTURE_ISOLATION:
     case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
     case CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD:
-      return absl::StatusCode::kFailedPrecondition;
+      return absl::StatusCode::kUnavailable;
     default:
       return absl::StatusCode::kInternal;
   }

@@ -23,9 +23,9 @@ namespace vmm {
 //   CUDA_ERROR_NOT_FOUND                                       -> kInvalidArgument
 //   CUDA_ERROR_NOT_PERMITTED                                   -> kPermissionDenied
 //   CUDA_ERROR_NOT_SUPPORTED                                   -> kUnimplemented
-//   CUDA_ERROR_NOT_INITIALIZED, _DEINITIALIZED, _NO_DEVICE,
-//   CUDA_ERROR_CAPTURED_EVENT, _STREAM_CAPTURE_* (not allowed
-//   while a stream captures a CUDA graph)                      -> kFailedPrecondition
+//   CUDA_ERROR_NOT_INITIALIZED, _DEINITIALIZED, _NO_DEVICE     -> kFailedPrecondition
+//   CUDA_ERROR_CAPTURED_EVENT, _STREAM_CAPTURE_* (not now: a
+//   stream captures a CUDA graph)                              -> kUnavailable
 //   anything else                                              -> kInternal
 // CUDA_SUCCESS gives kOk.
 absl::StatusCode CudaErrorCode(CUresult result);

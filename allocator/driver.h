@@ -160,8 +160,8 @@ class Driver {
   virtual absl::Status SynchronizeStream(Stream stream) = 0;
   // Whether `stream` is capturing a CUDA graph (cuStreamIsCapturing; the host backend's
   // streams never do). Work queued there while it captures, an event record included, joins
-  // the graph instead of running: an event so recorded cannot be queried
-  // (FailedPrecondition), and synchronising the stream ends the capture with an error.
+  // the graph instead of running: an event so recorded cannot be queried (Unavailable), and
+  // synchronising the stream ends the capture with an error.
   virtual absl::StatusOr<bool> StreamCapturing(Stream stream) = 0;
   // Waits for all work on all streams of `device`.
   virtual absl::Status SynchronizeDevice(int device) = 0;
@@ -170,7 +170,7 @@ class Driver {
   // Captures the work queued on `stream` so far.
   virtual absl::Status RecordEvent(Event event, Stream stream) = 0;
   // True when the captured work has completed (cuEventQuery), false while it has not;
-  // FailedPrecondition for an event last recorded in a stream that was capturing a graph.
+  // Unavailable for an event last recorded in a stream that was capturing a graph.
   virtual absl::StatusOr<bool> EventDone(Event event) = 0;
   virtual absl::Status SynchronizeEvent(Event event) = 0;
 

@@ -459,7 +459,8 @@ absl::Status SendLedger::Report(uint64_t key, const std::array<uint8_t, 16>& non
   std::vector<Release> work;
   const bool found = impl_->TakeReport(key, nonce, report, &work);
   if (!work.empty()) {  // also for a NotFound duplicate ack, which settles the hold
-    if (run_on == RunOn::kReleaseThread) {
+    // While a graph is captured the release thread runs it afterwards (capture_window.h).
+    if (run_on == RunOn::kReleaseThread || CaptureWindowOpen()) {
       impl_->Enqueue(std::move(work));
     } else {
       impl_->Run(work);
@@ -473,7 +474,7 @@ size_t SendLedger::ExpireDue(RunOn run_on) {
   std::vector<Release> releases = impl_->TakeExpired();
   const size_t n = releases.size();
   if (n == 0) return 0;
-  if (run_on == RunOn::kReleaseThread) {
+  if (run_on == RunOn::kReleaseThread || CaptureWindowOpen()) {
     impl_->Enqueue(std::move(releases));
   } else {
     impl_->Run(releases);

@@ -15,9 +15,9 @@ bool StreamReclaim::Capturing(Stream s, PoolStats& stats) {
   if (CaptureWindowOpen()) return true;
   ++stats.driver_event;
   absl::StatusOr<bool> capturing = driver_->StreamCapturing(s);
-  // The legacy stream while another stream captures in global mode answers FailedPrecondition
-  // (an implicit synchronisation): nothing may be queued there either.
-  return capturing.ok() ? *capturing : absl::IsFailedPrecondition(capturing.status());
+  // The legacy stream while another stream captures in global mode answers Unavailable (an
+  // implicit synchronisation): nothing may be queued there either.
+  return capturing.ok() ? *capturing : absl::IsUnavailable(capturing.status());
 }
 
 // The event of a free deferred while its stream captured a graph, recorded now; kDeferred if
@@ -123,10 +123,12 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
       ++stats.driver_event;
       complete = driver_->EventDone(p.event);
     }
-    if (!complete.ok() && absl::IsFailedPrecondition(complete.status())) {
+    if (!complete.ok() && absl::IsUnavailable(complete.status())) {
       // Recorded in a stream that was capturing a graph (it began capturing after the
-      // check): the event belongs to the graph now, and is left to it; recorded anew later.
+      // check): the event belongs to the graph now, and is left to it (destroyed at teardown);
+      // recorded anew later.
       LogWarningOnce("pending-capture", complete.status().message());
+      captured_events_.push_back(p.event);
       pending_[kept++] = Pending{kDeferred, p.block, p.stream};
       continue;
     }
@@ -150,6 +152,9 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
 
 absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Stream requester,
                                             uint64_t free_seq, PoolStats& stats) {
+  // While a graph is captured no event is recorded or queried, in flight ones included
+  // (capture_window.h): every stream keeps its blocks.
+  if (CaptureWindowOpen()) return true;
   // Streams that have cached blocks only they may use.
   std::vector<Stream> streams;
   for (const Arena* arena : arenas) {
@@ -187,9 +192,11 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
     }
     ++stats.driver_event;
     absl::StatusOr<bool> done = driver_->EventDone(r.event);
-    if (!done.ok() && absl::IsFailedPrecondition(done.status())) {
-      // Recorded after the stream began capturing: left to the graph; recorded anew later.
+    if (!done.ok() && absl::IsUnavailable(done.status())) {
+      // Recorded after the stream began capturing: left to the graph (destroyed at teardown);
+      // recorded anew later.
       LogWarningOnce("reclaim-capture", done.status().message());
+      captured_events_.push_back(r.event);
       r.event = 0;
       r.in_flight = false;
       continue;
@@ -248,6 +255,8 @@ void StreamReclaim::DestroyEvents() {
   streams_.clear();
   for (Event e : spare_events_) (void)driver_->DestroyEvent(e);
   spare_events_.clear();
+  for (Event e : captured_events_) (void)driver_->DestroyEvent(e);
+  captured_events_.clear();
 }
 
 }  // namespace vmm

@@ -23,7 +23,8 @@
 // on such a stream waits until the stream has finished capturing, and its event is recorded
 // then (as PyTorch defers a capture's free events); Reclaim leaves such a stream's blocks
 // tagged until then. An event that still ended up recorded in a capture (the capture began
-// after the check) is left to the graph, and recorded anew in the same way. While the
+// after the check; its query is Unavailable) is left to the graph, and recorded anew in the
+// same way. While the
 // framework has any capture under way (capture_window.h; in CUDA's global mode an event query
 // by any thread invalidates it) every stream counts as capturing and no event is queried.
 // Events are reused (a spare list) and destroyed by DestroyEvents at teardown.
@@ -103,6 +104,9 @@ class StreamReclaim {
   };
 
   absl::StatusOr<Event> GetEvent();
+  // Events a capture took (a graph may record them on replay): never reused, destroyed by
+  // DestroyEvents.
+  std::vector<Event> captured_events_;
   // The event of a free deferred while `s` captured a graph, recorded now; kDeferred when `s`
   // was synchronised instead, kFence (counted) when that failed too.
   Event RecordDeferred(Stream s, PoolStats& stats);

@@ -4,6 +4,7 @@
 // acknowledging at once (run under ThreadSanitizer in CI). Receivers are forked children
 // (which start no threads: the parent's fd server answers them), each reporting by its exit
 // code. Every test leaves the process's ledger empty and its lease as it found them.
+#include "allocator/capture_window.h"
 #include "allocator/send_ledger.h"
 
 #include <sys/mman.h>
@@ -119,6 +120,19 @@ TEST_F(SendLedgerTest, AnAckFromAnotherProcessRunsTheReleaseOnce) {
                                         HasSubstr("already acknowledged")));
   EXPECT_EQ(runs.load(), 1);
   EXPECT_EQ(SendLedger::Get().GetStats().acked, before_.acked + 1);
+}
+
+// While a graph is captured (capture_window.h) no release runs: an ack of this process
+// queues its release for the release thread, which waits until the window closes.
+TEST_F(SendLedgerTest, WhileACaptureWindowIsOpenReleasesWaitForIt) {
+  std::atomic<int> runs{0};
+  const Ticket ticket = HoldCounted(64, &runs);
+  OpenCaptureWindow();
+  EXPECT_OK(AckSend(ticket));
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(runs.load(), 0) << "not on the acking thread, nor on the release thread yet";
+  CloseCaptureWindow();
+  EXPECT_TRUE(Eventually([&] { return runs.load() == 1; }, absl::Seconds(5)));
 }
 
 TEST_F(SendLedgerTest, AnAckOfThisProcessNeedsNoSocketAndTheSecondIsNotFound) {

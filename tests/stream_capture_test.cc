@@ -32,7 +32,7 @@ namespace {
 constexpr size_t kMiB = size_t{1} << 20;
 
 // The host driver, with streams marked as capturing: work queued on them joins "the graph"
-// (an event recorded there cannot be queried: FailedPrecondition, as CUDA's
+// (an event recorded there cannot be queried: Unavailable, as CUDA's
 // CUDA_ERROR_CAPTURED_EVENT), and synchronising them is an error (it would end the capture).
 // Counts what a pool must never do to a capturing stream.
 class CapturingDriver : public ForwardingDriver {
@@ -59,6 +59,11 @@ class CapturingDriver : public ForwardingDriver {
   int touched_capturing() {
     std::lock_guard<std::mutex> lock(mu_);
     return touched_capturing_;
+  }
+  // Event queries so far.
+  int queries() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return queries_;
   }
   // Events recorded on `s` while it was not capturing.
   int records_on(Stream s) {
@@ -87,8 +92,9 @@ class CapturingDriver : public ForwardingDriver {
   absl::StatusOr<bool> EventDone(Event e) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      ++queries_;
       if (captured_.count(e) != 0) {
-        return absl::FailedPreconditionError("cuEventQuery: CUDA_ERROR_CAPTURED_EVENT");
+        return absl::UnavailableError("cuEventQuery: CUDA_ERROR_CAPTURED_EVENT");
       }
     }
     return ForwardingDriver::EventDone(e);
@@ -98,7 +104,7 @@ class CapturingDriver : public ForwardingDriver {
       std::lock_guard<std::mutex> lock(mu_);
       if (capturing_.count(s) != 0) {
         ++touched_capturing_;
-        return absl::FailedPreconditionError("cuStreamSynchronize: capture invalidated");
+        return absl::UnavailableError("cuStreamSynchronize: capture invalidated");
       }
     }
     return ForwardingDriver::SynchronizeStream(s);
@@ -110,6 +116,7 @@ class CapturingDriver : public ForwardingDriver {
   std::set<Event> captured_;
   std::map<Event, Stream> last_stream_;
   std::map<Stream, int> records_;
+  int queries_ = 0;
   int touched_capturing_ = 0;
 };
 
@@ -225,6 +232,24 @@ TEST_F(StreamCaptureTest, WhileACaptureWindowIsOpenNoEventIsRecordedOrQueried) {
   ASSERT_OK_AND_ASSIGN(void* c, pool_->Allocate(16 * kMiB, s_));  // a miss: events now
   EXPECT_GE(driver_->records_on(t_), 1);
   ASSERT_OK(pool_->Free(c));
+}
+
+// An event a miss recorded before the window opened, still running, is not queried while it
+// is open (a query invalidates a global-mode capture).
+TEST_F(StreamCaptureTest, AnEventInFlightIsNotQueriedWhileACaptureWindowIsOpen) {
+  StreamGate gate(driver_.get(), s_);  // s busy: its reclaim event stays in flight
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(4 * kMiB, s_));
+  ASSERT_OK(pool_->Free(a));
+  ASSERT_OK_AND_ASSIGN(void* b, pool_->Allocate(4 * kMiB, t_));  // records on s, queries
+  EXPECT_EQ(driver_->records_on(s_), 1);
+  OpenCaptureWindow();
+  const int queries = driver_->queries();
+  ASSERT_OK_AND_ASSIGN(void* c, pool_->Allocate(4 * kMiB, t_));  // another miss
+  EXPECT_EQ(driver_->queries(), queries);
+  ASSERT_OK(pool_->Free(c));
+  ASSERT_OK(pool_->Free(b));
+  CloseCaptureWindow();
+  gate.Release();
 }
 
 // Background work waits while a window is open, and a window opens only once the work

@@ -347,6 +347,19 @@ class VmmAllocator : public Pluggable {
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    {
+      // A capture that failed (cudaStreamEndCapture raised) never ended its route: closed
+      // here, with its graph, so that the capture window does not stay open for good.
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+        if (it->device == device && it->id == mempool_id) {
+          routes_.erase(it);
+          routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
+          vmm.imports_release_closing();
+          break;
+        }
+      }
+    }
     const int left = vmm.private_pool_release(device, mempool_id.first, mempool_id.second);
     if (left < 0) ThrowLastError("releasing a private pool");
     if (left == 0) {
