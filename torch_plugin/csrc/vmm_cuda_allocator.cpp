@@ -334,31 +334,17 @@ class VmmAllocator : public Pluggable {
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = routes_.begin(); it != routes_.end(); ++it) {
-      if (it->device == device && it->id == mempool_id) {
-        routes_.erase(it);
-        routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
-        vmm.imports_release_closing();
-        return;
-      }
-    }
-    TORCH_CHECK(false, "vmm: endAllocateToPool: not allocating to pool (", mempool_id.first,
-                ", ", mempool_id.second, ")");
+    TORCH_CHECK(EndRouteLocked(device, mempool_id),
+                "vmm: endAllocateToPool: not allocating to pool (", mempool_id.first, ", ",
+                mempool_id.second, ")");
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     {
-      // A capture that failed (cudaStreamEndCapture raised) never ended its route: closed
-      // here, with its graph, so that the capture window does not stay open for good.
+      // A capture that failed (cudaStreamEndCapture raised) never ended its route: ended
+      // here, with its graph's pool, so that the capture window does not stay open for good.
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = routes_.begin(); it != routes_.end(); ++it) {
-        if (it->device == device && it->id == mempool_id) {
-          routes_.erase(it);
-          routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
-          vmm.imports_release_closing();
-          break;
-        }
-      }
+      EndRouteLocked(device, mempool_id);
     }
     const int left = vmm.private_pool_release(device, mempool_id.first, mempool_id.second);
     if (left < 0) ThrowLastError("releasing a private pool");
@@ -517,6 +503,20 @@ class VmmAllocator : public Pluggable {
   }
 
  private:
+  // Ends the route of (device, mempool_id), if one is open, and the capture window it opened
+  // (vmm_imports_release_closing); whether there was one.
+  bool EndRouteLocked(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    for (auto it = routes_.begin(); it != routes_.end(); ++it) {
+      if (it->device == device && it->id == mempool_id) {
+        routes_.erase(it);
+        routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
+        vmm.imports_release_closing();
+        return true;
+      }
+    }
+    return false;
+  }
+
   struct Route {
     c10::DeviceIndex device;
     MempoolId_t id;
