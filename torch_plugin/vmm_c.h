@@ -288,9 +288,11 @@ void vmm_import_release(void* import_id);
 /* How the storage starting at `ptr` can be sent. */
 enum vmm_send_kind {
   VMM_SEND_NOT_VMM = 0,        /* not vmm memory: another sharing mechanism's business */
-  VMM_SEND_IN_PLACE = 1,       /* a pool block alone in its chunks: exported as it is */
-  VMM_SEND_RELOCATE = 2,       /* a pool block sharing a chunk with another live block:
-                                  move it (vmm_alloc_beside, copy, swap) before sending */
+  VMM_SEND_IN_PLACE = 1,       /* a pool block: exported where it lies (with the other
+                                  blocks of its chunks, unless its pool isolates sends) */
+  VMM_SEND_RELOCATE = 2,       /* a block of a pool with isolate_sends that shares a chunk
+                                  with another live block, or lies in its small arena: move
+                                  it (vmm_alloc_beside, copy, swap) before sending */
   VMM_SEND_IMPORT = 3,         /* an imported buffer: forwarded with this process's handles */
   VMM_SEND_NOT_EXPORTABLE = 4  /* a block of a pool whose handle type is none */
 };
@@ -301,9 +303,10 @@ enum vmm_send_kind {
 /* The vmm_send_kind of the storage starting at `ptr` (never fails: VMM_SEND_NOT_VMM for
  * anything vmm does not know, including addresses inside a block). */
 int vmm_send_kind(const void* ptr);
-/* vmm_send_kind, and for VMM_SEND_IN_PLACE also marks the block's chunks exported, so that no
- * block lands beside it before another thread sends it (VMM_SEND_RELOCATE if one did). What
- * the sending thread calls before a queue's feeder thread pickles the tensor. */
+/* vmm_send_kind, and in a pool that isolates sends, for VMM_SEND_IN_PLACE, also marks the
+ * block's chunks exported, so that no block lands beside it before another thread sends it
+ * (VMM_SEND_RELOCATE if one did). What the sending thread calls before a queue's feeder thread
+ * pickles the tensor. */
 int vmm_send_prepare(const void* ptr);
 /* A block of at least `size` bytes in chunks of its own, from the pool that owns `ptr`, for
  * `stream`: where a VMM_SEND_RELOCATE block moves to. Freed with vmm_block_free. */
