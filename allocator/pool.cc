@@ -740,7 +740,7 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
       if (!release_parked) continue;  // parked: receivers have not reported yet
       chunk.untracked = true;           // given up: their reports will find it gone
       doomed.push_back(c->first);
-    } else if (reopenable) {
+    } else if (reopenable) {  // NoReceiverLeft, by the branches above
       UnmarkChunk(c);
     } else if (chunk.size <= options_.spare_export_bytes - spare_bytes_) {
       chunk.spare = true;
@@ -840,12 +840,15 @@ void Pool::SettleExport(const std::vector<ExportedChunk>& exported, bool release
     if (!s.ok()) LogError(absl::StrCat("releasing exported memory: ", s.message()));
     // Not released, spare or parked: live blocks remain in it (file comment).
     c = chunks_.find(e.addr);
-    if (released && c != chunks_.end() && c->second.exported && !c->second.spare &&
-        c->second.importers == 0 && !c->second.untracked && !c->second.dedicated &&
-        !options_.isolate_sends) {
+    if (released && c != chunks_.end() && NoReceiverLeft(c->second) && !c->second.spare &&
+        !c->second.dedicated) {
       UnmarkChunk(c);
     }
   }
+}
+
+bool Pool::NoReceiverLeft(const Chunk& chunk) const {
+  return chunk.exported && chunk.importers == 0 && !chunk.untracked && !options_.isolate_sends;
 }
 
 void Pool::UnmarkChunk(ChunkMap::Map::iterator c) {

@@ -406,6 +406,9 @@ class Pool {
   // only after its streams' work), so other streams reuse it only after that stream's work
   // (the pool's stream-ordered reuse).
   void UnmarkChunk(ChunkMap::Map::iterator c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether exported `chunk` may lose its mark: every receiver vmm counts has reported its
+  // release, none it cannot count ever mapped it, and the pool does not isolate sends.
+  bool NoReceiverLeft(const Chunk& chunk) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases spare chunks, the oldest first, until `target` bytes went (SIZE_MAX: all).
   absl::Status ReleaseSpareChunks(size_t target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Gives up reuse where memory is asked back (EmptyCache, a failing growth): releases the
