@@ -61,6 +61,9 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
   stats.reserved_bytes.Increase(static_cast<int64_t>(len));
   if (cap_ != nullptr) cap_->Add(static_cast<int64_t>(len));
   stats.segment.Increase(static_cast<int64_t>(pieces.size()));
+  ArenaStats& split = ArenaStatsOf(addr, stats);
+  split.reserved_bytes.Increase(static_cast<int64_t>(len));
+  split.segment.Increase(static_cast<int64_t>(pieces.size()));
   return absl::OkStatus();
 }
 
@@ -143,6 +146,15 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
       chunks_.erase(it);
       chunk.id = next_id_++;
       chunks_[to] = chunk;
+      if (ArenaStats &was = ArenaStatsOf(froms[k], stats), &is = ArenaStatsOf(to, stats);
+          &was != &is) {
+        // Into the other arena: its bytes count there now.
+        const auto size = static_cast<int64_t>(chunk.size);
+        was.reserved_bytes.Decrease(size);
+        was.segment.Decrease(1);
+        is.reserved_bytes.Increase(size);
+        is.segment.Increase(1);
+      }
       moved->push_back(Moved{froms[k], to, chunk.size});
       to += chunk.size;
     }
@@ -183,6 +195,9 @@ void ChunkMap::Forget(Map::iterator it, PoolStats& stats) {
   stats.reserved_bytes.Decrease(size);
   if (cap_ != nullptr) cap_->Add(-size);
   stats.segment.Decrease(1);
+  ArenaStats& split = ArenaStatsOf(it->first, stats);
+  split.reserved_bytes.Decrease(size);
+  split.segment.Decrease(1);
   if (it->second.exported) {
     --exported_;
     stats.exported_bytes.Decrease(size);

@@ -67,6 +67,9 @@ class ChunkMap {
     uint32_t handle_bits = 0;     // HandleTypeBit of the pool's handle type
     size_t max_chunk = 0;         // largest physical allocation
     std::vector<int> access;      // devices granted access: the pool's device, then its peers
+    // Where the pool's large arena begins: a chunk's bytes and count go to
+    // stats.arena[kLargeArena] at or above it, to stats.arena[kSmallArena] below.
+    uintptr_t large_base = 0;
   };
 
   void Init(Config config) { config_ = std::move(config); }
@@ -77,7 +80,7 @@ class ChunkMap {
   // Creates, maps and grants access to [addr, addr + len) in chunks, marking them exported and
   // dedicated when `dedicated`. On failure nothing stays mapped or created, and the driver's
   // error is returned. Adds the new chunks' bytes to `stats.reserved_bytes` and their count
-  // to `stats.segment`.
+  // to `stats.segment`, and to those of the arena they lie in.
   // `chunk_size` (0: max_chunk) is the size of every chunk but the last.
   absl::Status MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats,
                         size_t chunk_size = 0);
@@ -151,6 +154,10 @@ class ChunkMap {
 
  private:
   void Forget(Map::iterator it, PoolStats& stats);
+  // The statistics of the arena `addr` lies in (Config::large_base).
+  ArenaStats& ArenaStatsOf(uintptr_t addr, PoolStats& stats) const {
+    return stats.arena[addr >= config_.large_base ? kLargeArena : kSmallArena];
+  }
   // Unmaps the chunks from addrs[i] on that lie end to end (above addrs[i], or also below it
   // when `either_order`) with one Unmap call; if it fails, the chunks of that run one by one
   // (`*singles_until` remembers where the run ended). Returns the index past what it

@@ -135,6 +135,7 @@ absl::Status Pool::Init() {
   chunks.max_chunk = options_.max_chunk;
   chunks.access.push_back(device);
   for (int peer : options_.peer_devices) chunks.access.push_back(peer);
+  chunks.large_base = base_ + small;
   MutexLock lock(&mu_);
   chunks_.Init(std::move(chunks));
   reclaim_.Init(driver_, device);
@@ -193,6 +194,10 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::TakeBlock(Arena& arena, Block* bl
   stats_.allocated_bytes.Increase(bytes);
   stats_.requested_bytes.Increase(static_cast<int64_t>(requested));
   stats_.allocation.Increase(1);
+  ArenaStats& split = stats_.arena[&arena == &large_ ? kLargeArena : kSmallArena];
+  split.allocated_bytes.Increase(bytes);
+  split.requested_bytes.Increase(static_cast<int64_t>(requested));
+  split.allocation.Increase(1);
 }
 
 ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::Cache(Arena& arena, Block* block) {
@@ -288,12 +293,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     block = *grown;
   }
   TakeBlock(arena, block, n, size, stream);
-  if (pending_blocks_ > 0) {
-    // Active (allocated + pending) peaks here; the cached path runs only with none pending.
-    active_bytes_peak_ =
-        std::max(active_bytes_peak_, stats_.allocated_bytes.current + pending_bytes_);
-    active_peak_ = std::max(active_peak_, stats_.allocation.current + pending_blocks_);
-  }
+  // Active (allocated + pending) peaks here; the cached path runs only with none pending.
+  if (pending_.blocks > 0) NoteActivePeak();
   if (shareable && block->next != nullptr && block->next->state == BlockState::kFree &&
       chunks_.OverlapsExported(block->next->addr, block->next->end())) {
     // The rest of its own chunk is never handed out.
@@ -319,6 +320,10 @@ absl::Status Pool::Free(void* ptr) {
   stats_.allocated_bytes.Decrease(static_cast<int64_t>(block->size));
   stats_.requested_bytes.Decrease(static_cast<int64_t>(block->requested));
   stats_.allocation.Decrease(1);
+  ArenaStats& split = stats_.arena[&arena == &large_ ? kLargeArena : kSmallArena];
+  split.allocated_bytes.Decrease(static_cast<int64_t>(block->size));
+  split.requested_bytes.Decrease(static_cast<int64_t>(block->requested));
+  split.allocation.Decrease(1);
   if (ABSL_PREDICT_TRUE(block->stream_uses.empty() &&
                         !chunks_.OverlapsExported(block->addr, block->end()))) {
     Cache(arena, block);
@@ -344,8 +349,7 @@ absl::Status Pool::FreeInUse(Block* block) {
   block->stream_uses.clear();
   if (exported) streams.push_back(block->stream);
   block->state = BlockState::kPendingFree;
-  pending_bytes_ += static_cast<int64_t>(block->size);
-  ++pending_blocks_;
+  CountPending(block, +1);
   if (!reclaim_.RecordUses(block, streams, stats_)) {
     // A stream took no event and could not be synchronised (gone or broken): the block waits
     // on a fence that only a synchronisation of the devices completes, so wait for them now.
@@ -368,7 +372,7 @@ absl::Status Pool::ApplyReleaseThreshold() {
   if (keep_memory_) return absl::OkStatus();  // it would release nothing
   // Spare chunks are cached memory too (counted as retired), and go first.
   int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
-                   pending_bytes_ - retired_bytes_ + static_cast<int64_t>(spare_bytes_);
+                   pending_.bytes - retired_bytes_ + static_cast<int64_t>(spare_bytes_);
   if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
   const size_t spare_before = spare_bytes_;
   VMM_RETURN_IF_ERROR(
@@ -381,10 +385,7 @@ absl::Status Pool::ApplyReleaseThreshold() {
 }
 
 void Pool::Recycle(Block* block) {
-  if (block->state == BlockState::kPendingFree) {
-    pending_bytes_ -= static_cast<int64_t>(block->size);
-    --pending_blocks_;
-  }
+  if (block->state == BlockState::kPendingFree) CountPending(block, -1);
   Arena& arena = ArenaOf(block->addr);
   if (!chunks_.OverlapsExported(block->addr, block->end())) {
     Cache(arena, block);
@@ -999,11 +1000,7 @@ absl::StatusOr<void*> Pool::AllocateAt(uintptr_t addr, size_t size, Stream strea
   if (block->addr < addr) block = arena.Split(block, addr);
   if (block->end() > end) arena.Split(block, end);
   TakeBlock(arena, block, size, size, stream);
-  if (pending_blocks_ > 0) {
-    active_bytes_peak_ =
-        std::max(active_bytes_peak_, stats_.allocated_bytes.current + pending_bytes_);
-    active_peak_ = std::max(active_peak_, stats_.allocation.current + pending_blocks_);
-  }
+  if (pending_.blocks > 0) NoteActivePeak();
   return reinterpret_cast<void*>(block->addr);
 }
 

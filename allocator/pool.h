@@ -428,6 +428,25 @@ class Pool {
   absl::Status SynchronizeDevices() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::string Summary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateDerivedStats(PoolStats& stats) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Blocks freed by callers while streams still use them (kPendingFree), of the pool or of
+  // one arena: their bytes and count, those at the last ResetAccumulatedStats, and the highest
+  // active (allocated + pending) reached while some were pending.
+  struct Pending {
+    int64_t bytes = 0;
+    int64_t blocks = 0;
+    int64_t bytes_at_reset = 0;
+    int64_t blocks_at_reset = 0;
+    int64_t active_bytes_peak = 0;
+    int64_t active_peak = 0;
+  };
+  // The arena `addr` lies in (stats_.arena and arena_pending_ are indexed by it).
+  ArenaKind ArenaKindOf(uintptr_t addr) const {
+    return addr >= large_base_ ? kLargeArena : kSmallArena;
+  }
+  // `block` enters (+1) or leaves (-1) kPendingFree.
+  void CountPending(const Block* block, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After an allocation while blocks are pending: active may have reached a new high.
+  void NoteActivePeak() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Driver* const driver_;
   ExportObserver* const observer_;
@@ -469,17 +488,13 @@ class Pool {
   bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
   bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
   int64_t released_while_kept_ ABSL_GUARDED_BY(mu_) = 0;
-  // The statistics. Active bytes and blocks are not kept here (the cached path would pay for
-  // them) but derived when read (UpdateDerivedStats) from allocated and the pending figures:
-  // bytes and blocks freed by callers while streams still use them, their values at the
-  // last ResetAccumulatedStats, and the highest active reached while some were pending.
+  // The statistics, of the pool and of each arena (stats_.arena). Active bytes and blocks
+  // are not kept there (the cached path would pay for them) but derived when read
+  // (UpdateDerivedStats) from allocated and the Pending figures, of the pool (pending_) and
+  // of each arena (arena_pending_).
   PoolStats stats_ ABSL_GUARDED_BY(mu_);
-  int64_t pending_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t pending_blocks_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t pending_bytes_at_reset_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t pending_blocks_at_reset_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t active_bytes_peak_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t active_peak_ ABSL_GUARDED_BY(mu_) = 0;
+  Pending pending_ ABSL_GUARDED_BY(mu_);
+  Pending arena_pending_[kNumArenas] ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace vmm

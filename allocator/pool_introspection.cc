@@ -9,36 +9,76 @@
 
 namespace vmm {
 
-void Pool::UpdateDerivedStats(PoolStats& stats) const {
-  // Active = allocated + freed blocks still used by streams (pending). It rises only when a
-  // block is allocated, so its peak is allocated's peak or one recorded while blocks were
-  // pending (AllocateLocked); it falls when a block is freed unused or leaves pending.
-  auto derive_active = [](const Stat& allocated, int64_t pending, int64_t pending_at_reset,
-                          int64_t pending_peak, Stat& active) {
-    active.current = allocated.current + pending;
-    active.peak = std::max(allocated.peak, pending_peak);
-    active.allocated = allocated.allocated;
-    active.freed = allocated.freed - (pending - pending_at_reset);
+namespace {
+
+// Active = allocated + freed blocks still used by streams (pending). It rises only when a
+// block is allocated, so its peak is allocated's peak or one recorded while blocks were
+// pending (NoteActivePeak); it falls when a block is freed unused or leaves pending.
+void DeriveActive(const Stat& allocated, int64_t pending, int64_t pending_at_reset,
+                  int64_t pending_peak, Stat& active) {
+  active.current = allocated.current + pending;
+  active.peak = std::max(allocated.peak, pending_peak);
+  active.allocated = allocated.allocated;
+  active.freed = allocated.freed - (pending - pending_at_reset);
+}
+
+// Cached free blocks: PyTorch's inactive_split(_bytes).
+void SetInactive(int64_t bytes, int64_t count, Stat& inactive_bytes, Stat& inactive) {
+  inactive_bytes.current = bytes;
+  inactive_bytes.peak = std::max(inactive_bytes.peak, bytes);
+  inactive.current = count;
+  inactive.peak = std::max(inactive.peak, count);
+}
+
+}  // namespace
+
+void Pool::CountPending(const Block* block, int sign) {
+  const int64_t bytes = sign * static_cast<int64_t>(block->size);
+  for (Pending* p : {&pending_, &arena_pending_[ArenaKindOf(block->addr)]}) {
+    p->bytes += bytes;
+    p->blocks += sign;
+  }
+}
+
+void Pool::NoteActivePeak() {
+  auto note = [](const Stat& allocated_bytes, const Stat& allocation, Pending& p) {
+    p.active_bytes_peak = std::max(p.active_bytes_peak, allocated_bytes.current + p.bytes);
+    p.active_peak = std::max(p.active_peak, allocation.current + p.blocks);
   };
-  derive_active(stats_.allocated_bytes, pending_bytes_, pending_bytes_at_reset_,
-                active_bytes_peak_, stats.active_bytes);
-  derive_active(stats_.allocation, pending_blocks_, pending_blocks_at_reset_, active_peak_,
-                stats.active);
+  note(stats_.allocated_bytes, stats_.allocation, pending_);
+  for (int a = 0; a < kNumArenas; ++a) {
+    note(stats_.arena[a].allocated_bytes, stats_.arena[a].allocation, arena_pending_[a]);
+  }
+}
+
+void Pool::UpdateDerivedStats(PoolStats& stats) const {
+  auto derive = [](const Pending& p, const Stat& allocated_bytes, const Stat& allocation,
+                   Stat& active_bytes, Stat& active) {
+    DeriveActive(allocated_bytes, p.bytes, p.bytes_at_reset, p.active_bytes_peak, active_bytes);
+    DeriveActive(allocation, p.blocks, p.blocks_at_reset, p.active_peak, active);
+  };
+  derive(pending_, stats_.allocated_bytes, stats_.allocation, stats.active_bytes, stats.active);
   size_t free_bytes = 0;
   size_t free_count = 0;
   size_t largest = 0;
-  for (const Arena* arena : {&small_, &large_}) {
-    arena->free_blocks().ForEach([&](const Block* b) {
-      free_bytes += b->size;
-      ++free_count;
+  for (int a = 0; a < kNumArenas; ++a) {
+    ArenaStats& split = stats.arena[a];
+    derive(arena_pending_[a], split.allocated_bytes, split.allocation, split.active_bytes,
+           split.active);
+    size_t arena_bytes = 0;
+    size_t arena_count = 0;
+    arenas_[a]->free_blocks().ForEach([&](const Block* b) {
+      arena_bytes += b->size;
+      ++arena_count;
       largest = std::max(largest, b->size);
     });
+    SetInactive(static_cast<int64_t>(arena_bytes), static_cast<int64_t>(arena_count),
+                split.inactive_split_bytes, split.inactive_split);
+    free_bytes += arena_bytes;
+    free_count += arena_count;
   }
-  stats.inactive_split_bytes.current = static_cast<int64_t>(free_bytes);
-  stats.inactive_split_bytes.peak =
-      std::max(stats.inactive_split_bytes.peak, stats.inactive_split_bytes.current);
-  stats.inactive_split.current = static_cast<int64_t>(free_count);
-  stats.inactive_split.peak = std::max(stats.inactive_split.peak, stats.inactive_split.current);
+  SetInactive(static_cast<int64_t>(free_bytes), static_cast<int64_t>(free_count),
+              stats.inactive_split_bytes, stats.inactive_split);
   stats.largest_free_block = static_cast<int64_t>(largest);
   stats.fragmentation =
       free_bytes == 0 ? 0.0 : 1.0 - static_cast<double>(largest) / static_cast<double>(free_bytes);
@@ -57,8 +97,18 @@ void Pool::ResetPeakStats() {
   VMM_BYTE_STATS(VMM_RESET_PEAK)
   VMM_COUNT_STATS(VMM_RESET_PEAK)
 #undef VMM_RESET_PEAK
-  active_bytes_peak_ = stats_.allocated_bytes.current + pending_bytes_;
-  active_peak_ = stats_.allocation.current + pending_blocks_;
+  auto reset = [](const Stat& allocated_bytes, const Stat& allocation, Pending& p) {
+    p.active_bytes_peak = allocated_bytes.current + p.bytes;
+    p.active_peak = allocation.current + p.blocks;
+  };
+  reset(stats_.allocated_bytes, stats_.allocation, pending_);
+  for (int a = 0; a < kNumArenas; ++a) {
+    ArenaStats& split = stats_.arena[a];
+#define VMM_RESET_ARENA_PEAK(name) split.name.ResetPeak();
+    VMM_TORCH_STATS(VMM_RESET_ARENA_PEAK)
+#undef VMM_RESET_ARENA_PEAK
+    reset(split.allocated_bytes, split.allocation, arena_pending_[a]);
+  }
 }
 
 void Pool::ResetAccumulatedStats() {
@@ -67,8 +117,15 @@ void Pool::ResetAccumulatedStats() {
   VMM_BYTE_STATS(VMM_RESET_ACC)
   VMM_COUNT_STATS(VMM_RESET_ACC)
 #undef VMM_RESET_ACC
-  pending_bytes_at_reset_ = pending_bytes_;
-  pending_blocks_at_reset_ = pending_blocks_;
+  for (int a = 0; a < kNumArenas; ++a) {
+#define VMM_RESET_ARENA_ACC(name) stats_.arena[a].name.ResetAccumulated();
+    VMM_TORCH_STATS(VMM_RESET_ARENA_ACC)
+#undef VMM_RESET_ARENA_ACC
+  }
+  for (Pending* p : {&pending_, &arena_pending_[kSmallArena], &arena_pending_[kLargeArena]}) {
+    p->bytes_at_reset = p->bytes;
+    p->blocks_at_reset = p->blocks;
+  }
 #define VMM_RESET_COUNTER(name, key, what) stats_.name = 0;
   VMM_COUNTERS(VMM_RESET_COUNTER)
 #undef VMM_RESET_COUNTER
@@ -115,7 +172,7 @@ std::vector<BlockInfo> Pool::LiveBlocks() const {
   MutexLock lock(&mu_);
   std::vector<BlockInfo> out;
   out.reserve(small_.live().count() + large_.live().count() +
-              static_cast<size_t>(pending_blocks_));
+              static_cast<size_t>(pending_.blocks));
   for (const Arena* arena : {&small_, &large_}) {  // the small arena lies below the large one
     for (const Block* b = arena->head(); b != nullptr; b = b->next) {
       if (b->state == BlockState::kAllocated || b->state == BlockState::kPendingFree) {
@@ -160,8 +217,14 @@ absl::Status Pool::CheckInvariants() const {
   };
   int64_t allocated = 0, active = 0, retired = 0, requested = 0, live = 0, pending_blocks = 0;
   int64_t pending_events = 0;
+  // What each arena's statistics (stats_.arena, arena_pending_) must say.
+  struct ArenaTotals {
+    int64_t allocated = 0, requested = 0, live = 0, pending_bytes = 0, pending_blocks = 0;
+    int64_t reserved = 0, segments = 0;
+  } by_arena[kNumArenas];
   for (const Arena* arena : {&small_, &large_}) {
     if (std::string err = arena->CheckInvariants(); !err.empty()) return fail(err);
+    ArenaTotals& totals = by_arena[arena == &large_ ? kLargeArena : kSmallArena];
     for (const Block* b = arena->head(); b != nullptr; b = b->next) {
       // Which chunks lie under the block: none for a gap, full cover otherwise.
       uintptr_t covered = b->addr;
@@ -195,6 +258,9 @@ absl::Status Pool::CheckInvariants() const {
           active += static_cast<int64_t>(b->size);
           requested += static_cast<int64_t>(b->requested);
           ++live;
+          totals.allocated += static_cast<int64_t>(b->size);
+          totals.requested += static_cast<int64_t>(b->requested);
+          ++totals.live;
           break;
         }
         case BlockState::kPendingFree:
@@ -202,6 +268,8 @@ absl::Status Pool::CheckInvariants() const {
           active += static_cast<int64_t>(b->size);
           pending_events += b->pending_events;
           ++pending_blocks;
+          totals.pending_bytes += static_cast<int64_t>(b->size);
+          ++totals.pending_blocks;
           break;
         case BlockState::kUnmapped:
           break;
@@ -212,6 +280,8 @@ absl::Status Pool::CheckInvariants() const {
   size_t spare = 0, spare_count = 0;
   for (const auto& [addr, chunk] : chunks_) {
     reserved += static_cast<int64_t>(chunk.size);
+    by_arena[ArenaKindOf(addr)].reserved += static_cast<int64_t>(chunk.size);
+    ++by_arena[ArenaKindOf(addr)].segments;
     if (chunk.exported) {
       exported += static_cast<int64_t>(chunk.size);
       ++exported_count;
@@ -243,14 +313,26 @@ absl::Status Pool::CheckInvariants() const {
   if (pending_events != static_cast<int64_t>(reclaim_.pending_events())) return fail("pending list");
   if (allocated != stats_.allocated_bytes.current) return fail("allocated_bytes");
   if (requested != stats_.requested_bytes.current) return fail("requested_bytes");
-  if (active != stats_.allocated_bytes.current + pending_bytes_) return fail("active_bytes");
+  if (active != stats_.allocated_bytes.current + pending_.bytes) return fail("active_bytes");
   if (live != stats_.allocation.current) return fail("allocation count");
-  if (pending_blocks != pending_blocks_) return fail("pending block count");
+  if (pending_blocks != pending_.blocks) return fail("pending block count");
   if (reserved != stats_.reserved_bytes.current) return fail("reserved_bytes");
   if (static_cast<int64_t>(chunks_.size()) != stats_.segment.current) return fail("segments");
   if (exported != stats_.exported_bytes.current) return fail("exported_bytes");
   if (exported_count != chunks_.exported_count()) return fail("exported chunk count");
   if (retired != retired_bytes_) return fail("retired bytes");
+  for (int a = 0; a < kNumArenas; ++a) {
+    const ArenaTotals& t = by_arena[a];
+    const ArenaStats& split = stats_.arena[a];
+    const char* name = a == kLargeArena ? "large arena " : "small arena ";
+    if (t.allocated != split.allocated_bytes.current) return fail(name, "allocated_bytes");
+    if (t.requested != split.requested_bytes.current) return fail(name, "requested_bytes");
+    if (t.live != split.allocation.current) return fail(name, "allocation count");
+    if (t.pending_bytes != arena_pending_[a].bytes) return fail(name, "pending bytes");
+    if (t.pending_blocks != arena_pending_[a].blocks) return fail(name, "pending block count");
+    if (t.reserved != split.reserved_bytes.current) return fail(name, "reserved_bytes");
+    if (t.segments != split.segment.current) return fail(name, "segments");
+  }
   if (released_while_kept_ != 0) {
     return fail(released_while_kept_, " chunk(s) released while the pool kept its memory");
   }

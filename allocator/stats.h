@@ -93,6 +93,17 @@ struct Stat {
 #define VMM_TORCH_COUNTERS(X)                                                          \
   X(num_alloc_retries) X(num_ooms) X(num_sync_all_streams) X(num_device_alloc) X(num_device_free)
 
+// The arenas of a pool, as PyTorch's pool types: the small arena (requests up to
+// PoolOptions::small_size) is PyTorch's small_pool, the large arena its large_pool.
+enum ArenaKind : int { kSmallArena = 0, kLargeArena = 1, kNumArenas = 2 };
+
+// The statistics PyTorch keeps per pool type (VMM_TORCH_STATS), for one arena.
+struct ArenaStats {
+#define VMM_DECLARE_ARENA_STAT(name) Stat name;
+  VMM_TORCH_STATS(VMM_DECLARE_ARENA_STAT)
+#undef VMM_DECLARE_ARENA_STAT
+};
+
 struct PoolStats {
 #define VMM_DECLARE_STAT(name, key, what) Stat name;
   VMM_BYTE_STATS(VMM_DECLARE_STAT)
@@ -101,6 +112,10 @@ struct PoolStats {
 #define VMM_DECLARE_COUNTER(name, key, what) int64_t name = 0;
   VMM_COUNTERS(VMM_DECLARE_COUNTER)
 #undef VMM_DECLARE_COUNTER
+
+  // The same statistics of each arena, indexed by ArenaKind: for every Stat field, the
+  // arenas' current, allocated and freed add up to the pool's (their peaks need not).
+  ArenaStats arena[kNumArenas];
 
   // Derived when the stats are read.
   int64_t largest_free_block = 0;
@@ -123,6 +138,11 @@ inline void AddPoolStats(const PoolStats& pool, PoolStats& total) {
   VMM_BYTE_STATS(VMM_ADD_STAT)
   VMM_COUNT_STATS(VMM_ADD_STAT)
 #undef VMM_ADD_STAT
+  for (int a = 0; a < kNumArenas; ++a) {
+#define VMM_ADD_ARENA_STAT(name) add(pool.arena[a].name, total.arena[a].name);
+    VMM_TORCH_STATS(VMM_ADD_ARENA_STAT)
+#undef VMM_ADD_ARENA_STAT
+  }
 #define VMM_ADD_COUNTER(name, key, what) total.name += pool.name;
   VMM_COUNTERS(VMM_ADD_COUNTER)
 #undef VMM_ADD_COUNTER

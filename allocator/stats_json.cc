@@ -175,6 +175,12 @@ Json StatsToJson(const PoolStats& stats) {
 #undef VMM_COUNTER_TO_JSON
   out["largest_free_block"] = stats.largest_free_block;
   out["fragmentation"] = stats.fragmentation;
+  for (int a = 0; a < kNumArenas; ++a) {
+    Json& arena = out["arenas"][a == kLargeArena ? "large" : "small"];
+#define VMM_ARENA_STAT_TO_JSON(name) arena[#name] = StatJson(stats.arena[a].name);
+    VMM_TORCH_STATS(VMM_ARENA_STAT_TO_JSON)
+#undef VMM_ARENA_STAT_TO_JSON
+  }
   return out;
 }
 
@@ -189,6 +195,13 @@ Json TorchMemoryStats(const PoolStats& stats) {
 #undef VMM_COUNTER_TO_TORCH
   out["vmm.largest_free_block"] = stats.largest_free_block;
   out["vmm.fragmentation"] = stats.fragmentation;
+  for (int a = 0; a < kNumArenas; ++a) {
+    const char* pool = a == kLargeArena ? ".large_pool" : ".small_pool";
+#define VMM_ARENA_STAT_TO_TORCH(name) \
+  AddFlatStat(out, absl::StrCat(#name, pool), stats.arena[a].name);
+    VMM_TORCH_STATS(VMM_ARENA_STAT_TO_TORCH)
+#undef VMM_ARENA_STAT_TO_TORCH
+  }
   return out;
 }
 

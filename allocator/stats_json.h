@@ -7,23 +7,25 @@
 // StatsToJson(stats): vmm's form, one key per field of PoolStats:
 //   {"allocated_bytes": {"current": .., "peak": .., "allocated": .., "freed": ..}, ...,
 //    "num_device_alloc": .., "driver_create": .., ..., "largest_free_block": ..,
-//    "fragmentation": ..}
+//    "fragmentation": .., "arenas": {"small": {"allocated_bytes": {..}, ...}, "large": {..}}}
+//   ("arenas": stats.h's VMM_TORCH_STATS of each arena, PoolStats::arena).
 //
 // TorchMemoryStats(stats): the flat dict of torch.cuda.memory_stats(), for code and dashboards
 // written against PyTorch:
 //   - a statistic whose key is one of PyTorch's (stats.h's VMM_TORCH_STATS: allocation,
 //     segment, active, inactive_split, allocated_bytes, reserved_bytes, active_bytes,
 //     inactive_split_bytes, requested_bytes) becomes "KEY.all.current", "KEY.all.peak",
-//     "KEY.all.allocated" and "KEY.all.freed";
+//     "KEY.all.allocated" and "KEY.all.freed", and the same of the small arena and of the
+//     large one "KEY.small_pool.*" and "KEY.large_pool.*" (PyTorch's pool types; vmm's small
+//     arena serves requests up to the pool's small_size, 1 MiB as in PyTorch unless the large
+//     arena grows in pages, then 256 KiB);
 //   - a counter whose key is one of PyTorch's (VMM_TORCH_COUNTERS: num_alloc_retries, num_ooms,
 //     num_sync_all_streams, num_device_alloc, num_device_free) becomes "KEY";
 //   - everything else is vmm's own and is prefixed "vmm.": "vmm.exported_bytes.current",
 //     "vmm.driver_calls.create", "vmm.num_exports", "vmm.largest_free_block" and
 //     "vmm.fragmentation" (the one value that is not an integer).
-//   There are no "KEY.large_pool.*" or "KEY.small_pool.*" entries: vmm keeps one set of
-//   statistics for both of its arenas, and splitting it would invent numbers. Code that reads
-//   PyTorch's pool splits must treat them as absent. PyTorch's "max_split_size",
-//   "oversize_allocations.*" and "oversize_segments.*" have no vmm counterpart and are absent.
+//   PyTorch's "max_split_size", "oversize_allocations.*" and "oversize_segments.*" have no
+//   vmm counterpart and are absent.
 //   (The C interface's vmm_torch_stats, made from the same lists, fills PyTorch's struct
 //   instead: see torch_plugin/vmm_c.h.)
 //   Where the meanings differ slightly: "segment" counts physical chunks (cuMemCreate

@@ -74,19 +74,25 @@ constexpr NamedCounter kCounters[] = {
 // Expects `stats` to say what the "torch" half of a stats document says.
 void ExpectSameAsJson(const vmm_torch_stats& stats, const Json& doc) {
   const Json& torch = doc.at("torch");
+  constexpr std::pair<vmm_stat_type, const char*> kKinds[] = {
+      {VMM_STAT_ALL, ".all."}, {VMM_STAT_SMALL, ".small_pool."}, {VMM_STAT_LARGE, ".large_pool."}};
   for (const NamedStat& s : kStats) {
     const vmm_stat(&kinds)[3] = stats.*(s.field);
-    const vmm_stat& all = kinds[VMM_STAT_ALL];
-    const std::string key = std::string(s.name) + ".all.";
-    EXPECT_EQ(all.current, torch.at(key + "current").get<int64_t>()) << s.name;
-    EXPECT_EQ(all.peak, torch.at(key + "peak").get<int64_t>()) << s.name;
-    EXPECT_EQ(all.allocated, torch.at(key + "allocated").get<int64_t>()) << s.name;
-    EXPECT_EQ(all.freed, torch.at(key + "freed").get<int64_t>()) << s.name;
-    // One set of statistics for both arenas: the large pool's, none in the small pool's.
-    const vmm_stat& large = kinds[VMM_STAT_LARGE];
-    const vmm_stat& small = kinds[VMM_STAT_SMALL];
-    EXPECT_EQ(std::memcmp(&large, &all, sizeof(vmm_stat)), 0) << s.name;
-    EXPECT_EQ(small.current | small.peak | small.allocated | small.freed, 0) << s.name;
+    for (const auto& [kind, infix] : kKinds) {
+      const vmm_stat& v = kinds[kind];
+      const std::string key = s.name + std::string(infix);
+      EXPECT_EQ(v.current, torch.at(key + "current").get<int64_t>()) << key;
+      EXPECT_EQ(v.peak, torch.at(key + "peak").get<int64_t>()) << key;
+      EXPECT_EQ(v.allocated, torch.at(key + "allocated").get<int64_t>()) << key;
+      EXPECT_EQ(v.freed, torch.at(key + "freed").get<int64_t>()) << key;
+    }
+    // The pool's figures are its arenas' together.
+    EXPECT_EQ(kinds[VMM_STAT_ALL].current,
+              kinds[VMM_STAT_SMALL].current + kinds[VMM_STAT_LARGE].current)
+        << s.name;
+    EXPECT_EQ(kinds[VMM_STAT_ALL].allocated,
+              kinds[VMM_STAT_SMALL].allocated + kinds[VMM_STAT_LARGE].allocated)
+        << s.name;
   }
   for (const NamedCounter& c : kCounters) {
     EXPECT_EQ(stats.*(c.field), torch.at(c.name).get<int64_t>()) << c.name;
@@ -171,6 +177,12 @@ TEST_F(CApiTest, TheStatsStructSaysWhatTheJsonSays) {
   ExpectSameAsJson(stats, TakeJson(vmm_stats_json(0)));
   EXPECT_GE(stats.allocation[VMM_STAT_ALL].current, 3);
   EXPECT_GT(stats.reserved_bytes[VMM_STAT_ALL].current, 0);
+  // PyTorch's pool types: 700 bytes live in the small arena, 5 and 9 MiB in the large one.
+  EXPECT_EQ(stats.allocation[VMM_STAT_SMALL].current, 1);
+  EXPECT_EQ(stats.allocation[VMM_STAT_LARGE].current, 2);
+  EXPECT_GE(stats.allocated_bytes[VMM_STAT_LARGE].current, static_cast<int64_t>(14 * kMiB));
+  EXPECT_GE(stats.segment[VMM_STAT_SMALL].current, 1);
+  EXPECT_GE(stats.segment[VMM_STAT_LARGE].current, 1);
   // An unused device: zeros, as in its JSON.
   const vmm_torch_stats unused = DeviceStats(5);
   ExpectSameAsJson(unused, TakeJson(vmm_stats_json(5)));

@@ -445,6 +445,67 @@ TEST_F(PoolTest, StatsTrackCurrentPeakAndTotals) {
   ASSERT_TRUE(pool->Free(b).ok());
 }
 
+TEST_F(PoolTest, StatsAreSplitByArenaAsPyTorchsSmallAndLargePools) {
+  auto pool = MakePool();
+  void* small = Alloc(*pool, 4096);
+  void* large = Alloc(*pool, 4 * kMiB);
+  void* gone = Alloc(*pool, 100 * 1024);
+  ASSERT_TRUE(pool->Free(gone).ok());
+  PoolStats s = pool->GetStats();
+  const ArenaStats& sm = s.arena[kSmallArena];
+  const ArenaStats& lg = s.arena[kLargeArena];
+  EXPECT_EQ(sm.allocation.current, 1);
+  EXPECT_EQ(sm.allocation.allocated, 2);
+  EXPECT_EQ(sm.allocated_bytes.current, 4096);
+  EXPECT_EQ(sm.requested_bytes.current, 4096);
+  EXPECT_EQ(sm.allocated_bytes.peak, 4096 + 100 * 1024);
+  EXPECT_EQ(lg.allocation.current, 1);
+  EXPECT_EQ(lg.allocated_bytes.current, static_cast<int64_t>(4 * kMiB));
+  EXPECT_GE(sm.segment.current, 1);
+  EXPECT_GE(lg.segment.current, 1);
+  EXPECT_GE(sm.inactive_split_bytes.current, 100 * 1024);
+  // The pool's figures are the arenas' together (peaks need not be).
+#define VMM_EXPECT_SUM(name)                                                      \
+  EXPECT_EQ(s.name.current, sm.name.current + lg.name.current) << #name;          \
+  EXPECT_EQ(s.name.allocated, sm.name.allocated + lg.name.allocated) << #name;    \
+  EXPECT_EQ(s.name.freed, sm.name.freed + lg.name.freed) << #name;
+  VMM_TORCH_STATS(VMM_EXPECT_SUM)
+#undef VMM_EXPECT_SUM
+
+  // A small block freed while another stream still uses it is active in the small arena.
+  Stream t = *driver_->CreateStream(0);
+  {
+    StreamGate gate(driver_, t);
+    ASSERT_TRUE(pool->RecordStream(small, t).ok());
+    ASSERT_TRUE(pool->Free(small).ok());
+    PoolStats pending = pool->GetStats();
+    EXPECT_EQ(pending.arena[kSmallArena].active_bytes.current, 4096);
+    EXPECT_EQ(pending.arena[kSmallArena].active.current, 1);
+    EXPECT_EQ(pending.arena[kSmallArena].allocated_bytes.current, 0);
+    EXPECT_EQ(pending.arena[kLargeArena].active_bytes.current,
+              static_cast<int64_t>(4 * kMiB));
+    pool->ResetPeakStats();
+    pool->ResetAccumulatedStats();
+    PoolStats reset = pool->GetStats();
+    EXPECT_EQ(reset.arena[kSmallArena].active_bytes.peak, 4096);
+    EXPECT_EQ(reset.arena[kSmallArena].allocated_bytes.peak, 0);
+    EXPECT_EQ(reset.arena[kSmallArena].allocated_bytes.allocated, 0);
+    EXPECT_EQ(reset.arena[kLargeArena].allocated_bytes.peak, static_cast<int64_t>(4 * kMiB));
+    EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  }
+  ASSERT_TRUE(driver_->SynchronizeStream(t).ok());
+  ASSERT_TRUE(pool->Free(large).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  PoolStats empty = pool->GetStats();
+  EXPECT_EQ(empty.arena[kSmallArena].active.current, 0);
+  EXPECT_EQ(empty.arena[kSmallArena].reserved_bytes.current, 0);
+  EXPECT_EQ(empty.arena[kLargeArena].reserved_bytes.current, 0);
+  EXPECT_EQ(empty.arena[kSmallArena].active_bytes.freed, 4096)
+      << "the pending block, since the reset";
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  ASSERT_TRUE(driver_->DestroyStream(t).ok());
+}
+
 // --- Streams --------------------------------------------------------------------------------
 
 TEST_F(PoolTest, BlockFreedOnAStreamIsReusedOnItAtOnce) {

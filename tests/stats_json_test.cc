@@ -144,7 +144,24 @@ TEST_F(StatsJsonTest, StatsToJsonHasEveryFieldOfTheLists) {
 #undef VMM_EXPECT_COUNTER
   EXPECT_EQ(j["largest_free_block"].get<int64_t>(), stats.largest_free_block);
   EXPECT_DOUBLE_EQ(j["fragmentation"].get<double>(), stats.fragmentation);
-  EXPECT_EQ(j.size(), fields + 2) << "no field beyond the lists and the two derived ones";
+  // Each arena's PyTorch statistics.
+  ASSERT_TRUE(j.contains("arenas"));
+  EXPECT_EQ(j["arenas"].size(), 2u);
+  for (const auto& [name, kind] : {std::pair{"small", kSmallArena}, {"large", kLargeArena}}) {
+    const Json& arena = j["arenas"][name];
+    size_t arena_fields = 0;
+#define VMM_EXPECT_ARENA_STAT(stat)                                                     \
+  ++arena_fields;                                                                        \
+  EXPECT_EQ(arena.at(#stat).at("current").get<int64_t>(), stats.arena[kind].stat.current) \
+      << name << " " << #stat;                                                           \
+  EXPECT_EQ(arena.at(#stat).at("peak").get<int64_t>(), stats.arena[kind].stat.peak)       \
+      << name << " " << #stat;
+    VMM_TORCH_STATS(VMM_EXPECT_ARENA_STAT)
+#undef VMM_EXPECT_ARENA_STAT
+    EXPECT_EQ(arena.size(), arena_fields) << name;
+  }
+  EXPECT_EQ(j.size(), fields + 3)
+      << "no field beyond the lists, the arenas and the two derived ones";
   EXPECT_GT(stats.allocation.current, 0);
 }
 
@@ -208,11 +225,28 @@ TEST_F(StatsJsonTest, TorchMemoryStatsUsesPyTorchKeys) {
       << key;
   VMM_COUNTERS(VMM_EXPECT_TORCH_COUNTER)
 #undef VMM_EXPECT_TORCH_COUNTER
-  EXPECT_EQ(j.size(), keys + 2);
-  for (const auto& [key, value] : j.items()) {
-    EXPECT_TRUE(value.is_number()) << key;
-    EXPECT_FALSE(absl::StrContains(key, "_pool.")) << key << ": vmm has no pool split";
+  // PyTorch's pool types: the small arena's and the large arena's figures.
+  for (const auto& [pool, kind] :
+       {std::pair{".small_pool.", kSmallArena}, {".large_pool.", kLargeArena}}) {
+#define VMM_EXPECT_POOL_STAT(name)                                                  \
+  keys += 4;                                                                        \
+  EXPECT_EQ(j.at(#name + std::string(pool) + "current").get<int64_t>(),             \
+            s.arena[kind].name.current)                                             \
+      << #name << pool;                                                             \
+  EXPECT_EQ(j.at(#name + std::string(pool) + "allocated").get<int64_t>(),           \
+            s.arena[kind].name.allocated)                                           \
+      << #name << pool;                                                             \
+  EXPECT_EQ(j.at(#name + std::string(pool) + "peak").get<int64_t>(),                \
+            s.arena[kind].name.peak)                                                \
+      << #name << pool;                                                             \
+  EXPECT_EQ(j.at(#name + std::string(pool) + "freed").get<int64_t>(),               \
+            s.arena[kind].name.freed)                                               \
+      << #name << pool;
+    VMM_TORCH_STATS(VMM_EXPECT_POOL_STAT)
+#undef VMM_EXPECT_POOL_STAT
   }
+  EXPECT_EQ(j.size(), keys + 2);
+  for (const auto& [key, value] : j.items()) EXPECT_TRUE(value.is_number()) << key;
 }
 
 // --- TorchSnapshot ---------------------------------------------------------------------------

@@ -121,16 +121,19 @@ static_assert(sizeof(vmm_stat) == 32 && sizeof(vmm_torch_stats) == (9 * 3 + 2) *
 static_assert(sizeof(vmm_block_entry) == 40 && sizeof(vmm_segment_entry) == 8 * 8 + 24 + 16,
               "vmm_block_entry / vmm_segment_entry layout (vmm_torch/_signatures.py mirrors it)");
 
-// PoolStats as PyTorch's DeviceStats: the fields stats.h's lists name, in [VMM_STAT_ALL] and
-// [VMM_STAT_LARGE] (vmm_c.h says why).
+// PoolStats as PyTorch's DeviceStats: the fields stats.h's lists name, of the pool in
+// [VMM_STAT_ALL] and of its small and large arenas in [VMM_STAT_SMALL] and [VMM_STAT_LARGE].
 vmm_torch_stats TorchStats(const PoolStats& stats) {
   vmm_torch_stats out{};
-  auto put = [](const Stat& s, vmm_stat (&to)[VMM_STAT_TYPES]) {
-    const vmm_stat v{s.current, s.peak, s.allocated, s.freed};
-    to[VMM_STAT_ALL] = v;
-    to[VMM_STAT_LARGE] = v;
+  auto put = [](const Stat& all, const Stat& small, const Stat& large,
+                vmm_stat (&to)[VMM_STAT_TYPES]) {
+    auto value = [](const Stat& s) { return vmm_stat{s.current, s.peak, s.allocated, s.freed}; };
+    to[VMM_STAT_ALL] = value(all);
+    to[VMM_STAT_SMALL] = value(small);
+    to[VMM_STAT_LARGE] = value(large);
   };
-#define VMM_PUT_STAT(name) put(stats.name, out.name);
+#define VMM_PUT_STAT(name) \
+  put(stats.name, stats.arena[kSmallArena].name, stats.arena[kLargeArena].name, out.name);
   VMM_TORCH_STATS(VMM_PUT_STAT)
 #undef VMM_PUT_STAT
 #define VMM_PUT_COUNTER(name) out.name = stats.name;

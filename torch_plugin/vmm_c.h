@@ -149,9 +149,10 @@ int vmm_owns(const void* ptr);
 /* What vmm_stats_json gives under PyTorch's key names, in PyTorch's own struct, for a C++
  * allocator that answers torch.cuda.memory_stats() (one list, allocator/stats.h, makes both;
  * meanings as there: "segment" counts physical chunks, "inactive_split" every cached free
- * block, num_device_alloc/free growths and chunk releases). vmm keeps one set of statistics
- * per pool for both of its arenas: [VMM_STAT_ALL] and [VMM_STAT_LARGE] hold it, and
- * [VMM_STAT_SMALL] is zero. oversize_* are zero and max_split_size is -1 (what PyTorch reports
+ * block, num_device_alloc/free growths and chunk releases). [VMM_STAT_ALL] holds the pool's,
+ * [VMM_STAT_SMALL] and [VMM_STAT_LARGE] those of its small arena (requests up to the pool's
+ * small_size: 1 MiB, PyTorch's small-block limit, unless the large arena grows in pages) and
+ * of its large one. oversize_* are zero and max_split_size is -1 (what PyTorch reports
  * without a limit: vmm splits blocks of every size). */
 
 /* One statistic as PyTorch counts it (current == allocated - freed). */

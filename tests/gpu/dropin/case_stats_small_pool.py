@@ -5,8 +5,9 @@ PyTorch counts allocations of at most 1 MiB in the small pool and larger ones in
 pool: allocating a 4 KiB tensor raises allocated_bytes.small_pool.current, a 4 MiB tensor
 raises allocated_bytes.large_pool.current, and small + large == all.
 
-Why vmm may differ: vmm_c.h says its pools report everything as large_pool and small_pool
-stays zero (vmm has no such split), so tools reading the split see other numbers.
+Why vmm may differ: vmm's split is by arena (its small arena serves requests up to the
+pool's small_size), counted apart from the pool's totals; a count missed on one side shows
+as small + large != all.
 """
 
 import torch
