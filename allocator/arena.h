@@ -53,6 +53,9 @@ class Arena {
   bool Contains(uintptr_t addr) const { return addr >= base_ && addr < base_ + size_; }
   Block* head() const { return head_; }
   const FreeBlocks& free_blocks() const { return free_; }
+  // The resets of the cached blocks' statistics (FreeBlocks::block_stat, byte_stat).
+  void ResetFreeStatPeaks() { free_.ResetStatPeaks(); }
+  void ResetFreeStatAccumulated() { free_.ResetStatAccumulated(); }
   // The allocated blocks by address (the pool inserts and erases them).
   BlockIndex& live() { return live_; }
   const BlockIndex& live() const { return live_; }

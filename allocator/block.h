@@ -52,6 +52,7 @@ struct Block {
   Block* free_next = nullptr;
   void* free_bins = nullptr;
   int free_bin = 0;
+  size_t free_size = 0;  // its size when the set last filed it (the set's byte count)
 
   uintptr_t end() const { return addr + size; }
 };

@@ -13,6 +13,10 @@
 // its size may, if Resized() follows. Replace() and Resized() keep a block's place in its bin
 // when its new size still falls in that bin, which is the common case when a large free
 // block is split or grows by coalescing: no bin or bitmap changes then.
+//
+// The set counts what it holds as statistics (Stat: current, peak, allocated, freed): its
+// blocks and their bytes, by the size each block was filed with (a pool's inactive_split and
+// inactive_split_bytes of one arena).
 #ifndef VMM_ALLOCATOR_FREE_BLOCKS_H_
 #define VMM_ALLOCATOR_FREE_BLOCKS_H_
 
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "allocator/block.h"
+#include "allocator/stats.h"
 
 namespace vmm {
 
@@ -40,6 +45,19 @@ class FreeBlocks {
   // Moves `block` to the bin of its new size, after its size changed while in the set.
   void Resized(Block* block);
   bool Contains(const Block* block) const { return block->free_bins != nullptr; }
+
+  // The blocks and bytes the set holds, as statistics; ResetStatPeaks and
+  // ResetStatAccumulated do to them what Stat's resets do.
+  const Stat& block_stat() const { return blocks_stat_; }
+  const Stat& byte_stat() const { return bytes_stat_; }
+  void ResetStatPeaks() {
+    blocks_stat_.ResetPeak();
+    bytes_stat_.ResetPeak();
+  }
+  void ResetStatAccumulated() {
+    blocks_stat_.ResetAccumulated();
+    bytes_stat_.ResetAccumulated();
+  }
   // Whether a contained block is listed in the bin of its size and tag (for invariant checks:
   // walks the bin).
   bool Filed(const Block* block) const;
@@ -86,16 +104,25 @@ class FreeBlocks {
   };
 
   static int BinOf(size_t size);
+  // Counts `block` in (+1) or out (-1) of the statistics, by its filed size.
+  void Tally(const Block* block, int sign);
+  // Counts the change of a filed block's size to `size`, and files it with that size.
+  void TallyResize(Block* block, size_t size);
   static Block* SmallestIn(Block* head, size_t at_least);
   Bins* Find(Stream stream) const;
   Bins& FindOrAdd(Stream stream);
+  // Files `block` in `bins` at `bin`, or takes it out of its bin, counting blocks per bin and
+  // in count_ but not in the statistics (Tally).
   void InsertIn(Bins& bins, Block* block, int bin);
+  void Unlink(Block* block);
   static Block* BestFitIn(const Bins& bins, size_t size);
 
   std::vector<std::unique_ptr<Bins>> tags_;  // few: one per stream that freed memory
   Bins* last_ = nullptr;                      // the tag used last (the common one)
   Bins* any_ = nullptr;                       // kAnyStream's bins, once they exist
   size_t count_ = 0;
+  Stat blocks_stat_;
+  Stat bytes_stat_;
 };
 
 // The searches and updates below are on the pool's cached path: inline.
@@ -129,8 +156,30 @@ inline FreeBlocks::Bins& FreeBlocks::FindOrAdd(Stream stream) {
   return *bins;
 }
 
+inline void FreeBlocks::Tally(const Block* block, int sign) {
+  const auto bytes = static_cast<int64_t>(block->free_size);
+  if (sign > 0) {
+    blocks_stat_.Increase(1);
+    bytes_stat_.Increase(bytes);
+  } else {
+    blocks_stat_.Decrease(1);
+    bytes_stat_.Decrease(bytes);
+  }
+}
+
+inline void FreeBlocks::TallyResize(Block* block, size_t size) {
+  if (size > block->free_size) {
+    bytes_stat_.Increase(static_cast<int64_t>(size - block->free_size));
+  } else {
+    bytes_stat_.Decrease(static_cast<int64_t>(block->free_size - size));
+  }
+  block->free_size = size;
+}
+
 inline void FreeBlocks::Insert(Block* block) {
   InsertIn(FindOrAdd(block->stream), block, BinOf(block->size));
+  block->free_size = block->size;
+  Tally(block, +1);
 }
 
 inline void FreeBlocks::InsertIn(Bins& bins, Block* block, int bin) {
@@ -147,6 +196,11 @@ inline void FreeBlocks::InsertIn(Bins& bins, Block* block, int bin) {
 }
 
 inline void FreeBlocks::Remove(Block* block) {
+  Unlink(block);
+  Tally(block, -1);
+}
+
+inline void FreeBlocks::Unlink(Block* block) {
   Bins& bins = *static_cast<Bins*>(block->free_bins);
   const int bin = block->free_bin;
   if (block->free_prev != nullptr) {
@@ -170,8 +224,10 @@ inline void FreeBlocks::Remove(Block* block) {
 inline void FreeBlocks::Replace(Block* old, Block* block, size_t size) {
   Bins& bins = *static_cast<Bins*>(old->free_bins);
   const int bin = BinOf(size);
+  block->free_size = old->free_size;
+  TallyResize(block, size);
   if (bin != old->free_bin) {
-    Remove(old);
+    Unlink(old);
     InsertIn(bins, block, bin);
     return;
   }
@@ -190,10 +246,11 @@ inline void FreeBlocks::Replace(Block* old, Block* block, size_t size) {
 }
 
 inline void FreeBlocks::Resized(Block* block) {
+  TallyResize(block, block->size);
   const int bin = BinOf(block->size);
   if (bin == block->free_bin) return;
   Bins& bins = *static_cast<Bins*>(block->free_bins);
-  Remove(block);
+  Unlink(block);
   InsertIn(bins, block, bin);
 }
 

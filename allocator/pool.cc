@@ -234,6 +234,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   if (ABSL_PREDICT_FALSE(made_before_fork())) return ForkedError("pool");
   // Before anything is reclaimed, trimmed or mapped: no freeing would make room for it.
   if (size > max_request_) {
+    ++stats_.num_ooms;  // no memory for it, ever (pool.h)
     VMM_RETURN_IF_ERROR(CheckRequestSize(size));
     return absl::InvalidArgumentError(absl::StrCat(
         "requested ", size, " bytes (", RequestBytes(size), "), more than ",

@@ -203,6 +203,7 @@ class Pool {
   // the memory cannot be found even after releasing the cache. InvalidArgument, before anything
   // is reclaimed, trimmed or mapped, for a request no state of the pool could serve: more than
   // the whole memory of the device or the pool's whole address range (CheckRequestSize too).
+  // Both count in num_ooms, as PyTorch counts every allocation that found no memory.
   absl::StatusOr<void*> Allocate(size_t size, Stream stream);
   // Like Allocate, in chunks of its own that no other block shares, ready to export.
   // FailedPrecondition when the pool's memory is not exportable.

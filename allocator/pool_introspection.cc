@@ -22,14 +22,6 @@ void DeriveActive(const Stat& allocated, int64_t pending, int64_t pending_at_res
   active.freed = allocated.freed - (pending - pending_at_reset);
 }
 
-// Cached free blocks: PyTorch's inactive_split(_bytes).
-void SetInactive(int64_t bytes, int64_t count, Stat& inactive_bytes, Stat& inactive) {
-  inactive_bytes.current = bytes;
-  inactive_bytes.peak = std::max(inactive_bytes.peak, bytes);
-  inactive.current = count;
-  inactive.peak = std::max(inactive.peak, count);
-}
-
 }  // namespace
 
 void Pool::CountPending(const Block* block, int sign) {
@@ -58,27 +50,30 @@ void Pool::UpdateDerivedStats(PoolStats& stats) const {
     DeriveActive(allocation, p.blocks, p.blocks_at_reset, p.active_peak, active);
   };
   derive(pending_, stats_.allocated_bytes, stats_.allocation, stats.active_bytes, stats.active);
-  size_t free_bytes = 0;
-  size_t free_count = 0;
+  // inactive_split(_bytes): cached blocks, counted by each arena's free set as they enter and
+  // leave it (FreeBlocks); the pool's are the arenas' summed, so its peak is the sum of
+  // theirs (the cached path pays for one count only).
+  stats.inactive_split = Stat{};
+  stats.inactive_split_bytes = Stat{};
+  auto add = [](const Stat& from, Stat& to) {
+    to.current += from.current;
+    to.peak += from.peak;
+    to.allocated += from.allocated;
+    to.freed += from.freed;
+  };
   size_t largest = 0;
   for (int a = 0; a < kNumArenas; ++a) {
     ArenaStats& split = stats.arena[a];
     derive(arena_pending_[a], split.allocated_bytes, split.allocation, split.active_bytes,
            split.active);
-    size_t arena_bytes = 0;
-    size_t arena_count = 0;
-    arenas_[a]->free_blocks().ForEach([&](const Block* b) {
-      arena_bytes += b->size;
-      ++arena_count;
-      largest = std::max(largest, b->size);
-    });
-    SetInactive(static_cast<int64_t>(arena_bytes), static_cast<int64_t>(arena_count),
-                split.inactive_split_bytes, split.inactive_split);
-    free_bytes += arena_bytes;
-    free_count += arena_count;
+    const FreeBlocks& free = arenas_[a]->free_blocks();
+    split.inactive_split = free.block_stat();
+    split.inactive_split_bytes = free.byte_stat();
+    add(split.inactive_split, stats.inactive_split);
+    add(split.inactive_split_bytes, stats.inactive_split_bytes);
+    free.ForEach([&](const Block* b) { largest = std::max(largest, b->size); });
   }
-  SetInactive(static_cast<int64_t>(free_bytes), static_cast<int64_t>(free_count),
-              stats.inactive_split_bytes, stats.inactive_split);
+  const auto free_bytes = static_cast<size_t>(stats.inactive_split_bytes.current);
   stats.largest_free_block = static_cast<int64_t>(largest);
   stats.fragmentation =
       free_bytes == 0 ? 0.0 : 1.0 - static_cast<double>(largest) / static_cast<double>(free_bytes);
@@ -108,6 +103,7 @@ void Pool::ResetPeakStats() {
     VMM_TORCH_STATS(VMM_RESET_ARENA_PEAK)
 #undef VMM_RESET_ARENA_PEAK
     reset(split.allocated_bytes, split.allocation, arena_pending_[a]);
+    arenas_[a]->ResetFreeStatPeaks();
   }
 }
 
@@ -121,6 +117,7 @@ void Pool::ResetAccumulatedStats() {
 #define VMM_RESET_ARENA_ACC(name) stats_.arena[a].name.ResetAccumulated();
     VMM_TORCH_STATS(VMM_RESET_ARENA_ACC)
 #undef VMM_RESET_ARENA_ACC
+    arenas_[a]->ResetFreeStatAccumulated();
   }
   for (Pending* p : {&pending_, &arena_pending_[kSmallArena], &arena_pending_[kLargeArena]}) {
     p->bytes_at_reset = p->bytes;
@@ -220,7 +217,7 @@ absl::Status Pool::CheckInvariants() const {
   // What each arena's statistics (stats_.arena, arena_pending_) must say.
   struct ArenaTotals {
     int64_t allocated = 0, requested = 0, live = 0, pending_bytes = 0, pending_blocks = 0;
-    int64_t reserved = 0, segments = 0;
+    int64_t reserved = 0, segments = 0, free_bytes = 0, free_blocks = 0;
   } by_arena[kNumArenas];
   for (const Arena* arena : {&small_, &large_}) {
     if (std::string err = arena->CheckInvariants(); !err.empty()) return fail(err);
@@ -245,6 +242,8 @@ absl::Status Pool::CheckInvariants() const {
       switch (b->state) {
         case BlockState::kFree:
           if (any_exported) return fail("cached block ", absl::Hex(b->addr), " in exported chunk");
+          totals.free_bytes += static_cast<int64_t>(b->size);
+          ++totals.free_blocks;
           break;
         case BlockState::kRetired:
           if (!all_exported) return fail("retired block ", absl::Hex(b->addr), " outside export");
@@ -332,6 +331,9 @@ absl::Status Pool::CheckInvariants() const {
     if (t.pending_blocks != arena_pending_[a].blocks) return fail(name, "pending block count");
     if (t.reserved != split.reserved_bytes.current) return fail(name, "reserved_bytes");
     if (t.segments != split.segment.current) return fail(name, "segments");
+    const FreeBlocks& free = arenas_[a]->free_blocks();
+    if (t.free_bytes != free.byte_stat().current) return fail(name, "cached bytes");
+    if (t.free_blocks != free.block_stat().current) return fail(name, "cached blocks");
   }
   if (released_while_kept_ != 0) {
     return fail(released_while_kept_, " chunk(s) released while the pool kept its memory");

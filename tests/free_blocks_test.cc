@@ -477,6 +477,48 @@ TEST_F(FreeBlocksTest, ResizedMovesABlockToItsNewBin) {
   EXPECT_EQ(All(), (std::set<Block*>{b, c, big}));
 }
 
+TEST_F(FreeBlocksTest, TalliesCountBlocksAndBytesAsTheyEnterAndLeave) {
+  const Stat& blocks = set_.block_stat();
+  const Stat& bytes = set_.byte_stat();
+  auto expect = [&](int64_t n, int64_t b, const char* what) {
+    SCOPED_TRACE(what);
+    EXPECT_EQ(blocks.current, n);
+    EXPECT_EQ(bytes.current, b);
+    EXPECT_EQ(blocks.allocated - blocks.freed, n);
+    EXPECT_EQ(bytes.allocated - bytes.freed, b);
+    int64_t walked = 0;
+    set_.ForEach([&](const Block* x) { walked += static_cast<int64_t>(x->size); });
+    EXPECT_EQ(walked, b);
+    EXPECT_EQ(set_.count(), static_cast<size_t>(n));
+  };
+  Block* a = Add(4 * kKiB, kS);
+  Block* c = Add(64 * kKiB, kS);
+  expect(2, 68 * kKiB, "inserted");
+  // Taken in part: the rest replaces it (another bin).
+  Block* rest = Make(16 * kKiB, kS);
+  c->size = 48 * kKiB;
+  set_.Replace(c, rest, 16 * kKiB);
+  expect(2, 20 * kKiB, "replaced by a smaller rest");
+  // Grown by coalescing in place.
+  a->size = 12 * kKiB;
+  set_.Resized(a);
+  expect(2, 28 * kKiB, "resized");
+  // Replaced by a larger block within the same bin.
+  Block* grown = Make(17 * kKiB, kS);
+  set_.Replace(rest, grown, 17 * kKiB);
+  expect(2, 29 * kKiB, "replaced in its bin");
+  set_.Remove(a);
+  set_.Remove(grown);
+  expect(0, 0, "removed");
+  EXPECT_EQ(bytes.peak, 68 * kKiB);
+  EXPECT_EQ(blocks.peak, 2);
+  set_.ResetStatPeaks();
+  set_.ResetStatAccumulated();
+  EXPECT_EQ(bytes.peak, 0);
+  EXPECT_EQ(bytes.allocated, 0);
+  EXPECT_EQ(blocks.freed, 0);
+}
+
 TEST_F(FreeBlocksTest, RemoveLastOfAClassKeepsOtherClasses) {
   // Emptying a bin must clear only its bits: the other bins of its class, and other classes,
   // stay findable.

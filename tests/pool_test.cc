@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -321,8 +322,8 @@ TEST_F(PoolTest, CreationOnAFullDeviceFailsRatherThanChoosingNoSharing) {
   EXPECT_EQ(pool->handle_type(), HandleType::kFabric);
 }
 
-// A request no state of the pool could serve is bad input, not an out-of-memory: refused
-// before the cache is trimmed or anything is reserved or mapped.
+// A request no state of the pool could serve is bad input, refused before the cache is trimmed
+// or anything is reserved or mapped; it counts in num_ooms, as in PyTorch.
 TEST_F(PoolTest, ARequestNoDeviceCouldHoldIsInvalidAndTouchesNothing) {
   auto pool = MakePool();  // 1 GiB of address range
   void* cached = Alloc(*pool, 8 * kMiB);
@@ -339,7 +340,7 @@ TEST_F(PoolTest, ARequestNoDeviceCouldHoldIsInvalidAndTouchesNothing) {
   EXPECT_THAT(CheckRequestSize(size_t{1} << 47), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_OK(CheckRequestSize((size_t{1} << 47) - 1));
   PoolStats s = pool->GetStats();
-  EXPECT_EQ(s.num_ooms, 0);
+  EXPECT_EQ(s.num_ooms, static_cast<int64_t>(2 * sizes.size()));
   EXPECT_EQ(s.num_alloc_retries, 0);
   EXPECT_EQ(s.reserved_bytes.current, reserved) << "the cache was trimmed for it";
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
@@ -464,6 +465,14 @@ TEST_F(PoolTest, StatsAreSplitByArenaAsPyTorchsSmallAndLargePools) {
   EXPECT_GE(sm.segment.current, 1);
   EXPECT_GE(lg.segment.current, 1);
   EXPECT_GE(sm.inactive_split_bytes.current, 100 * 1024);
+  // Cached blocks are counted as they come and go: allocated - freed is what is cached.
+  for (const Stat* inactive : std::initializer_list<const Stat*>{
+           &s.inactive_split, &s.inactive_split_bytes, &sm.inactive_split_bytes,
+           &lg.inactive_split_bytes}) {
+    EXPECT_EQ(inactive->allocated - inactive->freed, inactive->current);
+    EXPECT_GE(inactive->peak, inactive->current);
+    EXPECT_GT(inactive->freed, 0);
+  }
   // The pool's figures are the arenas' together (peaks need not be).
 #define VMM_EXPECT_SUM(name)                                                      \
   EXPECT_EQ(s.name.current, sm.name.current + lg.name.current) << #name;          \
