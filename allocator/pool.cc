@@ -784,6 +784,9 @@ Block* Pool::TakeSpareChunk(size_t n, size_t max_slack, Stream stream, bool for_
   spare_bytes_ -= chunk.size;
   retired_bytes_ -= static_cast<int64_t>(chunk.size);
   chunk.spare = false;  // renumbered when it became spare
+  // For a send it holds the shareable block alone, as a chunk AllocateShareable makes does:
+  // its mark stays while that block lives (SettleExport unmarks only shared chunks).
+  if (for_send) chunk.dedicated = true;
   if (!for_send) {
     // Plain memory again (nothing maps it elsewhere): its blocks take the cached paths and
     // its free space is handed out; the observer keeps its handle for a later send of it.

@@ -243,6 +243,31 @@ TEST_F(PoolReuseTest, TheRestOfAReusedChunkIsNeverHandedOut) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
+// A spare chunk that a plain Export left (not dedicated) and a small send then reuses holds
+// that block alone: its report keeps the chunk marked, so no other block lands in it.
+TEST_F(PoolReuseTest, ASpareChunkReusedForASmallSendKeepsItsMark) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  absl::StatusOr<void*> a = pool->Allocate(2 * kMiB, 0);
+  ASSERT_OK(a);
+  const std::vector<ExportedChunk> first = Send(*pool, *a);
+  ASSERT_OK(pool->Free(*a));
+  pool->SettleExport(first, /*released=*/true);
+  void* s = Shareable(*pool, 4096);
+  ASSERT_EQ(s, *a) << "the spare chunk serves the send";
+  const std::vector<ExportedChunk> second = Send(*pool, s);
+  pool->SettleExport(second, /*released=*/true);
+  absl::StatusOr<void*> b = pool->Allocate(kMiB + kMiB / 2, 0);
+  ASSERT_OK(b);
+  const auto at = reinterpret_cast<uintptr_t>(*b);
+  const auto start = reinterpret_cast<uintptr_t>(s);
+  EXPECT_FALSE(at >= start && at < start + 2 * kMiB) << "a block landed beside the send";
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->Free(s));
+  ASSERT_OK(pool->Free(*b));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
 TEST_F(PoolReuseTest, ASpareChunkTooSmallIsLeftAndTheBlockGrows) {
   auto pool = MakePool();
   SKIP_IF_NOT_EXPORTABLE(pool);
