@@ -179,8 +179,8 @@ enum class ExportNeighbours {
 // Bytes no device holds: 2^47, the whole user address space of x86-64. Callers that would
 // create a pool (reserving its range) to serve a request check it first (CheckRequestSize).
 inline constexpr size_t kMaxRequestBytes = size_t{1} << 47;
-// InvalidArgument for a request of kMaxRequestBytes or more: it is no out-of-memory (freeing
-// memory would never make room), so it must not be reported as one.
+// InvalidArgument for a request of kMaxRequestBytes or more (freeing memory would never make
+// room). A pool's Allocate refuses it too, and counts it in num_ooms as PyTorch would.
 absl::Status CheckRequestSize(size_t size);
 
 class Pool {

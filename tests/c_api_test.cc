@@ -193,6 +193,27 @@ TEST_F(CApiTest, TheStatsStructSaysWhatTheJsonSays) {
   EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
 }
 
+// More than any device holds is refused and counted as an out-of-memory, as PyTorch counts it,
+// whether the pool would refuse it by its device's size or by the address space's.
+TEST_F(CApiTest, RequestsNoDeviceHoldsCountInNumOoms) {
+  void* warm = vmm_alloc(4096, 0, nullptr);  // the device pool exists
+  ASSERT_NE(warm, nullptr) << vmm_last_error();
+  const int64_t before = DeviceStats(0).num_ooms;
+  int64_t explicit_before = 0;
+  const int64_t pool = vmm_pool_create(VMM_BACKEND_HOST, 0, "reserve_size=256M");
+  ASSERT_GT(pool, 0) << vmm_last_error();
+  explicit_before = PoolStats(pool).num_ooms;
+  for (size_t size : {size_t{1} << 46, size_t{1} << 48}) {
+    EXPECT_EQ(vmm_alloc(size, 0, nullptr), nullptr);
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT) << size;
+    EXPECT_EQ(vmm_pool_alloc(pool, size, nullptr, 0), nullptr);
+  }
+  EXPECT_EQ(DeviceStats(0).num_ooms, before + 2);
+  EXPECT_EQ(PoolStats(pool).num_ooms, explicit_before + 2);
+  ASSERT_EQ(vmm_pool_destroy(pool), 0);
+  ASSERT_EQ(vmm_free(warm, 0), 0);
+}
+
 TEST_F(CApiTest, APoolsStatsStructSaysWhatItsJsonSays) {
   const int64_t explicit_pool = vmm_pool_create(VMM_BACKEND_HOST, 0, "reserve_size=256M");
   ASSERT_GT(explicit_pool, 0) << vmm_last_error();

@@ -147,8 +147,13 @@ void ProcessState::AbandonParentsDevicePools() {
 }
 
 absl::StatusOr<void*> ProcessState::DeviceAllocate(int device, size_t size, Stream stream) {
-  VMM_RETURN_IF_ERROR(CheckRequestSize(size));
-  VMM_ASSIGN_OR_RETURN(Pool * pool, DevicePool(device));
+  // A pool that exists refuses (and counts in num_ooms) what no device holds itself; none is
+  // created for such a request.
+  Pool* pool = DevicePoolIfAny(device);
+  if (pool == nullptr || pool->made_before_fork()) {
+    VMM_RETURN_IF_ERROR(CheckRequestSize(size));
+    VMM_ASSIGN_OR_RETURN(pool, DevicePool(device));
+  }
   return pool->Allocate(size, stream);
 }
 
@@ -253,7 +258,6 @@ absl::Status ProcessState::ClosePool(int64_t id) {
 
 absl::StatusOr<void*> ProcessState::PoolAllocate(int64_t id, size_t size, Stream stream,
                                                  bool shareable) {
-  VMM_RETURN_IF_ERROR(CheckRequestSize(size));
   // The block is counted before it exists, under the lock that ClosePool takes, so that a
   // pool closed meanwhile is not destroyed under the allocation.
   std::shared_ptr<ExplicitPool> entry;
