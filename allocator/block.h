@@ -47,11 +47,11 @@ struct Block {
   // kAllocated: other streams that used it (record_stream). kPendingFree: events still due.
   std::vector<Stream> stream_uses;
   int pending_events = 0;
+  int free_bin = 0;  // kFree: its bin in its FreeBlocks (below)
   // kFree: links in its FreeBlocks bin, the bin, and the bins of its tag (null: not in a set).
   Block* free_prev = nullptr;
   Block* free_next = nullptr;
   void* free_bins = nullptr;
-  int free_bin = 0;
   size_t free_size = 0;  // its size when the set last filed it (the set's byte count)
 
   uintptr_t end() const { return addr + size; }

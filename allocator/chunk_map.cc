@@ -145,16 +145,9 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
       }
       chunks_.erase(it);
       chunk.id = next_id_++;
+      // Within one arena (the reclaim policy moves large-arena pages only): its statistics
+      // stay (Pool::CheckInvariants recounts them by address).
       chunks_[to] = chunk;
-      if (ArenaStats &was = ArenaStatsOf(froms[k], stats), &is = ArenaStatsOf(to, stats);
-          &was != &is) {
-        // Into the other arena: its bytes count there now.
-        const auto size = static_cast<int64_t>(chunk.size);
-        was.reserved_bytes.Decrease(size);
-        was.segment.Decrease(1);
-        is.reserved_bytes.Increase(size);
-        is.segment.Increase(1);
-      }
       moved->push_back(Moved{froms[k], to, chunk.size});
       to += chunk.size;
     }

@@ -16,7 +16,10 @@
 //
 // The set counts what it holds as statistics (Stat: current, peak, allocated, freed): its
 // blocks and their bytes, by the size each block was filed with (a pool's inactive_split and
-// inactive_split_bytes of one arena).
+// inactive_split_bytes of one arena), and adds the same to a total shared with other sets
+// (the pool's). Changes are gathered and counted at Commit(), which the owner calls once an
+// operation is done: an operation that only re-files blocks (a retag, a split) changes the
+// count by what it changed, not by what it took out and put back.
 #ifndef VMM_ALLOCATOR_FREE_BLOCKS_H_
 #define VMM_ALLOCATOR_FREE_BLOCKS_H_
 
@@ -25,6 +28,7 @@
 #include <memory>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "allocator/block.h"
 #include "allocator/stats.h"
 
@@ -46,10 +50,19 @@ class FreeBlocks {
   void Resized(Block* block);
   bool Contains(const Block* block) const { return block->free_bins != nullptr; }
 
-  // The blocks and bytes the set holds, as statistics; ResetStatPeaks and
-  // ResetStatAccumulated do to them what Stat's resets do.
+  // The blocks and bytes the set holds, as statistics, as of the last Commit(); ResetStatPeaks
+  // and ResetStatAccumulated do to them what Stat's resets do.
   const Stat& block_stat() const { return blocks_stat_; }
   const Stat& byte_stat() const { return bytes_stat_; }
+  // Counts the changes since the last call in the statistics and in the total.
+  void Commit();
+  // Whether every change is counted (Commit() was called after the last one).
+  bool committed() const { return delta_blocks_ == 0 && delta_bytes_ == 0; }
+  // The total this set's changes also go to (which must outlive it; none by default).
+  void CountTotalIn(Stat* blocks, Stat* bytes) {
+    total_blocks_ = blocks;
+    total_bytes_ = bytes;
+  }
   void ResetStatPeaks() {
     blocks_stat_.ResetPeak();
     bytes_stat_.ResetPeak();
@@ -123,6 +136,10 @@ class FreeBlocks {
   size_t count_ = 0;
   Stat blocks_stat_;
   Stat bytes_stat_;
+  Stat* total_blocks_ = nullptr;
+  Stat* total_bytes_ = nullptr;
+  int64_t delta_blocks_ = 0;  // changes not yet counted (Commit)
+  int64_t delta_bytes_ = 0;
 };
 
 // The searches and updates below are on the pool's cached path: inline.
@@ -157,23 +174,28 @@ inline FreeBlocks::Bins& FreeBlocks::FindOrAdd(Stream stream) {
 }
 
 inline void FreeBlocks::Tally(const Block* block, int sign) {
-  const auto bytes = static_cast<int64_t>(block->free_size);
-  if (sign > 0) {
-    blocks_stat_.Increase(1);
-    bytes_stat_.Increase(bytes);
-  } else {
-    blocks_stat_.Decrease(1);
-    bytes_stat_.Decrease(bytes);
-  }
+  delta_blocks_ += sign;
+  delta_bytes_ += sign * static_cast<int64_t>(block->free_size);
 }
 
 inline void FreeBlocks::TallyResize(Block* block, size_t size) {
-  if (size > block->free_size) {
-    bytes_stat_.Increase(static_cast<int64_t>(size - block->free_size));
-  } else {
-    bytes_stat_.Decrease(static_cast<int64_t>(block->free_size - size));
-  }
+  delta_bytes_ += static_cast<int64_t>(size) - static_cast<int64_t>(block->free_size);
   block->free_size = size;
+}
+
+inline void FreeBlocks::Commit() {
+  auto count = [](int64_t delta, Stat& stat, Stat* total) {
+    if (delta > 0) {
+      stat.Increase(delta);
+      if (total != nullptr) total->Increase(delta);
+    } else if (delta < 0) {
+      stat.Decrease(-delta);
+      if (total != nullptr) total->Decrease(-delta);
+    }
+  };
+  count(delta_blocks_, blocks_stat_, total_blocks_);
+  count(delta_bytes_, bytes_stat_, total_bytes_);
+  delta_blocks_ = delta_bytes_ = 0;
 }
 
 inline void FreeBlocks::Insert(Block* block) {
@@ -221,7 +243,8 @@ inline void FreeBlocks::Unlink(Block* block) {
   --count_;
 }
 
-inline void FreeBlocks::Replace(Block* old, Block* block, size_t size) {
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void FreeBlocks::Replace(Block* old, Block* block,
+                                                              size_t size) {
   Bins& bins = *static_cast<Bins*>(old->free_bins);
   const int bin = BinOf(size);
   block->free_size = old->free_size;
@@ -245,7 +268,7 @@ inline void FreeBlocks::Replace(Block* old, Block* block, size_t size) {
   old->free_bins = nullptr;
 }
 
-inline void FreeBlocks::Resized(Block* block) {
+ABSL_ATTRIBUTE_ALWAYS_INLINE inline void FreeBlocks::Resized(Block* block) {
   TallyResize(block, block->size);
   const int bin = BinOf(block->size);
   if (bin == block->free_bin) return;

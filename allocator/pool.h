@@ -467,7 +467,7 @@ class Pool {
   Arena small_ ABSL_GUARDED_BY(mu_);
   Arena large_ ABSL_GUARDED_BY(mu_);
   // {&small_, &large_}, and where large_ begins (set once by Init), for ArenaFor/ArenaOf.
-  Arena* const arenas_[2] = {&small_, &large_};
+  Arena* const arenas_[2] = {&small_, &large_};  // the arenas they point to: under mu_
   uintptr_t large_base_ = 0;
   // Physical chunks by address; together they back exactly the non-gap blocks.
   ChunkMap chunks_ ABSL_GUARDED_BY(mu_);

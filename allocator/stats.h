@@ -114,8 +114,7 @@ struct PoolStats {
 #undef VMM_DECLARE_COUNTER
 
   // The same statistics of each arena, indexed by ArenaKind: for every Stat field, the
-  // arenas' current, allocated and freed add up to the pool's (their peaks need not; the
-  // pool's inactive_split(_bytes) are the arenas' summed, peak too: Pool::GetStats).
+  // arenas' current, allocated and freed add up to the pool's (their peaks need not).
   ArenaStats arena[kNumArenas];
 
   // Derived when the stats are read.

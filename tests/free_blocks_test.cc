@@ -480,8 +480,15 @@ TEST_F(FreeBlocksTest, ResizedMovesABlockToItsNewBin) {
 TEST_F(FreeBlocksTest, TalliesCountBlocksAndBytesAsTheyEnterAndLeave) {
   const Stat& blocks = set_.block_stat();
   const Stat& bytes = set_.byte_stat();
+  Stat total_blocks, total_bytes;
+  set_.CountTotalIn(&total_blocks, &total_bytes);
   auto expect = [&](int64_t n, int64_t b, const char* what) {
     SCOPED_TRACE(what);
+    EXPECT_FALSE(set_.committed());
+    set_.Commit();
+    EXPECT_TRUE(set_.committed());
+    EXPECT_EQ(total_blocks.current, n);
+    EXPECT_EQ(total_bytes.current, b);
     EXPECT_EQ(blocks.current, n);
     EXPECT_EQ(bytes.current, b);
     EXPECT_EQ(blocks.allocated - blocks.freed, n);
@@ -512,6 +519,18 @@ TEST_F(FreeBlocksTest, TalliesCountBlocksAndBytesAsTheyEnterAndLeave) {
   expect(0, 0, "removed");
   EXPECT_EQ(bytes.peak, 68 * kKiB);
   EXPECT_EQ(blocks.peak, 2);
+  EXPECT_EQ(total_bytes.peak, 68 * kKiB);
+  // Taken out and put back within one operation: counted by what changed (nothing).
+  Block* again = Add(8 * kKiB, kS);
+  set_.Commit();
+  const int64_t in_before = bytes.allocated;
+  set_.Remove(again);
+  set_.Insert(again);
+  set_.Commit();
+  EXPECT_EQ(bytes.allocated, in_before);
+  EXPECT_EQ(blocks.current, 1);
+  set_.Remove(again);
+  set_.Commit();
   set_.ResetStatPeaks();
   set_.ResetStatAccumulated();
   EXPECT_EQ(bytes.peak, 0);
