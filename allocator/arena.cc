@@ -36,12 +36,6 @@ void Arena::Init(uintptr_t base, size_t size, int slot_shift) {
 void Arena::EraseGap(Block* gap) { gaps_.erase(gap); }
 
 Block* Arena::Split(Block* block, uintptr_t at) {
-  Block* upper = SplitUncounted(block, at);
-  free_.Commit();
-  return upper;
-}
-
-Block* Arena::SplitUncounted(Block* block, uintptr_t at) {
   const bool cached = block->state == BlockState::kFree;
   const bool gap = block->state == BlockState::kUnmapped;
   if (cached) free_.Remove(block);
@@ -57,9 +51,7 @@ Block* Arena::SplitUncounted(Block* block, uintptr_t at) {
 Block* Arena::Retag(Block* block, Stream stream) {
   free_.Remove(block);
   block->stream = stream;
-  block = CoalesceFree(block);
-  free_.Commit();
-  return block;
+  return CoalesceFree(block);
 }
 
 void Arena::NarrowAnyTo(Stream stream) {
@@ -75,12 +67,6 @@ void Arena::NarrowAnyTo(Stream stream) {
 }
 
 Block* Arena::Retire(Block* block) {
-  block = RetireUncounted(block);
-  free_.Commit();
-  return block;
-}
-
-Block* Arena::RetireUncounted(Block* block) {
   if (block->state == BlockState::kFree) free_.Remove(block);
   block->state = BlockState::kRetired;
   block->requested = 0;
@@ -97,19 +83,18 @@ size_t Arena::RetireFree(uintptr_t lo, uintptr_t hi) {
     Block* next = b->next;
     if (b->state == BlockState::kFree) {
       if (b->addr < lo) {
-        b = SplitUncounted(b, lo);
+        b = Split(b, lo);
         next = b->next;
       }
       if (b->end() > hi) {
-        SplitUncounted(b, hi);
+        Split(b, hi);
         next = nullptr;
       }
       retired += b->size;
-      RetireUncounted(b);
+      Retire(b);
     }
     b = next;
   }
-  free_.Commit();
   return retired;
 }
 
@@ -176,15 +161,9 @@ bool Arena::UsableBy(const Block* block, Stream stream) {
 }
 
 Block* Arena::CommitGrowth(const GrowthPlan& plan, Stream stream, bool alone) {
-  Block* block = CommitGrowthUncounted(plan, stream, alone);
-  free_.Commit();
-  return block;
-}
-
-Block* Arena::CommitGrowthUncounted(const GrowthPlan& plan, Stream stream, bool alone) {
   Block* block = plan.gap;
-  if (plan.addr > block->addr) block = SplitUncounted(block, plan.addr);
-  if (block->end() > plan.addr + plan.len) SplitUncounted(block, plan.addr + plan.len);
+  if (plan.addr > block->addr) block = Split(block, plan.addr);
+  if (block->end() > plan.addr + plan.len) Split(block, plan.addr + plan.len);
   gaps_.erase(block);
   block->state = BlockState::kFree;
   block->stream = stream;
@@ -211,23 +190,22 @@ Block* Arena::Reopen(uintptr_t lo, uintptr_t hi, Stream stream) {
   if (block == nullptr || block->state != BlockState::kRetired || block->end() < hi) {
     return nullptr;
   }
-  if (block->addr < lo) block = SplitUncounted(block, lo);
-  if (block->end() > hi) SplitUncounted(block, hi);
+  if (block->addr < lo) block = Split(block, lo);
+  if (block->end() > hi) Split(block, hi);
   block->state = BlockState::kFree;
   block->stream = stream;
   block->free_seq = 0;
   free_.Insert(block);
-  free_.Commit();
   return block;
 }
 
 void Arena::MakeGap(uintptr_t addr, size_t len) {
   Block* block = BlockContaining(addr);
-  if (block->addr < addr) block = SplitUncounted(block, addr);
+  if (block->addr < addr) block = Split(block, addr);
   const uintptr_t end = addr + len;
   Block* last = block;
   while (last->end() < end) last = last->next;
-  if (last->end() > end) SplitUncounted(last, end);
+  if (last->end() > end) Split(last, end);
   // Now [addr, end) is exactly block..last.
   for (Block* b = block;; b = b->next) {
     if (b->state == BlockState::kFree) free_.Remove(b);
@@ -242,7 +220,6 @@ void Arena::MakeGap(uintptr_t addr, size_t len) {
     if (b->next != nullptr) b->next->prev = block;
     DeleteBlock(b);
   }
-  free_.Commit();
   gaps_.insert(block);
   if (block->next != nullptr && block->next->state == BlockState::kUnmapped) {
     block = Join(block, block->next);
@@ -261,7 +238,6 @@ Block* Arena::BlockContaining(uintptr_t addr) const {
 
 std::string Arena::CheckInvariants() const {
   if (head_ == nullptr) return size_ == 0 ? "" : "arena has no blocks";
-  if (!free_.committed()) return "changes of the free set left uncounted";
   if (head_->addr != base_ || head_->prev != nullptr) return "first block is not at the base";
   size_t free_count = 0;
   size_t gap_count = 0;

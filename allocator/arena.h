@@ -53,8 +53,6 @@ class Arena {
   bool Contains(uintptr_t addr) const { return addr >= base_ && addr < base_ + size_; }
   Block* head() const { return head_; }
   const FreeBlocks& free_blocks() const { return free_; }
-  // Where the cached blocks' changes are also counted (FreeBlocks::CountTotalIn).
-  void CountFreeTotalIn(Stat* blocks, Stat* bytes) { free_.CountTotalIn(blocks, bytes); }
   // The resets of the cached blocks' statistics (FreeBlocks::block_stat, byte_stat).
   void ResetFreeStatPeaks() { free_.ResetStatPeaks(); }
   void ResetFreeStatAccumulated() { free_.ResetStatAccumulated(); }
@@ -139,11 +137,6 @@ class Arena {
   Block* Join(Block* a, Block* b);
   // Merges a kFree block that is not in the free set with its neighbours, then adds it.
   Block* CoalesceFree(Block* block);
-  // Split, Retire and CommitGrowth without counting the free set's changes (free_.Commit()):
-  // for operations made of several, which count once at their end.
-  Block* SplitUncounted(Block* block, uintptr_t at);
-  Block* RetireUncounted(Block* block);
-  Block* CommitGrowthUncounted(const GrowthPlan& plan, Stream stream, bool alone);
 
   uintptr_t base_ = 0;
   size_t size_ = 0;
@@ -196,7 +189,6 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Arena::Take(Block* block, size_t n, siz
   } else {
     free_.Remove(block);
   }
-  free_.Commit();
   block->state = BlockState::kAllocated;
 }
 
@@ -255,9 +247,7 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline Block* Arena::AddFree(Block* block, Stream s
   block->free_seq = free_seq;
   block->requested = 0;
   block->stream_uses.clear();
-  block = CoalesceFree(block);
-  free_.Commit();
-  return block;
+  return CoalesceFree(block);
 }
 
 }  // namespace vmm

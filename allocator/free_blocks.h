@@ -16,10 +16,8 @@
 //
 // The set counts what it holds as statistics (Stat: current, peak, allocated, freed): its
 // blocks and their bytes, by the size each block was filed with (a pool's inactive_split and
-// inactive_split_bytes of one arena), and adds the same to a total shared with other sets
-// (the pool's). Changes are gathered and counted at Commit(), which the owner calls once an
-// operation is done: an operation that only re-files blocks (a retag, a split) changes the
-// count by what it changed, not by what it took out and put back.
+// inactive_split_bytes of one arena). `allocated` counts what was filed: a block taken out and
+// filed again (a retag, a split) counts again. A few adds per change, on the cached path.
 #ifndef VMM_ALLOCATOR_FREE_BLOCKS_H_
 #define VMM_ALLOCATOR_FREE_BLOCKS_H_
 
@@ -50,26 +48,17 @@ class FreeBlocks {
   void Resized(Block* block);
   bool Contains(const Block* block) const { return block->free_bins != nullptr; }
 
-  // The blocks and bytes the set holds, as statistics, as of the last Commit(); ResetStatPeaks
-  // and ResetStatAccumulated do to them what Stat's resets do.
-  const Stat& block_stat() const { return blocks_stat_; }
-  const Stat& byte_stat() const { return bytes_stat_; }
-  // Counts the changes since the last call in the statistics and in the total.
-  void Commit();
-  // Whether every change is counted (Commit() was called after the last one).
-  bool committed() const { return delta_blocks_ == 0 && delta_bytes_ == 0; }
-  // The total this set's changes also go to (which must outlive it; none by default).
-  void CountTotalIn(Stat* blocks, Stat* bytes) {
-    total_blocks_ = blocks;
-    total_bytes_ = bytes;
-  }
+  // The blocks and bytes the set holds, as statistics; ResetStatPeaks and
+  // ResetStatAccumulated do to them what Stat's resets do.
+  Stat block_stat() const { return blocks_.Value(static_cast<int64_t>(count_)); }
+  Stat byte_stat() const { return bytes_.Value(bytes_.current); }
   void ResetStatPeaks() {
-    blocks_stat_.ResetPeak();
-    bytes_stat_.ResetPeak();
+    blocks_.peak = static_cast<int64_t>(count_);
+    bytes_.peak = bytes_.current;
   }
   void ResetStatAccumulated() {
-    blocks_stat_.ResetAccumulated();
-    bytes_stat_.ResetAccumulated();
+    blocks_.Reset(static_cast<int64_t>(count_));
+    bytes_.Reset(bytes_.current);
   }
   // Whether a contained block is listed in the bin of its size and tag (for invariant checks:
   // walks the bin).
@@ -134,12 +123,33 @@ class FreeBlocks {
   Bins* last_ = nullptr;                      // the tag used last (the common one)
   Bins* any_ = nullptr;                       // kAnyStream's bins, once they exist
   size_t count_ = 0;
-  Stat blocks_stat_;
-  Stat bytes_stat_;
-  Stat* total_blocks_ = nullptr;
-  Stat* total_bytes_ = nullptr;
-  int64_t delta_blocks_ = 0;  // changes not yet counted (Commit)
-  int64_t delta_bytes_ = 0;
+  // A statistic kept as what was filed (`filed`) and its high-water mark, beside its current
+  // value (count_ for the blocks): one add and one compare per filing, nothing per removal.
+  struct Tallied {
+    int64_t current = 0;  // bytes only
+    int64_t filed = 0;
+    int64_t peak = 0;
+    int64_t current_at_reset = 0;
+    int64_t filed_at_reset = 0;
+    void File(int64_t n, int64_t now) {
+      filed += n;
+      if (now > peak) peak = now;
+    }
+    Stat Value(int64_t now) const {
+      Stat s;
+      s.current = now;
+      s.peak = peak;
+      s.allocated = filed - filed_at_reset;
+      s.freed = s.allocated - (now - current_at_reset);
+      return s;
+    }
+    void Reset(int64_t now) {
+      current_at_reset = now;
+      filed_at_reset = filed;
+    }
+  };
+  Tallied blocks_;
+  Tallied bytes_;
 };
 
 // The searches and updates below are on the pool's cached path: inline.
@@ -174,28 +184,21 @@ inline FreeBlocks::Bins& FreeBlocks::FindOrAdd(Stream stream) {
 }
 
 inline void FreeBlocks::Tally(const Block* block, int sign) {
-  delta_blocks_ += sign;
-  delta_bytes_ += sign * static_cast<int64_t>(block->free_size);
+  const auto size = static_cast<int64_t>(block->free_size);
+  if (sign > 0) {
+    bytes_.current += size;
+    bytes_.File(size, bytes_.current);
+    blocks_.File(1, static_cast<int64_t>(count_));
+  } else {
+    bytes_.current -= size;
+  }
 }
 
 inline void FreeBlocks::TallyResize(Block* block, size_t size) {
-  delta_bytes_ += static_cast<int64_t>(size) - static_cast<int64_t>(block->free_size);
+  const int64_t change = static_cast<int64_t>(size) - static_cast<int64_t>(block->free_size);
+  bytes_.current += change;
+  if (change > 0) bytes_.File(change, bytes_.current);
   block->free_size = size;
-}
-
-inline void FreeBlocks::Commit() {
-  auto count = [](int64_t delta, Stat& stat, Stat* total) {
-    if (delta > 0) {
-      stat.Increase(delta);
-      if (total != nullptr) total->Increase(delta);
-    } else if (delta < 0) {
-      stat.Decrease(-delta);
-      if (total != nullptr) total->Decrease(-delta);
-    }
-  };
-  count(delta_blocks_, blocks_stat_, total_blocks_);
-  count(delta_bytes_, bytes_stat_, total_bytes_);
-  delta_blocks_ = delta_bytes_ = 0;
 }
 
 inline void FreeBlocks::Insert(Block* block) {

@@ -142,10 +142,6 @@ absl::Status Pool::Init() {
   small_.Init(base_, small, /*slot_shift=*/9);
   large_.Init(base_ + small, reserve_size_ - small, large_shift);
   large_base_ = base_ + small;
-  // Cached blocks (PyTorch's inactive_split): each arena's, and the pool's in stats_.
-  for (Arena* arena : arenas_) {
-    arena->CountFreeTotalIn(&stats_.inactive_split, &stats_.inactive_split_bytes);
-  }
   memory_limit_ = options_.memory_limit;
   return absl::OkStatus();
 }

@@ -515,25 +515,6 @@ TEST_F(PoolTest, StatsAreSplitByArenaAsPyTorchsSmallAndLargePools) {
   ASSERT_TRUE(driver_->DestroyStream(t).ok());
 }
 
-// Blocks filed again without changing what is cached (EmptyCache retags every cached block
-// for every stream; AllocateAt splits one) count by what changed, not twice.
-TEST_F(PoolTest, RefilingCachedBlocksDoesNotInflateTheirTotals) {
-  auto pool = MakePool();
-  Stream t = *driver_->CreateStream(0);
-  void* a = Alloc(*pool, 4096, t);
-  void* b = Alloc(*pool, 4096, t);
-  ASSERT_OK(pool->Free(a));
-  const PoolStats before = pool->GetStats();
-  ASSERT_OK(pool->EmptyCache());
-  const PoolStats after = pool->GetStats();
-  EXPECT_EQ(after.inactive_split.allocated, before.inactive_split.allocated);
-  EXPECT_EQ(after.inactive_split_bytes.allocated, before.inactive_split_bytes.allocated);
-  EXPECT_EQ(after.inactive_split_bytes.freed, before.inactive_split_bytes.freed);
-  ASSERT_OK(pool->Free(b));
-  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
-  ASSERT_TRUE(driver_->DestroyStream(t).ok());
-}
-
 // --- Streams --------------------------------------------------------------------------------
 
 TEST_F(PoolTest, BlockFreedOnAStreamIsReusedOnItAtOnce) {
