@@ -247,6 +247,7 @@ def test_out_of_memory_raises_torch_error_and_calls_observers():
     """)
     assert r["kind"] == "oom" and r["vmm"]
     assert r["observed"] == 1
+    assert r["ooms"] == 1, "more than the device holds counts in num_ooms, as in PyTorch"
 
 
 def test_graph_memory_is_the_graphs_alone_shared_as_asked_and_released_with_it():
