@@ -55,12 +55,6 @@ void Pool::UpdateDerivedStats(PoolStats& stats) const {
   // the true one: the cached path pays for one count only).
   stats.inactive_split = Stat{};
   stats.inactive_split_bytes = Stat{};
-  auto add = [](const Stat& from, Stat& to) {
-    to.current += from.current;
-    to.peak += from.peak;
-    to.allocated += from.allocated;
-    to.freed += from.freed;
-  };
   size_t largest = 0;
   for (int a = 0; a < kNumArenas; ++a) {
     ArenaStats& split = stats.arena[a];
@@ -69,8 +63,8 @@ void Pool::UpdateDerivedStats(PoolStats& stats) const {
     const FreeBlocks& free = arenas_[a]->free_blocks();
     split.inactive_split = free.block_stat();
     split.inactive_split_bytes = free.byte_stat();
-    add(split.inactive_split, stats.inactive_split);
-    add(split.inactive_split_bytes, stats.inactive_split_bytes);
+    AddStat(split.inactive_split, stats.inactive_split);
+    AddStat(split.inactive_split_bytes, stats.inactive_split_bytes);
     free.ForEach([&](const Block* b) { largest = std::max(largest, b->size); });
   }
   const auto free_bytes = static_cast<size_t>(stats.inactive_split_bytes.current);

@@ -123,23 +123,25 @@ struct PoolStats {
   double fragmentation = 0;
 };
 
+// Adds every field of `s` to `t` (a peak so summed is at least the peak of the sum).
+inline void AddStat(const Stat& s, Stat& t) {
+  t.current += s.current;
+  t.peak += s.peak;
+  t.allocated += s.allocated;
+  t.freed += s.freed;
+}
+
 // Adds the statistics of one more pool to `total` (the statistics of several pools as one, e.g.
 // a GPU's): every field of a Stat and every counter is summed, so a peak is the sum of the
 // pools' peaks (at least the peak of the sum, and equal to it when one pool alone allocated);
 // largest_free_block is the largest of the pools' and fragmentation is derived again.
 inline void AddPoolStats(const PoolStats& pool, PoolStats& total) {
-  auto add = [](const Stat& s, Stat& t) {
-    t.current += s.current;
-    t.peak += s.peak;
-    t.allocated += s.allocated;
-    t.freed += s.freed;
-  };
-#define VMM_ADD_STAT(name, key, what) add(pool.name, total.name);
+#define VMM_ADD_STAT(name, key, what) AddStat(pool.name, total.name);
   VMM_BYTE_STATS(VMM_ADD_STAT)
   VMM_COUNT_STATS(VMM_ADD_STAT)
 #undef VMM_ADD_STAT
   for (int a = 0; a < kNumArenas; ++a) {
-#define VMM_ADD_ARENA_STAT(name) add(pool.arena[a].name, total.arena[a].name);
+#define VMM_ADD_ARENA_STAT(name) AddStat(pool.arena[a].name, total.arena[a].name);
     VMM_TORCH_STATS(VMM_ADD_ARENA_STAT)
 #undef VMM_ADD_ARENA_STAT
   }
