@@ -156,7 +156,7 @@ class ChunkMap {
   void Forget(Map::iterator it, PoolStats& stats);
   // The statistics of the arena `addr` lies in (Config::large_base).
   ArenaStats& ArenaStatsOf(uintptr_t addr, PoolStats& stats) const {
-    return stats.arena[addr >= config_.large_base ? kLargeArena : kSmallArena];
+    return stats.arena[ArenaKindAt(addr, config_.large_base)];
   }
   // Unmaps the chunks from addrs[i] on that lie end to end (above addrs[i], or also below it
   // when `either_order`) with one Unmap call; if it fails, the chunks of that run one by one

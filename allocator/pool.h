@@ -441,9 +441,7 @@ class Pool {
     int64_t active_peak = 0;
   };
   // The arena `addr` lies in (stats_.arena and arena_pending_ are indexed by it).
-  ArenaKind ArenaKindOf(uintptr_t addr) const {
-    return addr >= large_base_ ? kLargeArena : kSmallArena;
-  }
+  ArenaKind ArenaKindOf(uintptr_t addr) const { return ArenaKindAt(addr, large_base_); }
   // `block` enters (+1) or leaves (-1) kPendingFree.
   void CountPending(const Block* block, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After an allocation while blocks are pending: active may have reached a new high.

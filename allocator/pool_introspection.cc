@@ -317,7 +317,7 @@ absl::Status Pool::CheckInvariants() const {
   for (int a = 0; a < kNumArenas; ++a) {
     const ArenaTotals& t = by_arena[a];
     const ArenaStats& split = stats_.arena[a];
-    const char* name = a == kLargeArena ? "large arena " : "small arena ";
+    const std::string name = absl::StrCat(ArenaName(a), " arena ");
     if (t.allocated != split.allocated_bytes.current) return fail(name, "allocated_bytes");
     if (t.requested != split.requested_bytes.current) return fail(name, "requested_bytes");
     if (t.live != split.allocation.current) return fail(name, "allocation count");

@@ -96,6 +96,12 @@ struct Stat {
 // The arenas of a pool, as PyTorch's pool types: the small arena (requests up to
 // PoolOptions::small_size) is PyTorch's small_pool, the large arena its large_pool.
 enum ArenaKind : int { kSmallArena = 0, kLargeArena = 1, kNumArenas = 2 };
+// The arena of `addr` in a pool whose large arena begins at `large_base`.
+inline ArenaKind ArenaKindAt(uintptr_t addr, uintptr_t large_base) {
+  return addr >= large_base ? kLargeArena : kSmallArena;
+}
+// "small" or "large", as the JSON forms name them.
+inline const char* ArenaName(int kind) { return kind == kLargeArena ? "large" : "small"; }
 
 // The statistics PyTorch keeps per pool type (VMM_TORCH_STATS), for one arena.
 struct ArenaStats {

@@ -176,7 +176,7 @@ Json StatsToJson(const PoolStats& stats) {
   out["largest_free_block"] = stats.largest_free_block;
   out["fragmentation"] = stats.fragmentation;
   for (int a = 0; a < kNumArenas; ++a) {
-    Json& arena = out["arenas"][a == kLargeArena ? "large" : "small"];
+    Json& arena = out["arenas"][ArenaName(a)];
 #define VMM_ARENA_STAT_TO_JSON(name) arena[#name] = StatJson(stats.arena[a].name);
     VMM_TORCH_STATS(VMM_ARENA_STAT_TO_JSON)
 #undef VMM_ARENA_STAT_TO_JSON
@@ -196,9 +196,8 @@ Json TorchMemoryStats(const PoolStats& stats) {
   out["vmm.largest_free_block"] = stats.largest_free_block;
   out["vmm.fragmentation"] = stats.fragmentation;
   for (int a = 0; a < kNumArenas; ++a) {
-    const char* pool = a == kLargeArena ? ".large_pool" : ".small_pool";
 #define VMM_ARENA_STAT_TO_TORCH(name) \
-  AddFlatStat(out, absl::StrCat(#name, pool), stats.arena[a].name);
+  AddFlatStat(out, absl::StrCat(#name, ".", ArenaName(a), "_pool"), stats.arena[a].name);
     VMM_TORCH_STATS(VMM_ARENA_STAT_TO_TORCH)
 #undef VMM_ARENA_STAT_TO_TORCH
   }
