@@ -26,6 +26,14 @@ namespace vmm {
 
 // Tag of a free block that any stream may take: the work that used it has completed.
 inline constexpr Stream kAnyStream = std::numeric_limits<Stream>::max();
+// Whether `s` is a foreign stream (driver.h, kForeignStreamBit).
+inline constexpr bool IsForeignStream(Stream s) {
+  return s != kAnyStream && (s & kForeignStreamBit) != 0;
+}
+// A block's stream as snapshots report it: the stream itself, without the foreign mark.
+inline constexpr Stream ReportedStream(Stream s) {
+  return s == kAnyStream ? kAnyStream : StreamHandle(s);
+}
 
 enum class BlockState : uint8_t { kUnmapped, kFree, kAllocated, kPendingFree, kRetired };
 

@@ -328,7 +328,7 @@ class ScopedContext {
 
 // --- Conversions ---------------------------------------------------------------------------
 
-CUstream ToCuStream(Stream stream) { return reinterpret_cast<CUstream>(stream); }
+CUstream ToCuStream(Stream stream) { return reinterpret_cast<CUstream>(StreamHandle(stream)); }
 CUevent ToCuEvent(Event event) { return reinterpret_cast<CUevent>(event); }
 
 // The CUDA handle types for a mask of kPosixFdBit / kFabricBit.

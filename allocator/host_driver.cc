@@ -761,7 +761,7 @@ absl::StatusOr<UniqueFd> HostDriver::OpenFabricTarget(const FabricFields& f) con
 
 absl::StatusOr<std::shared_ptr<HostStream>> HostDriver::FindStream(Stream stream) {
   MutexLock lock(&mu_);
-  auto it = streams_.find(stream);
+  auto it = streams_.find(StreamHandle(stream));
   if (it == streams_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("host: unknown stream ", stream));
   }

@@ -426,7 +426,7 @@ absl::Status Pool::RecordStream(void* ptr, Stream stream) {
         absl::StrCat("record_stream on ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
                      ", which is not a live block of this pool"));
   }
-  if (stream != block->stream &&
+  if (StreamHandle(stream) != StreamHandle(block->stream) &&
       std::find(block->stream_uses.begin(), block->stream_uses.end(), stream) ==
           block->stream_uses.end()) {
     block->stream_uses.push_back(stream);
@@ -698,6 +698,10 @@ absl::Status Pool::WaitForSpaceBeforeExport(uintptr_t addr, uintptr_t end, Strea
     }
   }
   for (Stream s : streams) {
+    if (IsForeignStream(s)) {  // perhaps gone (driver.h): never called on
+      ++stats_.num_sync_all_streams;
+      return SynchronizeDevices();
+    }
     ++stats_.num_sync_stream;
     if (driver_->SynchronizeStream(s).ok()) continue;
     // Gone or broken: wait for everything instead (not SynchronizeAll: recycling pending

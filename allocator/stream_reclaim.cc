@@ -157,14 +157,19 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
   if (CaptureWindowOpen()) return true;
   // Streams that have cached blocks only they may use.
   std::vector<Stream> streams;
+  bool foreign = false;
   for (const Arena* arena : arenas) {
     arena->free_blocks().ForEachStream([&](Stream s) {
+      foreign = foreign || (IsForeignStream(s) && s != requester);
       if (s != kAnyStream && s != requester &&
           std::find(streams.begin(), streams.end(), s) == streams.end()) {
         streams.push_back(s);
       }
     });
   }
+  // A foreign stream may be gone (driver.h): no call is made on it, the device is
+  // synchronised instead, which completes its work whether it still exists or not.
+  if (foreign) return false;
   for (Stream s : streams) {
     StreamState& r = streams_[s];
     // A stream capturing a graph: an event recorded there would join the graph (and could

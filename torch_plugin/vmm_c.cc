@@ -143,6 +143,8 @@ vmm_torch_stats TorchStats(const PoolStats& stats) {
   return out;
 }
 
+static_assert(VMM_FOREIGN_STREAM_BIT == kForeignStreamBit, "one foreign-stream mark");
+
 // A stream as the snapshot structs carry it: 0 for a free block any stream may take.
 uint64_t StreamValue(Stream stream) {
   return stream == kAnyStream ? 0 : static_cast<uint64_t>(stream);

@@ -96,8 +96,13 @@ int vmm_parse_byte_size(const char* text, uint64_t* out);
 
 /* Sets the options of device pools created from now on. Fails once a device pool exists. */
 int vmm_configure(const char* options);
-/* `size` bytes on `device` for `stream` (a cudaStream_t / CUstream; NULL: default stream).
- * NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED; more than the whole memory of the
+/* A stream passed to vmm_alloc / vmm_pool_alloc with this bit set is foreign: its owner may
+ * destroy it once its work is done (torch.cuda.ExternalStream, a library's own stream). vmm
+ * then makes no CUDA call on it after the allocation returns: the blocks cached for it go to
+ * other streams after a device synchronisation instead of an event on it. */
+#define VMM_FOREIGN_STREAM_BIT (1ull << 62)
+/* `size` bytes on `device` for `stream` (a cudaStream_t / CUstream; NULL: default stream;
+ * VMM_FOREIGN_STREAM_BIT may be set). NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED; more than the whole memory of the
  * device, checked before anything is reserved: VMM_INVALID_ARGUMENT). */
 void* vmm_alloc(size_t size, int device, void* stream);
 /* Frees a block of a device pool (device < 0: find it). */
