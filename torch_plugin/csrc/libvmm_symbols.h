@@ -41,6 +41,8 @@ struct Vmm {
   decltype(&vmm_empty_cache) empty_cache = nullptr;
   decltype(&vmm_set_memory_fraction) set_memory_fraction = nullptr;
   decltype(&vmm_block_free) block_free = nullptr;
+  decltype(&vmm_export) export_block = nullptr;
+  decltype(&vmm_import) import_descriptor = nullptr;
   decltype(&vmm_import_info) import_info = nullptr;
   decltype(&vmm_import_release) import_release = nullptr;
   decltype(&vmm_reset_peak_stats) reset_peak_stats = nullptr;
@@ -81,6 +83,8 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_empty_cache", &v.empty_cache);
   Lookup(lib, "vmm_set_memory_fraction", &v.set_memory_fraction);
   Lookup(lib, "vmm_block_free", &v.block_free);
+  Lookup(lib, "vmm_export", &v.export_block);
+  Lookup(lib, "vmm_import", &v.import_descriptor);
   Lookup(lib, "vmm_import_info", &v.import_info);
   Lookup(lib, "vmm_import_release", &v.import_release);
   Lookup(lib, "vmm_reset_peak_stats", &v.reset_peak_stats);

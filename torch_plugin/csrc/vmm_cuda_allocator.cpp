@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -56,6 +57,7 @@
 #include <torch/extension.h>
 
 #include "torch_plugin/csrc/alloc_history.h"
+#include "torch_plugin/csrc/pool_stream.h"
 #include "torch_plugin/csrc/ready_events.h"
 #include "torch_plugin/csrc/send_steps.h"
 #include "torch_plugin/csrc/libvmm_symbols.h"
@@ -86,10 +88,25 @@ void RequireBound() {
 [[noreturn]] void ThrowLastError(const std::string& what) {
   const int code = vmm.last_error_code();
   const std::string message = vmm.last_error();
-  TORCH_CHECK_WITH(OutOfMemoryError, code != VMM_RESOURCE_EXHAUSTED, "CUDA out of memory (vmm): ",
-                   what, ": ", message);
+  TORCH_CHECK_WITH(OutOfMemoryError, code != VMM_RESOURCE_EXHAUSTED,
+                   "CUDA out of memory. vmm: ", what, ": ", message);
   TORCH_CHECK_VALUE(code != VMM_INVALID_ARGUMENT, "vmm: ", what, ": ", message);
   TORCH_CHECK(false, "vmm: ", what, ": ", message);
+}
+
+// "8.00 GiB", as PyTorch's out-of-memory messages give sizes.
+std::string FormatSize(size_t bytes) {
+  static const char* const kUnits[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  if (bytes < 1024) return std::to_string(bytes) + " bytes";
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 5) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f %s", value, kUnits[unit]);
+  return text;
 }
 
 void CheckOk(int rc, const std::string& what) {
@@ -452,7 +469,18 @@ class VmmAllocator : public Pluggable {
 
   // Blocks a checkpoint restored (setCheckpointPoolState) are freed here; the others by the
   // base class, which knows them.
+  // A zero-byte raw request gets the null pointer and no bookkeeping, and deleting the null
+  // pointer does nothing, however often (PyTorch's allocator; bridges such as CuPy's hand
+  // every pointer they got back, null included).
+  void* raw_alloc(size_t nbytes) override {
+    return nbytes == 0 ? nullptr : Pluggable::raw_alloc(nbytes);
+  }
+  void* raw_alloc_with_stream(size_t nbytes, cudaStream_t stream) override {
+    return nbytes == 0 ? nullptr : Pluggable::raw_alloc_with_stream(nbytes, stream);
+  }
+
   void raw_delete(void* ptr) override {
+    if (ptr == nullptr) return;
     std::optional<Restored> restored;
     if (any_restored_.load(std::memory_order_relaxed)) {  // no lock on the common path
       std::lock_guard<std::mutex> lock(mu_);
@@ -467,6 +495,42 @@ class VmmAllocator : public Pluggable {
       return;
     }
     Pluggable::raw_delete(ptr);
+  }
+
+  // PyTorch's own CUDA IPC of a storage (UntypedStorage._share_cuda_ and _new_shared_cuda,
+  // which torch.multiprocessing uses for storages it sends itself, and programs call): the
+  // handle is the block's vmm descriptor, and the receiver imports it (its device is the
+  // current one, which PyTorch sets to the sender's). PyTorch's reference counting of sent
+  // storages keeps the sender's block until the receivers release it, as with its own
+  // allocator; the import lives as long as the pointer returned. A storage that is not the
+  // start of a live vmm block (an import) cannot be shared so: a clear error.
+  cca::ShareableHandle shareIpcHandle(void* ptr) override {
+    RequireBound();
+    uint8_t* bytes = nullptr;
+    size_t len = 0;
+    CheckOk(vmm.export_block(ptr, &bytes, &len), "sharing a CUDA storage (_share_cuda_)");
+    std::string handle(reinterpret_cast<const char*>(bytes), len);
+    vmm.release_buffer(bytes);
+    return cca::ShareableHandle{0, std::move(handle)};
+  }
+
+  std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
+    RequireBound();
+    const int device = c10::cuda::current_device();
+    const int64_t id = vmm.import_descriptor(reinterpret_cast<const uint8_t*>(handle.data()),
+                                             handle.size(), device, VMM_BACKEND_DEFAULT, 0);
+    if (id < 0) ThrowLastError("opening a shared CUDA storage (_new_shared_cuda)");
+    uint64_t ptr = 0;
+    size_t size = 0;
+    int mapped_on = 0;
+    if (vmm.import_info(id, &ptr, &size, &mapped_on) != 0) {
+      const std::string message = vmm.last_error();
+      vmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
+      TORCH_CHECK(false, "vmm: opening a shared CUDA storage: ", message);
+    }
+    return std::shared_ptr<void>(reinterpret_cast<void*>(ptr), [id](void*) {
+      vmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
+    });
   }
 
   // The largest block an allocation could get now (cuDNN sizes its workspace by it): what the
@@ -564,16 +628,17 @@ class VmmAllocator : public Pluggable {
     c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     MempoolId_t pool_id{0, 0};
     void* ptr = nullptr;
+    void* const pool_stream = vmm_torch::PoolStream(stream, device);
     std::optional<std::pair<MempoolId_t, int64_t>> route;
     if (!routes_empty_.load(std::memory_order_relaxed)) route = RouteFor(device, stream);
     if (route.has_value()) {
       pool_id = route->first;
-      ptr = vmm.pool_alloc(route->second, size, stream, 0);
+      ptr = vmm.pool_alloc(route->second, size, pool_stream, 0);
     } else if (own_pools_only_) {
       const int64_t own = OwnPool(device);
-      ptr = own < 0 ? nullptr : vmm.pool_alloc(own, size, stream, 0);
+      ptr = own < 0 ? nullptr : vmm.pool_alloc(own, size, pool_stream, 0);
     } else {
-      ptr = vmm.alloc(size, device, stream);
+      ptr = vmm.alloc(size, device, pool_stream);
     }
     if (ptr == nullptr && own_pools_only_) {
       // A MemPool's segment asked for by PyTorch's own allocator: it expects null, then
@@ -582,7 +647,7 @@ class VmmAllocator : public Pluggable {
       return nullptr;
     }
     if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
-      ptr = AllocateOnOom(size, device, stream, &pool_id);
+      ptr = AllocateOnOom(size, device, pool_stream, &pool_id);
     }
     if (ptr == nullptr) OutOfMemory(size, device, stream, pool_id);
     if (history_.on()) {
@@ -606,7 +671,7 @@ class VmmAllocator : public Pluggable {
   }
 
   // The last resort of a failed allocation: the pools set to be used on OOM (setUseOnOOM).
-  void* AllocateOnOom(size_t size, int device, cudaStream_t stream, MempoolId_t* pool_id) {
+  void* AllocateOnOom(size_t size, int device, void* stream, MempoolId_t* pool_id) {
     std::vector<std::pair<MempoolId_t, int64_t>> candidates;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -655,10 +720,13 @@ class VmmAllocator : public Pluggable {
       for (const cca::OutOfMemoryObserver& observer : observers) {
         observer(device, allocated, device_total, device_free);
       }
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (vmm). Tried to allocate ",
-                       size, " bytes on device ", device, ": ", message, " (", allocated,
-                       " bytes allocated by PyTorch through vmm; device: ", device_free,
-                       " of ", device_total, " bytes free)");
+      // Worded as PyTorch's allocator words it: programs and libraries (Accelerate, toma,
+      // Lightning) recognise an out of memory by "CUDA out of memory." in the message.
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ",
+                       FormatSize(size), ". GPU ", device, " has a total capacity of ",
+                       FormatSize(device_total), " of which ", FormatSize(device_free),
+                       " is free. Of the allocated memory ", FormatSize(allocated),
+                       " is allocated by PyTorch (through vmm). vmm: ", message);
     }
     CheckOk(-1, "allocation of " + std::to_string(size) + " bytes on device " +
                     std::to_string(device));

@@ -195,7 +195,8 @@ __attribute__((visibility("default"))) void* vmm_torch_malloc(size_t size, int d
   if (p == nullptr) {
     const std::string error = vmm.last_error();
     if (vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED) {
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory (vmm): ", error);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", size,
+                       " bytes on device ", device, ". vmm: ", error);
     }
     TORCH_CHECK(false, "vmm: allocation of ", size, " bytes on device ", device, " failed: ",
                 error);
