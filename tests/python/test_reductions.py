@@ -116,6 +116,25 @@ def test_views_keep_offset_and_strides(pool):
         assert sharing.storage_base(again)[1] == sharing.storage_base(t)[1]
 
 
+@pytest.mark.skipif(not hasattr(__import__("torch.multiprocessing.reductions").multiprocessing
+                            .reductions, "reduce_sparse_tensor"),
+                    reason="this PyTorch's reducer sends no sparse tensor")
+def test_sparse_tensors_travel_as_their_parts(pool):
+    """A sparse tensor goes as PyTorch sends it, its indices and values each through vmm's
+    reducer: over vmm memory, they arrive as imports of the sender's blocks."""
+    indices = pool.empty((2, 4), dtype=torch.int64, shareable=True)
+    indices.copy_(torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]]))
+    values = filled(pool, (4,))
+    coo = torch.sparse_coo_tensor(indices, values, (4, 4))
+    for sent in (coo, coo.to_sparse_csr()):
+        again = round_trip(sent)
+        assert again.layout == sent.layout
+        assert torch.equal(again.to_dense(), sent.to_dense())
+    again = round_trip(coo)
+    assert sharing.storage_base(again._values())[1] == sharing.storage_base(values)[1]
+    assert reductions.prepare_send([coo]), "the dry run reaches the parts"
+
+
 def test_empty_tensors_travel(pool):
     t = pool.empty((0, 3), shareable=True)
     again = round_trip(t)

@@ -55,7 +55,7 @@ import threading
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -104,7 +104,29 @@ def _on_feeder_thread() -> bool:
     return threading.current_thread().name == _FEEDER_THREAD
 
 
+def _parts(tensor: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """The plain strided tensors that a tensor of another kind is made of (a nested tensor's
+    buffer; a sparse tensor's indices and values), or None for a plain strided tensor.
+    PyTorch's reducer sends such a tensor as its parts, each through the reducer that
+    torch.multiprocessing.reductions names, vmm's once install_reducers ran."""
+    if tensor.is_nested:
+        return [tensor.values()]
+    layout = tensor.layout
+    if layout == torch.strided:
+        return None
+    if layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]
+    return []  # no memory of vmm's (a layout of another device)
+
+
 def _reduce(tensor: torch.Tensor) -> Reduction:
+    if _parts(tensor) is not None:
+        # Nested and sparse tensors: PyTorch's reducer sends their parts through vmm's.
+        return _torch_reduce_tensor(tensor)
     in_feeder = _on_feeder_thread()
     module = sharing.cuda_module() if in_feeder and tensor.is_cuda else None
     if module is not None:
@@ -250,6 +272,9 @@ def prepare_send(obj: Any) -> bool:
 def _prepare_tensor(tensor: torch.Tensor) -> bool:
     """Prepares one tensor (see prepare_send); whether it is vmm memory. A CUDA tensor of
     memory that goes as it is takes one call of vmm's CUDA module where it was built."""
+    parts = _parts(tensor)
+    if parts is not None:  # sent as its parts (_reduce): each is prepared
+        return any([_prepare_tensor(part) for part in parts])
     module = sharing.cuda_module() if tensor.is_cuda else None
     if module is not None:
         kind, base = module.prepare_send(tensor)
