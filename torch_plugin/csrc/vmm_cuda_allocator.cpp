@@ -561,9 +561,11 @@ class VmmAllocator : public Pluggable {
       Pluggable::emptyCache(mempool_id);
       return;
     }
-    const int device = c10::cuda::current_device();
-    const int64_t pool = vmm.private_pool_find(device, mempool_id.first, mempool_id.second);
-    if (pool >= 0) CheckOk(vmm.pool_empty_cache(pool), "empty_cache of a pool");
+    // On every device, as PyTorch's allocator empties a pool (a pool id is per device here).
+    for (int device = 0; device < c10::cuda::device_count(); ++device) {
+      const int64_t pool = vmm.private_pool_find(device, mempool_id.first, mempool_id.second);
+      if (pool >= 0) CheckOk(vmm.pool_empty_cache(pool), "empty_cache of a pool");
+    }
   }
 
  private:
