@@ -26,6 +26,7 @@ import faulthandler
 
 import torch
 from dropin_report import report
+from raw_memory import wrap
 
 MIB = 1 << 20
 SIZES = (1024, 300_000, 3 * MIB, 12 * MIB)  # float32 elements: 4 KiB to 48 MiB
@@ -44,18 +45,6 @@ def destroy(cudart, handle):
     err = cudart.cudaStreamDestroy(handle)
     if int(err) != 0:
         raise RuntimeError(f"cudaStreamDestroy failed: {err}")
-
-
-def wrap(ptr, n):
-    """A float32 tensor of n elements over raw device memory, no copy."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        st = torch._C._construct_storage_from_data_pointer(ptr, dev, n * 4)
-        return torch.empty(0, dtype=torch.float32, device=dev).set_(st, 0, (n,), (1,))
-    cai = {"shape": (n,), "typestr": "<f4", "data": (ptr, False), "strides": None, "version": 2}
-    return torch.as_tensor(type("Raw", (), {"__cuda_array_interface__": cai})(), device=dev)
 
 
 def work(stream, tag, errors, where):

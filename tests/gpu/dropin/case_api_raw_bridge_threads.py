@@ -23,21 +23,10 @@ import threading
 
 import torch
 from dropin_report import report
+from raw_memory import wrap
 
 MIB = 1 << 20
 THREADS, PER_THREAD, LIVE_MAX = 4, 150, 6
-
-
-def wrap(ptr, n):
-    """A uint8 tensor of n bytes over raw device memory, no copy."""
-    dev = torch.device("cuda", torch.cuda.current_device())
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        st = torch._C._construct_storage_from_data_pointer(ptr, dev, n)
-        return torch.empty(0, dtype=torch.uint8, device=dev).set_(st, 0, (n,), (1,))
-    cai = {"shape": (n,), "typestr": "|u1", "data": (ptr, False), "strides": None, "version": 2}
-    return torch.as_tensor(type("Raw", (), {"__cuda_array_interface__": cai})(), device=dev)
 
 
 class Bridge:
@@ -83,12 +72,12 @@ def worker(tid, bridge, errors):
                 ptr = bridge.malloc(size, stream)
                 value = (tid * 37 + i) % 251
                 if size:
-                    wrap(ptr, size).fill_(value)
+                    wrap(ptr, size, torch.uint8).fill_(value)
                 held.append((ptr, size, value))
                 while len(held) > LIVE_MAX or (i == PER_THREAD - 1 and held):
                     ptr, size, value = held.pop(rng.randrange(len(held)))
                     if size:
-                        t = wrap(ptr, size)
+                        t = wrap(ptr, size, torch.uint8)
                         if not bool((t == value).all().item()):
                             errors.append(f"thread {tid}: a raw block of {size} bytes does not "
                                           f"read back {value}")
