@@ -467,8 +467,6 @@ class VmmAllocator : public Pluggable {
     return delta;
   }
 
-  // Blocks a checkpoint restored (setCheckpointPoolState) are freed here; the others by the
-  // base class, which knows them.
   // A zero-byte raw request gets the null pointer and no bookkeeping, and deleting the null
   // pointer does nothing, however often (PyTorch's allocator; bridges such as CuPy's hand
   // every pointer they got back, null included).
@@ -479,6 +477,8 @@ class VmmAllocator : public Pluggable {
     return nbytes == 0 ? nullptr : Pluggable::raw_alloc_with_stream(nbytes, stream);
   }
 
+  // Blocks a checkpoint restored (setCheckpointPoolState) are freed here; the others by the
+  // base class, which knows them.
   void raw_delete(void* ptr) override {
     if (ptr == nullptr) return;
     std::optional<Restored> restored;
