@@ -579,6 +579,7 @@ absl::Status CudaDriver::EnterStreamContext(Stream stream, ScopedContext& scope)
 }
 
 std::optional<int> CudaDriver::StreamDevice(Stream stream) {
+  stream = StreamHandle(stream);
   if (stream == 0) return std::nullopt;
   MutexLock lock(&mu_);
   auto it = stream_devices_.find(stream);
@@ -921,7 +922,7 @@ absl::Status CudaDriver::DestroyStream(Stream stream) {
   VMM_RETURN_IF_ERROR(EnterDevice(*device, scope));
   VMM_RETURN_IF_ERROR(Check(api_.StreamDestroy(ToCuStream(stream)), "cuStreamDestroy"));
   MutexLock lock(&mu_);
-  stream_devices_.erase(stream);
+  stream_devices_.erase(StreamHandle(stream));
   return absl::OkStatus();
 }
 

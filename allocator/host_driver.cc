@@ -778,6 +778,7 @@ absl::StatusOr<std::shared_ptr<HostEvent>> HostDriver::FindEvent(Event event) {
 }
 
 absl::Status HostDriver::Submit(Stream stream, std::function<void()> work) {
+  stream = StreamHandle(stream);
   if (stream == 0) {
     work();
     return absl::OkStatus();
@@ -803,7 +804,7 @@ absl::Status HostDriver::DestroyStream(Stream stream) {
   std::shared_ptr<HostStream> s;
   {
     MutexLock lock(&mu_);
-    auto it = streams_.find(stream);
+    auto it = streams_.find(StreamHandle(stream));
     if (it == streams_.end()) {
       return absl::InvalidArgumentError(
           absl::StrCat("host: DestroyStream: unknown stream ", stream));
@@ -820,6 +821,7 @@ absl::Status HostDriver::DestroyStream(Stream stream) {
 }
 
 absl::Status HostDriver::SynchronizeStream(Stream stream) {
+  stream = StreamHandle(stream);
   if (stream == 0) return absl::OkStatus();  // stream 0 work runs at once
   VMM_ASSIGN_OR_RETURN(std::shared_ptr<HostStream> s, FindStream(stream));
   s->Synchronize();
@@ -855,6 +857,7 @@ absl::Status HostDriver::DestroyEvent(Event event) {
 }
 
 absl::Status HostDriver::RecordEvent(Event event, Stream stream) {
+  stream = StreamHandle(stream);
   VMM_ASSIGN_OR_RETURN(std::shared_ptr<HostEvent> e, FindEvent(event));
   if (stream != 0) VMM_RETURN_IF_ERROR(FindStream(stream).status());
   const uint64_t generation = e->Record();

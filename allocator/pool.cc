@@ -354,9 +354,11 @@ absl::Status Pool::FreeInUse(Block* block) {
   if (!reclaim_.RecordUses(block, streams, stats_)) {
     // A stream took no event and could not be synchronised (gone or broken): the block waits
     // on a fence that only a synchronisation of the devices completes, so wait for them now.
-    // If that fails the block stays pending, and the next synchronisation that succeeds (the
-    // next allocation that is not served by the cached path, EmptyCache) recycles it.
+    // If that fails, or a capture is under way (a synchronisation would end it), the block
+    // stays pending, and the next synchronisation that succeeds (the next allocation that is
+    // not served by the cached path, EmptyCache) recycles it.
     // `block` must not be touched after this.
+    if (CaptureWindowOpen()) return absl::OkStatus();
     return SynchronizeAll();
   }
   if (block->pending_events == 0) {

@@ -168,8 +168,7 @@ std::vector<BlockInfo> Pool::LiveBlocks() const {
   for (const Arena* arena : {&small_, &large_}) {  // the small arena lies below the large one
     for (const Block* b = arena->head(); b != nullptr; b = b->next) {
       if (b->state == BlockState::kAllocated || b->state == BlockState::kPendingFree) {
-        out.push_back(
-            BlockInfo{b->addr, b->size, b->requested, b->state, ReportedStream(b->stream)});
+        out.push_back(BlockInfo{b->addr, b->size, b->requested, b->state, b->stream});
       }
     }
   }

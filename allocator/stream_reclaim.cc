@@ -53,6 +53,15 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
                                PoolStats& stats) {
   bool all = true;
   for (Stream s : streams) {
+    if (IsForeignStream(s)) {
+      // Perhaps gone (driver.h): never called on. A fence, which the caller's device
+      // synchronisation completes.
+      all = false;
+      ++fences_;
+      pending_.push_back(Pending{kFence, block, s});
+      ++block->pending_events;
+      continue;
+    }
     if (Capturing(s, stats)) {
       // An event recorded there would join the graph, and synchronising the stream would end
       // the capture: recorded once the capture is over (ProcessPending).
@@ -156,20 +165,18 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
   // (capture_window.h): every stream keeps its blocks.
   if (CaptureWindowOpen()) return true;
   // Streams that have cached blocks only they may use.
+  // A foreign stream may be gone (driver.h): no call is made on it, and its blocks stay
+  // tagged, as PyTorch's allocator keeps every stream's, until a synchronisation of the
+  // device retags them (RetagAll: the retry before out of memory, EmptyCache).
   std::vector<Stream> streams;
-  bool foreign = false;
   for (const Arena* arena : arenas) {
     arena->free_blocks().ForEachStream([&](Stream s) {
-      foreign = foreign || (IsForeignStream(s) && s != requester);
-      if (s != kAnyStream && s != requester &&
-          std::find(streams.begin(), streams.end(), s) == streams.end()) {
+      if (s != kAnyStream && StreamHandle(s) != StreamHandle(requester) &&
+          !IsForeignStream(s) && std::find(streams.begin(), streams.end(), s) == streams.end()) {
         streams.push_back(s);
       }
     });
   }
-  // A foreign stream may be gone (driver.h): no call is made on it, the device is
-  // synchronised instead, which completes its work whether it still exists or not.
-  if (foreign) return false;
   for (Stream s : streams) {
     StreamState& r = streams_[s];
     // A stream capturing a graph: an event recorded there would join the graph (and could

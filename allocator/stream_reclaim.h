@@ -17,8 +17,9 @@
 //     retags that stream's blocks freed before the event for every stream (kAnyStream). The
 //     requesting stream's own blocks keep their tag: it may use them already, and they keep
 //     coalescing with its later frees.
-// A foreign stream (driver.h: one its owner may destroy) is never called on here: while one
-// has cached blocks, Reclaim asks for a device synchronisation instead of recording events.
+// A foreign stream (driver.h: one its owner may destroy) is never called on here: Reclaim
+// leaves its blocks tagged until a device synchronisation (RetagAll), and a free that must
+// wait for it (RecordUses) waits on a fence.
 // A stream that is capturing a CUDA graph (Driver::StreamCapturing) takes no event and is not
 // synchronised: an event recorded there would join the graph (another thread's capture, in
 // thread_local mode), and a synchronisation would end the capture. A block freed with a use

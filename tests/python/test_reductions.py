@@ -390,3 +390,17 @@ def test_flat_containers_skip_the_pickler_walk():
     tagged = Tagged(1)
     tagged.t = t
     assert not reductions._flat((tagged,))
+
+
+def test_external_streams_are_marked_foreign():
+    """An ExternalStream (its id is its handle: even, not 0) goes to vmm's pools marked
+    foreign, PyTorch's own streams (odd ids) and the default stream (id 0) as they are."""
+    from vmm_torch._streams import FOREIGN_STREAM_BIT, pool_stream
+
+    class FakeStream:
+        def __init__(self, handle, stream_id):
+            self.cuda_stream, self.stream_id = handle, stream_id
+
+    assert pool_stream(FakeStream(0x7F00_1000, 0x7F00_1000)) == 0x7F00_1000 | FOREIGN_STREAM_BIT
+    assert pool_stream(FakeStream(0x7F00_2000, 33)) == 0x7F00_2000
+    assert pool_stream(FakeStream(0, 0)) == 0

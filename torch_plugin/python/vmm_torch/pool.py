@@ -10,6 +10,7 @@ from . import _lib, _registry
 from ._devices import parse_device
 from ._options import format_options
 from ._signatures import BACKEND_CUDA, BACKEND_HOST, HANDLE_TYPE_NAMES
+from ._streams import pool_stream
 from ._tensors import ShapeLike, contiguous_strides, element_size, shape_list, tensor_nbytes
 from .allocator import flatten_stats
 
@@ -87,7 +88,7 @@ class Pool(_lib.Closable):
     def _stream(self) -> Optional[int]:
         if self._device == "host":
             return None
-        return torch.cuda.current_stream(self._torch_device).cuda_stream or None
+        return pool_stream(torch.cuda.current_stream(self._torch_device)) or None
 
     def empty(self, shape: ShapeLike, dtype: torch.dtype = torch.float32,
               shareable: bool = False) -> torch.Tensor:

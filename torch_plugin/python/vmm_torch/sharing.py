@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from . import _cuda, _lib, allocator
+from ._streams import pool_stream
 from .allocator import send_stats  # noqa: F401  (re-exported: sends are this module's)
 from ._devices import parse_device
 from ._signatures import (BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS, SEND_IMPORT,
@@ -195,9 +196,12 @@ def relocate_storage(t: torch.Tensor, base: int) -> int:
     source = libs.storage_bytes(t)
     nbytes = source.numel()
     stream = _current_stream(t)
+    # The new block's stream as pools take it (an ExternalStream marked foreign: _streams).
+    block_stream = pool_stream(torch.cuda.current_stream(t.device)) if t.is_cuda else None
     # With the GIL kept: a spare chunk makes it a few microseconds (pool.h), and releasing
     # the GIL lets a busy feeder thread keep it for up to the switch interval.
-    ptr = _lib.check_pointer(libs.quick.vmm_alloc_beside(base, max(nbytes, 1), stream), "send")
+    ptr = _lib.check_pointer(
+        libs.quick.vmm_alloc_beside(base, max(nbytes, 1), block_stream), "send")
     device = t.device if t.is_cuda else torch.device("cpu")
     try:
         donor = libs.wrap(ptr, nbytes, [nbytes], [1], 0, torch.uint8, device)
