@@ -50,9 +50,10 @@ using Stream = uintptr_t;
 // Marks a foreign stream: one the framework does not own (torch.cuda.ExternalStream, a
 // library's cudaStreamCreate), which its owner may destroy once its work is done, so that a
 // driver call on it later is a call on a dead handle. A pool makes driver calls on such a
-// stream only while an allocation names it; the blocks cached for it go to other streams after
-// a device synchronisation, not after an event on it (stream_reclaim.h). Drivers take a marked
-// stream as the stream itself (StreamHandle). No CUDA stream or host backend stream has this bit.
+// stream only while an allocation names it: the blocks cached for it stay its own until a
+// device synchronisation, and a free that must wait for its work waits on one
+// (stream_reclaim.h). Drivers take a marked stream as the stream itself (StreamHandle). No CUDA
+// stream or host backend stream has this bit.
 inline constexpr Stream kForeignStreamBit = Stream{1} << 62;
 inline constexpr Stream StreamHandle(Stream s) { return s & ~kForeignStreamBit; }
 // An event (CUevent, or a host backend event). 0 is none.

@@ -98,8 +98,9 @@ int vmm_parse_byte_size(const char* text, uint64_t* out);
 int vmm_configure(const char* options);
 /* A stream passed to vmm_alloc / vmm_pool_alloc with this bit set is foreign: its owner may
  * destroy it once its work is done (torch.cuda.ExternalStream, a library's own stream). vmm
- * then makes no CUDA call on it after the allocation returns: the blocks cached for it go to
- * other streams after a device synchronisation instead of an event on it. */
+ * then makes no CUDA call on it after the allocation returns: the blocks cached for it stay its
+ * own until a device synchronisation (the retry before out of memory, vmm_empty_cache), as
+ * PyTorch's allocator keeps every stream's. */
 #define VMM_FOREIGN_STREAM_BIT (1ull << 62)
 /* `size` bytes on `device` for `stream` (a cudaStream_t / CUstream; NULL: default stream;
  * VMM_FOREIGN_STREAM_BIT may be set). NULL on failure (out of memory: VMM_RESOURCE_EXHAUSTED; more than the whole memory of the

@@ -6,9 +6,9 @@
 // owns the default streams and the streams of its stream pools, which live as long as the
 // process. A current stream whose id is even and not 0 is a torch.cuda.ExternalStream (c10
 // gives one its handle as its id, and its own streams odd ids). A stream that is not the
-// current one (a raw allocation on a given stream) is taken as foreign: that costs its cached
-// blocks a device synchronisation before another stream takes them, never a call on a dead
-// handle. Nothing here fails.
+// current one (a raw allocation on a given stream) is taken as foreign: its cached blocks then
+// stay its own until a device synchronisation (as PyTorch's allocator keeps every stream's),
+// never a call on a dead handle. Nothing here fails.
 #ifndef VMM_TORCH_PLUGIN_CSRC_POOL_STREAM_H_
 #define VMM_TORCH_PLUGIN_CSRC_POOL_STREAM_H_
 
