@@ -30,6 +30,7 @@ LAYERS = {
     "_files": 0,       # writing output files whole (dump_stats, the stats command line)
     "_pickles": 0,     # loading untrusted pickles of builtins (memory snapshots)
     "_cuda": 0,        # vmm's own CUDA allocator module, where built
+    "_streams": 0,     # the stream of an allocation as pools take it (foreign mark)
     "stats": 1,        # the dump reader (no libraries; writes with _files)
     "_lib": 1,         # loading, errors by code, call helpers
     "descriptors": 2,
