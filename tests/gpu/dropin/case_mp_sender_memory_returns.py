@@ -9,12 +9,11 @@ Why vmm may differ: a send is held in the producer until the receiver acknowledg
 block's deferred free runs on a background thread; exported chunks are parked, spare or
 unmarked once receivers report, bookkept apart from free blocks.
 """
-import gc
-import time
 
 import torch
 import torch.multiprocessing as mp
 from dropin_report import report
+from sender_memory import memory_back_error
 
 MIB = 1 << 20
 
@@ -48,19 +47,9 @@ def main():
     errors = []
     if total != expect:
         errors.append(f"the consumer summed {total}, expected {expect}")
-    deadline = time.monotonic() + 15
-    now = None
-    while time.monotonic() < deadline:
-        torch.cuda.ipc_collect()
-        gc.collect()
-        torch.cuda.synchronize()
-        now = torch.cuda.memory_allocated()
-        if now == base:
-            break
-        time.sleep(0.1)
-    if now != base:
-        errors.append(f"15 s after the consumer dropped everything, memory_allocated is {now}, "
-                      f"{base} before the sends ({now - base} bytes still held)")
+    error = memory_back_error(base, "consumer")
+    if error:
+        errors.append(error)
     p.join(30)
     del keep
     report(errors)

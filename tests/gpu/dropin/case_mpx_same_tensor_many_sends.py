@@ -16,11 +16,11 @@ sharing.received_storage); the block is freed only after its last hold ends and 
 receiver reported unmapping.
 """
 import gc
-import time
 
 import torch
 import torch.multiprocessing as mp
 from dropin_report import report
+from sender_memory import memory_back_error
 
 REPEAT = 1000
 DISTINCT = 200
@@ -78,19 +78,9 @@ def main():
     if reply.get(timeout=90) != "dropped":
         errors.append("the receiver did not drop its tensors")
     del t
-    deadline = time.monotonic() + 15
-    now = None
-    while time.monotonic() < deadline:
-        torch.cuda.ipc_collect()
-        gc.collect()
-        torch.cuda.synchronize()
-        now = torch.cuda.memory_allocated()
-        if now == base:
-            break
-        time.sleep(0.1)
-    if now != base:
-        errors.append(f"15 s after the receiver dropped everything, memory_allocated is {now}, "
-                      f"{base} before the sends ({now - base} bytes still held)")
+    error = memory_back_error(base, "receiver")
+    if error:
+        errors.append(error)
     p.join(30)
     del keep
     report(errors)
