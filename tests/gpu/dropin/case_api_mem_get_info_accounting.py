@@ -4,7 +4,7 @@ pass, against memory_reserved() and max_memory_allocated().
 # EXCLUSIVE (reads mem_get_info(), which other processes would disturb)
 
 With PyTorch's allocator every byte of memory_reserved() is device memory the process holds
-(cudaMalloc'd segments), so the engines' "non-torch memory", the growth of the device's used
+(cudaMalloc'd segments), so the engines' "non-torch memory", the growth of the GPU's used
 memory (total - free) minus the growth of memory_reserved(), stays small: after a warm-up of
 the same kernels, loading 1.5 GiB of weights and running a pass that keeps 1 GiB of
 activations each move used memory by what memory_reserved() moved, within 256 MiB + 2 %

@@ -17,7 +17,7 @@ what it was.
 Why vmm may differ: a MemPool is a vmm private pool reached through a route
 (beginAllocateToPool); an allocation there that fails takes VmmAllocator::Malloc's path with
 a route (no use-on-OOM pools, OutOfMemory with the pool's id), the cap is vmm's DeviceCap over
-all of the device's pools, and the route and the pool's use count must be released when the
+all of the GPU's pools, and the route and the pool's use count must be released when the
 exception leaves use_mem_pool.
 """
 import gc
