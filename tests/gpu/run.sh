@@ -369,7 +369,12 @@ phase_compare() {
   python3 bench/pair_ratio.py --after "$dir"/after_*.json --before "${before_files[@]}" \
     >"$OUT/compare.md" 2>>"$summary"
   tee -a "$summary" <"$OUT/compare.md"
-  compare_share "$dir"
+  # SHARE_COMPARE_ROUNDS=0: the cached pair only (no installs, no share latency).
+  if ((${SHARE_COMPARE_ROUNDS:-2} > 0)); then
+    compare_share "$dir"
+  else
+    note "compare_share: skipped (SHARE_COMPARE_ROUNDS=0)"
+  fi
 }
 
 # compare_share DIR: share latency (vmm fabric) of this build and of .gpu/before, each with its
