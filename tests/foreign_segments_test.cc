@@ -1,0 +1,247 @@
+// ForeignSegments (torch_plugin/csrc/foreign_segments.h): a MemPool over another allocator is
+// served as PyTorch's own allocator serves it, in segments of PyTorch's sizes split into
+// blocks, cached per stream, handed back only at ReleaseCached.
+#include "torch_plugin/csrc/foreign_segments.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace vmm_torch {
+namespace {
+
+using ::testing::ElementsAre;
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Host memory as segments; events are numbers the test completes by hand.
+struct HostLog {
+  std::vector<size_t> allocated;  // segment sizes asked for, in order
+  std::vector<void*> released;
+  std::set<uintptr_t> done_events;
+  std::set<uintptr_t> live_events;
+  int syncs = 0;
+  size_t fail_above = SIZE_MAX;  // Allocate returns null while this much is held
+  size_t held = 0;
+};
+
+class HostSource : public ForeignSource {
+ public:
+  explicit HostSource(HostLog* log) : log_(log) {}
+  void* Allocate(size_t size, uintptr_t) override {
+    log_->allocated.push_back(size);
+    if (log_->held + size > log_->fail_above) return nullptr;
+    log_->held += size;
+    sizes_.emplace_back(std::malloc(size), size);
+    return sizes_.back().first;
+  }
+  void Release(void* segment) override {
+    log_->released.push_back(segment);
+    for (auto it = sizes_.begin(); it != sizes_.end(); ++it) {
+      if (it->first == segment) {
+        log_->held -= it->second;
+        std::free(segment);
+        sizes_.erase(it);
+        return;
+      }
+    }
+    ADD_FAILURE() << "released a segment it never gave";
+  }
+  uintptr_t RecordEvent(uintptr_t) override {
+    log_->live_events.insert(++next_event_);
+    return next_event_;
+  }
+  bool EventDone(uintptr_t event) override { return log_->done_events.count(event) != 0; }
+  void DestroyEvent(uintptr_t event) override {
+    EXPECT_EQ(log_->live_events.erase(event), 1u) << "event " << event << " destroyed twice";
+  }
+  void SynchronizeDevice() override {
+    ++log_->syncs;
+    log_->done_events.insert(log_->live_events.begin(), log_->live_events.end());
+  }
+  ~HostSource() override {
+    for (auto& [ptr, size] : sizes_) std::free(ptr);
+  }
+
+ private:
+  HostLog* log_;
+  std::vector<std::pair<void*, size_t>> sizes_;
+  uintptr_t next_event_ = 0;
+};
+
+class ForeignSegmentsTest : public ::testing::Test {
+ protected:
+  ForeignSegments& Make(bool no_split = false) {
+    pool_ = std::make_unique<ForeignSegments>(std::make_unique<HostSource>(&log_), no_split);
+    return *pool_;
+  }
+  HostLog log_;
+  std::unique_ptr<ForeignSegments> pool_;
+};
+
+TEST_F(ForeignSegmentsTest, SmallRequestsShareOneTwoMiBSegment) {
+  ForeignSegments& pool = Make();
+  char* a = static_cast<char*>(pool.Allocate(100, 7));
+  char* b = static_cast<char*>(pool.Allocate(1000, 7));
+  char* c = static_cast<char*>(pool.Allocate(kMiB, 7));
+  ASSERT_NE(a, nullptr);
+  EXPECT_THAT(log_.allocated, ElementsAre(2 * kMiB));
+  EXPECT_EQ(b, a + 512);   // 100 bytes take a 512-byte block
+  EXPECT_EQ(c, b + 1024);  // 1000 bytes take two units
+  const ForeignStats stats = pool.Stats();
+  EXPECT_EQ(stats.segment[0].current, 1);
+  EXPECT_EQ(stats.segment[1].current, 1);  // the small pool's
+  EXPECT_EQ(stats.reserved_bytes[0].current, static_cast<int64_t>(2 * kMiB));
+  EXPECT_EQ(stats.allocated_bytes[0].current, static_cast<int64_t>(512 + 1024 + kMiB));
+  EXPECT_EQ(stats.requested_bytes[0].current, static_cast<int64_t>(100 + 1000 + kMiB));
+  EXPECT_EQ(stats.allocation[0].current, 3);
+}
+
+TEST_F(ForeignSegmentsTest, LargeRequestsGetPyTorchSegmentSizes) {
+  ForeignSegments& pool = Make();
+  void* mid = pool.Allocate(5 * kMiB, 1);
+  void* next_mid = pool.Allocate(9 * kMiB, 1);  // the 15 MiB left of the 20 MiB segment
+  void* big = pool.Allocate(30 * kMiB + 1, 1);
+  ASSERT_NE(mid, nullptr);
+  ASSERT_NE(next_mid, nullptr);
+  ASSERT_NE(big, nullptr);
+  EXPECT_EQ(static_cast<char*>(next_mid), static_cast<char*>(mid) + 5 * kMiB);
+  EXPECT_THAT(log_.allocated, ElementsAre(20 * kMiB, 32 * kMiB));
+  EXPECT_EQ(pool.Stats().segment[2].current, 2);  // both in the large pool
+}
+
+TEST_F(ForeignSegmentsTest, AFreedBlockIsReusedByItsStreamOnly) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.Free(a));
+  EXPECT_EQ(pool.Allocate(64 * kMiB, 1), a);  // cached: no new segment
+  EXPECT_EQ(log_.allocated.size(), 1u);
+  ASSERT_TRUE(pool.Free(a));
+  void* other = pool.Allocate(64 * kMiB, 2);  // another stream gets a segment of its own
+  EXPECT_NE(other, a);
+  EXPECT_EQ(log_.allocated.size(), 2u);
+}
+
+TEST_F(ForeignSegmentsTest, FreedNeighboursMergeAndTheSegmentGoesBackAtReleaseCached) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(4 * kMiB, 1);
+  void* b = pool.Allocate(4 * kMiB, 1);
+  void* c = pool.Allocate(4 * kMiB, 1);
+  EXPECT_EQ(log_.allocated.size(), 1u);
+  ASSERT_TRUE(pool.Free(b));
+  EXPECT_EQ(pool.ReleaseCached(), 0u);  // a and c still hold the segment
+  EXPECT_TRUE(log_.released.empty());
+  ASSERT_TRUE(pool.Free(a));
+  ASSERT_TRUE(pool.Free(c));
+  const std::vector<ForeignSegmentInfo> snap = pool.Snapshot();
+  ASSERT_EQ(snap.size(), 1u);
+  ASSERT_EQ(snap[0].blocks.size(), 1u);  // one free block: the three merged with the rest
+  EXPECT_EQ(snap[0].blocks[0].size, 20 * kMiB);
+  EXPECT_EQ(pool.ReleaseCached(), 1u);
+  EXPECT_THAT(log_.released, ElementsAre(a));
+  EXPECT_GE(log_.syncs, 1);  // the device's work on it finished first
+  EXPECT_TRUE(pool.Empty());
+  const ForeignStats stats = pool.Stats();
+  EXPECT_EQ(stats.reserved_bytes[0].current, 0);
+  EXPECT_EQ(stats.reserved_bytes[0].peak, static_cast<int64_t>(20 * kMiB));
+  EXPECT_EQ(stats.inactive_split_bytes[0].current, 0);
+  EXPECT_EQ(stats.num_device_alloc, 1);
+  EXPECT_EQ(stats.num_device_free, 1);
+}
+
+TEST_F(ForeignSegmentsTest, ABlockAnotherStreamUsedWaitsForItsEvent) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.RecordStream(a, 2));
+  ASSERT_TRUE(pool.Free(a));
+  ASSERT_EQ(log_.live_events.size(), 1u);
+  void* b = pool.Allocate(64 * kMiB, 1);  // stream 2 may still read a
+  EXPECT_NE(b, a);
+  EXPECT_EQ(pool.Stats().active[0].current, 2);  // the pending block stays active
+  log_.done_events.insert(*log_.live_events.begin());
+  EXPECT_EQ(pool.Allocate(64 * kMiB, 1), a);
+  EXPECT_TRUE(log_.live_events.empty());
+}
+
+TEST_F(ForeignSegmentsTest, OutOfMemoryHandsBackTheCacheThenRetries) {
+  ForeignSegments& pool = Make();
+  log_.fail_above = 40 * kMiB;
+  void* a = pool.Allocate(20 * kMiB, 1);
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(pool.Free(a));
+  void* b = pool.Allocate(30 * kMiB, 1);  // 20 + 30 > 40: the cached 20 go back first
+  ASSERT_NE(b, nullptr);
+  EXPECT_THAT(log_.released, ElementsAre(a));
+  EXPECT_EQ(pool.Stats().num_alloc_retries, 1);
+  EXPECT_EQ(pool.Allocate(20 * kMiB, 1), nullptr);  // nothing cached to give back
+  EXPECT_TRUE(pool.Free(b));
+}
+
+TEST_F(ForeignSegmentsTest, NoSplitGivesEachRequestASegmentOfItsOwn) {
+  ForeignSegments& pool = Make(/*no_split=*/true);
+  void* a = pool.Allocate(1000, 1);
+  void* b = pool.Allocate(16 * kMiB, 1);
+  EXPECT_THAT(log_.allocated, ElementsAre(1024, 16 * kMiB));
+  ASSERT_TRUE(pool.Free(b));
+  EXPECT_EQ(pool.Allocate(16 * kMiB - 4096, 1), b);  // fits the cached segment, reused whole
+  ASSERT_TRUE(pool.Free(b));
+  void* c = pool.Allocate(kMiB + 4096, 1);  // far smaller: a segment of its own
+  EXPECT_NE(c, b);
+  EXPECT_TRUE(pool.Free(a));
+  EXPECT_TRUE(pool.Free(c));
+}
+
+TEST_F(ForeignSegmentsTest, UnknownAndTwiceFreedPointersAreRefused) {
+  ForeignSegments& pool = Make();
+  int local = 0;
+  EXPECT_FALSE(pool.Free(&local));
+  EXPECT_FALSE(pool.RecordStream(&local, 1));
+  void* a = pool.Allocate(100, 1);
+  EXPECT_TRUE(pool.Free(a));
+  EXPECT_FALSE(pool.Free(a));
+  EXPECT_FALSE(pool.RecordStream(a, 2));
+  EXPECT_EQ(pool.Stats().allocation[0].current, 0);
+}
+
+TEST_F(ForeignSegmentsTest, PeaksAndTotalsReset) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.Free(a));
+  pool.ResetPeaks();
+  ForeignStats stats = pool.Stats();
+  EXPECT_EQ(stats.allocated_bytes[0].peak, 0);
+  EXPECT_EQ(stats.reserved_bytes[0].peak, static_cast<int64_t>(64 * kMiB));  // still held
+  pool.ResetAccumulated();
+  stats = pool.Stats();
+  EXPECT_EQ(stats.allocation[0].allocated, 0);
+  EXPECT_EQ(stats.num_device_alloc, 0);
+}
+
+TEST_F(ForeignSegmentsTest, SnapshotListsBlocksInAddressOrder) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(512, 3);
+  void* b = pool.Allocate(512, 3);
+  ASSERT_TRUE(pool.RecordStream(a, 4));
+  ASSERT_TRUE(pool.Free(a));
+  const std::vector<ForeignSegmentInfo> snap = pool.Snapshot();
+  ASSERT_EQ(snap.size(), 1u);
+  EXPECT_EQ(snap[0].stream, 3u);
+  EXPECT_TRUE(snap[0].small);
+  ASSERT_EQ(snap[0].blocks.size(), 3u);
+  EXPECT_TRUE(snap[0].blocks[0].active);  // pending on stream 4
+  EXPECT_FALSE(snap[0].blocks[0].allocated);
+  EXPECT_TRUE(snap[0].blocks[1].allocated);
+  EXPECT_EQ(snap[0].blocks[1].requested, 512u);
+  EXPECT_FALSE(snap[0].blocks[2].active);
+  EXPECT_EQ(snap[0].blocks[2].size, 2 * kMiB - 1024);
+  EXPECT_TRUE(pool.Free(b));
+}
+
+}  // namespace
+}  // namespace vmm_torch
