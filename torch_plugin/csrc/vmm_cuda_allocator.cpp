@@ -16,6 +16,9 @@
 //     is in use; releasePool drops a use; checkPoolLiveAllocations and the checkpoints of graph
 //     trees (getCheckpointState / setCheckpointPoolState) from the pool's live blocks
 //     (vmm_pool_live_blocks, vmm_pool_alloc_at);
+//   - a MemPool over another allocator (torch.cuda.MemPool(CUDAPluggableAllocator...)): its
+//     allocations come from segments that allocator gives, split and cached as PyTorch's
+//     allocator does (foreign_segments.h), counted in the statistics and the snapshot;
 //   - out of memory: the observers attached are called, an "oom" trace entry is recorded, and
 //     c10::OutOfMemoryError (torch.cuda.OutOfMemoryError) carries vmm's message.
 // Everything else (malloc bookkeeping, record_stream, raw_alloc) is CUDAPluggableAllocator's.
@@ -57,6 +60,8 @@
 #include <torch/extension.h>
 
 #include "torch_plugin/csrc/alloc_history.h"
+#include "torch_plugin/csrc/foreign_segments.h"
+#include "torch_plugin/csrc/foreign_source.h"
 #include "torch_plugin/csrc/pool_stream.h"
 #include "torch_plugin/csrc/ready_events.h"
 #include "torch_plugin/csrc/send_steps.h"
@@ -177,11 +182,16 @@ class VmmAllocator : public Pluggable {
       std::lock_guard<std::mutex> lock(mu_);
       fractions_[device] = fraction;
     };
-    record_stream_fn_ = [](void* ptr, cudaStream_t stream) {
+    record_stream_fn_ = [this](void* ptr, cudaStream_t stream) {
       // Memory vmm does not own (an import, DLPack) is left alone, as PyTorch's allocator
-      // ignores pointers it did not allocate.
-      if (vmm.record_stream(ptr, stream) != 0 && vmm.last_error_code() != VMM_INVALID_ARGUMENT) {
-        ThrowLastError("record_stream");
+      // ignores pointers it did not allocate; a block of a MemPool over another allocator
+      // keeps the stream until its free.
+      if (vmm.record_stream(ptr, stream) == 0) return;
+      if (vmm.last_error_code() != VMM_INVALID_ARGUMENT) ThrowLastError("record_stream");
+      if (any_foreign_.load(std::memory_order_relaxed)) {
+        for (const auto& pool : ForeignPools(-1)) {
+          if (pool->segments->RecordStream(ptr, reinterpret_cast<uintptr_t>(stream))) return;
+        }
       }
     };
   }
@@ -244,15 +254,18 @@ class VmmAllocator : public Pluggable {
     out.num_device_alloc = s.num_device_alloc;
     out.num_device_free = s.num_device_free;
     out.max_split_size = s.max_split_size;
+    for (const auto& pool : ForeignPools(device)) AddForeignStats(pool->segments->Stats(), out);
     return out;
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
     CheckOk(vmm.reset_peak_stats(device), "reset_peak_memory_stats");
+    for (const auto& pool : ForeignPools(device)) pool->segments->ResetPeaks();
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     CheckOk(vmm.reset_accumulated_stats(device), "reset_accumulated_memory_stats");
+    for (const auto& pool : ForeignPools(device)) pool->segments->ResetAccumulated();
   }
 
   // --- Snapshot and history -----------------------------------------------------------
@@ -295,6 +308,11 @@ class VmmAllocator : public Pluggable {
       }
       out.segments.push_back(std::move(segment));
     }
+    for (const auto& pool : ForeignPools(-1)) {
+      if (!all_pools && pool->id != mempool_id) continue;
+      devices = std::max(devices, pool->device + 1);
+      AddForeignSegments(*pool, &out);
+    }
     if (include_traces) {
       out.device_traces = history_.Traces(static_cast<size_t>(std::max(devices, 1)));
     }
@@ -335,7 +353,9 @@ class VmmAllocator : public Pluggable {
   // (vmm_imports_hold_closing waits for a close already running).
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                            std::function<bool(cudaStream_t)> filter) override {
-    const int64_t pool = UsePool(device, mempool_id, nullptr);
+    // A MemPool over another allocator keeps being served by it; any other pool is vmm's.
+    std::shared_ptr<ForeignPool> foreign = UseForeignPool(device, mempool_id, nullptr);
+    const int64_t pool = foreign != nullptr ? -1 : UsePool(device, mempool_id, nullptr);
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const Route& route : routes_) {
@@ -343,7 +363,7 @@ class VmmAllocator : public Pluggable {
                     "vmm: beginAllocateToPool: already allocating to pool (", mempool_id.first,
                     ", ", mempool_id.second, ")");
       }
-      routes_.push_back(Route{device, mempool_id, std::move(filter), pool});
+      routes_.push_back(Route{device, mempool_id, std::move(filter), pool, std::move(foreign)});
       routes_empty_.store(false, std::memory_order_relaxed);
     }
     vmm.imports_hold_closing();
@@ -363,6 +383,7 @@ class VmmAllocator : public Pluggable {
       std::lock_guard<std::mutex> lock(mu_);
       EndRouteLocked(device, mempool_id);
     }
+    if (ReleaseForeignPool(device, mempool_id)) return;
     const int left = vmm.private_pool_release(device, mempool_id.first, mempool_id.second);
     if (left < 0) ThrowLastError("releasing a private pool");
     if (left == 0) {
@@ -372,28 +393,46 @@ class VmmAllocator : public Pluggable {
   }
 
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = foreign_.find({device, mempool_id});
+      if (it != foreign_.end()) return it->second->uses;
+    }
     return vmm.private_pool_use_count(device, mempool_id.first, mempool_id.second);
   }
 
+  // A MemPool over vmm's allocator (vmm_torch.MemPool), or none, is a vmm private pool; over
+  // another allocator (a CUDAPluggableAllocator), that allocator's segments serve it.
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
     auto* mine = dynamic_cast<VmmAllocator*>(allocator.get());
-    TORCH_CHECK(allocator == nullptr || mine != nullptr,
-                "vmm: a MemPool over another allocator (", allocator ? allocator->name() : "",
-                ") cannot live in vmm's allocator; use vmm_torch.MemPool, or no allocator");
+    if (allocator != nullptr && mine == nullptr) {
+      UseForeignPool(device, mempool_id, std::move(allocator));
+      return;
+    }
+    if (UseForeignPool(device, mempool_id, nullptr) != nullptr) return;
     UsePool(device, mempool_id, mine);
   }
 
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (auto f = foreign_.find({device, mempool_id}); f != foreign_.end()) {
+      f->second->use_on_oom = use_on_oom;
+      return;
+    }
     auto it = pools_.find({device, mempool_id});
     TORCH_CHECK(it != pools_.end(), "vmm: setUseOnOOM: no pool (", mempool_id.first, ", ",
                 mempool_id.second, ") on device ", device);
     it->second.use_on_oom = use_on_oom;
   }
 
-  // vmm never hands parts of one block to two tensors: every pool is "no split".
-  void setNoSplit(c10::DeviceIndex, MempoolId_t) override {}
+  // vmm never hands parts of one block to two tensors: every vmm pool is "no split". A pool
+  // over another allocator splits its segments unless told not to, as PyTorch's does.
+  void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = foreign_.find({device, mempool_id});
+    if (it != foreign_.end()) it->second->segments->set_no_split(true);
+  }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {
@@ -533,8 +572,9 @@ class VmmAllocator : public Pluggable {
     });
   }
 
-  // The largest block an allocation could get now (cuDNN sizes its workspace by it): what the
-  // device has free, which vmm can map, within the memory fraction set for the device.
+  // The largest block an allocation could get now (cuDNN sizes its workspace by it), as
+  // PyTorch's allocator answers: the larger of what the device has free (which vmm can map,
+  // within the memory fraction set for the device) and the largest block vmm has cached.
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
     c10::cuda::CUDAGuard guard(device);
     size_t device_free = 0, device_total = 0;
@@ -546,6 +586,10 @@ class VmmAllocator : public Pluggable {
       const auto reserved =
           static_cast<size_t>(std::max<int64_t>(stats.reserved_bytes[VMM_STAT_ALL].current, 0));
       largest = std::min(largest, cap > reserved ? cap - reserved : 0);
+    }
+    uint64_t cached = 0;
+    if (vmm.device_largest_free_block(device, &cached) == 0) {
+      largest = std::max(largest, static_cast<size_t>(cached));
     }
     *largest_block = largest;
   }
@@ -559,7 +603,13 @@ class VmmAllocator : public Pluggable {
   void emptyCache(MempoolId_t mempool_id) override {
     if (mempool_id.first == 0 && mempool_id.second == 0) {
       Pluggable::emptyCache(mempool_id);
+      // The cache of MemPools over other allocators that are no longer used, as PyTorch's
+      // allocator frees the cached blocks of private pools whose use count is 0.
+      ReleaseUnusedForeignPools();
       return;
+    }
+    for (const auto& pool : ForeignPools(-1)) {
+      if (pool->id == mempool_id) pool->segments->ReleaseCached();
     }
     // On every device, as PyTorch's allocator empties a pool (a pool id is per device here).
     for (int device = 0; device < c10::cuda::device_count(); ++device) {
@@ -583,11 +633,21 @@ class VmmAllocator : public Pluggable {
     return false;
   }
 
+  // A MemPool over another allocator (createOrIncrefPool): its segments, and PyTorch's use
+  // count (the pool's blocks go back at empty_cache once it is 0).
+  struct ForeignPool {
+    c10::DeviceIndex device = 0;
+    MempoolId_t id{0, 0};
+    std::unique_ptr<vmm_torch::ForeignSegments> segments;
+    int uses = 0;             // guarded by mu_
+    bool use_on_oom = false;  // guarded by mu_
+  };
   struct Route {
     c10::DeviceIndex device;
     MempoolId_t id;
     std::function<bool(cudaStream_t)> filter;
-    int64_t pool;  // vmm's id of the private pool
+    int64_t pool;  // vmm's id of the private pool (-1 for a pool over another allocator)
+    std::shared_ptr<ForeignPool> foreign;  // the pool over another allocator, if it is one
   };
   struct PoolInfo {
     int64_t vmm_pool = 0;
@@ -610,12 +670,148 @@ class VmmAllocator : public Pluggable {
     return pool;
   }
 
-  // The private pool the allocation goes to (its MempoolId and vmm id), if a route's filter
-  // takes `stream`; the newest route first.
-  std::optional<std::pair<MempoolId_t, int64_t>> RouteFor(int device, cudaStream_t stream) {
+  // Adds a use of the MemPool over another allocator `id` on `device`, made over `allocator`
+  // if it is new; null if there is none and `allocator` is null.
+  std::shared_ptr<ForeignPool> UseForeignPool(c10::DeviceIndex device, MempoolId_t id,
+                                              std::shared_ptr<cca::CUDAAllocator> allocator) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<ForeignPool>& pool = foreign_[{device, id}];
+    if (pool == nullptr && allocator == nullptr) {
+      foreign_.erase({device, id});
+      return nullptr;
+    }
+    if (pool == nullptr) {
+      pool = std::make_shared<ForeignPool>();
+      pool->device = device;
+      pool->id = id;
+      pool->segments = std::make_unique<vmm_torch::ForeignSegments>(
+          std::make_unique<vmm_torch::AllocatorSource>(std::move(allocator), device),
+          /*no_split=*/false);
+      any_foreign_.store(true, std::memory_order_relaxed);
+    }
+    ++pool->uses;
+    return pool;
+  }
+
+  // Drops a use of MemPool `id` if it is over another allocator (false if it is not): at the
+  // last, its cached segments go back, and the pool goes once it holds none.
+  bool ReleaseForeignPool(c10::DeviceIndex device, MempoolId_t id) {
+    std::shared_ptr<ForeignPool> pool;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = foreign_.find({device, id});
+      if (it == foreign_.end()) return false;
+      TORCH_CHECK(it->second->uses > 0, "vmm: releasePool: pool (", id.first, ", ", id.second,
+                  ") is not in use");
+      if (--it->second->uses > 0) return true;
+      pool = it->second;
+    }
+    pool->segments->ReleaseCached();
+    DropForeignIfUnused(pool);
+    return true;
+  }
+
+  void ReleaseUnusedForeignPools() {
+    for (const auto& pool : ForeignPools(-1)) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (pool->uses > 0) continue;
+      }
+      pool->segments->ReleaseCached();
+      DropForeignIfUnused(pool);
+    }
+  }
+
+  // Forgets a MemPool over another allocator that nobody uses and that holds no segment.
+  void DropForeignIfUnused(const std::shared_ptr<ForeignPool>& pool) {
+    if (!pool->segments->Empty()) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = foreign_.find({pool->device, pool->id});
+    if (it != foreign_.end() && it->second == pool && pool->uses == 0) foreign_.erase(it);
+  }
+
+  // The MemPools over other allocators on `device` (every device for -1).
+  std::vector<std::shared_ptr<ForeignPool>> ForeignPools(int device) {
+    std::vector<std::shared_ptr<ForeignPool>> out;
+    if (!any_foreign_.load(std::memory_order_relaxed)) return out;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [key, pool] : foreign_) {
+      if (device < 0 || key.first == device) out.push_back(pool);
+    }
+    return out;
+  }
+
+  // Frees `ptr` if a MemPool over another allocator gave it.
+  bool FreeForeign(void* ptr) {
+    for (const auto& pool : ForeignPools(-1)) {
+      if (pool->segments->Free(ptr)) return true;
+    }
+    return false;
+  }
+
+  static void AddForeignStats(const vmm_torch::ForeignStats& f, cda::DeviceStats& out) {
+    auto add = [](const std::array<vmm_torch::ForeignStat, 3>& from,
+                  c10::CachingAllocator::StatArray& to) {
+      for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
+        to[i].current += from[i].current;
+        to[i].peak += from[i].peak;
+        to[i].allocated += from[i].allocated;
+        to[i].freed += from[i].freed;
+      }
+    };
+    add(f.allocation, out.allocation);
+    add(f.segment, out.segment);
+    add(f.active, out.active);
+    add(f.inactive_split, out.inactive_split);
+    add(f.allocated_bytes, out.allocated_bytes);
+    add(f.reserved_bytes, out.reserved_bytes);
+    add(f.active_bytes, out.active_bytes);
+    add(f.inactive_split_bytes, out.inactive_split_bytes);
+    add(f.requested_bytes, out.requested_bytes);
+    out.num_device_alloc += f.num_device_alloc;
+    out.num_device_free += f.num_device_free;
+    out.num_alloc_retries += f.num_alloc_retries;
+  }
+
+  void AddForeignSegments(const ForeignPool& pool, cca::SnapshotInfo* out) {
+    for (const vmm_torch::ForeignSegmentInfo& s : pool.segments->Snapshot()) {
+      cda::SegmentInfo segment;
+      segment.device = pool.device;
+      segment.address = s.address;
+      segment.total_size = s.size;
+      segment.stream = reinterpret_cast<void*>(s.stream);
+      segment.is_large = !s.small;
+      segment.is_expandable = false;
+      segment.owner_private_pool_id = pool.id;
+      for (const vmm_torch::ForeignBlockInfo& b : s.blocks) {
+        cda::BlockInfo block;
+        block.size = b.size;
+        block.requested_size = b.requested;
+        block.allocated = b.allocated;
+        block.active = b.active;
+        if (b.allocated) {
+          segment.allocated_size += b.size;
+          segment.requested_size += b.requested;
+        }
+        if (b.active) segment.active_size += b.size;
+        segment.blocks.push_back(std::move(block));
+      }
+      out->segments.push_back(std::move(segment));
+    }
+  }
+
+  // Where an allocation goes when a route's filter takes its stream (the newest route first).
+  struct RouteTarget {
+    MempoolId_t id;
+    int64_t pool;  // vmm's id of the private pool, or -1
+    std::shared_ptr<ForeignPool> foreign;
+  };
+  std::optional<RouteTarget> RouteFor(int device, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
-      if (it->device == device && it->filter(stream)) return std::make_pair(it->id, it->pool);
+      if (it->device == device && it->filter(stream)) {
+        return RouteTarget{it->id, it->pool, it->foreign};
+      }
     }
     return std::nullopt;
   }
@@ -631,11 +827,14 @@ class VmmAllocator : public Pluggable {
     MempoolId_t pool_id{0, 0};
     void* ptr = nullptr;
     void* const pool_stream = vmm_torch::PoolStream(stream, device);
-    std::optional<std::pair<MempoolId_t, int64_t>> route;
+    std::optional<RouteTarget> route;
     if (!routes_empty_.load(std::memory_order_relaxed)) route = RouteFor(device, stream);
+    if (route.has_value() && route->foreign != nullptr) {
+      return AllocateForeign(*route->foreign, size, device, stream);
+    }
     if (route.has_value()) {
-      pool_id = route->first;
-      ptr = vmm.pool_alloc(route->second, size, pool_stream, 0);
+      pool_id = route->id;
+      ptr = vmm.pool_alloc(route->pool, size, pool_stream, 0);
     } else if (own_pools_only_) {
       const int64_t own = OwnPool(device);
       ptr = own < 0 ? nullptr : vmm.pool_alloc(own, size, pool_stream, 0);
@@ -649,13 +848,29 @@ class VmmAllocator : public Pluggable {
       return nullptr;
     }
     if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
-      ptr = AllocateOnOom(size, device, pool_stream, &pool_id);
+      ptr = AllocateOnOom(size, device, stream, &pool_id);
     }
     if (ptr == nullptr) OutOfMemory(size, device, stream, pool_id);
+    RecordAlloc(ptr, size, device, stream, pool_id);
+    return ptr;
+  }
+
+  void RecordAlloc(void* ptr, size_t size, int device, cudaStream_t stream, MempoolId_t pool) {
     if (history_.on()) {
       history_.Record(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
-                      reinterpret_cast<size_t>(ptr), size, stream, pool_id);
+                      reinterpret_cast<size_t>(ptr), size, stream, pool);
     }
+  }
+
+  // An allocation of a MemPool over another allocator; out of memory when that allocator has
+  // nothing more even after the pool's cache went back to it.
+  void* AllocateForeign(ForeignPool& pool, size_t size, int device, cudaStream_t stream) {
+    void* ptr = pool.segments->Allocate(size, reinterpret_cast<uintptr_t>(stream));
+    if (ptr == nullptr) {
+      OutOfMemory(size, device, stream, pool.id, VMM_RESOURCE_EXHAUSTED,
+                  "the MemPool's allocator returned no memory");
+    }
+    RecordAlloc(ptr, size, device, stream, pool.id);
     return ptr;
   }
 
@@ -673,18 +888,30 @@ class VmmAllocator : public Pluggable {
   }
 
   // The last resort of a failed allocation: the pools set to be used on OOM (setUseOnOOM).
-  void* AllocateOnOom(size_t size, int device, void* stream, MempoolId_t* pool_id) {
+  void* AllocateOnOom(size_t size, int device, cudaStream_t stream, MempoolId_t* pool_id) {
     std::vector<std::pair<MempoolId_t, int64_t>> candidates;
+    std::vector<std::shared_ptr<ForeignPool>> foreign;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [key, info] : pools_) {
         if (key.first == device && info.use_on_oom) candidates.push_back({key.second, info.vmm_pool});
       }
+      for (const auto& [key, pool] : foreign_) {
+        if (key.first == device && pool->use_on_oom) foreign.push_back(pool);
+      }
     }
+    void* const pool_stream = vmm_torch::PoolStream(stream, device);
     for (const auto& [id, pool] : candidates) {
-      void* ptr = vmm.pool_alloc(pool, size, stream, 0);
+      void* ptr = vmm.pool_alloc(pool, size, pool_stream, 0);
       if (ptr != nullptr) {
         *pool_id = id;
+        return ptr;
+      }
+    }
+    for (const auto& pool : foreign) {
+      void* ptr = pool->segments->Allocate(size, reinterpret_cast<uintptr_t>(stream));
+      if (ptr != nullptr) {
+        *pool_id = pool->id;
         return ptr;
       }
     }
@@ -694,8 +921,10 @@ class VmmAllocator : public Pluggable {
   // Tells the observers, records an "oom" trace entry and throws (OutOfMemoryError when the
   // memory ran out, else what failed).
   [[noreturn]] void OutOfMemory(size_t size, int device, cudaStream_t stream, MempoolId_t pool) {
-    const int code = vmm.last_error_code();
-    const std::string message = vmm.last_error();
+    OutOfMemory(size, device, stream, pool, vmm.last_error_code(), vmm.last_error());
+  }
+  [[noreturn]] void OutOfMemory(size_t size, int device, cudaStream_t stream, MempoolId_t pool,
+                                int code, const std::string& message) {
     size_t device_free = 0, device_total = 0;
     {
       c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -741,7 +970,9 @@ class VmmAllocator : public Pluggable {
       history_.Record(cda::TraceEntry::FREE_REQUESTED, static_cast<c10::DeviceIndex>(device),
                       reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
     }
-    if (vmm.free(ptr, device) != 0) TORCH_WARN("vmm: free failed: ", vmm.last_error());
+    if (vmm.free(ptr, device) != 0 && !FreeForeign(ptr)) {
+      TORCH_WARN("vmm: free failed: ", vmm.last_error());
+    }
     // vmm orders the free after the stream's work itself: complete from here on.
     if (history_.on()) {
       history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),
@@ -755,6 +986,9 @@ class VmmAllocator : public Pluggable {
   std::vector<Route> routes_;
   std::atomic<bool> routes_empty_{true};  // routes_.empty(), for the allocation path's check
   std::unordered_map<std::pair<int, MempoolId_t>, PoolInfo, MempoolIdHash> pools_;
+  std::unordered_map<std::pair<int, MempoolId_t>, std::shared_ptr<ForeignPool>, MempoolIdHash>
+      foreign_;
+  std::atomic<bool> any_foreign_{false};  // a foreign pool was ever made (the free path's check)
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
   bool closed_ = false;                          // Close() ran: no own pool any more
