@@ -270,6 +270,28 @@ TEST_F(CApiTest, ThePrivatePoolsOfADeviceAreInItsStats) {
   ASSERT_EQ(vmm_free(d, 0), 0);
 }
 
+// cacheInfo's figure (cuDNN's workspace): the largest block the device's pools have cached,
+// private pools included.
+TEST_F(CApiTest, TheLargestFreeBlockOfADeviceCoversItsPrivatePools) {
+  uint64_t largest = 1;
+  ASSERT_EQ(vmm_device_largest_free_block(3, &largest), 0) << vmm_last_error();
+  EXPECT_EQ(largest, 0u);  // a device vmm never used
+  void* d = vmm_alloc(4 * kMiB, 0, nullptr);
+  ASSERT_NE(d, nullptr) << vmm_last_error();
+  ASSERT_EQ(vmm_free(d, 0), 0);
+  ASSERT_EQ(vmm_device_largest_free_block(0, &largest), 0);
+  EXPECT_GE(largest, 4 * kMiB);
+  const uint64_t device_pool_largest = largest;
+  const int64_t a = UsePrivate(1, 0);
+  void* pa = PoolAlloc(a, device_pool_largest + 64 * kMiB);
+  vmm_block_free(pa);
+  ASSERT_EQ(vmm_device_largest_free_block(0, &largest), 0);
+  EXPECT_GE(largest, device_pool_largest + 64 * kMiB);
+  EXPECT_EQ(vmm_device_largest_free_block(0, nullptr), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+}
+
 TEST_F(CApiTest, SnapshotEntriesAreTheJsonSnapshotsSegmentsTaggedByPool) {
   void* d = vmm_alloc(3 * kMiB, 0, nullptr);
   void* d_small = vmm_alloc(1000, 0, nullptr);

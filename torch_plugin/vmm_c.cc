@@ -319,6 +319,14 @@ int vmm_device_torch_stats(int device, vmm_torch_stats* out) {
   return 0;
 }
 
+int vmm_device_largest_free_block(int device, uint64_t* out) {
+  if (out == nullptr) {
+    return vmm::Fail(absl::InvalidArgumentError("vmm_device_largest_free_block: null output"));
+  }
+  *out = static_cast<uint64_t>(State().DeviceStats(device).largest_free_block);
+  return 0;
+}
+
 int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out) {
   if (out == nullptr) {
     return vmm::Fail(absl::InvalidArgumentError("vmm_pool_torch_stats: null output"));

@@ -189,6 +189,9 @@ typedef struct vmm_torch_stats {
 int vmm_device_torch_stats(int device, vmm_torch_stats* out);
 /* One pool by id (explicit or private). */
 int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out);
+/* The largest free block cached by the device pool of `device` and the private pools on it
+ * (0 where there is none); VMM_INVALID_ARGUMENT for a null `out`. */
+int vmm_device_largest_free_block(int device, uint64_t* out);
 
 /* --- Snapshot as structs ------------------------------------------------------------- */
 /* vmm_snapshot_json's segments and blocks (torch.cuda.memory._snapshot()) as structs, for the
