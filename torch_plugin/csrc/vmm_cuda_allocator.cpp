@@ -50,6 +50,7 @@
 #include <utility>
 #include <vector>
 
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -1005,6 +1006,10 @@ void Install() {
   TORCH_CHECK(installed == nullptr, "vmm: the allocator is installed already");
   auto allocator = std::make_shared<VmmAllocator>("");
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  // changeCurrentAllocator swaps what torch.cuda reaches; c10's registry of device allocators
+  // (torch.accelerator's memory API, storages made by device type) must name vmm too, or they
+  // would reach PyTorch's own allocator beside it.
+  c10::SetAllocator(c10::DeviceType::CUDA, allocator.get());
   installed = allocator;
 }
 
