@@ -158,6 +158,13 @@ install_plugin() {
   rm -rf "$site"
   step pip_install 300 env VMM_LIB="$root/.gpu/lib/libvmm.so" python3 -m pip install -q \
     --no-build-isolation --no-deps --no-index --target "$site" ./torch_plugin/python
+  # Without _cuda_allocator.so (it did not compile against this torch) vmm_torch falls back to
+  # CUDAPluggableAllocator: said here, since pip -q hides the build's warning.
+  if compgen -G "$site/vmm_torch/_cuda_allocator*.so" >/dev/null; then
+    note "vmm_torch: _cuda_allocator built"
+  else
+    note "vmm_torch: _cuda_allocator NOT built (the CUDAPluggableAllocator fallback runs)"
+  fi
 }
 
 # cxx_suites TAG [GTEST_FILTER]: the C++ suites on the CUDA backend; with a filter, only the
