@@ -574,6 +574,17 @@ absl::Status AckSend(absl::Span<const uint8_t> ticket) {
   return statuses[0];
 }
 
+absl::Status CancelSend(absl::Span<const uint8_t> ticket) {
+  VMM_ASSIGN_OR_RETURN(FdToken token, DecodeTicket(ticket, 0));
+  if (token.pid != static_cast<uint32_t>(getpid())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the ticket is a send of process ", token.pid, ", not of this one: only its sender may "
+        "withdraw it"));
+  }
+  // A release report before any ack counts as both: the hold ends and settles as released.
+  return SendLedger::Get().Report(token.key, token.nonce, SendReport::kReleased);
+}
+
 absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets) {
   return ReportSends(tickets, SendReport::kImported);
 }

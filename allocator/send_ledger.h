@@ -149,6 +149,14 @@ absl::Status AckSend(absl::Span<const uint8_t> ticket);
 // the error (as AckSend's) of the first ticket that failed, saying how many failed.
 absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets);
 
+// The sender's withdrawal of one of its own sends whose payload never left the process (the
+// message that held it failed to pickle, so no receiver can have it): the hold ends at once,
+// its chunks reusable as if its receiver had imported and unmapped the memory.
+// FailedPrecondition for another process's ticket (only the sender knows that its payload
+// went nowhere); NotFound if the hold is gone (acknowledged, expired or withdrawn already);
+// InvalidArgument as AckSend's.
+absl::Status CancelSend(absl::Span<const uint8_t> ticket);
+
 // AckSends for any report (SendReport, fd_share.h): kImported acknowledges, kReleased and
 // kForwarded tell the sender its receiver has unmapped the memory (SendLedger, "Reusing what
 // was sent"). Errors as AckSends'.

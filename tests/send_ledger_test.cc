@@ -583,6 +583,29 @@ TEST_F(SendLedgerTest, AnAckedSettledHoldWaitsForItsReleaseReport) {
   EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
 }
 
+// A send whose message failed to pickle: its sender withdraws it, which releases and settles
+// it as released at once (no receiver can map it); only once, and only by its own process.
+TEST_F(SendLedgerTest, TheSenderWithdrawsASendThatNeverLeft) {
+  Journal journal;
+  const Ticket ticket = HoldSettled(1000, &journal);
+  EXPECT_EQ(static_cast<absl::StatusCode>(
+                InForkedChild([&] { return CodeOf(CancelSend(ticket)); })),
+            absl::StatusCode::kFailedPrecondition)
+      << "another process may not withdraw it";
+  EXPECT_THAT(journal.entries(), ElementsAre());
+  EXPECT_OK(CancelSend(ticket));
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
+  const SendLedger::Stats stats = SendLedger::Get().GetStats();
+  EXPECT_EQ(stats.held, 0u);
+  EXPECT_EQ(stats.awaiting_release, 0u);
+  EXPECT_EQ(stats.released, before_.released + 1);
+  EXPECT_THAT(CancelSend(ticket), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(AckSend(ticket), StatusIs(absl::StatusCode::kNotFound));
+  EXPECT_THAT(CancelSend(std::vector<uint8_t>(10, 0)),
+              StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
+}
+
 TEST_F(SendLedgerTest, ASecondAckIsRefusedAndSettlesAsNotReleased) {
   // Its payload was imported twice: the importers are no longer counted, so the memory must
   // not be reused (settle(false)), and the release does not run again.

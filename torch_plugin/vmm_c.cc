@@ -493,6 +493,11 @@ int vmm_send_ack(const uint8_t* ticket, size_t len) {
   return vmm::Check(vmm::AckSend(absl::MakeConstSpan(ticket, len)));
 }
 
+int vmm_send_cancel(const uint8_t* ticket, size_t len) {
+  if (ticket == nullptr) return vmm::Fail(absl::InvalidArgumentError("null ticket"));
+  return vmm::Check(vmm::CancelSend(absl::MakeConstSpan(ticket, len)));
+}
+
 int vmm_send_ack_later(const uint8_t* ticket, size_t len) {
   if (ticket == nullptr || len != VMM_TICKET_BYTES) {
     return vmm::Fail(absl::InvalidArgumentError(

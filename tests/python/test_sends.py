@@ -7,7 +7,9 @@ import os
 import shutil
 import subprocess
 import sys
+import pickle
 import threading
+import time
 
 import pytest
 import torch
@@ -115,6 +117,54 @@ def test_a_tensor_made_while_pickling_is_sent():
         proc.join(TIMEOUT)
         assert proc.exitcode == 0
         del neighbour
+
+
+def test_a_message_that_fails_to_pickle_withdraws_its_sends():
+    """A tensor sent beside an object that cannot be pickled: ForkingPickler.dumps raises, the
+    payload goes nowhere, and the send's hold ends at once instead of at its lease; a message
+    that pickles keeps its hold until its receiver (here this process) imports it."""
+    from multiprocessing.reduction import ForkingPickler
+
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((256,)).fill_(2)
+        held = vmm_torch.send_stats()["held"]
+        with pytest.raises(TypeError):
+            ForkingPickler.dumps([t, threading.Lock()])
+        assert vmm_torch.send_stats()["held"] == held
+        with pytest.raises(TypeError):  # inside a pickled container, nested in another
+            ForkingPickler.dumps({"outer": [t, {"inner": (t, threading.Lock())}]})
+        assert vmm_torch.send_stats()["held"] == held
+        data = ForkingPickler.dumps([t])
+        assert vmm_torch.send_stats()["held"] == held + 1
+        received = pickle.loads(data)
+        assert received[0].tolist() == [2.0] * 256
+        sharing.flush_acks(10)
+        deadline = time.monotonic() + 10
+        while vmm_torch.send_stats()["held"] > held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert vmm_torch.send_stats()["held"] == held
+        del received
+
+
+def test_a_queued_message_that_fails_to_pickle_withdraws_its_sends():
+    """The same in a queue's feeder thread, which prints the error and drops the message."""
+    vmm_torch.install_reducers()
+    q = mp.get_context("spawn").Queue()
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((256,))
+        before = vmm_torch.send_stats()
+        q.put([t, threading.Lock()])
+        deadline = time.monotonic() + 10
+        withdrawn = False
+        while not withdrawn and time.monotonic() < deadline:
+            stats = vmm_torch.send_stats()
+            # The feeder made the send (one more hold) and withdrew it (none held).
+            withdrawn = stats["holds"] > before["holds"] and stats["held"] == before["held"]
+            time.sleep(0.05)
+        assert withdrawn, vmm_torch.send_stats()
+    q.close()
+    q.join_thread()
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

@@ -177,12 +177,62 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     failure becomes a payload that raises it in the receiver (the feeder would print and drop
     it); elsewhere it raises in the caller."""
     try:
-        return _reduce(tensor)
+        return _note_send(_reduce(tensor))
     except Exception as error:
         if not _on_feeder_thread():
             raise
         return (sharing.raise_send_error,
                 (type(error).__name__, str(error), getattr(error, "code", None)))
+
+
+# --- A message that fails to pickle withdraws its sends ---------------------------------------
+
+_pickling = threading.local()
+
+
+def _note_send(reduction: Reduction) -> Reduction:
+    """Notes the ticket of a send just made while ForkingPickler.dumps pickles a message, so
+    that the message's failure can withdraw it."""
+    tickets = getattr(_pickling, "tickets", None)
+    if tickets is not None and reduction[0] is sharing.rebuild_tensor:
+        tickets.append(reduction[1][-1])
+    return reduction
+
+
+def _withdrawing(dumps: Any) -> Any:
+    """ForkingPickler.dumps (what queues' feeder threads, pipes and SimpleQueue pickle with)
+    that withdraws the sends made for a message whose pickling then fails (an object after
+    the tensor that cannot be pickled): its payload never leaves, so no receiver will
+    acknowledge it, and its memory comes back now rather than at the end of its lease."""
+    function = dumps.__func__
+
+    def dumps_withdrawing(cls: Any, obj: Any, protocol: Any = None) -> Any:
+        outer = getattr(_pickling, "tickets", None)
+        _pickling.tickets = []
+        try:
+            result = function(cls, obj, protocol)
+        except BaseException:
+            tickets, _pickling.tickets = _pickling.tickets, outer
+            for ticket in tickets:
+                try:
+                    sharing.cancel_send(ticket)
+                except _lib.VmmError as error:  # acknowledged meanwhile: nothing to withdraw
+                    _log.debug("vmm_torch: withdrawing a send: %s", error)
+            raise
+        if outer is not None:  # a message pickled inside another's: its sends are the outer's
+            outer.extend(_pickling.tickets)
+        _pickling.tickets = outer
+        return result
+
+    dumps_withdrawing.__wrapped__ = function  # type: ignore[attr-defined]
+    dumps_withdrawing._vmm_withdrawing = True  # type: ignore[attr-defined]
+    return classmethod(dumps_withdrawing)
+
+
+def _patch_dumps() -> None:
+    dumps = ForkingPickler.__dict__.get("dumps")
+    if isinstance(dumps, classmethod) and not getattr(dumps.__func__, "_vmm_withdrawing", False):
+        ForkingPickler.dumps = _withdrawing(dumps)  # type: ignore[method-assign]
 
 
 # --- Queue.put: errors in the caller ---------------------------------------------------------
@@ -411,6 +461,7 @@ def install_reducers() -> None:
             _torch_reducer = reductions.reduce_tensor
             reductions.reduce_tensor = reduce_tensor
         _patch_queue_puts()
+        _patch_dumps()
         _register_exit_wait()
         _installed = True
 

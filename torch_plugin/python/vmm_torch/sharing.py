@@ -342,6 +342,13 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
     return sent_payload(t, data, ticket, parameter, requires_grad)
 
 
+def cancel_send(ticket: bytes) -> None:
+    """Withdraws this process's send of `ticket`, whose payload never left it (the message
+    holding it failed to pickle): its hold ends now instead of at its lease. VmmError
+    (NOT_FOUND) if it was acknowledged or withdrawn already."""
+    _lib.check(_lib.vmm().vmm_send_cancel(ticket, len(ticket)), "withdrawing a send")
+
+
 def sent_payload(t: torch.Tensor, data: bytes, ticket: bytes, parameter: bool,
                  requires_grad: bool) -> SendPayload:
     """The payload of a send of `t` exported as descriptor `data` with `ticket`."""
