@@ -106,10 +106,15 @@ def _on_feeder_thread() -> bool:
 
 def _parts(tensor: torch.Tensor) -> Optional[List[torch.Tensor]]:
     """The plain strided tensors that a tensor of another kind is made of (a nested tensor's
-    buffer; a sparse tensor's indices and values), or None for a plain strided tensor.
+    buffer, or a jagged one's values, offsets and lengths; a sparse tensor's indices and
+    values), or None for a plain strided tensor.
     PyTorch's reducer sends such a tensor as its parts, each through the reducer that
     torch.multiprocessing.reductions names, vmm's once install_reducers ran."""
     if tensor.is_nested:
+        if tensor.layout == getattr(torch, "jagged", None):
+            # The NestedTensor subclass pickles itself through its values, offsets and lengths.
+            optional = (tensor.offsets(), tensor.lengths())
+            return [tensor.values()] + [t for t in optional if t is not None]
         return [tensor.values()]
     layout = tensor.layout
     if layout == torch.strided:
