@@ -15,8 +15,9 @@ Why vmm may differ: vmm's reducer is registered for torch.Tensor and takes every
 whose memory is vmm's, a strided nested tensor included (its layout is torch.strided and it
 has a storage), and builds its payload from shape, stride and storage offset, which a nested
 tensor does not have; PyTorch's reducer (with its nested-tensor branch) is only used for
-memory that is not vmm's. A jagged nested tensor is a subclass: Queue.put's dry run skips
-it, so its values are sent from the feeder thread without a prepared ready event.
+memory that is not vmm's. A jagged nested tensor is a subclass that pickles itself through
+its values, offsets and lengths: Queue.put's dry run must prepare each of them (a ready event
+for what the current stream wrote), or the feeder thread sends them unprepared.
 """
 
 import torch
