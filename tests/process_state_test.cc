@@ -467,6 +467,40 @@ TEST_F(ProcessStateTest, AnImportIsForwardedAndHeldUntilAcknowledged) {
   EXPECT_EQ(state_.import_count(), 0u) << "the forwarding hold ended with the acknowledgement";
 }
 
+// PyTorch's own CUDA IPC of a received storage (`_share_cuda_` of an import): Export forwards
+// the import, and a third importer reads the first exporter's bytes after it freed them and
+// the forwarder dropped its import.
+TEST_F(ProcessStateTest, ExportOfAnImportForwardsIt) {
+  absl::StatusOr<int64_t> id = HostPool();
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
+  ASSERT_TRUE(p.ok());
+  std::memset(*p, 0x5a, kMiB);
+  absl::StatusOr<BufferDescriptor> exported = state_.Export(*p);
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  absl::StatusOr<int64_t> import =
+      state_.Import(exported->Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(import.ok()) << import.status();
+  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
+  ASSERT_TRUE(info.ok());
+  const auto* at = reinterpret_cast<const uint8_t*>(info->ptr);
+  absl::StatusOr<BufferDescriptor> forwarded = state_.Export(at);
+  ASSERT_TRUE(forwarded.ok()) << forwarded.status();
+  // Only the start of an import: a pointer inside it is nobody's block.
+  EXPECT_EQ(state_.Export(at + 4096).status().code(), absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<int64_t> third =
+      state_.Import(forwarded->Encode(), -1, Backend::kHost, false);
+  ASSERT_TRUE(third.ok()) << third.status();
+  ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  EXPECT_EQ(state_.import_count(), 1u) << "Export took no reference of its own";
+  absl::StatusOr<ProcessState::ImportInfo> third_info = state_.GetImportInfo(*third);
+  ASSERT_TRUE(third_info.ok());
+  EXPECT_EQ(reinterpret_cast<const uint8_t*>(third_info->ptr)[kMiB - 1], 0x5a);
+  ASSERT_TRUE(state_.AddImportRef(*third, -1).ok());
+  EXPECT_EQ(state_.import_count(), 0u);
+}
+
 TEST_F(ProcessStateTest, WithIsolatedSendsASmallBlockIsRelocatedEvenAlone) {
   absl::StatusOr<int64_t> id = HostPool(kIsolatedOptions);
   ASSERT_TRUE(id.ok()) << id.status();

@@ -159,29 +159,10 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
         "sending ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
         ": neither a vmm pool block nor an imported buffer"));
   }
-  ImportedBuffer* buffer = nullptr;
-  std::shared_ptr<const BufferDescriptor> received;
-  {
-    MutexLock lock(&mu_);
-    const OpenImport& import = imports_.at(id);  // alive: the reference just taken holds it
-    buffer = import.buffer.get();
-    received = import.received;
-  }
-  // Its receiver is counted by nobody: the sender of this import must not reuse the memory.
-  buffer->MarkForwarded();
-  absl::StatusOr<BufferDescriptor> d = ReExportImport(*buffer);
-  if (!d.ok() && d.status().code() == absl::StatusCode::kFailedPrecondition &&
-      received->handle_type() == HandleType::kFabric) {
-    // The CUDA driver exports no imported handle; the exporter's fabric handles stay
-    // importable while the memory lives, which this import (held below) guarantees.
-    d = *received;
-  }
+  absl::StatusOr<BufferDescriptor> d = ForwardImport(id, ptr);
   if (!d.ok()) {
     (void)AddImportRef(id, -1);
-    return absl::Status(d.status().code(),
-                        absl::StrCat("sending the imported buffer at ",
-                                     absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ": ",
-                                     d.status().message()));
+    return absl::Status(d.status().code(), absl::StrCat("sending: ", d.status().message()));
   }
   absl::StatusOr<SendLedger::Ticket> ticket =
       SendLedger::Get().Hold(HeldBytes(*d, /*whole_chunks=*/true), [self, id]() {
@@ -192,6 +173,33 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
     return ticket.status();
   }
   return Send{*std::move(d), *ticket};
+}
+
+absl::StatusOr<BufferDescriptor> ProcessState::ForwardImport(int64_t id, const void* ptr) {
+  ImportedBuffer* buffer = nullptr;
+  std::shared_ptr<const BufferDescriptor> received;
+  {
+    MutexLock lock(&mu_);
+    const OpenImport& import = imports_.at(id);  // alive: the caller's reference holds it
+    buffer = import.buffer.get();
+    received = import.received;
+  }
+  // Its receiver is counted by nobody: the sender of this import must not reuse the memory.
+  buffer->MarkForwarded();
+  absl::StatusOr<BufferDescriptor> d = ReExportImport(*buffer);
+  if (!d.ok() && d.status().code() == absl::StatusCode::kFailedPrecondition &&
+      received->handle_type() == HandleType::kFabric) {
+    // The CUDA driver exports no imported handle; the exporter's fabric handles stay
+    // importable while the memory lives, which the caller's hold on this import guarantees.
+    return *received;
+  }
+  if (!d.ok()) {
+    return absl::Status(d.status().code(),
+                        absl::StrCat("the imported buffer at ",
+                                     absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ": ",
+                                     d.status().message()));
+  }
+  return d;
 }
 
 absl::Status ProcessState::CheckSendNotReleased(const SendLedger::Ticket& ticket) {

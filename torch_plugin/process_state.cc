@@ -476,12 +476,17 @@ absl::Status ProcessState::FreeBlockNow(void* ptr) {
 
 absl::StatusOr<BufferDescriptor> ProcessState::Export(const void* ptr) {
   PoolRef owner = Owner(ptr);
-  if (owner.pool == nullptr) {
+  if (owner.pool != nullptr) return ExportBuffer(*owner.pool, const_cast<void*>(ptr));
+  const int64_t id = RetainImportAt(ptr);
+  if (id == 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "export of ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
-        ": the memory does not belong to a vmm pool (enable vmm_torch or use a vmm Pool)"));
+        ": the memory does not belong to a vmm pool (enable vmm_torch or use a vmm Pool) and "
+        "is not the start of an imported buffer"));
   }
-  return ExportBuffer(*owner.pool, const_cast<void*>(ptr));
+  absl::StatusOr<BufferDescriptor> d = ForwardImport(id, ptr);
+  (void)AddImportRef(id, -1);  // the caller keeps the import alive (see the header)
+  return d;
 }
 
 absl::StatusOr<int64_t> ProcessState::Import(absl::string_view bytes, int device,

@@ -164,7 +164,10 @@ class ProcessState {
   absl::Status FreeBlock(void* ptr);
 
   // --- Sharing ------------------------------------------------------------------------------
-  // Exports the live block starting at `ptr` of any pool.
+  // Exports the live block starting at `ptr` of any pool, or forwards the import whose buffer
+  // starts at `ptr` (ForwardImport): the caller keeps the block or the import alive while the
+  // descriptor may be imported (PyTorch's reference counting of a storage sent through
+  // `_share_cuda_` does). InvalidArgument for anything else.
   absl::StatusOr<BufferDescriptor> Export(const void* ptr);
   // Imports `descriptor` (decoded once, here) on `device` (-1: the owner's) through the
   // driver of `backend` (nullopt: the descriptor's own backend, else the default one); returns
@@ -275,6 +278,11 @@ class ProcessState {
   void ReleaseBlockHold(const void* ptr);
   // The import whose buffer starts at `ptr`, with one more reference (0 if none).
   int64_t RetainImportAt(const void* ptr);
+  // A descriptor that maps the memory of import `id` (held by the caller) in another process:
+  // this process's handles of it (ReExportImport), or, where the driver exports no imported
+  // handle, the exporter's own fabric handles. The import is marked forwarded (its exporter no
+  // longer counts its receivers). ReExportImport's errors, naming the import.
+  absl::StatusOr<BufferDescriptor> ForwardImport(int64_t id, const void* ptr);
 
   // The cap of GPU `device` (caps_), made on first use.
   std::shared_ptr<DeviceCap> CapForLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

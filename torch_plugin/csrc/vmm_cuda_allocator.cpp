@@ -542,8 +542,9 @@ class VmmAllocator : public Pluggable {
   // handle is the block's vmm descriptor, and the receiver imports it (its device is the
   // current one, which PyTorch sets to the sender's). PyTorch's reference counting of sent
   // storages keeps the sender's block until the receivers release it, as with its own
-  // allocator; the import lives as long as the pointer returned. A storage that is not the
-  // start of a live vmm block (an import) cannot be shared so: a clear error.
+  // allocator; the import lives as long as the pointer returned. A storage received from
+  // another process (an import) is forwarded: its handle maps the first exporter's memory, as
+  // vmm's sends forward (PyTorch's allocator refuses to share a received storage).
   cca::ShareableHandle shareIpcHandle(void* ptr) override {
     RequireBound();
     uint8_t* bytes = nullptr;
