@@ -29,6 +29,8 @@ struct HostLog {
   int syncs = 0;
   size_t fail_above = SIZE_MAX;  // Allocate returns null while this much is held
   size_t held = 0;
+  bool capturing = false;  // RecordEvent cannot record (a CUDA graph's capture)
+  bool sync_fails = false;
 };
 
 class HostSource : public ForeignSource {
@@ -54,6 +56,7 @@ class HostSource : public ForeignSource {
     ADD_FAILURE() << "released a segment it never gave";
   }
   uintptr_t RecordEvent(uintptr_t) override {
+    if (log_->capturing) return 0;
     log_->live_events.insert(++next_event_);
     return next_event_;
   }
@@ -61,9 +64,11 @@ class HostSource : public ForeignSource {
   void DestroyEvent(uintptr_t event) override {
     EXPECT_EQ(log_->live_events.erase(event), 1u) << "event " << event << " destroyed twice";
   }
-  void SynchronizeDevice() override {
+  bool SynchronizeDevice() override {
     ++log_->syncs;
+    if (log_->sync_fails) return false;
     log_->done_events.insert(log_->live_events.begin(), log_->live_events.end());
+    return true;
   }
   ~HostSource() override {
     for (auto& [ptr, size] : sizes_) std::free(ptr);
@@ -151,6 +156,7 @@ TEST_F(ForeignSegmentsTest, FreedNeighboursMergeAndTheSegmentGoesBackAtReleaseCa
   EXPECT_EQ(stats.reserved_bytes[0].current, 0);
   EXPECT_EQ(stats.reserved_bytes[0].peak, static_cast<int64_t>(20 * kMiB));
   EXPECT_EQ(stats.inactive_split_bytes[0].current, 0);
+  EXPECT_EQ(stats.inactive_split_bytes[0].peak, 0) << "never asked while split";
   EXPECT_EQ(stats.num_device_alloc, 1);
   EXPECT_EQ(stats.num_device_free, 1);
 }
@@ -169,32 +175,91 @@ TEST_F(ForeignSegmentsTest, ABlockAnotherStreamUsedWaitsForItsEvent) {
   EXPECT_TRUE(log_.live_events.empty());
 }
 
-TEST_F(ForeignSegmentsTest, OutOfMemoryHandsBackTheCacheThenRetries) {
+// PyTorch's allocator frees no cache while a pool is routed to: an allocation the source
+// cannot serve fails, and the pool keeps what it cached (NCCL may have registered it).
+TEST_F(ForeignSegmentsTest, OutOfMemoryFailsAndKeepsTheCache) {
   ForeignSegments& pool = Make();
   log_.fail_above = 40 * kMiB;
   void* a = pool.Allocate(20 * kMiB, 1);
   ASSERT_NE(a, nullptr);
   ASSERT_TRUE(pool.Free(a));
-  void* b = pool.Allocate(30 * kMiB, 1);  // 20 + 30 > 40: the cached 20 go back first
-  ASSERT_NE(b, nullptr);
-  EXPECT_THAT(log_.released, ElementsAre(a));
-  EXPECT_EQ(pool.Stats().num_alloc_retries, 1);
-  EXPECT_EQ(pool.Allocate(20 * kMiB, 1), nullptr);  // nothing cached to give back
-  EXPECT_TRUE(pool.Free(b));
+  EXPECT_EQ(pool.Allocate(30 * kMiB, 1), nullptr);  // 20 cached + 30 > 40
+  EXPECT_TRUE(log_.released.empty());
+  EXPECT_EQ(log_.syncs, 0);
+  EXPECT_EQ(pool.Stats().num_ooms, 1);
+  EXPECT_EQ(pool.Allocate(20 * kMiB, 1), a);  // the cache still serves
+  EXPECT_TRUE(pool.Free(a));
 }
 
-TEST_F(ForeignSegmentsTest, NoSplitGivesEachRequestASegmentOfItsOwn) {
-  ForeignSegments& pool = Make(/*no_split=*/true);
-  void* a = pool.Allocate(1000, 1);
-  void* b = pool.Allocate(16 * kMiB, 1);
-  EXPECT_THAT(log_.allocated, ElementsAre(1024, 16 * kMiB));
-  ASSERT_TRUE(pool.Free(b));
-  EXPECT_EQ(pool.Allocate(16 * kMiB - 4096, 1), b);  // fits the cached segment, reused whole
-  ASSERT_TRUE(pool.Free(b));
-  void* c = pool.Allocate(kMiB + 4096, 1);  // far smaller: a segment of its own
-  EXPECT_NE(c, b);
+TEST_F(ForeignSegmentsTest, WithoutGrowthOnlyACachedBlockServes) {
+  ForeignSegments& pool = Make();
+  EXPECT_EQ(pool.Allocate(64 * kMiB, 1, /*may_grow=*/false), nullptr);
+  EXPECT_TRUE(log_.allocated.empty());
+  void* a = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.Free(a));
+  EXPECT_EQ(pool.Allocate(48 * kMiB, 1, /*may_grow=*/false), a);
+  EXPECT_EQ(log_.allocated.size(), 1u);
   EXPECT_TRUE(pool.Free(a));
-  EXPECT_TRUE(pool.Free(c));
+}
+
+// A block freed while the stream that used it captures a CUDA graph: its event is recorded
+// once the capture is over, and only then can the block be reused.
+TEST_F(ForeignSegmentsTest, AnEventACaptureDefersIsRecordedLater) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.RecordStream(a, 2));
+  log_.capturing = true;
+  ASSERT_TRUE(pool.Free(a));
+  EXPECT_TRUE(log_.live_events.empty());
+  void* b = pool.Allocate(64 * kMiB, 1);
+  EXPECT_NE(b, a) << "reused before any event ordered it after stream 2";
+  EXPECT_EQ(pool.ReleaseCached(), 0u) << "a synchronisation cannot complete what is unrecorded";
+  log_.capturing = false;
+  void* c = pool.Allocate(64 * kMiB, 1);  // records the event, not done yet
+  EXPECT_NE(c, a);
+  ASSERT_EQ(log_.live_events.size(), 1u);
+  log_.done_events.insert(*log_.live_events.begin());
+  EXPECT_EQ(pool.Allocate(64 * kMiB, 1), a);
+  for (void* p : {a, b, c}) EXPECT_TRUE(pool.Free(p));
+}
+
+TEST_F(ForeignSegmentsTest, AFailedSynchronisationCompletesNothing) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  void* b = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.RecordStream(a, 2));
+  ASSERT_TRUE(pool.Free(a));
+  ASSERT_TRUE(pool.Free(b));
+  log_.sync_fails = true;
+  EXPECT_EQ(pool.ReleaseCached(), 0u);
+  EXPECT_TRUE(log_.released.empty());
+  log_.sync_fails = false;
+  EXPECT_EQ(pool.ReleaseCached(), 2u);
+}
+
+// no_split: PyTorch's segment sizes, never split; a cached segment serves any request it fits.
+TEST_F(ForeignSegmentsTest, NoSplitKeepsEachSegmentWhole) {
+  ForeignSegments& pool = Make(/*no_split=*/true);
+  void* a = pool.Allocate(100, 1);
+  void* b = pool.Allocate(100, 1);  // not beside a: a's 2 MiB segment is all a's
+  void* c = pool.Allocate(5 * kMiB, 1);
+  EXPECT_THAT(log_.allocated, ElementsAre(2 * kMiB, 2 * kMiB, 20 * kMiB));
+  ASSERT_TRUE(pool.Free(c));
+  EXPECT_EQ(pool.Allocate(2 * kMiB, 1), c);  // the cached 20 MiB segment, reused whole
+  EXPECT_EQ(pool.Stats().allocated_bytes[0].current, static_cast<int64_t>(24 * kMiB));
+  for (void* p : {a, b, c}) EXPECT_TRUE(pool.Free(p));
+}
+
+TEST_F(ForeignSegmentsTest, OnlyFreeBlocksOfSplitSegmentsAreInactiveSplit) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(4 * kMiB, 1);
+  ForeignStats stats = pool.Stats();
+  EXPECT_EQ(stats.inactive_split[0].current, 1);  // the 16 MiB left of a's segment
+  EXPECT_EQ(stats.inactive_split_bytes[2].current, static_cast<int64_t>(16 * kMiB));
+  ASSERT_TRUE(pool.Free(a));
+  stats = pool.Stats();
+  EXPECT_EQ(stats.inactive_split[0].current, 0);  // one whole cached segment
+  EXPECT_EQ(stats.inactive_split_bytes[0].peak, static_cast<int64_t>(16 * kMiB));
 }
 
 TEST_F(ForeignSegmentsTest, UnknownAndTwiceFreedPointersAreRefused) {
@@ -221,6 +286,7 @@ TEST_F(ForeignSegmentsTest, PeaksAndTotalsReset) {
   stats = pool.Stats();
   EXPECT_EQ(stats.allocation[0].allocated, 0);
   EXPECT_EQ(stats.num_device_alloc, 0);
+  EXPECT_EQ(stats.num_ooms, 0);
 }
 
 TEST_F(ForeignSegmentsTest, SnapshotListsBlocksInAddressOrder) {

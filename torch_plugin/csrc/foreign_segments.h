@@ -5,27 +5,32 @@
 // PyTorch's own allocator serves such a pool from segments it asks the MemPool's allocator
 // for, splits them into blocks, caches the blocks when tensors die, and hands a segment back
 // only when it frees its cache. A program written for that (it counts on its allocator being
-// called per segment, not per tensor, and on its memory staying until empty_cache) must see
-// the same with vmm, so ForeignSegments does the same, with PyTorch's sizes:
+// called per segment, not per tensor, and on its memory staying until empty_cache; NCCL
+// registers the segments) must see the same with vmm, so ForeignSegments does the same, with
+// PyTorch's sizes:
 //   - requests up to 1 MiB are small: they share 2 MiB segments; larger ones get a 20 MiB
 //     segment below 10 MiB, else the request rounded up to 2 MiB; blocks are 512-byte
 //     multiples, split off a free block when what is left is at least 512 bytes (small) or
 //     more than 1 MiB (large), merged with free neighbours when freed;
-//   - with no_split (MemPool's no_split, NCCL's symmetric memory), each request is a segment
-//     of its own, reused whole by a later request that fits it;
+//   - with no_split (MemPool's no_split, NCCL's symmetric memory) the segments are the same
+//     but never split: a block is a whole segment, reused by any request it fits;
 //   - a segment serves the stream it was asked for; a free block is reused at once by that
 //     stream's allocations (stream order), and a block other streams used (record_stream) only
-//     once events recorded on them at its free have completed;
-//   - segments go back (Source::Release) only when they hold no allocated or pending block, at
-//     ReleaseCached, after a device synchronisation.
-// Failures: Allocate returns null when the source returns null even after the pool's own
-// cached segments went back (the caller reports the out of memory); Free and RecordStream
-// return false for a pointer the pool did not hand out. The Source is called with the pool's
-// lock held: it must not call back into the pool.
+//     once events recorded on them at its free have completed; an event that cannot be
+//     recorded yet (its stream captures a CUDA graph) is recorded at a later call, and its
+//     block waits until then;
+//   - an allocation the source cannot serve fails (null) without handing anything back: the
+//     pool is in use, and PyTorch's allocator frees no cache while a pool is routed to;
+//   - segments go back (Source::Release) only at ReleaseCached, after a device
+//     synchronisation, and only those that hold no allocated or pending block.
+// Failures: Allocate returns null when the source returns null (counted in num_ooms; the
+// caller reports the out of memory); Free and RecordStream return false for a pointer the
+// pool did not hand out; a failed device synchronisation frees no pending block. The Source is
+// called with the pool's lock held: it must not call back into the pool.
 //
 // Thread safety: every member takes the pool's mutex. Pure C++ (no CUDA, no PyTorch): the
-// plugin gives it a Source over the MemPool's allocator and CUDA events; tests give it host
-// memory (tests/foreign_segments_test.cc).
+// plugin gives it a Source over the MemPool's allocator and CUDA events (foreign_source.h);
+// tests give it host memory (tests/foreign_segments_test.cc).
 #ifndef VMM_TORCH_PLUGIN_CSRC_FOREIGN_SEGMENTS_H_
 #define VMM_TORCH_PLUGIN_CSRC_FOREIGN_SEGMENTS_H_
 
@@ -51,12 +56,13 @@ class ForeignSource {
   // A segment of `size` bytes for `stream`; null when out of memory.
   virtual void* Allocate(size_t size, uintptr_t stream) = 0;
   virtual void Release(void* segment) = 0;
-  // An event after the work queued so far on `stream`.
+  // An event after the work queued so far on `stream`; 0 if it cannot be recorded now (the
+  // stream captures a CUDA graph), to be asked again later.
   virtual uintptr_t RecordEvent(uintptr_t stream) = 0;
   virtual bool EventDone(uintptr_t event) = 0;
   virtual void DestroyEvent(uintptr_t event) = 0;
-  // Waits for every stream of the device (before segments go back).
-  virtual void SynchronizeDevice() = 0;
+  // Waits for every stream of the device (before segments go back); false if it failed.
+  virtual bool SynchronizeDevice() = 0;
 };
 
 // PyTorch's statistic: current, peak, and the totals added and removed.
@@ -75,10 +81,18 @@ struct ForeignStat {
 
 // A pool's figures, by PyTorch's stat types: [0] all, [1] small pool, [2] large pool.
 struct ForeignStats {
-  std::array<ForeignStat, 3> allocation, segment, active, inactive_split;
-  std::array<ForeignStat, 3> allocated_bytes, reserved_bytes, active_bytes,
-      inactive_split_bytes, requested_bytes;
-  int64_t num_device_alloc = 0, num_device_free = 0, num_alloc_retries = 0;
+  using Group = std::array<ForeignStat, 3>;
+  Group allocation, segment, active, inactive_split;
+  Group allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
+  int64_t num_device_alloc = 0, num_device_free = 0, num_ooms = 0;
+
+  template <typename F>
+  void ForEachGroup(F&& f) {
+    for (Group* g : {&allocation, &segment, &active, &inactive_split, &allocated_bytes,
+                     &reserved_bytes, &active_bytes, &inactive_split_bytes, &requested_bytes}) {
+      f(*g);
+    }
+  }
 };
 
 struct ForeignBlockInfo {
@@ -110,7 +124,9 @@ class ForeignSegments {
   ~ForeignSegments() {
     for (auto& [base, seg] : segments_) {
       for (Block* b = seg->head; b != nullptr;) {
-        for (uintptr_t e : b->events) source_->DestroyEvent(e);
+        for (const auto& [stream, event] : b->events) {
+          if (event != 0) source_->DestroyEvent(event);
+        }
         Block* next = b->next;
         delete b;
         b = next;
@@ -124,20 +140,21 @@ class ForeignSegments {
   }
 
   // A block of at least `size` bytes (size > 0) on `stream`, or null (see the file comment).
-  void* Allocate(size_t size, uintptr_t stream) {
+  // With `may_grow` false only a cached block serves (PyTorch's last resort of use_on_oom).
+  void* Allocate(size_t size, uintptr_t stream, bool may_grow = true) {
     std::lock_guard<std::mutex> lock(mu_);
-    CollectPendingLocked(/*wait=*/false);
+    CollectPendingLocked(/*synchronized=*/false);
     const bool small = size <= kSmallRequest;
     const size_t rounded = RoundUp(size, kMinBlock);
     Block* block = FindFreeLocked(rounded, stream, small);
     if (block == nullptr) {
-      const size_t segment = no_split_ ? RoundUp(rounded, kMinBlock) : SegmentSize(rounded);
+      if (!may_grow) return nullptr;
+      const size_t segment = SegmentSize(rounded);
       void* base = source_->Allocate(segment, stream);
-      if (base == nullptr && ReleaseCachedLocked() > 0) {
-        ++stats_.num_alloc_retries;
-        base = source_->Allocate(segment, stream);
+      if (base == nullptr) {
+        ++stats_.num_ooms;
+        return nullptr;
       }
-      if (base == nullptr) return nullptr;
       block = NewSegmentLocked(static_cast<char*>(base), segment, stream, small);
     }
     SplitLocked(block, rounded);
@@ -167,13 +184,13 @@ class ForeignSegments {
       stats_.allocated_bytes[t].Sub(static_cast<int64_t>(block->size));
       stats_.requested_bytes[t].Sub(static_cast<int64_t>(block->requested));
     });
-    for (uintptr_t s : block->uses) block->events.push_back(source_->RecordEvent(s));
+    for (uintptr_t s : block->uses) block->events.emplace_back(s, source_->RecordEvent(s));
     block->uses.clear();
     if (block->events.empty()) {
       live_.erase(it);
       FreeLocked(block);
     } else {
-      ++pending_;  // stays in live_ until its events complete (CollectPendingLocked)
+      pending_.push_back(block);  // stays in live_ until its events complete
     }
     return true;
   }
@@ -188,11 +205,36 @@ class ForeignSegments {
     return true;
   }
 
-  // Hands back every segment that holds no allocated block, after a device synchronisation
-  // (pending blocks complete then); the number handed back.
+  // Hands back every segment that holds no allocated or pending block, after a device
+  // synchronisation (which completes the pending blocks whose events are recorded); the number
+  // handed back.
   size_t ReleaseCached() {
     std::lock_guard<std::mutex> lock(mu_);
-    return ReleaseCachedLocked();
+    bool any = !pending_.empty();
+    for (const auto& [base, seg] : segments_) any = any || IsWholeAndFree(seg.get());
+    if (!any) return 0;
+    CollectPendingLocked(/*synchronized=*/false);  // records events deferred by a capture
+    if (!source_->SynchronizeDevice()) return 0;   // nothing is known complete
+    CollectPendingLocked(/*synchronized=*/true);
+    size_t released = 0;
+    for (auto it = segments_.begin(); it != segments_.end();) {
+      Segment* seg = it->second.get();
+      if (!IsWholeAndFree(seg)) {
+        ++it;
+        continue;
+      }
+      source_->Release(seg->base);
+      UnfileLocked(seg->head);
+      delete seg->head;
+      ++stats_.num_device_free;
+      Count(seg->small, [&](int t) {
+        stats_.segment[t].Sub(1);
+        stats_.reserved_bytes[t].Sub(static_cast<int64_t>(seg->size));
+      });
+      it = segments_.erase(it);
+      ++released;
+    }
+    return released;
   }
 
   // True when the pool holds no segment (it may be dropped).
@@ -201,20 +243,43 @@ class ForeignSegments {
     return segments_.empty();
   }
 
+  // The pool's figures. inactive_split(_bytes), as PyTorch counts them, are the free blocks
+  // that are part of a split segment (not a whole cached segment); their peaks are the
+  // largest seen by these calls.
   ForeignStats Stats() {
     std::lock_guard<std::mutex> lock(mu_);
+    for (int t = 0; t < 3; ++t) {
+      stats_.inactive_split[t].current = 0;
+      stats_.inactive_split_bytes[t].current = 0;
+    }
+    for (const auto& [ptr, b] : free_blocks_) {
+      if (b->prev == nullptr && b->next == nullptr) continue;
+      Count(b->seg->small, [&](int t) {
+        ++stats_.inactive_split[t].current;
+        stats_.inactive_split_bytes[t].current += static_cast<int64_t>(b->size);
+      });
+    }
+    for (int t = 0; t < 3; ++t) {
+      for (ForeignStat* s : {&stats_.inactive_split[t], &stats_.inactive_split_bytes[t]}) {
+        s->peak = std::max(s->peak, s->current);
+      }
+    }
     return stats_;
   }
 
   void ResetPeaks() {
     std::lock_guard<std::mutex> lock(mu_);
-    ForEachStat([](ForeignStat& s) { s.peak = s.current; });
+    stats_.ForEachGroup([](ForeignStats::Group& g) {
+      for (ForeignStat& s : g) s.peak = s.current;
+    });
   }
 
   void ResetAccumulated() {
     std::lock_guard<std::mutex> lock(mu_);
-    ForEachStat([](ForeignStat& s) { s.allocated = s.freed = 0; });
-    stats_.num_device_alloc = stats_.num_device_free = stats_.num_alloc_retries = 0;
+    stats_.ForEachGroup([](ForeignStats::Group& g) {
+      for (ForeignStat& s : g) s.allocated = s.freed = 0;
+    });
+    stats_.num_device_alloc = stats_.num_device_free = stats_.num_ooms = 0;
   }
 
   std::vector<ForeignSegmentInfo> Snapshot() {
@@ -254,8 +319,10 @@ class ForeignSegments {
     Segment* seg = nullptr;
     Block* prev = nullptr;  // neighbours in the segment, by address
     Block* next = nullptr;
-    std::set<uintptr_t> uses;       // other streams, while allocated
-    std::vector<uintptr_t> events;  // while pending (freed, other streams not done)
+    std::set<uintptr_t> uses;  // other streams, while allocated
+    // While pending (freed, other streams maybe not done): {stream, event} (event 0: not
+    // recorded yet).
+    std::vector<std::pair<uintptr_t, uintptr_t>> events;
   };
   struct Segment {
     char* base = nullptr;
@@ -275,16 +342,6 @@ class ForeignSegments {
     f(small ? 1 : 2);
   }
 
-  template <typename F>
-  void ForEachStat(F&& f) {
-    for (auto* group : {&stats_.allocation, &stats_.segment, &stats_.active,
-                        &stats_.inactive_split, &stats_.allocated_bytes, &stats_.reserved_bytes,
-                        &stats_.active_bytes, &stats_.inactive_split_bytes,
-                        &stats_.requested_bytes}) {
-      for (ForeignStat& s : *group) f(s);
-    }
-  }
-
   static FreeKey KeyOf(const Block* b) {
     return FreeKey{b->seg->small, b->seg->stream, b->size, b->ptr};
   }
@@ -295,9 +352,6 @@ class ForeignSegments {
       return nullptr;
     }
     Block* block = free_blocks_.at(std::get<3>(*it));
-    // Without splitting, a cached segment much larger than the request is left for a larger
-    // one (PyTorch's allocator likewise keeps oversize blocks from small requests).
-    if (no_split_ && block->size > std::max(2 * rounded, rounded + kRound)) return nullptr;
     UnfileLocked(block);
     return block;
   }
@@ -348,7 +402,7 @@ class ForeignSegments {
       stats_.active_bytes[t].Sub(static_cast<int64_t>(block->size));
     });
     for (Block* n : {block->prev, block->next}) {
-      if (n == nullptr || n->allocated || !n->events.empty() || !IsFiled(n)) continue;
+      if (n == nullptr || !IsFiled(n)) continue;  // filed: free, not pending
       UnfileLocked(n);
       if (n == block->prev) {
         n->size += block->size;
@@ -371,68 +425,33 @@ class ForeignSegments {
   void FileLocked(Block* b) {
     free_.insert(KeyOf(b));
     free_blocks_[b->ptr] = b;
-    Count(b->seg->small, [&](int t) {
-      stats_.inactive_split[t].Add(1);
-      stats_.inactive_split_bytes[t].Add(static_cast<int64_t>(b->size));
-    });
   }
 
   void UnfileLocked(Block* b) {
     free_.erase(KeyOf(b));
     free_blocks_.erase(b->ptr);
-    Count(b->seg->small, [&](int t) {
-      stats_.inactive_split[t].Sub(1);
-      stats_.inactive_split_bytes[t].Sub(static_cast<int64_t>(b->size));
-    });
   }
 
-  // Frees the pending blocks whose events are done (all of them after a synchronisation).
-  void CollectPendingLocked(bool wait) {
-    if (pending_ == 0 && !wait) return;
-    for (auto it = live_.begin(); it != live_.end();) {
-      Block* block = it->second;
-      const bool done =
-          !block->allocated && !block->events.empty() &&
-          std::all_of(block->events.begin(), block->events.end(),
-                      [&](uintptr_t e) { return wait || source_->EventDone(e); });
+  // Records the events a capture deferred, and frees the pending blocks whose events are all
+  // recorded and done (all recorded ones, after a device synchronisation).
+  void CollectPendingLocked(bool synchronized) {
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      Block* block = *it;
+      bool done = true;
+      for (auto& [stream, event] : block->events) {
+        if (event == 0) event = source_->RecordEvent(stream);
+        done = done && event != 0 && (synchronized || source_->EventDone(event));
+      }
       if (!done) {
         ++it;
         continue;
       }
-      for (uintptr_t e : block->events) source_->DestroyEvent(e);
+      for (const auto& [stream, event] : block->events) source_->DestroyEvent(event);
       block->events.clear();
-      it = live_.erase(it);
+      live_.erase(block->ptr);
+      it = pending_.erase(it);
       FreeLocked(block);
     }
-    pending_ = 0;
-    for (const auto& [ptr, block] : live_) pending_ += block->allocated ? 0 : 1;
-  }
-
-  size_t ReleaseCachedLocked() {
-    bool any = false;
-    for (const auto& [base, seg] : segments_) any = any || IsWholeAndFree(seg.get());
-    if (!any && pending_ == 0) return 0;
-    source_->SynchronizeDevice();
-    CollectPendingLocked(/*wait=*/true);
-    size_t released = 0;
-    for (auto it = segments_.begin(); it != segments_.end();) {
-      Segment* seg = it->second.get();
-      if (!IsWholeAndFree(seg)) {
-        ++it;
-        continue;
-      }
-      UnfileLocked(seg->head);
-      delete seg->head;
-      source_->Release(seg->base);
-      ++stats_.num_device_free;
-      Count(seg->small, [&](int t) {
-        stats_.segment[t].Sub(1);
-        stats_.reserved_bytes[t].Sub(static_cast<int64_t>(seg->size));
-      });
-      it = segments_.erase(it);
-      ++released;
-    }
-    return released;
   }
 
   bool IsWholeAndFree(const Segment* seg) const {
@@ -444,9 +463,9 @@ class ForeignSegments {
   bool no_split_;
   std::map<char*, std::unique_ptr<Segment>> segments_;
   std::unordered_map<char*, Block*> live_;         // allocated and pending blocks
+  std::vector<Block*> pending_;                    // freed blocks waiting for their events
   std::set<FreeKey> free_;                         // free blocks, best fit first
   std::unordered_map<char*, Block*> free_blocks_;  // the same, by address
-  size_t pending_ = 0;  // freed blocks in live_ whose events may not be done
   ForeignStats stats_;
 };
 

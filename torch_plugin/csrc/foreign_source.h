@@ -2,10 +2,11 @@
 // allocator, on one device, with CUDA events ordering the frees of blocks other streams used.
 //
 // Failures: an allocator that returns null or throws an out-of-memory error gives a null
-// segment (ForeignSegments then hands back its cache and retries, then the caller reports the
-// out of memory); a failed event call or device synchronisation is warned about and taken as
-// complete, since nothing can wait for it later (the sticky error surfaces at the program's
-// next CUDA call).
+// segment (the caller reports the out of memory); an event is not recorded on a stream that
+// captures a CUDA graph (0: ForeignSegments asks again later); a failed event call is warned
+// about and taken as complete, since nothing could wait for it later (the sticky error
+// surfaces at the program's next CUDA call); a failed device synchronisation is warned about
+// and reported, so that nothing is taken as complete.
 #ifndef VMM_TORCH_PLUGIN_CSRC_FOREIGN_SOURCE_H_
 #define VMM_TORCH_PLUGIN_CSRC_FOREIGN_SOURCE_H_
 
@@ -42,20 +43,27 @@ class AllocatorSource : public ForeignSource {
   }
 
   uintptr_t RecordEvent(uintptr_t stream) override {
-    c10::cuda::CUDAGuard guard(device_);
+    const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(cuda_stream, &capture) != cudaSuccess) {
+      (void)cudaGetLastError();
+    } else if (capture != cudaStreamCaptureStatusNone) {
+      return 0;  // recorded after the capture (the event would be a node of the graph)
+    }
+    c10::cuda::CUDAGuard guard(StreamDevice(cuda_stream));
     cudaEvent_t event = nullptr;
     if (!Ok(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "creating an event")) {
-      return 0;
+      return kNoEvent;
     }
-    if (!Ok(cudaEventRecord(event, reinterpret_cast<cudaStream_t>(stream)), "recording an event")) {
+    if (!Ok(cudaEventRecord(event, cuda_stream), "recording an event")) {
       (void)cudaEventDestroy(event);
-      return 0;
+      return kNoEvent;
     }
     return reinterpret_cast<uintptr_t>(event);
   }
 
   bool EventDone(uintptr_t event) override {
-    if (event == 0) return true;
+    if (event == kNoEvent) return true;
     const cudaError_t rc = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
     if (rc == cudaErrorNotReady) {
       (void)cudaGetLastError();
@@ -66,15 +74,30 @@ class AllocatorSource : public ForeignSource {
   }
 
   void DestroyEvent(uintptr_t event) override {
-    if (event != 0) (void)cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event));
+    if (event != kNoEvent) (void)cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event));
   }
 
-  void SynchronizeDevice() override {
+  bool SynchronizeDevice() override {
     c10::cuda::CUDAGuard guard(device_);
-    Ok(cudaDeviceSynchronize(), "synchronizing the device");
+    return Ok(cudaDeviceSynchronize(), "synchronizing the device");
   }
 
  private:
+  // What stands for an event whose creation or recording failed: taken as complete.
+  static constexpr uintptr_t kNoEvent = 1;
+
+  // The device of `stream` (a record_stream may name another device's), else the pool's.
+  c10::DeviceIndex StreamDevice(cudaStream_t stream) const {
+#if CUDART_VERSION >= 12080
+    int device = 0;
+    if (stream != nullptr && cudaStreamGetDevice(stream, &device) == cudaSuccess) {
+      return static_cast<c10::DeviceIndex>(device);
+    }
+    (void)cudaGetLastError();
+#endif
+    return device_;
+  }
+
   static bool Ok(cudaError_t rc, const char* what) {
     if (rc == cudaSuccess) return true;
     (void)cudaGetLastError();

@@ -184,16 +184,14 @@ class VmmAllocator : public Pluggable {
       fractions_[device] = fraction;
     };
     record_stream_fn_ = [this](void* ptr, cudaStream_t stream) {
-      // Memory vmm does not own (an import, DLPack) is left alone, as PyTorch's allocator
-      // ignores pointers it did not allocate; a block of a MemPool over another allocator
-      // keeps the stream until its free.
+      // A block of a MemPool over another allocator keeps the stream until its free (asked
+      // first: that allocator's memory may be vmm's own). Memory vmm does not own (an import,
+      // DLPack) is left alone, as PyTorch's allocator ignores pointers it did not allocate.
+      for (const auto& pool : ForeignPools(-1)) {
+        if (pool->segments->RecordStream(ptr, reinterpret_cast<uintptr_t>(stream))) return;
+      }
       if (vmm.record_stream(ptr, stream) == 0) return;
       if (vmm.last_error_code() != VMM_INVALID_ARGUMENT) ThrowLastError("record_stream");
-      if (any_foreign_.load(std::memory_order_relaxed)) {
-        for (const auto& pool : ForeignPools(-1)) {
-          if (pool->segments->RecordStream(ptr, reinterpret_cast<uintptr_t>(stream))) return;
-        }
-      }
     };
   }
 
@@ -256,17 +254,32 @@ class VmmAllocator : public Pluggable {
     out.num_device_free = s.num_device_free;
     out.max_split_size = s.max_split_size;
     for (const auto& pool : ForeignPools(device)) AddForeignStats(pool->segments->Stats(), out);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = foreign_retired_.find(device);
+      if (it != foreign_retired_.end()) AddForeignStats(it->second, out);
+    }
     return out;
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
     CheckOk(vmm.reset_peak_stats(device), "reset_peak_memory_stats");
     for (const auto& pool : ForeignPools(device)) pool->segments->ResetPeaks();
+    std::lock_guard<std::mutex> lock(mu_);
+    foreign_retired_[device].ForEachGroup([](vmm_torch::ForeignStats::Group& g) {
+      for (vmm_torch::ForeignStat& s : g) s.peak = 0;  // a dropped pool holds nothing now
+    });
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
     CheckOk(vmm.reset_accumulated_stats(device), "reset_accumulated_memory_stats");
     for (const auto& pool : ForeignPools(device)) pool->segments->ResetAccumulated();
+    std::lock_guard<std::mutex> lock(mu_);
+    vmm_torch::ForeignStats& retired = foreign_retired_[device];
+    retired.ForEachGroup([](vmm_torch::ForeignStats::Group& g) {
+      for (vmm_torch::ForeignStat& s : g) s.allocated = s.freed = 0;
+    });
+    retired.num_device_alloc = retired.num_device_free = retired.num_ooms = 0;
   }
 
   // --- Snapshot and history -----------------------------------------------------------
@@ -430,9 +443,13 @@ class VmmAllocator : public Pluggable {
   // vmm never hands parts of one block to two tensors: every vmm pool is "no split". A pool
   // over another allocator splits its segments unless told not to, as PyTorch's does.
   void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = foreign_.find({device, mempool_id});
-    if (it != foreign_.end()) it->second->segments->set_no_split(true);
+    std::shared_ptr<ForeignPool> pool;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = foreign_.find({device, mempool_id});
+      if (it != foreign_.end()) pool = it->second;
+    }
+    if (pool != nullptr) pool->segments->set_no_split(true);
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
@@ -610,8 +627,16 @@ class VmmAllocator : public Pluggable {
       ReleaseUnusedForeignPools();
       return;
     }
+    // A MemPool over another allocator gives its cache back only once nothing uses it (a
+    // CUDA graph captured into it replays into its memory), as PyTorch's allocator does.
     for (const auto& pool : ForeignPools(-1)) {
-      if (pool->id == mempool_id) pool->segments->ReleaseCached();
+      if (pool->id != mempool_id) continue;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (pool->uses > 0) continue;
+      }
+      pool->segments->ReleaseCached();
+      DropForeignIfUnused(pool);
     }
     // On every device, as PyTorch's allocator empties a pool (a pool id is per device here).
     for (int device = 0; device < c10::cuda::device_count(); ++device) {
@@ -724,12 +749,36 @@ class VmmAllocator : public Pluggable {
     }
   }
 
-  // Forgets a MemPool over another allocator that nobody uses and that holds no segment.
+  // Forgets a MemPool over another allocator that nobody uses and that holds no segment; its
+  // totals and peaks stay in the device's statistics (foreign_retired_).
   void DropForeignIfUnused(const std::shared_ptr<ForeignPool>& pool) {
     if (!pool->segments->Empty()) return;
+    const vmm_torch::ForeignStats stats = pool->segments->Stats();
     std::lock_guard<std::mutex> lock(mu_);
     auto it = foreign_.find({pool->device, pool->id});
-    if (it != foreign_.end() && it->second == pool && pool->uses == 0) foreign_.erase(it);
+    if (it == foreign_.end() || it->second != pool || pool->uses != 0) return;
+    foreign_.erase(it);
+    vmm_torch::ForeignStats& retired = foreign_retired_[pool->device];
+    auto fold = [](const vmm_torch::ForeignStats::Group& from,
+                   vmm_torch::ForeignStats::Group& to) {
+      for (size_t i = 0; i < from.size(); ++i) {
+        to[i].allocated += from[i].allocated;
+        to[i].freed += from[i].freed;
+        to[i].peak = std::max(to[i].peak, from[i].peak);
+      }
+    };
+    fold(stats.allocation, retired.allocation);
+    fold(stats.segment, retired.segment);
+    fold(stats.active, retired.active);
+    fold(stats.inactive_split, retired.inactive_split);
+    fold(stats.allocated_bytes, retired.allocated_bytes);
+    fold(stats.reserved_bytes, retired.reserved_bytes);
+    fold(stats.active_bytes, retired.active_bytes);
+    fold(stats.inactive_split_bytes, retired.inactive_split_bytes);
+    fold(stats.requested_bytes, retired.requested_bytes);
+    retired.num_device_alloc += stats.num_device_alloc;
+    retired.num_device_free += stats.num_device_free;
+    retired.num_ooms += stats.num_ooms;
   }
 
   // The MemPools over other allocators on `device` (every device for -1).
@@ -772,7 +821,7 @@ class VmmAllocator : public Pluggable {
     add(f.requested_bytes, out.requested_bytes);
     out.num_device_alloc += f.num_device_alloc;
     out.num_device_free += f.num_device_free;
-    out.num_alloc_retries += f.num_alloc_retries;
+    out.num_ooms += f.num_ooms;
   }
 
   void AddForeignSegments(const ForeignPool& pool, cca::SnapshotInfo* out) {
@@ -910,8 +959,9 @@ class VmmAllocator : public Pluggable {
         return ptr;
       }
     }
-    for (const auto& pool : foreign) {
-      void* ptr = pool->segments->Allocate(size, reinterpret_cast<uintptr_t>(stream));
+    for (const auto& pool : foreign) {  // a cached block only, as PyTorch's allocator takes
+      void* ptr = pool->segments->Allocate(size, reinterpret_cast<uintptr_t>(stream),
+                                           /*may_grow=*/false);
       if (ptr != nullptr) {
         *pool_id = pool->id;
         return ptr;
@@ -972,7 +1022,8 @@ class VmmAllocator : public Pluggable {
       history_.Record(cda::TraceEntry::FREE_REQUESTED, static_cast<c10::DeviceIndex>(device),
                       reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
     }
-    if (vmm.free(ptr, device) != 0 && !FreeForeign(ptr)) {
+    // A MemPool over another allocator first (that allocator's memory may be vmm's own).
+    if (!FreeForeign(ptr) && vmm.free(ptr, device) != 0) {
       TORCH_WARN("vmm: free failed: ", vmm.last_error());
     }
     // vmm orders the free after the stream's work itself: complete from here on.
@@ -991,6 +1042,7 @@ class VmmAllocator : public Pluggable {
   std::unordered_map<std::pair<int, MempoolId_t>, std::shared_ptr<ForeignPool>, MempoolIdHash>
       foreign_;
   std::atomic<bool> any_foreign_{false};  // a foreign pool was ever made (the free path's check)
+  std::unordered_map<int, vmm_torch::ForeignStats> foreign_retired_;  // dropped pools' figures
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
   bool closed_ = false;                          // Close() ran: no own pool any more
