@@ -2,8 +2,9 @@
 .allocator()) with torch.cuda.use_mem_pool, as NCCL's memory pools (ncclMemAlloc), vLLM's
 sleep mode (its cuMem allocator) and PyTorch's documentation use it.
 
-The allocator here is a small shared library compiled at the start (cuMemAlloc / cuMemFree
-through libcuda, with counters, and a byte limit past which it returns null). With PyTorch's
+The allocator here is a small shared library compiled at the start (counted_allocator.py:
+cuMemAlloc / cuMemFree through libcuda, with counters, and a byte limit past which it returns
+null). With PyTorch's
 allocator: tensors made inside use_mem_pool(pool) come from that allocator's memory (every one
 lies in a segment of pool.snapshot(), and the allocator was called), and small tensors share
 its segments (fewer calls than tensors); tensors made outside the context do not come from it;
@@ -19,70 +20,13 @@ such a pool is served from that allocator's segments, split and cached as PyTorc
 does (torch_plugin/csrc/foreign_segments.h), and its frees, statistics and snapshot must reach
 those segments.
 """
-import ctypes
 import gc
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import torch
+from counted_allocator import CountedAllocator
 from dropin_report import report
 
 MIB = 1 << 20
-
-SOURCE = r"""
-#include <dlfcn.h>
-#include <stddef.h>
-#include <stdint.h>
-extern "C" {
-typedef int (*cu_alloc_t)(unsigned long long*, size_t);
-typedef int (*cu_free_t)(unsigned long long);
-static cu_alloc_t cu_alloc;
-static cu_free_t cu_free;
-long long n_alloc = 0, n_free = 0, live_bytes = 0, limit_bytes = 0;
-static void init() {
-  if (cu_alloc) return;
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-  cu_alloc = (cu_alloc_t)dlsym(lib, "cuMemAlloc_v2");
-  cu_free = (cu_free_t)dlsym(lib, "cuMemFree_v2");
-}
-void* counted_alloc(size_t size, int device, void* stream) {
-  init();
-  if (limit_bytes > 0 && live_bytes + (long long)size > limit_bytes) return 0;
-  unsigned long long p = 0;
-  if (cu_alloc(&p, size) != 0) return 0;
-  __atomic_add_fetch(&n_alloc, 1, __ATOMIC_SEQ_CST);
-  __atomic_add_fetch(&live_bytes, (long long)size, __ATOMIC_SEQ_CST);
-  return (void*)p;
-}
-void counted_free(void* ptr, size_t size, int device, void* stream) {
-  init();
-  cu_free((unsigned long long)ptr);
-  __atomic_add_fetch(&n_free, 1, __ATOMIC_SEQ_CST);
-  __atomic_sub_fetch(&live_bytes, (long long)size, __ATOMIC_SEQ_CST);
-}
-}
-"""
-
-
-def build(folder):
-    src = os.path.join(folder, "counted_alloc.cpp")
-    out = os.path.join(folder, "counted_alloc.so")
-    with open(src, "w") as f:
-        f.write(SOURCE)
-    compiler = next((c for c in ("/opt/gcc/bin/g++", shutil.which("g++") or "",
-                                 shutil.which("c++") or "") if c and os.path.exists(c)), None)
-    if compiler is None:
-        print("no C++ compiler", file=sys.stderr)
-        sys.exit(2)
-    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", out, src, "-ldl"], check=True)
-    return out
-
-
-def counter(lib, name):
-    return ctypes.c_longlong.in_dll(lib, name).value
 
 
 def in_segments(t, segments):
@@ -92,15 +36,12 @@ def in_segments(t, segments):
 
 def main():
     errors = []
-    folder = tempfile.mkdtemp()
-    path = build(folder)
     torch.empty(1, device="cuda")
     w = torch.randn(64, 64, device="cuda")
     (w @ w).sum().item()  # cuBLAS's workspace, kept for good, is made outside the pool
     torch.cuda.synchronize()
-    allocator = torch.cuda.memory.CUDAPluggableAllocator(path, "counted_alloc", "counted_free")
-    lib = ctypes.CDLL(path)  # the same loaded library: its counters
-    pool = torch.cuda.MemPool(allocator.allocator())
+    lib = CountedAllocator()
+    pool = torch.cuda.MemPool(lib.pluggable.allocator())
     base = torch.cuda.memory_allocated()
 
     sizes = [256, 1000, 4096, 100_000, 3 * MIB // 4, 3 * MIB // 4, 40 * MIB // 4]
@@ -111,7 +52,7 @@ def main():
             on_side = torch.full((MIB,), 7.0, device="cuda")
         side.synchronize()
     outside = torch.full((MIB,), 9.0, device="cuda")
-    calls = counter(lib, "n_alloc")
+    calls = lib.n_alloc
     if calls == 0:
         errors.append("the MemPool's allocator was never called")
     if calls >= len(sizes):
@@ -140,18 +81,18 @@ def main():
         errors.append("a matmul over pool tensors is wrong")
     tensors[2].record_stream(side)
 
-    frees_before = counter(lib, "n_free")
+    frees_before = lib.n_free
     del tensors, m, product, t
     gc.collect()
-    if counter(lib, "n_free") != frees_before:
+    if lib.n_free != frees_before:
         errors.append("freeing pool tensors handed their memory back to the MemPool's allocator "
                       "(the pool caches it until empty_cache)")
-    calls = counter(lib, "n_alloc")
+    calls = lib.n_alloc
     with torch.cuda.use_mem_pool(pool):
         again = [torch.ones(n, device="cuda") for n in sizes]
-    if counter(lib, "n_alloc") != calls:
+    if lib.n_alloc != calls:
         errors.append(f"allocating again in the pool called its allocator "
-                      f"{counter(lib, 'n_alloc') - calls} times instead of reusing what it "
+                      f"{lib.n_alloc - calls} times instead of reusing what it "
                       f"cached")
     if sum(float(t.sum().item()) for t in again) != float(sum(sizes)):
         errors.append("reused pool memory reads wrong")
@@ -159,7 +100,7 @@ def main():
     gc.collect()
 
     # The allocator runs out: the pool's cache goes back to it, then OutOfMemoryError.
-    ctypes.c_longlong.in_dll(lib, "limit_bytes").value = counter(lib, "live_bytes") + 64 * MIB
+    lib.set_limit(lib.live_bytes + 64 * MIB)
     raised = False
     try:
         with torch.cuda.use_mem_pool(pool):
@@ -173,7 +114,7 @@ def main():
         raised = True
     if not raised:
         errors.append("a 256 MiB tensor was made past the allocator's limit")
-    ctypes.c_longlong.in_dll(lib, "limit_bytes").value = 0
+    lib.set_limit(0)
     with torch.cuda.use_mem_pool(pool):
         after = torch.full((MIB,), 3.0, device="cuda")
     if float(after.sum().item()) != 3.0 * MIB:
@@ -181,17 +122,17 @@ def main():
 
     del after, on_side, outside, segments
     gc.collect()
-    held = counter(lib, "live_bytes")
+    held = lib.live_bytes
     del pool
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    print(f"allocator: {counter(lib, 'n_alloc')} segments given, {counter(lib, 'n_free')} back, "
-          f"{counter(lib, 'live_bytes')} bytes out (of {held} before the pool went)")
-    if counter(lib, "live_bytes") != 0 or counter(lib, "n_free") != counter(lib, "n_alloc"):
+    print(f"allocator: {lib.n_alloc} segments given, {lib.n_free} back, "
+          f"{lib.live_bytes} bytes out (of {held} before the pool went)")
+    if lib.live_bytes != 0 or lib.n_free != lib.n_alloc:
         errors.append(f"after the pool and its tensors are gone and empty_cache(), the "
-                      f"allocator still has {counter(lib, 'live_bytes')} bytes out")
-    shutil.rmtree(folder, ignore_errors=True)
+                      f"allocator still has {lib.live_bytes} bytes out")
+    lib.close()
     report(errors)
 
 
