@@ -36,6 +36,37 @@ class ProcessStateTest : public ::testing::Test {
   absl::StatusOr<int64_t> HostPool(absl::string_view options = kHostOptions) {
     return state_.CreatePool(Backend::kHost, 0, options);
   }
+
+  // A MiB block of a host pool filled with `fill`, exported and imported in this process.
+  struct Imported {
+    void* block = nullptr;
+    int64_t import = 0;
+    const uint8_t* at = nullptr;  // the import's mapping
+  };
+  Imported ImportOwnBlock(uint8_t fill) {
+    Imported out;
+    absl::StatusOr<int64_t> id = HostPool();
+    EXPECT_TRUE(id.ok()) << id.status();
+    absl::StatusOr<void*> p =
+        id.ok() ? state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true) : id.status();
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return out;
+    out.block = *p;
+    std::memset(*p, fill, kMiB);
+    absl::StatusOr<BufferDescriptor> exported = state_.Export(*p);
+    EXPECT_TRUE(exported.ok()) << exported.status();
+    absl::StatusOr<int64_t> import =
+        exported.ok() ? state_.Import(exported->Encode(), -1, Backend::kHost, false)
+                      : exported.status();
+    EXPECT_TRUE(import.ok()) << import.status();
+    if (!import.ok()) return out;
+    out.import = *import;
+    absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
+    EXPECT_TRUE(info.ok());
+    if (info.ok()) out.at = reinterpret_cast<const uint8_t*>(info->ptr);
+    return out;
+  }
+
   ProcessState state_;
 };
 
@@ -436,25 +467,14 @@ TEST_F(ProcessStateTest, ABlockOfAPoolWithoutHandlesCannotBeSent) {
 }
 
 TEST_F(ProcessStateTest, AnImportIsForwardedAndHeldUntilAcknowledged) {
-  absl::StatusOr<int64_t> id = HostPool();
-  ASSERT_TRUE(id.ok()) << id.status();
-  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
-  ASSERT_TRUE(p.ok());
-  std::memset(*p, 0x33, kMiB);
-  absl::StatusOr<BufferDescriptor> exported = state_.Export(*p);
-  ASSERT_TRUE(exported.ok()) << exported.status();
-  absl::StatusOr<int64_t> import =
-      state_.Import(exported->Encode(), -1, Backend::kHost, false);
-  ASSERT_TRUE(import.ok()) << import.status();
-  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
-  ASSERT_TRUE(info.ok());
-  const void* at = reinterpret_cast<const void*>(info->ptr);
-  ASSERT_EQ(state_.KindOfSend(at), ProcessState::SendKind::kImport);
-  absl::StatusOr<ProcessState::Send> forward = state_.ExportSend(at);
+  const Imported first = ImportOwnBlock(0x33);
+  ASSERT_NE(first.at, nullptr);
+  ASSERT_EQ(state_.KindOfSend(first.at), ProcessState::SendKind::kImport);
+  absl::StatusOr<ProcessState::Send> forward = state_.ExportSend(first.at);
   ASSERT_TRUE(forward.ok()) << forward.status();
   // The original goes, and so does the forwarder's own reference: the send holds the import.
-  ASSERT_TRUE(state_.FreeBlock(*p).ok());
-  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  ASSERT_TRUE(state_.FreeBlock(first.block).ok());
+  ASSERT_TRUE(state_.AddImportRef(first.import, -1).ok());
   EXPECT_EQ(state_.import_count(), 1u);
   absl::StatusOr<int64_t> third =
       state_.Import(forward->descriptor.Encode(), -1, Backend::kHost, false);
@@ -471,19 +491,9 @@ TEST_F(ProcessStateTest, AnImportIsForwardedAndHeldUntilAcknowledged) {
 // the import, and a third importer reads the first exporter's bytes after it freed them and
 // the forwarder dropped its import.
 TEST_F(ProcessStateTest, ExportOfAnImportForwardsIt) {
-  absl::StatusOr<int64_t> id = HostPool();
-  ASSERT_TRUE(id.ok()) << id.status();
-  absl::StatusOr<void*> p = state_.PoolAllocate(*id, kMiB, 0, /*shareable=*/true);
-  ASSERT_TRUE(p.ok());
-  std::memset(*p, 0x5a, kMiB);
-  absl::StatusOr<BufferDescriptor> exported = state_.Export(*p);
-  ASSERT_TRUE(exported.ok()) << exported.status();
-  absl::StatusOr<int64_t> import =
-      state_.Import(exported->Encode(), -1, Backend::kHost, false);
-  ASSERT_TRUE(import.ok()) << import.status();
-  absl::StatusOr<ProcessState::ImportInfo> info = state_.GetImportInfo(*import);
-  ASSERT_TRUE(info.ok());
-  const auto* at = reinterpret_cast<const uint8_t*>(info->ptr);
+  const Imported first = ImportOwnBlock(0x5a);
+  ASSERT_NE(first.at, nullptr);
+  const uint8_t* at = first.at;
   absl::StatusOr<BufferDescriptor> forwarded = state_.Export(at);
   ASSERT_TRUE(forwarded.ok()) << forwarded.status();
   // Only the start of an import: a pointer inside it is nobody's block.
@@ -491,8 +501,8 @@ TEST_F(ProcessStateTest, ExportOfAnImportForwardsIt) {
   absl::StatusOr<int64_t> third =
       state_.Import(forwarded->Encode(), -1, Backend::kHost, false);
   ASSERT_TRUE(third.ok()) << third.status();
-  ASSERT_TRUE(state_.FreeBlock(*p).ok());
-  ASSERT_TRUE(state_.AddImportRef(*import, -1).ok());
+  ASSERT_TRUE(state_.FreeBlock(first.block).ok());
+  ASSERT_TRUE(state_.AddImportRef(first.import, -1).ok());
   EXPECT_EQ(state_.import_count(), 1u) << "Export took no reference of its own";
   absl::StatusOr<ProcessState::ImportInfo> third_info = state_.GetImportInfo(*third);
   ASSERT_TRUE(third_info.ok());

@@ -86,12 +86,17 @@ struct ForeignStats {
   Group allocated_bytes, reserved_bytes, active_bytes, inactive_split_bytes, requested_bytes;
   int64_t num_device_alloc = 0, num_device_free = 0, num_ooms = 0;
 
+  // The groups, in the order of PyTorch's DeviceStats (a caller pairs them by index).
+  static constexpr Group ForeignStats::*kGroups[] = {
+      &ForeignStats::allocation,      &ForeignStats::segment,
+      &ForeignStats::active,          &ForeignStats::inactive_split,
+      &ForeignStats::allocated_bytes, &ForeignStats::reserved_bytes,
+      &ForeignStats::active_bytes,    &ForeignStats::inactive_split_bytes,
+      &ForeignStats::requested_bytes};
+
   template <typename F>
   void ForEachGroup(F&& f) {
-    for (Group* g : {&allocation, &segment, &active, &inactive_split, &allocated_bytes,
-                     &reserved_bytes, &active_bytes, &inactive_split_bytes, &requested_bytes}) {
-      f(*g);
-    }
+    for (Group ForeignStats::*g : kGroups) f(this->*g);
   }
 };
 

@@ -41,6 +41,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -759,23 +760,15 @@ class VmmAllocator : public Pluggable {
     if (it == foreign_.end() || it->second != pool || pool->uses != 0) return;
     foreign_.erase(it);
     vmm_torch::ForeignStats& retired = foreign_retired_[pool->device];
-    auto fold = [](const vmm_torch::ForeignStats::Group& from,
-                   vmm_torch::ForeignStats::Group& to) {
+    for (auto group : vmm_torch::ForeignStats::kGroups) {
+      const vmm_torch::ForeignStats::Group& from = stats.*group;
+      vmm_torch::ForeignStats::Group& to = retired.*group;
       for (size_t i = 0; i < from.size(); ++i) {
         to[i].allocated += from[i].allocated;
         to[i].freed += from[i].freed;
         to[i].peak = std::max(to[i].peak, from[i].peak);
       }
-    };
-    fold(stats.allocation, retired.allocation);
-    fold(stats.segment, retired.segment);
-    fold(stats.active, retired.active);
-    fold(stats.inactive_split, retired.inactive_split);
-    fold(stats.allocated_bytes, retired.allocated_bytes);
-    fold(stats.reserved_bytes, retired.reserved_bytes);
-    fold(stats.active_bytes, retired.active_bytes);
-    fold(stats.inactive_split_bytes, retired.inactive_split_bytes);
-    fold(stats.requested_bytes, retired.requested_bytes);
+    }
     retired.num_device_alloc += stats.num_device_alloc;
     retired.num_device_free += stats.num_device_free;
     retired.num_ooms += stats.num_ooms;
@@ -801,24 +794,24 @@ class VmmAllocator : public Pluggable {
   }
 
   static void AddForeignStats(const vmm_torch::ForeignStats& f, cda::DeviceStats& out) {
-    auto add = [](const std::array<vmm_torch::ForeignStat, 3>& from,
-                  c10::CachingAllocator::StatArray& to) {
+    // DeviceStats' groups in ForeignStats::kGroups' order.
+    static constexpr c10::CachingAllocator::StatArray cda::DeviceStats::*kTorchGroups[] = {
+        &cda::DeviceStats::allocation,      &cda::DeviceStats::segment,
+        &cda::DeviceStats::active,          &cda::DeviceStats::inactive_split,
+        &cda::DeviceStats::allocated_bytes, &cda::DeviceStats::reserved_bytes,
+        &cda::DeviceStats::active_bytes,    &cda::DeviceStats::inactive_split_bytes,
+        &cda::DeviceStats::requested_bytes};
+    static_assert(std::size(kTorchGroups) == std::size(vmm_torch::ForeignStats::kGroups));
+    for (size_t g = 0; g < std::size(kTorchGroups); ++g) {
+      const vmm_torch::ForeignStats::Group& from = f.*(vmm_torch::ForeignStats::kGroups[g]);
+      c10::CachingAllocator::StatArray& to = out.*(kTorchGroups[g]);
       for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
         to[i].current += from[i].current;
         to[i].peak += from[i].peak;
         to[i].allocated += from[i].allocated;
         to[i].freed += from[i].freed;
       }
-    };
-    add(f.allocation, out.allocation);
-    add(f.segment, out.segment);
-    add(f.active, out.active);
-    add(f.inactive_split, out.inactive_split);
-    add(f.allocated_bytes, out.allocated_bytes);
-    add(f.reserved_bytes, out.reserved_bytes);
-    add(f.active_bytes, out.active_bytes);
-    add(f.inactive_split_bytes, out.inactive_split_bytes);
-    add(f.requested_bytes, out.requested_bytes);
+    }
     out.num_device_alloc += f.num_device_alloc;
     out.num_device_free += f.num_device_free;
     out.num_ooms += f.num_ooms;
