@@ -257,7 +257,8 @@ class ForeignSegments {
       stats_.inactive_split[t].current = 0;
       stats_.inactive_split_bytes[t].current = 0;
     }
-    for (const auto& [ptr, b] : free_blocks_) {
+    for (const auto& entry : free_blocks_) {
+      const Block* b = entry.second;
       if (b->prev == nullptr && b->next == nullptr) continue;
       Count(b->seg->small, [&](int t) {
         ++stats_.inactive_split[t].current;
