@@ -112,6 +112,23 @@ class SendLedger::Impl {
     return soonest;
   }
 
+  // Ends the unacknowledged hold (key, nonce) as withdrawn by its sender (released, settled
+  // as released), appending what must run to `out`: NotFound if there is no such hold,
+  // FailedPrecondition if it was acknowledged (a receiver has it; the hold is left as it is).
+  absl::Status TakeWithdrawal(uint64_t key, const Nonce& nonce, std::vector<Release>* out) {
+    MutexLock lock(&mu_);
+    auto it = holds_.find(key);
+    if (it == holds_.end() || !SameNonce(it->second.nonce, nonce)) {
+      return absl::NotFoundError(absl::StrCat("no such hold: ", key));
+    }
+    if (it->second.acked) {
+      return absl::FailedPreconditionError(
+          "the send was received already: it cannot be withdrawn");
+    }
+    Erase(it, /*released=*/true, out);  // counted neither as acknowledged nor as released
+    return absl::OkStatus();
+  }
+
   // Applies the receiver's `report` on the hold (key, nonce), appending what must run to
   // `out`; false if there is no such hold (or it was acknowledged already, for kImported).
   bool TakeReport(uint64_t key, const Nonce& nonce, SendReport report,
@@ -454,6 +471,19 @@ absl::Status SendLedger::Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
   return Report(key, nonce, SendReport::kImported, run_on);
 }
 
+absl::Status SendLedger::Withdraw(uint64_t key, const std::array<uint8_t, 16>& nonce) {
+  std::vector<Release> work;
+  absl::Status status = impl_->TakeWithdrawal(key, nonce, &work);
+  if (!work.empty()) {
+    if (CaptureWindowOpen()) {
+      impl_->Enqueue(std::move(work));
+    } else {
+      impl_->Run(work);
+    }
+  }
+  return status;
+}
+
 absl::Status SendLedger::Report(uint64_t key, const std::array<uint8_t, 16>& nonce,
                                 SendReport report, RunOn run_on) {
   std::vector<Release> work;
@@ -581,8 +611,7 @@ absl::Status CancelSend(absl::Span<const uint8_t> ticket) {
         "the ticket is a send of process ", token.pid, ", not of this one: only its sender may "
         "withdraw it"));
   }
-  // A release report before any ack counts as both: the hold ends and settles as released.
-  return SendLedger::Get().Report(token.key, token.nonce, SendReport::kReleased);
+  return SendLedger::Get().Withdraw(token.key, token.nonce);
 }
 
 absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets) {

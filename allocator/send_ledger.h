@@ -86,6 +86,10 @@ class SendLedger {
   // nonce: which is not said).
   absl::Status Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
                    RunOn run_on = RunOn::kCaller);
+  // The sender's withdrawal of the unacknowledged hold (key, nonce) whose payload never left
+  // (CancelSend): its release runs here, its settle as released. NotFound if no such hold;
+  // FailedPrecondition, leaving it as it is, if it was acknowledged.
+  absl::Status Withdraw(uint64_t key, const std::array<uint8_t, 16>& nonce);
   // Server side: the receiver's `report` on the hold (key, nonce) (kImported is Ack). NotFound
   // if no such hold, or, for kImported, if it was acknowledged already.
   absl::Status Report(uint64_t key, const std::array<uint8_t, 16>& nonce, SendReport report,
@@ -153,7 +157,8 @@ absl::Status AckSends(absl::Span<const SendLedger::Ticket> tickets);
 // message that held it failed to pickle, so no receiver can have it): the hold ends at once,
 // its chunks reusable as if its receiver had imported and unmapped the memory.
 // FailedPrecondition for another process's ticket (only the sender knows that its payload
-// went nowhere); NotFound if the hold is gone (acknowledged, expired or withdrawn already);
+// went nowhere) or for a send already acknowledged (a receiver has it: the hold is left to its
+// receiver's report); NotFound if the hold is gone (expired, released or withdrawn already);
 // InvalidArgument as AckSend's.
 absl::Status CancelSend(absl::Span<const uint8_t> ticket);
 

@@ -598,11 +598,28 @@ TEST_F(SendLedgerTest, TheSenderWithdrawsASendThatNeverLeft) {
   const SendLedger::Stats stats = SendLedger::Get().GetStats();
   EXPECT_EQ(stats.held, 0u);
   EXPECT_EQ(stats.awaiting_release, 0u);
-  EXPECT_EQ(stats.released, before_.released + 1);
+  EXPECT_EQ(stats.released, before_.released) << "no receiver reported";
+  EXPECT_EQ(stats.acked, before_.acked) << "no receiver acknowledged";
   EXPECT_THAT(CancelSend(ticket), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(AckSend(ticket), StatusIs(absl::StatusCode::kNotFound));
   EXPECT_THAT(CancelSend(std::vector<uint8_t>(10, 0)),
               StatusIs(absl::StatusCode::kInvalidArgument));
+  EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
+}
+
+// A send its receiver acknowledged cannot be withdrawn: the receiver maps the memory, so the
+// hold waits for its release report as before.
+TEST_F(SendLedgerTest, AnAcknowledgedSendCannotBeWithdrawn) {
+  Journal journal;
+  const Ticket ticket = HoldSettled(1000, &journal);
+  EXPECT_EQ(AckFromChild(ticket), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+  EXPECT_THAT(journal.entries(), ElementsAre("release"));
+  EXPECT_THAT(CancelSend(ticket), StatusIs(absl::StatusCode::kFailedPrecondition));
+  EXPECT_THAT(journal.entries(), ElementsAre("release")) << "not settled as released";
+  EXPECT_EQ(SendLedger::Get().GetStats().awaiting_release, 1u);
+  EXPECT_EQ(ReportFromChild(ticket, SendReport::kReleased), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
   EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
 }
 

@@ -184,14 +184,12 @@ absl::StatusOr<BufferDescriptor> ProcessState::ForwardImport(int64_t id, const v
     buffer = import.buffer.get();
     received = import.received;
   }
-  // Its receiver is counted by nobody: the sender of this import must not reuse the memory.
-  buffer->MarkForwarded();
   absl::StatusOr<BufferDescriptor> d = ReExportImport(*buffer);
   if (!d.ok() && d.status().code() == absl::StatusCode::kFailedPrecondition &&
       received->handle_type() == HandleType::kFabric) {
     // The CUDA driver exports no imported handle; the exporter's fabric handles stay
     // importable while the memory lives, which the caller's hold on this import guarantees.
-    return *received;
+    d = *received;
   }
   if (!d.ok()) {
     return absl::Status(d.status().code(),
@@ -199,6 +197,9 @@ absl::StatusOr<BufferDescriptor> ProcessState::ForwardImport(int64_t id, const v
                                      absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ": ",
                                      d.status().message()));
   }
+  // Its next receiver is counted by nobody: the sender of this import must not reuse the
+  // memory (marked only once the descriptor exists: a failed forward leaves the import as it was).
+  buffer->MarkForwarded();
   return d;
 }
 

@@ -336,7 +336,8 @@ int vmm_send_ack(const uint8_t* ticket, size_t len);
 int vmm_send_ack_later(const uint8_t* ticket, size_t len);
 /* The sender withdraws one of its own sends whose payload never left the process (the message
  * failed to pickle): its hold ends at once. VMM_FAILED_PRECONDITION for another process's
- * ticket, VMM_NOT_FOUND if the hold is gone, VMM_INVALID_ARGUMENT if not a ticket. */
+ * ticket or a send already acknowledged (left as it is), VMM_NOT_FOUND if the hold is gone,
+ * VMM_INVALID_ARGUMENT if not a ticket. */
 int vmm_send_cancel(const uint8_t* ticket, size_t len);
 /* The receiver's half after importing a send as import `import_id` (vmm_import): queues the
  * ack (as vmm_send_ack_later) and, for when that import's mapping is unmapped, the report that

@@ -147,6 +147,58 @@ def test_a_message_that_fails_to_pickle_withdraws_its_sends():
         del received
 
 
+class SendsOnItsOwn:
+    """Pickling it sends `tensor` in a message of its own (a reducer that sends something
+    itself), then pickles as nothing."""
+
+    def __init__(self, tensor, out):
+        self.tensor, self.out = tensor, out
+
+    def __reduce__(self):
+        from multiprocessing.reduction import ForkingPickler
+
+        self.out.append(bytes(ForkingPickler.dumps([self.tensor])))
+        return (int, ())
+
+
+def test_a_message_pickled_inside_a_failing_one_keeps_its_send():
+    """Its payload may have left (here: it is kept and received later), so only the outer
+    message's own sends are withdrawn."""
+    from multiprocessing.reduction import ForkingPickler
+
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host") as pool:
+        own, inner = pool.zeros((64,)).fill_(1), pool.zeros((64,)).fill_(7)
+        held = vmm_torch.send_stats()["held"]
+        sent = []
+        with pytest.raises(TypeError):
+            ForkingPickler.dumps([own, SendsOnItsOwn(inner, sent), threading.Lock()])
+        assert len(sent) == 1
+        assert vmm_torch.send_stats()["held"] == held + 1, "the inner message's send is held"
+        received = pickle.loads(sent[0])
+        assert received[0].tolist() == [7.0] * 64
+        sharing.flush_acks(10)
+        deadline = time.monotonic() + 10
+        while vmm_torch.send_stats()["held"] > held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert vmm_torch.send_stats()["held"] == held
+        del received
+
+
+def test_process_arguments_that_fail_to_pickle_withdraw_their_sends():
+    """multiprocessing.reduction.dump into memory (a spawned Process's arguments)."""
+    import io
+    import multiprocessing.reduction
+
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((64,))
+        held = vmm_torch.send_stats()["held"]
+        with pytest.raises(TypeError):
+            multiprocessing.reduction.dump((t, threading.Lock()), io.BytesIO())
+        assert vmm_torch.send_stats()["held"] == held
+
+
 def test_a_queued_message_that_fails_to_pickle_withdraws_its_sends():
     """The same in a queue's feeder thread, which prints the error and drops the message."""
     vmm_torch.install_reducers()

@@ -46,8 +46,10 @@ so that its own later ``vmm_torch.enable()`` still works.
 
 from __future__ import annotations
 
+import io
 import logging
 import multiprocessing.queues
+import multiprocessing.reduction
 import multiprocessing.util
 import os
 import pickle
@@ -106,15 +108,17 @@ def _on_feeder_thread() -> bool:
 
 def _parts(tensor: torch.Tensor) -> Optional[List[torch.Tensor]]:
     """The plain strided tensors that a tensor of another kind is made of (a nested tensor's
-    buffer, or a jagged one's values, offsets and lengths; a sparse tensor's indices and
-    values), or None for a plain strided tensor.
+    buffer, or a jagged one's inner tensors; a sparse tensor's indices and values), or None
+    for a plain strided tensor.
     PyTorch's reducer sends such a tensor as its parts, each through the reducer that
     torch.multiprocessing.reductions names, vmm's once install_reducers ran."""
     if tensor.is_nested:
-        if tensor.layout == getattr(torch, "jagged", None):
-            # The NestedTensor subclass pickles itself through its values, offsets and lengths.
-            optional = (tensor.offsets(), tensor.lengths())
-            return [tensor.values()] + [t for t in optional if t is not None]
+        if tensor.layout == getattr(torch, "jagged", None) and hasattr(tensor,
+                                                                     "__tensor_flatten__"):
+            # The NestedTensor subclass pickles itself through its inner tensors (values,
+            # offsets, lengths: the tensors themselves, not views of them).
+            names, _ = tensor.__tensor_flatten__()
+            return [getattr(tensor, name) for name in names]
         return [tensor.values()]
     layout = tensor.layout
     if layout == torch.strided:
@@ -204,40 +208,63 @@ def _note_send(reduction: Reduction) -> Reduction:
     return reduction
 
 
-def _withdrawing(dumps: Any) -> Any:
-    """ForkingPickler.dumps (what queues' feeder threads, pipes and SimpleQueue pickle with)
-    that withdraws the sends made for a message whose pickling then fails (an object after
-    the tensor that cannot be pickled): its payload never leaves, so no receiver will
-    acknowledge it, and its memory comes back now rather than at the end of its lease."""
+def _pickled_or_withdrawn(pickle_it: Callable[[], Any]) -> Any:
+    """Runs pickle_it(), which pickles one message into memory; if it raises, withdraws the
+    sends made for that message: its payload never leaves, so no receiver will acknowledge
+    them, and their memory comes back now rather than at the end of their lease. A message
+    pickled inside another one (a reducer that sends something itself) keeps its own sends:
+    once pickled they may have left, whatever becomes of the outer message."""
+    outer = getattr(_pickling, "tickets", None)
+    _pickling.tickets = []
+    try:
+        return pickle_it()
+    except BaseException:
+        tickets, _pickling.tickets = _pickling.tickets, outer
+        for ticket in tickets:
+            try:
+                sharing.cancel_send(ticket)
+            except Exception as error:  # noqa: BLE001 (received meanwhile: left to its receiver)
+                _log.debug("vmm_torch: withdrawing a send: %s", error)
+        raise
+    finally:
+        _pickling.tickets = outer
+
+
+def _withdrawing_dumps(dumps: Any) -> Any:
+    """ForkingPickler.dumps (what queues' feeder threads, pipes and SimpleQueue pickle with),
+    withdrawing the sends of a message that fails to pickle (_pickled_or_withdrawn)."""
     function = dumps.__func__
 
     def dumps_withdrawing(cls: Any, obj: Any, protocol: Any = None) -> Any:
-        outer = getattr(_pickling, "tickets", None)
-        _pickling.tickets = []
-        try:
-            result = function(cls, obj, protocol)
-        except BaseException:
-            tickets, _pickling.tickets = _pickling.tickets, outer
-            for ticket in tickets:
-                try:
-                    sharing.cancel_send(ticket)
-                except _lib.VmmError as error:  # acknowledged meanwhile: nothing to withdraw
-                    _log.debug("vmm_torch: withdrawing a send: %s", error)
-            raise
-        if outer is not None:  # a message pickled inside another's: its sends are the outer's
-            outer.extend(_pickling.tickets)
-        _pickling.tickets = outer
-        return result
+        return _pickled_or_withdrawn(lambda: function(cls, obj, protocol))
 
     dumps_withdrawing.__wrapped__ = function  # type: ignore[attr-defined]
     dumps_withdrawing._vmm_withdrawing = True  # type: ignore[attr-defined]
     return classmethod(dumps_withdrawing)
 
 
+def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
+    """multiprocessing.reduction.dump (what a spawned Process's arguments are pickled with),
+    the same where it pickles into memory; into a file or a pipe, part of a failed message
+    may have left, so nothing is withdrawn there."""
+
+    def dump_withdrawing(obj: Any, file: Any, protocol: Any = None) -> Any:
+        if not isinstance(file, io.BytesIO):
+            return dump(obj, file, protocol)
+        return _pickled_or_withdrawn(lambda: dump(obj, file, protocol))
+
+    dump_withdrawing.__wrapped__ = dump  # type: ignore[attr-defined]
+    dump_withdrawing._vmm_withdrawing = True  # type: ignore[attr-defined]
+    return dump_withdrawing
+
+
 def _patch_dumps() -> None:
     dumps = ForkingPickler.__dict__.get("dumps")
     if isinstance(dumps, classmethod) and not getattr(dumps.__func__, "_vmm_withdrawing", False):
-        ForkingPickler.dumps = _withdrawing(dumps)  # type: ignore[method-assign]
+        ForkingPickler.dumps = _withdrawing_dumps(dumps)  # type: ignore[method-assign]
+    dump = multiprocessing.reduction.dump
+    if not getattr(dump, "_vmm_withdrawing", False):
+        multiprocessing.reduction.dump = _withdrawing_dump(dump)
 
 
 # --- Queue.put: errors in the caller ---------------------------------------------------------

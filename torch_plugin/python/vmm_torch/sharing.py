@@ -863,11 +863,13 @@ def rebuild_shared_tensor(*payload: Any) -> SharedTensor:
 
 
 def export_tensor(t: torch.Tensor) -> SharedTensor:
-    """Exports a tensor whose storage lives in a vmm pool and returns a SharedTensor.
+    """Exports a tensor whose storage lives in a vmm pool, or was received from another
+    process (then forwarded: the importer maps the first exporter's memory), and returns a
+    SharedTensor.
 
-    The whole storage is exported (views keep their offset and strides). The chunks the
-    storage spans are marked exported: their free space is never given to another tensor, so
-    an importer can only ever see this tensor's data. Keep `t` alive until every importer has
+    The whole storage is exported (views keep their offset and strides). The chunks of a pool
+    block are marked exported: their free space is never given to another tensor, so an
+    importer can only ever see this tensor's data. Keep `t` alive until every importer has
     opened the SharedTensor.
     """
     if not isinstance(t, torch.Tensor):
