@@ -119,6 +119,18 @@ def test_a_tensor_made_while_pickling_is_sent():
         del neighbour
 
 
+def received_here(data, held):
+    """Unpickles a message of one tensor in this process (its receiver) and returns the
+    tensor's values once this process's sends are back to `held` (the import acknowledged)."""
+    received = pickle.loads(data)
+    sharing.flush_acks(10)
+    deadline = time.monotonic() + 10
+    while vmm_torch.send_stats()["held"] > held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert vmm_torch.send_stats()["held"] == held
+    return received[0].tolist()
+
+
 def test_a_message_that_fails_to_pickle_withdraws_its_sends():
     """A tensor sent beside an object that cannot be pickled: ForkingPickler.dumps raises, the
     payload goes nowhere, and the send's hold ends at once instead of at its lease; a message
@@ -137,14 +149,7 @@ def test_a_message_that_fails_to_pickle_withdraws_its_sends():
         assert vmm_torch.send_stats()["held"] == held
         data = ForkingPickler.dumps([t])
         assert vmm_torch.send_stats()["held"] == held + 1
-        received = pickle.loads(data)
-        assert received[0].tolist() == [2.0] * 256
-        sharing.flush_acks(10)
-        deadline = time.monotonic() + 10
-        while vmm_torch.send_stats()["held"] > held and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert vmm_torch.send_stats()["held"] == held
-        del received
+        assert received_here(data, held) == [2.0] * 256
 
 
 class SendsOnItsOwn:
@@ -175,14 +180,7 @@ def test_a_message_pickled_inside_a_failing_one_keeps_its_send():
             ForkingPickler.dumps([own, SendsOnItsOwn(inner, sent), threading.Lock()])
         assert len(sent) == 1
         assert vmm_torch.send_stats()["held"] == held + 1, "the inner message's send is held"
-        received = pickle.loads(sent[0])
-        assert received[0].tolist() == [7.0] * 64
-        sharing.flush_acks(10)
-        deadline = time.monotonic() + 10
-        while vmm_torch.send_stats()["held"] > held and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert vmm_torch.send_stats()["held"] == held
-        del received
+        assert received_here(sent[0], held) == [7.0] * 64
 
 
 def test_process_arguments_that_fail_to_pickle_withdraw_their_sends():
