@@ -183,6 +183,29 @@ def test_a_message_pickled_inside_a_failing_one_keeps_its_send():
         assert received_here(sent[0], held) == [7.0] * 64
 
 
+class ReducedByTorch:
+    """An object whose own reducer calls torch.multiprocessing's reduce_tensor (vmm's)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __reduce__(self):
+        from torch.multiprocessing import reductions as torch_reductions
+
+        return torch_reductions.reduce_tensor(self.tensor)
+
+
+def test_queue_puts_dry_run_leaves_no_send_behind():
+    """Queue.put's dry run pickles to nowhere; a send an object's own reducer makes there is
+    withdrawn (it held the memory until the lease, and the sender's exit waited for it)."""
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((64,))
+        held = vmm_torch.send_stats()["held"]
+        assert reductions.prepare_send({"kept": ReducedByTorch(t)}) is False
+        assert vmm_torch.send_stats()["held"] == held
+
+
 def test_process_arguments_that_fail_to_pickle_withdraw_their_sends():
     """multiprocessing.reduction.dump into memory (a spawned Process's arguments)."""
     import io

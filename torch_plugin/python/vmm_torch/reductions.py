@@ -220,14 +220,18 @@ def _pickled_or_withdrawn(pickle_it: Callable[[], Any]) -> Any:
         return pickle_it()
     except BaseException:
         tickets, _pickling.tickets = _pickling.tickets, outer
-        for ticket in tickets:
-            try:
-                sharing.cancel_send(ticket)
-            except Exception as error:  # noqa: BLE001 (received meanwhile: left to its receiver)
-                _log.debug("vmm_torch: withdrawing a send: %s", error)
+        _withdraw(tickets)
         raise
     finally:
         _pickling.tickets = outer
+
+
+def _withdraw(tickets: List[bytes]) -> None:
+    for ticket in tickets:
+        try:
+            sharing.cancel_send(ticket)
+        except Exception as error:  # noqa: BLE001 (received meanwhile: left to its receiver)
+            _log.debug("vmm_torch: withdrawing a send: %s", error)
 
 
 def _withdrawing_dumps(dumps: Any) -> Any:
@@ -341,10 +345,17 @@ def prepare_send(obj: Any) -> bool:
                 found = True
     else:
         preparer = _Preparer()
+        # The dry run pickles to nowhere: a send some object's own reducer makes meanwhile
+        # (calling reduce_tensor itself) goes nowhere either, and is withdrawn.
+        outer = getattr(_pickling, "tickets", None)
+        _pickling.tickets = []
         try:
             preparer.dump(obj)
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
             pass  # not picklable: the feeder thread fails on it as it would without vmm
+        finally:
+            tickets, _pickling.tickets = _pickling.tickets, outer
+            _withdraw(tickets)
         found = preparer.found_vmm
     if found:
         sharing.wait_for_send_room()
