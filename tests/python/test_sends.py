@@ -202,8 +202,38 @@ def test_queue_puts_dry_run_leaves_no_send_behind():
     with vmm_torch.Pool("host") as pool:
         t = pool.zeros((64,))
         held = vmm_torch.send_stats()["held"]
-        assert reductions.prepare_send({"kept": ReducedByTorch(t)}) is False
+        assert reductions.prepare_send({"kept": ReducedByTorch(t)}) is True  # vmm memory
         assert vmm_torch.send_stats()["held"] == held
+
+
+def test_sends_after_an_error_payload_are_withdrawn():
+    """In a queue's feeder thread a tensor that cannot go becomes an error payload, where the
+    receiver's unpickling stops: the sends after it in that message are withdrawn, those
+    before it stay for the receiver."""
+    from multiprocessing.reduction import ForkingPickler
+
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host", isolate_sends=True) as isolating, \
+            vmm_torch.Pool("host") as plain:
+        bad = isolating.zeros((16,))
+        neighbour = isolating.zeros((16,))  # shares bad's chunk: bad would have to move
+        first, last = plain.zeros((16,)).fill_(1), plain.zeros((16,)).fill_(3)
+        held = vmm_torch.send_stats()["held"]
+        out = {}
+        thread = threading.Thread(
+            target=lambda: out.update(data=ForkingPickler.dumps([first, bad, last])),
+            name=reductions._FEEDER_THREAD)
+        thread.start()
+        thread.join()
+        assert vmm_torch.send_stats()["held"] == held + 1, "first's send stays, last's goes"
+        with pytest.raises(vmm_torch.VmmError):
+            pickle.loads(out["data"])
+        sharing.flush_acks(10)
+        deadline = time.monotonic() + 10
+        while vmm_torch.send_stats()["held"] > held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert vmm_torch.send_stats()["held"] == held, "first was imported and acknowledged"
+        del neighbour
 
 
 def test_process_arguments_that_fail_to_pickle_withdraw_their_sends():

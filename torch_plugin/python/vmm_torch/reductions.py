@@ -190,6 +190,7 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     except Exception as error:
         if not _on_feeder_thread():
             raise
+        _note_error_payload()
         return (sharing.raise_send_error,
                 (type(error).__name__, str(error), getattr(error, "code", None)))
 
@@ -199,31 +200,52 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
 _pickling = threading.local()
 
 
+class _Message:
+    """The sends made while one message is pickled, in pickling order (which is the order the
+    receiver unpickles them in), and how many came before its first error payload."""
+
+    def __init__(self) -> None:
+        self.tickets: List[bytes] = []
+        self.error_at: Optional[int] = None
+
+
 def _note_send(reduction: Reduction) -> Reduction:
-    """Notes the ticket of a send just made while ForkingPickler.dumps pickles a message, so
-    that the message's failure can withdraw it."""
-    tickets = getattr(_pickling, "tickets", None)
-    if tickets is not None and reduction[0] is sharing.rebuild_tensor:
-        tickets.append(reduction[1][-1])
+    """Notes the ticket of a send just made while a message is pickled, so that the message's
+    failure can withdraw it."""
+    message = getattr(_pickling, "message", None)
+    if message is not None and reduction[0] is sharing.rebuild_tensor:
+        message.tickets.append(reduction[1][-1])
     return reduction
+
+
+def _note_error_payload() -> None:
+    """A queue's feeder thread put an error payload in the message being pickled: its receiver
+    raises there, and never imports the sends that come after it."""
+    message = getattr(_pickling, "message", None)
+    if message is not None and message.error_at is None:
+        message.error_at = len(message.tickets)
 
 
 def _pickled_or_withdrawn(pickle_it: Callable[[], Any]) -> Any:
     """Runs pickle_it(), which pickles one message into memory; if it raises, withdraws the
     sends made for that message: its payload never leaves, so no receiver will acknowledge
-    them, and their memory comes back now rather than at the end of their lease. A message
-    pickled inside another one (a reducer that sends something itself) keeps its own sends:
-    once pickled they may have left, whatever becomes of the outer message."""
-    outer = getattr(_pickling, "tickets", None)
-    _pickling.tickets = []
+    them, and their memory comes back now rather than at the end of their lease. Likewise the
+    sends placed after an error payload (the feeder thread's), which its receiver never
+    reaches. A message pickled inside another one (a reducer that sends something itself)
+    keeps its own sends: once pickled they may have left, whatever becomes of the outer
+    message."""
+    outer = getattr(_pickling, "message", None)
+    message = _pickling.message = _Message()
     try:
-        return pickle_it()
+        result = pickle_it()
     except BaseException:
-        tickets, _pickling.tickets = _pickling.tickets, outer
-        _withdraw(tickets)
+        _withdraw(message.tickets)
         raise
     finally:
-        _pickling.tickets = outer
+        _pickling.message = outer
+    if message.error_at is not None:  # the receiver stops at the error: the rest goes nowhere
+        _withdraw(message.tickets[message.error_at:])
+    return result
 
 
 def _withdraw(tickets: List[bytes]) -> None:
@@ -346,17 +368,18 @@ def prepare_send(obj: Any) -> bool:
     else:
         preparer = _Preparer()
         # The dry run pickles to nowhere: a send some object's own reducer makes meanwhile
-        # (calling reduce_tensor itself) goes nowhere either, and is withdrawn.
-        outer = getattr(_pickling, "tickets", None)
-        _pickling.tickets = []
+        # (calling reduce_tensor itself) goes nowhere either, and is withdrawn; the object then
+        # holds vmm memory all the same.
+        outer = getattr(_pickling, "message", None)
+        message = _pickling.message = _Message()
         try:
             preparer.dump(obj)
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
             pass  # not picklable: the feeder thread fails on it as it would without vmm
         finally:
-            tickets, _pickling.tickets = _pickling.tickets, outer
-            _withdraw(tickets)
-        found = preparer.found_vmm
+            _pickling.message = outer
+            _withdraw(message.tickets)
+        found = preparer.found_vmm or bool(message.tickets)
     if found:
         sharing.wait_for_send_room()
     return found
