@@ -12,7 +12,9 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
   ``queue.put(t); del t`` is safe, with either handle type; then the receiver's mapping is its
   own. A receiver that never reads (or dies) holds nothing forever: the send's lease ends
   after 600 s (``vmm_torch.set_send_lease``, or VMM_SEND_LEASE_S), and held sends show in
-  ``vmm_torch.send_stats()``. No ``ipc_collect()`` is needed.
+  ``vmm_torch.send_stats()``. A send whose payload goes nowhere (its message failed to pickle,
+  or it came after an error payload, or ``Queue.put``'s dry run made it) is withdrawn at once.
+  No ``ipc_collect()`` is needed.
 - **In place.** A tensor travels where it lies, as with PyTorch: it keeps its address, and
   its receiver maps the physical chunks its storage spans, with the bytes of any other tensor
   in them (as a receiver of PyTorch's IPC maps a whole ``cudaMalloc`` segment). Free space in
