@@ -78,7 +78,7 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
     }
     if (!recorded.ok()) {
       // No event (none could be made, or the stream is of another device, whose streams take
-      // only that device's events): wait for the stream itself, or, if that fails too (gone
+      // only that GPU's events): wait for the stream itself, or, if that fails too (gone
       // or broken), leave a fence.
       ++stats.num_sync_stream;
       if (driver_->SynchronizeStream(s).ok()) continue;

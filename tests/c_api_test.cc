@@ -194,7 +194,7 @@ TEST_F(CApiTest, TheStatsStructSaysWhatTheJsonSays) {
 }
 
 // More than any device holds is refused and counted as an out-of-memory, as PyTorch counts it,
-// whether the pool would refuse it by its device's size or by the address space's.
+// whether the pool would refuse it by its GPU's size or by the address space's.
 TEST_F(CApiTest, RequestsNoDeviceHoldsCountInNumOoms) {
   void* warm = vmm_alloc(4096, 0, nullptr);  // the device pool exists
   ASSERT_NE(warm, nullptr) << vmm_last_error();
@@ -270,7 +270,7 @@ TEST_F(CApiTest, ThePrivatePoolsOfADeviceAreInItsStats) {
   ASSERT_EQ(vmm_free(d, 0), 0);
 }
 
-// cacheInfo's figure (cuDNN's workspace): the largest block the device's pools have cached,
+// cacheInfo's figure (cuDNN's workspace): the largest block the GPU's pools have cached,
 // private pools included.
 TEST_F(CApiTest, TheLargestFreeBlockOfADeviceCoversItsPrivatePools) {
   uint64_t largest = 1;

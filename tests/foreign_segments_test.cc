@@ -150,7 +150,7 @@ TEST_F(ForeignSegmentsTest, FreedNeighboursMergeAndTheSegmentGoesBackAtReleaseCa
   EXPECT_EQ(snap[0].blocks[0].size, 20 * kMiB);
   EXPECT_EQ(pool.ReleaseCached(), 1u);
   EXPECT_THAT(log_.released, ElementsAre(a));
-  EXPECT_GE(log_.syncs, 1);  // the device's work on it finished first
+  EXPECT_GE(log_.syncs, 1);  // the GPU's work on it finished first
   EXPECT_TRUE(pool.Empty());
   const ForeignStats stats = pool.Stats();
   EXPECT_EQ(stats.reserved_bytes[0].current, 0);

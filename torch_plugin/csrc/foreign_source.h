@@ -86,7 +86,7 @@ class AllocatorSource : public ForeignSource {
   // What stands for an event whose creation or recording failed: taken as complete.
   static constexpr uintptr_t kNoEvent = 1;
 
-  // The device of `stream` (a record_stream may name another device's), else the pool's.
+  // The device of `stream` (a record_stream may name another GPU's stream), else the pool's.
   c10::DeviceIndex StreamDevice(cudaStream_t stream) const {
 #if CUDART_VERSION >= 12080
     int device = 0;

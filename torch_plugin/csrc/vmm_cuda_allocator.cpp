@@ -751,7 +751,7 @@ class VmmAllocator : public Pluggable {
   }
 
   // Forgets a MemPool over another allocator that nobody uses and that holds no segment; its
-  // totals and peaks stay in the device's statistics (foreign_retired_).
+  // totals and peaks stay in the GPU's statistics (foreign_retired_).
   void DropForeignIfUnused(const std::shared_ptr<ForeignPool>& pool) {
     if (!pool->segments->Empty()) return;
     const vmm_torch::ForeignStats stats = pool->segments->Stats();

@@ -12,7 +12,7 @@ torch.accelerator.reset_peak_memory_stats() resets torch.cuda's peak; torch.acce
 
 Why vmm may differ: vmm becomes PyTorch's CUDA allocator through changeCurrentAllocator,
 which swaps the allocator torch.cuda reaches; an entry point that asks c10's allocator
-registry for the CUDA device's allocator instead (torch.accelerator, storages made by type)
+registry for the allocator of CUDA GPUs instead (torch.accelerator, storages made by type)
 would reach PyTorch's own allocator beside vmm, and count nothing in vmm's statistics.
 """
 import gc
