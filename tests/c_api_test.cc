@@ -679,4 +679,34 @@ TEST_F(CApiTest, AMemoryFractionAlsoCapsTheDevicesPrivatePools) {
   EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
 }
 
+// Another allocator's segments (a MemPool over a CUDAPluggableAllocator) count against the
+// fraction with vmm's pools, both ways: what they hold caps vmm's growth, and what vmm's pools
+// hold caps them.
+TEST_F(CApiTest, AnotherAllocatorsSegmentsShareTheMemoryFraction) {
+  const size_t total = vmm::GetHostDriver()->GetMemInfo(0)->total;
+  ASSERT_EQ(vmm_empty_cache(0), 0) << "the device pool holds nothing cached";
+  EXPECT_EQ(vmm_device_hold(-1, 1), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  ASSERT_EQ(vmm_device_hold(0, 48 * kMiB), 0) << "no fraction set: nothing is refused";
+  ASSERT_EQ(vmm_set_memory_fraction(static_cast<double>(64 * kMiB) / total, 0), 0)
+      << vmm_last_error();
+  EXPECT_EQ(vmm_device_hold(0, 32 * kMiB), -1) << "48 + 32 MiB over 64";
+  EXPECT_EQ(vmm_last_error_code(), VMM_RESOURCE_EXHAUSTED);
+  EXPECT_NE(std::string(vmm_last_error()).find("memory fraction"), std::string::npos)
+      << vmm_last_error();
+  void* p = vmm_alloc(32 * kMiB, 0, nullptr);
+  EXPECT_EQ(p, nullptr) << "the device pool grows past the fraction with the 48 MiB held";
+  if (p != nullptr) vmm_free(p, 0);
+  ASSERT_EQ(vmm_device_hold(0, -48 * static_cast<int64_t>(kMiB)), 0);
+  void* q = vmm_alloc(32 * kMiB, 0, nullptr);
+  ASSERT_NE(q, nullptr) << vmm_last_error();
+  EXPECT_EQ(vmm_device_hold(0, 48 * kMiB), -1)
+      << "32 MiB in the device pool + 48 MiB held over 64";
+  EXPECT_EQ(vmm_last_error_code(), VMM_RESOURCE_EXHAUSTED);
+  EXPECT_EQ(vmm_device_hold(0, 16 * kMiB), 0) << "what still fits is counted";
+  vmm_free(q, 0);
+  EXPECT_EQ(vmm_device_hold(0, -16 * static_cast<int64_t>(kMiB)), 0);
+  ASSERT_EQ(vmm_set_memory_fraction(1.0, 0), 0);
+}
+
 }  // namespace

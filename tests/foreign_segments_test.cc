@@ -43,10 +43,11 @@ class HostSource : public ForeignSource {
     sizes_.emplace_back(std::malloc(size), size);
     return sizes_.back().first;
   }
-  void Release(void* segment) override {
+  void Release(void* segment, size_t size) override {
     log_->released.push_back(segment);
     for (auto it = sizes_.begin(); it != sizes_.end(); ++it) {
       if (it->first == segment) {
+        EXPECT_EQ(it->second, size) << "released with another size than it was asked for";
         log_->held -= it->second;
         std::free(segment);
         sizes_.erase(it);

@@ -172,12 +172,36 @@ absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
   fractions_[device] = fraction;
   Pool* pool = device_pools_[device].load();
   if (pool != nullptr) return ShareCapLocked(device, *pool);
-  if (caps_[device] != nullptr) {  // private pools only: measure the device with the default driver
-    absl::StatusOr<Driver*> driver = DefaultDriver();
-    absl::StatusOr<MemInfo> info =
-        driver.ok() ? (*driver)->GetMemInfo(device) : absl::StatusOr<MemInfo>(driver.status());
-    if (info.ok()) caps_[device]->SetLimit(static_cast<size_t>(fraction * info->total));
+  // Private pools or another allocator's segments only: measure the device with the default
+  // driver.
+  if (caps_[device] != nullptr) SetCapFromDefaultDriverLocked(device);
+  return absl::OkStatus();
+}
+
+void ProcessState::SetCapFromDefaultDriverLocked(int device) {
+  absl::StatusOr<Driver*> driver = DefaultDriver();
+  absl::StatusOr<MemInfo> info =
+      driver.ok() ? (*driver)->GetMemInfo(device) : absl::StatusOr<MemInfo>(driver.status());
+  if (info.ok()) {
+    caps_[device]->SetLimit(
+        static_cast<size_t>(fractions_[device] * static_cast<double>(info->total)));
   }
+}
+
+absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  MutexLock lock(&mu_);
+  const bool fresh = caps_[device] == nullptr;
+  std::shared_ptr<DeviceCap> cap = CapForLocked(device);
+  if (fresh && fractions_[device] > 0) SetCapFromDefaultDriverLocked(device);
+  if (delta > 0 && !cap->Allows(static_cast<size_t>(delta))) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "another allocator's ", FormatBytes(static_cast<size_t>(delta)),
+        " would pass the memory fraction of GPU ", device, ", ", FormatBytes(cap->limit()),
+        " (held now: ", FormatBytes(static_cast<size_t>(std::max<int64_t>(cap->held(), 0))),
+        ")"));
+  }
+  cap->Add(delta);
   return absl::OkStatus();
 }
 

@@ -111,6 +111,11 @@ class ProcessState {
   // Caps `device`'s pool at `fraction` (0 < fraction <= 1) of the memory of the device, now or when
   // the pool is created.
   absl::Status SetMemoryFraction(double fraction, int device);
+  // Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (a
+  // torch.cuda.MemPool over a CUDAPluggableAllocator) in the device's cap, as PyTorch's
+  // allocator counts such segments against the memory fraction: a delta > 0 that would pass
+  // the fraction is refused (ResourceExhausted) and not counted; a delta < 0 gives bytes back.
+  absl::Status HoldExternal(int device, int64_t delta);
 
   // --- Explicit pools -----------------------------------------------------------------------
   // Creates a pool on `backend`'s `device` (the host backend has one device unless
@@ -286,6 +291,9 @@ class ProcessState {
 
   // The cap of GPU `device` (caps_), made on first use.
   std::shared_ptr<DeviceCap> CapForLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets caps_[device]'s limit from fractions_[device] and the GPU's memory as the default
+  // driver reports it (left as it was if that fails).
+  void SetCapFromDefaultDriverLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes `pool` (the device pool or a private pool of `device`) count against the cap of
   // its GPU, whose limit follows the fraction set for the device (measured by the pool's driver).
   absl::Status ShareCapLocked(int device, Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

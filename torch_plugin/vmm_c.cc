@@ -228,6 +228,10 @@ int vmm_set_memory_fraction(double fraction, int device) {
   return vmm::Check(State().SetMemoryFraction(fraction, device));
 }
 
+int vmm_device_hold(int device, int64_t delta) {
+  return vmm::Check(State().HoldExternal(device, delta));
+}
+
 char* vmm_stats_json(int device) {
   return vmm::CopyString(vmm::StatsDocument(State().DeviceStats(device)));
 }

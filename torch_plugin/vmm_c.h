@@ -116,6 +116,12 @@ int vmm_empty_cache(int device);
 /* Caps what the device pool and the private pools of GPU `device` hold together at `fraction`
  * of its memory (0 < fraction <= 1; a pool's own memory_limit option still applies). */
 int vmm_set_memory_fraction(double fraction, int device);
+/* Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (the segments
+ * of a torch.cuda.MemPool over a CUDAPluggableAllocator) against that GPU's memory fraction,
+ * as PyTorch's allocator counts them: a delta > 0 that would take what the GPU's pools and
+ * such segments hold past the fraction is refused (VMM_RESOURCE_EXHAUSTED) and not counted;
+ * a delta < 0 gives bytes back. Without a fraction set, nothing is refused. */
+int vmm_device_hold(int device, int64_t delta);
 /* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
  * says) as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused device gives
  * zeros. */

@@ -55,7 +55,8 @@ class ForeignSource {
   virtual ~ForeignSource() = default;
   // A segment of `size` bytes for `stream`; null when out of memory.
   virtual void* Allocate(size_t size, uintptr_t stream) = 0;
-  virtual void Release(void* segment) = 0;
+  // Gives back a segment Allocate returned, of the `size` it was asked for.
+  virtual void Release(void* segment, size_t size) = 0;
   // An event after the work queued so far on `stream`; 0 if it cannot be recorded now (the
   // stream captures a CUDA graph), to be asked again later.
   virtual uintptr_t RecordEvent(uintptr_t stream) = 0;
@@ -228,7 +229,7 @@ class ForeignSegments {
         ++it;
         continue;
       }
-      source_->Release(seg->base);
+      source_->Release(seg->base, seg->size);
       UnfileLocked(seg->head);
       delete seg->head;
       ++stats_.num_device_free;

@@ -1,8 +1,12 @@
 // The segments of a torch.cuda.MemPool over another allocator (foreign_segments.h) from that
 // allocator, on one device, with CUDA events ordering the frees of blocks other streams used.
 //
-// Failures: an allocator that returns null or throws an out-of-memory error gives a null
-// segment (the caller reports the out of memory); an event is not recorded on a stream that
+// Its segments count against the GPU's memory fraction with vmm's own pools (`hold`, over
+// vmm_device_hold), as PyTorch's allocator counts a custom allocator's segments with its own.
+//
+// Failures: a segment the fraction does not admit, or one the allocator returns null for or
+// throws an out-of-memory error on, gives a null segment (failure() says which; the caller
+// reports the out of memory); an event is not recorded on a stream that
 // captures a CUDA graph (0: ForeignSegments asks again later); a failed event call is warned
 // about and taken as complete, since nothing could wait for it later (the sticky error
 // surfaces at the program's next CUDA call); a failed device synchronisation is warned about
@@ -11,7 +15,9 @@
 #define VMM_TORCH_PLUGIN_CSRC_FOREIGN_SOURCE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -24,22 +30,46 @@ namespace vmm_torch {
 
 class AllocatorSource : public ForeignSource {
  public:
+  // Counts `delta` bytes against the GPU's memory fraction; false (nothing counted) when a
+  // delta > 0 does not fit, with why in `*why`.
+  using Hold = std::function<bool(int64_t delta, std::string* why)>;
+
   AllocatorSource(std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator,
-                  c10::DeviceIndex device)
-      : allocator_(std::move(allocator)), device_(device) {}
+                  c10::DeviceIndex device, Hold hold)
+      : allocator_(std::move(allocator)), device_(device), hold_(std::move(hold)) {}
 
   void* Allocate(size_t size, uintptr_t stream) override {
-    c10::cuda::CUDAGuard guard(device_);
-    try {
-      return allocator_->raw_alloc_with_stream(size, reinterpret_cast<cudaStream_t>(stream));
-    } catch (const c10::OutOfMemoryError&) {
+    std::string why;
+    if (!hold_(static_cast<int64_t>(size), &why)) {
+      LastFailure() = why;
       return nullptr;
     }
+    c10::cuda::CUDAGuard guard(device_);
+    void* segment = nullptr;
+    try {
+      segment = allocator_->raw_alloc_with_stream(size, reinterpret_cast<cudaStream_t>(stream));
+    } catch (const c10::OutOfMemoryError&) {
+      segment = nullptr;
+    }
+    if (segment == nullptr) {
+      hold_(-static_cast<int64_t>(size), nullptr);
+      LastFailure() = "the MemPool's allocator returned no memory";
+    }
+    return segment;
   }
 
-  void Release(void* segment) override {
-    c10::cuda::CUDAGuard guard(device_);
-    allocator_->raw_delete(segment);
+  void Release(void* segment, size_t size) override {
+    {
+      c10::cuda::CUDAGuard guard(device_);
+      allocator_->raw_delete(segment);
+    }
+    hold_(-static_cast<int64_t>(size), nullptr);
+  }
+
+  // Why the calling thread's last Allocate that returned null did.
+  static std::string& LastFailure() {
+    thread_local std::string why;
+    return why;
   }
 
   uintptr_t RecordEvent(uintptr_t stream) override {
@@ -108,6 +138,7 @@ class AllocatorSource : public ForeignSource {
 
   std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator_;
   c10::DeviceIndex device_;
+  Hold hold_;
 };
 
 }  // namespace vmm_torch

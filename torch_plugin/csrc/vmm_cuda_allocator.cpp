@@ -698,6 +698,19 @@ class VmmAllocator : public Pluggable {
     return pool;
   }
 
+  // What a MemPool over another allocator on `device` counts its segments with against the
+  // memory fraction (vmm_device_hold). A segment the fraction refuses is an out of memory at
+  // once: the pool is routed to while it allocates, and PyTorch's allocator frees no cache
+  // while any pool is.
+  static vmm_torch::AllocatorSource::Hold HoldOnDevice(c10::DeviceIndex device) {
+    return [device](int64_t delta, std::string* why) {
+      if (vmm.device_hold(device, delta) == 0) return true;
+      if (why != nullptr) *why = vmm.last_error();
+      if (delta < 0) TORCH_WARN("vmm: ", vmm.last_error());  // a bad device only
+      return false;
+    };
+  }
+
   // Adds a use of the MemPool over another allocator `id` on `device`, made over `allocator`
   // if it is new; null if there is none and `allocator` is null.
   std::shared_ptr<ForeignPool> UseForeignPool(c10::DeviceIndex device, MempoolId_t id,
@@ -713,7 +726,8 @@ class VmmAllocator : public Pluggable {
       pool->device = device;
       pool->id = id;
       pool->segments = std::make_unique<vmm_torch::ForeignSegments>(
-          std::make_unique<vmm_torch::AllocatorSource>(std::move(allocator), device),
+          std::make_unique<vmm_torch::AllocatorSource>(std::move(allocator), device,
+                                                       HoldOnDevice(device)),
           /*no_split=*/false);
       any_foreign_.store(true, std::memory_order_relaxed);
     }
@@ -912,7 +926,7 @@ class VmmAllocator : public Pluggable {
     void* ptr = pool.segments->Allocate(size, reinterpret_cast<uintptr_t>(stream));
     if (ptr == nullptr) {
       OutOfMemory(size, device, stream, pool.id, VMM_RESOURCE_EXHAUSTED,
-                  "the MemPool's allocator returned no memory");
+                  vmm_torch::AllocatorSource::LastFailure());
     }
     RecordAlloc(ptr, size, device, stream, pool.id);
     return ptr;
