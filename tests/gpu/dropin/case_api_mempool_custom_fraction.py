@@ -17,19 +17,9 @@ import gc
 
 import torch
 from counted_allocator import CountedAllocator
-from dropin_report import report
+from dropin_report import oom, report
 
 MIB = 1 << 20
-
-
-def oom(make):
-    try:
-        t = make()
-        t.fill_(1)
-        del t
-        return False
-    except torch.cuda.OutOfMemoryError:
-        return True
 
 
 def main():
@@ -53,13 +43,13 @@ def main():
             errors.append("the MemPool's allocator was never asked for a segment")
         asked = counted.n_alloc
         with torch.cuda.use_mem_pool(pool):
-            if not oom(lambda: torch.empty(768 * MIB, dtype=torch.uint8, device="cuda")):
+            if not oom(768 * MIB):
                 errors.append("a further 768 MiB in the MemPool fit under a fraction of what "
                               "the process held plus 1 GiB, with 512 MiB held")
         if counted.n_alloc != asked:
             errors.append(f"the MemPool's allocator was asked for {counted.n_alloc - asked} "
                           "segment(s) the fraction does not admit")
-        if not oom(lambda: torch.empty(768 * MIB, dtype=torch.uint8, device="cuda")):
+        if not oom(768 * MIB):
             errors.append("768 MiB in the default pool fit under the fraction while the "
                           "MemPool held 512 MiB")
         if not bool((kept == 7).all()):
@@ -71,13 +61,13 @@ def main():
         if counted.live_bytes != 0:
             errors.append(f"the MemPool's allocator still holds {counted.live_bytes} bytes after "
                           "the pool and its tensor were freed and empty_cache")
-        if oom(lambda: torch.empty(768 * MIB, dtype=torch.uint8, device="cuda")):
+        if oom(768 * MIB):
             errors.append("768 MiB in the default pool did not fit once the MemPool's memory "
                           "went back")
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
-    if oom(lambda: torch.empty(2048 * MIB, dtype=torch.uint8, device="cuda")):
+    if oom(2048 * MIB):
         errors.append("2 GiB did not fit with the fraction at 1.0")
     report(errors)
 

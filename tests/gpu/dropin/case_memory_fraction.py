@@ -12,17 +12,7 @@ cached and parked memory counted its own way.
 """
 
 import torch
-from dropin_report import report
-
-
-def oom(nbytes):
-    try:
-        t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        t.fill_(1)
-        del t
-        return False
-    except torch.cuda.OutOfMemoryError:
-        return True
+from dropin_report import oom, report
 
 
 def main():
