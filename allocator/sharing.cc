@@ -448,7 +448,6 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(Driver* driver,
 
 absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer) {
   ImportedBuffer::Mapping& mapping = *buffer.mapping_;
-  mapping.MarkForwarded();  // whoever imports the re-export is counted by nobody
   auto owned = [&](const absl::Status& cause) {
     return absl::Status(cause.code(),
                         absl::StrCat("re-exporting an imported buffer of ",
@@ -467,6 +466,9 @@ absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer) {
       mapping.kept().type(), bytes, sizes, static_cast<int64_t>(buffer.size()),
       buffer.owner_uuid(), static_cast<int64_t>(buffer.offset_));
   if (!d.ok()) return owned(d.status());
+  // Whoever imports the re-export is counted by nobody (marked only once it exists: a failed
+  // re-export leaves the import's report as it was).
+  mapping.MarkForwarded();
   return d;
 }
 

@@ -174,7 +174,8 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(
 // import sharing the mapping here is gone. POSIX-fd buffers forward the fds the import fetched
 // (no driver call, so also on CUDA, whose driver refuses to export an imported handle); fabric
 // buffers are exported by the driver from the kept imported handles (the host backend does; on
-// CUDA that refusal is FailedPrecondition). Every error names the owner. Thread safe.
+// CUDA that refusal is FailedPrecondition). Every error names the owner. On success the import
+// is marked forwarded (MarkForwarded); a failure leaves it as it was. Thread safe.
 absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer);
 
 // Open mappings made by ImportBuffer in this process (tests and stats).

@@ -919,6 +919,8 @@ TEST_P(ReExportTest, AFailedReExportLeavesNothingRegisteredAndCanBeRetried) {
   void* a = Filled(2 * kMiB, 8);
   ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, d));
+  std::vector<bool> reported;
+  b->OnUnmapped([&reported](bool forwarded) { reported.push_back(forwarded); });
   const size_t fds_before = FdServer::Get().size();
   absl::StatusOr<BufferDescriptor> refused;
   {
@@ -932,7 +934,24 @@ TEST_P(ReExportTest, AFailedReExportLeavesNothingRegisteredAndCanBeRetried) {
   ASSERT_OK_AND_ASSIGN(BufferDescriptor sent_on, ReExportImport(*b));
   ExpectSameBuffer(sent_on, d);
   b.reset();
+  EXPECT_EQ(reported, std::vector<bool>{true});
   EXPECT_EQ(FdServer::Get().size(), fds_before);
+  ASSERT_OK(pool_->Free(a));
+}
+
+// A re-export that fails sent nothing on: the import's unmap report does not say forwarded.
+TEST_P(ReExportTest, AFailedReExportDoesNotMarkTheImportForwarded) {
+  if (!fds()) GTEST_SKIP() << "fd handles only";
+  void* a = Filled(2 * kMiB, 9);
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, ExportBuffer(*pool_, a));
+  std::vector<bool> reported;
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, d));
+    b->OnUnmapped([&reported](bool forwarded) { reported.push_back(forwarded); });
+    FdsExhausted exhausted;
+    EXPECT_FALSE(ReExportImport(*b).ok());
+  }
+  EXPECT_EQ(reported, std::vector<bool>{false});
   ASSERT_OK(pool_->Free(a));
 }
 
