@@ -206,6 +206,42 @@ def test_queue_puts_dry_run_leaves_no_send_behind():
         assert vmm_torch.send_stats()["held"] == held
 
 
+def test_queue_puts_dry_run_withdraws_the_sends_of_messages_pickled_inside_it():
+    """An object whose reducer pickles a message of its own (SendsOnItsOwn): in the dry run
+    that message goes nowhere too, and its send is withdrawn; each put would otherwise leave
+    one send held until its lease."""
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((64,))
+        held = vmm_torch.send_stats()["held"]
+        sent = []
+        assert reductions.prepare_send({"inner": SendsOnItsOwn(t, sent)}) is True
+        assert len(sent) == 1, "the reducer ran in the dry run"
+        assert vmm_torch.send_stats()["held"] == held
+
+
+def test_torch_connections_withdraw_the_sends_of_a_message_that_fails_to_pickle():
+    """torch.multiprocessing's connections (its Queue's and Pool's) pickle with
+    ForkingPickler(buffer).dump, not ForkingPickler.dumps: the same withdrawal there."""
+    import multiprocessing
+
+    from torch.multiprocessing.queue import ConnectionWrapper
+
+    vmm_torch.install_reducers()
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((64,)).fill_(5)
+        held = vmm_torch.send_stats()["held"]
+        with pytest.raises(TypeError):
+            ConnectionWrapper(writer).send((t, threading.Lock()))
+        assert vmm_torch.send_stats()["held"] == held
+        ConnectionWrapper(writer).send([t])
+        assert vmm_torch.send_stats()["held"] == held + 1, "a message that pickles keeps it"
+        assert received_here(reader.recv_bytes(), held) == [5.0] * 64
+    reader.close()
+    writer.close()
+
+
 def test_sends_after_an_error_payload_are_withdrawn():
     """In a queue's feeder thread a tensor that cannot go becomes an error payload, where the
     receiver's unpickling stops: the sends after it in that message are withdrawn, those

@@ -187,11 +187,16 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     vmm_torch._lib). There, a
     failure becomes a payload that raises it in the receiver (the feeder would print and drop
     it); elsewhere it raises in the caller."""
+    message = getattr(_pickling, "message", None)
+    made = len(message.tickets) if message is not None else 0
     try:
         return _note_send(_reduce(tensor))
     except Exception as error:
         if not _on_feeder_thread():
             raise
+        if message is not None:  # sends the failed reduction made (its parts) go nowhere
+            _withdraw(message.tickets[made:])
+            del message.tickets[made:]
         _note_error_payload()
         return (sharing.raise_send_error,
                 (type(error).__name__, str(error), getattr(error, "code", None)))
@@ -204,11 +209,14 @@ _pickling = threading.local()
 
 class _Message:
     """The sends made while one message is pickled, in pickling order (which is the order the
-    receiver unpickles them in), and how many came before its first error payload."""
+    receiver unpickles them in), and how many came before its first error payload. A dry
+    run's message (Queue.put's, pickled to nowhere) also takes the sends of the messages
+    pickled inside it, which go nowhere either."""
 
-    def __init__(self) -> None:
+    def __init__(self, dry: bool = False) -> None:
         self.tickets: List[bytes] = []
         self.error_at: Optional[int] = None
+        self.dry = dry
 
 
 def _note_send(reduction: Reduction) -> Reduction:
@@ -235,9 +243,9 @@ def _pickled_or_withdrawn(pickle_it: Callable[[], Any]) -> Any:
     sends placed after an error payload (the feeder thread's), which its receiver never
     reaches. A message pickled inside another one (a reducer that sends something itself)
     keeps its own sends: once pickled they may have left, whatever becomes of the outer
-    message."""
+    message; but inside a dry run nothing leaves, and the dry run withdraws them."""
     outer = getattr(_pickling, "message", None)
-    message = _pickling.message = _Message()
+    message = _pickling.message = _Message(dry=outer is not None and outer.dry)
     try:
         result = pickle_it()
     except BaseException:
@@ -247,6 +255,9 @@ def _pickled_or_withdrawn(pickle_it: Callable[[], Any]) -> Any:
         _pickling.message = outer
     if message.error_at is not None:  # the receiver stops at the error: the rest goes nowhere
         _withdraw(message.tickets[message.error_at:])
+        del message.tickets[message.error_at:]
+    if message.dry:
+        outer.tickets.extend(message.tickets)
     return result
 
 
@@ -258,28 +269,30 @@ def _withdraw(tickets: List[bytes]) -> None:
             _log.debug("vmm_torch: withdrawing a send: %s", error)
 
 
-def _withdrawing_dumps(dumps: Any) -> Any:
-    """ForkingPickler.dumps (what queues' feeder threads, pipes and SimpleQueue pickle with),
-    withdrawing the sends of a message that fails to pickle (_pickled_or_withdrawn)."""
-    function = dumps.__func__
+def _withdrawing_init(init: Callable[..., Any]) -> Callable[..., Any]:
+    """ForkingPickler.__init__, noting whether the pickler writes into memory."""
 
-    def dumps_withdrawing(cls: Any, obj: Any, protocol: Any = None) -> Any:
-        return _pickled_or_withdrawn(lambda: function(cls, obj, protocol))
+    def init_noting_file(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        file = args[0] if args else kwargs.get("file")
+        self._vmm_into_memory = isinstance(file, io.BytesIO)
 
-    dumps_withdrawing.__wrapped__ = function  # type: ignore[attr-defined]
-    dumps_withdrawing._vmm_withdrawing = True  # type: ignore[attr-defined]
-    return classmethod(dumps_withdrawing)
+    init_noting_file.__wrapped__ = init  # type: ignore[attr-defined]
+    init_noting_file._vmm_withdrawing = True  # type: ignore[attr-defined]
+    return init_noting_file
 
 
 def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
-    """multiprocessing.reduction.dump (what a spawned Process's arguments are pickled with),
-    the same where it pickles into memory; into a file or a pipe, part of a failed message
-    may have left, so nothing is withdrawn there."""
+    """ForkingPickler(file).dump, withdrawing the sends of a message that fails to pickle
+    (_pickled_or_withdrawn) where it pickles into memory: ForkingPickler.dumps (queues' feeder
+    threads, pipes, SimpleQueue), torch.multiprocessing's connections (its Queue and Pool),
+    multiprocessing.reduction.dump (a spawned Process's arguments). Into a file or a pipe,
+    part of a failed message may have left, so nothing is withdrawn there."""
 
-    def dump_withdrawing(obj: Any, file: Any, protocol: Any = None) -> Any:
-        if not isinstance(file, io.BytesIO):
-            return dump(obj, file, protocol)
-        return _pickled_or_withdrawn(lambda: dump(obj, file, protocol))
+    def dump_withdrawing(self: Any, obj: Any) -> Any:
+        if not getattr(self, "_vmm_into_memory", False):
+            return dump(self, obj)
+        return _pickled_or_withdrawn(lambda: dump(self, obj))
 
     dump_withdrawing.__wrapped__ = dump  # type: ignore[attr-defined]
     dump_withdrawing._vmm_withdrawing = True  # type: ignore[attr-defined]
@@ -287,12 +300,12 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _patch_dumps() -> None:
-    dumps = ForkingPickler.__dict__.get("dumps")
-    if isinstance(dumps, classmethod) and not getattr(dumps.__func__, "_vmm_withdrawing", False):
-        ForkingPickler.dumps = _withdrawing_dumps(dumps)  # type: ignore[method-assign]
-    dump = multiprocessing.reduction.dump
+    init = ForkingPickler.__init__
+    if not getattr(init, "_vmm_withdrawing", False):
+        ForkingPickler.__init__ = _withdrawing_init(init)  # type: ignore[method-assign]
+    dump = ForkingPickler.dump
     if not getattr(dump, "_vmm_withdrawing", False):
-        multiprocessing.reduction.dump = _withdrawing_dump(dump)
+        ForkingPickler.dump = _withdrawing_dump(dump)  # type: ignore[method-assign]
 
 
 # --- Queue.put: errors in the caller ---------------------------------------------------------
@@ -370,10 +383,10 @@ def prepare_send(obj: Any) -> bool:
     else:
         preparer = _Preparer()
         # The dry run pickles to nowhere: a send some object's own reducer makes meanwhile
-        # (calling reduce_tensor itself) goes nowhere either, and is withdrawn; the object then
-        # holds vmm memory all the same.
+        # (calling reduce_tensor itself, or pickling a message of its own) goes nowhere
+        # either, and is withdrawn; the object then holds vmm memory all the same.
         outer = getattr(_pickling, "message", None)
-        message = _pickling.message = _Message()
+        message = _pickling.message = _Message(dry=True)
         try:
             preparer.dump(obj)
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
