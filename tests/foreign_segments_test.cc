@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <functional>
 #include <set>
 #include <utility>
 #include <vector>
@@ -31,6 +32,9 @@ struct HostLog {
   size_t held = 0;
   bool capturing = false;  // RecordEvent cannot record (a CUDA graph's capture)
   bool sync_fails = false;
+  bool elsewhere = false;          // events recorded now run on another GPU: a sync leaves them
+  std::set<uintptr_t> other_gpu;   // such events
+  std::function<void()> on_release;  // called inside Release (the allocator's own free)
 };
 
 class HostSource : public ForeignSource {
@@ -45,6 +49,7 @@ class HostSource : public ForeignSource {
   }
   void Release(void* segment, size_t size) override {
     log_->released.push_back(segment);
+    if (log_->on_release) log_->on_release();
     for (auto it = sizes_.begin(); it != sizes_.end(); ++it) {
       if (it->first == segment) {
         EXPECT_EQ(it->second, size) << "released with another size than it was asked for";
@@ -59,6 +64,7 @@ class HostSource : public ForeignSource {
   uintptr_t RecordEvent(uintptr_t) override {
     if (log_->capturing) return 0;
     log_->live_events.insert(++next_event_);
+    if (log_->elsewhere) log_->other_gpu.insert(next_event_);
     return next_event_;
   }
   bool EventDone(uintptr_t event) override { return log_->done_events.count(event) != 0; }
@@ -68,7 +74,9 @@ class HostSource : public ForeignSource {
   bool SynchronizeDevice() override {
     ++log_->syncs;
     if (log_->sync_fails) return false;
-    log_->done_events.insert(log_->live_events.begin(), log_->live_events.end());
+    for (uintptr_t e : log_->live_events) {
+      if (log_->other_gpu.count(e) == 0) log_->done_events.insert(e);
+    }
     return true;
   }
   ~HostSource() override {
@@ -236,6 +244,39 @@ TEST_F(ForeignSegmentsTest, AFailedSynchronisationCompletesNothing) {
   EXPECT_TRUE(log_.released.empty());
   log_.sync_fails = false;
   EXPECT_EQ(pool.ReleaseCached(), 2u);
+}
+
+// A device synchronisation waits for the pool's GPU only: a block used by another GPU's
+// stream stays pending until its event is done.
+TEST_F(ForeignSegmentsTest, ABlockAnotherGpuUsedOutlastsTheSynchronisation) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  log_.elsewhere = true;
+  ASSERT_TRUE(pool.RecordStream(a, 2));
+  ASSERT_TRUE(pool.Free(a));
+  log_.elsewhere = false;
+  EXPECT_EQ(pool.ReleaseCached(), 0u) << "released while the other GPU may still use it";
+  EXPECT_TRUE(log_.released.empty());
+  log_.done_events.insert(log_.other_gpu.begin(), log_.other_gpu.end());
+  EXPECT_EQ(pool.ReleaseCached(), 1u);
+}
+
+// The allocator's own free may free a block of the same pool (a Python allocator dropping a
+// tensor): the pool's lock is taken again on the same thread, as PyTorch's allocator allows.
+TEST_F(ForeignSegmentsTest, TheAllocatorMayFreeAPoolBlockWhileItReleasesASegment) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  void* b = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.Free(a));
+  bool freed = false;
+  log_.on_release = [&] {
+    if (!freed) freed = pool.Free(b);
+  };
+  EXPECT_GE(pool.ReleaseCached(), 1u);
+  EXPECT_TRUE(freed);
+  log_.on_release = nullptr;
+  EXPECT_EQ(pool.ReleaseCached(), 1u) << "b's segment, freed meanwhile";
+  EXPECT_TRUE(pool.Empty());
 }
 
 // no_split: PyTorch's segment sizes, never split; a cached segment serves any request it fits.

@@ -141,15 +141,15 @@ class ForeignSegments {
   }
 
   void set_no_split(bool no_split) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     no_split_ = no_split;
   }
 
   // A block of at least `size` bytes (size > 0) on `stream`, or null (see the file comment).
   // With `may_grow` false only a cached block serves (PyTorch's last resort of use_on_oom).
   void* Allocate(size_t size, uintptr_t stream, bool may_grow = true) {
-    std::lock_guard<std::mutex> lock(mu_);
-    CollectPendingLocked(/*synchronized=*/false);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    CollectPendingLocked();
     const bool small = size <= kSmallRequest;
     const size_t rounded = RoundUp(size, kMinBlock);
     Block* block = FindFreeLocked(rounded, stream, small);
@@ -180,7 +180,7 @@ class ForeignSegments {
   // Frees a block this pool handed out: reusable at once by its stream, or once the events of
   // the other streams that used it complete. False if `ptr` is not one.
   bool Free(void* ptr) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     auto it = live_.find(static_cast<char*>(ptr));
     if (it == live_.end() || !it->second->allocated) return false;
     Block* block = it->second;
@@ -204,7 +204,7 @@ class ForeignSegments {
   // Notes that `stream` uses allocated block `ptr` (torch.Tensor.record_stream); false if
   // `ptr` is not an allocated block of this pool.
   bool RecordStream(void* ptr, uintptr_t stream) {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     auto it = live_.find(static_cast<char*>(ptr));
     if (it == live_.end() || !it->second->allocated) return false;
     if (stream != it->second->seg->stream) it->second->uses.insert(stream);
@@ -212,16 +212,16 @@ class ForeignSegments {
   }
 
   // Hands back every segment that holds no allocated or pending block, after a device
-  // synchronisation (which completes the pending blocks whose events are recorded); the number
+  // synchronisation (which completes the pending blocks whose events ran on this GPU); the number
   // handed back.
   size_t ReleaseCached() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     bool any = !pending_.empty();
     for (const auto& [base, seg] : segments_) any = any || IsWholeAndFree(seg.get());
     if (!any) return 0;
-    CollectPendingLocked(/*synchronized=*/false);  // records events deferred by a capture
-    if (!source_->SynchronizeDevice()) return 0;   // nothing is known complete
-    CollectPendingLocked(/*synchronized=*/true);
+    CollectPendingLocked();  // records events deferred by a capture
+    if (!source_->SynchronizeDevice()) return 0;  // nothing is known complete
+    CollectPendingLocked();
     size_t released = 0;
     for (auto it = segments_.begin(); it != segments_.end();) {
       Segment* seg = it->second.get();
@@ -245,7 +245,7 @@ class ForeignSegments {
 
   // True when the pool holds no segment (it may be dropped).
   bool Empty() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     return segments_.empty();
   }
 
@@ -253,7 +253,7 @@ class ForeignSegments {
   // that are part of a split segment (not a whole cached segment); their peaks are the
   // largest seen by these calls.
   ForeignStats Stats() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     for (int t = 0; t < 3; ++t) {
       stats_.inactive_split[t].current = 0;
       stats_.inactive_split_bytes[t].current = 0;
@@ -275,14 +275,14 @@ class ForeignSegments {
   }
 
   void ResetPeaks() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     stats_.ForEachGroup([](ForeignStats::Group& g) {
       for (ForeignStat& s : g) s.peak = s.current;
     });
   }
 
   void ResetAccumulated() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     stats_.ForEachGroup([](ForeignStats::Group& g) {
       for (ForeignStat& s : g) s.allocated = s.freed = 0;
     });
@@ -290,7 +290,7 @@ class ForeignSegments {
   }
 
   std::vector<ForeignSegmentInfo> Snapshot() {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::recursive_mutex> lock(mu_);
     std::vector<ForeignSegmentInfo> out;
     for (const auto& [base, seg] : segments_) {
       ForeignSegmentInfo info;
@@ -440,14 +440,16 @@ class ForeignSegments {
   }
 
   // Records the events a capture deferred, and frees the pending blocks whose events are all
-  // recorded and done (all recorded ones, after a device synchronisation).
-  void CollectPendingLocked(bool synchronized) {
+  // recorded and done (queried also after a device synchronisation: another GPU may run them).
+  void CollectPendingLocked() {
     for (auto it = pending_.begin(); it != pending_.end();) {
       Block* block = *it;
       bool done = true;
       for (auto& [stream, event] : block->events) {
         if (event == 0) event = source_->RecordEvent(stream);
-        done = done && event != 0 && (synchronized || source_->EventDone(event));
+        // After a device synchronisation too: an event on another GPU's stream (a
+        // record_stream there) may still run.
+        done = done && event != 0 && source_->EventDone(event);
       }
       if (!done) {
         ++it;
@@ -465,7 +467,9 @@ class ForeignSegments {
     return seg->head->next == nullptr && IsFiled(seg->head);
   }
 
-  std::mutex mu_;
+  // Recursive, as PyTorch's allocator's: the source's allocator may free or allocate tensors
+  // of this pool while it is called (the lock held).
+  std::recursive_mutex mu_;
   std::unique_ptr<ForeignSource> source_;
   bool no_split_;
   std::map<char*, std::unique_ptr<Segment>> segments_;

@@ -729,14 +729,17 @@ class VmmAllocator : public Pluggable {
           std::make_unique<vmm_torch::AllocatorSource>(std::move(allocator), device,
                                                        HoldOnDevice(device)),
           /*no_split=*/false);
-      any_foreign_.store(true, std::memory_order_relaxed);
+      any_foreign_.store(true, std::memory_order_relaxed);  // foreign_ is not empty
     }
     ++pool->uses;
     return pool;
   }
 
   // Drops a use of MemPool `id` if it is over another allocator (false if it is not): at the
-  // last, its cached segments go back, and the pool goes once it holds none.
+  // last, its cached segments go back, and the pool goes once it holds none. Not while a
+  // route is open (a CUDA graph capture may be under way, which the device synchronisation
+  // before the segments go back would invalidate): then at the next empty_cache or out of
+  // memory, as PyTorch's allocator always defers it.
   bool ReleaseForeignPool(c10::DeviceIndex device, MempoolId_t id) {
     std::shared_ptr<ForeignPool> pool;
     {
@@ -745,7 +748,7 @@ class VmmAllocator : public Pluggable {
       if (it == foreign_.end()) return false;
       TORCH_CHECK(it->second->uses > 0, "vmm: releasePool: pool (", id.first, ", ", id.second,
                   ") is not in use");
-      if (--it->second->uses > 0) return true;
+      if (--it->second->uses > 0 || !routes_.empty()) return true;
       pool = it->second;
     }
     pool->segments->ReleaseCached();
@@ -753,15 +756,19 @@ class VmmAllocator : public Pluggable {
     return true;
   }
 
-  void ReleaseUnusedForeignPools() {
+  // Hands back the cache of the MemPools over other allocators that nobody uses; the number
+  // of segments handed back.
+  size_t ReleaseUnusedForeignPools() {
+    size_t released = 0;
     for (const auto& pool : ForeignPools(-1)) {
       {
         std::lock_guard<std::mutex> lock(mu_);
         if (pool->uses > 0) continue;
       }
-      pool->segments->ReleaseCached();
+      released += pool->segments->ReleaseCached();
       DropForeignIfUnused(pool);
     }
+    return released;
   }
 
   // Forgets a MemPool over another allocator that nobody uses and that holds no segment; its
@@ -773,6 +780,7 @@ class VmmAllocator : public Pluggable {
     auto it = foreign_.find({pool->device, pool->id});
     if (it == foreign_.end() || it->second != pool || pool->uses != 0) return;
     foreign_.erase(it);
+    any_foreign_.store(!foreign_.empty(), std::memory_order_relaxed);
     vmm_torch::ForeignStats& retired = foreign_retired_[pool->device];
     for (auto group : vmm_torch::ForeignStats::kGroups) {
       const vmm_torch::ForeignStats::Group& from = stats.*group;
@@ -904,6 +912,12 @@ class VmmAllocator : public Pluggable {
       // frees its cache, retries, and reports the out of memory itself (also for more than
       // the device holds, or a closed MemPool).
       return nullptr;
+    }
+    if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route &&
+        ReleaseUnusedForeignPools() > 0) {
+      // The cache of MemPools over other allocators that nobody uses went back to them, as
+      // PyTorch's allocator frees the cached blocks of unused pools before it gives up.
+      ptr = vmm.alloc(size, device, pool_stream);
     }
     if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
       ptr = AllocateOnOom(size, device, stream, &pool_id);
@@ -1048,7 +1062,7 @@ class VmmAllocator : public Pluggable {
   std::unordered_map<std::pair<int, MempoolId_t>, PoolInfo, MempoolIdHash> pools_;
   std::unordered_map<std::pair<int, MempoolId_t>, std::shared_ptr<ForeignPool>, MempoolIdHash>
       foreign_;
-  std::atomic<bool> any_foreign_{false};  // a foreign pool was ever made (the free path's check)
+  std::atomic<bool> any_foreign_{false};  // !foreign_.empty() (the free path's check)
   std::unordered_map<int, vmm_torch::ForeignStats> foreign_retired_;  // dropped pools' figures
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
