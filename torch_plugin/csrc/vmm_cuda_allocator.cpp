@@ -52,6 +52,7 @@
 #include <vector>
 
 #include <c10/core/Allocator.h>
+#include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -932,6 +933,29 @@ class VmmAllocator : public Pluggable {
       history_.Record(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
                       reinterpret_cast<size_t>(ptr), size, stream, pool);
     }
+    TellTools(ptr, static_cast<int64_t>(size), device);
+  }
+
+  // What PyTorch's allocator tells the tools at each allocation (delta > 0) and free: the
+  // profiler's memory events (torch.profiler's profile_memory) and the GPU trace's callbacks
+  // (torch.cuda._gpu_trace, the CUDA sanitizer). Off, two cheap checks.
+  static void TellTools(void* ptr, int64_t delta, int device) {
+    if (const c10::impl::PyInterpreter* trace = c10::impl::GPUTrace::get_trace();
+        C10_UNLIKELY(trace != nullptr)) {
+      if (delta > 0) {
+        (*trace)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+      } else {
+        (*trace)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
+      }
+    }
+    if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+      vmm_torch_stats stats{};
+      (void)vmm.device_torch_stats(device, &stats);
+      c10::reportMemoryUsageToProfiler(
+          ptr, delta, static_cast<size_t>(stats.allocated_bytes[VMM_STAT_ALL].current),
+          static_cast<size_t>(stats.reserved_bytes[VMM_STAT_ALL].current),
+          c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    }
   }
 
   // An allocation of a MemPool over another allocator; out of memory when that allocator has
@@ -1016,6 +1040,10 @@ class VmmAllocator : public Pluggable {
         history_.Record(cda::TraceEntry::OOM, static_cast<c10::DeviceIndex>(device),
                         device_free, size, stream, pool);
       }
+      c10::reportOutOfMemoryToProfiler(
+          static_cast<int64_t>(size), allocated,
+          static_cast<size_t>(stats.reserved_bytes[VMM_STAT_ALL].current),
+          c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
       std::vector<cca::OutOfMemoryObserver> observers;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -1047,6 +1075,7 @@ class VmmAllocator : public Pluggable {
     if (!FreeForeign(ptr) && vmm.free(ptr, device) != 0) {
       TORCH_WARN("vmm: free failed: ", vmm.last_error());
     }
+    TellTools(ptr, -static_cast<int64_t>(size), device);
     // vmm orders the free after the stream's work itself: complete from here on.
     if (history_.on()) {
       history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),
