@@ -705,6 +705,10 @@ TEST_F(CApiTest, AnotherAllocatorsSegmentsShareTheMemoryFraction) {
   EXPECT_EQ(vmm_last_error_code(), VMM_RESOURCE_EXHAUSTED);
   EXPECT_EQ(vmm_device_hold(0, 16 * kMiB), 0) << "what still fits is counted";
   vmm_free(q, 0);
+  EXPECT_EQ(vmm_device_hold(0, -32 * static_cast<int64_t>(kMiB)), -1)
+      << "more than the 16 MiB held given back";
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_device_hold(0, INT64_MIN), -1);
   EXPECT_EQ(vmm_device_hold(0, -16 * static_cast<int64_t>(kMiB)), 0);
   ASSERT_EQ(vmm_set_memory_fraction(1.0, 0), 0);
 }

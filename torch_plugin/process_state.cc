@@ -194,6 +194,12 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   const bool fresh = caps_[device] == nullptr;
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
   if (fresh && fractions_[device] > 0) SetCapFromDefaultDriverLocked(device);
+  if (delta < 0 && delta < -external_held_[device]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "giving back ", FormatBytes(size_t{0} - static_cast<size_t>(delta)),
+        " of another allocator's on GPU ", device, ", which holds ",
+        FormatBytes(static_cast<size_t>(external_held_[device]))));
+  }
   if (delta > 0 && !cap->Allows(static_cast<size_t>(delta))) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "another allocator's ", FormatBytes(static_cast<size_t>(delta)),
@@ -202,6 +208,7 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
         ")"));
   }
   cap->Add(delta);
+  external_held_[device] += delta;
   return absl::OkStatus();
 }
 

@@ -114,7 +114,8 @@ class ProcessState {
   // Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (a
   // torch.cuda.MemPool over a CUDAPluggableAllocator) in the device's cap, as PyTorch's
   // allocator counts such segments against the memory fraction: a delta > 0 that would pass
-  // the fraction is refused (ResourceExhausted) and not counted; a delta < 0 gives bytes back.
+  // the fraction is refused (ResourceExhausted) and not counted; a delta < 0 gives bytes back
+  // (InvalidArgument, nothing changed, for more than was held).
   absl::Status HoldExternal(int device, int64_t delta);
 
   // --- Explicit pools -----------------------------------------------------------------------
@@ -322,6 +323,8 @@ class ProcessState {
   // The cap set_per_process_memory_fraction puts on each GPU's device pool and private
   // pools together (allocator/device_cap.h); made with the first such pool of the GPU.
   std::array<std::shared_ptr<DeviceCap>, kMaxDevices> caps_ ABSL_GUARDED_BY(mu_){};
+  // What other allocators hold in caps_, by device (HoldExternal).
+  std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
   // Private pools by (device, MempoolId): the pool (also in explicit_) and its uses (> 0).

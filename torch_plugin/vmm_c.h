@@ -120,7 +120,8 @@ int vmm_set_memory_fraction(double fraction, int device);
  * of a torch.cuda.MemPool over a CUDAPluggableAllocator) against that GPU's memory fraction,
  * as PyTorch's allocator counts them: a delta > 0 that would take what the GPU's pools and
  * such segments hold past the fraction is refused (VMM_RESOURCE_EXHAUSTED) and not counted;
- * a delta < 0 gives bytes back. Without a fraction set, nothing is refused. */
+ * a delta < 0 gives bytes back (VMM_INVALID_ARGUMENT for more than is held). Without a
+ * fraction set, nothing but that is refused. */
 int vmm_device_hold(int device, int64_t delta);
 /* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
  * says) as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused device gives
