@@ -1,6 +1,7 @@
 // ForeignSegments (torch_plugin/csrc/foreign_segments.h): a MemPool over another allocator is
 // served as PyTorch's own allocator serves it, in segments of PyTorch's sizes split into
 // blocks, cached per stream, handed back only at ReleaseCached.
+#include "torch_plugin/csrc/foreign_index.h"
 #include "torch_plugin/csrc/foreign_segments.h"
 
 #include <cstdint>
@@ -349,6 +350,32 @@ TEST_F(ForeignSegmentsTest, SnapshotListsBlocksInAddressOrder) {
   EXPECT_FALSE(snap[0].blocks[2].active);
   EXPECT_EQ(snap[0].blocks[2].size, 2 * kMiB - 1024);
   EXPECT_TRUE(pool.Free(b));
+}
+
+// The index finds the pool of any address inside one of its segments, and nothing elsewhere;
+// an entry keeps its pool alive while it is entered.
+TEST(ForeignIndexTest, FindsThePoolOfEveryAddressInASegment) {
+  HostLog log_a, log_b;
+  auto a = std::make_shared<ForeignSegments>(std::make_unique<HostSource>(&log_a), false);
+  auto b = std::make_shared<ForeignSegments>(std::make_unique<HostSource>(&log_b), false);
+  ForeignIndex index;
+  EXPECT_TRUE(index.Empty());
+  char* base = reinterpret_cast<char*>(uintptr_t{1} << 32);
+  index.Add(base, 2 * kMiB, ForeignIndex::Owner{a.get(), a});
+  index.Add(base + 2 * kMiB, 20 * kMiB, ForeignIndex::Owner{b.get(), b});
+  EXPECT_FALSE(index.Empty());
+  EXPECT_EQ(index.Find(base).pool, a.get());
+  EXPECT_EQ(index.Find(base + 2 * kMiB - 1).pool, a.get());
+  EXPECT_EQ(index.Find(base + 2 * kMiB).pool, b.get());
+  EXPECT_EQ(index.Find(base + 22 * kMiB - 1).pool, b.get());
+  EXPECT_EQ(index.Find(base + 22 * kMiB).pool, nullptr);
+  EXPECT_EQ(index.Find(base - 1).pool, nullptr);
+  EXPECT_EQ(a.use_count(), 2) << "the entry holds its pool";
+  index.Remove(base);
+  EXPECT_EQ(a.use_count(), 1);
+  EXPECT_EQ(index.Find(base).pool, nullptr);
+  index.Remove(base + 2 * kMiB);
+  EXPECT_TRUE(index.Empty());
 }
 
 }  // namespace

@@ -2,7 +2,8 @@
 // allocator, on one device, with CUDA events ordering the frees of blocks other streams used.
 //
 // Its segments count against the GPU's memory fraction with vmm's own pools (`hold`, over
-// vmm_device_hold), as PyTorch's allocator counts a custom allocator's segments with its own.
+// vmm_device_hold), as PyTorch's allocator counts a custom allocator's segments with its own,
+// and are entered in the plugin's ForeignIndex under their pool (set_owner).
 //
 // Failures: a segment the fraction does not admit, or one the allocator returns null for or
 // throws an out-of-memory error on, gives a null segment (failure() says which; the caller
@@ -24,6 +25,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
+#include "torch_plugin/csrc/foreign_index.h"
 #include "torch_plugin/csrc/foreign_segments.h"
 
 namespace vmm_torch {
@@ -35,8 +37,18 @@ class AllocatorSource : public ForeignSource {
   using Hold = std::function<bool(int64_t delta, std::string* why)>;
 
   AllocatorSource(std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator,
-                  c10::DeviceIndex device, Hold hold)
-      : allocator_(std::move(allocator)), device_(device), hold_(std::move(hold)) {}
+                  c10::DeviceIndex device, Hold hold, ForeignIndex* index)
+      : allocator_(std::move(allocator)),
+        device_(device),
+        hold_(std::move(hold)),
+        index_(index) {}
+
+  // The pool its segments are entered under in the index (before its first Allocate); `keep`
+  // is what keeps that pool alive, held by the index only while a segment is entered.
+  void set_owner(ForeignSegments* pool, std::weak_ptr<void> keep) {
+    owner_ = pool;
+    keep_ = std::move(keep);
+  }
 
   void* Allocate(size_t size, uintptr_t stream) override {
     std::string why;
@@ -54,11 +66,14 @@ class AllocatorSource : public ForeignSource {
     if (segment == nullptr) {
       hold_(-static_cast<int64_t>(size), nullptr);
       LastFailure() = "the MemPool's allocator returned no memory";
+      return nullptr;
     }
+    index_->Add(segment, size, ForeignIndex::Owner{owner_, keep_.lock()});
     return segment;
   }
 
   void Release(void* segment, size_t size) override {
+    index_->Remove(segment);  // first: the allocator may hand the address out again at once
     {
       c10::cuda::CUDAGuard guard(device_);
       allocator_->raw_delete(segment);
@@ -139,6 +154,9 @@ class AllocatorSource : public ForeignSource {
   std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator_;
   c10::DeviceIndex device_;
   Hold hold_;
+  ForeignIndex* index_;
+  ForeignSegments* owner_ = nullptr;
+  std::weak_ptr<void> keep_;
 };
 
 }  // namespace vmm_torch

@@ -63,6 +63,7 @@
 #include <torch/extension.h>
 
 #include "torch_plugin/csrc/alloc_history.h"
+#include "torch_plugin/csrc/foreign_index.h"
 #include "torch_plugin/csrc/foreign_segments.h"
 #include "torch_plugin/csrc/foreign_source.h"
 #include "torch_plugin/csrc/pool_stream.h"
@@ -189,8 +190,10 @@ class VmmAllocator : public Pluggable {
       // A block of a MemPool over another allocator keeps the stream until its free (asked
       // first: that allocator's memory may be vmm's own). Memory vmm does not own (an import,
       // DLPack) is left alone, as PyTorch's allocator ignores pointers it did not allocate.
-      for (const auto& pool : ForeignPools(-1)) {
-        if (pool->segments->RecordStream(ptr, reinterpret_cast<uintptr_t>(stream))) return;
+      const vmm_torch::ForeignIndex::Owner owner = foreign_index_.Find(ptr);
+      if (owner.pool != nullptr &&
+          owner.pool->RecordStream(ptr, reinterpret_cast<uintptr_t>(stream))) {
+        return;
       }
       if (vmm.record_stream(ptr, stream) == 0) return;
       if (vmm.last_error_code() != VMM_INVALID_ARGUMENT) ThrowLastError("record_stream");
@@ -393,9 +396,13 @@ class VmmAllocator : public Pluggable {
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    {
-      // A capture that failed (cudaStreamEndCapture raised) never ended its route: ended
-      // here, with its graph's pool, so that the capture window does not stay open for good.
+    if (getPoolUseCount(device, mempool_id) == 1) {
+      // An open route holds a use of its pool (beginAllocateToPool), so at the pool's last
+      // use a route still open is that of a capture that failed (cudaStreamEndCapture raised
+      // before the route ended): ended here, before the pool's memory goes, so that the
+      // capture window does not stay open for good. The route of a MemPool's context or of a
+      // capture under way, whose pool has other uses, stays (a graph of the pool reset
+      // inside the context).
       std::lock_guard<std::mutex> lock(mu_);
       EndRouteLocked(device, mempool_id);
     }
@@ -726,10 +733,12 @@ class VmmAllocator : public Pluggable {
       pool = std::make_shared<ForeignPool>();
       pool->device = device;
       pool->id = id;
-      pool->segments = std::make_unique<vmm_torch::ForeignSegments>(
-          std::make_unique<vmm_torch::AllocatorSource>(std::move(allocator), device,
-                                                       HoldOnDevice(device)),
-          /*no_split=*/false);
+      auto source = std::make_unique<vmm_torch::AllocatorSource>(
+          std::move(allocator), device, HoldOnDevice(device), &foreign_index_);
+      vmm_torch::AllocatorSource* const source_of_pool = source.get();
+      pool->segments =
+          std::make_unique<vmm_torch::ForeignSegments>(std::move(source), /*no_split=*/false);
+      source_of_pool->set_owner(pool->segments.get(), std::weak_ptr<void>(pool));
       any_foreign_.store(true, std::memory_order_relaxed);  // foreign_ is not empty
     }
     ++pool->uses;
@@ -808,12 +817,10 @@ class VmmAllocator : public Pluggable {
     return out;
   }
 
-  // Frees `ptr` if a MemPool over another allocator gave it.
+  // Frees `ptr` if a MemPool over another allocator gave it (the index, then that pool).
   bool FreeForeign(void* ptr) {
-    for (const auto& pool : ForeignPools(-1)) {
-      if (pool->segments->Free(ptr)) return true;
-    }
-    return false;
+    const vmm_torch::ForeignIndex::Owner owner = foreign_index_.Find(ptr);
+    return owner.pool != nullptr && owner.pool->Free(ptr);
   }
 
   static void AddForeignStats(const vmm_torch::ForeignStats& f, cda::DeviceStats& out) {
@@ -1089,9 +1096,10 @@ class VmmAllocator : public Pluggable {
   std::vector<Route> routes_;
   std::atomic<bool> routes_empty_{true};  // routes_.empty(), for the allocation path's check
   std::unordered_map<std::pair<int, MempoolId_t>, PoolInfo, MempoolIdHash> pools_;
+  vmm_torch::ForeignIndex foreign_index_;  // foreign_'s segments, by address (frees ask it)
   std::unordered_map<std::pair<int, MempoolId_t>, std::shared_ptr<ForeignPool>, MempoolIdHash>
       foreign_;
-  std::atomic<bool> any_foreign_{false};  // !foreign_.empty() (the free path's check)
+  std::atomic<bool> any_foreign_{false};  // !foreign_.empty()
   std::unordered_map<int, vmm_torch::ForeignStats> foreign_retired_;  // dropped pools' figures
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
