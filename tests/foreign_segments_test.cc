@@ -50,7 +50,7 @@ class HostSource : public ForeignSource {
   }
   void Release(void* segment, size_t size) override {
     log_->released.push_back(segment);
-    if (log_->on_release) log_->on_release();
+    if (std::function<void()> f = log_->on_release) f();  // a copy: f may reset it
     for (auto it = sizes_.begin(); it != sizes_.end(); ++it) {
       if (it->first == segment) {
         EXPECT_EQ(it->second, size) << "released with another size than it was asked for";
@@ -278,6 +278,28 @@ TEST_F(ForeignSegmentsTest, TheAllocatorMayFreeAPoolBlockWhileItReleasesASegment
   log_.on_release = nullptr;
   EXPECT_EQ(pool.ReleaseCached(), 1u) << "b's segment, freed meanwhile";
   EXPECT_TRUE(pool.Empty());
+}
+
+// The allocator's free may also allocate from the pool or release its cache again: the
+// segment going back is no longer the pool's, so it is neither handed out nor released twice.
+TEST_F(ForeignSegmentsTest, ASegmentGoingBackIsNoLongerThePools) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(64 * kMiB, 1);
+  ASSERT_TRUE(pool.Free(a));
+  void* during = nullptr;
+  size_t again = 99;
+  log_.on_release = [&] {
+    log_.on_release = nullptr;  // once
+    during = pool.Allocate(64 * kMiB, 1);
+    again = pool.ReleaseCached();
+  };
+  EXPECT_EQ(pool.ReleaseCached(), 1u);
+  EXPECT_EQ(again, 0u) << "released twice";
+  ASSERT_NE(during, nullptr);
+  EXPECT_NE(during, a) << "handed out the segment going back";
+  EXPECT_EQ(log_.released.size(), 1u);
+  ASSERT_TRUE(pool.Free(during));
+  EXPECT_EQ(pool.ReleaseCached(), 1u);
 }
 
 // no_split: PyTorch's segment sizes, never split; a cached segment serves any request it fits.

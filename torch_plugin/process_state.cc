@@ -144,6 +144,7 @@ void ProcessState::AbandonParentsDevicePools() {
   // The parent's pools count in the parent's caps (which they keep); the child's own pools
   // start fresh ones.
   for (auto& cap : caps_) cap = nullptr;
+  external_held_.fill(0);  // the parent's other allocators' segments are not this process's
 }
 
 absl::StatusOr<void*> ProcessState::DeviceAllocate(int device, size_t size, Stream stream) {

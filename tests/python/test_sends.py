@@ -220,6 +220,34 @@ def test_queue_puts_dry_run_withdraws_the_sends_of_messages_pickled_inside_it():
         assert vmm_torch.send_stats()["held"] == held
 
 
+class DumpsToFile:
+    """Pickling it pickles `tensor` into a file of its own (whose bytes may have left), then
+    pickles as nothing."""
+
+    def __init__(self, tensor, file):
+        self.tensor, self.file = tensor, file
+
+    def __reduce__(self):
+        from multiprocessing.reduction import ForkingPickler
+
+        ForkingPickler(self.file, pickle.HIGHEST_PROTOCOL).dump([self.tensor])
+        return (int, ())
+
+
+def test_a_dump_into_a_file_inside_a_dry_run_keeps_its_send(tmp_path):
+    """A send written into a file may have left: not even the dry run it is nested in
+    withdraws it."""
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host") as pool:
+        t = pool.zeros((64,)).fill_(4)
+        held = vmm_torch.send_stats()["held"]
+        with open(tmp_path / "message", "wb") as file:
+            reductions.prepare_send({"inner": DumpsToFile(t, file)})
+        assert vmm_torch.send_stats()["held"] == held + 1, "the file's send is held"
+        data = (tmp_path / "message").read_bytes()
+        assert received_here(data, held) == [4.0] * 64
+
+
 def test_torch_connections_withdraw_the_sends_of_a_message_that_fails_to_pickle():
     """torch.multiprocessing's connections (its Queue's and Pool's) pickle with
     ForkingPickler(buffer).dump, not ForkingPickler.dumps: the same withdrawal there."""

@@ -26,7 +26,9 @@
 // Failures: Allocate returns null when the source returns null (counted in num_ooms; the
 // caller reports the out of memory); Free and RecordStream return false for a pointer the
 // pool did not hand out; a failed device synchronisation frees no pending block. The Source is
-// called with the pool's lock held: it must not call back into the pool.
+// called with the pool's lock held, which is recursive (as PyTorch's allocator's): its
+// allocator may call back into the pool (a Python allocator that frees or allocates tensors);
+// segments leave the pool before they are handed back.
 //
 // Thread safety: every member takes the pool's mutex. Pure C++ (no CUDA, no PyTorch): the
 // plugin gives it a Source over the MemPool's allocator and CUDA events (foreign_source.h);
@@ -222,14 +224,16 @@ class ForeignSegments {
     CollectPendingLocked();  // records events deferred by a capture
     if (!source_->SynchronizeDevice()) return 0;  // nothing is known complete
     CollectPendingLocked();
-    size_t released = 0;
+    // Every segment to go leaves the pool before the source is called: its allocator may
+    // call back into the pool (allocate, free, or release again) and must find none of them.
+    std::vector<std::pair<char*, size_t>> going;
     for (auto it = segments_.begin(); it != segments_.end();) {
       Segment* seg = it->second.get();
       if (!IsWholeAndFree(seg)) {
         ++it;
         continue;
       }
-      source_->Release(seg->base, seg->size);
+      going.emplace_back(seg->base, seg->size);
       UnfileLocked(seg->head);
       delete seg->head;
       ++stats_.num_device_free;
@@ -238,9 +242,9 @@ class ForeignSegments {
         stats_.reserved_bytes[t].Sub(static_cast<int64_t>(seg->size));
       });
       it = segments_.erase(it);
-      ++released;
     }
-    return released;
+    for (const auto& [base, size] : going) source_->Release(base, size);
+    return going.size();
   }
 
   // True when the pool holds no segment (it may be dropped).
@@ -468,7 +472,7 @@ class ForeignSegments {
   }
 
   // Recursive, as PyTorch's allocator's: the source's allocator may free or allocate tensors
-  // of this pool while it is called (the lock held).
+  // of this pool, or release its cache, while it is called (the lock held).
   std::recursive_mutex mu_;
   std::unique_ptr<ForeignSource> source_;
   bool no_split_;

@@ -62,6 +62,9 @@ class AllocatorSource : public ForeignSource {
       segment = allocator_->raw_alloc_with_stream(size, reinterpret_cast<cudaStream_t>(stream));
     } catch (const c10::OutOfMemoryError&) {
       segment = nullptr;
+    } catch (...) {
+      hold_(-static_cast<int64_t>(size), nullptr);  // the allocator's own error, passed on
+      throw;
     }
     if (segment == nullptr) {
       hold_(-static_cast<int64_t>(size), nullptr);
@@ -74,11 +77,10 @@ class AllocatorSource : public ForeignSource {
 
   void Release(void* segment, size_t size) override {
     index_->Remove(segment);  // first: the allocator may hand the address out again at once
-    {
-      c10::cuda::CUDAGuard guard(device_);
-      allocator_->raw_delete(segment);
-    }
+    // The pool no longer has the segment, whatever the allocator's free does.
     hold_(-static_cast<int64_t>(size), nullptr);
+    c10::cuda::CUDAGuard guard(device_);
+    allocator_->raw_delete(segment);
   }
 
   // Why the calling thread's last Allocate that returned null did.

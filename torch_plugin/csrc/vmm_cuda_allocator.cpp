@@ -519,6 +519,7 @@ class VmmAllocator : public Pluggable {
       cudaStream_t stream = reinterpret_cast<cudaStream_t>(block.stream);
       void* ptr = vmm.pool_alloc_at(pool, block.address, block.size, stream);
       if (ptr == nullptr) ThrowLastError("restoring a CUDA graph pool's checkpoint");
+      TellTools(ptr, static_cast<int64_t>(block.size), device);  // its free is told too
       // PyTorch's own deleter (graph trees check it, and free through raw_delete), with the
       // block in restored_: the base class's bookkeeping of allocations cannot be extended
       // from here (its entries' type is not exported), so raw_delete looks there first.
@@ -921,10 +922,12 @@ class VmmAllocator : public Pluggable {
       // the device holds, or a closed MemPool).
       return nullptr;
     }
-    if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route &&
-        ReleaseUnusedForeignPools() > 0) {
+    if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED &&
+        routes_empty_.load(std::memory_order_relaxed) && ReleaseUnusedForeignPools() > 0) {
       // The cache of MemPools over other allocators that nobody uses went back to them, as
-      // PyTorch's allocator frees the cached blocks of unused pools before it gives up.
+      // PyTorch's allocator frees the cached blocks of unused pools before it gives up; not
+      // while any route is open (PyTorch's neither: a capture may be under way, which the
+      // device synchronisation before the segments go back would invalidate).
       ptr = vmm.alloc(size, device, pool_stream);
     }
     if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
@@ -940,7 +943,9 @@ class VmmAllocator : public Pluggable {
       history_.Record(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
                       reinterpret_cast<size_t>(ptr), size, stream, pool);
     }
-    TellTools(ptr, static_cast<int64_t>(size), device);
+    // A MemPool's segment asked for by PyTorch's own allocator (own pools only) is no tensor:
+    // PyTorch tells the tools of the blocks it makes of it.
+    if (!own_pools_only_) TellTools(ptr, static_cast<int64_t>(size), device);
   }
 
   // What PyTorch's allocator tells the tools at each allocation (delta > 0) and free: the
@@ -1082,7 +1087,7 @@ class VmmAllocator : public Pluggable {
     if (!FreeForeign(ptr) && vmm.free(ptr, device) != 0) {
       TORCH_WARN("vmm: free failed: ", vmm.last_error());
     }
-    TellTools(ptr, -static_cast<int64_t>(size), device);
+    if (!own_pools_only_) TellTools(ptr, -static_cast<int64_t>(size), device);
     // vmm orders the free after the stream's work itself: complete from here on.
     if (history_.on()) {
       history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),

@@ -197,6 +197,8 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
         if message is not None:  # sends the failed reduction made (its parts) go nowhere
             _withdraw(message.tickets[made:])
             del message.tickets[made:]
+            if message.error_at is not None:  # an error payload among them went too
+                message.error_at = min(message.error_at, made)
         _note_error_payload()
         return (sharing.raise_send_error,
                 (type(error).__name__, str(error), getattr(error, "code", None)))
@@ -291,7 +293,14 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
 
     def dump_withdrawing(self: Any, obj: Any) -> Any:
         if not getattr(self, "_vmm_into_memory", False):
-            return dump(self, obj)
+            # Into a file or a pipe: its sends may leave as they are written, so no message
+            # (not even one this dump is nested in) may withdraw them.
+            outer = getattr(_pickling, "message", None)
+            _pickling.message = None
+            try:
+                return dump(self, obj)
+            finally:
+                _pickling.message = outer
         return _pickled_or_withdrawn(lambda: dump(self, obj))
 
     dump_withdrawing.__wrapped__ = dump  # type: ignore[attr-defined]
