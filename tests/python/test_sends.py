@@ -477,3 +477,11 @@ def test_malformed_options_are_said_and_torch_still_imports(tmp_path):
     # are; with CUDA the bad option is reported naming the variable.
     if torch.cuda.is_available():
         assert "VMM_TORCH_ENABLE" in result.stderr and "colour" in result.stderr
+
+
+@pytest.mark.parametrize("ticket", [b"", b"garbage", bytes(64), "text", None, 12])
+def test_withdrawing_a_malformed_ticket_is_a_clear_error(ticket):
+    """sharing.cancel_send refuses what is no send ticket of this process, saying why."""
+    with pytest.raises((ValueError, TypeError)) as raised:
+        sharing.cancel_send(ticket)
+    assert "withdrawing a send" in str(raised.value)

@@ -345,8 +345,12 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
 def cancel_send(ticket: bytes) -> None:
     """Withdraws this process's send of `ticket`, whose payload never left it (the message
     holding it failed to pickle): its hold ends now instead of at its lease. VmmError
-    (NOT_FOUND) if it was acknowledged or withdrawn already."""
-    _lib.check(_lib.vmm().vmm_send_cancel(ticket, len(ticket)), "withdrawing a send")
+    (NOT_FOUND) if it was acknowledged or withdrawn already; TypeError if `ticket` is not
+    bytes."""
+    if not isinstance(ticket, (bytes, bytearray)):
+        raise TypeError("withdrawing a send: the ticket must be bytes, not "
+                        f"{type(ticket).__name__}")
+    _lib.check(_lib.vmm().vmm_send_cancel(bytes(ticket), len(ticket)), "withdrawing a send")
 
 
 def sent_payload(t: torch.Tensor, data: bytes, ticket: bytes, parameter: bool,
