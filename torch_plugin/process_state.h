@@ -112,7 +112,7 @@ class ProcessState {
   // the pool is created.
   absl::Status SetMemoryFraction(double fraction, int device);
   // Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (a
-  // torch.cuda.MemPool over a CUDAPluggableAllocator) in the device's cap, as PyTorch's
+  // torch.cuda.MemPool over a CUDAPluggableAllocator) in the GPU's cap, as PyTorch's
   // allocator counts such segments against the memory fraction: a delta > 0 that would pass
   // the fraction is refused (ResourceExhausted) and not counted; a delta < 0 gives bytes back
   // (InvalidArgument, nothing changed, for more than was held).
