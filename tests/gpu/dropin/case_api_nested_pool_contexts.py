@@ -10,18 +10,13 @@ accepts the stream; the order it searches them decides all three (a probe of bot
 on torch 2.11 found these answers, run BN in docs/results/2026-12-03.md).
 """
 import torch
-from dropin_report import report
+from dropin_report import capture_doubling, in_pool, report
 
 MIB = 1 << 20
 
 
 def where(tensor, pools):
-    address = tensor.data_ptr()
-    for name, pool in pools.items():
-        for segment in pool.snapshot():
-            if segment["address"] <= address < segment["address"] + segment["total_size"]:
-                return name
-    return "default"
+    return next((name for name, pool in pools.items() if in_pool(pool, tensor)), "default")
 
 
 def main():
@@ -41,15 +36,8 @@ def main():
         errors.append(f"nested contexts A, B: tensors before, inside and after B came from "
                       f"{got}, expected ('A', 'B', 'A')")
     source = torch.zeros(1024, device="cuda")
-    graph = torch.cuda.CUDAGraph()
     with torch.cuda.use_mem_pool(a):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            source * 2  # warm up outside the graph
-        torch.cuda.current_stream().wait_stream(side)
-        with torch.cuda.graph(graph, pool=p.id):
-            out = source * 2
+        graph, out = capture_doubling(p, source)
     if where(out, pools) != "P":
         errors.append(f"a graph captured with pool=P inside A's context allocated from "
                       f"{where(out, pools)}, expected P")

@@ -12,29 +12,9 @@ own (so that the capture window does not stay open); ending the open context's r
 would send later tensors elsewhere and make the context's exit raise.
 """
 import torch
-from dropin_report import report
+from dropin_report import capture_doubling, in_pool, report
 
 MIB = 1 << 20
-
-
-def in_pool(pool, tensor):
-    address = tensor.data_ptr()
-    for segment in pool.snapshot():
-        if segment["address"] <= address < segment["address"] + segment["total_size"]:
-            return True
-    return False
-
-
-def capture(pool, x):
-    g = torch.cuda.CUDAGraph()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        x * 2  # warm up outside the graph
-    torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(g, pool=pool.id):
-        y = x * 2
-    return g, y
 
 
 def main():
@@ -44,7 +24,7 @@ def main():
         return
     pool = torch.cuda.MemPool()
     x = torch.arange(1024, device="cuda", dtype=torch.float32)
-    g, y = capture(pool, x)
+    g, y = capture_doubling(pool, x)
     g.replay()
     torch.cuda.synchronize()
     if not torch.equal(y, x * 2):
@@ -66,7 +46,7 @@ def main():
     c = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
     if in_pool(pool, c):
         errors.append("a tensor made after the context is still in the pool")
-    g2, y2 = capture(pool, x + 1)
+    g2, y2 = capture_doubling(pool, x + 1)
     g2.replay()
     torch.cuda.synchronize()
     if not torch.equal(y2, (x + 1) * 2):
