@@ -1,6 +1,6 @@
 // stats.h: the pool's statistics, declared once as lists of fields.
 //
-// Each byte or count statistic is a Stat {current, peak, allocated, freed} with PyTorch's
+// Each byte or count statistic is a Stat (stat.h) {current, peak, allocated, freed} with PyTorch's
 // meanings: `allocated` and `freed` are cumulative increases and decreases, so that
 // current == allocated - freed. Counters only go up. The lists below are the single source
 // for the struct, for the JSON dump and for the PyTorch-named keys (stats_json.h), so a new
@@ -18,27 +18,9 @@
 #include <vector>
 
 #include "allocator/block.h"
+#include "allocator/stat.h"
 
 namespace vmm {
-
-struct Stat {
-  int64_t current = 0;
-  int64_t peak = 0;
-  int64_t allocated = 0;
-  int64_t freed = 0;
-
-  void Increase(int64_t n) {
-    current += n;
-    allocated += n;
-    peak = std::max(peak, current);
-  }
-  void Decrease(int64_t n) {
-    current -= n;
-    freed += n;
-  }
-  void ResetPeak() { peak = current; }
-  void ResetAccumulated() { allocated = freed = 0; }
-};
 
 // X(name, pytorch_key, what): byte statistics.
 #define VMM_BYTE_STATS(X)                                                                  \

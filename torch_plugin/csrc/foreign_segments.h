@@ -49,6 +49,8 @@
 #include <utility>
 #include <vector>
 
+#include "allocator/stat.h"
+
 namespace vmm_torch {
 
 // Where a foreign pool's segments come from, and the events that order its frees.
@@ -68,19 +70,8 @@ class ForeignSource {
   virtual bool SynchronizeDevice() = 0;
 };
 
-// PyTorch's statistic: current, peak, and the totals added and removed.
-struct ForeignStat {
-  int64_t current = 0, peak = 0, allocated = 0, freed = 0;
-  void Add(int64_t n) {
-    current += n;
-    allocated += n;
-    peak = std::max(peak, current);
-  }
-  void Sub(int64_t n) {
-    current -= n;
-    freed += n;
-  }
-};
+// PyTorch's statistic: current, peak, and the totals added and removed (the pool's own).
+using ForeignStat = vmm::Stat;
 
 // A pool's figures, by PyTorch's stat types: [0] all, [1] small pool, [2] large pool.
 struct ForeignStats {
@@ -170,11 +161,11 @@ class ForeignSegments {
     block->requested = size;
     live_[block->ptr] = block;
     Count(block->seg->small, [&](int t) {
-      stats_.allocation[t].Add(1);
-      stats_.active[t].Add(1);
-      stats_.allocated_bytes[t].Add(static_cast<int64_t>(block->size));
-      stats_.active_bytes[t].Add(static_cast<int64_t>(block->size));
-      stats_.requested_bytes[t].Add(static_cast<int64_t>(size));
+      stats_.allocation[t].Increase(1);
+      stats_.active[t].Increase(1);
+      stats_.allocated_bytes[t].Increase(static_cast<int64_t>(block->size));
+      stats_.active_bytes[t].Increase(static_cast<int64_t>(block->size));
+      stats_.requested_bytes[t].Increase(static_cast<int64_t>(size));
     });
     return block->ptr;
   }
@@ -188,9 +179,9 @@ class ForeignSegments {
     Block* block = it->second;
     block->allocated = false;
     Count(block->seg->small, [&](int t) {
-      stats_.allocation[t].Sub(1);
-      stats_.allocated_bytes[t].Sub(static_cast<int64_t>(block->size));
-      stats_.requested_bytes[t].Sub(static_cast<int64_t>(block->requested));
+      stats_.allocation[t].Decrease(1);
+      stats_.allocated_bytes[t].Decrease(static_cast<int64_t>(block->size));
+      stats_.requested_bytes[t].Decrease(static_cast<int64_t>(block->requested));
     });
     for (uintptr_t s : block->uses) block->events.emplace_back(s, source_->RecordEvent(s));
     block->uses.clear();
@@ -238,8 +229,8 @@ class ForeignSegments {
       delete seg->head;
       ++stats_.num_device_free;
       Count(seg->small, [&](int t) {
-        stats_.segment[t].Sub(1);
-        stats_.reserved_bytes[t].Sub(static_cast<int64_t>(seg->size));
+        stats_.segment[t].Decrease(1);
+        stats_.reserved_bytes[t].Decrease(static_cast<int64_t>(seg->size));
       });
       it = segments_.erase(it);
     }
@@ -382,8 +373,8 @@ class ForeignSegments {
     segments_[base] = std::move(seg);
     ++stats_.num_device_alloc;
     Count(small, [&](int t) {
-      stats_.segment[t].Add(1);
-      stats_.reserved_bytes[t].Add(static_cast<int64_t>(size));
+      stats_.segment[t].Increase(1);
+      stats_.reserved_bytes[t].Increase(static_cast<int64_t>(size));
     });
     return out;
   }
@@ -409,8 +400,8 @@ class ForeignSegments {
   // A block no longer in use: merged with its free neighbours and filed.
   void FreeLocked(Block* block) {
     Count(block->seg->small, [&](int t) {
-      stats_.active[t].Sub(1);
-      stats_.active_bytes[t].Sub(static_cast<int64_t>(block->size));
+      stats_.active[t].Decrease(1);
+      stats_.active_bytes[t].Decrease(static_cast<int64_t>(block->size));
     });
     for (Block* n : {block->prev, block->next}) {
       if (n == nullptr || !IsFiled(n)) continue;  // filed: free, not pending
