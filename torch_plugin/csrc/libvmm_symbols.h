@@ -2,8 +2,9 @@
 // LibTorch extension (vmm_ops.cpp) and vmm's CUDA allocator module (vmm_cuda_allocator.cpp)
 // call, looked up by name. Neither links libvmm.so: each binds the very instance Python
 // loaded (same path, so the same allocator state) with Bind(). Include it in one source file
-// of a module (it defines that module's table, `vmm`). Bind throws c10::Error naming the
-// library or the missing function.
+// of a module (it defines that module's table, `libvmm`: not `vmm`, which is the namespace of
+// the pool's plain headers, such as allocator/stat.h, that a module may include). Bind throws
+// c10::Error naming the library or the missing function.
 #ifndef VMM_TORCH_PLUGIN_CSRC_LIBVMM_SYMBOLS_H_
 #define VMM_TORCH_PLUGIN_CSRC_LIBVMM_SYMBOLS_H_
 
@@ -71,7 +72,7 @@ struct Vmm {
 };
 
 // This module's binding (Bind).
-Vmm vmm;
+Vmm libvmm;
 
 // Looks every function of Vmm up in libvmm.so at `path` (the instance Python loaded).
 inline void Bind(const std::string& path) {
@@ -112,7 +113,7 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_release_buffer", &v.release_buffer);
   Lookup(lib, "vmm_imports_hold_closing", &v.imports_hold_closing);
   Lookup(lib, "vmm_imports_release_closing", &v.imports_release_closing);
-  vmm = v;
+  libvmm = v;
 }
 
 }  // namespace

@@ -89,14 +89,14 @@ struct WithoutGil {
 };
 
 void RequireBound() {
-  TORCH_CHECK(vmm.alloc != nullptr, "vmm: call vmm_torch._cuda_allocator.bind first");
+  TORCH_CHECK(libvmm.alloc != nullptr, "vmm: call vmm_torch._cuda_allocator.bind first");
 }
 
 // Throws what libvmm's last failure says: c10::OutOfMemoryError for VMM_RESOURCE_EXHAUSTED,
 // c10::ValueError for VMM_INVALID_ARGUMENT, else c10::Error.
 [[noreturn]] void ThrowLastError(const std::string& what) {
-  const int code = vmm.last_error_code();
-  const std::string message = vmm.last_error();
+  const int code = libvmm.last_error_code();
+  const std::string message = libvmm.last_error();
   TORCH_CHECK_WITH(OutOfMemoryError, code != VMM_RESOURCE_EXHAUSTED,
                    "CUDA out of memory. vmm: ", what, ": ", message);
   TORCH_CHECK_VALUE(code != VMM_INVALID_ARGUMENT, "vmm: ", what, ": ", message);
@@ -146,7 +146,7 @@ struct VmmPoolState : cca::AllocatorState {
 std::vector<vmm_block_entry> LiveBlocks(int64_t pool) {
   std::vector<vmm_block_entry> blocks(64);
   for (;;) {
-    const int64_t n = vmm.pool_live_blocks(pool, blocks.data(), blocks.size());
+    const int64_t n = libvmm.pool_live_blocks(pool, blocks.data(), blocks.size());
     if (n < 0) ThrowLastError("listing a private pool's live blocks");
     if (static_cast<size_t>(n) <= blocks.size()) {
       blocks.resize(static_cast<size_t>(n));
@@ -179,10 +179,10 @@ class VmmAllocator : public Pluggable {
       Free(ptr, size, device, stream);
     };
     reset_fn_ = [] {
-      if (vmm.empty_cache(-1) != 0) TORCH_WARN("vmm: empty_cache failed: ", vmm.last_error());
+      if (libvmm.empty_cache(-1) != 0) TORCH_WARN("vmm: empty_cache failed: ", libvmm.last_error());
     };
     memory_fraction_fn_ = [this](double fraction, int device) {
-      CheckOk(vmm.set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
+      CheckOk(libvmm.set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
       std::lock_guard<std::mutex> lock(mu_);
       fractions_[device] = fraction;
     };
@@ -195,8 +195,8 @@ class VmmAllocator : public Pluggable {
           owner.pool->RecordStream(ptr, reinterpret_cast<uintptr_t>(stream))) {
         return;
       }
-      if (vmm.record_stream(ptr, stream) == 0) return;
-      if (vmm.last_error_code() != VMM_INVALID_ARGUMENT) ThrowLastError("record_stream");
+      if (libvmm.record_stream(ptr, stream) == 0) return;
+      if (libvmm.last_error_code() != VMM_INVALID_ARGUMENT) ThrowLastError("record_stream");
     };
   }
 
@@ -209,7 +209,7 @@ class VmmAllocator : public Pluggable {
   void Close() {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = true;
-    for (const auto& [device, pool] : own_pools_) vmm.pool_destroy(pool);
+    for (const auto& [device, pool] : own_pools_) libvmm.pool_destroy(pool);
     own_pools_.clear();
   }
 
@@ -224,7 +224,7 @@ class VmmAllocator : public Pluggable {
   // allocator is current, and its own pools.
   std::vector<int64_t> PoolIds(c10::DeviceIndex device, MempoolId_t id) {
     std::vector<int64_t> out;
-    const int64_t pool = vmm.private_pool_find(device, id.first, id.second);
+    const int64_t pool = libvmm.private_pool_find(device, id.first, id.second);
     if (pool >= 0) out.push_back(pool);
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [d, own] : own_pools_) {
@@ -239,7 +239,7 @@ class VmmAllocator : public Pluggable {
 
   cda::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     vmm_torch_stats s{};
-    CheckOk(vmm.device_torch_stats(device, &s), "memory_stats");
+    CheckOk(libvmm.device_torch_stats(device, &s), "memory_stats");
     cda::DeviceStats out;
     ToStatArray(s.allocation, &out.allocation);
     ToStatArray(s.segment, &out.segment);
@@ -268,7 +268,7 @@ class VmmAllocator : public Pluggable {
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
-    CheckOk(vmm.reset_peak_stats(device), "reset_peak_memory_stats");
+    CheckOk(libvmm.reset_peak_stats(device), "reset_peak_memory_stats");
     for (const auto& pool : ForeignPools(device)) pool->segments->ResetPeaks();
     std::lock_guard<std::mutex> lock(mu_);
     foreign_retired_[device].ForEachGroup([](vmm_torch::ForeignStats::Group& g) {
@@ -277,7 +277,7 @@ class VmmAllocator : public Pluggable {
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
-    CheckOk(vmm.reset_accumulated_stats(device), "reset_accumulated_memory_stats");
+    CheckOk(libvmm.reset_accumulated_stats(device), "reset_accumulated_memory_stats");
     for (const auto& pool : ForeignPools(device)) pool->segments->ResetAccumulated();
     std::lock_guard<std::mutex> lock(mu_);
     vmm_torch::ForeignStats& retired = foreign_retired_[device];
@@ -291,9 +291,9 @@ class VmmAllocator : public Pluggable {
 
   cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     vmm_snapshot_entries* entries = nullptr;
-    CheckOk(vmm.snapshot_get(&entries), "memory_snapshot");
-    std::unique_ptr<vmm_snapshot_entries, decltype(vmm.snapshot_release)> owned(
-        entries, vmm.snapshot_release);
+    CheckOk(libvmm.snapshot_get(&entries), "memory_snapshot");
+    std::unique_ptr<vmm_snapshot_entries, decltype(libvmm.snapshot_release)> owned(
+        entries, libvmm.snapshot_release);
     const bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
     cca::SnapshotInfo out;
     int devices = 0;
@@ -385,7 +385,7 @@ class VmmAllocator : public Pluggable {
       routes_.push_back(Route{device, mempool_id, std::move(filter), pool, std::move(foreign)});
       routes_empty_.store(false, std::memory_order_relaxed);
     }
-    vmm.imports_hold_closing();
+    libvmm.imports_hold_closing();
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
@@ -407,7 +407,7 @@ class VmmAllocator : public Pluggable {
       EndRouteLocked(device, mempool_id);
     }
     if (ReleaseForeignPool(device, mempool_id)) return;
-    const int left = vmm.private_pool_release(device, mempool_id.first, mempool_id.second);
+    const int left = libvmm.private_pool_release(device, mempool_id.first, mempool_id.second);
     if (left < 0) ThrowLastError("releasing a private pool");
     if (left == 0) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -421,7 +421,7 @@ class VmmAllocator : public Pluggable {
       auto it = foreign_.find({device, mempool_id});
       if (it != foreign_.end()) return it->second->uses;
     }
-    return vmm.private_pool_use_count(device, mempool_id.first, mempool_id.second);
+    return libvmm.private_pool_use_count(device, mempool_id.first, mempool_id.second);
   }
 
   // A MemPool over vmm's allocator (vmm_torch.MemPool), or none, is a vmm private pool; over
@@ -463,7 +463,7 @@ class VmmAllocator : public Pluggable {
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
                                 const std::unordered_set<void*>& expected) override {
-    const int64_t pool = vmm.private_pool_find(device, mempool_id.first, mempool_id.second);
+    const int64_t pool = libvmm.private_pool_find(device, mempool_id.first, mempool_id.second);
     if (pool < 0) return expected.empty();
     size_t matched = 0;
     for (const vmm_block_entry& block : LiveBlocks(pool)) {
@@ -479,7 +479,7 @@ class VmmAllocator : public Pluggable {
     auto state = std::make_shared<VmmPoolState>();
     state->device = device;
     state->id = id;
-    const int64_t pool = vmm.private_pool_find(device, id.first, id.second);
+    const int64_t pool = libvmm.private_pool_find(device, id.first, id.second);
     TORCH_CHECK(pool >= 0, "vmm: getCheckpointState: no pool (", id.first, ", ", id.second,
                 ") on device ", device);
     for (const vmm_block_entry& block : LiveBlocks(pool)) {
@@ -496,7 +496,7 @@ class VmmAllocator : public Pluggable {
     auto* state = dynamic_cast<VmmPoolState*>(pps.get());
     TORCH_CHECK(state != nullptr && state->device == device,
                 "vmm: setCheckpointPoolState: not a vmm checkpoint of device ", device);
-    const int64_t pool = vmm.private_pool_find(device, state->id.first, state->id.second);
+    const int64_t pool = libvmm.private_pool_find(device, state->id.first, state->id.second);
     TORCH_CHECK(pool >= 0, "vmm: setCheckpointPoolState: the pool (", state->id.first, ", ",
                 state->id.second, ") is gone");
     cca::CheckpointDelta delta;
@@ -517,7 +517,7 @@ class VmmAllocator : public Pluggable {
     }
     for (const vmm_block_entry& block : state->live) {
       cudaStream_t stream = reinterpret_cast<cudaStream_t>(block.stream);
-      void* ptr = vmm.pool_alloc_at(pool, block.address, block.size, stream);
+      void* ptr = libvmm.pool_alloc_at(pool, block.address, block.size, stream);
       if (ptr == nullptr) ThrowLastError("restoring a CUDA graph pool's checkpoint");
       TellTools(ptr, static_cast<int64_t>(block.size), device);  // its free is told too
       // PyTorch's own deleter (graph trees check it, and free through raw_delete), with the
@@ -576,28 +576,28 @@ class VmmAllocator : public Pluggable {
     RequireBound();
     uint8_t* bytes = nullptr;
     size_t len = 0;
-    CheckOk(vmm.export_block(ptr, &bytes, &len), "sharing a CUDA storage (_share_cuda_)");
+    CheckOk(libvmm.export_block(ptr, &bytes, &len), "sharing a CUDA storage (_share_cuda_)");
     std::string handle(reinterpret_cast<const char*>(bytes), len);
-    vmm.release_buffer(bytes);
+    libvmm.release_buffer(bytes);
     return cca::ShareableHandle{0, std::move(handle)};
   }
 
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     RequireBound();
     const int device = c10::cuda::current_device();
-    const int64_t id = vmm.import_descriptor(reinterpret_cast<const uint8_t*>(handle.data()),
+    const int64_t id = libvmm.import_descriptor(reinterpret_cast<const uint8_t*>(handle.data()),
                                              handle.size(), device, VMM_BACKEND_DEFAULT, 0);
     if (id < 0) ThrowLastError("opening a shared CUDA storage (_new_shared_cuda)");
     uint64_t ptr = 0;
     size_t size = 0;
     int mapped_on = 0;
-    if (vmm.import_info(id, &ptr, &size, &mapped_on) != 0) {
-      const std::string message = vmm.last_error();
-      vmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
+    if (libvmm.import_info(id, &ptr, &size, &mapped_on) != 0) {
+      const std::string message = libvmm.last_error();
+      libvmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
       TORCH_CHECK(false, "vmm: opening a shared CUDA storage: ", message);
     }
     return std::shared_ptr<void>(reinterpret_cast<void*>(ptr), [id](void*) {
-      vmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
+      libvmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
     });
   }
 
@@ -610,14 +610,14 @@ class VmmAllocator : public Pluggable {
     C10_CUDA_CHECK(cudaMemGetInfo(&device_free, &device_total));
     size_t largest = device_free;
     vmm_torch_stats stats{};
-    if (vmm.device_torch_stats(device, &stats) == 0) {
+    if (libvmm.device_torch_stats(device, &stats) == 0) {
       const auto cap = static_cast<size_t>(getMemoryFraction(device) * device_total);
       const auto reserved =
           static_cast<size_t>(std::max<int64_t>(stats.reserved_bytes[VMM_STAT_ALL].current, 0));
       largest = std::min(largest, cap > reserved ? cap - reserved : 0);
     }
     uint64_t cached = 0;
-    if (vmm.device_largest_free_block(device, &cached) == 0) {
+    if (libvmm.device_largest_free_block(device, &cached) == 0) {
       largest = std::max(largest, static_cast<size_t>(cached));
     }
     *largest_block = largest;
@@ -650,8 +650,8 @@ class VmmAllocator : public Pluggable {
     }
     // On every device, as PyTorch's allocator empties a pool (a pool id is per device here).
     for (int device = 0; device < c10::cuda::device_count(); ++device) {
-      const int64_t pool = vmm.private_pool_find(device, mempool_id.first, mempool_id.second);
-      if (pool >= 0) CheckOk(vmm.pool_empty_cache(pool), "empty_cache of a pool");
+      const int64_t pool = libvmm.private_pool_find(device, mempool_id.first, mempool_id.second);
+      if (pool >= 0) CheckOk(libvmm.pool_empty_cache(pool), "empty_cache of a pool");
     }
   }
 
@@ -663,7 +663,7 @@ class VmmAllocator : public Pluggable {
       if (it->device == device && it->id == mempool_id) {
         routes_.erase(it);
         routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
-        vmm.imports_release_closing();
+        libvmm.imports_release_closing();
         return true;
       }
     }
@@ -699,7 +699,7 @@ class VmmAllocator : public Pluggable {
   // Adds a use of private pool `id` (created with `owner`'s options, or this allocator's).
   int64_t UsePool(c10::DeviceIndex device, MempoolId_t id, VmmAllocator* owner) {
     const std::string& options = owner != nullptr ? owner->options() : options_;
-    const int64_t pool = vmm.private_pool_use(VMM_BACKEND_CUDA, device, id.first, id.second,
+    const int64_t pool = libvmm.private_pool_use(VMM_BACKEND_CUDA, device, id.first, id.second,
                                               options.c_str());
     if (pool < 0) ThrowLastError("creating a private pool");
     std::lock_guard<std::mutex> lock(mu_);
@@ -713,9 +713,9 @@ class VmmAllocator : public Pluggable {
   // while any pool is.
   static vmm_torch::AllocatorSource::Hold HoldOnDevice(c10::DeviceIndex device) {
     return [device](int64_t delta, std::string* why) {
-      if (vmm.device_hold(device, delta) == 0) return true;
-      if (why != nullptr) *why = vmm.last_error();
-      if (delta < 0) TORCH_WARN("vmm: ", vmm.last_error());  // a bad device only
+      if (libvmm.device_hold(device, delta) == 0) return true;
+      if (why != nullptr) *why = libvmm.last_error();
+      if (delta < 0) TORCH_WARN("vmm: ", libvmm.last_error());  // a bad device only
       return false;
     };
   }
@@ -909,12 +909,12 @@ class VmmAllocator : public Pluggable {
     }
     if (route.has_value()) {
       pool_id = route->id;
-      ptr = vmm.pool_alloc(route->pool, size, pool_stream, 0);
+      ptr = libvmm.pool_alloc(route->pool, size, pool_stream, 0);
     } else if (own_pools_only_) {
       const int64_t own = OwnPool(device);
-      ptr = own < 0 ? nullptr : vmm.pool_alloc(own, size, pool_stream, 0);
+      ptr = own < 0 ? nullptr : libvmm.pool_alloc(own, size, pool_stream, 0);
     } else {
-      ptr = vmm.alloc(size, device, pool_stream);
+      ptr = libvmm.alloc(size, device, pool_stream);
     }
     if (ptr == nullptr && own_pools_only_) {
       // A MemPool's segment asked for by PyTorch's own allocator: it expects null, then
@@ -922,15 +922,15 @@ class VmmAllocator : public Pluggable {
       // the device holds, or a closed MemPool).
       return nullptr;
     }
-    if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED &&
+    if (ptr == nullptr && libvmm.last_error_code() == VMM_RESOURCE_EXHAUSTED &&
         routes_empty_.load(std::memory_order_relaxed) && ReleaseUnusedForeignPools() > 0) {
       // The cache of MemPools over other allocators that nobody uses went back to them, as
       // PyTorch's allocator frees the cached blocks of unused pools before it gives up; not
       // while any route is open (PyTorch's neither: a capture may be under way, which the
       // device synchronisation before the segments go back would invalidate).
-      ptr = vmm.alloc(size, device, pool_stream);
+      ptr = libvmm.alloc(size, device, pool_stream);
     }
-    if (ptr == nullptr && vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
+    if (ptr == nullptr && libvmm.last_error_code() == VMM_RESOURCE_EXHAUSTED && !route) {
       ptr = AllocateOnOom(size, device, stream, &pool_id);
     }
     if (ptr == nullptr) OutOfMemory(size, device, stream, pool_id);
@@ -962,7 +962,7 @@ class VmmAllocator : public Pluggable {
     }
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
       vmm_torch_stats stats{};
-      (void)vmm.device_torch_stats(device, &stats);
+      (void)libvmm.device_torch_stats(device, &stats);
       c10::reportMemoryUsageToProfiler(
           ptr, delta, static_cast<size_t>(stats.allocated_bytes[VMM_STAT_ALL].current),
           static_cast<size_t>(stats.reserved_bytes[VMM_STAT_ALL].current),
@@ -989,7 +989,7 @@ class VmmAllocator : public Pluggable {
     if (closed_) return -1;
     auto it = own_pools_.find(device);
     if (it != own_pools_.end()) return it->second;
-    const int64_t pool = vmm.pool_create(VMM_BACKEND_CUDA, device, options_.c_str());
+    const int64_t pool = libvmm.pool_create(VMM_BACKEND_CUDA, device, options_.c_str());
     if (pool < 0) ThrowLastError("creating the pool of a MemPool");
     own_pools_[device] = pool;
     return pool;
@@ -1010,7 +1010,7 @@ class VmmAllocator : public Pluggable {
     }
     void* const pool_stream = vmm_torch::PoolStream(stream, device);
     for (const auto& [id, pool] : candidates) {
-      void* ptr = vmm.pool_alloc(pool, size, pool_stream, 0);
+      void* ptr = libvmm.pool_alloc(pool, size, pool_stream, 0);
       if (ptr != nullptr) {
         *pool_id = id;
         return ptr;
@@ -1030,7 +1030,7 @@ class VmmAllocator : public Pluggable {
   // Tells the observers, records an "oom" trace entry and throws (OutOfMemoryError when the
   // memory ran out, else what failed).
   [[noreturn]] void OutOfMemory(size_t size, int device, cudaStream_t stream, MempoolId_t pool) {
-    OutOfMemory(size, device, stream, pool, vmm.last_error_code(), vmm.last_error());
+    OutOfMemory(size, device, stream, pool, libvmm.last_error_code(), libvmm.last_error());
   }
   [[noreturn]] void OutOfMemory(size_t size, int device, cudaStream_t stream, MempoolId_t pool,
                                 int code, const std::string& message) {
@@ -1045,7 +1045,7 @@ class VmmAllocator : public Pluggable {
         (code == VMM_INVALID_ARGUMENT && device_total != 0 && size > device_total)) {
       vmm_torch_stats stats{};
       const size_t allocated =
-          vmm.device_torch_stats(device, &stats) == 0
+          libvmm.device_torch_stats(device, &stats) == 0
               ? static_cast<size_t>(stats.allocated_bytes[VMM_STAT_ALL].current)
               : 0;
       if (history_.on()) {
@@ -1084,8 +1084,8 @@ class VmmAllocator : public Pluggable {
                       reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
     }
     // A MemPool over another allocator first (that allocator's memory may be vmm's own).
-    if (!FreeForeign(ptr) && vmm.free(ptr, device) != 0) {
-      TORCH_WARN("vmm: free failed: ", vmm.last_error());
+    if (!FreeForeign(ptr) && libvmm.free(ptr, device) != 0) {
+      TORCH_WARN("vmm: free failed: ", libvmm.last_error());
     }
     if (!own_pools_only_) TellTools(ptr, -static_cast<int64_t>(size), device);
     // vmm orders the free after the stream's work itself: complete from here on.
@@ -1182,7 +1182,7 @@ PYBIND11_MODULE(_cuda_allocator, m) {
       "prepare_send",
       [](const at::Tensor& t) {
         RequireBound();
-        return vmm_torch::PrepareSend(t, vmm.send_prepare, ready);
+        return vmm_torch::PrepareSend(t, libvmm.send_prepare, ready);
       },
       "Queue.put's step for a tensor: (kind, storage address); a CUDA tensor of memory sent "
       "as it is gets its ready event. Kind -1: a non-leaf tensor that requires grad.");
@@ -1191,7 +1191,7 @@ PYBIND11_MODULE(_cuda_allocator, m) {
       [](const at::Tensor& t) -> py::tuple {
         RequireBound();
         const vmm_torch::Exported out = vmm_torch::ExportSend(
-            t, vmm.send_kind, vmm.export_send, vmm.release_buffer, ready, WithoutGil());
+            t, libvmm.send_kind, libvmm.export_send, libvmm.release_buffer, ready, WithoutGil());
         if (!out.bytes) return py::make_tuple(out.kind, py::none(), py::none());
         return py::make_tuple(out.kind, py::bytes(out.bytes->first),
                               py::bytes(out.bytes->second));

@@ -45,10 +45,10 @@
 
 namespace {
 
-void RequireBound() { TORCH_CHECK(vmm.alloc != nullptr, "vmm: call torch.ops.vmm.bind first"); }
+void RequireBound() { TORCH_CHECK(libvmm.alloc != nullptr, "vmm: call torch.ops.vmm.bind first"); }
 
-void FreeBlock(void* ptr) { vmm.block_free(ptr); }
-void ReleaseImport(void* context) { vmm.import_release(context); }
+void FreeBlock(void* ptr) { libvmm.block_free(ptr); }
+void ReleaseImport(void* context) { libvmm.import_release(context); }
 
 // Fails unless a view of `sizes`/`strides` at `storage_offset` (elements of `itemsize` bytes)
 // lies inside `nbytes` bytes. Overflow-safe: the values come from other processes. Failures
@@ -132,8 +132,8 @@ at::Tensor WrapImport(int64_t import_id, at::IntArrayRef sizes, at::IntArrayRef 
   uint64_t ptr = 0;
   size_t size = 0;
   int device = -1;
-  TORCH_CHECK(vmm.import_info(import_id, &ptr, &size, &device) == 0, "vmm.wrap_import: ",
-              vmm.last_error());
+  TORCH_CHECK(libvmm.import_info(import_id, &ptr, &size, &device) == 0, "vmm.wrap_import: ",
+              libvmm.last_error());
   TORCH_CHECK(size <= static_cast<uint64_t>(INT64_MAX), "vmm.wrap_import: size overflows");
   const c10::Device where =
       device < 0 ? c10::Device(c10::kCPU)
@@ -191,10 +191,10 @@ extern "C" {
 __attribute__((visibility("default"))) void* vmm_torch_malloc(size_t size, int device,
                                                                void* stream) {
   RequireBound();
-  void* p = vmm.alloc(size, device, stream);
+  void* p = libvmm.alloc(size, device, stream);
   if (p == nullptr) {
-    const std::string error = vmm.last_error();
-    if (vmm.last_error_code() == VMM_RESOURCE_EXHAUSTED) {
+    const std::string error = libvmm.last_error();
+    if (libvmm.last_error_code() == VMM_RESOURCE_EXHAUSTED) {
       TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate ", size,
                        " bytes on device ", device, ". vmm: ", error);
     }
@@ -206,32 +206,32 @@ __attribute__((visibility("default"))) void* vmm_torch_malloc(size_t size, int d
 
 __attribute__((visibility("default"))) void vmm_torch_free(void* ptr, size_t size, int device,
                                                              void* stream) {
-  if (vmm.free != nullptr && vmm.free(ptr, device) != 0) {
-    TORCH_WARN("vmm: free failed: ", vmm.last_error());
+  if (libvmm.free != nullptr && libvmm.free(ptr, device) != 0) {
+    TORCH_WARN("vmm: free failed: ", libvmm.last_error());
   }
 }
 
 __attribute__((visibility("default"))) void vmm_torch_init(int device_count) {}
 
 __attribute__((visibility("default"))) void vmm_torch_empty_cache() {
-  if (vmm.empty_cache != nullptr && vmm.empty_cache(-1) != 0) {
-    TORCH_WARN("vmm: empty_cache failed: ", vmm.last_error());
+  if (libvmm.empty_cache != nullptr && libvmm.empty_cache(-1) != 0) {
+    TORCH_WARN("vmm: empty_cache failed: ", libvmm.last_error());
   }
 }
 
 __attribute__((visibility("default"))) void vmm_torch_memory_fraction(double fraction,
                                                                       int device) {
   RequireBound();
-  TORCH_CHECK(vmm.set_memory_fraction(fraction, device) == 0, "vmm: ", vmm.last_error());
+  TORCH_CHECK(libvmm.set_memory_fraction(fraction, device) == 0, "vmm: ", libvmm.last_error());
 }
 
 __attribute__((visibility("default"))) void vmm_torch_record_stream(void* ptr, void* stream) {
   RequireBound();
   // Memory vmm does not own (an import, DLPack) is left alone, as PyTorch's allocator ignores
   // pointers it did not allocate.
-  TORCH_CHECK(vmm.record_stream(ptr, stream) == 0 ||
-                  vmm.last_error_code() == VMM_INVALID_ARGUMENT,
-              "vmm: ", vmm.last_error());
+  TORCH_CHECK(libvmm.record_stream(ptr, stream) == 0 ||
+                  libvmm.last_error_code() == VMM_INVALID_ARGUMENT,
+              "vmm: ", libvmm.last_error());
 }
 
 }  // extern "C"
