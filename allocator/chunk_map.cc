@@ -59,7 +59,7 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
     if (dedicated) MarkExported(chunks_.find(p.addr), stats);
   }
   stats.reserved_bytes.Increase(static_cast<int64_t>(len));
-  if (cap_ != nullptr) cap_->Add(static_cast<int64_t>(len));
+  if (cap_ != nullptr) cap_->AddMapped(static_cast<int64_t>(len));
   stats.segment.Increase(static_cast<int64_t>(pieces.size()));
   ArenaStats& split = ArenaStatsOf(addr, stats);
   split.reserved_bytes.Increase(static_cast<int64_t>(len));
@@ -186,7 +186,7 @@ absl::Status ChunkMap::Release(absl::Span<const uintptr_t> addrs, PoolStats& sta
 void ChunkMap::Forget(Map::iterator it, PoolStats& stats) {
   const auto size = static_cast<int64_t>(it->second.size);
   stats.reserved_bytes.Decrease(size);
-  if (cap_ != nullptr) cap_->Add(-size);
+  if (cap_ != nullptr) cap_->AddMapped(-size);
   stats.segment.Decrease(1);
   ArenaStats& split = ArenaStatsOf(it->first, stats);
   split.reserved_bytes.Decrease(size);

@@ -184,7 +184,7 @@ void ChunkMap::ReleaseAll(F&& released) {
     absl::Status s = config_.driver->Unmap(addr, chunk.size);
     if (s.ok()) s = config_.driver->Release(chunk.handle);
     if (!s.ok()) LogChunkTeardownError(s);
-    if (cap_ != nullptr) cap_->Add(-static_cast<int64_t>(chunk.size));
+    if (cap_ != nullptr) cap_->AddMapped(-static_cast<int64_t>(chunk.size));
     released(chunk);
   }
   chunks_.clear();

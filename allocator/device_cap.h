@@ -1,4 +1,5 @@
-// device_cap.h: one cap on the physical bytes several pools of a device hold together.
+// device_cap.h: what several pools of a device hold together: one cap on their physical
+// bytes, and the joint figures whose peaks no pool can give alone.
 //
 // set_per_process_memory_fraction caps everything PyTorch's allocator holds on a device; with
 // vmm registered, that is the device pool and the private pools (CUDA graph pools, MemPools)
@@ -6,7 +7,14 @@
 // its ChunkMap adds what it maps and subtracts what it releases, and Pool::Grow refuses a
 // growth that would take the pools' sum past the limit (ResourceExhausted, after which the
 // pool trims its own cache and retries, as for its own memory limit). Checked, not reserved:
-// two pools growing at the same moment may pass the limit by one growth each. Thread safe.
+// two pools growing at the same moment may pass the limit by one growth each. Segments of
+// other allocators count against the limit too (AddExternal).
+//
+// PyTorch keeps one peak per device over all its pools; the sum of the pools' peaks is more
+// wherever they peak at different times (a MemPool used after the default pool's tensors are
+// gone). So each sharing pool also adds its allocated and mapped bytes to `allocated()` and
+// `mapped()`, whose peaks are the device's (ProcessState::DeviceStats). Thread safe: atomics,
+// no lock; a peak read while another thread updates may miss that update.
 #ifndef VMM_ALLOCATOR_DEVICE_CAP_H_
 #define VMM_ALLOCATOR_DEVICE_CAP_H_
 
@@ -16,6 +24,25 @@
 
 namespace vmm {
 
+// A figure several pools update from their own threads: its current value and the highest
+// since the last ResetPeak. The pools keep the cumulative totals themselves.
+class JointStat {
+ public:
+  void Add(int64_t delta) {
+    const int64_t now = current_.fetch_add(delta, std::memory_order_relaxed) + delta;
+    int64_t peak = peak_.load(std::memory_order_relaxed);
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
+  int64_t current() const { return current_.load(std::memory_order_relaxed); }
+  int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  void ResetPeak() { peak_.store(current(), std::memory_order_relaxed); }
+
+ private:
+  std::atomic<int64_t> current_{0};
+  std::atomic<int64_t> peak_{0};
+};
+
 class DeviceCap {
  public:
   // The most bytes the sharing pools may hold together (0: no limit).
@@ -23,7 +50,12 @@ class DeviceCap {
   size_t limit() const { return limit_.load(std::memory_order_relaxed); }
 
   // Bytes mapped (`delta` > 0) or released (< 0) by one of the pools.
-  void Add(int64_t delta) { held_.fetch_add(delta, std::memory_order_relaxed); }
+  void AddMapped(int64_t delta) {
+    held_.fetch_add(delta, std::memory_order_relaxed);
+    mapped_.Add(delta);
+  }
+  // Bytes another allocator's segments take (> 0) or give back (< 0): held, not mapped.
+  void AddExternal(int64_t delta) { held_.fetch_add(delta, std::memory_order_relaxed); }
   int64_t held() const { return held_.load(std::memory_order_relaxed); }
 
   // Whether `more` bytes fit under the limit now.
@@ -33,9 +65,21 @@ class DeviceCap {
     return cap == 0 || static_cast<size_t>(held_now < 0 ? 0 : held_now) + more <= cap;
   }
 
+  // The sharing pools' reserved bytes (what they map) and allocated bytes, with their joint
+  // peaks. Pools add to allocated() as they hand blocks out and take them back.
+  JointStat& allocated() { return allocated_; }
+  const JointStat& allocated() const { return allocated_; }
+  const JointStat& mapped() const { return mapped_; }
+  void ResetPeaks() {
+    allocated_.ResetPeak();
+    mapped_.ResetPeak();
+  }
+
  private:
   std::atomic<size_t> limit_{0};
   std::atomic<int64_t> held_{0};
+  JointStat mapped_;
+  JointStat allocated_;
 };
 
 }  // namespace vmm

@@ -154,6 +154,7 @@ Pool::~Pool() {
     LogWarning(absl::StrCat("pool on device ", options_.device, " destroyed with ", live,
                             " live block(s); their memory is released"));
   }
+  if (device_cap_ != nullptr) device_cap_->allocated().Add(-stats_.allocated_bytes.current);
   chunks_.ReleaseAll([&](const Chunk& chunk) {
     if (chunk.exported && observer_ != nullptr) observer_->ChunkReleased(id_, chunk.id);
   });
@@ -194,6 +195,7 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::TakeBlock(Arena& arena, Block* bl
   stats_.allocated_bytes.Increase(bytes);
   stats_.requested_bytes.Increase(static_cast<int64_t>(requested));
   stats_.allocation.Increase(1);
+  if (device_cap_ != nullptr) device_cap_->allocated().Add(bytes);
   ArenaStats& split = stats_.arena[&arena == &large_ ? kLargeArena : kSmallArena];
   split.allocated_bytes.Increase(bytes);
   split.requested_bytes.Increase(static_cast<int64_t>(requested));
@@ -321,6 +323,7 @@ absl::Status Pool::Free(void* ptr) {
   stats_.allocated_bytes.Decrease(static_cast<int64_t>(block->size));
   stats_.requested_bytes.Decrease(static_cast<int64_t>(block->requested));
   stats_.allocation.Decrease(1);
+  if (device_cap_ != nullptr) device_cap_->allocated().Add(-static_cast<int64_t>(block->size));
   ArenaStats& split = stats_.arena[&arena == &large_ ? kLargeArena : kSmallArena];
   split.allocated_bytes.Decrease(static_cast<int64_t>(block->size));
   split.requested_bytes.Decrease(static_cast<int64_t>(block->requested));
@@ -922,7 +925,8 @@ void Pool::ShareDeviceCap(std::shared_ptr<DeviceCap> cap) {
   if (device_cap_ != nullptr || cap == nullptr) return;
   device_cap_ = std::move(cap);
   chunks_.ShareCap(device_cap_.get());
-  device_cap_->Add(stats_.reserved_bytes.current);
+  device_cap_->AddMapped(stats_.reserved_bytes.current);
+  device_cap_->allocated().Add(stats_.allocated_bytes.current);
 }
 
 void Pool::SetMemoryLimit(size_t bytes) {

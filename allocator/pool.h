@@ -231,7 +231,8 @@ class Pool {
   void SetMemoryLimit(size_t bytes);
   // From now on this pool's physical bytes also count against `cap`, shared with other pools
   // of the device (device_cap.h): a growth that would take their sum past its limit fails as
-  // one past the pool's own limit does. Once per pool.
+  // one past the pool's own limit does. Its allocated bytes go to the cap's joint figure too
+  // (DeviceCap::allocated), from what it holds now on. Once per pool.
   void ShareDeviceCap(std::shared_ptr<DeviceCap> cap);
   // Keeps every mapped chunk while `keep` (file comment, "Keeping memory"). Turning it off
   // releases nothing by itself: EmptyCache then gives back what is free.

@@ -621,10 +621,13 @@ class Harness {
         for (auto& [a, l] : ps.live) l.async = false;
       }
     }
-    int64_t reserved = 0;
+    int64_t reserved = 0, allocated = 0, allocated_peaks = 0;
     for (auto& ps : pools_) {
       if (auto r = CheckPool(ps, sync); !r) return r;
-      reserved += ps.pool->GetStats().reserved_bytes.current;
+      const PoolStats stats = ps.pool->GetStats();
+      reserved += stats.reserved_bytes.current;
+      allocated += stats.allocated_bytes.current;
+      allocated_peaks += stats.allocated_bytes.peak;
     }
     // Every physical byte the driver holds is some pool's reserved byte.
     absl::StatusOr<MemInfo> info = inner_->GetMemInfo(0);
@@ -635,6 +638,16 @@ class Harness {
     }
     if (cap_ != nullptr && cap_->held() != reserved) {
       return Fail(absl::StrCat("DeviceCap holds ", cap_->held(), ", pools reserve ", reserved));
+    }
+    // The joint figures: the pools' sums now, and a peak between that and the sum of peaks.
+    if (cap_ != nullptr && (cap_->mapped().current() != reserved ||
+                            cap_->allocated().current() != allocated ||
+                            cap_->allocated().peak() < allocated ||
+                            cap_->allocated().peak() > allocated_peaks)) {
+      return Fail(absl::StrCat("DeviceCap's joint figures: mapped ", cap_->mapped().current(),
+                               " (pools reserve ", reserved, "), allocated ",
+                               cap_->allocated().current(), " peak ", cap_->allocated().peak(),
+                               " (pools ", allocated, ", their peaks ", allocated_peaks, ")"));
     }
     return ::testing::AssertionSuccess();
   }

@@ -208,7 +208,7 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
         " (held now: ", FormatBytes(static_cast<size_t>(std::max<int64_t>(cap->held(), 0))),
         ")"));
   }
-  cap->Add(delta);
+  cap->AddExternal(delta);
   external_held_[device] += delta;
   return absl::OkStatus();
 }
@@ -430,8 +430,30 @@ std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device) {
 
 PoolStats ProcessState::DeviceStats(int device) {
   PoolStats total;
-  for (const PoolRef& p : DevicePools(device)) AddPoolStats(p.pool->GetStats(), total);
+  const std::vector<PoolRef> pools = DevicePools(device);
+  for (const PoolRef& p : pools) AddPoolStats(p.pool->GetStats(), total);
+  // The sum of the pools' peaks counts each at its own high; the cap's joint peak is the
+  // device's. Held between what is held now and that sum: a pool of another backend on the
+  // same device index (tests) shares the cap but is not among `pools`.
+  if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) {
+    auto joint = [](const JointStat& from, Stat& to) {
+      to.peak = std::clamp(from.peak(), to.current, std::max(to.current, to.peak));
+    };
+    joint(cap->allocated(), total.allocated_bytes);
+    joint(cap->mapped(), total.reserved_bytes);
+  }
   return total;
+}
+
+void ProcessState::ResetDevicePeaks(int device) {
+  for (const PoolRef& p : DevicePools(device)) p.pool->ResetPeakStats();
+  if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) cap->ResetPeaks();
+}
+
+std::shared_ptr<DeviceCap> ProcessState::CapOf(int device) {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  MutexLock lock(&mu_);
+  return caps_[device];
 }
 
 void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {

@@ -155,8 +155,13 @@ class ProcessState {
   // The pools of `device`: its device pool (if any), then the private pools on it (open, or
   // closed with live blocks) of the same backend (the default one if there is no device pool).
   std::vector<PoolRef> DevicePools(int device);
-  // Their statistics as one (AddPoolStats); zeros for an unused device.
+  // Their statistics as one (AddPoolStats); zeros for an unused device. The peaks of
+  // allocated_bytes and reserved_bytes are the device's (DeviceCap's joint figures: the
+  // highest the pools held together); the other peaks, and those of each arena, are the sum
+  // of the pools' (at least the device's).
   PoolStats DeviceStats(int device);
+  // Resets the peaks of the pools of `device` and the device's joint peaks to what is held now.
+  void ResetDevicePeaks(int device);
 
   // --- Any pool -----------------------------------------------------------------------------
   // The pool whose range holds `ptr`, or a null PoolRef.
@@ -292,6 +297,8 @@ class ProcessState {
 
   // The cap of GPU `device` (caps_), made on first use.
   std::shared_ptr<DeviceCap> CapForLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The cap of `device` if it has one (none made), else null.
+  std::shared_ptr<DeviceCap> CapOf(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Sets caps_[device]'s limit from fractions_[device] and the GPU's memory as the default
   // driver reports it (left as it was if that fails).
   void SetCapFromDefaultDriverLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

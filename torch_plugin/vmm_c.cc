@@ -237,7 +237,7 @@ char* vmm_stats_json(int device) {
 }
 
 int vmm_reset_peak_stats(int device) {
-  for (const vmm::ProcessState::PoolRef& p : State().DevicePools(device)) p.pool->ResetPeakStats();
+  State().ResetDevicePeaks(device);
   return 0;
 }
 

@@ -191,8 +191,10 @@ typedef struct vmm_torch_stats {
   int64_t max_split_size;
 } vmm_torch_stats;
 /* The device pool of `device` plus the private pools on it (zeros where vmm has not
- * allocated). Several pools are summed field by field: a peak is then the sum of the pools'
- * peaks (exact while one pool alone has allocated, else at least the true peak). */
+ * allocated), summed field by field, but for the peaks of allocated_bytes and reserved_bytes
+ * [VMM_STAT_ALL]: the highest the pools held together, as PyTorch's (max_memory_allocated,
+ * max_memory_reserved). Other peaks are the sum of the pools' peaks (exact while one pool
+ * alone has allocated, else at least the true peak). */
 int vmm_device_torch_stats(int device, vmm_torch_stats* out);
 /* One pool by id (explicit or private). */
 int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out);

@@ -116,3 +116,54 @@ def test_a_private_pool_through_ctypes(vmm):
     assert vmm.vmm_private_pool_find(0, 42, 1) == -1
     assert _lib.last_error_code() == _signatures.NOT_FOUND
     assert vmm.vmm_private_pool_release(0, 42, 1) == -1
+
+
+def _device_stats(vmm):
+    stats = _signatures.TorchStats()
+    assert vmm.vmm_device_torch_stats(0, ctypes.byref(stats)) == 0, _lib.last_error()
+    return stats
+
+
+def test_the_devices_peaks_are_what_its_pools_held_together(vmm):
+    """max_memory_allocated / max_memory_reserved with a MemPool: PyTorch keeps one peak over
+    all the pools of a device, so 64 MiB freed in the default pool and then 64 MiB taken in a
+    private pool peak at 64 MiB more, not 128 (the sum of the two pools' own peaks)."""
+    assert vmm.vmm_empty_cache(0) == 0, _lib.last_error()
+    assert vmm.vmm_reset_peak_stats(0) == 0
+    before = _device_stats(vmm)
+    base = before.allocated_bytes[_signatures.STAT_ALL].current
+    assert before.allocated_bytes[_signatures.STAT_ALL].peak == base
+
+    a = vmm.vmm_alloc(64 * MIB, 0, None)
+    assert a, _lib.last_error()
+    assert vmm.vmm_free(a, 0) == 0
+    pool = vmm.vmm_private_pool_use(_signatures.BACKEND_HOST, 0, 77, 3, None)
+    assert pool > 0, _lib.last_error()
+    b = vmm.vmm_pool_alloc(pool, 64 * MIB, None, 0)
+    assert b, _lib.last_error()
+    try:
+        stats = _device_stats(vmm)
+        allocated = stats.allocated_bytes[_signatures.STAT_ALL]
+        assert allocated.current == base + 64 * MIB
+        assert allocated.peak == base + 64 * MIB  # the sum of the pools' peaks: + 128 MiB
+        assert allocated.allocated - before.allocated_bytes[_signatures.STAT_ALL].allocated \
+            == 128 * MIB
+        # Reserved: the default pool keeps its 64 MiB cached while the private pool grows, so
+        # both count at once, as they do with PyTorch.
+        reserved = stats.reserved_bytes[_signatures.STAT_ALL]
+        assert reserved.peak == reserved.current >= before.reserved_bytes[
+            _signatures.STAT_ALL].current + 64 * MIB
+        # The JSON document (memory_stats()'s keys) says the same.
+        torch_keys = _json(vmm, vmm.vmm_stats_json(0))["torch"]
+        assert torch_keys["allocated_bytes.all.peak"] == allocated.peak
+
+        # Emptied, the default pool gives its cache back; the private pool's block stays.
+        assert vmm.vmm_empty_cache(0) == 0, _lib.last_error()
+        assert vmm.vmm_reset_peak_stats(0) == 0
+        after = _device_stats(vmm)
+        assert after.allocated_bytes[_signatures.STAT_ALL].peak == base + 64 * MIB
+        assert after.reserved_bytes[_signatures.STAT_ALL].peak == \
+            after.reserved_bytes[_signatures.STAT_ALL].current
+    finally:
+        vmm.vmm_block_free(b)
+        assert vmm.vmm_private_pool_release(0, 77, 3) == 0

@@ -320,7 +320,9 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
     if t.is_cuda:
         # The receiver may read at once: what was written before the send must be done. A
         # queue's put recorded an event for it in the sending thread; elsewhere the sending
-        # thread's current stream is synchronized here.
+        # thread waits here for an event recorded on its current stream. An event, not
+        # Stream.synchronize(): under torch.cuda.set_sync_debug_mode("error") that raises,
+        # and PyTorch's own sends (an event the receiver's stream waits for) do not.
         if in_feeder:
             wait_until_ready(t, base)
         else:
@@ -328,7 +330,9 @@ def send_payload(t: torch.Tensor, base: int, kind: int, parameter: bool = False,
                 raise RuntimeError("cannot send a CUDA tensor of vmm memory while the current "
                                    "stream captures a CUDA graph; send it after the capture")
             discard_ready(t, base)
-            torch.cuda.current_stream(t.device).synchronize()
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(t.device))
+            written.synchronize()
     try:
         data, ticket = export_send(base)
     except _lib.VmmError as error:
