@@ -41,6 +41,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <iterator>
 #include <memory>
 #include <mutex>
@@ -623,6 +624,14 @@ class VmmAllocator : public Pluggable {
     *largest_block = largest;
   }
 
+  // torch.cuda.memory.caching_allocator_enable / caching_allocator_disabled(): with caching
+  // off, or with PYTORCH_NO_CUDA_MEMORY_CACHING set (read once, as PyTorch reads it: any
+  // value), every free gives the GPU pool's free memory back at once (Free), where PyTorch's
+  // allocator frees each block with cudaFree. Blocks are still vmm's, so statistics,
+  // snapshots and sends work as with caching on.
+  void enable(bool value) override { caching_.store(value, std::memory_order_relaxed); }
+  bool isEnabled() const override { return caching_.load(std::memory_order_relaxed); }
+
   double getMemoryFraction(c10::DeviceIndex device) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = fractions_.find(device);
@@ -1088,6 +1097,13 @@ class VmmAllocator : public Pluggable {
       TORCH_WARN("vmm: free failed: ", libvmm.last_error());
     }
     if (!own_pools_only_) TellTools(ptr, -static_cast<int64_t>(size), device);
+    if (C10_UNLIKELY(force_uncached_ || !caching_.load(std::memory_order_relaxed))) {
+      // Caching off: the GPU's pool gives back what is free now, after a device
+      // synchronisation (vmm_empty_cache), as cudaFree waits for the device.
+      if (libvmm.empty_cache(device) != 0) {
+        TORCH_WARN("vmm: giving memory back with caching off failed: ", libvmm.last_error());
+      }
+    }
     // vmm orders the free after the stream's work itself: complete from here on.
     if (history_.on()) {
       history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),
@@ -1108,6 +1124,8 @@ class VmmAllocator : public Pluggable {
   std::unordered_map<int, vmm_torch::ForeignStats> foreign_retired_;  // dropped pools' figures
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
+  std::atomic<bool> caching_{true};              // enable() / isEnabled()
+  const bool force_uncached_ = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") != nullptr;
   bool closed_ = false;                          // Close() ran: no own pool any more
   std::unordered_map<int, int64_t> own_pools_;  // device -> vmm pool (UseOwnPools)
   std::unordered_map<void*, Restored> restored_;
