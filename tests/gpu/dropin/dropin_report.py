@@ -47,3 +47,44 @@ def capture_doubling(pool, x):
     with torch.cuda.graph(graph, pool=pool.id):
         y = x * 2
     return graph, y
+
+
+def free_bytes():
+    """The GPU's free memory (torch.cuda.mem_get_info) once queued work is done."""
+    import torch
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def freed_memory_goes_back(errors, slack):
+    """With caching off: a 2 GiB tensor takes 2 GiB of the GPU's free memory and gives it back
+    once deleted (no empty_cache), and so do 200 tensors of 1 KiB to 8 MiB, each holding what
+    was written (within `slack` bytes). Appends what differs to `errors`; returns the free
+    memory at the end."""
+    import torch
+    gib = 1 << 30
+    free0 = free_bytes()
+    t = torch.empty(2 * gib, dtype=torch.uint8, device="cuda")
+    t.fill_(7)
+    free1 = free_bytes()
+    if free0 - free1 < 2 * gib:
+        errors.append(f"a 2 GiB tensor took {free0 - free1} bytes of the GPU's free memory")
+    if int(t[0].item()) != 7 or int(t[-1].item()) != 7:
+        errors.append("the 2 GiB tensor does not hold what was written")
+    del t
+    free2 = free_bytes()
+    if free2 < free0 - slack:
+        errors.append(f"a 2 GiB tensor deleted did not go back to the GPU: free memory {free2} "
+                      f"after, {free0} before it (no empty_cache)")
+    sizes = [1024 * (1 + (i * 37) % 8192) for i in range(200)]
+    ts = [torch.full((n,), i % 251, dtype=torch.uint8, device="cuda")
+          for i, n in enumerate(sizes)]
+    bad = [i for i, x in enumerate(ts) if int(x[-1].item()) != i % 251]
+    if bad:
+        errors.append(f"{len(bad)} of 200 small tensors lost their values")
+    del ts
+    free3 = free_bytes()
+    if free3 < free2 - slack:
+        errors.append(f"200 tensors of 1 KiB to 8 MiB ({sum(sizes)} bytes) deleted left the "
+                      f"GPU's free memory at {free3}, was {free2}")
+    return free3
