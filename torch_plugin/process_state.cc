@@ -219,6 +219,12 @@ std::shared_ptr<DeviceCap> ProcessState::CapForLocked(int device) {
 }
 
 absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
+  // A pool of another backend than the GPU's device pool (the host backend's, in tests on a
+  // GPU machine) holds none of that GPU's memory: neither its fraction nor its figures.
+  if (Pool* gpu = device_pools_[device].load(std::memory_order_relaxed);
+      gpu != nullptr && gpu != &pool && gpu->driver() != pool.driver()) {
+    return absl::OkStatus();
+  }
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
   pool.ShareDeviceCap(cap);
   if (fractions_[device] > 0) {
@@ -432,15 +438,23 @@ PoolStats ProcessState::DeviceStats(int device) {
   PoolStats total;
   const std::vector<PoolRef> pools = DevicePools(device);
   for (const PoolRef& p : pools) AddPoolStats(p.pool->GetStats(), total);
-  // The sum of the pools' peaks counts each at its own high; the cap's joint peak is the
-  // device's. Held between what is held now and that sum: a pool of another backend on the
-  // same device index (tests) shares the cap but is not among `pools`.
+  // The sum of the pools' peaks counts each at its own high, and forgets a pool that is gone;
+  // the cap's joint peak is the device's (pools of another backend than its device pool's do
+  // not share it: ShareCapLocked).
   if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) {
-    auto joint = [](const JointStat& from, Stat& to) {
-      to.peak = std::clamp(from.peak(), to.current, std::max(to.current, to.peak));
+    total.allocated_bytes.peak = std::max(cap->allocated().peak(), total.allocated_bytes.current);
+    total.reserved_bytes.peak = std::max(cap->mapped().peak(), total.reserved_bytes.current);
+    // Figures that are parts of those (an arena's share, the bytes requested of what was
+    // allocated) peak no higher than the whole, as PyTorch's do; their own peaks are sums.
+    auto within = [](Stat& part, const Stat& whole) {
+      part.peak = std::max(std::min(part.peak, whole.peak), part.current);
     };
-    joint(cap->allocated(), total.allocated_bytes);
-    joint(cap->mapped(), total.reserved_bytes);
+    within(total.requested_bytes, total.allocated_bytes);
+    for (ArenaStats& arena : total.arena) {
+      within(arena.allocated_bytes, total.allocated_bytes);
+      within(arena.requested_bytes, arena.allocated_bytes);
+      within(arena.reserved_bytes, total.reserved_bytes);
+    }
   }
   return total;
 }

@@ -157,8 +157,9 @@ class ProcessState {
   std::vector<PoolRef> DevicePools(int device);
   // Their statistics as one (AddPoolStats); zeros for an unused device. The peaks of
   // allocated_bytes and reserved_bytes are the device's (DeviceCap's joint figures: the
-  // highest the pools held together); the other peaks, and those of each arena, are the sum
-  // of the pools' (at least the device's).
+  // highest the pools held together, kept when a pool is gone); those of their parts (each
+  // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
+  // peaks are the sum of the pools' (at least the device's).
   PoolStats DeviceStats(int device);
   // Resets the peaks of the pools of `device` and the device's joint peaks to what is held now.
   void ResetDevicePeaks(int device);

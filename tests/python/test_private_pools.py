@@ -126,8 +126,9 @@ def _device_stats(vmm):
 
 def test_the_devices_peaks_are_what_its_pools_held_together(vmm):
     """max_memory_allocated / max_memory_reserved with a MemPool: PyTorch keeps one peak over
-    all the pools of a device, so 64 MiB freed in the default pool and then 64 MiB taken in a
-    private pool peak at 64 MiB more, not 128 (the sum of the two pools' own peaks)."""
+    all the pools of a device, so 64 MiB freed in the default pool and then 128 MiB taken in a
+    private pool peak at 128 MiB more, not 192 (the sum of the two pools' own peaks), and stay
+    there once the private pool is gone."""
     assert vmm.vmm_empty_cache(0) == 0, _lib.last_error()
     assert vmm.vmm_reset_peak_stats(0) == 0
     before = _device_stats(vmm)
@@ -137,33 +138,48 @@ def test_the_devices_peaks_are_what_its_pools_held_together(vmm):
     a = vmm.vmm_alloc(64 * MIB, 0, None)
     assert a, _lib.last_error()
     assert vmm.vmm_free(a, 0) == 0
+    assert vmm.vmm_empty_cache(0) == 0, _lib.last_error()  # a's 64 MiB go back
     pool = vmm.vmm_private_pool_use(_signatures.BACKEND_HOST, 0, 77, 3, None)
     assert pool > 0, _lib.last_error()
-    b = vmm.vmm_pool_alloc(pool, 64 * MIB, None, 0)
+    b = vmm.vmm_pool_alloc(pool, 128 * MIB, None, 0)
     assert b, _lib.last_error()
     try:
         stats = _device_stats(vmm)
         allocated = stats.allocated_bytes[_signatures.STAT_ALL]
-        assert allocated.current == base + 64 * MIB
-        assert allocated.peak == base + 64 * MIB  # the sum of the pools' peaks: + 128 MiB
+        assert allocated.current == base + 128 * MIB
+        assert allocated.peak == base + 128 * MIB  # the sum of the pools' peaks: + 192 MiB
         assert allocated.allocated - before.allocated_bytes[_signatures.STAT_ALL].allocated \
-            == 128 * MIB
-        # Reserved: the default pool keeps its 64 MiB cached while the private pool grows, so
-        # both count at once, as they do with PyTorch.
+            == 192 * MIB
+        # Reserved: a's 64 MiB went back before the private pool grew by 128 MiB, so the
+        # GPU's peak is now, below the sum of the pools' peaks (64 + 128 MiB more).
         reserved = stats.reserved_bytes[_signatures.STAT_ALL]
-        assert reserved.peak == reserved.current >= before.reserved_bytes[
-            _signatures.STAT_ALL].current + 64 * MIB
+        before_reserved = before.reserved_bytes[_signatures.STAT_ALL].current
+        assert reserved.peak == reserved.current >= before_reserved + 128 * MIB
+        assert reserved.peak < before_reserved + 192 * MIB
         # The JSON document (memory_stats()'s keys) says the same.
         torch_keys = _json(vmm, vmm.vmm_stats_json(0))["torch"]
         assert torch_keys["allocated_bytes.all.peak"] == allocated.peak
+        # Parts peak no higher than the whole: an arena's share, the bytes requested.
+        large = _signatures.STAT_LARGE
+        assert stats.allocated_bytes[large].peak <= allocated.peak
+        assert stats.requested_bytes[_signatures.STAT_ALL].peak <= allocated.peak
+        assert stats.reserved_bytes[large].peak <= reserved.peak
 
         # Emptied, the default pool gives its cache back; the private pool's block stays.
         assert vmm.vmm_empty_cache(0) == 0, _lib.last_error()
         assert vmm.vmm_reset_peak_stats(0) == 0
         after = _device_stats(vmm)
-        assert after.allocated_bytes[_signatures.STAT_ALL].peak == base + 64 * MIB
+        assert after.allocated_bytes[_signatures.STAT_ALL].peak == base + 128 * MIB
         assert after.reserved_bytes[_signatures.STAT_ALL].peak == \
             after.reserved_bytes[_signatures.STAT_ALL].current
     finally:
         vmm.vmm_block_free(b)
         assert vmm.vmm_private_pool_release(0, 77, 3) == 0
+    # The private pool is gone with its block; the GPU's peak is not (PyTorch's never falls
+    # but at a reset).
+    assert vmm.vmm_private_pool_find(0, 77, 3) == -1
+    gone = _device_stats(vmm)
+    assert gone.allocated_bytes[_signatures.STAT_ALL].peak == base + 128 * MIB
+    assert gone.allocated_bytes[_signatures.STAT_ALL].current == base
+    assert vmm.vmm_reset_peak_stats(0) == 0
+    assert _device_stats(vmm).allocated_bytes[_signatures.STAT_ALL].peak == base

@@ -42,6 +42,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <memory>
 #include <mutex>
@@ -625,10 +626,10 @@ class VmmAllocator : public Pluggable {
   }
 
   // torch.cuda.memory.caching_allocator_enable / caching_allocator_disabled(): with caching
-  // off, or with PYTORCH_NO_CUDA_MEMORY_CACHING set (read once, as PyTorch reads it: any
-  // value), every free gives the GPU pool's free memory back at once (Free), where PyTorch's
-  // allocator frees each block with cudaFree. Blocks are still vmm's, so statistics,
-  // snapshots and sends work as with caching on.
+  // off, or with PYTORCH_NO_CUDA_MEMORY_CACHING=1 (ForceUncached), every free gives the GPU
+  // pools' free memory back at once (Free), where PyTorch's allocator frees each block with
+  // cudaFree. Blocks are still vmm's, so statistics, snapshots and sends work as with caching
+  // on.
   void enable(bool value) override { caching_.store(value, std::memory_order_relaxed); }
   bool isEnabled() const override { return caching_.load(std::memory_order_relaxed); }
 
@@ -1097,9 +1098,12 @@ class VmmAllocator : public Pluggable {
       TORCH_WARN("vmm: free failed: ", libvmm.last_error());
     }
     if (!own_pools_only_) TellTools(ptr, -static_cast<int64_t>(size), device);
-    if (C10_UNLIKELY(force_uncached_ || !caching_.load(std::memory_order_relaxed))) {
-      // Caching off: the GPU's pool gives back what is free now, after a device
-      // synchronisation (vmm_empty_cache), as cudaFree waits for the device.
+    if (C10_UNLIKELY(!caching_.load(std::memory_order_relaxed) || ForceUncached()) &&
+        routes_empty_.load(std::memory_order_relaxed)) {
+      // Caching off: the GPU's pools give back what is free now, after a device
+      // synchronisation (vmm_empty_cache), as cudaFree waits for the device. Not while a
+      // route is open (a capture may be under way, which a synchronisation would break): the
+      // memory then goes back at a later free or empty_cache.
       if (libvmm.empty_cache(device) != 0) {
         TORCH_WARN("vmm: giving memory back with caching off failed: ", libvmm.last_error());
       }
@@ -1125,7 +1129,16 @@ class VmmAllocator : public Pluggable {
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
   std::atomic<bool> caching_{true};              // enable() / isEnabled()
-  const bool force_uncached_ = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING") != nullptr;
+
+  // PYTORCH_NO_CUDA_MEMORY_CACHING=1, read once, when first needed (PyTorch reads it at its
+  // first allocation, as a boolean flag: "1" turns caching off, "0" or another value not).
+  static bool ForceUncached() {
+    static const bool force = [] {
+      const char* value = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
+      return value != nullptr && std::strcmp(value, "1") == 0;
+    }();
+    return force;
+  }
   bool closed_ = false;                          // Close() ran: no own pool any more
   std::unordered_map<int, int64_t> own_pools_;  // device -> vmm pool (UseOwnPools)
   std::unordered_map<void*, Restored> restored_;

@@ -52,7 +52,12 @@ def main():
     if torch.cuda.max_memory_allocated() != now:
         errors.append(f"peak {torch.cuda.max_memory_allocated()} with {now} allocated and "
                       f"nothing freed since the reset")
+    # A pool that is gone leaves the GPU's peak where it was.
     del b, c, pool
+    torch.cuda.empty_cache()
+    if torch.cuda.max_memory_allocated() != now:
+        errors.append(f"once the MemPool and its tensors are gone the peak is "
+                      f"{torch.cuda.max_memory_allocated()}, was {now}")
     report(errors)
 
 
