@@ -1115,6 +1115,16 @@ class VmmAllocator : public Pluggable {
     }
   }
 
+  // PYTORCH_NO_CUDA_MEMORY_CACHING=1, read once, when first needed (PyTorch reads it at its
+  // first allocation, as a boolean flag: "1" turns caching off, "0" or another value not).
+  static bool ForceUncached() {
+    static const bool force = [] {
+      const char* value = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
+      return value != nullptr && std::strcmp(value, "1") == 0;
+    }();
+    return force;
+  }
+
   const std::string options_;
   vmm_torch::History history_;
   std::mutex mu_;  // guards what follows (never held while calling PyTorch or the GIL)
@@ -1129,16 +1139,6 @@ class VmmAllocator : public Pluggable {
   std::vector<cca::OutOfMemoryObserver> oom_observers_;
   bool own_pools_only_ = false;                  // set before the allocator is handed out
   std::atomic<bool> caching_{true};              // enable() / isEnabled()
-
-  // PYTORCH_NO_CUDA_MEMORY_CACHING=1, read once, when first needed (PyTorch reads it at its
-  // first allocation, as a boolean flag: "1" turns caching off, "0" or another value not).
-  static bool ForceUncached() {
-    static const bool force = [] {
-      const char* value = std::getenv("PYTORCH_NO_CUDA_MEMORY_CACHING");
-      return value != nullptr && std::strcmp(value, "1") == 0;
-    }();
-    return force;
-  }
   bool closed_ = false;                          // Close() ran: no own pool any more
   std::unordered_map<int, int64_t> own_pools_;  // device -> vmm pool (UseOwnPools)
   std::unordered_map<void*, Restored> restored_;
