@@ -13,7 +13,7 @@
 // PyTorch keeps one peak per device over all its pools; the sum of the pools' peaks is more
 // wherever they peak at different times (a MemPool used after the default pool's tensors are
 // gone). So each sharing pool also adds its allocated and mapped bytes to `allocated()` and
-// `mapped()`, whose peaks are the device's (ProcessState::DeviceStats). Thread safe: atomics,
+// `mapped()`, whose peaks are the GPU's (ProcessState::DeviceStats). Thread safe: atomics,
 // no lock; a peak read while another thread updates may miss that update.
 #ifndef VMM_ALLOCATOR_DEVICE_CAP_H_
 #define VMM_ALLOCATOR_DEVICE_CAP_H_

@@ -439,7 +439,7 @@ PoolStats ProcessState::DeviceStats(int device) {
   const std::vector<PoolRef> pools = DevicePools(device);
   for (const PoolRef& p : pools) AddPoolStats(p.pool->GetStats(), total);
   // The sum of the pools' peaks counts each at its own high, and forgets a pool that is gone;
-  // the cap's joint peak is the device's (pools of another backend than its device pool's do
+  // the cap's joint peak is the GPU's (pools of another backend than its device pool's do
   // not share it: ShareCapLocked).
   if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) {
     total.allocated_bytes.peak = std::max(cap->allocated().peak(), total.allocated_bytes.current);

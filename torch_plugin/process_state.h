@@ -156,12 +156,12 @@ class ProcessState {
   // closed with live blocks) of the same backend (the default one if there is no device pool).
   std::vector<PoolRef> DevicePools(int device);
   // Their statistics as one (AddPoolStats); zeros for an unused device. The peaks of
-  // allocated_bytes and reserved_bytes are the device's (DeviceCap's joint figures: the
+  // allocated_bytes and reserved_bytes are the GPU's (DeviceCap's joint figures: the
   // highest the pools held together, kept when a pool is gone); those of their parts (each
   // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
-  // peaks are the sum of the pools' (at least the device's).
+  // peaks are the sum of the pools' (at least the GPU's).
   PoolStats DeviceStats(int device);
-  // Resets the peaks of the pools of `device` and the device's joint peaks to what is held now.
+  // Resets the peaks of the pools of `device` and the GPU's joint peaks to what is held now.
   void ResetDevicePeaks(int device);
 
   // --- Any pool -----------------------------------------------------------------------------

@@ -8,7 +8,7 @@ again.
 With PyTorch's allocator (NativeCachingAllocator::allocate and raw_deleter: with caching off
 each allocation is a cudaMalloc of its own and its deleter a cudaFree): after
 caching_allocator_enable(False), torch._C._cuda_cudaCachingAllocator_is_enabled() says False;
-a 2 GiB tensor takes at least 2 GiB of the device's free memory (mem_get_info) and gives it
+a 2 GiB tensor takes at least 2 GiB of the GPU's free memory (mem_get_info) and gives it
 back as soon as it is deleted, without empty_cache(); so do 200 tensors of 1 KiB to 8 MiB; every
 tensor holds what was written; a tensor made while caching was on and freed while it is off,
 and one made while it is off and freed once it is on again, go without error; after
@@ -17,7 +17,7 @@ caching_allocator_disabled(), which restores the flag at its end.
 
 Why vmm may differ: vmm's allocator (a CUDAPluggableAllocator subclass, vmm_cuda_allocator.cpp)
 does not override enable() / isEnabled(): the flag may be ignored (or refused), and a freed
-block stays cached in vmm's chunks, so the device's free memory comes back only at
+block stays cached in vmm's chunks, so the GPU's free memory comes back only at
 empty_cache().
 """
 

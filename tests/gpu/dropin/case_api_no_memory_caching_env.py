@@ -6,14 +6,14 @@ os.environ before torch is imported, as launch scripts do.
 
 With PyTorch's allocator (forceUncachedAllocator() reads the variable at the first allocation;
 then every allocation is a cudaMalloc of its own and every free a cudaFree): a 2 GiB tensor
-takes at least 2 GiB of the device's free memory (mem_get_info) and gives it back as soon as it
+takes at least 2 GiB of the GPU's free memory (mem_get_info) and gives it back as soon as it
 is deleted, without empty_cache(); so do 200 tensors of 1 KiB to 8 MiB, a tensor of a side
 stream deleted while that stream still computes on it (the cudaFree waits for the device; the
 result is right) and raw blocks of caching_allocator_alloc / caching_allocator_delete; every
 tensor holds what was written.
 
 Why vmm may differ: the variable is read by PyTorch's own allocator only; vmm's allocator, current
-instead, keeps freed blocks cached in its chunks, so the device's free memory comes back only
+instead, keeps freed blocks cached in its chunks, so the GPU's free memory comes back only
 at empty_cache().
 """
 
