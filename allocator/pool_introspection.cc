@@ -103,23 +103,12 @@ void Pool::ResetPeakStats() {
 
 void Pool::ResetAccumulatedStats() {
   MutexLock lock(&mu_);
-#define VMM_RESET_ACC(name, key, what) stats_.name.ResetAccumulated();
-  VMM_BYTE_STATS(VMM_RESET_ACC)
-  VMM_COUNT_STATS(VMM_RESET_ACC)
-#undef VMM_RESET_ACC
-  for (int a = 0; a < kNumArenas; ++a) {
-#define VMM_RESET_ARENA_ACC(name) stats_.arena[a].name.ResetAccumulated();
-    VMM_TORCH_STATS(VMM_RESET_ARENA_ACC)
-#undef VMM_RESET_ARENA_ACC
-    arenas_[a]->ResetFreeStatAccumulated();
-  }
+  ResetAccumulated(stats_);
+  for (int a = 0; a < kNumArenas; ++a) arenas_[a]->ResetFreeStatAccumulated();
   for (Pending* p : {&pending_, &arena_pending_[kSmallArena], &arena_pending_[kLargeArena]}) {
     p->bytes_at_reset = p->bytes;
     p->blocks_at_reset = p->blocks;
   }
-#define VMM_RESET_COUNTER(name, key, what) stats_.name = 0;
-  VMM_COUNTERS(VMM_RESET_COUNTER)
-#undef VMM_RESET_COUNTER
 }
 
 Snapshot Pool::GetSnapshot() const {

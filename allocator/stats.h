@@ -119,6 +119,46 @@ inline void AddStat(const Stat& s, Stat& t) {
   t.freed += s.freed;
 }
 
+// Every statistic's cumulative figures and every counter back to 0 (current and peak stay).
+inline void ResetAccumulated(PoolStats& stats) {
+#define VMM_RESET_ACC(name, key, what) stats.name.ResetAccumulated();
+  VMM_BYTE_STATS(VMM_RESET_ACC)
+  VMM_COUNT_STATS(VMM_RESET_ACC)
+#undef VMM_RESET_ACC
+  for (int a = 0; a < kNumArenas; ++a) {
+#define VMM_RESET_ARENA_ACC(name) stats.arena[a].name.ResetAccumulated();
+    VMM_TORCH_STATS(VMM_RESET_ARENA_ACC)
+#undef VMM_RESET_ARENA_ACC
+  }
+#define VMM_RESET_COUNTER(name, key, what) stats.name = 0;
+  VMM_COUNTERS(VMM_RESET_COUNTER)
+#undef VMM_RESET_COUNTER
+}
+
+// What a pool that is gone leaves in its GPU's statistics (PyTorch's totals never fall): its
+// cumulative figures, what it still held counted as freed, and its counters; nothing current
+// and no peak (the GPU's byte peaks are kept apart: device_cap.h).
+inline PoolStats RetiredStats(const PoolStats& pool) {
+  PoolStats out;
+  auto retire = [](const Stat& s, Stat& t) {
+    t.allocated = s.allocated;
+    t.freed = s.freed + s.current;
+  };
+#define VMM_RETIRE_STAT(name, key, what) retire(pool.name, out.name);
+  VMM_BYTE_STATS(VMM_RETIRE_STAT)
+  VMM_COUNT_STATS(VMM_RETIRE_STAT)
+#undef VMM_RETIRE_STAT
+  for (int a = 0; a < kNumArenas; ++a) {
+#define VMM_RETIRE_ARENA_STAT(name) retire(pool.arena[a].name, out.arena[a].name);
+    VMM_TORCH_STATS(VMM_RETIRE_ARENA_STAT)
+#undef VMM_RETIRE_ARENA_STAT
+  }
+#define VMM_RETIRE_COUNTER(name, key, what) out.name = pool.name;
+  VMM_COUNTERS(VMM_RETIRE_COUNTER)
+#undef VMM_RETIRE_COUNTER
+  return out;
+}
+
 // Adds the statistics of one more pool to `total` (the statistics of several pools as one, e.g.
 // a GPU's): every field of a Stat and every counter is summed, so a peak is the sum of the
 // pools' peaks (at least the peak of the sum, and equal to it when one pool alone allocated);

@@ -144,6 +144,7 @@ void ProcessState::AbandonParentsDevicePools() {
   // The parent's pools count in the parent's caps (which they keep); the child's own pools
   // start fresh ones.
   for (auto& cap : caps_) cap = nullptr;
+  retired_.fill(PoolStats{});  // the parent's pools that are gone are not this process's
   external_held_.fill(0);  // the parent's other allocators' segments are not this process's
 }
 
@@ -388,6 +389,7 @@ absl::StatusOr<int> ProcessState::ReleasePrivatePool(int device, uint64_t id0, u
     MutexLock lock(&mu_);
     if (!entry->closed) CloseLocked(entry, &doomed);
   }
+  Retire(doomed);
   if (doomed == nullptr) {
     // Blocks are left: what is cached goes now, the rest with the pool (BlockGone).
     absl::Status emptied = entry->pool->EmptyCache();
@@ -438,6 +440,10 @@ PoolStats ProcessState::DeviceStats(int device) {
   PoolStats total;
   const std::vector<PoolRef> pools = DevicePools(device);
   for (const PoolRef& p : pools) AddPoolStats(p.pool->GetStats(), total);
+  if (device >= 0 && device < kMaxDevices) {
+    MutexLock lock(&mu_);
+    AddPoolStats(retired_[device], total);  // the totals of private pools that are gone
+  }
   // The sum of the pools' peaks counts each at its own high, and forgets a pool that is gone;
   // the cap's joint peak is the GPU's (pools of another backend than its device pool's do
   // not share it: ShareCapLocked).
@@ -459,6 +465,13 @@ PoolStats ProcessState::DeviceStats(int device) {
   return total;
 }
 
+void ProcessState::ResetDeviceAccumulated(int device) {
+  for (const PoolRef& p : DevicePools(device)) p.pool->ResetAccumulatedStats();
+  if (device < 0 || device >= kMaxDevices) return;
+  MutexLock lock(&mu_);
+  ResetAccumulated(retired_[device]);
+}
+
 void ProcessState::ResetDevicePeaks(int device) {
   for (const PoolRef& p : DevicePools(device)) p.pool->ResetPeakStats();
   if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) cap->ResetPeaks();
@@ -474,15 +487,32 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
   if (entry->live.fetch_sub(1) != 1) return;
   // The last live block of an explicit pool: destroy the pool if it was closed.
   std::shared_ptr<ExplicitPool> doomed;  // destroyed after the lock is released
-  MutexLock lock(&mu_);
-  if (!entry->closed) return;
-  for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
-    if (it->second == entry) {
-      doomed = std::move(it->second);
-      explicit_.erase(it);
-      break;
+  {
+    MutexLock lock(&mu_);
+    if (!entry->closed) return;
+    for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
+      if (it->second == entry) {
+        doomed = std::move(it->second);
+        explicit_.erase(it);
+        break;
+      }
     }
   }
+  Retire(doomed);
+}
+
+void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
+  if (doomed == nullptr || !doomed->is_private) return;
+  const int device = doomed->pool->device();
+  if (device < 0 || device >= kMaxDevices) return;
+  const PoolStats stats = doomed->pool->GetStats();
+  MutexLock lock(&mu_);
+  // Counted as DevicePools counts: a pool of another backend than the GPU's is not its own.
+  if (Pool* gpu = device_pools_[device].load(std::memory_order_relaxed);
+      gpu != nullptr && gpu->driver() != doomed->pool->driver()) {
+    return;
+  }
+  AddPoolStats(RetiredStats(stats), retired_[device]);
 }
 
 ProcessState::PoolRef ProcessState::Owner(const void* ptr) {

@@ -161,6 +161,9 @@ class ProcessState {
   // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
   // peaks are the sum of the pools' (at least the GPU's).
   PoolStats DeviceStats(int device);
+  // Resets the cumulative figures and counters of the pools of `device`, and those that
+  // private pools that are gone left in its statistics.
+  void ResetDeviceAccumulated(int device);
   // Resets the peaks of the pools of `device` and the GPU's joint peaks to what is held now.
   void ResetDevicePeaks(int device);
 
@@ -320,6 +323,9 @@ class ProcessState {
   // A block of `entry` went (freed, or its allocation failed): destroys the pool if it was
   // closed and this was its last block.
   void BlockGone(const std::shared_ptr<ExplicitPool>& entry);
+  // A pool about to be destroyed (`doomed`, null for none): a private pool's totals stay in
+  // its GPU's statistics (retired_; PyTorch's never fall).
+  void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(mu_);
   // In a forked child: moves the parent's device pools to abandoned_.
   void AbandonParentsDevicePools() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -333,6 +339,8 @@ class ProcessState {
   std::array<std::shared_ptr<DeviceCap>, kMaxDevices> caps_ ABSL_GUARDED_BY(mu_){};
   // What other allocators hold in caps_, by device (HoldExternal).
   std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
+  // What private pools that are gone left in their GPU's statistics, by device (Retire).
+  std::array<PoolStats, kMaxDevices> retired_ ABSL_GUARDED_BY(mu_){};
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
   // Private pools by (device, MempoolId): the pool (also in explicit_) and its uses (> 0).

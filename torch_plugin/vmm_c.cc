@@ -242,9 +242,7 @@ int vmm_reset_peak_stats(int device) {
 }
 
 int vmm_reset_accumulated_stats(int device) {
-  for (const vmm::ProcessState::PoolRef& p : State().DevicePools(device)) {
-    p.pool->ResetAccumulatedStats();
-  }
+  State().ResetDeviceAccumulated(device);
   return 0;
 }
 

@@ -181,5 +181,17 @@ def test_the_devices_peaks_are_what_its_pools_held_together(vmm):
     gone = _device_stats(vmm)
     assert gone.allocated_bytes[_signatures.STAT_ALL].peak == base + 128 * MIB
     assert gone.allocated_bytes[_signatures.STAT_ALL].current == base
+    # Nor are its totals: what it allocated stays counted, and freed.
+    whole = _signatures.STAT_ALL
+    assert gone.allocated_bytes[whole].allocated - before.allocated_bytes[whole].allocated \
+        == 192 * MIB
+    assert gone.allocated_bytes[whole].freed - before.allocated_bytes[whole].freed == 192 * MIB
+    assert gone.allocation[whole].allocated - before.allocation[whole].allocated == 2
+    assert gone.segment[whole].freed >= gone.segment[whole].allocated - \
+        gone.segment[whole].current
+    assert vmm.vmm_reset_accumulated_stats(0) == 0
+    cleared = _device_stats(vmm)
+    assert cleared.allocated_bytes[whole].allocated == 0
+    assert cleared.allocation[whole].freed == 0
     assert vmm.vmm_reset_peak_stats(0) == 0
     assert _device_stats(vmm).allocated_bytes[_signatures.STAT_ALL].peak == base
