@@ -219,13 +219,14 @@ std::shared_ptr<DeviceCap> ProcessState::CapForLocked(int device) {
   return caps_[device];
 }
 
+bool ProcessState::OfAnotherBackendLocked(int device, const Pool& pool) const {
+  const Pool* gpu = device_pools_[device].load(std::memory_order_relaxed);
+  return gpu != nullptr && gpu != &pool && gpu->driver() != pool.driver();
+}
+
 absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
-  // A pool of another backend than the GPU's device pool (the host backend's, in tests on a
-  // GPU machine) holds none of that GPU's memory: neither its fraction nor its figures.
-  if (Pool* gpu = device_pools_[device].load(std::memory_order_relaxed);
-      gpu != nullptr && gpu != &pool && gpu->driver() != pool.driver()) {
-    return absl::OkStatus();
-  }
+  // Neither the GPU's fraction nor its figures for a pool of another backend.
+  if (OfAnotherBackendLocked(device, pool)) return absl::OkStatus();
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
   pool.ShareDeviceCap(cap);
   if (fractions_[device] > 0) {
@@ -507,11 +508,7 @@ void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
   if (device < 0 || device >= kMaxDevices) return;
   const PoolStats stats = doomed->pool->GetStats();
   MutexLock lock(&mu_);
-  // Counted as DevicePools counts: a pool of another backend than the GPU's is not its own.
-  if (Pool* gpu = device_pools_[device].load(std::memory_order_relaxed);
-      gpu != nullptr && gpu->driver() != doomed->pool->driver()) {
-    return;
-  }
+  if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either
   AddPoolStats(RetiredStats(stats), retired_[device]);
 }
 

@@ -301,6 +301,11 @@ class ProcessState {
 
   // The cap of GPU `device` (caps_), made on first use.
   std::shared_ptr<DeviceCap> CapForLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `pool` is of another backend than the device pool of `device` (the host backend's,
+  // in tests on a GPU machine): it holds none of that GPU's memory, so neither its memory
+  // fraction nor its statistics count it.
+  bool OfAnotherBackendLocked(int device, const Pool& pool) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The cap of `device` if it has one (none made), else null.
   std::shared_ptr<DeviceCap> CapOf(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Sets caps_[device]'s limit from fractions_[device] and the GPU's memory as the default
