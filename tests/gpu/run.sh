@@ -39,7 +39,7 @@
 #              dist     vmm_torch.distributed against torch.distributed, 4 ranks on the GPU;
 #              train    the training loop under native (twice), expandable-segments and vmm
 #                       (single-chunk growth, the plugin's default, and large_page=8M),
-#                       TRAIN_STEPS (300) steps, compared;
+#                       TRAIN_STEPS (300) steps, TRAIN_ROUNDS (1) interleaved rounds, compared;
 #                       then the stats tools on vmm's dump.
 #   compare  this build against .gpu/before (built by `BEFORE=<git-rev> tests/gpu/prepare.sh`),
 #            interleaved, which goes first alternating: the cached alloc+free pair (pool_bench,
@@ -313,14 +313,28 @@ train_run() {
 
 # Deterministic kernels: vmm's losses must equal native's bit for bit. Native runs twice:
 # native_repeat shows whether native itself is reproducible, the comparison's noise floor.
+# TRAIN_ROUNDS=N (default 1) runs the allocators N times, interleaved (round r > 1 labels its
+# runs LABEL_rR): a slow spell of the machine then falls on every allocator alike, and the
+# comparison gives each one's fastest round over native's.
 bench_train() {
   rm -f "$logs"/train_*.json
-  train_run native -u PYTORCH_CUDA_ALLOC_CONF -- --allocator native
-  train_run native_repeat -u PYTORCH_CUDA_ALLOC_CONF -- --allocator native
-  train_run expandable PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- --allocator expandable
-  train_run vmm -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm --dump "$logs/vmm_dump.json"
-  train_run vmm_large_page_8M -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm \
-    --vmm-option large_page=8M
+  local round sfx
+  for ((round = 1; round <= ${TRAIN_ROUNDS:-1}; round++)); do
+    sfx=
+    ((round == 1)) || sfx=_r$round
+    train_run native$sfx -u PYTORCH_CUDA_ALLOC_CONF -- --allocator native
+    ((round > 1)) ||
+      train_run native_repeat -u PYTORCH_CUDA_ALLOC_CONF -- --allocator native
+    train_run expandable$sfx PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True -- \
+      --allocator expandable
+    if ((round == 1)); then
+      train_run vmm -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm --dump "$logs/vmm_dump.json"
+    else
+      train_run vmm$sfx -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm
+    fi
+    train_run vmm_large_page_8M$sfx -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm \
+      --vmm-option large_page=8M
+  done
   step train_compare 20 python3 bench/compare_training.py "$logs"/train_*.json
   step stats_summary 60 python3 -m vmm_torch.stats summarize "$logs/vmm_dump.json"
   step stats_render 60 python3 -m vmm_torch.stats render "$logs/vmm_dump.json" \
