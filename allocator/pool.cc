@@ -111,6 +111,7 @@ absl::Status Pool::Init() {
     if (options_.growth_page == kAutoSize) options_.growth_page = observer_ ? page : 4 * page;
     options_.growth_page =
         std::clamp(options_.growth_page, page, std::max(page, options_.max_chunk)) / page * page;
+    plan_unit_ = PlanUnit(page, granularity_);
   }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   size_t reserve = options_.reserve_size;
@@ -441,15 +442,15 @@ absl::Status Pool::RecordStream(void* ptr, Stream stream) {
 
 absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool dedicated) {
   // The large arena grows in chunks of whole pages (large_page; several pages until the first
-  // move, GrowthChunk), which a later miss may move (reclaim_policy.h); blocks with chunks of
-  // their own keep one chunk of up to max_chunk.
-  const size_t page = options_.large_page;
-  const bool paged = !dedicated && &arena == &large_ && page != 0;
-  size_t unit = paged ? page : granularity_;
+  // move, GrowthChunk), planned in half pages (growth_policy.h PlanUnit: the last chunk may be
+  // half a page), which a later miss may move (reclaim_policy.h); blocks with chunks of their
+  // own keep one chunk of up to max_chunk.
+  const bool paged = !dedicated && &arena == &large_ && options_.large_page != 0;
+  bool in_units = paged;  // planned in plan_unit_s: what the moves below need
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
   ReclaimRequest request;
   request.arena = &large_;
-  request.page = page;
+  request.page = plan_unit_;
   request.chunks = &chunks_;
   request.requester = stream;
   const bool may_move = paged && !keep_memory_;
@@ -458,13 +459,15 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) >
                         stats_.allocated_bytes.peak;
   auto cost = [&](const Arena::GrowthPlan& p) {
-    return may_move && unit == page ? GrowthCost(movable, p, new_high) : p.len;
+    return may_move ? GrowthCost(movable, p, new_high) : p.len;
   };
+  size_t unit = paged ? plan_unit_ : granularity_;
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
   if (!plan && paged) {
-    // No gap holds the request in whole pages (a small range): plan it to granularity, the
-    // last chunk shorter than a page (never moved), and move nothing for it.
+    // No gap holds the request in whole units (a small range): plan it to granularity, the
+    // last chunk shorter than a unit (never moved), and move nothing for it.
     unit = granularity_;
+    in_units = false;
     plan = arena.PlanGrowth(n, stream, unit, dedicated);
   }
   if (!plan) {
@@ -472,7 +475,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
         absl::StrCat("no gap of ", FormatBytes(n), " left in the pool's reserved address range"));
   }
   ReclaimChoice reclaim;
-  if (may_move && unit == page) {
+  if (may_move && in_units) {
     request.exclude_lo = plan->gap->prev;
     request.exclude_hi = plan->gap->next;
     request.needed = plan->len;
@@ -507,7 +510,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
           FormatBytes(memory_limit_)));
     }
     return chunks_.MapRange(p.addr + moved, fresh, dedicated, stats_,
-                            paged ? GrowthChunk(n, unit, fresh) : 0);
+                            paged ? GrowthChunk(n, in_units, fresh) : 0);
   };
   absl::Status mapped = try_map(*plan);
   if (!mapped.ok() && plan->len > needed) {
@@ -541,10 +544,10 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   return arena.CommitGrowth(*plan, stream, dedicated);
 }
 
-size_t Pool::GrowthChunk(size_t n, size_t unit, size_t fresh) {
+size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   const size_t page = options_.large_page;
-  // A growth planned to granularity (no gap held the request in whole pages) stays in pages.
-  if (short_of_memory_ || unit != page || options_.growth_page <= page) return page;
+  // A growth planned to granularity (no gap held the request in whole units) stays in pages.
+  if (short_of_memory_ || !in_units || options_.growth_page <= page) return page;
   // Once memory has moved, single pages, but for a request of kLargeRequestChunks growth
   // chunks or more (pool_options.h growth_page).
   if (moved_memory_ && n / kLargeRequestChunks < options_.growth_page) return page;

@@ -69,7 +69,9 @@ struct PoolOptions {
   // is unmapped there and mapped where the request goes; paged growth is exact
   // (growth_fraction and max_growth_extra do not apply). Smaller pages leave less free memory
   // stranded in partly used chunks; larger ones make fewer driver calls per byte grown or
-  // moved, and give an exported block fewer handles.
+  // moved, and give an exported block fewer handles. A growth is planned in half pages
+  // (growth_policy.h PlanUnit): its last chunk is half a page where the request ends in the
+  // first half of one.
   // 8 MiB kept peak reserved / peak allocated within 1.000-1.014 on every trace of
   // bench/traces.py (16 MiB: up to 1.030, 32 MiB: up to 1.055) at about twice the driver
   // calls of 16 MiB (bench/README.md). kAutoSize (the default): 8 MiB for a pool made without

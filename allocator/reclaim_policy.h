@@ -6,8 +6,9 @@
 // that back free space elsewhere in the large arena: each such chunk is unmapped where it is
 // and mapped where the request goes (Pool::Grow, ChunkMap::Move), so the pool's physical
 // memory does not grow while free memory it already holds could serve the request. The large
-// arena's growth is made of chunks of `large_page` bytes (pool_options.h) so that free space
-// there becomes movable page by page; until the pool first moves memory (after it, for
+// arena's growth is made of chunks of `large_page` bytes (pool_options.h), the last one of a
+// growth half a page where that is all the request needs (growth_policy.h PlanUnit), so that
+// free space there becomes movable page by page; until the pool first moves memory (after it, for
 // requests of 1 GiB or more by default), of chunks of up to `growth_page` (several pages),
 // which move whole.
 //
@@ -24,8 +25,9 @@
 //      tagged with other streams are never taken: their work is not known complete.
 //   4. Not from the free blocks the growth plan attaches to (its gap's neighbours): the plan
 //      extends them, and taking memory out of them would change the plan.
-//   5. Only chunks of a whole number of `page` bytes (large_page: what the large arena grows
-//      by, so free space there is made of them; growth_page chunks hold several), each moved
+//   5. Only chunks of a whole number of `page` bytes (the plan unit, half of large_page:
+//      what the large arena's growth is planned in, so free space there is made of them;
+//      pages hold two, growth_page chunks several), each moved
 //      whole, laid end to end from the start of the planned range; they add up to no more
 //      than it needs (the rest is created fresh), so a chunk larger than what is still
 //      needed stays where it is.

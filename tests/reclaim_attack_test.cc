@@ -1049,16 +1049,16 @@ TEST_F(ReclaimAttack, PageRoundingMakesARequestThatFitsTheRangeFail) {
   }
 }
 
-// A memory limit that is not a multiple of the page: the pool can use only whole pages of it
-// (pool.h); the refusal is clean and the pool stays usable.
+// A memory limit that is not a multiple of the half page growth is planned in: the pool can use
+// only whole half pages of it (pool.h); the refusal is clean and the pool stays usable.
 TEST_F(ReclaimAttack, MemoryLimitBetweenPagesRefusesWhatFits) {
   for (size_t page : {size_t{0}, size_t{8} << 20}) {
     SCOPED_TRACE(absl::StrCat("large_page ", page));
     PoolOptions options;
-    options.memory_limit = 12 * kMiB;
+    options.memory_limit = 10 * kMiB;
     options.large_page = page;
     auto pool = MakePool(options);
-    absl::StatusOr<void*> p = pool->Allocate(9 * kMiB, 0);  // 10 MiB of chunks would do
+    absl::StatusOr<void*> p = pool->Allocate(9 * kMiB, 0);  // 10 MiB of chunks would do, not 12
     if (page != 0) {
       EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
       ASSERT_OK(pool->CheckInvariants());

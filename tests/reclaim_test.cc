@@ -13,6 +13,7 @@
 
 #include "allocator/driver_factory.h"
 #include "allocator/forwarding_driver.h"
+#include "allocator/growth_policy.h"
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
 #include "allocator/reclaim_policy.h"
@@ -95,7 +96,7 @@ bool Filled(const void* p, size_t n, unsigned char value) {
 }
 
 // With pages, growth is exact whatever growth_fraction says (growth_policy.h): extra pages
-// would only be free memory in peak reserved.
+// would only be free memory in peak reserved. It is planned in half pages (PlanUnit).
 TEST_F(ReclaimTest, PagedGrowthMapsOnlyWhatTheRequestNeeds) {
   PoolOptions options;
   options.large_page = kPage;
@@ -105,8 +106,8 @@ TEST_F(ReclaimTest, PagedGrowthMapsOnlyWhatTheRequestNeeds) {
   auto pool = CreatePoolOrFail(driver_, options);
   ASSERT_NE(pool, nullptr);
   void* a = Alloc(*pool, 12 * kMiB);
-  void* b = Alloc(*pool, 10 * kMiB);  // rounded up to whole pages: 12 MiB
-  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  void* b = Alloc(*pool, 9 * kMiB);  // rounded up to half pages: two pages and a half, 10 MiB
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(22 * kMiB));
   EXPECT_EQ(pool->GetStats().segment.current, 6);
   for (void* p : {a, b}) EXPECT_OK(pool->Free(p));
 }
@@ -124,33 +125,34 @@ TEST_F(ReclaimTest, DefaultsPageTheLargeArenaAndKeepTheSmallArenaSmall) {
   void* kv_page = Alloc(*pool, 512 * 1024);
   EXPECT_TRUE(pool->InSmallArena(tiny));
   EXPECT_FALSE(pool->InSmallArena(kv_page));
-  // The rest of kv_page's 8 MiB page and two more pages, as one chunk: the pool has not
-  // moved memory yet, and 16 MiB is the largest power-of-two number of pages within 20 MiB.
+  // kv_page took a chunk of half a page (growth is planned in half pages). Then the rest of
+  // it and 20 MiB more: a chunk of two pages (the pool has not moved memory yet, and 16 MiB
+  // is the largest power-of-two number of pages within 20 MiB) and a half page.
   void* big = Alloc(*pool, 20 * kMiB);
   const PoolStats stats = pool->GetStats();
-  // The small arena's 2 MiB chunk, an 8 MiB page and a chunk of two pages.
+  // The small arena's 2 MiB chunk, 4 MiB, 16 MiB and 4 MiB.
   EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(26 * kMiB));
-  EXPECT_EQ(stats.segment.current, 3);
+  EXPECT_EQ(stats.segment.current, 4);
   for (void* p : {tiny, kv_page, big}) EXPECT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
 }
 
-// Near a limit the rounding to pages counts (pool.h): 18 MiB under a 20 MiB limit needs three
-// 8 MiB pages and fails cleanly, the pool staying usable; without pages it fits.
-TEST_F(ReclaimTest, NearALimitAPagedGrowthRoundsToWholePages) {
+// Near a limit the rounding to half pages counts (pool.h): 21 MiB under a 22 MiB limit needs
+// six 4 MiB halves and fails cleanly, the pool staying usable; without pages it fits.
+TEST_F(ReclaimTest, NearALimitAPagedGrowthRoundsToHalfPages) {
   for (size_t page : {size_t{8} << 20, size_t{0}}) {
     SCOPED_TRACE(page);
     PoolOptions options;
     options.large_page = page;
     options.reserve_size = 1024 * kMiB;
-    options.memory_limit = 20 * kMiB;
+    options.memory_limit = 22 * kMiB;
     auto pool = CreatePoolOrFail(driver_, options);
     ASSERT_NE(pool, nullptr);
-    absl::StatusOr<void*> p = pool->Allocate(18 * kMiB, 0);
+    absl::StatusOr<void*> p = pool->Allocate(21 * kMiB, 0);
     if (page != 0) {
       EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
       EXPECT_OK(pool->CheckInvariants());
-      p = pool->Allocate(16 * kMiB, 0);
+      p = pool->Allocate(20 * kMiB, 0);
     }
     ASSERT_OK(p.status());
     EXPECT_OK(pool->Free(*p));
@@ -230,6 +232,16 @@ TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
 
 // GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
 // are taken, plus a sixty-fourth of its length at a new allocated high, a half below it.
+// Half a page where that is whole granules (so it divides the page), else the page.
+TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
+  EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB), 4 * kMiB);
+  EXPECT_EQ(PlanUnit(4 * kMiB, 2 * kMiB), 2 * kMiB);
+  EXPECT_EQ(PlanUnit(12 * kMiB, 2 * kMiB), 6 * kMiB);
+  EXPECT_EQ(PlanUnit(2 * kMiB, 2 * kMiB), 2 * kMiB);   // one granule
+  EXPECT_EQ(PlanUnit(6 * kMiB, 2 * kMiB), 6 * kMiB);   // three granules
+  EXPECT_EQ(PlanUnit(64 * kMiB, 64 * kMiB), 64 * kMiB);
+}
+
 TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   Block left, gap, right, elsewhere;
   gap.prev = &left;
@@ -324,6 +336,33 @@ TEST_F(ReclaimTest, AMissTakesWhollyFreePagesInsteadOfGrowing) {
   EXPECT_OK(pool->CheckInvariants());
   ASSERT_OK(pool->EmptyCache());
   EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+}
+
+// A growth is planned in half pages (growth_policy.h PlanUnit): a request that ends in the
+// first half of a page gets a last chunk of half a page, not a page whose free rest would share
+// a chunk with it. Once free, that half page moves like a page.
+TEST_F(ReclaimTest, AGrowthEndsInAHalfPageThatMovesOnceFree) {
+  auto pool = MakePool();  // 4 MiB pages, planned in 2 MiB halves
+  void* a = Alloc(*pool, kPage + kPage / 2);  // a page and a half page
+  void* b = Alloc(*pool, kPage);              // a page after it, live
+  PoolStats before = pool->GetStats();
+  EXPECT_EQ(before.reserved_bytes.current, static_cast<int64_t>(2 * kPage + kPage / 2));
+  EXPECT_EQ(before.segment.current, 3);
+  ASSERT_OK(pool->Free(a));
+  before = pool->GetStats();
+  // Nothing free fits 3 pages: the miss takes a's page and half page and creates the rest.
+  void* c = Alloc(*pool, 3 * kPage);
+  ASSERT_NE(c, nullptr);
+  std::memset(c, 0xcc, 3 * kPage);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
+  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(kPage + kPage / 2));
+  EXPECT_EQ(after.reserved_bytes.current,
+            before.reserved_bytes.current + static_cast<int64_t>(kPage + kPage / 2));
+  EXPECT_TRUE(Filled(c, 3 * kPage, 0xcc));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {b, c}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
 }
 
 // Until a miss first moves memory, a paged growth is made of chunks of the largest
