@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 
 #include "absl/status/status.h"
 #include "allocator/fork_guard.h"
@@ -106,6 +107,45 @@ TEST_F(ForkTest, ChildDevicePoolsAreItsOwnAndParentDataSurvives) {
     ASSERT_EQ(bytes[i], 0xAA) << "the child's allocation overwrote the parent's at " << i;
   }
   EXPECT_EQ(*state.DevicePool(0), *parent_pool) << "the parent keeps its pool";
+  ASSERT_TRUE(state.FreeBlock(parent_block).ok());
+  unsetenv("VMM_BACKEND");
+}
+
+// A child whose first pool is a private one (a CUDA graph's or a MemPool's, made before any
+// device pool of its own): that pool counts against a cap of the child's, and the child's
+// statistics hold only its own pools, not the parent's device pool, private pools or gone
+// pools.
+TEST_F(ForkTest, AChildsFirstPrivatePoolStartsItsOwnStatistics) {
+  setenv("VMM_BACKEND", "host", 1);
+  ProcessState state;
+  absl::StatusOr<Pool*> parent_pool = state.DevicePool(0);
+  ASSERT_TRUE(parent_pool.ok()) << parent_pool.status();
+  void* parent_block = *(*parent_pool)->Allocate(8 * kMiB, 0);
+  absl::StatusOr<int64_t> parent_private = state.UsePrivatePool(std::nullopt, 0, 7, 7, "");
+  ASSERT_TRUE(parent_private.ok()) << parent_private.status();
+  void* parent_private_block = *state.PoolAllocate(*parent_private, 2 * kMiB, 0, false);
+  ASSERT_EQ(state.DeviceStats(0).allocated_bytes.current, static_cast<int64_t>(10 * kMiB));
+  const int rc = InForkedChild([&] {
+    absl::StatusOr<int64_t> id = state.UsePrivatePool(std::nullopt, 0, 1, 1, "");
+    if (!id.ok()) return 1;
+    absl::StatusOr<void*> p = state.PoolAllocate(*id, 4 * kMiB, 0, false);
+    if (!p.ok()) return 2;
+    const PoolStats stats = state.DeviceStats(0);
+    if (stats.allocated_bytes.current != static_cast<int64_t>(4 * kMiB)) return 3;
+    if (stats.allocated_bytes.peak != static_cast<int64_t>(4 * kMiB)) return 4;
+    if (!state.FreeBlock(*p).ok()) return 5;
+    if (state.DeviceStats(0).allocated_bytes.current != 0) return 6;
+    // The child's device pool, made after, shares the child's cap.
+    absl::StatusOr<void*> q = state.DeviceAllocate(0, 2 * kMiB, 0);
+    if (!q.ok()) return 7;
+    if (state.DeviceStats(0).allocated_bytes.peak != static_cast<int64_t>(4 * kMiB)) return 8;
+    if (!state.FreeBlock(*q).ok()) return 9;
+    return 0;
+  });
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(state.DeviceStats(0).allocated_bytes.current, static_cast<int64_t>(10 * kMiB))
+      << "the parent's figures are its own";
+  ASSERT_TRUE(state.FreeBlock(parent_private_block).ok());
   ASSERT_TRUE(state.FreeBlock(parent_block).ok());
   unsetenv("VMM_BACKEND");
 }

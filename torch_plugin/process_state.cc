@@ -146,6 +146,11 @@ void ProcessState::AbandonParentsDevicePools() {
   for (auto& cap : caps_) cap = nullptr;
   retired_.fill(PoolStats{});  // the parent's pools that are gone are not this process's
   external_held_.fill(0);  // the parent's other allocators' segments are not this process's
+  generation_ = ForkGeneration();
+}
+
+void ProcessState::AdoptForkLocked() {
+  if (ABSL_PREDICT_FALSE(generation_ != ForkGeneration())) AbandonParentsDevicePools();
 }
 
 absl::StatusOr<void*> ProcessState::DeviceAllocate(int device, size_t size, Stream stream) {
@@ -193,6 +198,7 @@ void ProcessState::SetCapFromDefaultDriverLocked(int device) {
 absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   MutexLock lock(&mu_);
+  AdoptForkLocked();
   const bool fresh = caps_[device] == nullptr;
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
   if (fresh && fractions_[device] > 0) SetCapFromDefaultDriverLocked(device);
@@ -215,6 +221,7 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
 }
 
 std::shared_ptr<DeviceCap> ProcessState::CapForLocked(int device) {
+  AdoptForkLocked();
   if (caps_[device] == nullptr) caps_[device] = std::make_shared<DeviceCap>();
   return caps_[device];
 }
@@ -225,6 +232,7 @@ bool ProcessState::OfAnotherBackendLocked(int device, const Pool& pool) const {
 }
 
 absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
+  AdoptForkLocked();
   // Neither the GPU's fraction nor its figures for a pool of another backend.
   if (OfAnotherBackendLocked(device, pool)) return absl::OkStatus();
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
@@ -420,6 +428,7 @@ absl::StatusOr<int64_t> ProcessState::FindPrivatePool(int device, uint64_t id0, 
 std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device) {
   std::vector<PoolRef> out;
   Pool* device_pool = DevicePoolIfAny(device);
+  if (device_pool != nullptr && device_pool->made_before_fork()) device_pool = nullptr;  // the parent's
   Driver* driver = nullptr;
   if (device_pool != nullptr) {
     out.push_back(PoolRef{device_pool, nullptr});
@@ -429,7 +438,7 @@ std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device) {
   }
   MutexLock lock(&mu_);
   for (auto& [id, e] : explicit_) {
-    if (e->is_private && e->pool->device() == device &&
+    if (e->is_private && e->pool->device() == device && !e->pool->made_before_fork() &&
         (driver == nullptr || e->pool->driver() == driver)) {
       out.push_back(PoolRef{e->pool.get(), e});
     }
@@ -443,6 +452,7 @@ PoolStats ProcessState::DeviceStats(int device) {
   for (const PoolRef& p : pools) AddPoolStats(p.pool->GetStats(), total);
   if (device >= 0 && device < kMaxDevices) {
     MutexLock lock(&mu_);
+    AdoptForkLocked();
     AddPoolStats(retired_[device], total);  // the totals of private pools that are gone
   }
   // The sum of the pools' peaks counts each at its own high, and forgets a pool that is gone;
@@ -470,6 +480,7 @@ void ProcessState::ResetDeviceAccumulated(int device) {
   for (const PoolRef& p : DevicePools(device)) p.pool->ResetAccumulatedStats();
   if (device < 0 || device >= kMaxDevices) return;
   MutexLock lock(&mu_);
+  AdoptForkLocked();
   ResetAccumulated(retired_[device]);
 }
 
@@ -481,6 +492,7 @@ void ProcessState::ResetDevicePeaks(int device) {
 std::shared_ptr<DeviceCap> ProcessState::CapOf(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   MutexLock lock(&mu_);
+  AdoptForkLocked();
   return caps_[device];
 }
 
@@ -508,6 +520,8 @@ void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
   if (device < 0 || device >= kMaxDevices) return;
   const PoolStats stats = doomed->pool->GetStats();
   MutexLock lock(&mu_);
+  AdoptForkLocked();
+  if (doomed->pool->made_before_fork()) return;  // the parent's, counted in the parent
   if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either
   AddPoolStats(RetiredStats(stats), retired_[device]);
 }

@@ -30,6 +30,9 @@
 // stay, never used for allocation again, so that blocks made before the fork can still be
 // freed (and read: on the host backend they are the parent's memory, shared). Explicit pools
 // made before the fork refuse to allocate or export in the child (Pool: FailedPrecondition).
+// The child's per-GPU state (memory-fraction caps, joint peaks, the totals of gone pools,
+// other allocators' holdings) starts empty at its first pool of any kind, a private pool
+// included, and its statistics count only pools it made (AdoptForkLocked).
 //
 // Errors: InvalidArgument for bad ids, devices, options and pointers; FailedPrecondition for
 // calls in the wrong state (Configure after the first allocation); the pools' and the driver's
@@ -58,6 +61,7 @@
 #include "absl/time/time.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver.h"
+#include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/pool.h"
 #include "allocator/send_ledger.h"
@@ -331,8 +335,14 @@ class ProcessState {
   // A pool about to be destroyed (`doomed`, null for none): a private pool's totals stay in
   // its GPU's statistics (retired_; PyTorch's never fall).
   void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(mu_);
-  // In a forked child: moves the parent's device pools to abandoned_.
+  // In a forked child: moves the parent's device pools to abandoned_ and drops the parent's
+  // caps, retired totals and other allocators' holdings.
   void AbandonParentsDevicePools() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AbandonParentsDevicePools once, the first time a forked child reads or makes per-GPU
+  // state (a cap, the retired totals, other allocators' holdings), whichever pool it makes
+  // first: a private pool made before the child's first device pool must not count against
+  // the parent's cap, nor the child's statistics include the parent's.
+  void AdoptForkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::array<std::atomic<Pool*>, kMaxDevices> device_pools_{};
   mutable Mutex mu_;
@@ -346,6 +356,8 @@ class ProcessState {
   std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
   // What private pools that are gone left in their GPU's statistics, by device (Retire).
   std::array<PoolStats, kMaxDevices> retired_ ABSL_GUARDED_BY(mu_){};
+  // The fork generation (allocator/fork_guard.h) caps_, external_held_ and retired_ belong to.
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
   // Private pools by (device, MempoolId): the pool (also in explicit_) and its uses (> 0).
