@@ -13,10 +13,11 @@
 //   - large arena in pages (large_page set): exact growth. Extra pages would only be free
 //     memory that the next misses take by moving anyway (reclaim_policy.h), and they would
 //     show in peak reserved; the chunks they would come in cost their driver calls either way.
-//     The exact amount is planned in half pages (PlanUnit): a growth is whole pages and, where
-//     the request ends in the first half of a page, a last chunk of half a page. The free
-//     rest of a request's last page shares that chunk with the request and can move only
-//     when the request is gone: halving it strands less (host replay of the trace suite,
+//     The exact amount is planned in half pages (PlanUnit; the page itself where half a page
+//     is not whole granules): a growth's last chunk, what is left after its pages (or
+//     chunks of several pages, growth_page), may end in half a page. The free rest of a
+//     request's last chunk shares it with the request and can move only when the request is
+//     gone: at most half a page instead of a page strands less (host replay of the trace suite,
 //     seeds 0-27, 8 MiB pages: peak reserved / peak allocated over 1.02 in 2 of 168 replays
 //     instead of 9, worst 1.0203 instead of 1.0225; mean driver calls per trace -17% to +10%).
 //     Quarter pages (2 MiB) did worse on rl_phases and inference_varying.

@@ -552,9 +552,9 @@ size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   // chunks or more (pool_options.h growth_page).
   if (moved_memory_ && n / kLargeRequestChunks < options_.growth_page) return page;
   // The largest power-of-two number of pages within the request and growth_page (the last
-  // chunk of the growth is what is left, a whole number of pages). Splitting that last one
-  // into powers of two too made more chunks and stranded more (inference_varying 1.0080 ->
-  // 1.0094 mean peak ratio over eight seeds, host replay).
+  // chunk of the growth is what is left, a whole number of plan units: half pages). Splitting
+  // that last one into powers of two too made more chunks and stranded more
+  // (inference_varying 1.0080 -> 1.0094 mean peak ratio over eight seeds, host replay).
   size_t chunk = page;
   while (chunk * 2 <= std::min(n, options_.growth_page)) chunk *= 2;
   if (chunk == page) return page;  // nothing to decide: no need to ask the driver below

@@ -14,14 +14,14 @@
 // raised by `growth_fraction` of what is already reserved, capped at `max_growth_extra`, so a
 // pool that keeps growing makes few driver calls while the overshoot stays a small fraction of
 // its size, and a growth is backed by physical chunks of at most `max_chunk` bytes; with pages
-// it is exact, planned in half pages (growth_policy.h PlanUnit), in chunks of `large_page`
-// and, where the request ends in the first half of a page, a last chunk of half a page (to
-// granularity, the last one shorter, only where no gap of the range holds the request in
-// whole half pages), or, until a miss first moves memory (after it, for requests of
-// kLargeRequestChunks growth chunks or more), in chunks of up to `growth_page`
-// (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity the rounding to
-// half pages counts: a request within half a page of the limit can fail (ResourceExhausted)
-// where single chunks would fit it. Small-arena growth maps `small_chunk` at a time.
+// it is exact, planned in half pages (growth_policy.h PlanUnit; whole pages where half a page
+// is not whole granules), in chunks of `large_page` and a last chunk of what is left, which
+// may end in half a page (to granularity, the last one shorter, only where no gap of the
+// range holds the request in whole half pages), or, until a miss first moves memory (after
+// it, for requests of kLargeRequestChunks growth chunks or more), in chunks of up to
+// `growth_page` (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity
+// the rounding to half pages counts: a request within half a page of the limit can fail
+// (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk` at a time.
 //
 // Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
 // made without an export observer, pool_options.h), the large arena grows in chunks of
@@ -346,10 +346,11 @@ class Pool {
   // Maps new memory so that `arena` can fit `n` bytes for `stream`; returns the free block.
   absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The largest chunk a paged growth of `fresh` new bytes for a request of `n`, planned in
-  // plan units (`in_units`; else to granularity), creates: large_page; or, until the pool first moves memory (after it, for `n` of
-  // kLargeRequestChunks growth chunks or more) and unless it ran short of it, and while it
-  // holds at most half of what it may, the largest power-of-two number of pages
+  // The largest chunk a paged growth of `fresh` new bytes for a request of `n`, planned in plan
+  // units (`in_units`; else to granularity), creates: large_page; or, until the pool first
+  // moves memory (after it, for `n` of kLargeRequestChunks growth chunks or more) and unless
+  // it ran short of it, and while it holds at most half of what it may, the largest
+  // power-of-two number of pages
   // within `n` and growth_page (pool_options.h; the growth's last chunk is what is left).
   // Asks the driver how much of the GPU's memory is free only where the chunk could be several
   // pages and the memory limit and memory fraction leave the answer open.

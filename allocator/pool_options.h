@@ -70,14 +70,15 @@ struct PoolOptions {
   // (growth_fraction and max_growth_extra do not apply). Smaller pages leave less free memory
   // stranded in partly used chunks; larger ones make fewer driver calls per byte grown or
   // moved, and give an exported block fewer handles. A growth is planned in half pages
-  // (growth_policy.h PlanUnit): its last chunk is half a page where the request ends in the
-  // first half of one.
+  // (growth_policy.h PlanUnit; whole pages where half a page is not whole granules): its last
+  // chunk may end in half a page.
   // 8 MiB kept peak reserved / peak allocated within 1.000-1.014 on every trace of
   // bench/traces.py (16 MiB: up to 1.030, 32 MiB: up to 1.055) at about twice the driver
   // calls of 16 MiB (bench/README.md). kAutoSize (the default): 8 MiB for a pool made without
   // an export observer (Pool::Create), 0 for one made to export (CreateExportablePool, the
   // PyTorch plugin's pools): an exported block carries one handle per chunk it spans, and an
-  // importer's cost and open files grow with them (3 GiB in 8 MiB pages is 384 handles).
+  // importer's cost and open files grow with them (3 GiB in 8 MiB pages is 384 handles; half
+  // pages moved into it can add as many again).
   // Blocks from AllocateShareable keep chunks of their own (max_chunk at most).
   size_t large_page = kAutoSize;
   // Largest chunk of a paged growth made before the pool first moves memory (large_page set;

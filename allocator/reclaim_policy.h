@@ -25,7 +25,8 @@
 //      tagged with other streams are never taken: their work is not known complete.
 //   4. Not from the free blocks the growth plan attaches to (its gap's neighbours): the plan
 //      extends them, and taking memory out of them would change the plan.
-//   5. Only chunks of a whole number of `page` bytes (the plan unit, half of large_page:
+//   5. Only chunks of a whole number of `page` bytes (the plan unit, half of large_page where
+//      that is whole granules, else large_page:
 //      what the large arena's growth is planned in, so free space there is made of them;
 //      pages hold two, growth_page chunks several), each moved
 //      whole, laid end to end from the start of the planned range; they add up to no more
@@ -87,8 +88,8 @@ struct ReclaimChoice {
 
 ReclaimChoice ChooseReclaim(const ReclaimRequest& request);
 
-// Movable chunks by size, largest first: {size, count} (a few sizes: whole numbers of pages,
-// mostly powers of two).
+// Movable chunks by size, largest first: {size, count} (a few sizes: whole numbers of plan
+// units, half pages, mostly a page or a power of two of them).
 using ChunkCounts = absl::InlinedVector<std::pair<size_t, size_t>, 2>;
 
 // What ChooseReclaim could take for `request`'s requester from each free block of the arena,

@@ -1024,8 +1024,9 @@ TEST_F(ReclaimAttack, AFailedUnmapOfARunIsRetriedPageByPage) {
   ASSERT_OK(pool->Free(kept));
 }
 
-// Hostile options: a large arena smaller than one page. With large_page 0 the same pool
-// serves the request; with the default page every large-arena request fails.
+// Hostile options: a large arena smaller than one page and than the request in half pages.
+// With large_page 0 the pool serves the request; with the default page too, its growth planned
+// to granularity (Pool::Grow's fallback), the short last chunk never moved.
 TEST_F(ReclaimAttack, PageLargerThanTheLargeArenaRefusesEveryLargeRequest) {
   for (size_t page : {size_t{0}, size_t{8} << 20}) {
     SCOPED_TRACE(absl::StrCat("large_page ", page));
@@ -1034,7 +1035,7 @@ TEST_F(ReclaimAttack, PageLargerThanTheLargeArenaRefusesEveryLargeRequest) {
     options.large_page = page;
     auto pool = MakePool(options);
     ASSERT_NE(pool, nullptr);
-    ExpectAllocatedAndFree(*pool, pool->Allocate(1 * kMiB, 0));  // > small_size: large arena
+    ExpectAllocatedAndFree(*pool, pool->Allocate(5 * kMiB, 0));  // two halves: 8 MiB > 6 MiB
   }
 }
 
@@ -1045,7 +1046,8 @@ TEST_F(ReclaimAttack, PageRoundingMakesARequestThatFitsTheRangeFail) {
     options.reserve_size = 16 * kMiB;  // large arena 14 MiB; max request 16 MiB
     options.large_page = page;
     auto pool = MakePool(options);
-    ExpectAllocatedAndFree(*pool, pool->Allocate(10 * kMiB, 0));
+    // Four halves (16 MiB) do not fit the arena; planned to granularity, 14 MiB do.
+    ExpectAllocatedAndFree(*pool, pool->Allocate(13 * kMiB, 0));
   }
 }
 
@@ -1065,6 +1067,12 @@ TEST_F(ReclaimAttack, MemoryLimitBetweenPagesRefusesWhatFits) {
       p = pool->Allocate(8 * kMiB, 0);
     }
     ExpectAllocatedAndFree(*pool, p);
+    if (page != 0) {
+      // Under a 12 MiB limit the same request fits in three halves (whole pages: 16 MiB).
+      options.memory_limit = 12 * kMiB;
+      auto roomier = MakePool(options);
+      ExpectAllocatedAndFree(*roomier, roomier->Allocate(9 * kMiB, 0));
+    }
   }
 }
 

@@ -160,14 +160,14 @@ TEST_F(ReclaimTest, NearALimitAPagedGrowthRoundsToHalfPages) {
   }
 }
 
-// A range too small for whole pages (a small reserve) still serves what fits it: the growth is
-// planned to granularity there.
+// A range too small for whole half pages (a small reserve) still serves what fits it: the
+// growth is planned to granularity there.
 TEST_F(ReclaimTest, ARangeTooSmallForWholePagesStillServesWhatFits) {
-  PoolOptions options;  // 8 MiB pages
+  PoolOptions options;  // 8 MiB pages, planned in 4 MiB halves
   options.reserve_size = 8 * kMiB;  // small arena 2 MiB, large arena 6 MiB
   auto pool = CreatePoolOrFail(driver_, options);
   ASSERT_NE(pool, nullptr);
-  void* p = Alloc(*pool, 4 * kMiB);
+  void* p = Alloc(*pool, 5 * kMiB);  // two halves (8 MiB) do not fit; 6 MiB of granules do
   EXPECT_NE(p, nullptr);
   EXPECT_OK(pool->CheckInvariants());
   if (p != nullptr) EXPECT_OK(pool->Free(p));
@@ -230,8 +230,6 @@ TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
   for (void* p : {pages[0], pages[9], first, second}) ASSERT_OK(pool->Free(p));
 }
 
-// GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
-// are taken, plus a sixty-fourth of its length at a new allocated high, a half below it.
 // Half a page where that is whole granules (so it divides the page), else the page.
 TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
   EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB), 4 * kMiB);
@@ -242,6 +240,8 @@ TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
   EXPECT_EQ(PlanUnit(64 * kMiB, 64 * kMiB), 64 * kMiB);
 }
 
+// GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
+// are taken, plus a sixty-fourth of its length at a new allocated high, a half below it.
 TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   Block left, gap, right, elsewhere;
   gap.prev = &left;
@@ -340,29 +340,39 @@ TEST_F(ReclaimTest, AMissTakesWhollyFreePagesInsteadOfGrowing) {
 
 // A growth is planned in half pages (growth_policy.h PlanUnit): a request that ends in the
 // first half of a page gets a last chunk of half a page, not a page whose free rest would share
-// a chunk with it. Once free, that half page moves like a page.
+// a chunk with it. Once free, that half page moves like a page. With 4 MiB pages the half is
+// one granule; with 8 MiB pages two (4 MiB), which only the half-page unit makes movable.
 TEST_F(ReclaimTest, AGrowthEndsInAHalfPageThatMovesOnceFree) {
-  auto pool = MakePool();  // 4 MiB pages, planned in 2 MiB halves
-  void* a = Alloc(*pool, kPage + kPage / 2);  // a page and a half page
-  void* b = Alloc(*pool, kPage);              // a page after it, live
-  PoolStats before = pool->GetStats();
-  EXPECT_EQ(before.reserved_bytes.current, static_cast<int64_t>(2 * kPage + kPage / 2));
-  EXPECT_EQ(before.segment.current, 3);
-  ASSERT_OK(pool->Free(a));
-  before = pool->GetStats();
-  // Nothing free fits 3 pages: the miss takes a's page and half page and creates the rest.
-  void* c = Alloc(*pool, 3 * kPage);
-  ASSERT_NE(c, nullptr);
-  std::memset(c, 0xcc, 3 * kPage);
-  const PoolStats after = pool->GetStats();
-  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
-  EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(kPage + kPage / 2));
-  EXPECT_EQ(after.reserved_bytes.current,
-            before.reserved_bytes.current + static_cast<int64_t>(kPage + kPage / 2));
-  EXPECT_TRUE(Filled(c, 3 * kPage, 0xcc));
-  EXPECT_OK(pool->CheckInvariants());
-  for (void* p : {b, c}) ASSERT_OK(pool->Free(p));
-  EXPECT_OK(pool->CheckInvariants());
+  for (size_t page : {kPage, 2 * kPage}) {
+    SCOPED_TRACE(page);
+    PoolOptions options;
+    options.growth_fraction = 0;
+    options.large_page = page;
+    options.growth_page = page;  // single pages
+    options.reserve_size = 1024 * kMiB;
+    auto pool = CreatePoolOrFail(driver_, options);
+    ASSERT_NE(pool, nullptr);
+    void* a = Alloc(*pool, page + page / 2);  // a page and a half page
+    void* b = Alloc(*pool, page);             // a page after it, live
+    PoolStats before = pool->GetStats();
+    EXPECT_EQ(before.reserved_bytes.current, static_cast<int64_t>(2 * page + page / 2));
+    EXPECT_EQ(before.segment.current, 3);
+    ASSERT_OK(pool->Free(a));
+    before = pool->GetStats();
+    // Nothing free fits 3 pages: the miss takes a's page and half page and creates the rest.
+    void* c = Alloc(*pool, 3 * page);
+    ASSERT_NE(c, nullptr);
+    std::memset(c, 0xcc, 3 * page);
+    const PoolStats after = pool->GetStats();
+    EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
+    EXPECT_EQ(after.moved_bytes - before.moved_bytes, static_cast<int64_t>(page + page / 2));
+    EXPECT_EQ(after.reserved_bytes.current,
+              before.reserved_bytes.current + static_cast<int64_t>(page + page / 2));
+    EXPECT_TRUE(Filled(c, 3 * page, 0xcc));
+    EXPECT_OK(pool->CheckInvariants());
+    for (void* p : {b, c}) ASSERT_OK(pool->Free(p));
+    EXPECT_OK(pool->CheckInvariants());
+  }
 }
 
 // Until a miss first moves memory, a paged growth is made of chunks of the largest
