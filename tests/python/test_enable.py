@@ -78,6 +78,27 @@ def test_enable_explains_what_this_torch_lacks():
     assert not vmm_torch.is_enabled() and vmm_torch.enabled_hooks() == ()
 
 
+@pytest.mark.skipif(HAS_PLUGGABLE, reason="this torch has CUDAPluggableAllocator")
+def test_enable_says_what_this_torch_lacks_even_once_vmm_allocates():
+    """What the torch lacks outranks configure's refusal once a device pool exists: the
+    latter would send the user to call enable() earlier, which would not help."""
+    code = (
+        "import vmm_torch\n"
+        "from vmm_torch import _lib\n"
+        "vmm = _lib.load().vmm\n"
+        "a = vmm.vmm_alloc(4096, 0, None)\n"
+        "assert a, _lib.last_error()\n"
+        "try:\n"
+        "    vmm_torch.enable()\n"
+        "except RuntimeError as e:\n"
+        "    print('lacks' if 'CUDAPluggableAllocator' in str(e) else e)\n"
+        "assert vmm.vmm_free(a, 0) == 0\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, env=_env(VMM_BACKEND="host"))
+    assert result.returncode == 0 and result.stdout.strip() == "lacks", \
+        result.stdout + result.stderr
+
+
 def test_importing_and_host_pools_leave_cuda_alone():
     code = (
         "import torch, vmm_torch\n"

@@ -137,11 +137,13 @@ def enable(**options: Any) -> None:
     - ``growth_fraction``: grow by at least this fraction of what is reserved (0..1).
     - ``peer_devices``: list of other device indices granted access to the memory.
 
-    Unknown options and malformed values raise ValueError naming them. Calling enable() again
-    with the same options does nothing; with other options it raises RuntimeError, unless vmm
-    was enabled implicitly (by VMM_TORCH_ENABLE, or because this process received a vmm
-    tensor before using CUDA): then a plain ``enable()`` keeps the options in force, and
-    other options apply if vmm has not allocated yet.
+    Unknown options and malformed values raise ValueError naming them. A torch without
+    pluggable allocators or CUDA, or CUDA already initialised, raises RuntimeError saying so;
+    so does, checked last, a first enable() after vmm's device pools have allocated. Calling
+    enable() again with the same options does nothing; with other options it raises
+    RuntimeError, unless vmm was enabled implicitly (by VMM_TORCH_ENABLE, or because this
+    process received a vmm tensor before using CUDA): then a plain ``enable()`` keeps the
+    options in force, and other options apply if vmm has not allocated yet.
 
     Where the package has vmm's own CUDA allocator (``vmm_torch._cuda``: built by pip where
     torch has CUDA, 2.3 or later), enable() makes it current: then ``torch.cuda``'s memory
@@ -187,10 +189,19 @@ def _enable_text(text: str, implicit: bool) -> None:
             _enabled.options_text, _enabled.implicit = text, False
             return
         libs = _lib.load()
-        # Options first, so that bad ones are reported as such on any torch; they only
-        # apply to device pools created later.
-        _lib.check(libs.vmm.vmm_configure(text.encode()), "vmm_torch.enable")
+        # Options first, so that bad ones are reported as such on any torch (they only apply
+        # to device pools created later); then what this torch or process lacks, which no
+        # later call mends; then configure's other refusal (device pools exist already).
+        refusal = None
+        try:
+            _lib.check(libs.vmm.vmm_configure(text.encode()), "vmm_torch.enable")
+        except ValueError:
+            raise
+        except _lib.VmmError as e:
+            refusal = e
         _check_can_enable()
+        if refusal is not None:
+            raise refusal
         full = _cuda.module(libs)
         if full is not None:
             # vmm's own CUDAAllocator: statistics, snapshots, graph pools, OOM observers.
