@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "allocator/device_cap.h"
 #include "allocator/driver_factory.h"
 #include "allocator/mutex.h"
 #include "allocator/pool.h"
@@ -27,12 +29,15 @@ Driver* GetDriver() {
 
 // One allocate + free pair on the cached path, with `live` other blocks allocated and a
 // rotating choice of sizes: the figure docs/DESIGN.md §5 asks for (target <= 100 ns). With
-// the pool's default options (large arena in pages), and with single chunks (large_page 0,
-// small_size 1 MiB: what pools made to export, the PyTorch plugin's, use).
-void CachedAllocFreePair(benchmark::State& state, PoolOptions options) {
+// the pool's default options (large arena in pages), with single chunks (large_page 0,
+// small_size 1 MiB: what pools made to export, the PyTorch plugin's, use), and with single
+// chunks and a DeviceCap shared as the plugin's pools share their GPU's (`share_cap`: each
+// pair also updates the GPU's joint allocated figure, two atomic adds).
+void CachedAllocFreePair(benchmark::State& state, PoolOptions options, bool share_cap = false) {
   const size_t live = static_cast<size_t>(state.range(0));
   options.reserve_size = size_t{16} << 30;
   auto pool = *Pool::Create(GetDriver(), options);
+  if (share_cap) pool->ShareDeviceCap(std::make_shared<DeviceCap>());
   std::vector<size_t> sizes = vmm_bench::MixedSizes(1024, 1);
   std::vector<void*> blocks(live);
   for (size_t i = 0; i < live; ++i) blocks[i] = *pool->Allocate(sizes[i], 0);
@@ -122,6 +127,14 @@ void BM_CachedAllocFreePairSingleChunks(benchmark::State& state) {
   CachedAllocFreePair(state, options);
 }
 BENCHMARK(BM_CachedAllocFreePairSingleChunks)->Arg(64)->Arg(1024);
+
+void BM_CachedAllocFreePairSharedCap(benchmark::State& state) {
+  PoolOptions options;
+  options.large_page = 0;
+  options.small_size = size_t{1} << 20;
+  CachedAllocFreePair(state, options, /*share_cap=*/true);
+}
+BENCHMARK(BM_CachedAllocFreePairSharedCap)->Arg(64)->Arg(1024);
 
 // Allocate then free the same size at once (the tightest loop).
 void BM_SameSizeAllocFree(benchmark::State& state) {
