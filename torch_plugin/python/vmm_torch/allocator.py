@@ -195,9 +195,7 @@ def _enable_text(text: str, implicit: bool) -> None:
         refusal = None
         try:
             _lib.check(libs.vmm.vmm_configure(text.encode()), "vmm_torch.enable")
-        except ValueError:
-            raise
-        except _lib.VmmError as e:
+        except _lib.VmmError as e:  # bad options are ValueError, raised here
             refusal = e
         _check_can_enable()
         if refusal is not None:
