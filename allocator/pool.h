@@ -21,7 +21,8 @@
 // it, for requests of kLargeRequestChunks growth chunks or more), in chunks of up to
 // `growth_page` (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity
 // the rounding to half pages counts: a request within half a page of the limit can fail
-// (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk` at a time.
+// (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk`
+// at a time.
 //
 // Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
 // made without an export observer, pool_options.h), the large arena grows in chunks of

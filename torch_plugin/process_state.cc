@@ -232,7 +232,7 @@ bool ProcessState::OfAnotherBackendLocked(int device, const Pool& pool) const {
 }
 
 absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
-  AdoptForkLocked();
+  AdoptForkLocked();  // before reading device_pools_: a parent's device pool is not this GPU's
   // Neither the GPU's fraction nor its figures for a pool of another backend.
   if (OfAnotherBackendLocked(device, pool)) return absl::OkStatus();
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
@@ -428,7 +428,8 @@ absl::StatusOr<int64_t> ProcessState::FindPrivatePool(int device, uint64_t id0, 
 std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device) {
   std::vector<PoolRef> out;
   Pool* device_pool = DevicePoolIfAny(device);
-  if (device_pool != nullptr && device_pool->made_before_fork()) device_pool = nullptr;  // the parent's
+  // A device pool made before a fork is the parent's (abandoned at the child's first use).
+  if (device_pool != nullptr && device_pool->made_before_fork()) device_pool = nullptr;
   Driver* driver = nullptr;
   if (device_pool != nullptr) {
     out.push_back(PoolRef{device_pool, nullptr});
