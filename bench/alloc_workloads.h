@@ -28,11 +28,13 @@
 #define VMM_BENCH_ALLOC_WORKLOADS_H_
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 #include <string>
@@ -278,8 +280,13 @@ struct Trace {
   int64_t peak_live_bytes = 0;     // highest sum of live requested bytes
 };
 
-// Parses a trace file; false with `error` set on a malformed line, an allocation of a live ID
-// or a free of an ID that is not live.
+// Parses a trace file: one event a line, "a ID BYTES" (an allocation of BYTES bytes, a decimal
+// integer) or "f ID" (its free); ID is any token without spaces; fields are separated by spaces
+// or tabs. Blank lines and lines starting with '#' are skipped, and a line may end in "\r".
+// False with `error` set (file and line) on a malformed line (an unknown event, a missing or
+// extra field, BYTES that is not a whole number or does not fit 64 bits), an allocation of a
+// live ID, a free of an ID that is not live, or a trace that allocates no bytes at all (its
+// peak reserved / peak allocated would be undefined).
 inline bool LoadTrace(const std::string& path, Trace* trace, std::string* error) {
   std::ifstream in(path);
   if (!in) {
@@ -287,32 +294,45 @@ inline bool LoadTrace(const std::string& path, Trace* trace, std::string* error)
     return false;
   }
   trace->path = path;
-  std::unordered_map<uint64_t, uint32_t> slot_of;  // trace ID -> slot
+  std::unordered_map<std::string, uint32_t> slot_of;  // trace ID -> slot
   std::vector<char> is_live;
   int64_t live_bytes = 0;
   std::vector<size_t> slot_bytes;
   std::string line;
+  std::vector<std::string> fields;
   for (size_t lineno = 1; std::getline(in, line); ++lineno) {
-    if (line.empty()) continue;
-    std::istringstream fields(line);
-    char op = 0;
-    uint64_t id = 0;
-    fields >> op >> id;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const auto where = [&] { return path + ":" + std::to_string(lineno) + ": "; };
+    fields.clear();
+    std::istringstream split(line);
+    for (std::string field; split >> field;) fields.push_back(std::move(field));
+    if (fields.empty() || fields[0][0] == '#') continue;
     TraceOp t;
-    t.alloc = op == 'a';
-    if (t.alloc) fields >> t.bytes;
-    if (fields.fail() || (op != 'a' && op != 'f')) {
-      *error = path + ":" + std::to_string(lineno) + ": expected 'a ID BYTES' or 'f ID': " + line;
+    t.alloc = fields[0] == "a";
+    const bool well_formed = t.alloc ? fields.size() == 3 : fields[0] == "f" && fields.size() == 2;
+    if (!well_formed) {
+      *error = where() + "expected 'a ID BYTES' or 'f ID': " + line;
       return false;
     }
-    auto [it, inserted] = slot_of.emplace(id, static_cast<uint32_t>(slot_of.size()));
+    if (t.alloc) {
+      uint64_t bytes = 0;
+      const std::string& text = fields[2];
+      const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), bytes);
+      if (ec != std::errc() || end != text.data() + text.size() ||
+          bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        *error = where() + "BYTES must be a whole number of bytes below 2^63: " + line;
+        return false;
+      }
+      t.bytes = static_cast<size_t>(bytes);
+    }
+    auto [it, inserted] = slot_of.emplace(fields[1], static_cast<uint32_t>(slot_of.size()));
     t.slot = it->second;
     if (inserted) {
       is_live.push_back(0);
       slot_bytes.push_back(0);
     }
     if (t.alloc == static_cast<bool>(is_live[t.slot])) {
-      *error = path + ":" + std::to_string(lineno) + ": ID " + std::to_string(id) +
+      *error = where() + "ID " + fields[1] +
                (t.alloc ? " allocated while live" : " freed while not live");
       return false;
     }
@@ -330,6 +350,10 @@ inline bool LoadTrace(const std::string& path, Trace* trace, std::string* error)
   trace->slots = slot_of.size();
   if (trace->ops.empty()) {
     *error = "trace " + path + " has no events";
+    return false;
+  }
+  if (trace->peak_live_bytes == 0) {
+    *error = "trace " + path + " allocates no bytes: peak reserved / peak allocated is undefined";
     return false;
   }
   return true;
