@@ -22,10 +22,13 @@
 # run and report.md (bench/report.py: one row per trace and metric, one column per allocator).
 #
 # Environment: BACKEND=cuda (default) or host: on the host backend only vmm runs (no GPU
-# needed); TRACE_SEED (0), TRACE_SCALE (1), WARM_REPS (3), STEP_LIMIT (seconds per run, 180),
-# PYTHON (python3), TORCH_PEER_BENCH (a torch_peer_bench already built; else it is built into
-# OUT_DIR by build_torch_peer.sh). A failing run is logged and the others still run; the exit
-# status is that of the first failure.
+# needed); TRACE_ROUNDS (1): replay each trace that many times through every allocator, the
+# allocators in turn within a round (files of rounds after the first: NAME.ALLOCATOR.rK.jsonl),
+# and report.py gives the median of the rounds (an H200's cold times spread by up to 40%
+# between processes on one machine); TRACE_SEED (0), TRACE_SCALE (1), WARM_REPS (3),
+# STEP_LIMIT (seconds per run, 180), PYTHON (python3), TORCH_PEER_BENCH (a torch_peer_bench
+# already built; else it is built into OUT_DIR by build_torch_peer.sh). A failing run is logged
+# and the others still run; the exit status is that of the first failure.
 set -uo pipefail
 
 usage="usage: $0 BIN_DIR OUT_DIR [NAME...]"
@@ -37,6 +40,11 @@ python=${PYTHON:-python3}
 backend=${BACKEND:-cuda}
 limit=${STEP_LIMIT:-180}
 warm=${WARM_REPS:-3}
+rounds=${TRACE_ROUNDS:-1}
+if [[ ! $rounds =~ ^[1-9][0-9]*$ ]]; then
+  echo "trace_suite.sh: TRACE_ROUNDS=$rounds: not a whole number of rounds from 1" >&2
+  exit 2
+fi
 status=0
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -112,19 +120,23 @@ for spec in "${names[@]}"; do
     [[ $status -ne 0 ]] || status=1
     continue
   fi
-  # shellcheck disable=SC2086  # REPLAY_ARGS is a list of words
-  run "$name.vmm" "$bin/replay" --backend="$backend" --trace="$trace" --warm_reps="$warm" \
-    ${REPLAY_ARGS:-}
-  [[ $backend == cuda ]] || continue
-  run "$name.cuda_malloc_async" "$bin/vmm_peer_bench" --allocators=cuda_malloc_async --live= \
-    --warm_reps="$warm" --trace="$trace"
-  if [[ -n "$torch_peer" ]]; then
-    run "$name.torch_native" env -u PYTORCH_CUDA_ALLOC_CONF -u PYTORCH_ALLOC_CONF \
-      "$torch_peer" --live= --warm_reps="$warm" --trace="$trace"
-    run "$name.torch_expandable" env -u PYTORCH_ALLOC_CONF \
-      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$torch_peer" --live= \
-      --warm_reps="$warm" --trace="$trace"
-  fi
+  for ((round = 1; round <= rounds; round++)); do
+    suffix=
+    [[ $round -eq 1 ]] || suffix=.r$round
+    # shellcheck disable=SC2086  # REPLAY_ARGS is a list of words
+    run "$name.vmm$suffix" "$bin/replay" --backend="$backend" --trace="$trace" \
+      --warm_reps="$warm" ${REPLAY_ARGS:-}
+    [[ $backend == cuda ]] || continue
+    run "$name.cuda_malloc_async$suffix" "$bin/vmm_peer_bench" \
+      --allocators=cuda_malloc_async --live= --warm_reps="$warm" --trace="$trace"
+    if [[ -n "$torch_peer" ]]; then
+      run "$name.torch_native$suffix" env -u PYTORCH_CUDA_ALLOC_CONF -u PYTORCH_ALLOC_CONF \
+        "$torch_peer" --live= --warm_reps="$warm" --trace="$trace"
+      run "$name.torch_expandable$suffix" env -u PYTORCH_ALLOC_CONF \
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "$torch_peer" --live= \
+        --warm_reps="$warm" --trace="$trace"
+    fi
+  done
 done
 
 # One row per trace and metric (report.py names the rows after the trace files).

@@ -50,4 +50,38 @@ while read -r spec; do
   listed=$((listed + 1))
 done < <(sed 's/#.*//' "$here/trace_variants.txt" | awk 'NF {print $1}')
 [[ $listed -ge 10 ]] || { echo "trace_variants.txt lists $listed variants"; exit 1; }
+# TRACE_ROUNDS=3: every allocator replays each trace three times (round K's files end in .rK),
+# and the report has one row per trace and metric with the median of the rounds.
+TRACE_ROUNDS=3 BACKEND=host TRACE_SCALE=0.05 WARM_REPS=1 STEP_LIMIT=60 \
+  "$here/trace_suite.sh" "$here" "$tmp/rounds" training kv_serving >"$tmp/rounds.log" 2>&1 ||
+  { cat "$tmp/rounds.log"; exit 1; }
+for f in training.vmm training.vmm.r2 training.vmm.r3; do
+  grep -q '"metric": "ns_per_op_cold"' "$tmp/rounds/$f.jsonl" ||
+    { echo "round file $f.jsonl:"; ls "$tmp/rounds"; exit 1; }
+done
+[[ ! -e "$tmp/rounds/training.vmm.r4.jsonl" ]] || { echo "a fourth round ran"; exit 1; }
+[[ $(grep -c "^| trace_replay/training | ns_per_op_cold (ns) |" "$tmp/rounds/report.md") -eq 1 ]] ||
+  { echo "not one cold row:"; cat "$tmp/rounds/report.md"; exit 1; }
+python3 - "$tmp/rounds" <<'PY' || exit 1
+import json, re, statistics, sys
+d = sys.argv[1]
+def cold(f):
+    for line in open(f"{d}/{f}.jsonl"):
+        if line.startswith("{"):
+            o = json.loads(line)
+            if o.get("metric") == "ns_per_op_cold":
+                return o["value"]
+want = statistics.median(cold(f) for f in ["training.vmm", "training.vmm.r2", "training.vmm.r3"])
+row = next(l for l in open(f"{d}/report.md") if l.startswith("| trace_replay/training | ns_per_op_cold"))
+got = float(re.match(r"\| [^|]+\| [^|]+\| ([0-9.,]+)", row).group(1).replace(",", ""))
+if abs(got - want) > max(1.0, 0.001 * want):
+    sys.exit(f"cold row {got} is not the median of the rounds, {want}: {row}")
+PY
+for bad in 0 x -1; do
+  rc=0
+  TRACE_ROUNDS=$bad BACKEND=host "$here/trace_suite.sh" "$here" "$tmp/bad" training \
+    >"$tmp/bad.log" 2>&1 || rc=$?
+  [[ $rc -eq 2 ]] && grep -q "TRACE_ROUNDS=$bad: not a whole number" "$tmp/bad.log" ||
+    { echo "TRACE_ROUNDS=$bad gave $rc:"; cat "$tmp/bad.log"; exit 1; }
+done
 echo PASS

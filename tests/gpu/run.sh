@@ -24,7 +24,8 @@
 #              traces   every trace of bench/traces.py replayed by vmm, PyTorch native,
 #                       expandable segments and cudaMallocAsync (bench/trace_suite.sh;
 #                       TRACES names some, or variants such as @bench/trace_variants.txt,
-#                       TRACE_SCALE shortens them); traces_report.md and
+#                       TRACE_SCALE shortens them, TRACE_ROUNDS replays each that many
+#                       times, medians reported); traces_report.md and
 #                       the JSON lines (traces/) in $OUT;
 #              latency  share latency (with its breakdown) and imported bandwidth per mode,
 #                       without an IMEX channel, then with one, then SHARE_ROUNDS (3) rounds in
