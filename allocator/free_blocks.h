@@ -80,6 +80,29 @@ class FreeBlocks {
     }
   }
 
+  // Calls f(block) for every block tagged `stream` that may hold at least `size` bytes: all
+  // of them, and the smaller blocks that share their first bin (callers filter by size), in
+  // no particular order. Visits only the non-empty bins from `size`'s up (the bitmaps), so a
+  // search for large free blocks does not walk the many small ones.
+  template <typename F>
+  void ForEachAtLeast(Stream stream, size_t size, F&& f) const {
+    const Bins* bins = Find(stream);
+    if (bins == nullptr || bins->count == 0) return;
+    const int bin = BinOf(size);
+    int first = bin >> kSecondBits;
+    uint32_t seconds = bins->second_map[first] & (~0u << (bin & (kSecond - 1)));
+    while (true) {
+      for (; seconds != 0; seconds &= seconds - 1) {
+        const int at = first * kSecond + __builtin_ctz(seconds);
+        for (Block* b = bins->heads[at]; b != nullptr; b = b->free_next) f(b);
+      }
+      const uint64_t higher = bins->first_map & ((~uint64_t{0} << first) << 1);
+      if (higher == 0) return;
+      first = __builtin_ctzll(higher);
+      seconds = bins->second_map[first];
+    }
+  }
+
   // Calls f(block) for every block.
   template <typename F>
   void ForEach(F&& f) const {

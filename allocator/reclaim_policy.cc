@@ -4,6 +4,8 @@
 #include <tuple>
 #include <utility>
 
+#include "allocator/free_blocks.h"
+
 namespace vmm {
 
 namespace {
@@ -13,6 +15,20 @@ bool IsSource(const ReclaimRequest& r, const Block* b, bool ignore_exclusions) {
   if (b->state != BlockState::kFree || b->size < r.page) return false;                  // 1
   if (!ignore_exclusions && (b == r.exclude_lo || b == r.exclude_hi)) return false;     // 4
   return b->stream == kAnyStream || b->stream == r.requester;                           // 3
+}
+
+// Calls `f(block)` for each block the requester may take from (IsSource): the free blocks of
+// a page or more tagged kAnyStream or with the requester's stream, found through the arena's
+// free bins rather than by walking all its blocks (a miss in an arena of many live blocks
+// would otherwise cost a walk of them all), in no particular order: callers sort or sum.
+template <typename F>
+void ForEachSource(const ReclaimRequest& r, bool ignore_exclusions, F&& f) {
+  const FreeBlocks& free = r.arena->free_blocks();
+  auto visit = [&](Block* b) {
+    if (IsSource(r, b, ignore_exclusions)) f(b);
+  };
+  free.ForEachAtLeast(kAnyStream, r.page, visit);
+  if (r.requester != kAnyStream) free.ForEachAtLeast(r.requester, r.page, visit);
 }
 
 // Calls `take(addr, chunk)` for the chunks of `b` that may move (invariants 2 and 5), from
@@ -44,11 +60,9 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
     bool needs_sync;
   };
   std::vector<Source> sources;
-  for (const Block* b = r.arena->head(); b != nullptr; b = b->next) {
-    if (IsSource(r, b, /*ignore_exclusions=*/false)) {
-      sources.push_back(Source{b, b->stream != kAnyStream});
-    }
-  }
+  ForEachSource(r, /*ignore_exclusions=*/false, [&](const Block* b) {
+    sources.push_back(Source{b, b->stream != kAnyStream});
+  });
   std::sort(sources.begin(), sources.end(), [](const Source& a, const Source& b) {
     return std::make_tuple(a.needs_sync, a.block->size, a.block->addr) <
            std::make_tuple(b.needs_sync, b.block->size, b.block->addr);
@@ -141,15 +155,14 @@ size_t MovableMemory::Fit(size_t needed, const Block* except_a, const Block* exc
 MovableMemory FindMovable(const ReclaimRequest& r) {
   MovableMemory movable;
   if (r.page == 0) return movable;
-  for (const Block* b = r.arena->head(); b != nullptr; b = b->next) {
-    if (!IsSource(r, b, /*ignore_exclusions=*/true)) continue;
+  ForEachSource(r, /*ignore_exclusions=*/true, [&](const Block* b) {
     ChunkCounts counts;  // this block's, counted first: a few sizes, one Add each
     ForEachMovableChunk(r, b, [&](uintptr_t, const Chunk& chunk) {
       AddTo(counts, chunk.size, 1);
       return true;
     });
     for (const auto& [size, count] : counts) movable.Add(b, size, count);
-  }
+  });
   return movable;
 }
 

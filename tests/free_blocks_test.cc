@@ -311,6 +311,46 @@ TEST_F(FreeBlocksTest, BlocksOfForEachStreamAndForEach) {
   EXPECT_EQ(set_.BestFit(kT, 512), t2);
 }
 
+// ForEachAtLeast(stream, n): every block of the tag of at least n bytes, once; no block of
+// another tag; of smaller blocks only those sharing n's bin (the reclaim policy's search for
+// free blocks of a page or more, which must not walk the small ones). Randomized against a
+// reference, with sizes across classes and tags.
+TEST_F(FreeBlocksTest, ForEachAtLeastVisitsTheLargeBlocksOfATag) {
+  std::mt19937_64 rng(17);
+  const Stream tags[] = {kS, kT, kAnyStream};
+  std::vector<Block*> blocks;
+  for (int i = 0; i < 600; ++i) {
+    // Sizes log-uniform from 512 B to 4 GiB, multiples of 512.
+    const int shift = static_cast<int>(rng() % 24);
+    const size_t size = ((size_t{512} << shift) + (rng() % (size_t{512} << shift))) / 512 * 512;
+    blocks.push_back(Add(size, tags[rng() % 3]));
+  }
+  for (int i = 0; i < 150; ++i) {  // some leave, so that bins and classes empty again
+    const size_t at = rng() % blocks.size();
+    if (set_.Contains(blocks[at])) set_.Remove(blocks[at]);
+  }
+  for (size_t n : {size_t{512}, 16 * kKiB, 16 * kKiB + 512, 2 * kMiB, 8 * kMiB, 8 * kMiB + 512,
+                   1 * kGiB, 8 * kGiB}) {
+    for (Stream tag : {kS, kT, kAnyStream, Stream{12345}}) {
+      std::set<Block*> seen;
+      set_.ForEachAtLeast(tag, n, [&](Block* b) {
+        EXPECT_TRUE(seen.insert(b).second) << "visited twice: " << Describe(b);
+        EXPECT_EQ(b->stream, tag) << Describe(b);
+      });
+      for (Block* b : blocks) {
+        if (!set_.Contains(b) || b->stream != tag) continue;
+        if (b->size >= n) {
+          EXPECT_TRUE(seen.count(b)) << "missed " << Describe(b) << " for n=" << n;
+        } else if (seen.count(b)) {
+          // A smaller block only from n's own bin (a thirty-second of n wide, one size below
+          // 16 KiB): what BestFit looks at too.
+          EXPECT_GE(b->size + n / 32 + 512, n) << Describe(b) << " for n=" << n;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(FreeBlocksTest, BlocksOfOneSize) {
   // Many blocks in one bin's intrusive list: removing the head, the tail and middles keeps the
   // list intact.
