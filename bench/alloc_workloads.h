@@ -38,6 +38,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -281,12 +282,13 @@ struct Trace {
 };
 
 // Parses a trace file: one event a line, "a ID BYTES" (an allocation of BYTES bytes, a decimal
-// integer) or "f ID" (its free); ID is any token without spaces; fields are separated by spaces
-// or tabs. Blank lines and lines starting with '#' are skipped, and a line may end in "\r".
-// False with `error` set (file and line) on a malformed line (an unknown event, a missing or
-// extra field, BYTES that is not a whole number or does not fit 64 bits), an allocation of a
-// live ID, a free of an ID that is not live, or a trace that allocates no bytes at all (its
-// peak reserved / peak allocated would be undefined).
+// integer below 2^63) or "f ID" (its free). ID is any token and is compared as text ("007" and
+// "7" are two IDs). Fields are separated by spaces or tabs; blank lines and lines whose first
+// field starts with '#' are skipped; a line may end in "\r" and the file may start with a
+// UTF-8 byte-order mark. False with `error` set (file and line) on a malformed line (an unknown
+// event, a missing or extra field, BYTES that is not such a number), an allocation of a live
+// ID, a free of an ID that is not live, live bytes that would pass 2^63 - 1, or a trace that
+// allocates no bytes at all (its peak reserved / peak allocated would be undefined).
 inline bool LoadTrace(const std::string& path, Trace* trace, std::string* error) {
   std::ifstream in(path);
   if (!in) {
@@ -294,45 +296,80 @@ inline bool LoadTrace(const std::string& path, Trace* trace, std::string* error)
     return false;
   }
   trace->path = path;
-  std::unordered_map<std::string, uint32_t> slot_of;  // trace ID -> slot
+  // Trace ID -> slot. IDs written as decimal numbers (no sign, no leading zero), what the
+  // project's traces use, are keyed by their value (faster on a trace of millions of lines);
+  // every other ID by its text. The two sets of IDs cannot meet ("7" and "007" stay two).
+  std::unordered_map<uint64_t, uint32_t> slot_of_number;
+  std::unordered_map<std::string, uint32_t> slot_of_text;
+  size_t slots = 0;
   std::vector<char> is_live;
   int64_t live_bytes = 0;
   std::vector<size_t> slot_bytes;
   std::string line;
-  std::vector<std::string> fields;
+  std::string id;  // a text ID looked up, its buffer reused from line to line
+  constexpr int64_t kMaxBytes = std::numeric_limits<int64_t>::max();
   for (size_t lineno = 1; std::getline(in, line); ++lineno) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();
+    std::string_view rest(line);
+    if (lineno == 1 && rest.substr(0, 3) == "\xEF\xBB\xBF") rest.remove_prefix(3);
+    if (!rest.empty() && rest.back() == '\r') rest.remove_suffix(1);
     const auto where = [&] { return path + ":" + std::to_string(lineno) + ": "; };
-    fields.clear();
-    std::istringstream split(line);
-    for (std::string field; split >> field;) fields.push_back(std::move(field));
-    if (fields.empty() || fields[0][0] == '#') continue;
+    std::string_view fields[4];
+    size_t count = 0;
+    while (count < 4) {
+      const size_t begin = rest.find_first_not_of(" \t");
+      if (begin == std::string_view::npos) break;
+      rest.remove_prefix(begin);
+      const size_t len = std::min(rest.find_first_of(" \t"), rest.size());
+      fields[count++] = rest.substr(0, len);
+      rest.remove_prefix(len);
+    }
+    if (count == 0 || fields[0][0] == '#') continue;
     TraceOp t;
     t.alloc = fields[0] == "a";
-    const bool well_formed = t.alloc ? fields.size() == 3 : fields[0] == "f" && fields.size() == 2;
+    const bool well_formed = t.alloc ? count == 3 : fields[0] == "f" && count == 2;
     if (!well_formed) {
       *error = where() + "expected 'a ID BYTES' or 'f ID': " + line;
       return false;
     }
     if (t.alloc) {
       uint64_t bytes = 0;
-      const std::string& text = fields[2];
+      const std::string_view text = fields[2];
       const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), bytes);
       if (ec != std::errc() || end != text.data() + text.size() ||
-          bytes > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+          bytes > static_cast<uint64_t>(kMaxBytes)) {
         *error = where() + "BYTES must be a whole number of bytes below 2^63: " + line;
+        return false;
+      }
+      if (static_cast<int64_t>(bytes) > kMaxBytes - live_bytes) {
+        *error = where() + "the live bytes would pass 2^63 - 1: " + line;
         return false;
       }
       t.bytes = static_cast<size_t>(bytes);
     }
-    auto [it, inserted] = slot_of.emplace(fields[1], static_cast<uint32_t>(slot_of.size()));
-    t.slot = it->second;
+    const std::string_view id_text = fields[1];
+    uint64_t number = 0;
+    const auto [id_end, id_ec] =
+        std::from_chars(id_text.data(), id_text.data() + id_text.size(), number);
+    const bool numeric = id_ec == std::errc() && id_end == id_text.data() + id_text.size() &&
+                         (id_text.size() == 1 || id_text[0] != '0');
+    bool inserted = false;
+    if (numeric) {
+      auto [it, added] = slot_of_number.try_emplace(number, static_cast<uint32_t>(slots));
+      t.slot = it->second;
+      inserted = added;
+    } else {
+      id.assign(id_text);
+      auto [it, added] = slot_of_text.try_emplace(id, static_cast<uint32_t>(slots));
+      t.slot = it->second;
+      inserted = added;
+    }
     if (inserted) {
+      ++slots;
       is_live.push_back(0);
       slot_bytes.push_back(0);
     }
     if (t.alloc == static_cast<bool>(is_live[t.slot])) {
-      *error = where() + "ID " + fields[1] +
+      *error = where() + "ID " + std::string(id_text) +
                (t.alloc ? " allocated while live" : " freed while not live");
       return false;
     }
@@ -347,7 +384,7 @@ inline bool LoadTrace(const std::string& path, Trace* trace, std::string* error)
     }
     trace->ops.push_back(t);
   }
-  trace->slots = slot_of.size();
+  trace->slots = slots;
   if (trace->ops.empty()) {
     *error = "trace " + path + " has no events";
     return false;

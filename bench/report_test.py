@@ -3,6 +3,7 @@ marks of a row in the order of its vmm columns.
 
     bazel test //bench:report_test
 """
+import json
 import os
 import sys
 
@@ -49,6 +50,29 @@ def test_a_training_variant_keeps_the_training_target():
                replay("vmm", 8, "churn", 1.0177)]
     cells = row(report.tables(records), "trace_replay/training.layers-48")
     assert cells[-1].startswith("≤ 1.01"), cells[-1]
+
+
+def test_rounds_of_one_trace_give_one_row_of_their_medians(tmp_path):
+    # trace_suite.sh's TRACE_ROUNDS: the files of each round, for two traces; the row of a
+    # trace holds the median of its rounds whatever the order of the files.
+    for i, (cold, cma) in enumerate([(100.0, 7.0), (1.0, 9.0), (5.0, 8.0)]):
+        suffix = "" if i == 0 else f".r{i + 1}"
+        for trace, scale in [("kv", 1), ("churn", 10)]:
+            records = [replay("vmm", 8, trace, cold * scale, metric="ns_per_op_cold"),
+                       replay("cuda_malloc_async", 0, trace, cma * scale,
+                              metric="ns_per_op_cold")]
+            (tmp_path / f"{trace}.vmm{suffix}.jsonl").write_text(
+                "log line, skipped\n" + "\n".join(json.dumps(r) for r in records) + "\n")
+    paths = sorted(str(p) for p in tmp_path.glob("*.jsonl"))
+    text = report.tables(report.load(paths))
+    kv = row(text, "trace_replay/kv", "ns_per_op_cold")
+    churn = row(text, "trace_replay/churn", "ns_per_op_cold")
+    def values(cells):
+        return [float(cells[i].split(" ")[0].replace(",", "")) for i in (2, 3)]
+
+    assert values(kv) == [5.0, 8.0], kv
+    assert values(churn) == [50.0, 80.0], churn
+    assert sum(1 for line in text.splitlines() if "| ns_per_op_cold" in line) == 2
 
 
 if __name__ == "__main__":

@@ -1,6 +1,5 @@
 // LoadTrace (alloc_workloads.h): the trace format replay and the peer benchmarks read, and the
 // error every malformed trace gets.
-#include <cstdio>
 #include <fstream>
 #include <string>
 
@@ -63,6 +62,43 @@ TEST(LoadTrace, RefusesMalformedLinesNamingTheLine) {
   }
   EXPECT_NE(LoadError("a 1 -5\n").find("BYTES must be a whole number"), std::string::npos);
   EXPECT_NE(LoadError("a 1 100 7\n").find("expected 'a ID BYTES' or 'f ID'"), std::string::npos);
+}
+
+TEST(LoadTrace, TakesBytesUpTo2To63Minus1AndRefusesLiveBytesPastThem) {
+  vmm_bench::Trace trace;
+  std::string error;
+  ASSERT_TRUE(vmm_bench::LoadTrace(WriteTrace("a 1 9223372036854775807\nf 1\na 2 5\n"), &trace,
+                                   &error))
+      << error;
+  EXPECT_EQ(trace.peak_live_bytes, INT64_MAX);
+  EXPECT_EQ(trace.ops[0].bytes, size_t{9223372036854775807u});
+  // Two allocations that are each in range but together pass it: refused, not wrapped.
+  EXPECT_NE(LoadError("a 1 9223372036854775807\na 2 1\n").find(":2: the live bytes would pass"),
+            std::string::npos);
+  EXPECT_NE(LoadError("a 1 4611686018427387904\na 2 4611686018427387904\n")
+                .find(":2: the live bytes would pass"),
+            std::string::npos);
+}
+
+TEST(LoadTrace, SplitsOnSpacesAndTabsOnlyAndTakesAByteOrderMark) {
+  // A carriage return inside a line is part of a field, not a separator.
+  EXPECT_NE(LoadError("a 1\r100\n").find(":1: expected"), std::string::npos);
+  EXPECT_NE(LoadError("a 1 100\r\r\n").find(":1: BYTES"), std::string::npos);
+  EXPECT_EQ(LoadError("\xEF\xBB\xBF" "a 1 100\nf 1\n"), "");
+  // Only at the start of the file.
+  EXPECT_NE(LoadError("a 1 100\n\xEF\xBB\xBF" "f 1\n").find(":2: expected"), std::string::npos);
+  // IDs are text: "007" and "7" are two IDs.
+  vmm_bench::Trace trace;
+  std::string error;
+  ASSERT_TRUE(vmm_bench::LoadTrace(
+      WriteTrace("a 007 10\na 7 20\na 0 1\na 00 2\na -1 4\na 18446744073709551616 8\n"
+                 "f 007\nf 7\nf 00\nf 0\nf 18446744073709551616\nf -1\n"),
+      &trace, &error))
+      << error;
+  EXPECT_EQ(trace.slots, 6u);
+  EXPECT_EQ(trace.peak_live_bytes, 45);
+  EXPECT_NE(LoadError("a 7 1\na 7 2\n").find(":2: ID 7 allocated while live"), std::string::npos);
+  EXPECT_NE(LoadError("a 007 1\nf 7\n").find(":2: ID 7 freed while not live"), std::string::npos);
 }
 
 TEST(LoadTrace, RefusesEventsOutOfOrder) {

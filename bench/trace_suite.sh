@@ -24,8 +24,11 @@
 # Environment: BACKEND=cuda (default) or host: on the host backend only vmm runs (no GPU
 # needed); TRACE_ROUNDS (1): replay each trace that many times through every allocator, the
 # allocators in turn within a round (files of rounds after the first: NAME.ALLOCATOR.rK.jsonl),
-# and report.py gives the median of the rounds (an H200's cold times spread by up to 40%
-# between processes on one machine); TRACE_SEED (0), TRACE_SCALE (1), WARM_REPS (3),
+# and report.py gives the median of the rounds (of an even number, the mean of the middle
+# two; a round that failed is left out): an H200's cold times of one replay spread up to 2x
+# between processes on one machine (docs/results/2026-12-04.md, run CC); at most 999 rounds,
+# and a trace's files of an earlier run with more rounds are removed first; TRACE_SEED (0),
+# TRACE_SCALE (1), WARM_REPS (3),
 # STEP_LIMIT (seconds per run, 180), PYTHON (python3), TORCH_PEER_BENCH (a torch_peer_bench
 # already built; else it is built into OUT_DIR by build_torch_peer.sh). A failing run is logged
 # and the others still run; the exit status is that of the first failure.
@@ -41,8 +44,8 @@ backend=${BACKEND:-cuda}
 limit=${STEP_LIMIT:-180}
 warm=${WARM_REPS:-3}
 rounds=${TRACE_ROUNDS:-1}
-if [[ ! $rounds =~ ^[1-9][0-9]*$ ]]; then
-  echo "trace_suite.sh: TRACE_ROUNDS=$rounds: not a whole number of rounds from 1" >&2
+if [[ ! $rounds =~ ^[1-9][0-9]{0,2}$ ]]; then
+  echo "trace_suite.sh: TRACE_ROUNDS=$rounds: not a whole number of rounds from 1 to 999" >&2
   exit 2
 fi
 status=0
@@ -120,6 +123,10 @@ for spec in "${names[@]}"; do
     [[ $status -ne 0 ]] || status=1
     continue
   fi
+  # This trace's results of an earlier run into OUT_DIR (more rounds) would join the medians.
+  for allocator in vmm cuda_malloc_async torch_native torch_expandable; do
+    rm -f "$out/$name.$allocator.jsonl" "$out/$name.$allocator".r[0-9]*.jsonl
+  done
   for ((round = 1; round <= rounds; round++)); do
     suffix=
     [[ $round -eq 1 ]] || suffix=.r$round
