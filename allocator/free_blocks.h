@@ -83,7 +83,8 @@ class FreeBlocks {
   // Calls f(block) for every block tagged `stream` that may hold at least `size` bytes: all
   // of them, and the smaller blocks that share their first bin (callers filter by size), in
   // no particular order. Visits only the non-empty bins from `size`'s up (the bitmaps), so a
-  // search for large free blocks does not walk the many small ones.
+  // search for large free blocks does not walk the many small ones. `f` must not change the
+  // set.
   template <typename F>
   void ForEachAtLeast(Stream stream, size_t size, F&& f) const {
     const Bins* bins = Find(stream);

@@ -22,16 +22,16 @@
 # run and report.md (bench/report.py: one row per trace and metric, one column per allocator).
 #
 # Environment: BACKEND=cuda (default) or host: on the host backend only vmm runs (no GPU
-# needed); TRACE_ROUNDS (1): replay each trace that many times through every allocator, the
-# allocators in turn within a round (files of rounds after the first: NAME.ALLOCATOR.rK.jsonl),
-# and report.py gives the median of the rounds (of an even number, the mean of the middle
-# two; a round that failed is left out): an H200's cold times of one replay spread up to 2x
-# between processes on one machine (docs/results/2026-12-04.md, run CC); at most 999 rounds,
-# and a trace's files of an earlier run with more rounds are removed first; TRACE_SEED (0),
-# TRACE_SCALE (1), WARM_REPS (3),
-# STEP_LIMIT (seconds per run, 180), PYTHON (python3), TORCH_PEER_BENCH (a torch_peer_bench
-# already built; else it is built into OUT_DIR by build_torch_peer.sh). A failing run is logged
-# and the others still run; the exit status is that of the first failure.
+# needed); TRACE_ROUNDS (1, at most 999): replay each trace that many times through every
+# allocator, the allocators in turn within a round (files of rounds after the first:
+# NAME.ALLOCATOR.rK.jsonl; a trace's files of an earlier run into OUT_DIR are removed first),
+# and report.py gives the median of the rounds (of an even number, the mean of the middle two;
+# a round that failed gives no figures): an H200's cold time of one replay spread up to 2x
+# between processes on one machine (docs/results/2026-12-04.md, run CC); TRACE_SEED (0),
+# TRACE_SCALE (1), WARM_REPS (3), STEP_LIMIT (seconds per run, 180), PYTHON (python3),
+# TORCH_PEER_BENCH (a torch_peer_bench already built; else it is built into OUT_DIR by
+# build_torch_peer.sh). A failing run is logged and the others still run; the exit status is
+# that of the first failure.
 set -uo pipefail
 
 usage="usage: $0 BIN_DIR OUT_DIR [NAME...]"
