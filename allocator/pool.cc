@@ -479,7 +479,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     request.exclude_lo = plan->gap->prev;
     request.exclude_hi = plan->gap->next;
     request.needed = plan->len;
-    reclaim = ChooseReclaim(request);
+    reclaim = ChooseReclaim(request, movable);
   }
   const size_t needed = plan->len;
   const size_t moved = reclaim.bytes;

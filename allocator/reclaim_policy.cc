@@ -10,11 +10,11 @@ namespace vmm {
 
 namespace {
 
-// Invariants 1, 3 (and 4 unless `ignore_exclusions`): a block the requester may take from.
-bool IsSource(const ReclaimRequest& r, const Block* b, bool ignore_exclusions) {
-  if (b->state != BlockState::kFree || b->size < r.page) return false;                  // 1
-  if (!ignore_exclusions && (b == r.exclude_lo || b == r.exclude_hi)) return false;     // 4
-  return b->stream == kAnyStream || b->stream == r.requester;                           // 3
+// Invariants 1 and 3: a block the requester may take from (4, the plan's neighbours, is
+// ChooseReclaim's: FindMovable looks before there is a plan).
+bool IsSource(const ReclaimRequest& r, const Block* b) {
+  if (b->state != BlockState::kFree || b->size < r.page) return false;  // 1
+  return b->stream == kAnyStream || b->stream == r.requester;           // 3
 }
 
 // Calls `f(block)` for each block the requester may take from (IsSource): the free blocks of
@@ -22,10 +22,10 @@ bool IsSource(const ReclaimRequest& r, const Block* b, bool ignore_exclusions) {
 // free bins rather than by walking all its blocks (a miss in an arena of many live blocks
 // would otherwise cost a walk of them all), in no particular order: callers sort or sum.
 template <typename F>
-void ForEachSource(const ReclaimRequest& r, bool ignore_exclusions, F&& f) {
+void ForEachSource(const ReclaimRequest& r, F&& f) {
   const FreeBlocks& free = r.arena->free_blocks();
   auto visit = [&](Block* b) {
-    if (IsSource(r, b, ignore_exclusions)) f(b);
+    if (IsSource(r, b)) f(b);
   };
   free.ForEachAtLeast(kAnyStream, r.page, visit);
   if (r.requester != kAnyStream) free.ForEachAtLeast(r.requester, r.page, visit);
@@ -52,33 +52,33 @@ void ForEachMovableChunk(const ReclaimRequest& r, const Block* b, F&& take) {
 
 }  // namespace
 
-ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
+ReclaimChoice ChooseReclaim(const ReclaimRequest& r, const MovableMemory& movable) {
   ReclaimChoice choice;
   if (r.page == 0 || r.needed < r.page) return choice;
   struct Source {
-    const Block* block;
+    const MovableMemory::BlockChunks* block;
     bool needs_sync;
   };
   std::vector<Source> sources;
-  ForEachSource(r, /*ignore_exclusions=*/false, [&](const Block* b) {
-    sources.push_back(Source{b, b->stream != kAnyStream});
-  });
+  for (const MovableMemory::BlockChunks& b : movable.blocks) {
+    if (b.block == r.exclude_lo || b.block == r.exclude_hi) continue;  // invariant 4
+    sources.push_back(Source{&b, b.block->stream != kAnyStream});
+  }
   std::sort(sources.begin(), sources.end(), [](const Source& a, const Source& b) {
-    return std::make_tuple(a.needs_sync, a.block->size, a.block->addr) <
-           std::make_tuple(b.needs_sync, b.block->size, b.block->addr);
+    return std::make_tuple(a.needs_sync, a.block->block->size, a.block->block->addr) <
+           std::make_tuple(b.needs_sync, b.block->block->size, b.block->block->addr);
   });
   bool passed_over = false;  // a chunk that did not fit what was still needed
   for (const Source& s : sources) {
-    ForEachMovableChunk(r, s.block, [&](uintptr_t addr, const Chunk& chunk) {
-      if (choice.bytes + chunk.size > r.needed) {
+    for (const auto& [addr, size] : s.block->chunks) {
+      if (choice.bytes + size > r.needed) {
         passed_over = true;
-        return true;
+        continue;
       }
       choice.chunks.push_back(addr);
-      choice.bytes += chunk.size;
+      choice.bytes += size;
       choice.sync_requester |= s.needs_sync;
-      return true;
-    });
+    }
     if (choice.bytes == r.needed) return choice;
   }
   if (!passed_over) return choice;
@@ -91,10 +91,9 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& r) {
   };
   std::vector<Candidate> candidates;
   for (const Source& s : sources) {
-    ForEachMovableChunk(r, s.block, [&](uintptr_t addr, const Chunk& chunk) {
-      candidates.push_back(Candidate{addr, chunk.size, s.needs_sync});
-      return true;
-    });
+    for (const auto& [addr, size] : s.block->chunks) {
+      candidates.push_back(Candidate{addr, size, s.needs_sync});
+    }
   }
   std::stable_sort(candidates.begin(), candidates.end(),
                    [](const Candidate& a, const Candidate& b) { return a.size > b.size; });
@@ -155,13 +154,17 @@ size_t MovableMemory::Fit(size_t needed, const Block* except_a, const Block* exc
 MovableMemory FindMovable(const ReclaimRequest& r) {
   MovableMemory movable;
   if (r.page == 0) return movable;
-  ForEachSource(r, /*ignore_exclusions=*/true, [&](const Block* b) {
+  ForEachSource(r, [&](const Block* b) {
+    MovableMemory::BlockChunks found{b, {}};
     ChunkCounts counts;  // this block's, counted first: a few sizes, one Add each
-    ForEachMovableChunk(r, b, [&](uintptr_t, const Chunk& chunk) {
+    ForEachMovableChunk(r, b, [&](uintptr_t addr, const Chunk& chunk) {
+      found.chunks.emplace_back(addr, chunk.size);
       AddTo(counts, chunk.size, 1);
       return true;
     });
+    if (found.chunks.empty()) return;
     for (const auto& [size, count] : counts) movable.Add(b, size, count);
+    movable.blocks.push_back(std::move(found));
   });
   return movable;
 }

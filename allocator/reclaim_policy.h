@@ -86,8 +86,6 @@ struct ReclaimChoice {
   bool sync_requester = false;
 };
 
-ReclaimChoice ChooseReclaim(const ReclaimRequest& request);
-
 // Movable chunks by size, largest first: {size, count} (a few sizes: whole numbers of plan
 // units, half pages, mostly a page or a power of two of them).
 using ChunkCounts = absl::InlinedVector<std::pair<size_t, size_t>, 2>;
@@ -98,13 +96,25 @@ using ChunkCounts = absl::InlinedVector<std::pair<size_t, size_t>, 2>;
 struct MovableMemory {
   ChunkCounts total;
   absl::flat_hash_map<const Block*, ChunkCounts> by_block;
-  // Adds `count` chunks of `size` bytes in `block`.
+  // The movable chunks themselves, {address, size}, of each block that has any, from the
+  // block's upper end down: what ChooseReclaim picks from, so that a miss looks the chunks
+  // up once.
+  struct BlockChunks {
+    const Block* block;
+    std::vector<std::pair<uintptr_t, size_t>> chunks;
+  };
+  std::vector<BlockChunks> blocks;
+  // Adds `count` chunks of `size` bytes in `block` to the counts.
   void Add(const Block* block, size_t size, size_t count);
   // The most bytes, up to `needed`, that the chunks outside `except_a` and `except_b` (may
   // be null) give, taken largest first (invariant 5: a chunk moves whole).
   size_t Fit(size_t needed, const Block* except_a, const Block* except_b) const;
 };
 MovableMemory FindMovable(const ReclaimRequest& request);
+
+// The chunks to move for `request` (the policy above), from `movable`, which FindMovable
+// gave for the same requester, page and arena, unchanged since.
+ReclaimChoice ChooseReclaim(const ReclaimRequest& request, const MovableMemory& movable);
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
 // takes the least): the bytes left to create once the movable chunks outside the plan's
