@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "allocator/log.h"
@@ -145,8 +146,25 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
       }
       chunks_.erase(it);
       chunk.id = next_id_++;
-      // Within one arena (the reclaim policy moves large-arena pages only): its statistics
-      // stay (Pool::CheckInvariants recounts them by address).
+      // A chunk that changes arena (reclaim_policy.h: memory moves between the two) is freed
+      // in one arena's statistics and allocated in the other's, and the pool's count it too
+      // (freed, then allocated: current and peak stay), so that the arenas' figures still add
+      // up to the pool's (stats.h); within one arena they stay (Pool::CheckInvariants
+      // recounts them by address).
+      if (ArenaStats& from = ArenaStatsOf(froms[k], stats), &into = ArenaStatsOf(to, stats);
+          &from != &into) {
+        const auto bytes = static_cast<int64_t>(chunk.size);
+        for (auto [reserved, segment] : {std::pair{&from.reserved_bytes, &from.segment},
+                                         std::pair{&stats.reserved_bytes, &stats.segment}}) {
+          reserved->Decrease(bytes);
+          segment->Decrease(1);
+        }
+        for (auto [reserved, segment] : {std::pair{&stats.reserved_bytes, &stats.segment},
+                                         std::pair{&into.reserved_bytes, &into.segment}}) {
+          reserved->Increase(bytes);
+          segment->Increase(1);
+        }
+      }
       chunks_[to] = chunk;
       moved->push_back(Moved{froms[k], to, chunk.size});
       to += chunk.size;

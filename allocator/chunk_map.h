@@ -96,7 +96,7 @@ class ChunkMap {
   // (no access granted: the caller calls GrantAccess once for the range it filled). Chunks
   // that lie end to end (in either order) are unmapped by one Unmap call, as whole mappings
   // side by side may be; if that call fails, one by one. Each moved chunk gets a fresh id and
-  // is appended to `*moved`.
+  // is appended to `*moved`; one that lands in the other arena counts in its statistics.
   // On a failure the chunks not moved yet are where they were, mapped and accessible; one
   // that cannot be mapped back is released, forgotten and appended to `*lost` (the caller's
   // bookkeeping must drop it), and the chunks in `*moved` stay moved (the caller moves them

@@ -7,7 +7,8 @@
 // what the request needs, so a policy can never cause an out-of-memory error.
 //
 // Policy today:
-//   - small arena: map `small_chunk` at a time;
+//   - small arena: map `small_chunk` at a time (where the large arena grows in pages, after
+//     taking what free chunks it can: reclaim_policy.h);
 //   - large arena: `growth_fraction` of the bytes already reserved, capped at
 //     `max_growth_extra`, rounded down to granularity (growth_fraction 0: exact growth);
 //   - large arena in pages (large_page set): exact growth. Extra pages would only be free

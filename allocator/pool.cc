@@ -440,20 +440,32 @@ absl::Status Pool::RecordStream(void* ptr, Stream stream) {
   return absl::OkStatus();
 }
 
+bool Pool::SmallArenaSurplus() const {
+  // Cached bytes only: pending and retired blocks are neither allocated nor free to take.
+  const int64_t free = small_.free_blocks().byte_stat().current;
+  return free >= kSmallSurplusChunks * static_cast<int64_t>(options_.small_chunk) &&
+         free >= stats_.arena[kSmallArena].allocated_bytes.current;
+}
+
 absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool dedicated) {
   // The large arena grows in chunks of whole pages (large_page; several pages until the first
   // move, GrowthChunk), planned in half pages (growth_policy.h PlanUnit: the last chunk may be
   // half a page), which a later miss may move (reclaim_policy.h); blocks with chunks of their
-  // own keep one chunk of up to max_chunk.
+  // own keep one chunk of up to max_chunk. Where the large arena grows in pages, a growth of
+  // either arena may move free chunks of both (reclaim_policy.h).
   const bool paged = !dedicated && &arena == &large_ && options_.large_page != 0;
-  bool in_units = paged;  // planned in plan_unit_s: what the moves below need
+  const bool moves = !dedicated && options_.large_page != 0;
+  bool in_units = moves;  // planned in whole units (plan_unit_, or granules in the small arena)
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
   ReclaimRequest request;
   request.arena = &large_;
-  request.page = plan_unit_;
+  if (SmallArenaSurplus()) request.small_arena = &small_;
+  request.page = granularity_;
   request.chunks = &chunks_;
   request.requester = stream;
-  const bool may_move = paged && !keep_memory_;
+  // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
+  // process: an unmap by any thread would invalidate it (capture_window.h).
+  const bool may_move = moves && !keep_memory_ && !CaptureWindowOpen();
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
   const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) >
@@ -465,7 +477,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
   if (!plan && paged) {
     // No gap holds the request in whole units (a small range): plan it to granularity, the
-    // last chunk shorter than a unit (never moved), and move nothing for it.
+    // last chunk shorter than a unit, and move nothing for it.
     unit = granularity_;
     in_units = false;
     plan = arena.PlanGrowth(n, stream, unit, dedicated);

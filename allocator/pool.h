@@ -22,18 +22,19 @@
 // `growth_page` (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity
 // the rounding to half pages counts: a request within half a page of the limit can fail
 // (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk`
-// at a time.
+// at a time, or takes a free chunk that size from the large arena (below).
 //
 // Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
 // made without an export observer, pool_options.h), the large arena grows in chunks of
 // that size (of several pages before the first move), and a miss that would grow first takes
-// chunks wholly inside free blocks
-// elsewhere in the arena: each is unmapped there and mapped where the request goes (one
-// SetAccess for the range), so the pool's physical memory grows only by what free pages
-// cannot cover. Never exported,
-// dedicated or spare chunks, never free blocks tagged with another stream (their work is not
-// known complete), and the requester's own only after synchronising its stream; nothing while
-// the pool keeps its memory. Only on a miss: the cached path is unchanged.
+// chunks wholly inside free blocks elsewhere: each is unmapped there and mapped where the
+// request goes (one SetAccess for the range), so the pool's physical memory grows only by what
+// free chunks cannot cover. Memory moves between the arenas too: either arena's growth may take
+// the large arena's free chunks, and the small arena's while it holds a surplus
+// (SmallArenaSurplus). Never exported, dedicated or spare chunks, never free blocks tagged with
+// another stream (their work is not known complete), and the requester's own only after
+// synchronising its stream; nothing while the pool keeps its memory or a capture is under way.
+// Only on a miss: the cached path is unchanged.
 //
 // Streams. A block freed on stream S is reusable at once on S. Other streams get it only
 // after the work queued on S before the free has completed: when a request misses, the pool
@@ -344,6 +345,12 @@ class Pool {
   // Hands out `n` bytes of `block` (kFree), splitting off the rest.
   void TakeBlock(Arena& arena, Block* block, size_t n, size_t requested, Stream stream)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the small arena holds more free memory than it keeps for itself: cached bytes of
+  // at least kSmallSurplusChunks small chunks, and no fewer than it has allocated. Then any of
+  // its wholly free chunks may move to where a growth goes (reclaim_policy.h); a later growth
+  // of the small arena takes free chunks of its size back from the large arena.
+  bool SmallArenaSurplus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static constexpr int64_t kSmallSurplusChunks = 4;
   // Maps new memory so that `arena` can fit `n` bytes for `stream`; returns the free block.
   absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

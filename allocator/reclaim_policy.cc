@@ -18,17 +18,21 @@ bool IsSource(const ReclaimRequest& r, const Block* b) {
 }
 
 // Calls `f(block)` for each block the requester may take from (IsSource): the free blocks of
-// a page or more tagged kAnyStream or with the requester's stream, found through the arena's
-// free bins rather than by walking all its blocks (a miss in an arena of many live blocks
-// would otherwise cost a walk of them all), in no particular order: callers sort or sum.
+// a page or more tagged kAnyStream or with the requester's stream, in the large arena and
+// (where the request names it) the small one, found through the arenas' free bins rather than
+// by walking all their blocks (a miss in an arena of many live blocks would otherwise cost a
+// walk of them all), in no particular order: callers sort or sum.
 template <typename F>
 void ForEachSource(const ReclaimRequest& r, F&& f) {
-  const FreeBlocks& free = r.arena->free_blocks();
   auto visit = [&](Block* b) {
     if (IsSource(r, b)) f(b);
   };
-  free.ForEachAtLeast(kAnyStream, r.page, visit);
-  if (r.requester != kAnyStream) free.ForEachAtLeast(r.requester, r.page, visit);
+  for (const Arena* arena : {r.arena, r.small_arena}) {
+    if (arena == nullptr) continue;
+    const FreeBlocks& free = arena->free_blocks();
+    free.ForEachAtLeast(kAnyStream, r.page, visit);
+    if (r.requester != kAnyStream) free.ForEachAtLeast(r.requester, r.page, visit);
+  }
 }
 
 // Calls `take(addr, chunk)` for the chunks of `b` that may move (invariants 2 and 5), from

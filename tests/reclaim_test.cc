@@ -9,8 +9,10 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <tuple>
 #include <vector>
 
+#include "allocator/capture_window.h"
 #include "allocator/driver_factory.h"
 #include "allocator/forwarding_driver.h"
 #include "allocator/growth_policy.h"
@@ -85,6 +87,20 @@ Holes MakeHoles(Pool& pool, Stream stream = 0) {
   std::memset(h.b, 0xbb, 4 * kMiB);
   std::memset(h.d, 0xdd, 4 * kMiB);
   return h;
+}
+
+// The pool's reserved bytes and segments are its arenas' together (stats.h), also after
+// memory moved between them.
+void ExpectArenasAddUp(const PoolStats& s) {
+  const ArenaStats& sm = s.arena[kSmallArena];
+  const ArenaStats& lg = s.arena[kLargeArena];
+  for (auto [all, small, large] : {std::tuple{&s.reserved_bytes, &sm.reserved_bytes,
+                                              &lg.reserved_bytes},
+                                   std::tuple{&s.segment, &sm.segment, &lg.segment}}) {
+    EXPECT_EQ(all->current, small->current + large->current);
+    EXPECT_EQ(all->allocated, small->allocated + large->allocated);
+    EXPECT_EQ(all->freed, small->freed + large->freed);
+  }
 }
 
 bool Filled(const void* p, size_t n, unsigned char value) {
@@ -336,6 +352,125 @@ TEST_F(ReclaimTest, AMissTakesWhollyFreePagesInsteadOfGrowing) {
   EXPECT_OK(pool->CheckInvariants());
   ASSERT_OK(pool->EmptyCache());
   EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+}
+
+// Memory moves between the arenas (reclaim_policy.h): once the small arena holds a surplus
+// (more free than four small chunks and than it has allocated), a large growth takes its
+// wholly free chunks instead of creating memory; a chunk that still holds a live block stays.
+TEST_F(ReclaimTest, ALargeGrowthTakesTheChunksOfAnIdleSmallArena) {
+  auto pool = MakePool();
+  std::vector<void*> small;
+  for (int i = 0; i < 80; ++i) small.push_back(Alloc(*pool, 200 * 1024));  // 16 MiB of chunks
+  for (void* p : small) ASSERT_TRUE(pool->InSmallArena(p));
+  void* kept = small.front();
+  std::memset(kept, 0x5a, 200 * 1024);
+  for (size_t i = 1; i < small.size(); ++i) ASSERT_OK(pool->Free(small[i]));
+  const PoolStats before = pool->GetStats();
+  ASSERT_EQ(before.reserved_bytes.current, static_cast<int64_t>(16 * kMiB));
+  ASSERT_EQ(before.arena[kSmallArena].reserved_bytes.current, static_cast<int64_t>(16 * kMiB));
+
+  void* big = Alloc(*pool, 12 * kMiB);
+  ASSERT_FALSE(pool->InSmallArena(big));
+  std::memset(big, 0xee, 12 * kMiB);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_EQ(after.driver_create, before.driver_create);
+  EXPECT_EQ(after.num_chunk_moves, 6);
+  EXPECT_EQ(after.arena[kSmallArena].reserved_bytes.current, static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(after.arena[kSmallArena].segment.current, 2);
+  EXPECT_EQ(after.arena[kLargeArena].reserved_bytes.current, static_cast<int64_t>(12 * kMiB));
+  EXPECT_EQ(after.arena[kLargeArena].segment.current, 6);
+  EXPECT_EQ(after.reserved_bytes.peak, before.reserved_bytes.peak);
+  ExpectArenasAddUp(after);
+  EXPECT_TRUE(Filled(kept, 200 * 1024, 0x5a));
+  EXPECT_TRUE(Filled(big, 12 * kMiB, 0xee));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {kept, big}) ASSERT_OK(pool->Free(p));
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A small arena keeps its free chunks for its own blocks while it has less cached than four
+// small chunks, or less cached than allocated: a large growth then creates memory instead.
+TEST_F(ReclaimTest, ASmallArenaInUseKeepsItsFreeChunks) {
+  auto pool = MakePool();
+  auto expect_created = [&](const char* what) {
+    const PoolStats before = pool->GetStats();
+    void* big = Alloc(*pool, 4 * kMiB);
+    const PoolStats after = pool->GetStats();
+    EXPECT_EQ(after.num_chunk_moves, before.num_chunk_moves) << what;
+    EXPECT_EQ(after.driver_create, before.driver_create + 1) << what;
+    EXPECT_EQ(after.arena[kSmallArena].reserved_bytes.current,
+              before.arena[kSmallArena].reserved_bytes.current) << what;
+    return big;
+  };
+  // About 6 MiB cached, nothing allocated: less than four small chunks (8 MiB).
+  std::vector<void*> small;
+  for (int i = 0; i < 30; ++i) small.push_back(Alloc(*pool, 200 * 1024));
+  for (void* p : small) ASSERT_OK(pool->Free(p));
+  small.clear();
+  ASSERT_LT(pool->GetStats().arena[kSmallArena].inactive_split_bytes.current,
+            static_cast<int64_t>(8 * kMiB));
+  void* big1 = expect_created("too little cached");
+  // About 10 MiB cached but 21 MiB allocated.
+  for (int i = 0; i < 160; ++i) small.push_back(Alloc(*pool, 200 * 1024));
+  for (size_t i = 110; i < small.size(); ++i) ASSERT_OK(pool->Free(small[i]));
+  const PoolStats mid = pool->GetStats();
+  ASSERT_GE(mid.arena[kSmallArena].inactive_split_bytes.current, static_cast<int64_t>(8 * kMiB));
+  ASSERT_LT(mid.arena[kSmallArena].inactive_split_bytes.current,
+            mid.arena[kSmallArena].allocated_bytes.current);
+  void* big2 = expect_created("more allocated than cached");
+  for (void* p : {big1, big2}) ASSERT_OK(pool->Free(p));
+  for (size_t i = 0; i < 110; ++i) ASSERT_OK(pool->Free(small[i]));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Nothing moves while a capture is under way anywhere in the process (capture_window.h): an
+// unmap would invalidate it. The miss creates memory instead; once the window closes, the
+// next miss moves again.
+TEST_F(ReclaimTest, NothingMovesWhileACaptureIsUnderWay) {
+  auto pool = MakePool();
+  Holes h = MakeHoles(*pool);
+  ASSERT_OK(pool->Free(h.a));
+  ASSERT_OK(pool->Free(h.c));
+  const PoolStats before = pool->GetStats();
+  OpenCaptureWindow();
+  void* e = Alloc(*pool, 16 * kMiB);
+  CloseCaptureWindow();
+  const PoolStats during = pool->GetStats();
+  EXPECT_EQ(during.num_chunk_moves, 0);
+  EXPECT_EQ(during.driver_unmap, before.driver_unmap);
+  EXPECT_EQ(during.reserved_bytes.current, before.reserved_bytes.current + static_cast<int64_t>(16 * kMiB));
+  void* f = Alloc(*pool, 16 * kMiB);  // the two holes' pages move now
+  EXPECT_EQ(pool->GetStats().num_chunk_moves, 4);
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, during.reserved_bytes.current);
+  for (void* p : {h.b, h.d, e, f}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// The other way: a small-arena growth takes a wholly free chunk of the large arena that fits
+// it (here the half page a growth ended in) instead of creating one.
+TEST_F(ReclaimTest, ASmallGrowthTakesAFreeChunkOfTheLargeArena) {
+  auto pool = MakePool();
+  void* a = Alloc(*pool, 6 * kMiB);  // a page and a half page
+  void* b = Alloc(*pool, 4 * kMiB);  // keeps a's hole between live memory and the gap
+  ASSERT_OK(pool->Free(a));
+  const PoolStats before = pool->GetStats();
+  ASSERT_EQ(before.reserved_bytes.current, static_cast<int64_t>(10 * kMiB));
+  void* s = Alloc(*pool, 100 * 1024);
+  ASSERT_TRUE(pool->InSmallArena(s));
+  std::memset(s, 0x11, 100 * 1024);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_EQ(after.driver_create, before.driver_create);
+  EXPECT_EQ(after.num_chunk_moves, 1);
+  EXPECT_EQ(after.arena[kSmallArena].reserved_bytes.current, static_cast<int64_t>(2 * kMiB));
+  EXPECT_EQ(after.arena[kLargeArena].reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_TRUE(Filled(s, 100 * 1024, 0x11));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {b, s}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
 }
 
 // A growth is planned in half pages (growth_policy.h PlanUnit): a request that ends in the
@@ -755,6 +890,77 @@ TEST_F(ReclaimTest, InvariantsAndContentsHoldThroughRandomSteps) {
   }
   EXPECT_GT(moves_seen, 0);
   for (const auto& [p, l] : live) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Phases of small blocks and of large ones, each freeing most of what the other left: memory
+// moves both ways between the arenas, and the bookkeeping and every live block's bytes hold.
+TEST_F(ReclaimTest, InvariantsAndContentsHoldAsMemoryMovesBetweenTheArenas) {
+  auto pool = MakePool();
+  pool->SetMemoryLimit(160 * kMiB);
+  std::mt19937_64 rng(7);
+  struct Live {
+    size_t size;
+    unsigned char value;
+  };
+  std::map<void*, Live> live;
+  size_t live_bytes = 0;
+  int64_t moves_seen = 0;
+  int small_gave = 0;  // steps whose moves shrank the small arena
+  int small_took = 0;  // small-arena growths that created nothing
+  auto free_one = [&](std::map<void*, Live>::iterator it) {
+    ASSERT_TRUE(Filled(it->first, it->second.size, it->second.value));
+    live_bytes -= it->second.size;
+    ASSERT_OK(pool->Free(it->first));
+    live.erase(it);
+  };
+  for (int phase = 0; phase < 12; ++phase) {
+    const bool small_phase = phase % 2 == 0;
+    for (int step = 0; step < 400; ++step) {
+      const PoolStats before = pool->GetStats();
+      if (live.empty() || (rng() % 100 < 60 && live_bytes < 100 * kMiB)) {
+        const size_t size = small_phase ? 512 * (1 + rng() % 512)
+                                        : (1 + rng() % (12 * kMiB / 512)) * 512;
+        auto p = pool->Allocate(size, 0);
+        ASSERT_TRUE(p.ok()) << p.status() << " phase " << phase << " step " << step;
+        const auto value = static_cast<unsigned char>(1 + rng() % 250);
+        std::memset(*p, value, size);
+        live[*p] = Live{size, value};
+        live_bytes += size;
+      } else {
+        auto it = live.begin();
+        std::advance(it, static_cast<long>(rng() % live.size()));
+        free_one(it);
+      }
+      ASSERT_OK(pool->CheckInvariants()) << "phase " << phase << " step " << step;
+      const PoolStats after = pool->GetStats();
+      const int64_t small_before = before.arena[kSmallArena].reserved_bytes.current;
+      const int64_t small_after = after.arena[kSmallArena].reserved_bytes.current;
+      if (small_after < small_before && after.num_chunk_moves > before.num_chunk_moves) {
+        ++small_gave;
+      }
+      ExpectArenasAddUp(after);
+      if (small_after > small_before && after.driver_create == before.driver_create) {
+        ++small_took;
+      }
+      if (after.num_chunk_moves != moves_seen) {
+        for (const auto& [p, l] : live) {
+          ASSERT_TRUE(Filled(p, l.size, l.value)) << "phase " << phase << " step " << step;
+        }
+        moves_seen = after.num_chunk_moves;
+      }
+    }
+    // The phase ends: most of its blocks go.
+    for (auto it = live.begin(); it != live.end();) {
+      auto next = std::next(it);
+      if (rng() % 10 != 0) free_one(it);
+      it = next;
+    }
+    ASSERT_OK(pool->CheckInvariants()) << "end of phase " << phase;
+  }
+  EXPECT_GT(small_gave, 0);
+  EXPECT_GT(small_took, 0);
+  for (auto it = live.begin(); it != live.end();) free_one(it++);
   EXPECT_OK(pool->CheckInvariants());
 }
 
