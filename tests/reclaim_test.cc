@@ -845,51 +845,97 @@ TEST_F(ReclaimTest, TheCachedPathMakesNoDriverCall) {
   EXPECT_EQ(after.num_chunk_moves, 0);
 }
 
+// The live blocks of a randomized test, each filled with a byte of its own; whether they
+// still hold it after memory moved.
+class FilledBlocks {
+ public:
+  FilledBlocks(Pool& pool, std::mt19937_64& rng) : pool_(pool), rng_(rng) {}
+  ~FilledBlocks() { FreeMost(/*keep_one_in=*/0); }
+
+  bool empty() const { return live_.empty(); }
+  size_t bytes() const { return bytes_; }
+
+  // Allocates `size` bytes and fills them; nullptr (and a test failure) if the pool cannot.
+  void* Allocate(size_t size) {
+    absl::StatusOr<void*> p = pool_.Allocate(size, 0);
+    EXPECT_TRUE(p.ok()) << p.status();
+    if (!p.ok()) return nullptr;
+    const auto value = static_cast<unsigned char>(1 + rng_() % 250);
+    std::memset(*p, value, size);
+    live_[*p] = Live{size, value};
+    bytes_ += size;
+    return *p;
+  }
+  // Frees one block, picked at random, after checking its bytes.
+  void FreeOne() {
+    auto it = live_.begin();
+    std::advance(it, static_cast<long>(rng_() % live_.size()));
+    Free(it);
+  }
+  // Frees every block but, at random, about one in `keep_one_in` (0: every block).
+  void FreeMost(uint64_t keep_one_in) {
+    for (auto it = live_.begin(); it != live_.end();) {
+      auto next = std::next(it);
+      if (keep_one_in == 0 || rng_() % keep_one_in != 0) Free(it);
+      it = next;
+    }
+  }
+  bool AllFilled() const {
+    for (const auto& [p, l] : live_) {
+      if (!Filled(p, l.size, l.value)) return false;
+    }
+    return true;
+  }
+
+ private:
+  struct Live {
+    size_t size;
+    unsigned char value;
+  };
+  void Free(std::map<void*, Live>::iterator it) {
+    EXPECT_TRUE(Filled(it->first, it->second.size, it->second.value));
+    bytes_ -= it->second.size;
+    EXPECT_OK(pool_.Free(it->first));
+    live_.erase(it);
+  }
+
+  Pool& pool_;
+  std::mt19937_64& rng_;
+  std::map<void*, Live> live_;
+  size_t bytes_ = 0;
+};
+
 // Random allocations and frees (some exported) under a memory limit: after every step the
 // pool's invariants hold and every live block still holds the bytes written into it.
 TEST_F(ReclaimTest, InvariantsAndContentsHoldThroughRandomSteps) {
   auto pool = MakePool();
   pool->SetMemoryLimit(200 * kMiB);
   std::mt19937_64 rng(42);
-  struct Live {
-    size_t size;
-    unsigned char value;
-  };
-  std::map<void*, Live> live;
-  size_t live_bytes = 0;
+  FilledBlocks blocks(*pool, rng);
   int64_t moves_seen = 0;
   for (int step = 0; step < 3000; ++step) {
-    const bool alloc = live.empty() || (rng() % 100 < 55 && live_bytes < 120 * kMiB);
-    if (alloc) {
+    if (blocks.empty() || (rng() % 100 < 55 && blocks.bytes() < 120 * kMiB)) {
       const size_t size = rng() % 4 == 0 ? 512 * (1 + rng() % 1024)
                                          : (1 + rng() % (24 * kMiB / 512)) * 512;
-      auto p = pool->Allocate(size, 0);
-      ASSERT_TRUE(p.ok()) << p.status() << " at step " << step;
-      const auto value = static_cast<unsigned char>(1 + rng() % 250);
-      std::memset(*p, value, size);
-      live[*p] = Live{size, value};
-      live_bytes += size;
+      void* p = blocks.Allocate(size);
+      ASSERT_NE(p, nullptr) << "step " << step;
       if (rng() % 50 == 0) {
-        ASSERT_OK(pool->Export(*p).status());
+        ASSERT_OK(pool->Export(p).status());
       }
     } else {
-      auto it = live.begin();
-      std::advance(it, static_cast<long>(rng() % live.size()));
-      ASSERT_TRUE(Filled(it->first, it->second.size, it->second.value)) << "step " << step;
-      live_bytes -= it->second.size;
-      ASSERT_OK(pool->Free(it->first));
-      live.erase(it);
+      blocks.FreeOne();
     }
+    ASSERT_FALSE(HasFailure()) << "step " << step;
     ASSERT_OK(pool->CheckInvariants()) << "step " << step;
     const int64_t moves = pool->GetStats().num_chunk_moves;
     if (moves != moves_seen) {
       // Memory moved: every live block must still hold its bytes.
-      for (const auto& [p, l] : live) ASSERT_TRUE(Filled(p, l.size, l.value)) << "step " << step;
+      ASSERT_TRUE(blocks.AllFilled()) << "step " << step;
       moves_seen = moves;
     }
   }
   EXPECT_GT(moves_seen, 0);
-  for (const auto& [p, l] : live) ASSERT_OK(pool->Free(p));
+  blocks.FreeMost(/*keep_one_in=*/0);
   EXPECT_OK(pool->CheckInvariants());
 }
 
@@ -899,68 +945,42 @@ TEST_F(ReclaimTest, InvariantsAndContentsHoldAsMemoryMovesBetweenTheArenas) {
   auto pool = MakePool();
   pool->SetMemoryLimit(160 * kMiB);
   std::mt19937_64 rng(7);
-  struct Live {
-    size_t size;
-    unsigned char value;
-  };
-  std::map<void*, Live> live;
-  size_t live_bytes = 0;
-  int64_t moves_seen = 0;
+  FilledBlocks blocks(*pool, rng);
   int small_gave = 0;  // steps whose moves shrank the small arena
   int small_took = 0;  // small-arena growths that created nothing
-  auto free_one = [&](std::map<void*, Live>::iterator it) {
-    ASSERT_TRUE(Filled(it->first, it->second.size, it->second.value));
-    live_bytes -= it->second.size;
-    ASSERT_OK(pool->Free(it->first));
-    live.erase(it);
-  };
   for (int phase = 0; phase < 12; ++phase) {
     const bool small_phase = phase % 2 == 0;
     for (int step = 0; step < 400; ++step) {
       const PoolStats before = pool->GetStats();
-      if (live.empty() || (rng() % 100 < 60 && live_bytes < 100 * kMiB)) {
+      if (blocks.empty() || (rng() % 100 < 60 && blocks.bytes() < 100 * kMiB)) {
         const size_t size = small_phase ? 512 * (1 + rng() % 512)
                                         : (1 + rng() % (12 * kMiB / 512)) * 512;
-        auto p = pool->Allocate(size, 0);
-        ASSERT_TRUE(p.ok()) << p.status() << " phase " << phase << " step " << step;
-        const auto value = static_cast<unsigned char>(1 + rng() % 250);
-        std::memset(*p, value, size);
-        live[*p] = Live{size, value};
-        live_bytes += size;
+        ASSERT_NE(blocks.Allocate(size), nullptr) << "phase " << phase << " step " << step;
       } else {
-        auto it = live.begin();
-        std::advance(it, static_cast<long>(rng() % live.size()));
-        free_one(it);
+        blocks.FreeOne();
       }
+      ASSERT_FALSE(HasFailure()) << "phase " << phase << " step " << step;
       ASSERT_OK(pool->CheckInvariants()) << "phase " << phase << " step " << step;
       const PoolStats after = pool->GetStats();
+      ExpectArenasAddUp(after);
       const int64_t small_before = before.arena[kSmallArena].reserved_bytes.current;
       const int64_t small_after = after.arena[kSmallArena].reserved_bytes.current;
       if (small_after < small_before && after.num_chunk_moves > before.num_chunk_moves) {
         ++small_gave;
       }
-      ExpectArenasAddUp(after);
       if (small_after > small_before && after.driver_create == before.driver_create) {
         ++small_took;
       }
-      if (after.num_chunk_moves != moves_seen) {
-        for (const auto& [p, l] : live) {
-          ASSERT_TRUE(Filled(p, l.size, l.value)) << "phase " << phase << " step " << step;
-        }
-        moves_seen = after.num_chunk_moves;
+      if (after.num_chunk_moves != before.num_chunk_moves) {
+        ASSERT_TRUE(blocks.AllFilled()) << "phase " << phase << " step " << step;
       }
     }
-    // The phase ends: most of its blocks go.
-    for (auto it = live.begin(); it != live.end();) {
-      auto next = std::next(it);
-      if (rng() % 10 != 0) free_one(it);
-      it = next;
-    }
+    blocks.FreeMost(/*keep_one_in=*/10);  // the phase ends: most of its blocks go
     ASSERT_OK(pool->CheckInvariants()) << "end of phase " << phase;
   }
   EXPECT_GT(small_gave, 0);
   EXPECT_GT(small_took, 0);
-  for (auto it = live.begin(); it != live.end();) free_one(it++);
+  blocks.FreeMost(/*keep_one_in=*/0);
   EXPECT_OK(pool->CheckInvariants());
 }
 
