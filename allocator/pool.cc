@@ -457,15 +457,15 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   const bool moves = !dedicated && options_.large_page != 0;
   bool in_units = moves;  // planned in whole units (plan_unit_, or granules in the small arena)
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
-  ReclaimRequest request;
-  request.arena = &large_;
-  if (SmallArenaSurplus()) request.small_arena = &small_;
-  request.page = granularity_;
-  request.chunks = &chunks_;
-  request.requester = stream;
   // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
   // process: an unmap by any thread would invalidate it (capture_window.h).
   const bool may_move = moves && !keep_memory_ && !CaptureWindowOpen();
+  ReclaimRequest request;
+  request.arena = &large_;
+  if (may_move && SmallArenaSurplus()) request.small_arena = &small_;
+  request.page = granularity_;
+  request.chunks = &chunks_;
+  request.requester = stream;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
   const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) >
