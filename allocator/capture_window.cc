@@ -75,6 +75,14 @@ void EnterBackgroundWork() {
   ++w.busy;
 }
 
+bool TryEnterBackgroundWork() {
+  Window& w = TheWindow();
+  std::lock_guard<std::mutex> lock(w.mu);
+  if (w.open > 0 && !Stale(w)) return false;
+  ++w.busy;
+  return true;
+}
+
 void LeaveBackgroundWork() {
   Window& w = TheWindow();
   std::lock_guard<std::mutex> lock(w.mu);

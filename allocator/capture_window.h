@@ -11,7 +11,11 @@
 //     of work (EnterBackgroundWork), and OpenCaptureWindow first waits for the piece running;
 //   - pools neither record nor query stream events (stream_reclaim.h): frees that wait for
 //     other streams keep waiting, and other streams' cached blocks keep their tags, as
-//     PyTorch's own allocator defers its events while captures are under way.
+//     PyTorch's own allocator defers its events while captures are under way;
+//   - pools unmap nothing of their own accord: a miss moves no memory (it enters the work
+//     with TryEnterBackgroundWork, so a window that opens meanwhile waits for the moves to
+//     end), and neither a release threshold nor a miss near a memory limit releases cached
+//     memory (the miss fails, as PyTorch's does with captures under way).
 // Windows nest (several captures, on several threads or devices). A window left open for
 // longer than kStaleAfter (a capture that raised before it ended its route: PyTorch's
 // capture_end checks cudaStreamEndCapture before it ends the route, and a MemPool context
@@ -36,6 +40,9 @@ bool CaptureWindowOpen();
 // A piece of background work: waits while a window is open, and holds the next one from
 // opening until LeaveBackgroundWork.
 void EnterBackgroundWork();
+// The same without waiting: false (and nothing entered) while a window is open; true where
+// none is, or the one open is stale, and then the next window waits for LeaveBackgroundWork.
+bool TryEnterBackgroundWork();
 void LeaveBackgroundWork();
 
 }  // namespace vmm

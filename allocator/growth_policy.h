@@ -7,8 +7,8 @@
 // what the request needs, so a policy can never cause an out-of-memory error.
 //
 // Policy today:
-//   - small arena: map `small_chunk` at a time (where the large arena grows in pages, after
-//     taking what free chunks it can: reclaim_policy.h);
+//   - small arena: `small_chunk` at a time (where the large arena grows in pages, the free
+//     chunks a miss moves into it count towards it: reclaim_policy.h);
 //   - large arena: `growth_fraction` of the bytes already reserved, capped at
 //     `max_growth_extra`, rounded down to granularity (growth_fraction 0: exact growth);
 //   - large arena in pages (large_page set): exact growth. Extra pages would only be free
@@ -34,7 +34,8 @@ namespace vmm {
 
 struct GrowthRequest {
   bool small_arena = false;  // growing the small arena
-  size_t needed = 0;         // bytes the plan must map at least (multiple of granularity)
+  size_t needed = 0;         // bytes the plan covers at least, the chunks moved into it
+                             // included (multiple of granularity)
   size_t reserved = 0;       // bytes the pool holds now
   size_t granularity = 0;
   bool paged = false;        // the large arena grows in large_page chunks (reclaim_policy.h)

@@ -9,6 +9,7 @@
 
 #include "absl/base/attributes.h"
 #include "absl/base/optimization.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/byte_size.h"
@@ -277,7 +278,10 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   }
   if (block == nullptr) {
     absl::StatusOr<Block*> grown = Grow(arena, n, stream, shareable);
-    if (!grown.ok() && absl::IsResourceExhausted(grown.status())) {
+    // Not while a capture is under way: the synchronisation and the unmaps would invalidate
+    // it (capture_window.h); the request fails instead, as with PyTorch's allocator.
+    const bool capturing = !grown.ok() && CaptureWindowOpen();
+    if (!grown.ok() && absl::IsResourceExhausted(grown.status()) && !capturing) {
       // Trim everything that is free, then try once more. Memory is tight: from now on
       // paged growth is in single pages, which strand the least (GrowthChunk).
       short_of_memory_ = true;
@@ -292,7 +296,10 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       ++stats_.num_ooms;
       return absl::ResourceExhaustedError(absl::StrCat(
           "out of memory: requested ", size, " bytes (", FormatBytes(size), ") on ",
-          driver_->Name(), " device ", options_.device, ": ", grown.status().message(), "; ", Summary()));
+          driver_->Name(), " device ", options_.device, ": ", grown.status().message(),
+          capturing ? " (no cached memory is released while a CUDA graph capture is under way)"
+                    : "",
+          "; ", Summary()));
     }
     block = *grown;
   }
@@ -377,6 +384,8 @@ absl::Status Pool::FreeInUse(Block* block) {
 
 absl::Status Pool::ApplyReleaseThreshold() {
   if (keep_memory_) return absl::OkStatus();  // it would release nothing
+  // An unmap would invalidate a capture under way (capture_window.h); a later free trims.
+  if (CaptureWindowOpen()) return absl::OkStatus();
   // Spare chunks are cached memory too (counted as retired), and go first.
   int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
                    pending_.bytes - retired_bytes_ + static_cast<int64_t>(spare_bytes_);
@@ -458,8 +467,12 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   bool in_units = moves;  // planned in whole units (plan_unit_, or granules in the small arena)
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
   // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
-  // process: an unmap by any thread would invalidate it (capture_window.h).
-  const bool may_move = moves && !keep_memory_ && !CaptureWindowOpen();
+  // process: an unmap by any thread would invalidate it (capture_window.h). The moves are
+  // background work to the capture window, so that one opening meanwhile waits for them.
+  const bool may_move = moves && !keep_memory_ && TryEnterBackgroundWork();
+  absl::Cleanup leave_window = [may_move] {
+    if (may_move) LeaveBackgroundWork();
+  };
   ReclaimRequest request;
   request.arena = &large_;
   if (may_move && SmallArenaSurplus()) request.small_arena = &small_;
@@ -499,7 +512,9 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   if (!dedicated && moved < needed) {
     GrowthRequest growth;
     growth.small_arena = &arena == &small_;
-    growth.needed = needed - moved;
+    // The whole plan, moved bytes included: a small-arena growth comes to small_chunk with
+    // them, so what moves is not created as well.
+    growth.needed = needed;
     growth.reserved = static_cast<size_t>(stats_.reserved_bytes.current);
     growth.granularity = granularity_;
     growth.paged = paged;

@@ -48,7 +48,9 @@
 // out-of-memory is ResourceExhausted naming the request and summarising the pool. With a
 // release threshold, Free releases completed free chunks while more than that is cached.
 // A pool trims only itself: a failing growth never takes memory from another pool. None of
-// this happens while the pool keeps its memory (below).
+// this happens while the pool keeps its memory (below), and neither the retry nor the
+// release threshold while a capture is under way in the process (capture_window.h): the
+// growth fails instead, and the threshold applies at the next free after the capture.
 //
 // Export invariant. Exporting a block marks every chunk it spans as exported: the free space
 // in those chunks is retired at once, blocks freed there later are retired too, and a chunk is

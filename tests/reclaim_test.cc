@@ -2,6 +2,7 @@
 // arena grows in pages moves wholly free pages to where a request goes instead of growing,
 // never moves exported memory or memory another stream may still use, and keeps its
 // bookkeeping and every live block's bytes intact throughout.
+#include <atomic>
 #include <condition_variable>
 #include <cstring>
 #include <iterator>
@@ -9,6 +10,8 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -20,6 +23,7 @@
 #include "allocator/pool.h"
 #include "allocator/reclaim_policy.h"
 #include "allocator/sharing.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
@@ -186,7 +190,9 @@ TEST_F(ReclaimTest, ARangeTooSmallForWholePagesStillServesWhatFits) {
   void* p = Alloc(*pool, 5 * kMiB);  // two halves (8 MiB) do not fit; 6 MiB of granules do
   EXPECT_NE(p, nullptr);
   EXPECT_OK(pool->CheckInvariants());
-  if (p != nullptr) EXPECT_OK(pool->Free(p));
+  if (p != nullptr) {
+    EXPECT_OK(pool->Free(p));
+  }
 }
 
 // A pool made to export keeps single chunks unless told (pool_options.h): a 3 GiB block
@@ -446,6 +452,157 @@ TEST_F(ReclaimTest, NothingMovesWhileACaptureIsUnderWay) {
   EXPECT_EQ(pool->GetStats().num_chunk_moves, 4);
   EXPECT_EQ(pool->GetStats().reserved_bytes.current, during.reserved_bytes.current);
   for (void* p : {h.b, h.d, e, f}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Counts the driver calls that would invalidate a capture once a capture window has opened
+// (OpenCaptureWindow returned); after Arm(), the first Create starts a thread that opens a
+// window, and goes on once the window is being opened: another thread beginning a capture
+// while this one is inside a miss.
+class CaptureWatchingDriver : public ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  ~CaptureWatchingDriver() override { Join(); }
+  void Arm() { armed_ = true; }
+  // Waits for the window's opener; whether it opened one (to close).
+  bool Join() {
+    if (!opener_.joinable()) return false;
+    opener_.join();
+    return true;
+  }
+  absl::StatusOr<PhysHandle> Create(int device, size_t size, uint32_t types) override {
+    if (armed_) {
+      armed_ = false;
+      opener_ = std::thread([this] {
+        OpenCaptureWindow();
+        opened_ = true;
+      });
+      while (!CaptureWindowOpen()) std::this_thread::yield();
+    }
+    return ForwardingDriver::Create(device, size, types);
+  }
+  absl::Status Unmap(DevPtr ptr, size_t size) override {
+    if (opened_ || (!opener_.joinable() && CaptureWindowOpen())) ++unmaps_in_window;
+    return ForwardingDriver::Unmap(ptr, size);
+  }
+  absl::Status SynchronizeDevice(int device) override {
+    if (CaptureWindowOpen()) ++syncs_in_window;
+    return ForwardingDriver::SynchronizeDevice(device);
+  }
+  std::atomic<int> unmaps_in_window{0};
+  std::atomic<int> syncs_in_window{0};
+
+ private:
+  bool armed_ = false;
+  std::atomic<bool> opened_{false};
+  std::thread opener_;
+};
+
+// A window that opens while a miss is moving memory waits for the moves to end: none of
+// them unmaps once the capture may have begun.
+TEST_F(ReclaimTest, ACaptureWindowOpeningDuringAMoveWaitsForIt) {
+  CaptureWatchingDriver driver(driver_);
+  driver_ = &driver;
+  auto pool = MakePool();
+  Holes h = MakeHoles(*pool);
+  ASSERT_OK(pool->Free(h.a));
+  ASSERT_OK(pool->Free(h.c));
+  driver.Arm();
+  void* e = Alloc(*pool, 20 * kMiB);  // the holes' four pages move, one page is created
+  ASSERT_TRUE(driver.Join());
+  CloseCaptureWindow();
+  EXPECT_EQ(pool->GetStats().num_chunk_moves, 4);
+  EXPECT_EQ(driver.unmaps_in_window, 0);
+  for (void* p : {h.b, h.d, e}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Near its memory limit, a miss during a capture neither moves memory nor falls back on
+// synchronising the device and releasing the cache: it fails, saying why. Once the capture
+// is over, the same request moves the holes' pages.
+TEST_F(ReclaimTest, AMissNearTheLimitDuringACaptureFailsWithoutSyncOrUnmap) {
+  CaptureWatchingDriver driver(driver_);
+  PoolOptions options;
+  options.growth_fraction = 0;
+  options.large_page = kPage;
+  options.growth_page = kPage;
+  options.memory_limit = 24 * kMiB;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(&driver, options);
+  Holes h = MakeHoles(*pool);
+  ASSERT_OK(pool->Free(h.a));
+  ASSERT_OK(pool->Free(h.c));
+  ASSERT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  OpenCaptureWindow();
+  absl::StatusOr<void*> e = pool->Allocate(16 * kMiB, 0);
+  CloseCaptureWindow();
+  EXPECT_EQ(driver.syncs_in_window, 0);
+  EXPECT_EQ(driver.unmaps_in_window, 0);
+  ASSERT_TRUE(absl::IsResourceExhausted(e.status())) << e.status();
+  EXPECT_THAT(std::string(e.status().message()), ::testing::HasSubstr("capture"));
+  EXPECT_EQ(pool->GetStats().num_alloc_retries, 0);
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  void* f = Alloc(*pool, 16 * kMiB);  // after the capture the holes' pages move
+  EXPECT_EQ(pool->GetStats().num_chunk_moves, 4);
+  for (void* p : {h.b, h.d, f}) ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A release threshold trims nothing while a capture is under way, not even free chunks
+// known to be done with; the next free after it does.
+TEST_F(ReclaimTest, AReleaseThresholdWaitsForTheCaptureToEnd) {
+  PoolOptions options;
+  options.growth_fraction = 0;
+  options.large_page = kPage;
+  options.growth_page = kPage;
+  options.release_threshold = 8 * kMiB;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  void* a = Alloc(*pool, 8 * kMiB);
+  void* b = Alloc(*pool, 8 * kMiB);
+  void* c = Alloc(*pool, 8 * kMiB);
+  ASSERT_OK(pool->Free(a));
+  ASSERT_OK(pool->Free(b));  // 16 MiB cached: trimmed to the threshold, the rest known done
+  const PoolStats before = pool->GetStats();
+  ASSERT_EQ(before.reserved_bytes.current, static_cast<int64_t>(16 * kMiB));
+  OpenCaptureWindow();
+  ASSERT_OK(pool->Free(c));
+  const PoolStats during = pool->GetStats();
+  CloseCaptureWindow();
+  EXPECT_EQ(during.driver_unmap, before.driver_unmap);
+  EXPECT_EQ(during.reserved_bytes.current, before.reserved_bytes.current);
+  void* d = Alloc(*pool, 4 * kMiB);
+  ASSERT_OK(pool->Free(d));
+  EXPECT_LE(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A small-arena growth of several granules that moves part of them creates only the rest:
+// the arena grows to small_chunk in all (growth_policy.h).
+TEST_F(ReclaimTest, ASmallGrowthCreatesOnlyWhatItDoesNotMove) {
+  PoolOptions options;
+  options.growth_fraction = 0;
+  options.large_page = kPage;  // half pages of one granule
+  options.growth_page = kPage;
+  options.small_size = 3 * kMiB;
+  options.small_chunk = 8 * kMiB;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  void* a = Alloc(*pool, 6 * kMiB);  // a page and a half page
+  void* b = Alloc(*pool, 8 * kMiB);
+  ASSERT_OK(pool->Free(a));
+  void* c = Alloc(*pool, 4 * kMiB);  // a's page; its half page stays free
+  ASSERT_EQ(c, a);
+  const PoolStats before = pool->GetStats();
+  void* s = Alloc(*pool, 3 * kMiB);  // two granules of the small arena
+  ASSERT_TRUE(pool->InSmallArena(s));
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_chunk_moves, before.num_chunk_moves + 1);
+  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
+            static_cast<int64_t>(6 * kMiB));
+  EXPECT_EQ(after.arena[kSmallArena].reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
+  ExpectArenasAddUp(after);
+  for (void* p : {b, c, s}) ASSERT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
 }
 
