@@ -11,7 +11,8 @@
 //     of work (EnterBackgroundWork), and OpenCaptureWindow first waits for the piece running;
 //   - pools neither record nor query stream events (stream_reclaim.h): frees that wait for
 //     other streams keep waiting, and other streams' cached blocks keep their tags, as
-//     PyTorch's own allocator defers its events while captures are under way;
+//     PyTorch's own allocator defers its events while captures are under way (the event work
+//     of a miss enters with TryEnterBackgroundWork, so a window waits for it to end);
 //   - pools unmap nothing of their own accord: a miss moves no memory (it enters the work
 //     with TryEnterBackgroundWork, so a window that opens meanwhile waits for the moves to
 //     end), and neither a release threshold nor a miss near a memory limit releases cached

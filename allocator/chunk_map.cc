@@ -15,7 +15,7 @@ void LogChunkTeardownError(const absl::Status& status) {
 }
 
 absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats,
-                               size_t chunk_size) {
+                               size_t chunk_size, std::vector<Stranded>* stranded) {
   Driver& driver = *config_.driver;
   const size_t piece_size = chunk_size != 0 ? chunk_size : config_.max_chunk;
   struct Piece {
@@ -25,11 +25,31 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
     bool mapped;
   };
   std::vector<Piece> pieces;
+  // Counts a chunk's bytes as mapped: the pool's, its arena's and the device cap's.
+  auto count = [&](uintptr_t at, size_t bytes, int64_t chunks) {
+    stats.reserved_bytes.Increase(static_cast<int64_t>(bytes));
+    if (cap_ != nullptr) cap_->AddMapped(static_cast<int64_t>(bytes));
+    stats.segment.Increase(chunks);
+    ArenaStats& split = ArenaStatsOf(at, stats);
+    split.reserved_bytes.Increase(static_cast<int64_t>(bytes));
+    split.segment.Increase(chunks);
+  };
   auto rollback = [&](absl::Status cause) {
     for (const Piece& p : pieces) {
       if (p.mapped) {
         ++stats.driver_unmap;
-        (void)driver.Unmap(p.addr, p.size);
+        if (absl::Status unmapped = driver.Unmap(p.addr, p.size); !unmapped.ok()) {
+          // Still mapped, so still memory: a chunk of the map, for the caller to place,
+          // rather than a mapping the pool no longer knows in what it takes for a gap.
+          LogError(absl::StrCat("undoing a growth: ", unmapped.message()));
+          Chunk& chunk = chunks_[p.addr];
+          chunk.id = next_id_++;
+          chunk.size = p.size;
+          chunk.handle = p.handle;
+          count(p.addr, p.size, 1);
+          stranded->push_back(Stranded{p.addr, p.size});
+          continue;
+        }
       }
       ++stats.driver_release;
       (void)driver.Release(p.handle);
@@ -59,12 +79,7 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
     chunk.dedicated = dedicated;
     if (dedicated) MarkExported(chunks_.find(p.addr), stats);
   }
-  stats.reserved_bytes.Increase(static_cast<int64_t>(len));
-  if (cap_ != nullptr) cap_->AddMapped(static_cast<int64_t>(len));
-  stats.segment.Increase(static_cast<int64_t>(pieces.size()));
-  ArenaStats& split = ArenaStatsOf(addr, stats);
-  split.reserved_bytes.Increase(static_cast<int64_t>(len));
-  split.segment.Increase(static_cast<int64_t>(pieces.size()));
+  count(addr, len, static_cast<int64_t>(pieces.size()));
   return absl::OkStatus();
 }
 
@@ -111,7 +126,8 @@ absl::Status ChunkMap::UnmapRuns(absl::Span<const uintptr_t> addrs, bool either_
 }
 
 absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, PoolStats& stats,
-                            std::vector<Moved>* moved, std::vector<Moved>* lost) {
+                            std::vector<Moved>* moved, std::vector<Moved>* lost,
+                            std::vector<Stranded>* stranded) {
   Driver& driver = *config_.driver;
   return UnmapRuns(froms, /*either_order=*/true, stats, [&](size_t i, size_t j) {
     for (size_t k = i; k < j; ++k) {
@@ -132,7 +148,13 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
             back = driver.SetAccess(froms[r], c.size, config_.access);
             if (!back.ok()) {
               ++stats.driver_unmap;
-              (void)driver.Unmap(froms[r], c.size);
+              if (absl::Status unmapped = driver.Unmap(froms[r], c.size); !unmapped.ok()) {
+                // Still mapped where it was: kept, for the caller to place.
+                LogError(absl::StrCat("moving a free chunk back: ", back.message(), "; ",
+                                      unmapped.message()));
+                stranded->push_back(Stranded{froms[r], c.size});
+                continue;
+              }
             }
           }
           if (back.ok()) continue;

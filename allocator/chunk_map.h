@@ -77,13 +77,21 @@ class ChunkMap {
   // must outlive the map's chunks). The caller adds what is mapped already.
   void ShareCap(DeviceCap* cap) { cap_ = cap; }
 
+  // A chunk that a failed MapRange or Move could not unmap: still mapped (access unknown),
+  // in the map, where the caller's bookkeeping may have a gap or a free block.
+  struct Stranded {
+    uintptr_t addr = 0;
+    size_t size = 0;
+  };
   // Creates, maps and grants access to [addr, addr + len) in chunks, marking them exported and
-  // dedicated when `dedicated`. On failure nothing stays mapped or created, and the driver's
-  // error is returned. Adds the new chunks' bytes to `stats.reserved_bytes` and their count
-  // to `stats.segment`, and to those of the arena they lie in.
+  // dedicated when `dedicated`. On failure the driver's error is returned and nothing stays
+  // mapped or created, but for chunks whose Unmap failed too: those stay in the map (counted
+  // as below, neither exported nor dedicated) and are added to `stranded`, for the caller to
+  // place. Adds the new chunks' bytes to `stats.reserved_bytes` and their count to
+  // `stats.segment`, and to those of the arena they lie in.
   // `chunk_size` (0: max_chunk) is the size of every chunk but the last.
   absl::Status MapRange(uintptr_t addr, size_t len, bool dedicated, PoolStats& stats,
-                        size_t chunk_size = 0);
+                        size_t chunk_size, std::vector<Stranded>* stranded);
 
   // A chunk Move took from `from` and mapped at `to`.
   struct Moved {
@@ -99,10 +107,13 @@ class ChunkMap {
   // is appended to `*moved`; one that lands in the other arena counts in its statistics.
   // On a failure the chunks not moved yet are where they were, mapped and accessible; one
   // that cannot be mapped back is released, forgotten and appended to `*lost` (the caller's
-  // bookkeeping must drop it), and the chunks in `*moved` stay moved (the caller moves them
-  // back). The driver's error is returned.
+  // bookkeeping must drop it), but for one mapped back whose access could be neither granted
+  // nor its mapping undone: that one stays in the map where it was, appended to `*stranded`
+  // (access unknown); the chunks in `*moved` stay moved (the caller moves them back). The
+  // driver's error is returned.
   absl::Status Move(absl::Span<const uintptr_t> froms, uintptr_t to, PoolStats& stats,
-                    std::vector<Moved>* moved, std::vector<Moved>* lost);
+                    std::vector<Moved>* moved, std::vector<Moved>* lost,
+                    std::vector<Stranded>* stranded);
   // SetAccess for the pool's devices over [addr, addr + len), which must be mapped.
   absl::Status GrantAccess(uintptr_t addr, size_t len, PoolStats& stats);
 

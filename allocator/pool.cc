@@ -521,6 +521,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     Arena::Extend(*plan, GrowthExtra(options_, growth) / unit * unit);
   }
   // The new bytes (if any) go after the moved pages: [addr + moved, addr + len).
+  std::vector<ChunkMap::Stranded> stranded;
   auto try_map = [&](const Arena::GrowthPlan& p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const size_t fresh = p.len - moved;
     if (fresh == 0) return absl::OkStatus();
@@ -537,14 +538,17 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
           FormatBytes(memory_limit_)));
     }
     return chunks_.MapRange(p.addr + moved, fresh, dedicated, stats_,
-                            paged ? GrowthChunk(n, in_units, fresh) : 0);
+                            paged ? GrowthChunk(n, in_units, fresh) : 0, &stranded);
   };
   absl::Status mapped = try_map(*plan);
-  if (!mapped.ok() && plan->len > needed) {
+  if (!mapped.ok() && plan->len > needed && stranded.empty()) {
     // Retry with exactly what the request needs, in the same place (the moves chosen for it).
     plan = exact;
     mapped = try_map(*plan);
   }
+  // Chunks a failed growth could not unmap hold memory where the arena has a gap: free
+  // memory there if they can be used (the plan is spent: the growth fails).
+  for (const ChunkMap::Stranded& c : stranded) PlaceStranded(c);
   VMM_RETURN_IF_ERROR(mapped);
   if (!reclaim.chunks.empty()) {
     absl::Status s = MoveChunks(reclaim, plan->addr, stream);
@@ -613,7 +617,8 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
   }
   std::vector<ChunkMap::Moved> moved;
   std::vector<ChunkMap::Moved> lost;  // chunks gone from where the arena has them
-  absl::Status s = chunks_.Move(reclaim.chunks, to, stats_, &moved, &lost);
+  std::vector<ChunkMap::Stranded> stranded;  // chunks that could not be unmapped
+  absl::Status s = chunks_.Move(reclaim.chunks, to, stats_, &moved, &lost, &stranded);
   if (s.ok()) s = chunks_.GrantAccess(to, reclaim.bytes, stats_);
   if (!s.ok()) {
     // Move back what moved; a chunk that cannot go back is released.
@@ -621,7 +626,7 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
       std::vector<ChunkMap::Moved> moved_back;  // m itself, once back
       std::vector<ChunkMap::Moved> gone;
       const uintptr_t at[] = {m.to};
-      absl::Status back = chunks_.Move(at, m.from, stats_, &moved_back, &gone);
+      absl::Status back = chunks_.Move(at, m.from, stats_, &moved_back, &gone, &stranded);
       if (back.ok()) back = chunks_.GrantAccess(m.from, m.size, stats_);
       if (back.ok()) continue;
       if (gone.empty()) {
@@ -649,6 +654,7 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
       ArenaOf(m.from).MakeGap(m.from, m.size);
       ++stats_.num_device_free;
     }
+    for (const ChunkMap::Stranded& c : stranded) PlaceStranded(c);
     return s;
   }
   for (const ChunkMap::Moved& m : moved) ArenaOf(m.from).MakeGap(m.from, m.size);
@@ -656,6 +662,21 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
   stats_.num_chunk_moves += static_cast<int64_t>(moved.size());
   stats_.moved_bytes += static_cast<int64_t>(reclaim.bytes);
   return absl::OkStatus();
+}
+
+void Pool::PlaceStranded(const ChunkMap::Stranded& chunk) {
+  Arena& arena = ArenaOf(chunk.addr);
+  const Block* b = arena.BlockContaining(chunk.addr);
+  const bool in_gap = b != nullptr && b->state == BlockState::kUnmapped;
+  if (absl::Status access = chunks_.GrantAccess(chunk.addr, chunk.size, stats_); access.ok()) {
+    if (in_gap) AdoptStranded(chunk.addr, chunk.size);
+    LogError(absl::StrCat(FormatBytes(chunk.size), " the pool could not unmap stay in it, free, ",
+                          "at ", absl::Hex(chunk.addr)));
+    return;
+  }
+  if (!in_gap) arena.MakeGap(chunk.addr, chunk.size);
+  LogError(absl::StrCat(FormatBytes(chunk.size), " at ", absl::Hex(chunk.addr),
+                        " can be neither used nor unmapped"));
 }
 
 void Pool::AdoptStranded(uintptr_t addr, size_t size) {

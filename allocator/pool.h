@@ -381,6 +381,11 @@ class Pool {
   // Makes [addr, addr + size), a chunk still mapped and granted inside a gap (a rollback whose
   // release failed), a free block, so that the arena and the chunk map agree again.
   void AdoptStranded(uintptr_t addr, size_t size) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A chunk a failed growth or move could not unmap (ChunkMap::Stranded: still mapped, in the
+  // chunk map, access unknown): granted access and kept as free memory where it lies (adopted
+  // if the arena has a gap there); if access cannot be granted either, logged, and the arena
+  // keeps no free block over it.
+  void PlaceStranded(const ChunkMap::Stranded& chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases chunks covered by free blocks; `any_stream` also takes blocks whose streams
   // may still be running (callers synchronise first). Stops once `target` bytes are released.
   absl::Status ReleaseFreeChunks(bool any_stream, size_t target)

@@ -9,10 +9,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "allocator/capture_window.h"
@@ -456,14 +458,15 @@ TEST_F(ReclaimTest, NothingMovesWhileACaptureIsUnderWay) {
 }
 
 // Counts the driver calls that would invalidate a capture once a capture window has opened
-// (OpenCaptureWindow returned); after Arm(), the first Create starts a thread that opens a
-// window, and goes on once the window is being opened: another thread beginning a capture
-// while this one is inside a miss.
+// (OpenCaptureWindow returned); after Arm(), the first Create (or RecordEvent) starts a
+// thread that opens a window, and goes on once the window is being opened: another thread
+// beginning a capture while this one is inside a miss.
 class CaptureWatchingDriver : public ForwardingDriver {
  public:
+  enum class At { kCreate, kRecordEvent };
   using ForwardingDriver::ForwardingDriver;
   ~CaptureWatchingDriver() override { Join(); }
-  void Arm() { armed_ = true; }
+  void Arm(At at) { armed_ = at; }
   // Waits for the window's opener; whether it opened one (to close).
   bool Join() {
     if (!opener_.joinable()) return false;
@@ -471,18 +474,20 @@ class CaptureWatchingDriver : public ForwardingDriver {
     return true;
   }
   absl::StatusOr<PhysHandle> Create(int device, size_t size, uint32_t types) override {
-    if (armed_) {
-      armed_ = false;
-      opener_ = std::thread([this] {
-        OpenCaptureWindow();
-        opened_ = true;
-      });
-      while (!CaptureWindowOpen()) std::this_thread::yield();
-    }
+    OpenIfArmed(At::kCreate);
     return ForwardingDriver::Create(device, size, types);
   }
+  absl::Status RecordEvent(Event event, Stream stream) override {
+    OpenIfArmed(At::kRecordEvent);
+    if (InWindow()) ++events_in_window;
+    return ForwardingDriver::RecordEvent(event, stream);
+  }
+  absl::StatusOr<bool> EventDone(Event event) override {
+    if (InWindow()) ++events_in_window;
+    return ForwardingDriver::EventDone(event);
+  }
   absl::Status Unmap(DevPtr ptr, size_t size) override {
-    if (opened_ || (!opener_.joinable() && CaptureWindowOpen())) ++unmaps_in_window;
+    if (InWindow()) ++unmaps_in_window;
     return ForwardingDriver::Unmap(ptr, size);
   }
   absl::Status SynchronizeDevice(int device) override {
@@ -490,10 +495,23 @@ class CaptureWatchingDriver : public ForwardingDriver {
     return ForwardingDriver::SynchronizeDevice(device);
   }
   std::atomic<int> unmaps_in_window{0};
+  std::atomic<int> events_in_window{0};
   std::atomic<int> syncs_in_window{0};
 
  private:
-  bool armed_ = false;
+  // Whether a capture may be under way: a window this driver's thread opened and whose
+  // opening returned, or one the test opened itself.
+  bool InWindow() const { return opened_ || (!opener_.joinable() && CaptureWindowOpen()); }
+  void OpenIfArmed(At at) {
+    if (armed_ != at) return;
+    armed_.reset();
+    opener_ = std::thread([this] {
+      OpenCaptureWindow();
+      opened_ = true;
+    });
+    while (!CaptureWindowOpen()) std::this_thread::yield();
+  }
+  std::optional<At> armed_;
   std::atomic<bool> opened_{false};
   std::thread opener_;
 };
@@ -507,7 +525,7 @@ TEST_F(ReclaimTest, ACaptureWindowOpeningDuringAMoveWaitsForIt) {
   Holes h = MakeHoles(*pool);
   ASSERT_OK(pool->Free(h.a));
   ASSERT_OK(pool->Free(h.c));
-  driver.Arm();
+  driver.Arm(CaptureWatchingDriver::At::kCreate);
   void* e = Alloc(*pool, 20 * kMiB);  // the holes' four pages move, one page is created
   ASSERT_TRUE(driver.Join());
   CloseCaptureWindow();
@@ -515,6 +533,30 @@ TEST_F(ReclaimTest, ACaptureWindowOpeningDuringAMoveWaitsForIt) {
   EXPECT_EQ(driver.unmaps_in_window, 0);
   for (void* p : {h.b, h.d, e}) ASSERT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
+}
+
+// The same for a miss's event work: a window that opens while a miss asks whether another
+// stream is done with its cached blocks waits for the answer; no event is recorded or
+// queried once the capture may have begun.
+TEST_F(ReclaimTest, ACaptureWindowOpeningDuringAMissesEventWorkWaitsForIt) {
+  CaptureWatchingDriver driver(driver_);
+  driver_ = &driver;
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  void* a = Alloc(*pool, 8 * kMiB, t);
+  ASSERT_OK(pool->Free(a));  // cached for t
+  driver.Arm(CaptureWatchingDriver::At::kRecordEvent);
+  void* b = Alloc(*pool, 8 * kMiB, s);  // misses on s: is t done with a?
+  ASSERT_TRUE(driver.Join());
+  CloseCaptureWindow();
+  EXPECT_EQ(driver.events_in_window, 0);
+  EXPECT_GT(pool->GetStats().driver_event, 0) << "the miss asked about t";
+  ASSERT_OK(pool->Free(b));
+  EXPECT_OK(pool->CheckInvariants());
+  pool.reset();
+  ASSERT_OK(driver_->DestroyStream(s));
+  ASSERT_OK(driver_->DestroyStream(t));
 }
 
 // Near its memory limit, a miss during a capture neither moves memory nor falls back on
@@ -575,6 +617,101 @@ TEST_F(ReclaimTest, AReleaseThresholdWaitsForTheCaptureToEnd) {
   ASSERT_OK(pool->Free(d));
   EXPECT_LE(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
   EXPECT_OK(pool->CheckInvariants());
+}
+
+// Fails, once each when told, the next Map (fail_map), and the next SetAccess and the first
+// Unmap after it (fail_access_then_unmap: the undoing of a mapping fails too).
+class OneShotFaultDriver : public ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  absl::Status Map(DevPtr ptr, size_t size, PhysHandle handle) override {
+    if (std::exchange(fail_map, false)) return absl::InternalError("injected Map");
+    return ForwardingDriver::Map(ptr, size, handle);
+  }
+  absl::Status SetAccess(DevPtr ptr, size_t size, absl::Span<const int> devices) override {
+    if (std::exchange(fail_access_then_unmap, false)) {
+      unmap_armed_ = true;
+      return absl::InternalError("injected SetAccess");
+    }
+    return ForwardingDriver::SetAccess(ptr, size, devices);
+  }
+  absl::Status Unmap(DevPtr ptr, size_t size) override {
+    if (std::exchange(unmap_armed_, false)) return absl::InternalError("injected Unmap");
+    return ForwardingDriver::Unmap(ptr, size);
+  }
+  bool fail_map = false;
+  bool fail_access_then_unmap = false;
+
+ private:
+  bool unmap_armed_ = false;
+};
+
+// A growth that fails and cannot unmap what it mapped keeps that memory as free memory where
+// it lies, rather than leaving a mapping the pool has forgotten in what it takes for a gap
+// (which no later growth could map again, and which the pool would never give back).
+TEST_F(ReclaimTest, AFailedGrowthThatCannotUnmapKeepsTheChunkAsFreeMemory) {
+  OneShotFaultDriver driver(driver_);
+  const size_t capacity = driver.GetMemInfo(0)->total;
+  {
+    auto pool = CreatePoolOrFail(&driver, [] {
+      PoolOptions options;
+      options.growth_fraction = 0;
+      options.large_page = kPage;
+      options.growth_page = kPage;
+      options.reserve_size = 1024 * kMiB;
+      return options;
+    }());
+    driver.fail_access_then_unmap = true;
+    EXPECT_FALSE(pool->Allocate(8 * kMiB, 0).ok());  // two pages: the first stays mapped
+    PoolStats s = pool->GetStats();
+    EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(kPage));
+    EXPECT_EQ(s.arena[kLargeArena].reserved_bytes.current, static_cast<int64_t>(kPage));
+    EXPECT_OK(pool->CheckInvariants());
+    // The kept page serves the next request where it lies: one page is created beside it.
+    void* a = Alloc(*pool, 8 * kMiB);
+    EXPECT_EQ(pool->GetStats().driver_create, s.driver_create + 1);
+    EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(8 * kMiB));
+    std::memset(a, 0xaa, 8 * kMiB);
+    void* b = Alloc(*pool, 8 * kMiB);  // a growth beside them maps as usual
+    for (void* p : {a, b}) ASSERT_OK(pool->Free(p));
+    ASSERT_OK(pool->EmptyCache());
+    EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+    EXPECT_OK(pool->CheckInvariants());
+  }
+  EXPECT_EQ(driver.GetMemInfo(0)->free, capacity) << "every byte went back to the driver";
+}
+
+// The same for a move: a page that cannot be mapped where the request goes is mapped back,
+// and one whose access then cannot be granted nor its mapping undone stays where it was, in
+// the pool, rather than a mapping the pool has forgotten.
+TEST_F(ReclaimTest, AMoveThatCannotUndoAMappingKeepsTheChunkWhereItWas) {
+  OneShotFaultDriver driver(driver_);
+  const size_t capacity = driver.GetMemInfo(0)->total;
+  driver_ = &driver;
+  {
+    auto pool = MakePool();
+    Holes h = MakeHoles(*pool);
+    ASSERT_OK(pool->Free(h.a));
+    ASSERT_OK(pool->Free(h.c));
+    const PoolStats before = pool->GetStats();
+    driver.fail_map = true;
+    driver.fail_access_then_unmap = true;
+    EXPECT_FALSE(pool->Allocate(16 * kMiB, 0).ok());
+    PoolStats s = pool->GetStats();
+    EXPECT_EQ(s.reserved_bytes.current, before.reserved_bytes.current) << "no page lost";
+    EXPECT_OK(pool->CheckInvariants());
+    void* e = Alloc(*pool, 16 * kMiB);  // the holes' four pages move now
+    EXPECT_EQ(pool->GetStats().num_chunk_moves, 4);
+    EXPECT_EQ(pool->GetStats().reserved_bytes.current, before.reserved_bytes.current);
+    std::memset(e, 0xee, 16 * kMiB);
+    EXPECT_TRUE(Filled(h.b, 4 * kMiB, 0xbb));
+    EXPECT_TRUE(Filled(h.d, 4 * kMiB, 0xdd));
+    for (void* p : {h.b, h.d, e}) ASSERT_OK(pool->Free(p));
+    ASSERT_OK(pool->EmptyCache());
+    EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+    EXPECT_OK(pool->CheckInvariants());
+  }
+  EXPECT_EQ(driver.GetMemInfo(0)->free, capacity) << "every byte went back to the driver";
 }
 
 // A small-arena growth of several granules that moves part of them creates only the rest:
