@@ -49,12 +49,19 @@ class ReclaimTest : public ::testing::Test {
   // `growth_page` 0: the default, chunks of up to four pages until the first move.
   std::unique_ptr<Pool> MakePool(ExportObserver* observer = nullptr,
                                  size_t growth_page = kPage) {
+    PoolOptions options = Paged();
+    options.growth_page = growth_page != 0 ? growth_page : PoolOptions().growth_page;
+    return CreatePoolOrFail(driver_, options, observer);
+  }
+
+  // MakePool's options, for a test to change some.
+  static PoolOptions Paged() {
     PoolOptions options;
     options.growth_fraction = 0;
     options.large_page = kPage;
-    if (growth_page != 0) options.growth_page = growth_page;
+    options.growth_page = kPage;
     options.reserve_size = 1024 * kMiB;
-    return CreatePoolOrFail(driver_, options, observer);
+    return options;
   }
 
   // Chunks of up to four pages until the first move, and a memory limit.
@@ -564,12 +571,8 @@ TEST_F(ReclaimTest, ACaptureWindowOpeningDuringAMissesEventWorkWaitsForIt) {
 // is over, the same request moves the holes' pages.
 TEST_F(ReclaimTest, AMissNearTheLimitDuringACaptureFailsWithoutSyncOrUnmap) {
   CaptureWatchingDriver driver(driver_);
-  PoolOptions options;
-  options.growth_fraction = 0;
-  options.large_page = kPage;
-  options.growth_page = kPage;
+  PoolOptions options = Paged();
   options.memory_limit = 24 * kMiB;
-  options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(&driver, options);
   Holes h = MakeHoles(*pool);
   ASSERT_OK(pool->Free(h.a));
@@ -593,12 +596,8 @@ TEST_F(ReclaimTest, AMissNearTheLimitDuringACaptureFailsWithoutSyncOrUnmap) {
 // A release threshold trims nothing while a capture is under way, not even free chunks
 // known to be done with; the next free after it does.
 TEST_F(ReclaimTest, AReleaseThresholdWaitsForTheCaptureToEnd) {
-  PoolOptions options;
-  options.growth_fraction = 0;
-  options.large_page = kPage;
-  options.growth_page = kPage;
+  PoolOptions options = Paged();
   options.release_threshold = 8 * kMiB;
-  options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(driver_, options);
   void* a = Alloc(*pool, 8 * kMiB);
   void* b = Alloc(*pool, 8 * kMiB);
@@ -653,14 +652,7 @@ TEST_F(ReclaimTest, AFailedGrowthThatCannotUnmapKeepsTheChunkAsFreeMemory) {
   OneShotFaultDriver driver(driver_);
   const size_t capacity = driver.GetMemInfo(0)->total;
   {
-    auto pool = CreatePoolOrFail(&driver, [] {
-      PoolOptions options;
-      options.growth_fraction = 0;
-      options.large_page = kPage;
-      options.growth_page = kPage;
-      options.reserve_size = 1024 * kMiB;
-      return options;
-    }());
+    auto pool = CreatePoolOrFail(&driver, Paged());
     driver.fail_access_then_unmap = true;
     EXPECT_FALSE(pool->Allocate(8 * kMiB, 0).ok());  // two pages: the first stays mapped
     PoolStats s = pool->GetStats();
@@ -717,13 +709,9 @@ TEST_F(ReclaimTest, AMoveThatCannotUndoAMappingKeepsTheChunkWhereItWas) {
 // A small-arena growth of several granules that moves part of them creates only the rest:
 // the arena grows to small_chunk in all (growth_policy.h).
 TEST_F(ReclaimTest, ASmallGrowthCreatesOnlyWhatItDoesNotMove) {
-  PoolOptions options;
-  options.growth_fraction = 0;
-  options.large_page = kPage;  // half pages of one granule
-  options.growth_page = kPage;
+  PoolOptions options = Paged();  // half pages of one granule
   options.small_size = 3 * kMiB;
   options.small_chunk = 8 * kMiB;
-  options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(driver_, options);
   void* a = Alloc(*pool, 6 * kMiB);  // a page and a half page
   void* b = Alloc(*pool, 8 * kMiB);
