@@ -12,9 +12,9 @@
 //   - pools neither record nor query stream events (stream_reclaim.h): frees that wait for
 //     other streams keep waiting, and other streams' cached blocks keep their tags, as
 //     PyTorch's own allocator defers its events while captures are under way (the event work
-//     of a miss enters with TryEnterBackgroundWork, so a window waits for it to end);
+//     of a miss enters with WorkOutsideCapture, so a window waits for it to end);
 //   - pools unmap nothing of their own accord: a miss moves no memory (it enters the work
-//     with TryEnterBackgroundWork, so a window that opens meanwhile waits for the moves to
+//     with WorkOutsideCapture, so a window that opens meanwhile waits for the moves to
 //     end), and neither a release threshold nor a miss near a memory limit releases cached
 //     memory (the miss fails, as PyTorch's does with captures under way).
 // Windows nest (several captures, on several threads or devices). A window left open for
@@ -45,6 +45,23 @@ void EnterBackgroundWork();
 // none is, or the one open is stale, and then the next window waits for LeaveBackgroundWork.
 bool TryEnterBackgroundWork();
 void LeaveBackgroundWork();
+
+// A pool's piece of work that a capture must not overlap (moves, event queries), for one
+// scope: entered where `wanted` and no window is open (TryEnterBackgroundWork), left when the
+// scope ends. Where it is not entered the work must not be done.
+class WorkOutsideCapture {
+ public:
+  explicit WorkOutsideCapture(bool wanted) : entered_(wanted && TryEnterBackgroundWork()) {}
+  ~WorkOutsideCapture() {
+    if (entered_) LeaveBackgroundWork();
+  }
+  WorkOutsideCapture(const WorkOutsideCapture&) = delete;
+  WorkOutsideCapture& operator=(const WorkOutsideCapture&) = delete;
+  bool entered() const { return entered_; }
+
+ private:
+  const bool entered_;
+};
 
 }  // namespace vmm
 

@@ -9,7 +9,6 @@
 
 #include "absl/base/attributes.h"
 #include "absl/base/optimization.h"
-#include "absl/cleanup/cleanup.h"
 #include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/byte_size.h"
@@ -469,10 +468,8 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
   // process: an unmap by any thread would invalidate it (capture_window.h). The moves are
   // background work to the capture window, so that one opening meanwhile waits for them.
-  const bool may_move = moves && !keep_memory_ && TryEnterBackgroundWork();
-  absl::Cleanup leave_window = [may_move] {
-    if (may_move) LeaveBackgroundWork();
-  };
+  const WorkOutsideCapture moving(moves && !keep_memory_);
+  const bool may_move = moving.entered();
   ReclaimRequest request;
   request.arena = &large_;
   if (may_move && SmallArenaSurplus()) request.small_arena = &small_;
@@ -634,18 +631,10 @@ absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream
         const bool at_destination = c != chunks_.end();
         if (!at_destination) c = chunks_.find(m.from);
         if (c != chunks_.end() && !chunks_.Release(c->first, stats_).ok()) {
-          // Neither back nor released: keep it as free memory where it is, if it can be used
-          // there, rather than a chunk the arena does not know.
-          const uintptr_t where = at_destination ? m.to : m.from;
-          if (chunks_.GrantAccess(where, m.size, stats_).ok()) {
-            LogError(absl::StrCat("moving free memory back failed; ", FormatBytes(m.size),
-                                  " stay in the pool, free, at ", absl::Hex(where)));
-            if (!at_destination) continue;  // still where the arena has it
-            AdoptStranded(m.to, m.size);
-          } else {
-            LogError(absl::StrCat("moving free memory back failed; ", FormatBytes(m.size),
-                                  " at ", absl::Hex(where), " can be neither used nor released"));
-          }
+          // Neither back nor released (its unmap failed): free memory where it is, if it can
+          // be used there, rather than a chunk the arena does not know.
+          PlaceStranded({at_destination ? m.to : m.from, m.size});
+          if (!at_destination) continue;  // the arena has it where it is (or a gap now)
         }
       }
       lost.push_back(m);

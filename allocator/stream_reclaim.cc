@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/capture_window.h"
 #include "allocator/log.h"
@@ -106,11 +105,8 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
   };
   // While a graph is captured, querying an event invalidates it (capture_window.h); the
   // queries below hold a window from opening until they are done.
-  const bool entered = !device_synced && TryEnterBackgroundWork();
-  if (!device_synced && !entered) return absl::OkStatus();
-  absl::Cleanup leave_window = [entered] {
-    if (entered) LeaveBackgroundWork();
-  };
+  const WorkOutsideCapture querying(!device_synced);
+  if (!device_synced && !querying.entered()) return absl::OkStatus();
   size_t kept = 0;
   for (size_t i = 0; i < pending_.size(); ++i) {
     Pending p = pending_[i];
@@ -170,8 +166,8 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
   // While a graph is captured no event is recorded or queried, in flight ones included
   // (capture_window.h): every stream keeps its blocks. The events below hold a window from
   // opening until they are done.
-  if (!TryEnterBackgroundWork()) return true;
-  absl::Cleanup leave_window = [] { LeaveBackgroundWork(); };
+  const WorkOutsideCapture events(/*wanted=*/true);
+  if (!events.entered()) return true;
   // Streams that have cached blocks only they may use.
   // A foreign stream may be gone (driver.h): no call is made on it, and its blocks stay
   // tagged, as PyTorch's allocator keeps every stream's, until a synchronisation of the

@@ -30,7 +30,7 @@
 // same way. While the framework has any capture under way (capture_window.h; in CUDA's
 // global mode an event query by any thread invalidates it) every stream counts as capturing
 // and no event is queried; Reclaim and ProcessPending hold a window from opening while they
-// record and query (TryEnterBackgroundWork), so a capture begins only after them.
+// record and query (WorkOutsideCapture), so a capture begins only after them.
 // Events are reused (a spare list) and destroyed by DestroyEvents at teardown.
 //
 // Not thread safe: the owning Pool guards it with its mutex. Every event call is counted in
