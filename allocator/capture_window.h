@@ -13,10 +13,12 @@
 //     other streams keep waiting, and other streams' cached blocks keep their tags, as
 //     PyTorch's own allocator defers its events while captures are under way (the event work
 //     of a miss enters with WorkOutsideCapture, so a window waits for it to end);
-//   - pools unmap nothing of their own accord: a miss moves no memory (it enters the work
-//     with WorkOutsideCapture, so a window that opens meanwhile waits for the moves to
-//     end), and neither a release threshold nor a miss near a memory limit releases cached
-//     memory (the miss fails, as PyTorch's does with captures under way).
+//   - pools synchronise and unmap nothing: a miss moves no memory, neither a release
+//     threshold nor a miss near a memory limit releases cached memory (the miss fails, as
+//     PyTorch's does with captures under way), EmptyCache releases nothing, a large import
+//     is closed on the closing thread, and a pool whose last use ends is destroyed after
+//     the window (pool_closer.h). Each enters its work with WorkOutsideCapture, so a window
+//     that opens meanwhile waits for it to end.
 // Windows nest (several captures, on several threads or devices). A window left open for
 // longer than kStaleAfter (a capture that raised before it ended its route: PyTorch's
 // capture_end checks cudaStreamEndCapture before it ends the route, and a MemPool context

@@ -246,12 +246,14 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
-  if (reclaim_.fences() > 0 && !CaptureWindowOpen()) {
+  if (reclaim_.fences() > 0) {
     // A free whose stream took no event and could not be synchronised waits on a fence that
     // only a synchronisation of the devices completes (FreeInUse): try again now, rather than
     // leave its memory pending and the cached path closed until EmptyCache. Not while a graph
     // is captured (capture_window.h): the synchronisation would invalidate it.
-    if (absl::Status synced = SynchronizeAll(); !synced.ok()) {
+    const WorkOutsideCapture syncing(/*wanted=*/true);
+    if (absl::Status synced = syncing.entered() ? SynchronizeAll() : absl::OkStatus();
+        !synced.ok()) {
       LogWarningOnce("fence-sync",
                      absl::StrCat("a free still waits for a device: ", synced.message()));
     }
@@ -277,18 +279,23 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   }
   if (block == nullptr) {
     absl::StatusOr<Block*> grown = Grow(arena, n, stream, shareable);
-    // Not while a capture is under way: the synchronisation and the unmaps would invalidate
-    // it (capture_window.h); the request fails instead, as with PyTorch's allocator.
-    const bool capturing = !grown.ok() && CaptureWindowOpen();
-    if (!grown.ok() && absl::IsResourceExhausted(grown.status()) && !capturing) {
-      // Trim everything that is free, then try once more. Memory is tight: from now on
-      // paged growth is in single pages, which strand the least (GrowthChunk).
-      short_of_memory_ = true;
-      ++stats_.num_alloc_retries;
-      VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
-      VMM_RETURN_IF_ERROR(ReleaseKeptExports());
-      VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
-      grown = Grow(arena, n, stream, shareable);
+    bool capturing = false;
+    if (!grown.ok() && absl::IsResourceExhausted(grown.status())) {
+      // Not while a capture is under way: the synchronisation and the unmaps would invalidate
+      // it (capture_window.h); the request fails instead, as with PyTorch's allocator. A
+      // window that opens meanwhile waits for the retry.
+      const WorkOutsideCapture retry(/*wanted=*/true);
+      capturing = !retry.entered();
+      if (!capturing) {
+        // Trim everything that is free, then try once more. Memory is tight: from now on
+        // paged growth is in single pages, which strand the least (GrowthChunk).
+        short_of_memory_ = true;
+        ++stats_.num_alloc_retries;
+        VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
+        VMM_RETURN_IF_ERROR(ReleaseKeptExports());
+        VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
+        grown = Grow(arena, n, stream, shareable);
+      }
     }
     if (!grown.ok()) {
       if (!absl::IsResourceExhausted(grown.status())) return grown.status();
@@ -368,7 +375,8 @@ absl::Status Pool::FreeInUse(Block* block) {
     // stays pending, and the next synchronisation that succeeds (the next allocation that is
     // not served by the cached path, EmptyCache) recycles it.
     // `block` must not be touched after this.
-    if (CaptureWindowOpen()) return absl::OkStatus();
+    const WorkOutsideCapture syncing(/*wanted=*/true);
+    if (!syncing.entered()) return absl::OkStatus();
     return SynchronizeAll();
   }
   if (block->pending_events == 0) {
@@ -383,12 +391,14 @@ absl::Status Pool::FreeInUse(Block* block) {
 
 absl::Status Pool::ApplyReleaseThreshold() {
   if (keep_memory_) return absl::OkStatus();  // it would release nothing
-  // An unmap would invalidate a capture under way (capture_window.h); a later free trims.
-  if (CaptureWindowOpen()) return absl::OkStatus();
   // Spare chunks are cached memory too (counted as retired), and go first.
   int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
                    pending_.bytes - retired_bytes_ + static_cast<int64_t>(spare_bytes_);
   if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
+  // An unmap would invalidate a capture under way (capture_window.h); a later free trims. A
+  // window that opens meanwhile waits for the trim.
+  const WorkOutsideCapture trimming(/*wanted=*/true);
+  if (!trimming.entered()) return absl::OkStatus();
   const size_t spare_before = spare_bytes_;
   VMM_RETURN_IF_ERROR(
       ReleaseSpareChunks(static_cast<size_t>(cached) - options_.release_threshold));
@@ -955,6 +965,15 @@ absl::Status Pool::SynchronizeAll() {
 
 absl::Status Pool::EmptyCache() {
   MutexLock lock(&mu_);
+  // The synchronisation and the unmaps would invalidate a capture under way
+  // (capture_window.h); a window that opens meanwhile waits for them.
+  const WorkOutsideCapture emptying(/*wanted=*/true);
+  if (!emptying.entered()) {
+    LogWarningOnce("empty-cache-capture",
+                   "empty_cache during a CUDA graph capture releases nothing (a synchronisation "
+                   "or an unmap would invalidate the capture); call it again after the capture");
+    return absl::OkStatus();
+  }
   VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
   VMM_RETURN_IF_ERROR(ReleaseKeptExports());
   return ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX);

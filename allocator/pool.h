@@ -50,7 +50,9 @@
 // A pool trims only itself: a failing growth never takes memory from another pool. None of
 // this happens while the pool keeps its memory (below), and neither the retry nor the
 // release threshold while a capture is under way in the process (capture_window.h): the
-// growth fails instead, and the threshold applies at the next free after the capture.
+// growth fails instead, and the threshold applies at the next free after the capture; nor
+// EmptyCache then (it releases nothing). A pool must not be destroyed during a capture
+// (its teardown synchronises and unmaps): pool_closer.h defers that.
 //
 // Export invariant. Exporting a block marks every chunk it spans as exported: the free space
 // in those chunks is retired at once, blocks freed there later are retired too, and a chunk is
@@ -231,7 +233,8 @@ class Pool {
   // finished pending frees).
   absl::StatusOr<void*> AllocateAt(uintptr_t addr, size_t size, Stream stream);
   // Synchronises the device and releases every entirely free chunk (none while the pool keeps
-  // its memory).
+  // its memory). While a capture is under way in the process (capture_window.h) it does
+  // nothing and returns OK (warned once): both would invalidate the capture.
   absl::Status EmptyCache();
   // Sets the most physical bytes the pool may hold (0: no limit).
   void SetMemoryLimit(size_t bytes);

@@ -15,6 +15,8 @@
 
 #include "allocator/capture_window.h"
 #include "allocator/host_driver.h"
+#include "allocator/pool_closer.h"
+#include "allocator/sharing.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 
@@ -642,6 +644,50 @@ TEST_F(CApiTest, HoldingClosesOpensACaptureWindow) {
   EXPECT_TRUE(vmm::CaptureWindowOpen()) << "one hold is left";
   ASSERT_EQ(vmm_imports_release_closing(), 0);
   EXPECT_FALSE(vmm::CaptureWindowOpen());
+}
+
+// A graph deleted during another graph's capture, its pool's last block freed then: nothing
+// of the pool is synchronised, unmapped or released until the capture is over (its cached
+// chunk stays through the release's empty_cache too), and then all of it goes.
+TEST_F(CApiTest, APrivatePoolWhoseLastUseEndsDuringACaptureGoesAfterIt) {
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  const size_t free_at_start = HostFree();
+  const int64_t id = UsePrivate(1, 0);
+  void* a = PoolAlloc(id, 4 * kMiB);
+  void* b = PoolAlloc(id, 4 * kMiB);
+  vmm_block_free(b);  // cached in the pool
+  ASSERT_EQ(vmm_imports_hold_closing(), 0);  // the other capture begins
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  ASSERT_EQ(vmm_free(a, -1), 0);  // the pool's last block
+  EXPECT_EQ(vmm_owns(a), 0) << "the pool is closed";
+  EXPECT_EQ(vmm_private_pool_find(0, 1, 0), -1);
+  EXPECT_EQ(HostFree(), free_at_start - 8 * kMiB) << "memory released during the capture";
+  ASSERT_EQ(vmm_imports_release_closing(), 0);
+  EXPECT_EQ(vmm::FlushPoolDestroys(absl::Seconds(10)), 0u);
+  EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
+}
+
+// A large import (closed on the caller's thread otherwise) released during a capture is
+// closed once the capture is over: closing synchronises the devices and unmaps.
+TEST_F(CApiTest, ALargeImportReleasedDuringACaptureClosesAfterIt) {
+  const int64_t pool = vmm_pool_create(VMM_BACKEND_HOST, 0, "reserve_size=256M");
+  ASSERT_GT(pool, 0) << vmm_last_error();
+  void* p = PoolAlloc(pool, 32 * kMiB);
+  uint8_t* descriptor = nullptr;
+  size_t len = 0;
+  ASSERT_EQ(vmm_export(p, &descriptor, &len), 0) << vmm_last_error();
+  const int64_t import = vmm_import(descriptor, len, -1, VMM_BACKEND_HOST, 0);
+  vmm_release_buffer(descriptor);
+  ASSERT_GT(import, 0) << vmm_last_error();
+  const size_t open = vmm::OpenImportMappings();
+  ASSERT_EQ(vmm_imports_hold_closing(), 0);
+  vmm_import_release(reinterpret_cast<void*>(import));
+  EXPECT_EQ(vmm::OpenImportMappings(), open) << "closed during the capture";
+  ASSERT_EQ(vmm_imports_release_closing(), 0);
+  vmm_send_ack_flush(10);  // closed on the closing thread
+  EXPECT_EQ(vmm::OpenImportMappings(), open - 1);
+  vmm_block_free(p);
+  ASSERT_EQ(vmm_pool_destroy(pool), 0) << vmm_last_error();
 }
 
 // The fraction caps the device pool; it leaves the pool's own memory_limit option alone.

@@ -21,6 +21,7 @@
 #include "allocator/forwarding_driver.h"
 #include "allocator/host_driver.h"
 #include "allocator/pool.h"
+#include "allocator/pool_closer.h"
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
@@ -99,7 +100,26 @@ class CapturingDriver : public ForwardingDriver {
     }
     return ForwardingDriver::EventDone(e);
   }
+  // Calls that would invalidate a global-mode capture, made while a capture window was open.
+  int in_window() const { return in_window_.load(); }
+  absl::Status SynchronizeDevice(int device) override {
+    CountInWindow();
+    return ForwardingDriver::SynchronizeDevice(device);
+  }
+  absl::Status Unmap(DevPtr ptr, size_t size) override {
+    CountInWindow();
+    return ForwardingDriver::Unmap(ptr, size);
+  }
+  absl::Status Release(PhysHandle handle) override {
+    CountInWindow();
+    return ForwardingDriver::Release(handle);
+  }
+  absl::Status Unreserve(DevPtr ptr, size_t size) override {
+    CountInWindow();
+    return ForwardingDriver::Unreserve(ptr, size);
+  }
   absl::Status SynchronizeStream(Stream s) override {
+    CountInWindow();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (capturing_.count(s) != 0) {
@@ -111,6 +131,11 @@ class CapturingDriver : public ForwardingDriver {
   }
 
  private:
+  void CountInWindow() {
+    if (CaptureWindowOpen()) ++in_window_;
+  }
+
+  std::atomic<int> in_window_{0};
   std::mutex mu_;
   std::set<Stream> capturing_;
   std::set<Event> captured_;
@@ -250,6 +275,50 @@ TEST_F(StreamCaptureTest, AnEventInFlightIsNotQueriedWhileACaptureWindowIsOpen) 
   ASSERT_OK(pool_->Free(b));
   CloseCaptureWindow();
   gate.Release();
+}
+
+// empty_cache inside a capture (a library's call, a memory check in captured code) releases
+// nothing until the capture is over: a synchronisation or an unmap would invalidate it.
+TEST_F(StreamCaptureTest, EmptyCacheDuringACaptureWindowReleasesNothing) {
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(8 * kMiB, s_));
+  ASSERT_OK(pool_->Free(a));
+  OpenCaptureWindow();
+  EXPECT_OK(pool_->EmptyCache());
+  EXPECT_EQ(driver_->in_window(), 0);
+  EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 8 * kMiB);
+  CloseCaptureWindow();
+  ASSERT_OK(pool_->EmptyCache());
+  EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 0);
+}
+
+size_t HostFree(Driver& host) { return host.GetMemInfo(0)->free; }
+
+// A pool whose last use ends during a capture (a private pool of a graph deleted meanwhile)
+// is destroyed once the window closes: its teardown synchronises and unmaps.
+TEST_F(StreamCaptureTest, APoolDestroyedDuringACaptureWindowGoesOnceItCloses) {
+  const size_t free_before = HostFree(*host_);
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(8 * kMiB, s_));
+  ASSERT_OK_AND_ASSIGN(void* b, pool_->Allocate(8 * kMiB, s_));
+  ASSERT_OK(pool_->Free(b));
+  (void)a;  // still live: destroyed with the pool
+  OpenCaptureWindow();
+  DestroyOutsideCapture(std::move(pool_));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(driver_->in_window(), 0);
+  EXPECT_EQ(HostFree(*host_), free_before - 16 * kMiB) << "destroyed during the capture";
+  EXPECT_EQ(FlushPoolDestroys(absl::Milliseconds(100)), 1u) << "waits for the window";
+  CloseCaptureWindow();
+  EXPECT_EQ(FlushPoolDestroys(absl::Seconds(10)), 0u);
+  EXPECT_EQ(HostFree(*host_), free_before) << "physical memory leaked";
+}
+
+// With no capture under way the caller destroys the pool at once.
+TEST_F(StreamCaptureTest, APoolDestroyedOutsideACaptureGoesAtOnce) {
+  const size_t free_before = HostFree(*host_);
+  ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(8 * kMiB, s_));
+  ASSERT_OK(pool_->Free(a));
+  DestroyOutsideCapture(std::move(pool_));
+  EXPECT_EQ(HostFree(*host_), free_before);
 }
 
 // Background work waits while a window is open, and a window opens only once the work

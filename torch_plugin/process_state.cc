@@ -7,9 +7,11 @@
 #include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/byte_size.h"
+#include "allocator/capture_window.h"
 #include "allocator/driver_factory.h"
 #include "allocator/import_closer.h"
 #include "allocator/log.h"
+#include "allocator/pool_closer.h"
 #include "allocator/pool_options.h"
 #include "allocator/status_macros.h"
 
@@ -282,6 +284,8 @@ absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> ProcessState::FindPo
   MutexLock lock(&mu_);
   return FindOpenLocked(id);
 }
+
+ProcessState::ExplicitPool::~ExplicitPool() { DestroyOutsideCapture(std::move(pool)); }
 
 void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
                                std::shared_ptr<ExplicitPool>* doomed) {
@@ -654,12 +658,16 @@ absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
   // not on the caller's (a tensor's deleter, holding the interpreter lock), where a receiver
   // of many pays it per tensor. A large one is closed here, so that its unmapping (about 1 ms
   // for 8 GiB on an H200) is over before the caller goes on, as a program dropping a big
-  // tensor before its next step expects.
+  // tensor before its next step expects. Not while a capture is under way (capture_window.h:
+  // the closing thread waits for it to end); a window that opens meanwhile waits for the close.
   if (doomed->mapped_size() > kCloseInlineBytes) {
-    doomed.reset();
-  } else {
-    CloseLater(std::move(doomed));
+    const WorkOutsideCapture closing(/*wanted=*/true);
+    if (closing.entered()) {
+      doomed.reset();
+      return absl::OkStatus();
+    }
   }
+  CloseLater(std::move(doomed));
   return absl::OkStatus();
 }
 

@@ -77,6 +77,8 @@ class ProcessState {
   // A pool made by CreatePool or UsePrivatePool: it lives until it is closed and its last
   // block is freed.
   struct ExplicitPool {
+    // Destroys the pool, after the capture window if one is open (pool_closer.h).
+    ~ExplicitPool();
     std::unique_ptr<Pool> pool;
     std::atomic<int64_t> live{0};  // blocks handed out (or being allocated) and not yet freed
     bool closed = false;           // read and written only under ProcessState::mu_
@@ -201,7 +203,8 @@ class ProcessState {
   // InvalidArgument for an unknown id.
   absl::StatusOr<ImportInfo> GetImportInfo(int64_t id);
   // Adds `delta` references to import `id`; the mapping goes with the last one: closed on the
-  // closing thread (import_closer.h) if it maps at most kCloseInlineBytes, else here.
+  // closing thread (import_closer.h) if it maps at most kCloseInlineBytes or a capture window
+  // is open (capture_window.h), else here.
   // InvalidArgument for an unknown id.
   absl::Status AddImportRef(int64_t id, int delta);
   // A small tensor's chunk and a little more: there the unmap is a large part of a receiver's

@@ -1,0 +1,65 @@
+"""A torch.cuda.MemPool and its tensors dropped while a CUDA graph is captured (a scratch
+pool of a library that goes out of scope inside the captured code).
+
+With PyTorch's allocator the pool is only marked as unused during the capture; the capture
+succeeds, its replay gives the eager result, and once everything is dropped and the cache is
+emptied, memory_allocated() and memory_reserved() are back where they were.
+
+Why vmm may differ: the MemPool is a vmm pool whose last use ends inside the capture; giving
+its memory back there (a device synchronisation, unmaps) would invalidate the capture.
+"""
+
+import gc
+
+import torch
+from dropin_report import report
+
+NUMEL = 8 << 20  # float32: 32 MiB
+
+
+def settle():
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def main():
+    errors = []
+    a = torch.ones(NUMEL, device="cuda")
+    b = a * 2 + 1  # kernels loaded eagerly first
+    del b
+    settle()
+    base_alloc, base_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+
+    scratch = [torch.cuda.MemPool()]
+    with torch.cuda.use_mem_pool(scratch[0]):
+        scratch.append(torch.full((NUMEL,), 7.0, device="cuda"))
+        scratch.append(torch.full((NUMEL,), 8.0, device="cuda"))
+    del scratch[2]  # cached in the pool
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g):
+            b = a * 2
+            scratch.clear()  # the pool and its last tensor
+            gc.collect()
+            b = b + 1
+    except Exception as e:  # noqa: BLE001
+        report([f"a capture in which a MemPool was dropped failed: {type(e).__name__}: {e}"])
+        return
+    g.replay()
+    torch.cuda.synchronize()
+    if not bool((b == 3).all().item()):
+        errors.append("the graph's replay did not compute a * 2 + 1")
+    del g, b
+    settle()
+    if torch.cuda.memory_allocated() != base_alloc:
+        errors.append(f"once everything is dropped memory_allocated() is "
+                      f"{torch.cuda.memory_allocated()}, was {base_alloc} before")
+    if torch.cuda.memory_reserved() > base_res:
+        errors.append(f"once everything is dropped and the cache emptied memory_reserved() is "
+                      f"{torch.cuda.memory_reserved()}, was {base_res} before")
+    report(errors)
+
+
+if __name__ == "__main__":
+    main()
