@@ -4,7 +4,10 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "allocator/log.h"
 
@@ -20,6 +23,7 @@ struct Window {
   int busy = 0;  // pieces of background work running
   std::atomic<bool> open_now{false};
   std::atomic<int64_t> opened_at{0};  // Clock ticks when the first open window opened
+  std::vector<std::function<void()>> after;  // RunOutsideCapture's work kept (guarded by mu)
 };
 
 int64_t Now() { return Clock::now().time_since_epoch().count(); }
@@ -47,12 +51,46 @@ void OpenCaptureWindow() {
   w.changed.wait(lock, [&] { return w.busy == 0; });
 }
 
+namespace {
+
+// Runs `work` as background work the caller entered, then leaves it.
+void RunEntered(std::vector<std::function<void()>>& work) {
+  for (std::function<void()>& f : work) f();
+  work.clear();
+  LeaveBackgroundWork();
+}
+
+}  // namespace
+
 void CloseCaptureWindow() {
   Window& w = TheWindow();
-  std::lock_guard<std::mutex> lock(w.mu);
-  if (w.open > 0) --w.open;
-  w.open_now.store(w.open > 0, std::memory_order_relaxed);
-  w.changed.notify_all();
+  std::vector<std::function<void()>> after;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.open > 0) --w.open;
+    w.open_now.store(w.open > 0, std::memory_order_relaxed);
+    w.changed.notify_all();
+    if (w.open > 0 || w.after.empty()) return;
+    after.swap(w.after);
+    ++w.busy;  // a window that opens meanwhile waits for the kept work
+  }
+  RunEntered(after);
+}
+
+void RunOutsideCapture(std::function<void()> work) {
+  Window& w = TheWindow();
+  std::vector<std::function<void()>> now;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    if (w.open > 0 && !Stale(w)) {
+      w.after.push_back(std::move(work));
+      return;
+    }
+    now.swap(w.after);  // kept while a window that went stale was open
+    now.push_back(std::move(work));
+    ++w.busy;
+  }
+  RunEntered(now);
 }
 
 bool CaptureWindowOpen() {

@@ -17,7 +17,7 @@
 //     threshold nor a miss near a memory limit releases cached memory (the miss fails, as
 //     PyTorch's does with captures under way), EmptyCache releases nothing, a large import
 //     is closed on the closing thread, and a pool whose last use ends is destroyed after
-//     the window (pool_closer.h). Each enters its work with WorkOutsideCapture, so a window
+//     the window (RunOutsideCapture). Each enters its work with WorkOutsideCapture, so a window
 //     that opens meanwhile waits for it to end.
 // Windows nest (several captures, on several threads or devices). A window left open for
 // longer than kStaleAfter (a capture that raised before it ended its route: PyTorch's
@@ -28,6 +28,7 @@
 #define VMM_ALLOCATOR_CAPTURE_WINDOW_H_
 
 #include <chrono>
+#include <functional>
 
 namespace vmm {
 
@@ -47,6 +48,13 @@ void EnterBackgroundWork();
 // none is, or the one open is stale, and then the next window waits for LeaveBackgroundWork.
 bool TryEnterBackgroundWork();
 void LeaveBackgroundWork();
+
+// Runs `work` now, as background work, if no window is open (or the one open is stale);
+// else keeps it and runs it on the thread whose CloseCaptureWindow closes the last window, as
+// background work again, after that call has released the window's lock (or, for a window
+// gone stale, at the next RunOutsideCapture). For teardown that synchronises or unmaps (a
+// pool whose last use ends during a capture). `work` must not open a window.
+void RunOutsideCapture(std::function<void()> work);
 
 // A pool's piece of work that a capture must not overlap (moves, event queries), for one
 // scope: entered where `wanted` and no window is open (TryEnterBackgroundWork), left when the

@@ -52,7 +52,7 @@
 // release threshold while a capture is under way in the process (capture_window.h): the
 // growth fails instead, and the threshold applies at the next free after the capture; nor
 // EmptyCache then (it releases nothing). A pool must not be destroyed during a capture
-// (its teardown synchronises and unmaps): pool_closer.h defers that.
+// (its teardown synchronises and unmaps): RunOutsideCapture (capture_window.h) defers that.
 //
 // Export invariant. Exporting a block marks every chunk it spans as exported: the free space
 // in those chunks is retired at once, blocks freed there later are retired too, and a chunk is

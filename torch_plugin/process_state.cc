@@ -11,7 +11,6 @@
 #include "allocator/driver_factory.h"
 #include "allocator/import_closer.h"
 #include "allocator/log.h"
-#include "allocator/pool_closer.h"
 #include "allocator/pool_options.h"
 #include "allocator/status_macros.h"
 
@@ -285,7 +284,10 @@ absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> ProcessState::FindPo
   return FindOpenLocked(id);
 }
 
-ProcessState::ExplicitPool::~ExplicitPool() { DestroyOutsideCapture(std::move(pool)); }
+ProcessState::ExplicitPool::~ExplicitPool() {
+  // Its teardown synchronises and unmaps: after the capture if one is under way.
+  RunOutsideCapture([pool = std::shared_ptr<Pool>(std::move(pool))]() mutable { pool.reset(); });
+}
 
 void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
                                std::shared_ptr<ExplicitPool>* doomed) {

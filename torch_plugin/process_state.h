@@ -77,7 +77,7 @@ class ProcessState {
   // A pool made by CreatePool or UsePrivatePool: it lives until it is closed and its last
   // block is freed.
   struct ExplicitPool {
-    // Destroys the pool, after the capture window if one is open (pool_closer.h).
+    // Destroys the pool, after the capture window if one is open (RunOutsideCapture).
     ~ExplicitPool();
     std::unique_ptr<Pool> pool;
     std::atomic<int64_t> live{0};  // blocks handed out (or being allocated) and not yet freed

@@ -1,14 +1,17 @@
-"""A CUDA graph deleted while another one is captured: a serving engine that replaces the
-graph of one batch size while it captures the next, dropping the old graph and its output
-inside the new capture (or the garbage collector collecting them there).
+"""A deleted CUDA graph's output freed while another graph is captured: a serving engine that
+dropped the graph of one batch size but kept its last result, and lets go of that result
+inside the capture of the next graph (or the garbage collector collects it there).
 
-With PyTorch's allocator the old graph's private pool is only marked as unused during the
-capture (its memory goes back at a later empty_cache); the new capture succeeds, its replay
-gives the eager result, and once both graphs and their outputs are dropped and the cache is
-emptied, memory_allocated() and memory_reserved() are back where they were.
+With PyTorch's allocator the freed output goes back to the old graph's private pool, whose
+memory is given back only at a later empty_cache; the capture succeeds, its replay gives the
+eager result, and once everything is dropped and the cache is emptied, memory_allocated() and
+memory_reserved() are back where they were. (Deleting the graph object itself inside a
+capture fails with PyTorch's allocator too: destroying a graph is not allowed while a stream
+captures.)
 
-Why vmm may differ: the old graph's pool is a vmm pool whose last use ends inside the new
-capture; giving its memory back there (a device synchronisation, unmaps) would invalidate it.
+Why vmm may differ: the old graph's pool is a vmm pool, closed when the graph was deleted,
+whose last block goes inside the new capture; destroying the pool there (a device
+synchronisation, unmaps) would invalidate the capture.
 """
 
 import gc
@@ -44,21 +47,25 @@ def main():
     settle()
     base_alloc, base_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
-    old = list(capture(a, 3))
-    old[0].replay()
+    old_graph, old = capture(a, 3)
+    old_graph.replay()
     torch.cuda.synchronize()
-    if not bool((old[1] == 4).all().item()):
-        errors.append("the first graph's replay did not compute a + 3")
+    kept = [old]
+    del old_graph, old  # the graph goes; its output is kept
+    settle()
+    if not bool((kept[0] == 4).all().item()):
+        errors.append("the old graph's output changed when the graph was deleted")
     g = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(g):
             b = a.clone()
-            old.clear()  # the old graph and its output: its pool's last use ends here
+            kept.clear()  # the old graph's last block
             gc.collect()
             for _ in range(5):
                 b = b.clone() + 1
     except Exception as e:  # noqa: BLE001
-        report([f"a capture in which another graph was deleted failed: {type(e).__name__}: {e}"])
+        report([f"a capture in which a deleted graph's output was freed failed: "
+                f"{type(e).__name__}: {e}"])
         return
     g.replay()
     torch.cuda.synchronize()
@@ -68,6 +75,10 @@ def main():
     torch.cuda.synchronize()
     if not bool((fresh == 3).all().item()):
         errors.append("an eager tensor made after the capture was wrong")
+    g.replay()
+    torch.cuda.synchronize()
+    if not bool((b == 6).all().item()):
+        errors.append("a second replay did not compute a + 5")
     del g, b, fresh
     settle()
     if torch.cuda.memory_allocated() != base_alloc:
