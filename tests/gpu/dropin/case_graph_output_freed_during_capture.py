@@ -17,7 +17,7 @@ synchronisation, unmaps) would invalidate the capture.
 import gc
 
 import torch
-from dropin_report import report
+from dropin_report import memory_back, report, settle
 
 NUMEL = 16 << 20  # float32: 64 MiB
 
@@ -30,11 +30,6 @@ def capture(a, steps):
             b = b.clone() + 1
     return g, b
 
-
-def settle():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -81,12 +76,7 @@ def main():
         errors.append("a second replay did not compute a + 5")
     del g, b, fresh
     settle()
-    if torch.cuda.memory_allocated() != base_alloc:
-        errors.append(f"once both graphs are dropped memory_allocated() is "
-                      f"{torch.cuda.memory_allocated()}, was {base_alloc} before them")
-    if torch.cuda.memory_reserved() > base_res:
-        errors.append(f"once both graphs are dropped and the cache emptied memory_reserved() is "
-                      f"{torch.cuda.memory_reserved()}, was {base_res} before them")
+    memory_back(errors, base_alloc, base_res, "once both graphs are dropped")
     report(errors)
 
 

@@ -14,15 +14,10 @@ would invalidate the capture.
 import gc
 
 import torch
-from dropin_report import report
+from dropin_report import memory_back, report, settle
 
 NUMEL = 8 << 20  # float32: 32 MiB
 
-
-def settle():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -58,12 +53,7 @@ def main():
         errors.append("the graph's replay did not compute a * 2 + 1")
     del g, b
     settle()
-    if torch.cuda.memory_allocated() != base_alloc:
-        errors.append(f"once everything is dropped memory_allocated() is "
-                      f"{torch.cuda.memory_allocated()}, was {base_alloc} before")
-    if torch.cuda.memory_reserved() > base_res:
-        errors.append(f"once everything is dropped and the cache emptied memory_reserved() is "
-                      f"{torch.cuda.memory_reserved()}, was {base_res} before")
+    memory_back(errors, base_alloc, base_res, "once everything is dropped")
     report(errors)
 
 

@@ -88,3 +88,24 @@ def freed_memory_goes_back(errors, slack):
         errors.append(f"200 tensors of 1 KiB to 8 MiB ({sum(sizes)} bytes) deleted left the "
                       f"GPU's free memory at {free3}, was {free2}")
     return free3
+
+
+def settle():
+    """Collects garbage, waits for the GPU and empties the cache."""
+    import gc
+    import torch
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def memory_back(errors, base_alloc, base_res, when):
+    """After settle(): memory_allocated() is `base_alloc` again and memory_reserved() at most
+    `base_res`, else a difference is added to `errors` (`when` says at what point)."""
+    import torch
+    if torch.cuda.memory_allocated() != base_alloc:
+        errors.append(f"{when} memory_allocated() is {torch.cuda.memory_allocated()}, was "
+                      f"{base_alloc} before")
+    if torch.cuda.memory_reserved() > base_res:
+        errors.append(f"{when} and the cache emptied memory_reserved() is "
+                      f"{torch.cuda.memory_reserved()}, was {base_res} before")
