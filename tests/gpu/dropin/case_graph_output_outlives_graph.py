@@ -18,10 +18,9 @@ must be released, and b's block must become an ordinary allocation of the device
 free returns.
 """
 
-import gc
 
 import torch
-from dropin_report import report
+from dropin_report import memory_back, report, settle
 
 NUMEL = 16 << 20  # float32: 64 MiB
 T = NUMEL * 4
@@ -35,11 +34,6 @@ def capture(a):
             b = b.clone() + 1
     return g, b
 
-
-def settle():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -85,12 +79,7 @@ def main():
         errors.append("new tensors made after the graph was deleted overwrote its output")
     del b, c, others
     settle()
-    if torch.cuda.memory_allocated() != base_alloc:
-        errors.append(f"once the output is dropped memory_allocated() is "
-                      f"{torch.cuda.memory_allocated()}, was {base_alloc} before the capture")
-    if torch.cuda.memory_reserved() > base_res:
-        errors.append(f"once the output is dropped and the cache emptied memory_reserved() is "
-                      f"{torch.cuda.memory_reserved()}, was {base_res} before the capture")
+    memory_back(errors, base_alloc, base_res, "once the output is dropped")
     del a
     report(errors)
 
