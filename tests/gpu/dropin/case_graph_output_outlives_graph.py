@@ -18,7 +18,6 @@ must be released, and b's block must become an ordinary allocation of the device
 free returns.
 """
 
-
 import torch
 from dropin_report import memory_back, report, settle
 
