@@ -1,14 +1,18 @@
 #include "allocator/capture_window.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <mutex>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "allocator/log.h"
 
 namespace vmm {
@@ -22,23 +26,62 @@ struct Window {
   int open = 0;  // windows open (guarded by mu; mirrored in open_now for lock-free reads)
   int busy = 0;  // pieces of background work running
   std::atomic<bool> open_now{false};
-  std::atomic<int64_t> opened_at{0};  // Clock ticks when the first open window opened
+  std::atomic<int64_t> opened_at{0};  // Clock ticks when the newest open window opened
+  std::atomic<int64_t> stale_after{Clock::duration(kStaleAfter).count()};  // Clock ticks
   std::vector<std::function<void()>> after;  // RunOutsideCapture's work kept (guarded by mu)
 };
 
 int64_t Now() { return Clock::now().time_since_epoch().count(); }
 
-// Whether the windows open now opened longer than kStaleAfter ago (guarded by w.mu or not:
-// a hint either way).
+Clock::duration StaleAfter(const Window& w) {
+  return Clock::duration(w.stale_after.load(std::memory_order_relaxed));
+}
+
+// Whether the newest window open now opened longer than the stale period ago (guarded by
+// w.mu or not: a hint either way). A window left open (a capture that raised before it ended
+// its route) so stops holding work back, but never a capture begun since.
 bool Stale(const Window& w) {
   const auto age = Clock::duration(Now() - w.opened_at.load(std::memory_order_relaxed));
-  return age > kStaleAfter;
+  return age > StaleAfter(w);
 }
+
+std::atomic<Window*> the_window{nullptr};
+
+// A forked child has no capture and none of its parent's threads: a fresh window, the
+// parent's left as it was (its lock may be held; its kept work is the parent's pools).
+void FreshWindowInChild() { the_window.store(new Window(), std::memory_order_release); }
 
 // Never destroyed: background threads may use it during exit.
 Window& TheWindow() {
-  static Window* window = new Window();
-  return *window;
+  static const bool made = [] {
+    the_window.store(new Window(), std::memory_order_release);
+    pthread_atfork(nullptr, nullptr, &FreshWindowInChild);
+    return true;
+  }();
+  (void)made;
+  return *the_window.load(std::memory_order_acquire);
+}
+
+// Leaves background work entered by the constructor's caller, at the end of a scope.
+struct Leave {
+  ~Leave() { LeaveBackgroundWork(); }
+};
+
+// Runs `work`, which the caller entered as background work, then leaves it. Work that throws
+// is logged and the rest still runs: a kept piece runs inside CloseCaptureWindow, whose
+// callers (the C interface) must not see an exception.
+void RunEntered(std::vector<std::function<void()>>& work) {
+  const Leave leave;
+  for (std::function<void()>& f : work) {
+    try {
+      f();
+    } catch (const std::exception& e) {
+      LogError(absl::StrCat("work kept until after a capture failed: ", e.what()));
+    } catch (...) {
+      LogError("work kept until after a capture failed");
+    }
+  }
+  work.clear();
 }
 
 }  // namespace
@@ -46,21 +89,11 @@ Window& TheWindow() {
 void OpenCaptureWindow() {
   Window& w = TheWindow();
   std::unique_lock<std::mutex> lock(w.mu);
-  if (w.open++ == 0) w.opened_at.store(Now(), std::memory_order_relaxed);
+  ++w.open;
+  w.opened_at.store(Now(), std::memory_order_relaxed);
   w.open_now.store(true, std::memory_order_relaxed);
   w.changed.wait(lock, [&] { return w.busy == 0; });
 }
-
-namespace {
-
-// Runs `work` as background work the caller entered, then leaves it.
-void RunEntered(std::vector<std::function<void()>>& work) {
-  for (std::function<void()>& f : work) f();
-  work.clear();
-  LeaveBackgroundWork();
-}
-
-}  // namespace
 
 void CloseCaptureWindow() {
   Window& w = TheWindow();
@@ -102,7 +135,7 @@ void EnterBackgroundWork() {
   Window& w = TheWindow();
   std::unique_lock<std::mutex> lock(w.mu);
   while (w.open > 0 && !Stale(w)) {
-    w.changed.wait_for(lock, kStaleAfter);
+    w.changed.wait_for(lock, StaleAfter(w));
   }
   if (w.open > 0) {
     LogWarningOnce("capture-window",
@@ -126,6 +159,10 @@ void LeaveBackgroundWork() {
   std::lock_guard<std::mutex> lock(w.mu);
   --w.busy;
   w.changed.notify_all();
+}
+
+void SetStaleAfterForTesting(std::chrono::milliseconds period) {
+  TheWindow().stale_after.store(Clock::duration(period).count(), std::memory_order_relaxed);
 }
 
 }  // namespace vmm

@@ -19,11 +19,12 @@
 //     is closed on the closing thread, and a pool whose last use ends is destroyed after
 //     the window (RunOutsideCapture). Each enters its work with WorkOutsideCapture, so a window
 //     that opens meanwhile waits for it to end.
-// Windows nest (several captures, on several threads or devices). A window left open for
-// longer than kStaleAfter (a capture that raised before it ended its route: PyTorch's
-// capture_end checks cudaStreamEndCapture before it ends the route, and a MemPool context
-// held that long) no longer holds anything back: background work and stream events go on,
-// said once. Thread safe.
+// Windows nest (several captures, on several threads or devices). Windows of which the newest
+// opened longer than kStaleAfter ago (a capture that raised before it ended its route:
+// PyTorch's capture_end checks cudaStreamEndCapture before it ends the route, and a MemPool
+// context held that long) no longer hold anything back: background work and stream events go
+// on, said once; a window that opens later holds them back again. A forked child starts with
+// no window and no work (its parent's kept work is left to the parent). Thread safe.
 #ifndef VMM_ALLOCATOR_CAPTURE_WINDOW_H_
 #define VMM_ALLOCATOR_CAPTURE_WINDOW_H_
 
@@ -53,8 +54,12 @@ void LeaveBackgroundWork();
 // else keeps it and runs it on the thread whose CloseCaptureWindow closes the last window, as
 // background work again, after that call has released the window's lock (or, for a window
 // gone stale, at the next RunOutsideCapture). For teardown that synchronises or unmaps (a
-// pool whose last use ends during a capture). `work` must not open a window.
+// pool whose last use ends during a capture). `work` must not open a window; an exception it
+// throws is logged and goes no further.
 void RunOutsideCapture(std::function<void()> work);
+
+// Tests: the stale period instead of kStaleAfter.
+void SetStaleAfterForTesting(std::chrono::milliseconds period);
 
 // A pool's piece of work that a capture must not overlap (moves, event queries), for one
 // scope: entered where `wanted` and no window is open (TryEnterBackgroundWork), left when the

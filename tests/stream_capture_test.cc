@@ -7,6 +7,9 @@
 // there, and an event that a capture took after all is left to it. Runs on the host backend,
 // whose streams a driver wrapper here marks as capturing (real captures: the drop-in program
 // tests/gpu/dropin/case_graph_thread_local_background.py).
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -14,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <stdexcept>
 #include <thread>
 
 #include "absl/status/status.h"
@@ -369,6 +373,68 @@ TEST(CaptureWindowTest, BackgroundWorkAndWindowsExcludeEachOther) {
   worker.join();
   EXPECT_EQ(stage.load(), 2);
   EXPECT_FALSE(CaptureWindowOpen());
+}
+
+// Work kept until after a capture that throws is logged: the window's work is left and the
+// exception goes no further (CloseCaptureWindow's callers are the C interface).
+TEST(CaptureWindowTest, WorkThatThrowsLeavesWindowsWorking) {
+  EXPECT_NO_THROW(RunOutsideCapture([] { throw std::runtime_error("teardown failed"); }));
+  OpenCaptureWindow();  // would wait forever for work never left
+  bool after = false;
+  RunOutsideCapture([] { throw std::runtime_error("teardown failed"); });
+  RunOutsideCapture([&] { after = true; });
+  EXPECT_NO_THROW(CloseCaptureWindow());
+  EXPECT_TRUE(after) << "the work kept after the one that threw did not run";
+  OpenCaptureWindow();
+  CloseCaptureWindow();
+}
+
+// A window left open (a capture that raised before it ended its route) stops holding work
+// back after the stale period, but a capture that begins later is protected again.
+TEST(CaptureWindowTest, ACaptureAfterAWindowWentStaleHoldsWorkBack) {
+  SetStaleAfterForTesting(std::chrono::milliseconds(100));
+  OpenCaptureWindow();  // left open
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  bool ran = false;
+  RunOutsideCapture([&] { ran = true; });
+  EXPECT_TRUE(ran) << "a stale window still held work back";
+  OpenCaptureWindow();  // a new capture
+  EXPECT_TRUE(CaptureWindowOpen());
+  ran = false;
+  RunOutsideCapture([&] { ran = true; });
+  EXPECT_FALSE(ran) << "work ran during the new capture";
+  CloseCaptureWindow();  // the window left open counts from the newest's opening
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  bool next = false;
+  RunOutsideCapture([&] { next = true; });
+  EXPECT_TRUE(ran && next) << "kept work did not run once the windows left were stale";
+  CloseCaptureWindow();
+  SetStaleAfterForTesting(kStaleAfter);
+}
+
+// A child forked while another thread's work holds windows back has no such thread: its
+// windows open at once.
+TEST(CaptureWindowTest, AChildForkedDuringWorkCanOpenAWindow) {
+  std::atomic<bool> entered{false};
+  std::atomic<bool> done{false};
+  std::thread worker([&] {
+    const WorkOutsideCapture work(/*wanted=*/true);
+    entered = work.entered();
+    while (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  });
+  while (!entered) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const pid_t pid = fork();
+  if (pid == 0) {
+    alarm(5);
+    OpenCaptureWindow();
+    CloseCaptureWindow();
+    _exit(0);
+  }
+  done = true;
+  worker.join();
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "the child's window never opened";
 }
 
 }  // namespace
