@@ -17,19 +17,9 @@ synchronisation, unmaps) would invalidate the capture.
 import gc
 
 import torch
-from dropin_report import memory_back, report, settle
+from dropin_report import capture_increments, memory_back, report, settle
 
 NUMEL = 16 << 20  # float32: 64 MiB
-
-
-def capture(a, steps):
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        b = a.clone()
-        for _ in range(steps):
-            b = b.clone() + 1
-    return g, b
-
 
 
 def main():
@@ -42,7 +32,7 @@ def main():
     settle()
     base_alloc, base_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
-    old_graph, old = capture(a, 3)
+    old_graph, old = capture_increments(a, 3)
     old_graph.replay()
     torch.cuda.synchronize()
     kept = [old]

@@ -19,20 +19,10 @@ free returns.
 """
 
 import torch
-from dropin_report import memory_back, report, settle
+from dropin_report import capture_increments, memory_back, report, settle
 
 NUMEL = 16 << 20  # float32: 64 MiB
 T = NUMEL * 4
-
-
-def capture(a):
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        b = a.clone()
-        for _ in range(5):
-            b = b.clone() + 1
-    return g, b
-
 
 
 def main():
@@ -41,13 +31,13 @@ def main():
     b = a.clone()
     for _ in range(5):
         b = b.clone() + 1  # kernels loaded eagerly first
-    g, b = capture(a)  # one capture and release first: per-capture state settles
+    g, b = capture_increments(a, 5)  # one capture and release first: per-capture state settles
     g.replay()
     del g, b
     settle()
     base_alloc, base_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
 
-    g, b = capture(a)
+    g, b = capture_increments(a, 5)
     settle()
     held = torch.cuda.memory_reserved() - base_res
     if held < 2 * T:

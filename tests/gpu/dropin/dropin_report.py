@@ -109,3 +109,14 @@ def memory_back(errors, base_alloc, base_res, when):
     if torch.cuda.memory_reserved() > base_res:
         errors.append(f"{when} and the cache emptied memory_reserved() is "
                       f"{torch.cuda.memory_reserved()}, was {base_res} before")
+
+
+def capture_increments(a, steps):
+    """A CUDA graph that clones `a`, then `steps` times clones and adds 1; (graph, output)."""
+    import torch
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        b = a.clone()
+        for _ in range(steps):
+            b = b.clone() + 1
+    return g, b
