@@ -509,7 +509,9 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
   std::shared_ptr<ExplicitPool> doomed;  // destroyed after the lock is released
   {
     MutexLock lock(&mu_);
-    if (!entry->closed) return;
+    // An allocation may have begun between the count reaching 0 and this lock (counted under
+    // it, before the pool closed): its own end destroys the pool then.
+    if (!entry->closed || entry->live.load() != 0) return;
     for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
       if (it->second == entry) {
         doomed = std::move(it->second);
