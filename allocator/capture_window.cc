@@ -47,6 +47,12 @@ bool Stale(const Window& w) {
 
 std::atomic<Window*> the_window{nullptr};
 
+// Pieces of background work this thread holds. A window that opens meanwhile waits for them,
+// so this thread's nested work may go on (an out-of-memory retry's growth that moves memory):
+// refusing it would only skip work the window is waiting out anyway, and waiting for the
+// window to close would never end.
+thread_local int held_here = 0;
+
 // A forked child has no capture and none of its parent's threads: a fresh window, the
 // parent's left as it was (its lock may be held; its kept work is the parent's pools).
 void FreshWindowInChild() { the_window.store(new Window(), std::memory_order_release); }
@@ -106,6 +112,7 @@ void CloseCaptureWindow() {
     if (w.open > 0 || w.after.empty()) return;
     after.swap(w.after);
     ++w.busy;  // a window that opens meanwhile waits for the kept work
+    ++held_here;
   }
   RunEntered(after);
 }
@@ -122,6 +129,7 @@ void RunOutsideCapture(std::function<void()> work) {
     now.swap(w.after);  // kept while a window that went stale was open
     now.push_back(std::move(work));
     ++w.busy;
+    ++held_here;
   }
   RunEntered(now);
 }
@@ -134,23 +142,25 @@ bool CaptureWindowOpen() {
 void EnterBackgroundWork() {
   Window& w = TheWindow();
   std::unique_lock<std::mutex> lock(w.mu);
-  while (w.open > 0 && !Stale(w)) {
+  while (held_here == 0 && w.open > 0 && !Stale(w)) {
     w.changed.wait_for(lock, StaleAfter(w));
   }
-  if (w.open > 0) {
+  if (held_here == 0 && w.open > 0) {
     LogWarningOnce("capture-window",
                    "a capture window has been open for over a minute (a capture that failed "
                    "before it ended its allocator route, or a long MemPool context); vmm's "
                    "background work and stream events go on");
   }
   ++w.busy;
+  ++held_here;
 }
 
 bool TryEnterBackgroundWork() {
   Window& w = TheWindow();
   std::lock_guard<std::mutex> lock(w.mu);
-  if (w.open > 0 && !Stale(w)) return false;
+  if (held_here == 0 && w.open > 0 && !Stale(w)) return false;
   ++w.busy;
+  ++held_here;
   return true;
 }
 
@@ -158,6 +168,7 @@ void LeaveBackgroundWork() {
   Window& w = TheWindow();
   std::lock_guard<std::mutex> lock(w.mu);
   --w.busy;
+  --held_here;
   w.changed.notify_all();
 }
 

@@ -4,9 +4,13 @@
 // PyTorch opens an allocator route (beginAllocateToPool) before a capture begins and closes it
 // (endAllocateToPool) after the capture ends; it does the same around a MemPool's context. While
 // any route is open the capture *window* is open. In CUDA's global capture mode (PyTorch's
-// default) an event query, a synchronisation or an unmap by any thread invalidates the capture,
-// and an event recorded on the capturing stream by another thread joins its graph. So while the
-// window is open:
+// default) an event query or a synchronisation (of a stream or of the device) by any thread
+// invalidates the capture, and an event recorded on the capturing stream by another thread joins
+// its graph. The virtual memory calls themselves (create, map, set access, unmap, release) left
+// captures valid on the H200's driver 580 (tests/gpu/capture_safe_calls.py), but what comes
+// before an unmap here (a synchronisation, an event query) does not, and no driver documents
+// them as safe during a capture, so vmm keeps its unmaps out of windows too. So while the window
+// is open:
 //   - vmm's background threads (the send ledger's release thread) wait before their next piece
 //     of work (EnterBackgroundWork), and OpenCaptureWindow first waits for the piece running;
 //   - pools neither record nor query stream events (stream_reclaim.h): frees that wait for
@@ -43,10 +47,12 @@ void CloseCaptureWindow();
 bool CaptureWindowOpen();
 
 // A piece of background work: waits while a window is open, and holds the next one from
-// opening until LeaveBackgroundWork.
+// opening until LeaveBackgroundWork. Work nested in work this thread already holds enters at
+// once: a window that began opening meanwhile is waiting for the outer piece anyway.
 void EnterBackgroundWork();
-// The same without waiting: false (and nothing entered) while a window is open; true where
-// none is, or the one open is stale, and then the next window waits for LeaveBackgroundWork.
+// The same without waiting: false (and nothing entered) while a window is open, unless this
+// thread holds work already (nested: true); true where none is, or the one open is stale, and
+// then the next window waits for LeaveBackgroundWork.
 bool TryEnterBackgroundWork();
 void LeaveBackgroundWork();
 

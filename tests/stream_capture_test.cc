@@ -281,7 +281,7 @@ TEST_F(StreamCaptureTest, AnEventInFlightIsNotQueriedWhileACaptureWindowIsOpen) 
 }
 
 // empty_cache inside a capture (a library's call, a memory check in captured code) releases
-// nothing until the capture is over: a synchronisation or an unmap would invalidate it.
+// nothing until the capture is over: its device synchronisation would invalidate it.
 TEST_F(StreamCaptureTest, EmptyCacheDuringACaptureWindowReleasesNothing) {
   ASSERT_OK_AND_ASSIGN(void* a, pool_->Allocate(8 * kMiB, s_));
   ASSERT_OK(pool_->Free(a));
@@ -343,6 +343,38 @@ TEST(CaptureWindowTest, AWindowOpeningWhileKeptWorkRunsWaitsForIt) {
   CloseCaptureWindow();  // runs the kept work here
   opener.join();
   EXPECT_EQ(stage.load(), 3);
+  CloseCaptureWindow();
+  EXPECT_FALSE(CaptureWindowOpen());
+}
+
+// Work nested in work this thread holds (an out-of-memory retry's growth, which would move
+// memory) enters while a window is opening, since that window waits for the outer piece
+// anyway; another thread's work does not, and the window opens once the outer piece ends.
+TEST(CaptureWindowTest, NestedWorkEntersWhileAWindowWaitsForTheOuterPiece) {
+  std::atomic<bool> opened{false};
+  std::thread opener;
+  {
+    const WorkOutsideCapture outer(/*wanted=*/true);
+    ASSERT_TRUE(outer.entered());
+    opener = std::thread([&] {
+      OpenCaptureWindow();  // waits for `outer`
+      opened.store(true);
+    });
+    while (!CaptureWindowOpen()) std::this_thread::yield();  // the window is opening
+    {
+      const WorkOutsideCapture inner(/*wanted=*/true);
+      EXPECT_TRUE(inner.entered()) << "nested work refused while the window waited for it";
+    }
+    bool other_entered = true;
+    std::thread other([&] { other_entered = WorkOutsideCapture(/*wanted=*/true).entered(); });
+    other.join();
+    EXPECT_FALSE(other_entered) << "another thread's work entered while a window was opening";
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+    EXPECT_FALSE(opened.load()) << "the window opened before the outer piece ended";
+  }
+  opener.join();
+  EXPECT_TRUE(opened.load());
+  EXPECT_FALSE(WorkOutsideCapture(/*wanted=*/true).entered()) << "the window is open now";
   CloseCaptureWindow();
   EXPECT_FALSE(CaptureWindowOpen());
 }
