@@ -391,10 +391,8 @@ class VmmAllocator : public Pluggable {
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(EndRouteLocked(device, mempool_id),
-                "vmm: endAllocateToPool: not allocating to pool (", mempool_id.first, ", ",
-                mempool_id.second, ")");
+    TORCH_CHECK(EndRoute(device, mempool_id), "vmm: endAllocateToPool: not allocating to pool (",
+                mempool_id.first, ", ", mempool_id.second, ")");
   }
 
   void releasePool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
@@ -405,8 +403,7 @@ class VmmAllocator : public Pluggable {
       // capture window does not stay open for good. The route of a MemPool's context or of a
       // capture under way, whose pool has other uses, stays (a graph of the pool reset
       // inside the context).
-      std::lock_guard<std::mutex> lock(mu_);
-      EndRouteLocked(device, mempool_id);
+      EndRoute(device, mempool_id);
     }
     if (ReleaseForeignPool(device, mempool_id)) return;
     const int left = libvmm.private_pool_release(device, mempool_id.first, mempool_id.second);
@@ -666,18 +663,23 @@ class VmmAllocator : public Pluggable {
   }
 
  private:
-  // Ends the route of (device, mempool_id), if one is open, and the capture window it opened
-  // (vmm_imports_release_closing); whether there was one.
-  bool EndRouteLocked(c10::DeviceIndex device, MempoolId_t mempool_id) {
-    for (auto it = routes_.begin(); it != routes_.end(); ++it) {
-      if (it->device == device && it->id == mempool_id) {
-        routes_.erase(it);
-        routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
-        libvmm.imports_release_closing();
-        return true;
-      }
+  // Ends the route of (device, mempool_id), if one is open, and then, with mu_ no longer held,
+  // the capture window it opened (vmm_imports_release_closing); whether there was one. Closing
+  // the last window runs what was kept back during it (imports closed, pools destroyed: device
+  // synchronisations and unmaps), which must not hold up every other user of mu_, nor wait on
+  // GPU work whose host callback needs mu_ (a free).
+  bool EndRoute(c10::DeviceIndex device, MempoolId_t mempool_id) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = std::find_if(routes_.begin(), routes_.end(), [&](const Route& route) {
+        return route.device == device && route.id == mempool_id;
+      });
+      if (it == routes_.end()) return false;
+      routes_.erase(it);
+      routes_empty_.store(routes_.empty(), std::memory_order_relaxed);
     }
-    return false;
+    libvmm.imports_release_closing();
+    return true;
   }
 
   // A MemPool over another allocator (createOrIncrefPool): its segments, and PyTorch's use
