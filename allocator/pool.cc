@@ -395,7 +395,8 @@ absl::Status Pool::ApplyReleaseThreshold() {
   int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
                    pending_.bytes - retired_bytes_ + static_cast<int64_t>(spare_bytes_);
   if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
-  // An unmap would invalidate a capture under way (capture_window.h); a later free trims. A
+  // Its event queries would invalidate a capture under way (capture_window.h), and its unmaps
+  // are kept out of captures too; a later free trims. A
   // window that opens meanwhile waits for the trim.
   const WorkOutsideCapture trimming(/*wanted=*/true);
   if (!trimming.entered()) return absl::OkStatus();
@@ -476,7 +477,8 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   bool in_units = moves;  // planned in whole units (plan_unit_, or granules in the small arena)
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
   // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
-  // process: an unmap by any thread would invalidate it (capture_window.h). The moves are
+  // process: the synchronisation of the requester's stream a move may need would invalidate
+  // it, and unmaps are kept out of captures too (capture_window.h). The moves are
   // background work to the capture window, so that one opening meanwhile waits for them.
   const WorkOutsideCapture moving(moves && !keep_memory_);
   const bool may_move = moving.entered();
@@ -970,8 +972,9 @@ absl::Status Pool::EmptyCache() {
   const WorkOutsideCapture emptying(/*wanted=*/true);
   if (!emptying.entered()) {
     LogWarningOnce("empty-cache-capture",
-                   "empty_cache during a CUDA graph capture releases nothing (a synchronisation "
-                   "or an unmap would invalidate the capture); call it again after the capture");
+                   "empty_cache during a CUDA graph capture releases nothing (its device "
+                   "synchronisation would invalidate the capture); call it again after the "
+                   "capture");
     return absl::OkStatus();
   }
   VMM_RETURN_IF_ERROR(SynchronizeAndRetag());

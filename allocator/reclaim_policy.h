@@ -40,9 +40,9 @@
 //      needed stays where it is.
 //   6. Nothing while the pool keeps its memory (Pool::SetKeepMemory: a captured graph may
 //      write to free addresses), nor while a capture is under way anywhere in the process
-//      (capture_window.h: an unmap by any thread would invalidate it; the pool holds a
-//      window from opening until its moves are done), nor for blocks that get chunks of their
-//      own (shareable). (6 is checked by the pool before it asks.)
+//      (capture_window.h: the synchronisation a move may need would invalidate it; the pool
+//      holds a window from opening until its moves are done), nor for blocks that get chunks
+//      of their own (shareable). (6 is checked by the pool before it asks.)
 //
 // Policy today: from the usable free blocks of the arenas it may take from, smallest first
 // (a small hole is the memory least likely to serve a later request as it is; a large free

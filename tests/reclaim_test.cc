@@ -442,9 +442,9 @@ TEST_F(ReclaimTest, ASmallArenaInUseKeepsItsFreeChunks) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
-// Nothing moves while a capture is under way anywhere in the process (capture_window.h): an
-// unmap would invalidate it. The miss creates memory instead; once the window closes, the
-// next miss moves again.
+// Nothing moves while a capture is under way anywhere in the process (capture_window.h): the
+// synchronisation a move may need would invalidate it. The miss creates memory instead; once
+// the window closes, the next miss moves again.
 TEST_F(ReclaimTest, NothingMovesWhileACaptureIsUnderWay) {
   auto pool = MakePool();
   Holes h = MakeHoles(*pool);

@@ -6,7 +6,8 @@
 # Phases, run in the order given:
 #   tests    the C++ suites on the CUDA backend (VMM_TEST_BACKEND=cuda: conformance, CUDA
 #            driver, pool, pool reuse, sharing) and the demo; first without an IMEX channel (channel 0
-#            removed if an earlier run made it: the POSIX fd fallback), then with one (fabric).
+#            removed if an earlier run made it: the POSIX fd fallback), then with one (fabric);
+#            then tests/gpu/capture_safe_calls.py (which calls a CUDA graph capture survives).
 #   python   pip-installs vmm_torch against the machine's torch and runs the Python suite, with
 #            an IMEX channel (PYTEST_ARGS: what pytest runs, default tests/python but the
 #            parity suite; PYTEST_LIMIT_S: its time limit, default 570 s, since the whole
@@ -187,6 +188,11 @@ cxx_suites() {
 phase_tests() {
   gpu_info
   each_channel cxx_suites
+  # Which driver calls a capture survives (what capture_window.h keeps out of captures), with
+  # fabric handles where the machine has an IMEX channel: one verdict per call, in the summary.
+  step capture_safe_calls 120 python3 tests/gpu/capture_safe_calls.py \
+    "$([[ -e $channel ]] && echo 8 || echo 1)"
+  sed 's/^/    /' "$logs/capture_safe_calls.log" | tee -a "$summary"
 }
 
 # --- python ------------------------------------------------------------------------------------
