@@ -48,6 +48,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -56,6 +57,10 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#if __has_include(<c10/cuda/CUDAAllocatorConfig.h>)
+#include <c10/cuda/CUDAAllocatorConfig.h>
+#define VMM_TORCH_HAS_ALLOCATOR_CONFIG 1
+#endif
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1150,9 +1155,33 @@ class VmmAllocator : public Pluggable {
 
 std::shared_ptr<VmmAllocator> installed;
 
+// Whether config class C has a public static instance() (its first call parses the variable).
+template <typename C, typename = void>
+struct HasInstance : std::false_type {};
+template <typename C>
+struct HasInstance<C, std::void_t<decltype(C::instance())>> : std::true_type {};
+
+// PyTorch parses PYTORCH_CUDA_ALLOC_CONF on first use, and a `backend:` there must name the
+// allocator current at that moment (an internal assertion): parsed once vmm was current,
+// `backend:native` or `backend:cudaMallocAsync` failed at the program's first tensor. So it is
+// parsed here, before vmm is made current, against the allocator PyTorch chose when it loaded;
+// its other options are PyTorch's allocator's and change nothing in vmm (docs/DESIGN.md §2g).
+// A torch without that class, or without a public instance(), is left as it is (a template,
+// so that the call is not compiled there).
+template <typename Config>
+void ParseConfig() {
+  if constexpr (HasInstance<Config>::value) (void)Config::instance();
+}
+void ParseAllocatorConfigNow() {
+#ifdef VMM_TORCH_HAS_ALLOCATOR_CONFIG
+  ParseConfig<c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig>();
+#endif
+}
+
 void Install() {
   RequireBound();
   TORCH_CHECK(installed == nullptr, "vmm: the allocator is installed already");
+  ParseAllocatorConfigNow();
   auto allocator = std::make_shared<VmmAllocator>("");
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   // changeCurrentAllocator swaps what torch.cuda reaches; c10's registry of device allocators
