@@ -21,10 +21,9 @@ growth of its pools; a cap set below what is held must not stop cached memory fr
 handed out, nor make a free give memory back that a later request under the cap then cannot
 get again, and a cap raised must let growth resume.
 """
-import gc
 
 import torch
-from dropin_report import report
+from dropin_report import baseline, memory_back, report, settle
 
 MIB = 1 << 20
 
@@ -45,11 +44,7 @@ def holds(t, value):
 def main():
     errors = []
     keep = torch.full((16 * 1024,), 3.0, device="cuda")
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    res0 = torch.cuda.memory_reserved()
+    base, res0, _ = baseline()
     total = torch.cuda.get_device_properties(0).total_memory
 
     def cap(extra_mib):
@@ -109,15 +104,8 @@ def main():
     if float(keep.sum().item()) != 3.0 * keep.numel():
         errors.append("a small tensor made at the start changed")
     del t1, t3, t4, t5, t6
-    gc.collect()
-    torch.cuda.synchronize()
-    if torch.cuda.memory_allocated() != base:
-        errors.append(f"at the end memory_allocated() is {torch.cuda.memory_allocated()}, "
-                      f"was {base}")
-    torch.cuda.empty_cache()
-    if torch.cuda.memory_reserved() > res0:
-        errors.append(f"after empty_cache() memory_reserved() is {torch.cuda.memory_reserved()}, "
-                      f"was {res0} at the start")
+    settle()
+    memory_back(errors, base, res0, "at the end")
     report(errors)
 
 

@@ -21,10 +21,9 @@ small blocks that stay, makes it trim and grow at every step near the cap (docs/
 shared with live blocks counts against the cap and may make a step fail that PyTorch's
 allocator serves.
 """
-import gc
 
 import torch
-from dropin_report import report
+from dropin_report import baseline, memory_back, report, settle
 
 MIB = 1 << 20
 ROW = 2 * MIB // 4  # float32 elements of a 2 MiB row
@@ -62,11 +61,7 @@ def check(kv, kept, steps, errors, name):
 def main():
     errors = []
     keep = torch.full((4096,), 5.0, device="cuda")
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    res0 = torch.cuda.memory_reserved()
+    base, res0, _ = baseline()
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction((res0 + 1024 * MIB) / total)
 
@@ -82,15 +77,8 @@ def main():
     torch.cuda.set_per_process_memory_fraction(1.0)
     if float(keep.sum().item()) != 5.0 * 4096:
         errors.append("a tensor made at the start changed")
-    gc.collect()
-    torch.cuda.synchronize()
-    if torch.cuda.memory_allocated() != base:
-        errors.append(f"at the end memory_allocated() is {torch.cuda.memory_allocated()}, "
-                      f"was {base}")
-    torch.cuda.empty_cache()
-    if torch.cuda.memory_reserved() > res0:
-        errors.append(f"after empty_cache() memory_reserved() is {torch.cuda.memory_reserved()}, "
-                      f"was {res0} at the start")
+    settle()
+    memory_back(errors, base, res0, "at the end")
     report(errors)
 
 

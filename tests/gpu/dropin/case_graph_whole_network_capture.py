@@ -21,10 +21,9 @@ mapped through empty_cache() while the graph lives, keep the blocks still live (
 gradients) after releasePool, and give everything back once they are freed.
 """
 import copy
-import gc
 
 import torch
-from dropin_report import report
+from dropin_report import memory_back, report, settle
 
 N, D_IN, H, D_OUT = 256, 512, 1024, 128
 WARMUP, REPLAYS, AFTER = 3, 8, 3
@@ -49,12 +48,6 @@ def eager_step(model, opt, x, y, set_to_none=True):
     loss.backward()
     opt.step()
     return float(loss.item())
-
-
-def settle():
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
 
 
 def main():
@@ -132,12 +125,7 @@ def main():
     opt_e.zero_grad(set_to_none=True)
     del static_loss, keep
     settle()
-    if torch.cuda.memory_allocated() != alloc0:
-        errors.append(f"with the graph and its tensors gone memory_allocated() is "
-                      f"{torch.cuda.memory_allocated()}, was {alloc0} before the capture")
-    if torch.cuda.memory_reserved() > res0:
-        errors.append(f"after empty_cache() memory_reserved() is {torch.cuda.memory_reserved()}, "
-                      f"was {res0} before the capture")
+    memory_back(errors, alloc0, res0, "with the graph and its tensors gone")
     report(errors)
 
 

@@ -20,11 +20,10 @@ finds free blocks in segregated bins and live ones through a two-level index
 another, and a free order unrelated to the allocation order test that bookkeeping at a scale
 ordinary workloads do not reach (and a per-block cost shows as a timeout).
 """
-import gc
 import random
 
 import torch
-from dropin_report import report
+from dropin_report import baseline, memory_back, report, settle
 
 N = 150_000
 EXTRA = 5_000
@@ -48,12 +47,7 @@ def check_values(ts, indices, length_of, errors, when):
 def main():
     errors = []
     torch.empty(1, device="cuda")
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    base_count = torch.cuda.memory_stats()["allocation.all.current"]
-    res0 = torch.cuda.memory_reserved()
+    base, res0, base_count = baseline()
 
     def first_len(i):
         return 1 + i % 64
@@ -104,18 +98,8 @@ def main():
     for i in order:
         ts[i] = None
     del ts, scalars, flags
-    gc.collect()
-    torch.cuda.synchronize()
-    if torch.cuda.memory_allocated() != base:
-        errors.append(f"with every tiny tensor freed memory_allocated() is "
-                      f"{torch.cuda.memory_allocated()}, was {base}")
-    count = torch.cuda.memory_stats()["allocation.all.current"]
-    if count != base_count:
-        errors.append(f"allocation.all.current is {count}, was {base_count}")
-    torch.cuda.empty_cache()
-    if torch.cuda.memory_reserved() > res0:
-        errors.append(f"after empty_cache() memory_reserved() is {torch.cuda.memory_reserved()}, "
-                      f"was {res0}")
+    settle()
+    memory_back(errors, base, res0, "with every tiny tensor freed", base_count)
     report(errors)
 
 

@@ -26,7 +26,7 @@ import threading
 import time
 
 import torch
-from dropin_report import report
+from dropin_report import baseline, memory_back, report, settle
 
 ROUNDS, PER_ROUND = 16, 12
 SIZES = [256 << (2 * k) for k in range(8)] + [6 << 20]  # float32: 1 KiB .. 24 MiB
@@ -59,12 +59,7 @@ def main():
     errors = []
     torch.cuda.init()
     torch.empty(1, device="cuda")
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    base_count = torch.cuda.memory_stats()["allocation.all.current"]
-    res0 = torch.cuda.memory_reserved()
+    base, res0, base_count = baseline()
     results = queue.Queue()
     sums, want = [], []
     cur = torch.cuda.current_stream()
@@ -111,16 +106,8 @@ def main():
         if torch.cuda.memory_allocated() == base or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    if torch.cuda.memory_allocated() != base:
-        errors.append(f"with the threads gone memory_allocated() is "
-                      f"{torch.cuda.memory_allocated()}, was {base}")
-    count = torch.cuda.memory_stats()["allocation.all.current"]
-    if count != base_count:
-        errors.append(f"allocation.all.current is {count}, was {base_count}")
-    torch.cuda.empty_cache()
-    if torch.cuda.memory_reserved() > res0:
-        errors.append(f"after empty_cache() memory_reserved() is {torch.cuda.memory_reserved()}, "
-                      f"was {res0}")
+    settle()
+    memory_back(errors, base, res0, "with the threads gone", base_count)
     report(errors)
 
 

@@ -99,10 +99,24 @@ def settle():
     torch.cuda.empty_cache()
 
 
-def memory_back(errors, base_alloc, base_res, when):
-    """After settle(): memory_allocated() is `base_alloc` again and memory_reserved() at most
-    `base_res`, else a difference is added to `errors` (`when` says at what point)."""
+def baseline():
+    """After settle(): (memory_allocated(), memory_reserved(), allocation.all.current), what
+    memory_back() compares with at the end."""
     import torch
+    settle()
+    count = torch.cuda.memory_stats()["allocation.all.current"]
+    return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), count
+
+
+def memory_back(errors, base_alloc, base_res, when, base_count=None):
+    """After settle(): memory_allocated() is `base_alloc` again, memory_reserved() at most
+    `base_res` and, if given, memory_stats()'s allocation.all.current `base_count`, else a
+    difference is added to `errors` (`when` says at what point)."""
+    import torch
+    if base_count is not None:
+        count = torch.cuda.memory_stats()["allocation.all.current"]
+        if count != base_count:
+            errors.append(f"{when} allocation.all.current is {count}, was {base_count} before")
     if torch.cuda.memory_allocated() != base_alloc:
         errors.append(f"{when} memory_allocated() is {torch.cuda.memory_allocated()}, was "
                       f"{base_alloc} before")
