@@ -76,6 +76,11 @@ Block* Arena::Retire(Block* block) {
   return block;
 }
 
+void Arena::Hold(Block* block) {
+  free_.Remove(block);
+  block->state = BlockState::kPendingFree;
+}
+
 size_t Arena::RetireFree(uintptr_t lo, uintptr_t hi) {
   size_t retired = 0;
   Block* b = BlockContaining(lo);

@@ -83,6 +83,9 @@ class Arena {
 
   // Marks `block` retired (not cached), merging with retired neighbours.
   Block* Retire(Block* block);
+  // Takes a cached block out of the cache as kPendingFree (freed; work of its stream may still
+  // use it), merged with nothing: the caller makes it wait (Pool::HoldSpaceForItsStreams).
+  void Hold(Block* block);
   // Retires every free block inside [lo, hi), splitting those that cross its ends (what an
   // exported chunk's free space becomes). Returns the bytes retired.
   size_t RetireFree(uintptr_t lo, uintptr_t hi);

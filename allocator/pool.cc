@@ -735,6 +735,18 @@ void Pool::RetireChunkSpace(uintptr_t chunk_addr) {
   retired_bytes_ += static_cast<int64_t>(ArenaOf(chunk_addr).RetireFree(chunk_addr, chunk_end));
 }
 
+namespace {
+
+// Whether `b` is free space (or a block freed while other streams used it, whose events cover
+// those streams, not its own) that work of its own stream, other than `exporter`, may still
+// use.
+bool FreedOnAnotherStream(const Block* b, Stream exporter) {
+  const bool freed = b->state == BlockState::kFree || b->state == BlockState::kPendingFree;
+  return freed && b->stream != kAnyStream && b->stream != exporter;
+}
+
+}  // namespace
+
 absl::Status Pool::WaitForSpaceBeforeExport(uintptr_t addr, uintptr_t end, Stream exporter) {
   // Every chunk first exported now, all waited for before any is marked: a failed wait
   // leaves the export undone.
@@ -745,14 +757,20 @@ absl::Status Pool::WaitForSpaceBeforeExport(uintptr_t addr, uintptr_t end, Strea
     const uintptr_t chunk_end = c->first + c->second.size;
     for (const Block* b = ArenaOf(c->first).BlockContaining(c->first);
          b != nullptr && b->addr < chunk_end; b = b->next) {
-      // Free space, and blocks freed while other streams used them: their events cover
-      // those streams, not their own.
-      const bool freed = b->state == BlockState::kFree || b->state == BlockState::kPendingFree;
-      if (freed && b->stream != kAnyStream && b->stream != exporter &&
+      if (FreedOnAnotherStream(b, exporter) &&
           std::find(streams.begin(), streams.end(), b->stream) == streams.end()) {
         streams.push_back(b->stream);
       }
     }
+  }
+  if (streams.empty()) return absl::OkStatus();
+  // A synchronisation would invalidate a capture under way (capture_window.h): then the space
+  // waits for its streams as pending frees instead, and a window that opens during the
+  // synchronisations below waits for them.
+  const WorkOutsideCapture syncing(/*wanted=*/true);
+  if (!syncing.entered()) {
+    HoldSpaceForItsStreams(addr, end, exporter);
+    return absl::OkStatus();
   }
   for (Stream s : streams) {
     if (IsForeignStream(s)) {  // perhaps gone (driver.h): never called on
@@ -767,6 +785,30 @@ absl::Status Pool::WaitForSpaceBeforeExport(uintptr_t addr, uintptr_t end, Strea
     return SynchronizeDevices();
   }
   return absl::OkStatus();
+}
+
+void Pool::HoldSpaceForItsStreams(uintptr_t addr, uintptr_t end, Stream exporter) {
+  for (auto c = chunks_.FirstEndingAfter(addr); c != chunks_.end() && c->first < end; ++c) {
+    if (c->second.exported) continue;
+    Arena& arena = ArenaOf(c->first);
+    const uintptr_t chunk_end = c->first + c->second.size;
+    for (Block* b = arena.BlockContaining(c->first); b != nullptr && b->addr < chunk_end;
+         b = b->next) {
+      if (!FreedOnAnotherStream(b, exporter)) continue;
+      if (b->state == BlockState::kFree) {
+        // Only the part in this chunk: the rest stays cached.
+        if (b->addr < c->first) b = arena.Split(b, c->first);
+        if (b->end() > chunk_end) arena.Split(b, chunk_end);
+        arena.Hold(b);
+        CountPending(b, +1);
+      }
+      // An event on its own stream, recorded once the capture is over (stream_reclaim.h), or
+      // a fence for a foreign stream, which the next synchronisation of the devices
+      // completes; the block retires when it is done (Recycle), not with the chunk's free
+      // space (RetireChunkSpace).
+      reclaim_.RecordUses(b, {b->stream}, stats_);
+    }
+  }
 }
 
 absl::Status Pool::SynchronizeDevices() {

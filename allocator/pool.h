@@ -410,7 +410,15 @@ class Pool {
   // or reused as spare) once the exported block is freed, with no event recorded on their own
   // stream. The exporter's own work is waited for at that free (FreeInUse). A stream that
   // cannot be synchronised (gone) makes it wait for the devices (SynchronizeDevices).
+  // While a capture is under way, where a synchronisation would invalidate it, the space
+  // waits instead (HoldSpaceForItsStreams).
   absl::Status WaitForSpaceBeforeExport(uintptr_t addr, uintptr_t end, Stream exporter)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The free space in the chunks of [addr, end) not yet exported that streams other than
+  // `exporter` freed (and blocks freed while other streams used them) becomes pending frees
+  // that wait for their own stream too (stream_reclaim.h: an event recorded once the capture
+  // is over), so it retires only once that stream's work is done, rather than with the chunk.
+  void HoldSpaceForItsStreams(uintptr_t addr, uintptr_t end, Stream exporter)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Releases the exported chunks around [addr, end) that nothing uses any more, or keeps
   // them parked or spare (file comment, "Reusing exported chunks"); `release_parked` releases

@@ -296,6 +296,55 @@ TEST_F(StreamCaptureTest, EmptyCacheDuringACaptureWindowReleasesNothing) {
 
 size_t HostFree(Driver& host) { return host.GetMemInfo(0)->free; }
 
+// Puts a block of stream 0 (whose events the host backend completes at once) and one of t
+// side by side in one 8 MiB chunk and frees t's: the chunk holds free space tagged t beside
+// the live block of stream 0, which is returned.
+void* BesideSpaceOf(Pool& pool, Stream t) {
+  void* x = AllocateOrFail(pool, 8 * kMiB, 0);
+  EXPECT_OK(pool.Free(x));
+  void* a = AllocateOrFail(pool, 4 * kMiB, 0);
+  void* b = AllocateOrFail(pool, 4 * kMiB, t);  // a miss on t: stream 0's space retagged
+  const uintptr_t pa = reinterpret_cast<uintptr_t>(a), pb = reinterpret_cast<uintptr_t>(b);
+  EXPECT_EQ(pa > pb ? pa - pb : pb - pa, 4 * kMiB) << "not side by side in one chunk";
+  EXPECT_OK(pool.Free(b));
+  return a;
+}
+
+// An export (a send) whose chunk holds space another stream freed waits for that stream
+// before the space retires with the chunk; during a capture it does not synchronise the
+// stream (that would invalidate a capture in global mode): the space waits as a pending free.
+TEST_F(StreamCaptureTest, AnExportDuringACaptureWindowSynchronisesNothing) {
+  void* a = BesideSpaceOf(*pool_, t_);
+  OpenCaptureWindow();
+  EXPECT_OK(pool_->Export(a).status());
+  EXPECT_EQ(driver_->in_window(), 0) << "synchronised during the capture";
+  CloseCaptureWindow();
+  ASSERT_OK(pool_->Free(a));
+  ASSERT_OK(pool_->EmptyCache());
+  EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 0);
+}
+
+// ... and the space it left waiting is neither reused nor released before the work of its
+// stream that was queued before the export is done, whenever that ends.
+TEST_F(StreamCaptureTest, SpaceAnExportDuringACaptureLeftWaitsForItsStream) {
+  void* a = BesideSpaceOf(*pool_, t_);
+  auto gate = std::make_unique<StreamGate>(driver_.get(), t_);  // t still works in b's space
+  OpenCaptureWindow();
+  ASSERT_OK(pool_->Export(a).status());
+  CloseCaptureWindow();
+  ASSERT_OK(pool_->Free(a));  // the chunk would go now, but for the space t may still use
+  void* c = AllocateOrFail(*pool_, 2 * kMiB, 0);  // a miss: the pending frees are queried
+  EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 10 * kMiB)
+      << "the chunk went while t's work may still use it";
+  ASSERT_OK(pool_->CheckInvariants());
+  ASSERT_OK(pool_->Free(c));
+  gate->Release();
+  ASSERT_OK(driver_->SynchronizeStream(t_));
+  ASSERT_OK(pool_->EmptyCache());
+  EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 0);
+}
+
+
 // A pool whose last use ends during a capture (a private pool whose last block is freed
 // there) is destroyed once the last window closes: its teardown synchronises and unmaps.
 TEST_F(StreamCaptureTest, APoolDestroyedDuringACaptureWindowGoesOnceItCloses) {
