@@ -1,5 +1,7 @@
 #include "allocator/free_blocks.h"
 
+#include <algorithm>
+
 namespace vmm {
 
 FreeBlocks::FreeBlocks() = default;
@@ -13,6 +15,21 @@ std::vector<Block*> FreeBlocks::BlocksOf(Stream stream) const {
     }
   }
   return out;
+}
+
+size_t FreeBlocks::Largest() const {
+  size_t largest = 0;
+  for (const auto& bins : tags_) {
+    if (bins->count == 0) continue;
+    const int first = 63 - __builtin_clzll(bins->first_map);
+    const int bin = first * kSecond + (31 - __builtin_clz(bins->second_map[first]));
+    // Below 2 * kSecond units (32 KiB) a bin holds blocks of one size.
+    const bool one_size = bin < 2 * kSecond;
+    for (const Block* b = bins->heads[bin]; b != nullptr; b = one_size ? nullptr : b->free_next) {
+      largest = std::max(largest, b->size);
+    }
+  }
+  return largest;
 }
 
 bool FreeBlocks::Filed(const Block* block) const {

@@ -6,12 +6,12 @@
 // intrusive list, so inserting and removing a block take constant time and no memory. The
 // search is best fit within a bounded walk: the smallest fitting block of the request's own
 // bin, else the smallest block of the next non-empty bin (every block there is larger), ties
-// going to the lower address; where a bin lists more than kMaxWalk blocks, only its first
-// kMaxWalk (the latest filed) are compared, so a search takes constant time however many
-// blocks are cached (below 32 KiB a bin holds one size, so there only the choice of address
-// is bounded; in a larger bin, a fitting block past the walk leaves the request to the next
-// non-empty bin's smallest, or, where no larger bin holds a block, to a walk of the whole bin:
-// a fitting block is always found).
+// going to the lower address; where a bin lists more than kMaxWalk blocks, only the first
+// kMaxWalk of its list (mostly the latest filed: Replace and Resized keep a block's place) are
+// compared. Below 32 KiB a bin holds one size, so there the bound only limits the choice of
+// address, and refilling many holes of one size takes constant time a request. In a larger
+// bin, where none of the first kMaxWalk fits, the rest of the bin is walked before a larger
+// bin is taken (as long as before, but rare).
 //
 // The best fit for stream S is the better of S's own blocks and the blocks every stream may
 // use (kAnyStream). A block's tag must not change while it is in the set (Remove() it first);
@@ -73,6 +73,11 @@ class FreeBlocks {
   // The smallest block of at least `size` bytes that `stream` may take now: one freed on
   // `stream` itself, or one free for every stream; nullptr when there is none.
   Block* BestFit(Stream stream, size_t size) const;
+
+  // The size of the largest block, 0 when there is none. Looks only at each tag's highest
+  // non-empty bin (one block of it where a bin holds one size), not at every block: a pool's
+  // statistics ask for it at every allocation while the profiler records memory.
+  size_t Largest() const;
 
   // The blocks tagged with `stream`.
   std::vector<Block*> BlocksOf(Stream stream) const;
@@ -140,8 +145,10 @@ class FreeBlocks {
   // Counts the change of a filed block's size to `size`, and files it with that size.
   void TallyResize(Block* block, size_t size);
   // The smallest block of at least `at_least` bytes among the first `walk` blocks of a bin's
-  // list (ties to the lower address), or nullptr.
-  static Block* SmallestIn(Block* head, size_t at_least, size_t walk = kMaxWalk);
+  // list (ties to the lower address), or nullptr; `*stopped` (if given): the first block not
+  // looked at, nullptr when the whole list was.
+  static Block* SmallestIn(Block* head, size_t at_least, size_t walk = kMaxWalk,
+                           Block** stopped = nullptr);
   // How far a search walks one bin. A bin can hold many thousand blocks (the holes left by
   // 150,000 tiny tensors, every other one freed, are all in the 512-byte bin): a whole walk per
   // request made refilling them quadratic (95 µs a request in a host replay; 0.18 with this
@@ -318,10 +325,12 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline void FreeBlocks::Resized(Block* block) {
   InsertIn(bins, block, bin);
 }
 
-inline Block* FreeBlocks::SmallestIn(Block* head, size_t at_least, size_t walk) {
+inline Block* FreeBlocks::SmallestIn(Block* head, size_t at_least, size_t walk,
+                                     Block** stopped) {
   Block* best = nullptr;
   size_t seen = 0;
-  for (Block* b = head; b != nullptr && seen < walk; b = b->free_next, ++seen) {
+  Block* b = head;
+  for (; b != nullptr && seen < walk; b = b->free_next, ++seen) {
     if (b->size < at_least) continue;
     if (b->size == at_least) {
       if (best == nullptr || best->size != at_least || b->addr < best->addr) best = b;
@@ -332,22 +341,28 @@ inline Block* FreeBlocks::SmallestIn(Block* head, size_t at_least, size_t walk) 
       best = b;
     }
   }
+  if (stopped != nullptr) *stopped = b;
   return best;
 }
 
 inline Block* FreeBlocks::BestFitIn(const Bins& bins, size_t size) {
   if (bins.count == 0) return nullptr;
   const int bin = BinOf(size);
-  if (Block* b = SmallestIn(bins.heads[bin], size)) return b;
+  Block* stopped = nullptr;
+  if (Block* b = SmallestIn(bins.heads[bin], size, kMaxWalk, &stopped)) return b;
+  // None of the first kMaxWalk fits (a bin above 32 KiB holds several sizes): the rest of the
+  // bin, whose fitting blocks are closer to the request than any block of a larger bin (taking
+  // one of those split a large block, and the next large request then grew the pool).
+  if (stopped != nullptr) {
+    if (Block* b = SmallestIn(stopped, size, SIZE_MAX)) return b;
+  }
   // The next non-empty bin: every block in it is larger than `size`. Found in this bin's
   // class, else in the next non-empty class; the choice is made without a branch.
   const int first = bin >> kSecondBits;
   const int second = bin & (kSecond - 1);
   const uint32_t same = bins.second_map[first] & ((~0u << second) << 1);
   const uint64_t higher = bins.first_map & ((~uint64_t{0} << first) << 1);
-  // No larger bin: the rest of this one, so that a fitting block past the walk still serves
-  // (rare: many blocks too small for the request in its own bin, and nothing larger cached).
-  if ((same | higher) == 0) return SmallestIn(bins.heads[bin], size, SIZE_MAX);
+  if ((same | higher) == 0) return nullptr;
   // (Masks rather than ?: , which the compiler turns into a branch here. When `higher` is 0,
   // `same` is not, and the index stays `first`.)
   const int in_same = -static_cast<int>(same != 0);  // all ones or zero

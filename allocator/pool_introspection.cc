@@ -65,7 +65,7 @@ void Pool::UpdateDerivedStats(PoolStats& stats) const {
     split.inactive_split_bytes = free.byte_stat();
     AddStat(split.inactive_split, stats.inactive_split);
     AddStat(split.inactive_split_bytes, stats.inactive_split_bytes);
-    free.ForEach([&](const Block* b) { largest = std::max(largest, b->size); });
+    largest = std::max(largest, free.Largest());
   }
   const auto free_bytes = static_cast<size_t>(stats.inactive_split_bytes.current);
   stats.largest_free_block = static_cast<int64_t>(largest);
