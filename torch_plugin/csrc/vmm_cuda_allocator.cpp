@@ -1163,18 +1163,25 @@ struct HasInstance<C, std::void_t<decltype(C::instance())>> : std::true_type {};
 
 // PyTorch parses PYTORCH_CUDA_ALLOC_CONF on first use, and a `backend:` there must name the
 // allocator current at that moment (an internal assertion): parsed once vmm was current,
-// `backend:native` or `backend:cudaMallocAsync` failed at the program's first tensor. So it is
-// parsed here, before vmm is made current, against the allocator PyTorch chose when it loaded;
-// its other options are PyTorch's allocator's and change nothing in vmm (docs/DESIGN.md §2g).
-// A torch without that class, or without a public instance(), is left as it is (a template,
-// so that the call is not compiled there).
+// `backend:native` or `backend:cudaMallocAsync` failed at the program's first tensor. So where
+// the variable names a backend (which PyTorch reads when it loads: it was set before), it is
+// parsed here, before vmm is made current, against the allocator PyTorch chose then. Otherwise
+// it is left to PyTorch's first use, so that a program may still set it after importing torch
+// (its pinned-memory options apply under vmm too; docs/DESIGN.md §2g). A torch without that
+// class, or without a public instance(), is left as it is (a template, so that the call is
+// not compiled there).
 template <typename Config>
 void ParseConfig() {
   if constexpr (HasInstance<Config>::value) (void)Config::instance();
 }
 void ParseAllocatorConfigNow() {
 #ifdef VMM_TORCH_HAS_ALLOCATOR_CONFIG
-  ParseConfig<c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig>();
+  bool names_backend = false;
+  for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::strstr(value, "backend") != nullptr) names_backend = true;
+  }
+  if (names_backend) ParseConfig<c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig>();
 #endif
 }
 
