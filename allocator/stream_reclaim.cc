@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/container/inlined_vector.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/capture_window.h"
 #include "allocator/log.h"
@@ -107,9 +108,20 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
   // queries below hold a window from opening until they are done.
   const WorkOutsideCapture querying(!device_synced);
   if (!device_synced && !querying.entered()) return absl::OkStatus();
+  // Streams with an event not done yet in this pass: events complete in the order they were
+  // recorded on a stream, and entries are kept in that order (but for deferred ones, recorded
+  // in the pass: skipping those is only late), so a later entry of such a stream is not
+  // queried. With thousands of frees pending on a stream that runs behind (record_stream on a
+  // communication stream), each allocation queried every one of them.
+  absl::InlinedVector<Stream, 4> busy;
+  auto is_busy = [&](Stream s) { return std::find(busy.begin(), busy.end(), s) != busy.end(); };
   size_t kept = 0;
   for (size_t i = 0; i < pending_.size(); ++i) {
     Pending p = pending_[i];
+    if (!device_synced && p.event != kDeferred && p.event != kFence && is_busy(p.stream)) {
+      pending_[kept++] = p;
+      continue;
+    }
     if (p.event == kDeferred) {
       // Freed while its stream captured a graph. Still capturing: nothing to wait for yet.
       // Done: a device synchronisation since covers its work, else its event is recorded now.
@@ -152,6 +164,7 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
       return complete.status();
     }
     if (!*complete) {
+      busy.push_back(p.stream);
       pending_[kept++] = p;
       continue;
     }

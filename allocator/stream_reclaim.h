@@ -10,7 +10,9 @@
 //     stream is synchronised at once; where that fails too (a stream gone or broken), the
 //     block waits on a fence instead, which only a synchronisation of the devices completes
 //     (ProcessPending with `device_synced`): the block is never handed back before that
-//     stream's work is done.
+//     stream's work is done. A pass queries a stream's events oldest first and stops at the
+//     first not done (events on a stream complete in order), so many frees waiting for one
+//     stream that runs behind cost one query a pass.
 //   - Reclaiming other streams' cached blocks. A cached block is tagged with the stream that
 //     freed it; another stream may take it only after that stream's work queued before the
 //     free has completed. Reclaim records one event per such stream and, once it completes,

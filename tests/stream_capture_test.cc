@@ -296,6 +296,27 @@ TEST_F(StreamCaptureTest, EmptyCacheDuringACaptureWindowReleasesNothing) {
 
 size_t HostFree(Driver& host) { return host.GetMemInfo(0)->free; }
 
+// Frees that wait for a stream running behind (record_stream on a communication stream) cost
+// one event query a pass for that stream, not one for each of them: events on a stream
+// complete in the order they were recorded. Each free queried every pending event before.
+TEST_F(StreamCaptureTest, FreesPendingOnAStreamRunningBehindQueryItsOldestEventOnly) {
+  constexpr int kBlocks = 100;
+  auto gate = std::make_unique<StreamGate>(driver_.get(), t_);  // t runs behind
+  std::vector<void*> blocks;
+  for (int i = 0; i < kBlocks; ++i) blocks.push_back(AllocateOrFail(*pool_, kMiB, s_));
+  for (void* b : blocks) ASSERT_OK(pool_->RecordStream(b, t_));
+  const int before = driver_->queries();
+  for (void* b : blocks) ASSERT_OK(pool_->Free(b));  // each free processes the pending ones
+  EXPECT_LE(driver_->queries() - before, 2 * kBlocks) << "each free queried every pending one";
+  EXPECT_EQ(pool_->GetStats().active_bytes.current, kBlocks * static_cast<int64_t>(kMiB))
+      << "freed before t's work was done";
+  gate->Release();
+  ASSERT_OK(driver_->SynchronizeStream(t_));
+  void* c = AllocateOrFail(*pool_, kMiB, s_);  // the pending frees are processed: all done
+  ASSERT_OK(pool_->Free(c));
+  EXPECT_EQ(pool_->GetStats().active_bytes.current, 0);
+}
+
 // Puts a block of stream 0 (whose events the host backend completes at once) and one of t
 // side by side in one 8 MiB chunk and frees t's: the chunk holds free space tagged t beside
 // the live block of stream 0, which is returned.
