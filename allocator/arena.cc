@@ -235,10 +235,24 @@ void Arena::MakeGap(uintptr_t addr, size_t len) {
 }
 
 Block* Arena::BlockContaining(uintptr_t addr) const {
-  for (Block* b = head_; b != nullptr; b = b->next) {
-    if (addr >= b->addr && addr < b->end()) return b;
+  if (head_ == nullptr || !Contains(addr)) return nullptr;
+  auto distance = [addr](const Block* b) {
+    return b->addr > addr ? b->addr - addr : addr - b->addr;
+  };
+  Block* b = head_;
+  uintptr_t best = distance(b);
+  for (Block* candidate : near_) {
+    if (candidate != nullptr && candidate->size != 0 && distance(candidate) < best) {
+      b = candidate;
+      best = distance(candidate);
+    }
   }
-  return nullptr;
+  // Blocks tile the arena in address order.
+  while (b != nullptr && addr < b->addr) b = b->prev;
+  while (b != nullptr && addr >= b->end()) b = b->next;
+  if (b == nullptr || addr < b->addr) return nullptr;
+  near_[(addr >> 21) & ((1 << kNearBits) - 1)] = b;
+  return b;
 }
 
 std::string Arena::CheckInvariants() const {

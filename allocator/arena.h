@@ -14,6 +14,7 @@
 #define VMM_ALLOCATOR_ARENA_H_
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -119,7 +120,9 @@ class Arena {
   // Turns [addr, addr + len), which must hold only free or retired blocks, into a gap.
   void MakeGap(uintptr_t addr, size_t len);
 
-  // The block containing `addr` (linear walk: for slow paths only), or nullptr.
+  // The block containing `addr`, or nullptr. A walk of the block list from the nearest of the
+  // blocks it found before (near_), or from the first: for slow paths (exports, releases,
+  // moves), where a walk from the first block cost a send milliseconds with 100,000 blocks.
   Block* BlockContaining(uintptr_t addr) const;
 
   // Checks the arena's own invariants; returns a description of the first violation, or "".
@@ -151,6 +154,11 @@ class Arena {
   };
   absl::btree_set<Block*, ByAddr> gaps_;
   std::vector<Block*> spare_;  // recycled Block objects
+  // BlockContaining's starting points: the blocks it found, by 2 MiB region of the address
+  // asked for. Block objects live as long as the arena; a deleted one (in spare_) has size 0
+  // and is passed over, and any other is in the list, so a walk may start from it.
+  static constexpr int kNearBits = 6;
+  mutable std::array<Block*, 1 << kNearBits> near_{};
 };
 
 // The operations of the pool's cached path are inline.
@@ -164,6 +172,7 @@ inline Block* Arena::NewBlock() {
 
 inline void Arena::DeleteBlock(Block* block) {
   block->prev = block->next = nullptr;
+  block->size = 0;  // passed over as a starting point (near_)
   block->stream_uses.clear();
   block->pending_events = 0;
   block->requested = 0;
