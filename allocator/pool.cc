@@ -712,9 +712,23 @@ absl::Status Pool::ReleaseFreeChunks(bool any_stream, size_t target) {
   if (keep_memory_) return absl::OkStatus();
   size_t released = 0;
   for (Arena* arena : {&small_, &large_}) {
+    // The free blocks that may hold a whole chunk (of at least a granule), from the free bins
+    // rather than a walk of every block (which made each free with caching off, or over a
+    // release threshold, cost a pass over all live blocks), in address order as before.
+    std::vector<const Block*> candidates;
+    auto add = [&](const Block* b) {
+      if (b->size >= granularity_) candidates.push_back(b);
+    };
+    const FreeBlocks& free = arena->free_blocks();
+    if (any_stream) {
+      free.ForEachStream([&](Stream s) { free.ForEachAtLeast(s, granularity_, add); });
+    } else {
+      free.ForEachAtLeast(kAnyStream, granularity_, add);
+    }
+    std::sort(candidates.begin(), candidates.end(),
+              [](const Block* a, const Block* b) { return a->addr < b->addr; });
     std::vector<uintptr_t> doomed;
-    for (Block* b = arena->head(); b != nullptr; b = b->next) {
-      if (b->state != BlockState::kFree || (!any_stream && b->stream != kAnyStream)) continue;
+    for (const Block* b : candidates) {
       for (auto c = chunks_.lower_bound(b->addr);
            c != chunks_.end() && c->first + c->second.size <= b->end(); ++c) {
         doomed.push_back(c->first);
