@@ -56,13 +56,25 @@ Block* Arena::Retag(Block* block, Stream stream) {
 
 void Arena::NarrowAnyTo(Stream stream) {
   if (stream == kAnyStream) return;
+  auto free_of = [](const Block* b, Stream tag) {
+    return b != nullptr && b->state == BlockState::kFree && b->stream == tag;
+  };
+  // From the smaller side (each a miss: with many free blocks for every stream and few of
+  // `stream`'s, visiting every one of the former cost each miss a pass over them). Free blocks
+  // of one tag are never neighbours (they merge), so the kAnyStream blocks retagged are those
+  // beside a block of `stream` either way. A block merged away meanwhile (deleted: size 0, or
+  // retagged) is passed over.
+  if (free_.CountOf(stream) < free_.CountOf(kAnyStream)) {
+    for (Block* b : free_.BlocksOf(stream)) {
+      if (b->size == 0 || !free_of(b, stream)) continue;
+      if (free_of(b->next, kAnyStream)) b = Retag(b->next, stream);
+      if (free_of(b->prev, kAnyStream)) Retag(b->prev, stream);
+    }
+    return;
+  }
   for (Block* b : free_.BlocksOf(kAnyStream)) {
-    if (b->state != BlockState::kFree || b->stream != kAnyStream) continue;  // merged away
-    const bool next = b->next != nullptr && b->next->state == BlockState::kFree &&
-                      b->next->stream == stream;
-    const bool prev = b->prev != nullptr && b->prev->state == BlockState::kFree &&
-                      b->prev->stream == stream;
-    if (next || prev) Retag(b, stream);
+    if (b->size == 0 || !free_of(b, kAnyStream)) continue;
+    if (free_of(b->next, stream) || free_of(b->prev, stream)) Retag(b, stream);
   }
 }
 

@@ -79,8 +79,12 @@ class FreeBlocks {
   // statistics ask for it at every allocation while the profiler records memory.
   size_t Largest() const;
 
-  // The blocks tagged with `stream`.
+  // The blocks tagged with `stream`, and how many there are.
   std::vector<Block*> BlocksOf(Stream stream) const;
+  size_t CountOf(Stream stream) const {
+    const Bins* bins = Find(stream);
+    return bins != nullptr ? bins->count : 0;
+  }
 
   // Calls f(stream) once for each tag that has blocks.
   template <typename F>
