@@ -376,7 +376,7 @@ TEST_F(FreeBlocksTest, BlocksOfOneSize) {
 // A search compares at most kMaxWalk (256) blocks of a bin, the latest filed: refilling the
 // holes of 150,000 tiny tensors walked one bin of 75,000 blocks per request before (a host
 // replay spent 95 µs a request in it). Among blocks of one size it picks the lowest address
-// of those 256; in a shared bin where none of them fits, the rest of the bin is walked before
+// of those 256; in a shared bin where none of them fits, up to 4,096 more are looked at before
 // a larger bin's block is taken.
 TEST_F(FreeBlocksTest, ASearchComparesTheLatestFiledBlocksOfABinOnly) {
   std::vector<Block*> holes;
@@ -391,6 +391,9 @@ TEST_F(FreeBlocksTest, ASearchComparesTheLatestFiledBlocksOfABinOnly) {
   for (int i = 0; i < 300; ++i) Add(64 * kKiB, kT);
   Add(1 * kGiB, kT);
   EXPECT_EQ(set_.BestFit(kT, 65 * kKiB), fits) << "a close fit past the walk lost to 1 GiB";
+  // Past both walks (256 + 4,096 blocks too small filed after it), the larger bin serves.
+  for (int i = 0; i < 4100; ++i) Add(64 * kKiB, kT);
+  EXPECT_EQ(set_.BestFit(kT, 65 * kKiB)->size, 1 * kGiB);
 }
 
 // Sizes in bytes where a new bin starts: every 512 bytes below 32 KiB, then 32 bins per power
