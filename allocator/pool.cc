@@ -814,7 +814,7 @@ void Pool::HoldSpaceForItsStreams(uintptr_t addr, uintptr_t end, Stream exporter
         if (b->addr < c->first) b = arena.Split(b, c->first);
         if (b->end() > chunk_end) arena.Split(b, chunk_end);
         arena.Hold(b);
-        CountPending(b, +1);
+        CountHeld(b);
       }
       // An event on its own stream, recorded once the capture is over (stream_reclaim.h), or
       // a fence for a foreign stream, which the next synchronisation of the devices

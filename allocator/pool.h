@@ -469,11 +469,20 @@ class Pool {
     int64_t blocks_at_reset = 0;
     int64_t active_bytes_peak = 0;
     int64_t active_peak = 0;
+    // Free space made pending without being allocated (HoldSpaceForItsStreams), cumulative:
+    // active rises by it as if allocated, so it counts as allocated and later freed there.
+    int64_t held_bytes = 0;
+    int64_t held_blocks = 0;
+    int64_t held_bytes_at_reset = 0;
+    int64_t held_blocks_at_reset = 0;
   };
   // The arena `addr` lies in (stats_.arena and arena_pending_ are indexed by it).
   ArenaKind ArenaKindOf(uintptr_t addr) const { return ArenaKindAt(addr, large_base_); }
   // `block` enters (+1) or leaves (-1) kPendingFree.
   void CountPending(const Block* block, int sign) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `block`, free space, enters kPendingFree without being allocated (CountPending, and the
+  // active statistics' allocated and peak).
+  void CountHeld(const Block* block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After an allocation while blocks are pending: active may have reached a new high.
   void NoteActivePeak() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

@@ -11,15 +11,16 @@ namespace vmm {
 
 namespace {
 
-// Active = allocated + freed blocks still used by streams (pending). It rises only when a
-// block is allocated, so its peak is allocated's peak or one recorded while blocks were
-// pending (NoteActivePeak); it falls when a block is freed unused or leaves pending.
+// Active = allocated + freed blocks still used by streams (pending). It rises when a block is
+// allocated, or when free space is held for its stream (`held`, since the last reset: counted
+// as allocated), so its peak is allocated's peak or one recorded while blocks were pending
+// (NoteActivePeak); it falls when a block is freed unused or leaves pending.
 void DeriveActive(const Stat& allocated, int64_t pending, int64_t pending_at_reset,
-                  int64_t pending_peak, Stat& active) {
+                  int64_t held, int64_t pending_peak, Stat& active) {
   active.current = allocated.current + pending;
   active.peak = std::max(allocated.peak, pending_peak);
-  active.allocated = allocated.allocated;
-  active.freed = allocated.freed - (pending - pending_at_reset);
+  active.allocated = allocated.allocated + held;
+  active.freed = allocated.freed + held - (pending - pending_at_reset);
 }
 
 }  // namespace
@@ -30,6 +31,15 @@ void Pool::CountPending(const Block* block, int sign) {
     p->bytes += bytes;
     p->blocks += sign;
   }
+}
+
+void Pool::CountHeld(const Block* block) {
+  CountPending(block, +1);
+  for (Pending* p : {&pending_, &arena_pending_[ArenaKindOf(block->addr)]}) {
+    p->held_bytes += static_cast<int64_t>(block->size);
+    ++p->held_blocks;
+  }
+  NoteActivePeak();
 }
 
 void Pool::NoteActivePeak() {
@@ -46,8 +56,10 @@ void Pool::NoteActivePeak() {
 void Pool::UpdateDerivedStats(PoolStats& stats) const {
   auto derive = [](const Pending& p, const Stat& allocated_bytes, const Stat& allocation,
                    Stat& active_bytes, Stat& active) {
-    DeriveActive(allocated_bytes, p.bytes, p.bytes_at_reset, p.active_bytes_peak, active_bytes);
-    DeriveActive(allocation, p.blocks, p.blocks_at_reset, p.active_peak, active);
+    DeriveActive(allocated_bytes, p.bytes, p.bytes_at_reset,
+                 p.held_bytes - p.held_bytes_at_reset, p.active_bytes_peak, active_bytes);
+    DeriveActive(allocation, p.blocks, p.blocks_at_reset, p.held_blocks - p.held_blocks_at_reset,
+                 p.active_peak, active);
   };
   derive(pending_, stats_.allocated_bytes, stats_.allocation, stats.active_bytes, stats.active);
   // inactive_split(_bytes): cached blocks, counted by each arena's free set as they are filed
@@ -108,6 +120,8 @@ void Pool::ResetAccumulatedStats() {
   for (Pending* p : {&pending_, &arena_pending_[kSmallArena], &arena_pending_[kLargeArena]}) {
     p->bytes_at_reset = p->bytes;
     p->blocks_at_reset = p->blocks;
+    p->held_bytes_at_reset = p->held_bytes;
+    p->held_blocks_at_reset = p->held_blocks;
   }
 }
 

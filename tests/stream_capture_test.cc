@@ -350,9 +350,21 @@ TEST_F(StreamCaptureTest, AnExportDuringACaptureWindowSynchronisesNothing) {
 TEST_F(StreamCaptureTest, SpaceAnExportDuringACaptureLeftWaitsForItsStream) {
   void* a = BesideSpaceOf(*pool_, t_);
   auto gate = std::make_unique<StreamGate>(driver_.get(), t_);  // t still works in b's space
+  pool_->ResetPeakStats();
+  pool_->ResetAccumulatedStats();
   OpenCaptureWindow();
   ASSERT_OK(pool_->Export(a).status());
   CloseCaptureWindow();
+  // The held space is active (freed, still used by t), counted as allocated and freed there.
+  const PoolStats held = pool_->GetStats();
+  EXPECT_EQ(held.active_bytes.current, 8 * static_cast<int64_t>(kMiB));
+  EXPECT_EQ(held.active.current, 2);
+  EXPECT_GE(held.active_bytes.peak, held.active_bytes.current);
+  EXPECT_GE(held.active.peak, held.active.current);
+  // Since the reset (a live: 4 MiB, 1 block), as much allocated and freed as active rose by.
+  EXPECT_EQ(held.active_bytes.allocated - held.active_bytes.freed, 4 * static_cast<int64_t>(kMiB));
+  EXPECT_EQ(held.active.allocated - held.active.freed, 1);
+  EXPECT_GE(held.active_bytes.freed, 0);
   ASSERT_OK(pool_->Free(a));  // the chunk would go now, but for the space t may still use
   void* c = AllocateOrFail(*pool_, 2 * kMiB, 0);  // a miss: the pending frees are queried
   EXPECT_EQ(pool_->GetStats().reserved_bytes.current, 10 * kMiB)
