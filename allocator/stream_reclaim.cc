@@ -164,7 +164,7 @@ absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
       return complete.status();
     }
     if (!*complete) {
-      busy.push_back(p.stream);
+      if (p.event != kFence) busy.push_back(p.stream);  // a fence says nothing of its events
       pending_[kept++] = p;
       continue;
     }
