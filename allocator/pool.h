@@ -309,6 +309,8 @@ class Pool {
     const auto p = reinterpret_cast<uintptr_t>(ptr);
     return p >= base_ && p < large_base_;
   }
+  // The start of this pool's reserved range (no lock taken).
+  uintptr_t base() const { return base_; }
   // Whether `ptr` lies in this pool's reserved range (no lock taken).
   bool Contains(const void* ptr) const {
     auto p = reinterpret_cast<uintptr_t>(ptr);

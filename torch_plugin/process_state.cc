@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <utility>
 
 #include "absl/base/optimization.h"
@@ -82,6 +83,7 @@ ProcessState::~ProcessState() {
     MutexLock lock(&mu_);
     imports.swap(imports_);
     pools.swap(explicit_);
+    explicit_by_base_.clear();
     abandoned.swap(abandoned_);
   }
   imports.clear();
@@ -267,6 +269,7 @@ std::shared_ptr<ProcessState::ExplicitPool> ProcessState::Register(std::unique_p
   MutexLock lock(&mu_);
   entry->id = next_id_++;
   explicit_[entry->id] = entry;
+  explicit_by_base_[entry->pool->base()] = entry;
   return entry;
 }
 
@@ -295,6 +298,7 @@ void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
   if (entry->live.load() == 0) {
     *doomed = entry;
     explicit_.erase(entry->id);
+    explicit_by_base_.erase(entry->pool->base());
   }
 }
 
@@ -516,6 +520,7 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
       if (it->second == entry) {
         doomed = std::move(it->second);
         explicit_.erase(it);
+        explicit_by_base_.erase(entry->pool->base());
         break;
       }
     }
@@ -541,7 +546,10 @@ ProcessState::PoolRef ProcessState::Owner(const void* ptr) {
     if (pool != nullptr && pool->Contains(ptr)) return PoolRef{pool, nullptr};
   }
   MutexLock lock(&mu_);
-  for (auto& [id, e] : explicit_) {
+  // The pool whose range starts last at or below `ptr`, if its range holds it.
+  auto it = explicit_by_base_.upper_bound(reinterpret_cast<uintptr_t>(ptr));
+  if (it != explicit_by_base_.begin()) {
+    const std::shared_ptr<ExplicitPool>& e = std::prev(it)->second;
     if (e->pool->Contains(ptr)) return PoolRef{e->pool.get(), e};
   }
   for (Pool* pool : abandoned_) {
