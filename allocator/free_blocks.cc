@@ -10,11 +10,31 @@ FreeBlocks::~FreeBlocks() = default;
 std::vector<Block*> FreeBlocks::BlocksOf(Stream stream) const {
   std::vector<Block*> out;
   if (const Bins* bins = Find(stream)) {
-    for (Block* head : bins->heads) {
-      for (Block* b = head; b != nullptr; b = b->free_next) out.push_back(b);
-    }
+    out.reserve(bins->count);
+    ForEachIn(*bins, 0, [&](Block* b) { out.push_back(b); });
   }
   return out;
+}
+
+FreeBlocks::Bins& FreeBlocks::AddTag(Stream stream) {
+  if (tags_.size() >= sweep_at_) {
+    // Nothing points at an empty tag's bins (a block in the set points at its own).
+    const auto empty = [&](const std::unique_ptr<Bins>& bins) {
+      return bins->count == 0 && bins.get() != any_;
+    };
+    for (const auto& bins : tags_) {
+      if (empty(bins)) by_stream_.erase(bins->stream);
+    }
+    if (last_ != nullptr && last_->count == 0 && last_ != any_) last_ = nullptr;
+    tags_.erase(std::remove_if(tags_.begin(), tags_.end(), empty), tags_.end());
+    sweep_at_ = std::max(kMinSweep, 2 * tags_.size());
+  }
+  tags_.push_back(std::make_unique<Bins>());
+  Bins* bins = tags_.back().get();
+  bins->stream = stream;
+  by_stream_.emplace(stream, bins);
+  if (stream == kAnyStream) any_ = bins;
+  return *bins;
 }
 
 size_t FreeBlocks::Largest() const {

@@ -317,6 +317,32 @@ TEST_F(FreeBlocksTest, BlocksOfForEachStreamAndForEach) {
 // another tag; of smaller blocks only those sharing n's bin (the reclaim policy's search for
 // free blocks of a page or more, which must not walk the small ones). Randomized against a
 // reference, with sizes across classes and tags.
+// A program that makes and destroys streams leaves tags with nothing cached: they are
+// dropped as new tags come (the kept ones stay a small multiple of those in use), and a tag
+// that still holds blocks, kAnyStream's among them, is kept and searched as before.
+TEST_F(FreeBlocksTest, TagsOfStreamsWithNothingCachedAreDropped) {
+  Block* any = Add(64 * kKiB, kAnyStream);
+  Block* kept = Add(32 * kKiB, kS);
+  for (Stream s = 1000; s < 11000; ++s) {  // 10,000 short-lived streams, one block each
+    Block* b = Add(4 * kKiB, s);
+    EXPECT_EQ(set_.BestFit(s, 4 * kKiB), b);
+    set_.Remove(b);
+    EXPECT_LE(set_.tag_count(), 130u) << "at stream " << s;
+  }
+  EXPECT_EQ(set_.BestFit(kS, 16 * kKiB), kept);
+  EXPECT_EQ(set_.BestFit(kT, 16 * kKiB), any);
+  EXPECT_EQ(set_.BestFit(kAnyStream, 16 * kKiB), any);
+  EXPECT_EQ(set_.BestFit(1000, 4 * kKiB), any) << "a dropped tag's stream sees kAnyStream's";
+  EXPECT_EQ(All(), (std::set<Block*>{any, kept}));
+  std::vector<Stream> streams;
+  set_.ForEachStream([&](Stream s) { streams.push_back(s); });
+  EXPECT_EQ(streams, (std::vector<Stream>{kAnyStream, kS}));
+  // A stream whose tag was dropped files blocks again.
+  Block* again = Add(8 * kKiB, 1000);
+  EXPECT_EQ(set_.BestFit(1000, 4 * kKiB), again);
+  EXPECT_EQ(set_.BlocksOf(1000), (std::vector<Block*>{again}));
+}
+
 TEST_F(FreeBlocksTest, ForEachAtLeastVisitsTheLargeBlocksOfATag) {
   std::mt19937_64 rng(17);
   const Stream tags[] = {kS, kT, kAnyStream};
