@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "absl/container/inlined_vector.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/capture_window.h"
 #include "allocator/log.h"
@@ -59,15 +59,13 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
       // synchronisation completes.
       all = false;
       ++fences_;
-      pending_.push_back(Pending{kFence, block, s});
-      ++block->pending_events;
+      AddPending(Pending{kFence, block, s});
       continue;
     }
     if (Capturing(s, stats)) {
       // An event recorded there would join the graph, and synchronising the stream would end
       // the capture: recorded once the capture is over (ProcessPending).
-      pending_.push_back(Pending{kDeferred, block, s});
-      ++block->pending_events;
+      AddPending(Pending{kDeferred, block, s});
       continue;
     }
     absl::StatusOr<Event> event = GetEvent();
@@ -88,89 +86,110 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
       all = false;
       ++fences_;
     }
-    pending_.push_back(Pending{recorded.ok() ? *event : kFence, block, s});
-    ++block->pending_events;
+    AddPending(Pending{recorded.ok() ? *event : kFence, block, s});
   }
   return all;
 }
 
+void StreamReclaim::AddPending(Pending p) {
+  ++pending_count_;
+  ++p.block->pending_events;
+  if (p.event == kFence || p.event == kDeferred) {
+    waiting_.push_back(p);
+  } else {
+    queued_[p.stream].push_back(p);
+  }
+}
+
 absl::Status StreamReclaim::ProcessPending(absl::FunctionRef<void(Block*)> done,
                                            PoolStats& stats, bool device_synced) {
+  // While a graph is captured, querying an event invalidates it (capture_window.h); the
+  // queries below hold a window from opening until they are done.
+  const WorkOutsideCapture querying(!device_synced);
+  if (!device_synced && !querying.entered()) return absl::OkStatus();
+  // Blocks whose last event completed, handed back once the lists are settled.
+  std::vector<Block*> ready;
+  absl::Status status = CollectDone(stats, device_synced, ready);
+  for (Block* block : ready) done(block);
+  return status;
+}
+
+absl::Status StreamReclaim::CollectDone(PoolStats& stats, bool device_synced,
+                                        std::vector<Block*>& ready) {
   auto finish = [&](const Pending& p) {
+    --pending_count_;
     if (p.event == kFence) {
       --fences_;
     } else if (p.event != kDeferred) {
       spare_events_.push_back(p.event);
     }
-    if (--p.block->pending_events == 0) done(p.block);
+    if (--p.block->pending_events == 0) ready.push_back(p.block);
   };
-  // While a graph is captured, querying an event invalidates it (capture_window.h); the
-  // queries below hold a window from opening until they are done.
-  const WorkOutsideCapture querying(!device_synced);
-  if (!device_synced && !querying.entered()) return absl::OkStatus();
-  // Streams with an event not done yet in this pass: events complete in the order they were
-  // recorded on a stream, and entries are kept in that order (but for deferred ones, recorded
-  // in the pass: skipping those is only late), so a later entry of such a stream is not
-  // queried. With thousands of frees pending on a stream that runs behind (record_stream on a
-  // communication stream), each allocation queried every one of them.
-  absl::InlinedVector<Stream, 4> busy;
-  auto is_busy = [&](Stream s) { return std::find(busy.begin(), busy.end(), s) != busy.end(); };
+  // Fences, and frees deferred while their stream captured a graph.
   size_t kept = 0;
-  for (size_t i = 0; i < pending_.size(); ++i) {
-    Pending p = pending_[i];
-    if (!device_synced && p.event != kDeferred && p.event != kFence && is_busy(p.stream)) {
-      pending_[kept++] = p;
+  for (size_t i = 0; i < waiting_.size(); ++i) {
+    Pending p = waiting_[i];
+    if (p.event == kFence || Capturing(p.stream, stats)) {
+      // A fence completes only with a device synchronisation; a stream still capturing has
+      // nothing to wait for yet.
+      if (device_synced && p.event == kFence) {
+        finish(p);
+      } else {
+        waiting_[kept++] = p;
+      }
       continue;
     }
-    if (p.event == kDeferred) {
-      // Freed while its stream captured a graph. Still capturing: nothing to wait for yet.
-      // Done: a device synchronisation since covers its work, else its event is recorded now.
-      if (Capturing(p.stream, stats)) {
-        pending_[kept++] = p;
+    // kDeferred, its stream done capturing: a device synchronisation since covers its work,
+    // else its event is recorded now and queried with the stream's others.
+    if (device_synced) {
+      finish(p);
+      continue;
+    }
+    p.event = RecordDeferred(p.stream, stats);
+    if (p.event == kDeferred) {  // the stream was synchronised instead
+      finish(p);
+    } else if (p.event == kFence) {
+      waiting_[kept++] = p;
+    } else {
+      queued_[p.stream].push_back(p);  // recorded after every event queued there
+    }
+  }
+  waiting_.resize(kept);
+  // Each stream's events, oldest first, up to the first not done: events on a stream
+  // complete in the order they were recorded, so the rest are not queried. With thousands of
+  // frees pending on a stream that runs behind (record_stream on a communication stream),
+  // a pass over all of them cost each allocation 23 µs with 10,000.
+  for (auto it = queued_.begin(); it != queued_.end();) {
+    std::deque<Pending>& queue = it->second;
+    while (!queue.empty()) {
+      const Pending p = queue.front();
+      absl::StatusOr<bool> complete = device_synced;
+      if (!device_synced) {
+        ++stats.driver_event;
+        complete = driver_->EventDone(p.event);
+      }
+      if (!complete.ok() && absl::IsUnavailable(complete.status())) {
+        // Recorded in a stream that was capturing a graph (it began capturing after the
+        // check): the event belongs to the graph now, and is left to it (destroyed at
+        // teardown); recorded anew later.
+        LogWarningOnce("pending-capture", complete.status().message());
+        captured_events_.push_back(p.event);
+        queue.pop_front();
+        waiting_.push_back(Pending{kDeferred, p.block, p.stream});
         continue;
       }
-      if (!device_synced) {
-        p.event = RecordDeferred(p.stream, stats);
-        if (p.event == kDeferred) {  // the stream was synchronised instead
-          finish(p);
-          continue;
-        }
-        if (p.event == kFence) {
-          pending_[kept++] = p;
-          continue;
-        }
-      }
+      // On a failed query every entry not yet done stays pending, this one included.
+      VMM_RETURN_IF_ERROR(complete.status());
+      if (!*complete) break;
+      queue.pop_front();
+      finish(p);
     }
-    absl::StatusOr<bool> complete = device_synced;
-    if (!device_synced && p.event != kFence) {
-      ++stats.driver_event;
-      complete = driver_->EventDone(p.event);
+    if (queue.empty()) {
+      it = queued_.erase(it);
+    } else {
+      ++it;
     }
-    if (!complete.ok() && absl::IsUnavailable(complete.status())) {
-      // Recorded in a stream that was capturing a graph (it began capturing after the
-      // check): the event belongs to the graph now, and is left to it (destroyed at teardown);
-      // recorded anew later.
-      LogWarningOnce("pending-capture", complete.status().message());
-      captured_events_.push_back(p.event);
-      pending_[kept++] = Pending{kDeferred, p.block, p.stream};
-      continue;
-    }
-    if (!complete.ok()) {
-      // Keep the list whole: the entries not yet visited stay pending (this one as it was
-      // updated).
-      pending_[kept++] = p;
-      for (size_t j = i + 1; j < pending_.size(); ++j) pending_[kept++] = pending_[j];
-      pending_.resize(kept);
-      return complete.status();
-    }
-    if (!*complete) {
-      if (p.event != kFence) busy.push_back(p.stream);  // a fence says nothing of its events
-      pending_[kept++] = p;
-      continue;
-    }
-    finish(p);
   }
-  pending_.resize(kept);
   return absl::OkStatus();
 }
 
@@ -186,10 +205,12 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
   // tagged, as PyTorch's allocator keeps every stream's, until a synchronisation of the
   // device retags them (RetagAll: the retry before out of memory, EmptyCache).
   std::vector<Stream> streams;
+  absl::flat_hash_set<Stream> cached;  // every stream with cached blocks, the requester's too
   for (const Arena* arena : arenas) {
     arena->free_blocks().ForEachStream([&](Stream s) {
+      if (!cached.insert(s).second) return;
       if (s != kAnyStream && StreamHandle(s) != StreamHandle(requester) &&
-          !IsForeignStream(s) && std::find(streams.begin(), streams.end(), s) == streams.end()) {
+          !IsForeignStream(s)) {
         streams.push_back(s);
       }
     });
@@ -243,9 +264,8 @@ absl::StatusOr<bool> StreamReclaim::Reclaim(absl::Span<Arena* const> arenas, Str
   }
   // Forget streams with nothing cached (they may be long gone), keeping their events.
   for (auto it = streams_.begin(); it != streams_.end();) {
-    const bool cached = it->first == requester ||
-                        std::find(streams.begin(), streams.end(), it->first) != streams.end();
-    if (!cached && !it->second.in_flight) {
+    const bool keep = it->first == requester || cached.contains(it->first);
+    if (!keep && !it->second.in_flight) {
       if (it->second.event != 0) spare_events_.push_back(it->second.event);
       streams_.erase(it++);
     } else {
@@ -273,10 +293,12 @@ void StreamReclaim::RetagAll(absl::Span<Arena* const> arenas) {
 }
 
 void StreamReclaim::DestroyEvents() {
-  for (const Pending& p : pending_) {
-    if (p.event != kFence && p.event != kDeferred) spare_events_.push_back(p.event);
+  for (auto& [stream, queue] : queued_) {
+    for (const Pending& p : queue) spare_events_.push_back(p.event);
   }
-  pending_.clear();
+  queued_.clear();
+  waiting_.clear();
+  pending_count_ = 0;
   fences_ = 0;
   for (auto& [stream, r] : streams_) {
     if (r.event != 0) spare_events_.push_back(r.event);

@@ -10,9 +10,9 @@
 //     stream is synchronised at once; where that fails too (a stream gone or broken), the
 //     block waits on a fence instead, which only a synchronisation of the devices completes
 //     (ProcessPending with `device_synced`): the block is never handed back before that
-//     stream's work is done. A pass queries a stream's events oldest first and stops at the
-//     first not done (events on a stream complete in order), so many frees waiting for one
-//     stream that runs behind cost one query a pass.
+//     stream's work is done. Entries are kept per stream; a pass queries a stream's events oldest
+//     first and stops at the first not done (events on a stream complete in order), so many
+//     frees waiting for one stream that runs behind cost one query a pass and no walk of them.
 //   - Reclaiming other streams' cached blocks. A cached block is tagged with the stream that
 //     freed it; another stream may take it only after that stream's work queued before the
 //     free has completed. Reclaim records one event per such stream and, once it completes,
@@ -41,8 +41,10 @@
 #define VMM_ALLOCATOR_STREAM_RECLAIM_H_
 
 #include <cstdint>
+#include <deque>
 #include <vector>
 
+#include "absl/container/btree_map.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -67,11 +69,11 @@ class StreamReclaim {
   // block then waits on a fence for it, and the caller should synchronise the devices and
   // call ProcessPending(.., true).
   bool RecordUses(Block* block, absl::Span<const Stream> streams, PoolStats& stats);
-  bool has_pending() const { return !pending_.empty(); }
+  bool has_pending() const { return pending_count_ > 0; }
   // Fences among the pending entries: only a synchronisation of the devices completes them.
   size_t fences() const { return fences_; }
   // Events and fences still due, summed over pending blocks (for invariant checks).
-  size_t pending_events() const { return pending_.size(); }
+  size_t pending_events() const { return pending_count_; }
   // Queries the pending events; calls `done(block)` for each block whose last event (or
   // fence) completed. `device_synced`: the device was synchronised since every entry was
   // recorded, so all are complete (no query made; fences complete only so). On a failed
@@ -119,7 +121,15 @@ class StreamReclaim {
 
   Driver* driver_ = nullptr;
   int device_ = 0;
-  std::vector<Pending> pending_;
+  // Files a pending entry (counted in its block's pending_events).
+  void AddPending(Pending p);
+  // ProcessPending's pass: the blocks whose last entry completed go to `ready`.
+  absl::Status CollectDone(PoolStats& stats, bool device_synced, std::vector<Block*>& ready);
+  // Pending entries with an event, per stream in the order recorded (ordered by stream, so a
+  // pass hands blocks back in the same order each run); fences and deferred entries apart.
+  absl::btree_map<Stream, std::deque<Pending>> queued_;
+  std::vector<Pending> waiting_;
+  size_t pending_count_ = 0;
   size_t fences_ = 0;
   absl::flat_hash_map<Stream, StreamState> streams_;
   std::vector<Event> spare_events_;

@@ -317,6 +317,40 @@ TEST_F(StreamCaptureTest, FreesPendingOnAStreamRunningBehindQueryItsOldestEventO
   EXPECT_EQ(pool_->GetStats().active_bytes.current, 0);
 }
 
+// Frees pending on two streams come back as each stream finishes, whichever was used first:
+// the pending entries are kept per stream, and a stream running behind holds back only its
+// own.
+TEST_F(StreamCaptureTest, FreesPendingOnTwoStreamsComeBackAsEachStreamFinishes) {
+  ASSERT_OK_AND_ASSIGN(Stream u, driver_->CreateStream(0));
+  auto gate_t = std::make_unique<StreamGate>(driver_.get(), t_);
+  auto gate_u = std::make_unique<StreamGate>(driver_.get(), u);
+  std::vector<void*> on_t, on_u;
+  for (int i = 0; i < 3; ++i) {
+    on_t.push_back(AllocateOrFail(*pool_, kMiB, s_));
+    on_u.push_back(AllocateOrFail(*pool_, 2 * kMiB, s_));
+  }
+  for (int i = 0; i < 3; ++i) {  // interleaved: t's, u's, t's, ...
+    ASSERT_OK(pool_->RecordStream(on_t[i], t_));
+    ASSERT_OK(pool_->Free(on_t[i]));
+    ASSERT_OK(pool_->RecordStream(on_u[i], u));
+    ASSERT_OK(pool_->Free(on_u[i]));
+  }
+  EXPECT_EQ(pool_->GetStats().active_bytes.current, 9 * static_cast<int64_t>(kMiB));
+  gate_u->Release();  // u finishes first, though t's frees came first
+  ASSERT_OK(driver_->SynchronizeStream(u));
+  void* x = AllocateOrFail(*pool_, kMiB, s_);  // processes the pending frees
+  EXPECT_EQ(pool_->GetStats().active_bytes.current, 4 * static_cast<int64_t>(kMiB))
+      << "u's frees were held back by t's, or t's came back early";
+  gate_t->Release();
+  ASSERT_OK(driver_->SynchronizeStream(t_));
+  void* y = AllocateOrFail(*pool_, kMiB, s_);  // t's come back too
+  ASSERT_OK(pool_->Free(x));
+  ASSERT_OK(pool_->Free(y));
+  EXPECT_EQ(pool_->GetStats().active_bytes.current, 0);
+  EXPECT_OK(pool_->CheckInvariants());
+  EXPECT_OK(driver_->DestroyStream(u));
+}
+
 // Puts a block of stream 0 (whose events the host backend completes at once) and one of t
 // side by side in one 8 MiB chunk and frees t's: the chunk holds free space tagged t beside
 // the live block of stream 0, which is returned.
