@@ -393,17 +393,17 @@ absl::Status Pool::ApplyReleaseThreshold() {
   if (keep_memory_) return absl::OkStatus();  // it would release nothing
   // Spare chunks are cached memory too (counted as retired), and go first.
   int64_t cached = stats_.reserved_bytes.current - stats_.allocated_bytes.current -
-                   pending_.bytes - retired_bytes_ + static_cast<int64_t>(spare_bytes_);
+                   pending_.bytes - retired_bytes_ + static_cast<int64_t>(spare_.bytes());
   if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
   // Its event queries would invalidate a capture under way (capture_window.h), and its unmaps
   // are kept out of captures too; a later free trims. A
   // window that opens meanwhile waits for the trim.
   const WorkOutsideCapture trimming(/*wanted=*/true);
   if (!trimming.entered()) return absl::OkStatus();
-  const size_t spare_before = spare_bytes_;
+  const size_t spare_before = spare_.bytes();
   VMM_RETURN_IF_ERROR(
       ReleaseSpareChunks(static_cast<size_t>(cached) - options_.release_threshold));
-  cached -= static_cast<int64_t>(spare_before - spare_bytes_);
+  cached -= static_cast<int64_t>(spare_before - spare_.bytes());
   if (cached <= static_cast<int64_t>(options_.release_threshold)) return absl::OkStatus();
   VMM_RETURN_IF_ERROR(ReclaimOtherStreams());
   return ReleaseFreeChunks(/*any_stream=*/false,
@@ -861,10 +861,9 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
       doomed.push_back(c->first);
     } else if (reopenable) {  // NoReceiverLeft, by the branches above
       UnmarkChunk(c);
-    } else if (chunk.size <= options_.spare_export_bytes - spare_bytes_) {
+    } else if (chunk.size <= options_.spare_export_bytes - spare_.bytes()) {
       chunk.spare = true;
-      spare_.push_back(c->first);
-      spare_bytes_ += chunk.size;
+      spare_.Add(c->first, chunk.size);
       // A fresh id at once: from now on no descriptor of its sends fetches it (fds re-keyed),
       // so nobody can map it between now and its reuse.
       const uint64_t old_id = chunk.id;
@@ -881,24 +880,15 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
 
 Block* Pool::TakeSpareChunk(size_t n, size_t max_slack, Stream stream, bool for_send) {
   // The smallest spare chunk that fits (of equals, the newest).
-  size_t best = spare_.size();
-  size_t best_size = SIZE_MAX;
-  for (size_t i = spare_.size(); i-- > 0;) {
-    auto c = chunks_.find(spare_[i]);
-    if (c == chunks_.end() || c->second.size < n || c->second.size - n > max_slack) continue;
-    if (c->second.size < best_size) {
-      best = i;
-      best_size = c->second.size;
-    }
-  }
-  if (best == spare_.size()) return nullptr;
-  auto c = chunks_.find(spare_[best]);
-  const uintptr_t addr = c->first;
+  const uintptr_t addr = spare_.TakeFit(n, max_slack);
+  if (addr == 0) return nullptr;
+  auto c = chunks_.find(addr);
   Chunk& chunk = c->second;
   Block* block = ArenaOf(addr).Reopen(addr, addr + chunk.size, stream);
-  if (block == nullptr) return nullptr;  // cannot happen: a spare chunk stays wholly retired
-  spare_.erase(spare_.begin() + static_cast<std::ptrdiff_t>(best));
-  spare_bytes_ -= chunk.size;
+  if (block == nullptr) {  // cannot happen: a spare chunk stays wholly retired
+    spare_.Add(addr, chunk.size);
+    return nullptr;
+  }
   retired_bytes_ -= static_cast<int64_t>(chunk.size);
   chunk.spare = false;  // renumbered when it became spare
   // For a send it holds the shareable block alone, as a chunk AllocateShareable makes does:
@@ -924,16 +914,12 @@ absl::Status Pool::ReleaseKeptExports() {
 
 absl::Status Pool::ReleaseSpareChunks(size_t target) {
   // The oldest first, until `target` bytes went.
-  size_t taken = 0;
-  size_t bytes = 0;
-  while (taken < spare_.size() && bytes < target) {
-    auto c = chunks_.find(spare_[taken++]);
-    if (c != chunks_.end()) bytes += c->second.size;
+  std::vector<uintptr_t> spare;
+  for (size_t bytes = 0; !spare_.empty() && bytes < target;) {
+    const auto [addr, size] = spare_.TakeOldest();
+    spare.push_back(addr);
+    bytes += size;
   }
-  const auto first_kept = spare_.begin() + static_cast<std::ptrdiff_t>(taken);
-  std::vector<uintptr_t> spare(spare_.begin(), first_kept);
-  spare_.erase(spare_.begin(), first_kept);
-  spare_bytes_ -= std::min(spare_bytes_, bytes);
   absl::Status first;
   for (uintptr_t addr : spare) {
     auto c = chunks_.find(addr);

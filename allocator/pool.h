@@ -148,6 +148,7 @@
 #include "allocator/mutex.h"
 #include "allocator/pool_options.h"
 #include "allocator/reclaim_policy.h"
+#include "allocator/spare_chunks.h"
 #include "allocator/stats.h"
 #include "allocator/stream_reclaim.h"
 
@@ -518,8 +519,7 @@ class Pool {
   // Bytes of retired blocks (free space inside exported chunks).
   int64_t retired_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Spare chunks (exported, wholly retired, no importer left) by address, and their bytes.
-  std::vector<uintptr_t> spare_ ABSL_GUARDED_BY(mu_);
-  size_t spare_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  SpareChunks spare_ ABSL_GUARDED_BY(mu_);
   size_t memory_limit_ ABSL_GUARDED_BY(mu_) = 0;
   std::shared_ptr<DeviceCap> device_cap_ ABSL_GUARDED_BY(mu_);  // ShareDeviceCap's
   // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it

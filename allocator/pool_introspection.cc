@@ -291,7 +291,7 @@ absl::Status Pool::CheckInvariants() const {
       if (!chunk.exported || chunk.untracked || chunk.importers != 0 || addr < large_base_) {
         return fail("spare chunk ", absl::Hex(addr), " is not a reusable export");
       }
-      if (std::find(spare_.begin(), spare_.end(), addr) == spare_.end()) {
+      if (!spare_.Contains(addr)) {
         return fail("spare chunk ", absl::Hex(addr), " missing from the spare list");
       }
       const Block* b = large_.BlockContaining(addr);
@@ -302,8 +302,8 @@ absl::Status Pool::CheckInvariants() const {
       ++spare_count;
     }
   }
-  if (spare_count != spare_.size()) return fail("spare list");
-  if (spare != spare_bytes_) return fail("spare bytes");
+  if (spare_count != spare_.count()) return fail("spare list");
+  if (spare != spare_.bytes()) return fail("spare bytes");
   if (live != static_cast<int64_t>(small_.live().count() + large_.live().count())) {
     return fail("the live-block index has extras");
   }
