@@ -59,8 +59,7 @@ ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
     return *shares || owner.pool->InSmallArena(ptr) ? SendKind::kRelocate : SendKind::kInPlace;
   }
   MutexLock lock(&mu_);
-  return imports_by_ptr_.count(reinterpret_cast<DevPtr>(ptr)) != 0 ? SendKind::kImport
-                                                                    : SendKind::kNotVmm;
+  return ImportAtLocked(ptr) != 0 ? SendKind::kImport : SendKind::kNotVmm;
 }
 
 ProcessState::SendKind ProcessState::PrepareSend(const void* ptr) {
@@ -106,10 +105,9 @@ absl::StatusOr<void*> ProcessState::AllocateBeside(const void* ptr, size_t size,
 
 int64_t ProcessState::RetainImportAt(const void* ptr) {
   MutexLock lock(&mu_);
-  auto at = imports_by_ptr_.find(reinterpret_cast<DevPtr>(ptr));
-  if (at == imports_by_ptr_.end()) return 0;
-  ++imports_.at(at->second).refs;
-  return at->second;
+  const int64_t id = ImportAtLocked(ptr);
+  if (id != 0) ++imports_.at(id).refs;
+  return id;
 }
 
 absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iterator>
+#include <limits>
 #include <utility>
 
 #include "absl/base/optimization.h"
@@ -657,13 +658,7 @@ absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
     it->second.refs += delta;
     if (it->second.refs > 0) return absl::OkStatus();
     doomed = std::move(it->second.buffer);
-    auto [first, last] = imports_by_ptr_.equal_range(doomed->ptr());
-    for (auto at = first; at != last; ++at) {
-      if (at->second == id) {
-        imports_by_ptr_.erase(at);
-        break;
-      }
-    }
+    imports_by_ptr_.erase({doomed->ptr(), id});
     imports_.erase(it);
   }
   // Closing synchronizes the devices and unmaps: for a small import on the closing thread,
@@ -681,6 +676,12 @@ absl::Status ProcessState::AddImportRef(int64_t id, int delta) {
   }
   CloseLater(std::move(doomed));
   return absl::OkStatus();
+}
+
+int64_t ProcessState::ImportAtLocked(const void* ptr) const {
+  const DevPtr at = reinterpret_cast<DevPtr>(ptr);
+  auto it = imports_by_ptr_.lower_bound({at, std::numeric_limits<int64_t>::min()});
+  return it != imports_by_ptr_.end() && it->first == at ? it->second : 0;
 }
 
 size_t ProcessState::import_count() {
