@@ -3,7 +3,9 @@
 // Blocks are kept per stream tag in segregated size bins (two-level, as in TLSF): sizes are
 // multiples of 512; below 32 KiB each bin holds one size, above that each power of two is cut
 // into 32 bins. Bitmaps find the next non-empty bin in constant time, and each bin is an
-// intrusive list, so inserting and removing a block take constant time and no memory. The
+// intrusive list, so inserting and removing a block take constant time and no memory (but the
+// first block of a stream not seen lately: its tag's bins, 13 KiB, made once and dropped once
+// the tag is empty and new tags come, on average constant time too). The
 // search is best fit within a bounded walk: the smallest fitting block of the request's own
 // bin, else the smallest block of the next non-empty bin (every block there is larger), ties
 // going to the lower address; where a bin lists more than kMaxWalk blocks, only the first

@@ -518,7 +518,7 @@ class Pool {
   uint64_t free_seq_ ABSL_GUARDED_BY(mu_) = 0;
   // Bytes of retired blocks (free space inside exported chunks).
   int64_t retired_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  // Spare chunks (exported, wholly retired, no importer left) by address, and their bytes.
+  // Spare chunks (exported, wholly retired, no importer left), by size and by age.
   SpareChunks spare_ ABSL_GUARDED_BY(mu_);
   size_t memory_limit_ ABSL_GUARDED_BY(mu_) = 0;
   std::shared_ptr<DeviceCap> device_cap_ ABSL_GUARDED_BY(mu_);  // ShareDeviceCap's

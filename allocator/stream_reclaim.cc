@@ -94,8 +94,10 @@ bool StreamReclaim::RecordUses(Block* block, absl::Span<const Stream> streams,
 void StreamReclaim::AddPending(Pending p) {
   ++pending_count_;
   ++p.block->pending_events;
-  if (p.event == kFence || p.event == kDeferred) {
-    waiting_.push_back(p);
+  if (p.event == kFence) {
+    fenced_.push_back(p);
+  } else if (p.event == kDeferred) {
+    deferred_[p.stream].push_back(p);
   } else {
     queued_[p.stream].push_back(p);
   }
@@ -125,36 +127,36 @@ absl::Status StreamReclaim::CollectDone(PoolStats& stats, bool device_synced,
     }
     if (--p.block->pending_events == 0) ready.push_back(p.block);
   };
-  // Fences, and frees deferred while their stream captured a graph.
-  size_t kept = 0;
-  for (size_t i = 0; i < waiting_.size(); ++i) {
-    Pending p = waiting_[i];
-    if (p.event == kFence || Capturing(p.stream, stats)) {
-      // A fence completes only with a device synchronisation; a stream still capturing has
-      // nothing to wait for yet.
-      if (device_synced && p.event == kFence) {
+  // Fences complete only with a device synchronisation.
+  if (device_synced) {
+    for (const Pending& p : fenced_) finish(p);
+    fenced_.clear();
+  }
+  // Frees deferred while their stream captured a graph: nothing to wait for while it still
+  // captures (asked once per stream); once done, a device synchronisation since covers its
+  // work, else each event is recorded now and queried with the stream's others.
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    if (Capturing(it->first, stats)) {
+      ++it;
+      continue;
+    }
+    const std::vector<Pending> entries = std::move(it->second);
+    it = deferred_.erase(it);
+    for (Pending p : entries) {
+      if (device_synced) {
         finish(p);
-      } else {
-        waiting_[kept++] = p;
+        continue;
       }
-      continue;
-    }
-    // kDeferred, its stream done capturing: a device synchronisation since covers its work,
-    // else its event is recorded now and queried with the stream's others.
-    if (device_synced) {
-      finish(p);
-      continue;
-    }
-    p.event = RecordDeferred(p.stream, stats);
-    if (p.event == kDeferred) {  // the stream was synchronised instead
-      finish(p);
-    } else if (p.event == kFence) {
-      waiting_[kept++] = p;
-    } else {
-      queued_[p.stream].push_back(p);  // recorded after every event queued there
+      p.event = RecordDeferred(p.stream, stats);
+      if (p.event == kDeferred) {  // the stream was synchronised instead
+        finish(p);
+      } else if (p.event == kFence) {
+        fenced_.push_back(p);
+      } else {
+        queued_[p.stream].push_back(p);  // recorded after every event queued there
+      }
     }
   }
-  waiting_.resize(kept);
   // Each stream's events, oldest first, up to the first not done: events on a stream
   // complete in the order they were recorded, so the rest are not queried. With thousands of
   // frees pending on a stream that runs behind (record_stream on a communication stream),
@@ -175,7 +177,7 @@ absl::Status StreamReclaim::CollectDone(PoolStats& stats, bool device_synced,
         LogWarningOnce("pending-capture", complete.status().message());
         captured_events_.push_back(p.event);
         queue.pop_front();
-        waiting_.push_back(Pending{kDeferred, p.block, p.stream});
+        deferred_[p.stream].push_back(Pending{kDeferred, p.block, p.stream});
         continue;
       }
       // On a failed query every entry not yet done stays pending, this one included.
@@ -297,7 +299,8 @@ void StreamReclaim::DestroyEvents() {
     for (const Pending& p : queue) spare_events_.push_back(p.event);
   }
   queued_.clear();
-  waiting_.clear();
+  deferred_.clear();
+  fenced_.clear();
   pending_count_ = 0;
   fences_ = 0;
   for (auto& [stream, r] : streams_) {

@@ -126,9 +126,13 @@ class StreamReclaim {
   // ProcessPending's pass: the blocks whose last entry completed go to `ready`.
   absl::Status CollectDone(PoolStats& stats, bool device_synced, std::vector<Block*>& ready);
   // Pending entries with an event, per stream in the order recorded (ordered by stream, so a
-  // pass hands blocks back in the same order each run); fences and deferred entries apart.
+  // pass hands blocks back in the same order each run).
   absl::btree_map<Stream, std::deque<Pending>> queued_;
-  std::vector<Pending> waiting_;
+  // Entries deferred while their stream captured a graph, per stream: a pass asks once per
+  // stream whether it still captures, not once per entry.
+  absl::btree_map<Stream, std::vector<Pending>> deferred_;
+  // Fences: only a pass with `device_synced` looks at them.
+  std::vector<Pending> fenced_;
   size_t pending_count_ = 0;
   size_t fences_ = 0;
   absl::flat_hash_map<Stream, StreamState> streams_;

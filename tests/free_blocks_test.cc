@@ -313,10 +313,6 @@ TEST_F(FreeBlocksTest, BlocksOfForEachStreamAndForEach) {
   EXPECT_EQ(set_.BestFit(kT, 512), t2);
 }
 
-// ForEachAtLeast(stream, n): every block of the tag of at least n bytes, once; no block of
-// another tag; of smaller blocks only those sharing n's bin (the reclaim policy's search for
-// free blocks of a page or more, which must not walk the small ones). Randomized against a
-// reference, with sizes across classes and tags.
 // A program that makes and destroys streams leaves tags with nothing cached: they are
 // dropped as new tags come (the kept ones stay a small multiple of those in use), and a tag
 // that still holds blocks, kAnyStream's among them, is kept and searched as before.
@@ -343,6 +339,10 @@ TEST_F(FreeBlocksTest, TagsOfStreamsWithNothingCachedAreDropped) {
   EXPECT_EQ(set_.BlocksOf(1000), (std::vector<Block*>{again}));
 }
 
+// ForEachAtLeast(stream, n): every block of the tag of at least n bytes, once; no block of
+// another tag; of smaller blocks only those sharing n's bin (the reclaim policy's search for
+// free blocks of a page or more, which must not walk the small ones). Randomized against a
+// reference, with sizes across classes and tags.
 TEST_F(FreeBlocksTest, ForEachAtLeastVisitsTheLargeBlocksOfATag) {
   std::mt19937_64 rng(17);
   const Stream tags[] = {kS, kT, kAnyStream};

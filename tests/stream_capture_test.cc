@@ -351,6 +351,34 @@ TEST_F(StreamCaptureTest, FreesPendingOnTwoStreamsComeBackAsEachStreamFinishes) 
   EXPECT_OK(driver_->DestroyStream(u));
 }
 
+// Frees deferred while their stream captures a graph (a capture the framework opened no
+// window for: another library's, or one whose window went stale) cost each allocation one
+// capture check of that stream, not one for each of them: with them kept in one list, every
+// pass asked the driver about the stream once per deferred free (1,000 driver calls an
+// allocation with 1,000 such frees).
+TEST_F(StreamCaptureTest, FreesDeferredOnACapturingStreamCostOneCheckAPass) {
+  constexpr int kBlocks = 1000;
+  std::vector<void*> blocks;
+  for (int i = 0; i < kBlocks; ++i) blocks.push_back(AllocateOrFail(*pool_, 4096, s_));
+  for (void* b : blocks) ASSERT_OK(pool_->RecordStream(b, t_));
+  driver_->BeginCapture(t_);
+  for (void* b : blocks) ASSERT_OK(pool_->Free(b));  // each waits for the capture to end
+  EXPECT_EQ(pool_->GetStats().active.current, kBlocks);
+  const int64_t before = pool_->GetStats().driver_event;
+  void* x = AllocateOrFail(*pool_, 4096, s_);  // not the cached path: frees are pending
+  EXPECT_LE(pool_->GetStats().driver_event - before, 4)
+      << "one capture check per deferred free, each allocation";
+  ASSERT_OK(pool_->Free(x));
+  driver_->EndCapture(t_);
+  void* y = AllocateOrFail(*pool_, 4096, s_);  // records their events on t
+  ASSERT_OK(driver_->SynchronizeStream(t_));
+  void* z = AllocateOrFail(*pool_, 4096, s_);  // finds them done
+  ASSERT_OK(pool_->Free(y));
+  ASSERT_OK(pool_->Free(z));
+  EXPECT_EQ(pool_->GetStats().active.current, 0);
+  EXPECT_EQ(driver_->touched_capturing(), 0);
+}
+
 // Puts a block of stream 0 (whose events the host backend completes at once) and one of t
 // side by side in one 8 MiB chunk and frees t's: the chunk holds free space tagged t beside
 // the live block of stream 0, which is returned.
