@@ -517,13 +517,11 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
     // An allocation may have begun between the count reaching 0 and this lock (counted under
     // it, before the pool closed): its own end destroys the pool then.
     if (!entry->closed || entry->live.load() != 0) return;
-    for (auto it = explicit_.begin(); it != explicit_.end(); ++it) {
-      if (it->second == entry) {
-        doomed = std::move(it->second);
-        explicit_.erase(it);
-        explicit_by_base_.erase(entry->pool->base());
-        break;
-      }
+    // By its id, as CloseLocked finds it (a walk of every pool per closed pool's last free).
+    if (auto it = explicit_.find(entry->id); it != explicit_.end() && it->second == entry) {
+      doomed = std::move(it->second);
+      explicit_.erase(it);
+      explicit_by_base_.erase(entry->pool->base());
     }
   }
   Retire(doomed);
