@@ -490,10 +490,8 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   request.requester = stream;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
-  const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) >
-                        stats_.allocated_bytes.peak;
   auto cost = [&](const Arena::GrowthPlan& p) {
-    return may_move ? GrowthCost(movable, p, new_high) : p.len;
+    return may_move ? GrowthCost(movable, p) : p.len;
   };
   size_t unit = paged ? plan_unit_ : granularity_;
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);

@@ -173,16 +173,15 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   return movable;
 }
 
-size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan,
-                  bool new_high) {
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan) {
   // The neighbours the plan joins keep their pages (invariant 4).
   const size_t created = plan.len - movable.Fit(plan.len, plan.gap->prev, plan.gap->next);
   // Pages moved cost driver calls, and a range away from the free neighbours leaves gaps
-  // among live blocks. When the request takes the allocated bytes to a new high, what is
-  // created now sets the peak: a plan may move up to 64 bytes elsewhere to create one fewer.
-  // Otherwise (a working set that keeps missing below its high) two: a loop that kept moving
-  // neighbours' pages away would never settle.
-  return created + (new_high ? plan.len / 64 : plan.len / 2);
+  // among live blocks: a plan may move up to 64 bytes elsewhere to create one fewer. The
+  // same below the allocated high as at a new one: a cached pool keeps what it creates, so
+  // a byte created below the high raises peak reserved as much (a half there let long runs
+  // creep, docs/DESIGN.md §2b).
+  return created + plan.len / 64;
 }
 
 }  // namespace vmm

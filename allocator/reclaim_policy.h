@@ -128,11 +128,8 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& request, const MovableMemory& 
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
 // takes the least): the bytes left to create once the movable chunks outside the plan's
-// neighbours that fit it are taken, plus a share of its length for the pages moved: a
-// sixty-fourth when the request takes the pool's allocated bytes to a new high (`new_high`:
-// what is created then sets the peak), a half otherwise.
-size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan,
-                  bool new_high);
+// neighbours that fit it are taken, plus a sixty-fourth of its length for the pages moved.
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan);
 
 }  // namespace vmm
 

@@ -262,6 +262,42 @@ TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
   for (void* p : {pages[0], pages[9], first, second}) ASSERT_OK(pool->Free(p));
 }
 
+// Below the allocated high a miss weighs moves as at a new high: it grows where pages can
+// move rather than beside a free neighbour whose own pages would then stay and leave bytes to
+// create, since the pool keeps what it creates and its peak reserved would rise for good.
+TEST_F(ReclaimTest, BelowItsHighAMissMovesPagesRatherThanCreateBesideAFreeNeighbour) {
+  auto pool = MakePool();
+  std::vector<void*> p;
+  for (int i = 0; i < 10; ++i) {
+    p.push_back(Alloc(*pool, kPage));
+    std::memset(p.back(), 0x40 + i, kPage);
+  }
+  // Pages 2 and 3 move to the end for three pages (one created): [2, 4) is a gap now.
+  for (int i : {2, 3}) ASSERT_OK(pool->Free(p[i]));
+  void* q = Alloc(*pool, 3 * kPage);
+  std::memset(q, 0x77, 3 * kPage);
+  ASSERT_EQ(pool->GetStats().num_chunk_moves, 2);
+  // The gap's neighbours go free: page 1 on its left, pages 4-6 on its right. Four pages
+  // fit neither, nor a new allocated high (11 pages were live, 7 are).
+  for (int i : {1, 4, 5, 6}) ASSERT_OK(pool->Free(p[i]));
+  const PoolStats before = pool->GetStats();
+  // Joining pages 4-6 needs one page in the gap, which their pages may not fill (they are
+  // the neighbour it joins) and which page 1 may not either (the gap's other neighbour): it
+  // would be created. At the end the four free pages move and nothing is created.
+  void* r = Alloc(*pool, 4 * kPage);
+  std::memset(r, 0xee, 4 * kPage);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_EQ(after.driver_create, before.driver_create);
+  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 4);
+  EXPECT_GT(reinterpret_cast<uintptr_t>(r), reinterpret_cast<uintptr_t>(q));
+  for (int i : {0, 7, 8, 9}) EXPECT_TRUE(Filled(p[i], kPage, 0x40 + i)) << i;
+  EXPECT_TRUE(Filled(q, 3 * kPage, 0x77));
+  EXPECT_TRUE(Filled(r, 4 * kPage, 0xee));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* x : {p[0], p[7], p[8], p[9], q, r}) ASSERT_OK(pool->Free(x));
+}
+
 // Half a page where that is whole granules (so it divides the page), else the page.
 TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
   EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB), 4 * kMiB);
@@ -273,7 +309,7 @@ TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
 }
 
 // GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
-// are taken, plus a sixty-fourth of its length at a new allocated high, a half below it.
+// are taken, plus a sixty-fourth of its length.
 TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   Block left, gap, right, elsewhere;
   gap.prev = &left;
@@ -285,13 +321,12 @@ TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   plan.gap = &gap;
   plan.len = 8 * kPage;
   // The left neighbour's 4 pages stay: 6 of the 8 can move, 2 are created.
-  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), 2 * kPage + plan.len / 64);
-  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/false), 2 * kPage + plan.len / 2);
+  EXPECT_EQ(GrowthCost(movable, plan), 2 * kPage + plan.len / 64);
   // Away from that neighbour all 10 pages may move: nothing is created.
   gap.prev = nullptr;
-  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan), plan.len / 64);
   plan.len = 12 * kPage;
-  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), 2 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan), 2 * kPage + plan.len / 64);
 }
 
 // Chunks of several pages move whole (invariant 5): a plan counts only those that fit it,
@@ -312,11 +347,11 @@ TEST(GrowthCostTest, CountsOnlyTheChunksThatFitThePlan) {
   Arena::GrowthPlan plan;
   plan.gap = &gap;
   plan.len = 3 * kPage;  // the 4-page chunk does not fit: 2 + 1 move, nothing is created
-  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan), plan.len / 64);
   movable = MovableMemory();
   movable.Add(&elsewhere, 4 * kPage, 1);
   // Only a chunk larger than the plan: all of it is created.
-  EXPECT_EQ(GrowthCost(movable, plan, /*new_high=*/true), 3 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan), 3 * kPage + plan.len / 64);
 }
 
 // Releasing free pages that lie end to end takes one Unmap for all of them (whole mappings
