@@ -716,16 +716,23 @@ absl::StatusOr<UniqueFd> HostDriver::OpenFabricTarget(const FabricFields& f) con
         "host: Import: stale handle: the exporter (pid ", f.pid,
         ") released the allocation; ", path, " ", what));
   };
-  // stat()/open() failed: ENOENT means the process or its descriptor is gone; anything else
-  // (EACCES: another user's process) means it cannot be reached from here.
+  // stat()/open() failed: ENOENT means the process or its descriptor is gone (Unavailable: the
+  // exporter has exited, as the POSIX-fd path says when its fd server is gone; NotFound: it
+  // lives but released the allocation); anything else (EACCES: another user's process) means
+  // it cannot be reached from here.
   auto unreachable = [&](absl::string_view call) {
     const int err = errno;
     const std::string why =
         absl::StrCat("(", absl::ErrnoToStatus(err, absl::StrCat(call, " ", path)).message(), ")");
     if (err == ENOENT || err == ESRCH) {
+      struct stat process;
+      if (::stat(absl::StrCat("/proc/", f.pid).c_str(), &process) != 0 && errno == ENOENT) {
+        return absl::UnavailableError(absl::StrCat(
+            "host: Import: the exporter (pid ", f.pid,
+            ") has exited, and its allocation went with it ", why));
+      }
       return absl::NotFoundError(absl::StrCat("host: Import: stale handle: the exporter (pid ",
-                                              f.pid, ") is gone or no longer holds the allocation ",
-                                              why));
+                                              f.pid, ") no longer holds the allocation ", why));
     }
     return absl::FailedPreconditionError(absl::StrCat(
         "host: Import: cannot reach the exporter's (pid ", f.pid, ") allocation ", why));

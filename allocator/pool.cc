@@ -71,8 +71,17 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
   if (options.small_size == 0 || options.small_chunk == 0 || options.max_chunk == 0) {
     return absl::InvalidArgumentError("small_size, small_chunk and max_chunk must be positive");
   }
+  // Sizes the pool rounds up to the granularity or adds up: no range or chunk of 2^48 bytes
+  // (256 TiB) or more is possible, and past 2^64 the sums would wrap.
+  for (auto [name, value] : {std::pair<const char*, size_t>{"small_chunk", options.small_chunk},
+                             {"reserve_size", options.reserve_size}}) {
+    if (value > kMaxOptionBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " ", value, " is more than ",
+                                                     kMaxOptionBytes, " bytes (256 TiB)"));
+    }
+  }
   const PoolOptions resolved = ResolveAutoSizes(options, /*exportable=*/observer != nullptr);
-  if (resolved.large_page > std::min(resolved.max_chunk, size_t{1} << 48)) {
+  if (resolved.large_page > std::min(resolved.max_chunk, kMaxOptionBytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "large_page ", resolved.large_page, " is larger than max_chunk ", resolved.max_chunk,
         ": a page is one physical chunk"));

@@ -757,4 +757,46 @@ TEST_F(CApiTest, AnotherAllocatorsSegmentsShareTheMemoryFraction) {
   ASSERT_EQ(vmm_set_memory_fraction(1.0, 0), 0);
 }
 
+// Another allocator's holds are counted in 64 bits beside the pools' bytes: a hold that no GPU
+// could have (the counts would wrap) is refused, and the count stays as it was.
+TEST_F(CApiTest, AHoldNoGpuCouldHaveIsRefused) {
+  EXPECT_EQ(vmm_device_hold(0, INT64_MAX), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(vmm_last_error()).find("more than any GPU has"), std::string::npos)
+      << vmm_last_error();
+  EXPECT_EQ(vmm_device_hold(0, -1), -1) << "nothing was counted";
+  ASSERT_EQ(vmm_device_hold(0, kMiB), 0) << vmm_last_error();
+  EXPECT_EQ(vmm_device_hold(0, INT64_MAX - 1), -1) << "the sum would wrap";
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_device_hold(0, -static_cast<int64_t>(kMiB)), 0) << vmm_last_error();
+}
+
+// Parts received from another process are hostile: a null handle among them, or more handles
+// than a descriptor can count, is an error, never an exception through the C interface.
+TEST_F(CApiTest, DescriptorFromHandlesRefusesNullHandlesAndImpossibleCounts) {
+  const uint8_t handle[64] = {};
+  const uint8_t* handles[2] = {handle, nullptr};
+  const size_t lens[2] = {64, 64};
+  const int64_t sizes[2] = {2 * kMiB, 2 * kMiB};
+  uint8_t* out = nullptr;
+  size_t len = 0;
+  EXPECT_EQ(vmm_descriptor_from_handles(VMM_HANDLE_FABRIC, handles, lens, sizes, 2, -1, nullptr,
+                                        0, &out, &len),
+            -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(vmm_last_error()).find("handle 1 is a null pointer"), std::string::npos)
+      << vmm_last_error();
+  EXPECT_EQ(vmm_descriptor_from_handles(VMM_HANDLE_FABRIC, handles, lens, sizes, SIZE_MAX, -1,
+                                        nullptr, 0, &out, &len),
+            -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(out, nullptr);
+  ASSERT_EQ(vmm_descriptor_from_handles(VMM_HANDLE_FABRIC, handles, lens, sizes, 1, -1, nullptr,
+                                        0, &out, &len),
+            0)
+      << vmm_last_error();
+  EXPECT_GT(len, 64u);
+  vmm_release_buffer(out);
+}
+
 }  // namespace

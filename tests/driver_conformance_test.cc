@@ -882,7 +882,7 @@ TEST_P(DriverConformanceTest, HostFabricHandleTamperingIsDetected) {
   const Case cases[] = {
       {"magic", 0, absl::StatusCode::kInvalidArgument, "not a host fabric handle"},
       {"version", 8, absl::StatusCode::kInvalidArgument, "version"},
-      {"pid", 14, absl::StatusCode::kNotFound, "stale"},  // no such process
+      {"pid", 14, absl::StatusCode::kUnavailable, "exited"},  // no such process
       {"fd", 17, absl::StatusCode::kNotFound, "stale"},   // no such descriptor
       {"reserved", 20, absl::StatusCode::kInvalidArgument, "malformed"},
       {"inode", 24, absl::StatusCode::kNotFound, "stale"},   // the fd names another file

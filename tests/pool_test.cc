@@ -410,6 +410,16 @@ TEST_F(PoolTest, RejectsBadOptions) {
   EXPECT_EQ(Pool::Create(driver_, bad_growth).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Pool::Create(nullptr, {}).status().code(), absl::StatusCode::kInvalidArgument);
+  // Sizes the pool rounds up to its granularity: near 2^64 they wrapped to 0 (a small_chunk
+  // of 0 taken silently, a reserve "of size 0" refused by the driver). Named, and refused.
+  for (const char* text : {"small_chunk=18446744073709551615", "small_chunk=16383T",
+                           "reserve_size=18446744073709551615", "reserve_size=257T"}) {
+    SCOPED_TRACE(text);
+    ASSERT_OK_AND_ASSIGN(PoolOptions huge, ParsePoolOptions(text));
+    const std::string name = std::string(text).substr(0, std::string(text).find('='));
+    EXPECT_THAT(Pool::Create(driver_, huge).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(name)));
+  }
 }
 
 TEST(HandleNamesTest, ParseTheNamesTheyPrint) {

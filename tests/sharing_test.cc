@@ -297,6 +297,31 @@ TEST_P(SharingTest, ImporterKeepsItsDataAfterTheExporterFreesAndExits) {
   EXPECT_EQ(importer.Wait(), 0);
 }
 
+// A descriptor of an exporter that has exited (without freeing) is Unavailable, as vmm_c.h
+// says, for both handle types: the fd server is gone, and so is the process whose fd a host
+// fabric handle names. (A CUDA fabric handle carries no process: the driver's own error.)
+TEST_P(SharingTest, ImportingFromAnExporterThatHasExitedIsUnavailable) {
+  const bool fabric = GetParam() == HandleRequest::kFabric;
+  Subprocess exporter({PeerPath(), "export", "--size=" + std::to_string(2 * kMiB), "--fill=9",
+                       fabric ? "--handle=fabric" : "--handle=posix_fd"});
+  const std::string hex = exporter.ReadLine();
+  ASSERT_FALSE(hex.empty()) << "the exporter failed";
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor d, BufferDescriptor::Decode(absl::HexStringToBytes(hex)));
+  {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> live, ImportBuffer(driver_, d));
+    EXPECT_TRUE(AllBytes(live->ptr(), 2 * kMiB, 9));
+  }
+  exporter.WriteLine("exit");
+  ASSERT_EQ(exporter.Wait(), 0);
+  absl::StatusOr<std::unique_ptr<ImportedBuffer>> gone = ImportBuffer(driver_, d);
+  ASSERT_FALSE(gone.ok());
+  if (fabric && driver_->backend() != Backend::kHost) return;
+  EXPECT_THAT(gone.status(), StatusIs(absl::StatusCode::kUnavailable)) << gone.status();
+  if (d.owner_uuid()) {
+    EXPECT_THAT(gone.status().message(), HasSubstr(*d.owner_uuid()));
+  }
+}
+
 TEST_P(SharingTest, AnImporterThatDiesLeavesTheExporterFine) {
   void* a = Filled(4 * kMiB, 11);
   auto d = ExportBuffer(*pool_, a);

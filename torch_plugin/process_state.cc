@@ -212,6 +212,16 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
         " of another allocator's on GPU ", device, ", which holds ",
         FormatBytes(static_cast<size_t>(external_held_[device]))));
   }
+  // No GPU holds 2^56 bytes: a report past that is a caller's mistake, refused before the
+  // counts (signed, beside the pools' mapped bytes in the cap) could overflow.
+  constexpr int64_t kMaxHeld = int64_t{1} << 56;
+  if (delta > 0 && delta > kMaxHeld - external_held_[device]) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "another allocator's ", FormatBytes(static_cast<size_t>(delta)), " on GPU ", device,
+        " beside the ", FormatBytes(static_cast<size_t>(external_held_[device])),
+        " it holds would pass ", FormatBytes(static_cast<size_t>(kMaxHeld)),
+        ", more than any GPU has"));
+  }
   if (delta > 0 && !cap->Allows(static_cast<size_t>(delta))) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "another allocator's ", FormatBytes(static_cast<size_t>(delta)),

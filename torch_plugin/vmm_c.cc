@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -675,9 +676,18 @@ int vmm_descriptor_from_handles(int handle_type, const uint8_t* const* handles,
     return vmm::Fail(absl::InvalidArgumentError(absl::StrCat(
         "handle type ", handle_type, " is not VMM_HANDLE_POSIX_FD (1) or VMM_HANDLE_FABRIC (2)")));
   }
+  // (The encoding counts handles in 32 bits; a larger count is refused before any copy.)
+  if (count > std::numeric_limits<uint32_t>::max()) {
+    return vmm::Fail(absl::InvalidArgumentError(absl::StrCat(
+        "vmm_descriptor_from_handles: ", count, " handles do not fit the encoding's 32-bit count")));
+  }
   std::vector<std::string> h;
   h.reserve(count);
   for (size_t i = 0; i < count; ++i) {
+    if (handles[i] == nullptr) {
+      return vmm::Fail(absl::InvalidArgumentError(
+          absl::StrCat("vmm_descriptor_from_handles: handle ", i, " is a null pointer")));
+    }
     h.emplace_back(reinterpret_cast<const char*>(handles[i]), handle_lens[i]);
   }
   std::vector<int64_t> s(sizes, sizes + count);

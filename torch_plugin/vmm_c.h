@@ -22,7 +22,8 @@
  * (auto|none|posix_fd|fabric), reserve_size, memory_limit, release_threshold, small_size,
  * small_chunk, growth_fraction, max_growth_extra, max_chunk, large_page, growth_page,
  * peer_devices, spare_export_bytes). Sizes accept K, M, G and T suffixes (powers of
- * 1024; "64MiB" and "2KB" too; small_size, large_page and growth_page also "auto"). An unknown key, a key
+ * 1024; "64MiB" and "2KB" too; small_size, large_page and growth_page also "auto"; small_chunk,
+ * reserve_size and large_page at most 256 TiB). An unknown key, a key
  * given twice or a malformed value (also "1 K" or "+5") is an error naming it.
  * Every pool of this interface grows in single chunks (large_page=0) unless told; device pools
  * (the registered allocator) also default to growth_fraction=0 (exact growth, the smallest
@@ -120,8 +121,9 @@ int vmm_set_memory_fraction(double fraction, int device);
  * of a torch.cuda.MemPool over a CUDAPluggableAllocator) against that GPU's memory fraction,
  * as PyTorch's allocator counts them: a delta > 0 that would take what the GPU's pools and
  * such segments hold past the fraction is refused (VMM_RESOURCE_EXHAUSTED) and not counted;
- * a delta < 0 gives bytes back (VMM_INVALID_ARGUMENT for more than is held). Without a
- * fraction set, nothing but that is refused. */
+ * a delta < 0 gives bytes back (VMM_INVALID_ARGUMENT for more than is held), and holds of
+ * 2^56 bytes or more on one GPU, which none has, are VMM_INVALID_ARGUMENT. Without a fraction
+ * set, nothing but those is refused. */
 int vmm_device_hold(int device, int64_t delta);
 /* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
  * says) as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused device gives
