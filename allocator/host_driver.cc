@@ -52,6 +52,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -707,6 +708,24 @@ absl::StatusOr<PhysHandle> HostDriver::ImportFabric(const FabricHandle& handle) 
   return AddAllocation(std::move(allocation));
 }
 
+namespace {
+
+// Whether process `pid` has exited: no /proc entry, or one of a zombie (exited, not yet
+// waited for by its parent) or a dead process. Its descriptors are gone either way.
+bool ProcessHasExited(uint32_t pid) {
+  std::ifstream stat_file(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  if (!stat_file || !std::getline(stat_file, line)) return true;
+  // "pid (comm) state ...": the command may hold spaces and parentheses, the state follows
+  // the last ')'.
+  const size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  const char state = line[close + 2];
+  return state == 'Z' || state == 'X' || state == 'x';
+}
+
+}  // namespace
+
 absl::StatusOr<UniqueFd> HostDriver::OpenFabricTarget(const FabricFields& f) const {
   const std::string path = absl::StrCat("/proc/", f.pid, "/fd/", f.fd);
   // The exporter's fd now names another file: it released the allocation and the number was
@@ -725,8 +744,7 @@ absl::StatusOr<UniqueFd> HostDriver::OpenFabricTarget(const FabricFields& f) con
     const std::string why =
         absl::StrCat("(", absl::ErrnoToStatus(err, absl::StrCat(call, " ", path)).message(), ")");
     if (err == ENOENT || err == ESRCH) {
-      struct stat process;
-      if (::stat(absl::StrCat("/proc/", f.pid).c_str(), &process) != 0 && errno == ENOENT) {
+      if (ProcessHasExited(f.pid)) {
         return absl::UnavailableError(absl::StrCat(
             "host: Import: the exporter (pid ", f.pid,
             ") has exited, and its allocation went with it ", why));

@@ -71,8 +71,8 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
   if (options.small_size == 0 || options.small_chunk == 0 || options.max_chunk == 0) {
     return absl::InvalidArgumentError("small_size, small_chunk and max_chunk must be positive");
   }
-  // Sizes the pool rounds up to the granularity or adds up: no range or chunk of 2^48 bytes
-  // (256 TiB) or more is possible, and past 2^64 the sums would wrap.
+  // Sizes the pool rounds up to the granularity or adds up: no range or chunk of more than
+  // 2^48 bytes (256 TiB) is possible, and past 2^64 the sums would wrap.
   for (auto [name, value] : {std::pair<const char*, size_t>{"small_chunk", options.small_chunk},
                              {"reserve_size", options.reserve_size}}) {
     if (value > kMaxOptionBytes) {
@@ -110,6 +110,11 @@ absl::Status Pool::Init() {
                        ResolveHandleType(*driver_, device, granularity_, options_.handle_type));
   options_.max_chunk = std::max(granularity_, options_.max_chunk / granularity_ * granularity_);
   options_.small_chunk = RoundUp(options_.small_chunk, granularity_);
+  // A threshold past what a signed byte count holds keeps everything, as SIZE_MAX does (the
+  // trims compare it with signed counts, where it would read as negative: release all).
+  if (options_.release_threshold > static_cast<size_t>(INT64_MAX)) {
+    options_.release_threshold = SIZE_MAX;
+  }
   options_.large_page = RoundUp(options_.large_page, granularity_);
   // Whole pages, at least one and at most what max_chunk holds; by default four pages, or one
   // for a pool made to export (pool_options.h). Nothing without pages.
@@ -499,8 +504,17 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   request.requester = stream;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
+  if (stats_.allocated_bytes.peak != peak_seen_) {
+    peak_seen_ = stats_.allocated_bytes.peak;
+    moved_since_high_ = 0;
+  }
+  const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) >
+                        stats_.allocated_bytes.peak;
+  const bool settle =
+      !new_high && moved_since_high_ / kSettleMoves >=
+                       static_cast<size_t>(std::max<int64_t>(stats_.reserved_bytes.current, 0));
   auto cost = [&](const Arena::GrowthPlan& p) {
-    return may_move ? GrowthCost(movable, p) : p.len;
+    return may_move ? GrowthCost(movable, p, settle) : p.len;
   };
   size_t unit = paged ? plan_unit_ : granularity_;
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
@@ -588,6 +602,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     }
   }
   if (plan->len > moved) ++stats_.num_device_alloc;
+  moved_since_high_ += moved;
   return arena.CommitGrowth(*plan, stream, dedicated);
 }
 

@@ -20,16 +20,17 @@ struct SizeKey {
   size_t PoolOptions::*field;
   const char* word = nullptr;
   size_t word_value = 0;
+  bool bounded = false;  // at most kMaxOptionBytes (the pool rounds it up or adds it up)
 };
 constexpr SizeKey kSizeKeys[] = {
-    {"reserve_size", &PoolOptions::reserve_size},
+    {"reserve_size", &PoolOptions::reserve_size, nullptr, 0, true},
     {"memory_limit", &PoolOptions::memory_limit},
     {"release_threshold", &PoolOptions::release_threshold},
     {"small_size", &PoolOptions::small_size, "auto", kAutoSize},
-    {"small_chunk", &PoolOptions::small_chunk},
+    {"small_chunk", &PoolOptions::small_chunk, nullptr, 0, true},
     {"max_growth_extra", &PoolOptions::max_growth_extra},
     {"max_chunk", &PoolOptions::max_chunk},
-    {"large_page", &PoolOptions::large_page, "auto", kAutoSize},
+    {"large_page", &PoolOptions::large_page, "auto", kAutoSize, true},
     {"growth_page", &PoolOptions::growth_page, "auto", kAutoSize},
     {"spare_export_bytes", &PoolOptions::spare_export_bytes, "unlimited", SIZE_MAX},
 };
@@ -83,6 +84,7 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
     }
     absl::StatusOr<uint64_t> bytes = ParseByteSize(value);
     if (!bytes.ok()) return Invalid(key, value, "a size in bytes (e.g. 512M)");
+    if (k.bounded && *bytes > kMaxOptionBytes) return Invalid(key, value, "at most 256T");
     o.*k.field = static_cast<size_t>(*bytes);
     return absl::OkStatus();
   }

@@ -41,7 +41,8 @@ struct PoolOptions {
   size_t reserve_size = 0;
   // Most physical bytes the pool may hold; 0 means no limit beyond the size of the device.
   size_t memory_limit = 0;
-  // Free bytes the pool keeps cached when it could release memory on Free; SIZE_MAX keeps all.
+  // Free bytes the pool keeps cached when it could release memory on Free; SIZE_MAX (or any
+  // value past 2^63 - 1) keeps all.
   size_t release_threshold = SIZE_MAX;
   // Requests up to this many bytes are served by the small arena. Its chunks are shared by
   // many blocks, so one block that lives on keeps a whole chunk. kAutoSize (the default):

@@ -173,15 +173,17 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   return movable;
 }
 
-size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan) {
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, bool settle) {
   // The neighbours the plan joins keep their pages (invariant 4).
   const size_t created = plan.len - movable.Fit(plan.len, plan.gap->prev, plan.gap->next);
   // Pages moved cost driver calls, and a range away from the free neighbours leaves gaps
   // among live blocks: a plan may move up to 64 bytes elsewhere to create one fewer. The
   // same below the allocated high as at a new one: a cached pool keeps what it creates, so
   // a byte created below the high raises peak reserved as much (a half there let long runs
-  // creep, docs/DESIGN.md §2b).
-  return created + plan.len / 64;
+  // creep, docs/DESIGN.md §2b). Until the pool has moved kSettleMoves times what it holds
+  // since that high: then two, so that a working set that keeps missing below its high
+  // creates what it lacks once and stops moving pages.
+  return created + (settle ? plan.len / 2 : plan.len / 64);
 }
 
 }  // namespace vmm

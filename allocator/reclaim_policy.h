@@ -128,8 +128,13 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& request, const MovableMemory& 
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
 // takes the least): the bytes left to create once the movable chunks outside the plan's
-// neighbours that fit it are taken, plus a sixty-fourth of its length for the pages moved.
-size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan);
+// neighbours that fit it are taken, plus a share of its length for the pages moved: a
+// sixty-fourth, or a half once the pool `settle`s: when a miss below the allocated high
+// comes after misses have moved kSettleMoves times what the pool holds since that high was
+// reached (a working set that keeps missing below its high would otherwise move pages at
+// every pass; creating a little instead lets it settle).
+inline constexpr size_t kSettleMoves = 4;
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, bool settle);
 
 }  // namespace vmm
 

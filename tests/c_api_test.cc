@@ -791,6 +791,13 @@ TEST_F(CApiTest, DescriptorFromHandlesRefusesNullHandlesAndImpossibleCounts) {
             -1);
   EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
   EXPECT_EQ(out, nullptr);
+  // A length past the 64 bytes of a handle would be read past it: refused before the copy.
+  const size_t long_lens[1] = {size_t{1} << 40};
+  EXPECT_EQ(vmm_descriptor_from_handles(VMM_HANDLE_FABRIC, handles, long_lens, sizes, 1, -1,
+                                        nullptr, 0, &out, &len),
+            -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(vmm_last_error()).find("not 64"), std::string::npos) << vmm_last_error();
   ASSERT_EQ(vmm_descriptor_from_handles(VMM_HANDLE_FABRIC, handles, lens, sizes, 1, -1, nullptr,
                                         0, &out, &len),
             0)

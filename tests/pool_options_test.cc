@@ -192,7 +192,12 @@ TEST(PoolOptionsTest, MalformedTextIsAnErrorNamingIt) {
                         Case{"handle_type=ipc", "option handle_type: 'ipc'"},
                         Case{"peer_devices=1:x", "option peer_devices: 'x'"},
                         Case{"peer_devices=-1", "option peer_devices: '-1'"},
-                        Case{"max_chunk=1G,max_chunk=2G", "max_chunk is given twice"}}) {
+                        Case{"max_chunk=1G,max_chunk=2G", "max_chunk is given twice"},
+                        // Sizes the pool rounds up: past 256 TiB at parse time, so that a
+                        // process-wide configuration fails where it is given.
+                        Case{"small_chunk=257T", "option small_chunk: '257T' is not at most 256T"},
+                        Case{"reserve_size=18446744073709551615", "option reserve_size"},
+                        Case{"large_page=18446744073709551615", "option large_page"}}) {
     absl::StatusOr<PoolOptions> o = ParsePoolOptions(c.text);
     EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
     EXPECT_THAT(o.status().message(), HasSubstr(c.names)) << c.text;

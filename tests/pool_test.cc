@@ -411,15 +411,33 @@ TEST_F(PoolTest, RejectsBadOptions) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Pool::Create(nullptr, {}).status().code(), absl::StatusCode::kInvalidArgument);
   // Sizes the pool rounds up to its granularity: near 2^64 they wrapped to 0 (a small_chunk
-  // of 0 taken silently, a reserve "of size 0" refused by the driver). Named, and refused.
-  for (const char* text : {"small_chunk=18446744073709551615", "small_chunk=16383T",
-                           "reserve_size=18446744073709551615", "reserve_size=257T"}) {
-    SCOPED_TRACE(text);
-    ASSERT_OK_AND_ASSIGN(PoolOptions huge, ParsePoolOptions(text));
-    const std::string name = std::string(text).substr(0, std::string(text).find('='));
-    EXPECT_THAT(Pool::Create(driver_, huge).status(),
-                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(name)));
+  // of 0 taken silently, a reserve "of size 0" refused by the driver). Named, and refused
+  // (ParsePoolOptions refuses them too; a C++ caller may set the fields).
+  for (auto [name, field] : {std::pair<const char*, size_t PoolOptions::*>{
+                                 "small_chunk", &PoolOptions::small_chunk},
+                             {"reserve_size", &PoolOptions::reserve_size}}) {
+    for (size_t value : {SIZE_MAX, (size_t{1} << 48) + 1}) {
+      SCOPED_TRACE(absl::StrCat(name, "=", value));
+      PoolOptions huge;
+      huge.*field = value;
+      EXPECT_THAT(Pool::Create(driver_, huge).status(),
+                  StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr(name)));
+    }
   }
+}
+
+// A release threshold past 2^63 - 1 keeps everything, as SIZE_MAX does: compared with signed
+// byte counts it read as negative, and every free released the whole cache.
+TEST_F(PoolTest, AHugeReleaseThresholdKeepsTheCache) {
+  PoolOptions options = SingleChunkOptions();
+  options.release_threshold = (size_t{1} << 63) + 5;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> pool, Pool::Create(driver_, options));
+  ASSERT_OK_AND_ASSIGN(void* p, pool->Allocate(4 * kMiB, 0));
+  const int64_t reserved = pool->GetStats().reserved_bytes.current;
+  ASSERT_OK(pool->Free(p));
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, reserved);
+  EXPECT_EQ(pool->options().release_threshold, SIZE_MAX);
+  EXPECT_OK(pool->CheckInvariants());
 }
 
 TEST(HandleNamesTest, ParseTheNamesTheyPrint) {

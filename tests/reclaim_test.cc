@@ -309,7 +309,7 @@ TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
 }
 
 // GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
-// are taken, plus a sixty-fourth of its length.
+// are taken, plus a sixty-fourth of its length (a half once the pool settles).
 TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   Block left, gap, right, elsewhere;
   gap.prev = &left;
@@ -321,12 +321,13 @@ TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   plan.gap = &gap;
   plan.len = 8 * kPage;
   // The left neighbour's 4 pages stay: 6 of the 8 can move, 2 are created.
-  EXPECT_EQ(GrowthCost(movable, plan), 2 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), 2 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/true), 2 * kPage + plan.len / 2);
   // Away from that neighbour all 10 pages may move: nothing is created.
   gap.prev = nullptr;
-  EXPECT_EQ(GrowthCost(movable, plan), plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), plan.len / 64);
   plan.len = 12 * kPage;
-  EXPECT_EQ(GrowthCost(movable, plan), 2 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), 2 * kPage + plan.len / 64);
 }
 
 // Chunks of several pages move whole (invariant 5): a plan counts only those that fit it,
@@ -347,11 +348,11 @@ TEST(GrowthCostTest, CountsOnlyTheChunksThatFitThePlan) {
   Arena::GrowthPlan plan;
   plan.gap = &gap;
   plan.len = 3 * kPage;  // the 4-page chunk does not fit: 2 + 1 move, nothing is created
-  EXPECT_EQ(GrowthCost(movable, plan), plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), plan.len / 64);
   movable = MovableMemory();
   movable.Add(&elsewhere, 4 * kPage, 1);
   // Only a chunk larger than the plan: all of it is created.
-  EXPECT_EQ(GrowthCost(movable, plan), 3 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), 3 * kPage + plan.len / 64);
 }
 
 // Releasing free pages that lie end to end takes one Unmap for all of them (whole mappings

@@ -118,6 +118,7 @@ class Subprocess {
   }
 
   bool started() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
 
   // The next line of the child's output without its newline; "" at the end.
   std::string ReadLine() {

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
@@ -79,14 +80,23 @@ T* FailNull(const absl::Status& status) {
 }
 int Check(const absl::Status& status) { return status.ok() ? 0 : Fail(status); }
 
+absl::Status NoMemoryFor(size_t bytes) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("no host memory for the ", bytes, " bytes of the result"));
+}
+
+// A malloc'd copy (released with vmm_release_buffer); NULL, with the error set, if the host
+// has no memory for it.
 char* CopyString(const std::string& s) {
   char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out == nullptr) return FailNull<char>(NoMemoryFor(s.size() + 1));
   std::memcpy(out, s.c_str(), s.size() + 1);
   return out;
 }
 
 int CopyBytes(const std::string& bytes, uint8_t** out, size_t* out_len) {
   *out = static_cast<uint8_t*>(std::malloc(bytes.empty() ? 1 : bytes.size()));
+  if (*out == nullptr) return Fail(NoMemoryFor(bytes.size()));
   std::memcpy(*out, bytes.data(), bytes.size());
   *out_len = bytes.size();
   return 0;
@@ -642,6 +652,10 @@ int vmm_descriptor_decode(const uint8_t* descriptor, size_t len, vmm_descriptor_
   out->offset = d->offset();
   out->handles = static_cast<uint8_t*>(std::malloc(count * VMM_HANDLE_BYTES + 1));
   out->sizes = static_cast<uint64_t*>(std::malloc(count * sizeof(uint64_t) + 1));
+  if (out->handles == nullptr || out->sizes == nullptr) {
+    vmm_descriptor_fields_release(out);
+    return vmm::Fail(vmm::NoMemoryFor(count * (VMM_HANDLE_BYTES + sizeof(uint64_t))));
+  }
   for (size_t i = 0; i < count; ++i) {
     std::memcpy(out->handles + i * VMM_HANDLE_BYTES, d->handles()[i].data(), VMM_HANDLE_BYTES);
     out->sizes[i] = d->sizes()[i];
@@ -649,6 +663,10 @@ int vmm_descriptor_decode(const uint8_t* descriptor, size_t len, vmm_descriptor_
   if (d->owner_uuid().has_value()) {
     const std::string& owner = *d->owner_uuid();
     out->owner_uuid = static_cast<char*>(std::malloc(owner.size() + 1));
+    if (out->owner_uuid == nullptr) {
+      vmm_descriptor_fields_release(out);
+      return vmm::Fail(vmm::NoMemoryFor(owner.size() + 1));
+    }
     std::memcpy(out->owner_uuid, owner.data(), owner.size());
     out->owner_uuid[owner.size()] = '\0';
     out->owner_uuid_len = owner.size();
@@ -676,27 +694,39 @@ int vmm_descriptor_from_handles(int handle_type, const uint8_t* const* handles,
     return vmm::Fail(absl::InvalidArgumentError(absl::StrCat(
         "handle type ", handle_type, " is not VMM_HANDLE_POSIX_FD (1) or VMM_HANDLE_FABRIC (2)")));
   }
-  // (The encoding counts handles in 32 bits; a larger count is refused before any copy.)
+  // (The encoding counts handles in 32 bits: more is refused before any copy.)
   if (count > std::numeric_limits<uint32_t>::max()) {
     return vmm::Fail(absl::InvalidArgumentError(absl::StrCat(
         "vmm_descriptor_from_handles: ", count, " handles do not fit the encoding's 32-bit count")));
   }
-  std::vector<std::string> h;
-  h.reserve(count);
-  for (size_t i = 0; i < count; ++i) {
-    if (handles[i] == nullptr) {
-      return vmm::Fail(absl::InvalidArgumentError(
-          absl::StrCat("vmm_descriptor_from_handles: handle ", i, " is a null pointer")));
+  // The copies below may need more host memory than there is: an error, not an exception
+  // through the C interface.
+  try {
+    std::vector<std::string> h;
+    for (size_t i = 0; i < count; ++i) {
+      if (handles[i] == nullptr) {
+        return vmm::Fail(absl::InvalidArgumentError(
+            absl::StrCat("vmm_descriptor_from_handles: handle ", i, " is a null pointer")));
+      }
+      // (Checked before the copy: a longer length would read past the caller's handle.)
+      if (handle_lens[i] != VMM_HANDLE_BYTES) {
+        return vmm::Fail(absl::InvalidArgumentError(
+            absl::StrCat("vmm_descriptor_from_handles: handle ", i, " is ", handle_lens[i],
+                         " bytes, not ", VMM_HANDLE_BYTES)));
+      }
+      h.emplace_back(reinterpret_cast<const char*>(handles[i]), handle_lens[i]);
     }
-    h.emplace_back(reinterpret_cast<const char*>(handles[i]), handle_lens[i]);
+    std::vector<int64_t> s(sizes, sizes + count);
+    absl::StatusOr<vmm::BufferDescriptor> d = vmm::BufferDescriptor::FromHandles(
+        static_cast<vmm::HandleType>(handle_type), h, s,
+        size < 0 ? std::nullopt : std::optional<int64_t>(size),
+        owner == nullptr ? std::nullopt : std::optional<std::string>(owner), offset);
+    if (!d.ok()) return vmm::Fail(d.status());
+    return vmm::CopyBytes(d->Encode(), out, out_len);
+  } catch (const std::bad_alloc&) {
+    return vmm::Fail(absl::ResourceExhaustedError(absl::StrCat(
+        "vmm_descriptor_from_handles: no host memory for ", count, " handles")));
   }
-  std::vector<int64_t> s(sizes, sizes + count);
-  absl::StatusOr<vmm::BufferDescriptor> d = vmm::BufferDescriptor::FromHandles(
-      static_cast<vmm::HandleType>(handle_type), h, s,
-      size < 0 ? std::nullopt : std::optional<int64_t>(size),
-      owner == nullptr ? std::nullopt : std::optional<std::string>(owner), offset);
-  if (!d.ok()) return vmm::Fail(d.status());
-  return vmm::CopyBytes(d->Encode(), out, out_len);
 }
 
 }  // extern "C"

@@ -122,7 +122,7 @@ int vmm_set_memory_fraction(double fraction, int device);
  * as PyTorch's allocator counts them: a delta > 0 that would take what the GPU's pools and
  * such segments hold past the fraction is refused (VMM_RESOURCE_EXHAUSTED) and not counted;
  * a delta < 0 gives bytes back (VMM_INVALID_ARGUMENT for more than is held), and holds of
- * 2^56 bytes or more on one GPU, which none has, are VMM_INVALID_ARGUMENT. Without a fraction
+ * more than 2^56 bytes on one GPU, which none has, are VMM_INVALID_ARGUMENT. Without a fraction
  * set, nothing but those is refused. */
 int vmm_device_hold(int device, int64_t delta);
 /* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
