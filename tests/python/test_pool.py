@@ -255,6 +255,12 @@ def test_device_pool_stats_and_helpers():
         vmm_torch.memory_stats(-3)
 
 
+@pytest.mark.parametrize("fraction", [0, -0.5, 1.5, float("nan"), float("inf"), 10**400])
+def test_memory_fractions_outside_zero_to_one_are_value_errors(fraction):
+    with pytest.raises(ValueError, match="fraction"):  # was: OverflowError for 10**400
+        vmm_torch.set_per_process_memory_fraction(fraction)
+
+
 def test_snapshot_structure():
     with vmm_torch.Pool("host") as p:
         t = p.empty((MIB,), dtype=torch.uint8)

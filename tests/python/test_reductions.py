@@ -170,6 +170,26 @@ def test_parameters_and_requires_grad(pool):
         ForkingPickler.dumps(leaf * 2)
 
 
+def test_conjugate_and_negative_views_arrive_with_their_values(pool):
+    z = pool.zeros((3,), dtype=torch.complex64)
+    z.copy_(torch.tensor([1 + 2j, -3j, 4]))
+    for view in (z.conj(), torch._neg_view(z), torch._neg_view(z.conj()), z.conj().imag,
+                 torch.nn.Parameter(z.conj())):
+        rebuild, args = reductions.reduce_tensor(view)
+        assert rebuild is sharing.rebuild_tensor
+        assert args[len(sharing.PAYLOAD_FIELDS)] is not None  # the ticket, then the bits
+        assert args[len(sharing.SEND_PAYLOAD_FIELDS):] == (view.is_conj(), view.is_neg())
+        again = rebuild(*args)
+        assert (again.is_conj(), again.is_neg()) == (view.is_conj(), view.is_neg())
+        assert type(again) is type(view) and again.requires_grad == view.requires_grad
+        assert torch.equal(again.resolve_conj().resolve_neg(),
+                           view.resolve_conj().resolve_neg())  # was: the values of z
+        again = round_trip(view)
+        assert torch.equal(again.resolve_conj().resolve_neg(),
+                           view.resolve_conj().resolve_neg())
+    assert len(reductions.reduce_tensor(z)[1]) == len(sharing.SEND_PAYLOAD_FIELDS)
+
+
 def test_other_tensors_use_torch_reducers():
     rebuild, _ = reductions.reduce_tensor(torch.arange(4.0))
     assert rebuild.__module__.startswith("torch.")
@@ -316,6 +336,20 @@ def test_a_send_nobody_receives_ends_with_its_lease_and_goes_stale():
 
         assert eventually(stale)
         assert errors[0].code == "NOT_FOUND" and "HOST-" in str(errors[0])
+
+
+@pytest.mark.parametrize("seconds", [1e-10, 1.2e-10, 9e-10, 0, -1, float("nan"), float("inf"),
+                                     -float("inf"), 10**400, 2e9])
+def test_a_lease_the_library_cannot_apply_is_a_value_error(seconds):
+    with send_lease(30):
+        with pytest.raises(ValueError, match="lease"):  # was: 1e-10 ignored, 10**400 Overflow
+            vmm_torch.set_send_lease(seconds)
+        assert vmm_torch.send_stats()["lease_seconds"] == 30.0
+        vmm_torch.set_send_lease(sharing.MIN_SEND_LEASE_S)
+        assert vmm_torch.send_stats()["lease_seconds"] == sharing.MIN_SEND_LEASE_S
+    for wrong in ("5", None, True, [5]):
+        with pytest.raises(TypeError, match="lease"):
+            vmm_torch.set_send_lease(wrong)
 
 
 def test_import_info_and_wrap_import(pool):

@@ -8,7 +8,7 @@ import torch
 
 import vmm_torch
 from host_pools import HANDLE_TYPES, filled, pool  # noqa: F401 (pool: a fixture)
-from vmm_torch import FabricBufferDescriptor, PosixFdBufferDescriptor, SharedTensor
+from vmm_torch import FabricBufferDescriptor, PosixFdBufferDescriptor, SharedTensor, sharing
 
 MIB = 1 << 20
 DESCRIPTOR_CLASS = {"posix_fd": PosixFdBufferDescriptor, "fabric": FabricBufferDescriptor}
@@ -51,6 +51,44 @@ def test_views_keep_offset_and_strides(pool):
     opened = pickle.loads(pickle.dumps(shared)).open()
     assert opened.storage_offset() == 17 and opened.stride() == (8, 2)
     assert torch.equal(opened, view)
+
+
+def math_bit_views(pool):
+    """Views of one complex tensor's memory with the conjugate and/or negative bit set."""
+    z = pool.zeros((3,), dtype=torch.complex64, shareable=True)
+    z.copy_(torch.tensor([1 + 2j, -3j, 4]))
+    return {"conj": z.conj(), "neg": torch._neg_view(z), "conj_neg": torch._neg_view(z.conj()),
+            "imag_of_conj": z.conj().imag}  # a float32 view with the negative bit
+
+
+@pytest.mark.parametrize("name", ["conj", "neg", "conj_neg", "imag_of_conj"])
+def test_conjugate_and_negative_views_open_with_their_values(pool, name):
+    view = math_bit_views(pool)[name]
+    shared = vmm_torch.export_tensor(view)
+    assert (shared.conj, shared.neg) == (view.is_conj(), view.is_neg())
+    assert len(shared.payload) == len(sharing.SEND_PAYLOAD_FIELDS) + 2
+    for opened in (shared.open(), pickle.loads(pickle.dumps(shared)).open()):
+        assert (opened.is_conj(), opened.is_neg()) == (view.is_conj(), view.is_neg())
+        assert torch.equal(opened.resolve_conj().resolve_neg(),
+                           view.resolve_conj().resolve_neg())  # was: the values of z
+        assert opened.data_ptr() != view.data_ptr()  # a mapping of its own, same memory
+
+
+def test_payloads_without_math_bits_keep_their_fields_and_bad_bits_are_refused(pool):
+    t = filled(pool, (4,))
+    assert len(vmm_torch.export_tensor(t).payload) == len(sharing.PAYLOAD_FIELDS)
+    state = vmm_torch.export_tensor(math_bit_views(pool)["conj"]).__getstate__()
+    for bad, error, match in (((b"x" * 64, True, False), ValueError, "no ticket"),
+                              ((None, 1, False), TypeError, "conj"),
+                              ((None, True), ValueError, "fields")):
+        with pytest.raises(error, match=match):
+            SharedTensor.from_payload(state[:8] + bad)
+    floats = list(vmm_torch.export_tensor(t).payload) + [None, True, False]
+    with pytest.raises(ValueError, match="only complex tensors"):
+        SharedTensor.from_payload(floats)
+    bools = vmm_torch.export_tensor(pool.zeros((2,), dtype=torch.bool, shareable=True))
+    with pytest.raises(ValueError, match="bool"):
+        SharedTensor.from_payload(bools.payload + (None, False, True))
 
 
 def test_pickle_round_trip(pool):

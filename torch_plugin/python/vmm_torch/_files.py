@@ -3,9 +3,10 @@
 :func:`write_file` writes through symlinks to the regular file they name (the final target is
 replaced, the link stays), refuses to replace anything that exists and is not a regular file
 (a directory, a device node, a FIFO, a socket), writes a temporary file beside the target
-(created exclusively, with an unpredictable name) and renames it over the target, and removes
-the temporary file on every failure. Paths are str, bytes or os.PathLike (os.fspath);
-anything else is a TypeError.
+(created exclusively, with an unpredictable name of :data:`TEMPORARY_NAME_BYTES` bytes
+whatever the target's, so that a target's name up to the file system's limit works) and
+renames it over the target, and removes the temporary file on every failure. Paths are str,
+bytes or os.PathLike (os.fspath); anything else is a TypeError.
 
 Imports nothing of the package (a bottom layer).
 """
@@ -18,6 +19,11 @@ import tempfile
 from typing import Any, Callable, Union
 
 PathArg = Union[str, bytes, "os.PathLike[str]", "os.PathLike[bytes]"]
+
+# The temporary file's name: ".vmm-XXXXXXXX.tmp", never longer whatever the target's name (a
+# name built from the target's would not fit beside a target whose name nears NAME_MAX).
+_TEMPORARY_PREFIX, _TEMPORARY_SUFFIX = ".vmm-", ".tmp"
+TEMPORARY_NAME_BYTES = len(_TEMPORARY_PREFIX) + 8 + len(_TEMPORARY_SUFFIX)
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -87,12 +93,13 @@ def write_file(path: PathArg, write: Callable[[Any], None], binary: bool = False
     binary one with `binary`) that then replaces the target (see the module docstring).
     Returns the path written (the final target). Nothing is left behind on failure."""
     target = resolve_target(path)
-    directory, name = os.path.split(target)
+    directory = os.path.dirname(target)
     try:
         mode = os.stat(target).st_mode & 0o7777
     except FileNotFoundError:
         mode = _new_file_mode()
-    fd, temporary = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    fd, temporary = tempfile.mkstemp(prefix=_TEMPORARY_PREFIX, suffix=_TEMPORARY_SUFFIX,
+                                     dir=directory)
     try:
         with os.fdopen(fd, "wb" if binary else "w", **({} if binary else
                                                       {"encoding": "utf-8"})) as f:

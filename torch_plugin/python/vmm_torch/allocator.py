@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -364,8 +365,13 @@ def empty_cache() -> None:
 
 
 def set_per_process_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
-    """Caps the device pool at `fraction` (0 < fraction <= 1) of the memory of the device."""
-    _lib.check(_lib.vmm().vmm_set_memory_fraction(float(fraction), device_index(device)))
+    """Caps the device pool at `fraction` (0 < fraction <= 1) of the memory of the device
+    (ValueError outside that, an int too large for a float included)."""
+    try:
+        value = float(fraction)
+    except OverflowError:  # an int beyond the range of floats: outside (0, 1] all the same
+        value = math.inf
+    _lib.check(_lib.vmm().vmm_set_memory_fraction(value, device_index(device)))
 
 
 def memory_snapshot() -> Dict[str, Any]:
@@ -410,7 +416,8 @@ def dump_stats(path: PathArg) -> Dict[str, Any]:
     Read it back with ``python -m vmm_torch.stats summarize|render|torch-viz PATH``.
 
     `path` is a str, bytes or os.PathLike (TypeError otherwise). The file is written whole
-    (a temporary file beside it, renamed over it; removed on any failure). A symlink is
+    (a temporary file beside it, ".vmm-XXXXXXXX.tmp" whatever the name of `path`, renamed
+    over it; removed on any failure). A symlink is
     written through: its final target is replaced, the link stays. Anything that exists and
     is not a regular file (a directory, a device node, a FIFO) is refused with
     FileExistsError and left alone.

@@ -226,7 +226,7 @@ def _note_send(reduction: Reduction) -> Reduction:
     failure can withdraw it."""
     message = getattr(_pickling, "message", None)
     if message is not None and reduction[0] is sharing.rebuild_tensor:
-        message.tickets.append(reduction[1][-1])
+        message.tickets.append(reduction[1][len(sharing.PAYLOAD_FIELDS)])  # the ticket
     return reduction
 
 

@@ -32,7 +32,14 @@ The payload: a shared tensor travels as one flat tuple, the same for a pickled
   N; the importer maps on that device, found by the UUID the descriptor carries);
 - ``parameter``, ``requires_grad``: rebuild as torch.nn.Parameter / with requires_grad;
 - ``ticket`` (sends only): 64 bytes the receiver acknowledges to the sender once it has
-  imported the descriptor (or failed to), so that the sender lets go of the memory.
+  imported the descriptor (or failed to), so that the sender lets go of the memory;
+- ``conj``, ``neg`` (only where the tensor has one of these bits set: ``is_conj()``, a lazy
+  ``conj()`` view; ``is_neg()``): bools, set again on the rebuilt tensor over the same
+  memory, so that it holds the sender's values. They follow the ticket, which is None in a
+  SharedTensor's payload. Payloads without them keep the fields above, so earlier versions
+  read them; a payload with them is refused by earlier versions (too many fields), never
+  rebuilt without the bits. (PyTorch's torch.multiprocessing reducer drops both bits,
+  CPU and CUDA alike.)
 
 :func:`rebuild_tensor` turns a payload into a tensor (it is what unpickling a
 torch.multiprocessing payload calls, and what ``SharedTensor.open()`` runs); the view is
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import multiprocessing.util
 import os
 import re
@@ -68,6 +76,9 @@ PAYLOAD_FIELDS: Tuple[str, ...] = ("descriptor", "dtype", "shape", "stride", "st
                                    "device", "parameter", "requires_grad")
 #: A send's payload adds the ticket.
 SEND_PAYLOAD_FIELDS: Tuple[str, ...] = PAYLOAD_FIELDS + ("ticket",)
+#: Both payloads of a tensor with its conjugate or negative bit set end with these (a
+#: SharedTensor's with None as its ticket).
+MATH_BIT_FIELDS: Tuple[str, ...] = ("conj", "neg")
 Payload = Tuple[bytes, DtypeCode, Tuple[int, ...], Tuple[int, ...], int, str, bool, bool]
 SendPayload = Tuple[bytes, DtypeCode, Tuple[int, ...], Tuple[int, ...], int, str, bool, bool,
                     bytes]
@@ -150,13 +161,20 @@ def export_bytes(ptr: int) -> bytes:
     return _lib.take_buffer(out, length.value)
 
 
+def math_bits(t: torch.Tensor) -> Tuple[bool, ...]:
+    """The payload's trailing (conj, neg) fields of tensor `t`: () where neither bit is set."""
+    conj, neg = t.is_conj(), t.is_neg()
+    return (conj, neg) if conj or neg else ()
+
+
 def tensor_payload(t: torch.Tensor, base: int, parameter: bool = False,
                    requires_grad: bool = False) -> Payload:
     """The payload of tensor `t`, whose storage starts at `base` in a vmm pool (exports the
     block)."""
+    bits = math_bits(t)
     return (export_bytes(base), dtype_code(t.dtype), tuple(t.shape), t.stride(),
             t.storage_offset(), f"cuda:{t.get_device()}" if t.is_cuda else "cpu",
-            parameter, requires_grad)
+            parameter, requires_grad) + ((None,) + bits if bits else ())
 
 
 # --- Sends -----------------------------------------------------------------------------------
@@ -361,7 +379,8 @@ def sent_payload(t: torch.Tensor, data: bytes, ticket: bytes, parameter: bool,
                  requires_grad: bool) -> SendPayload:
     """The payload of a send of `t` exported as descriptor `data` with `ticket`."""
     return (data, dtype_code(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(),
-            f"cuda:{t.get_device()}" if t.is_cuda else "cpu", parameter, requires_grad, ticket)
+            f"cuda:{t.get_device()}" if t.is_cuda else "cpu", parameter, requires_grad,
+            ticket) + math_bits(t)
 
 
 def ack_send(ticket: bytes, wait: bool = False) -> bool:
@@ -417,12 +436,26 @@ def flush_acks(timeout: float = ACK_FLUSH_TIMEOUT_S) -> int:
     return int(_lib.vmm().vmm_send_ack_flush(float(timeout)))
 
 
+#: The shortest lease set_send_lease takes. The library counts time in quarter nanoseconds
+#: (absl::Duration, rounded to the nearest) and ignores a lease that rounds to none (below
+#: 1.25e-10 s), keeping the one it had (SendLedger::SetLease only logs it).
+MIN_SEND_LEASE_S = 1e-9
+
+
 def set_send_lease(seconds: float) -> None:
     """How long this process holds a send whose receiver has not acknowledged it (sends made
-    from now on). Default 600 s, or VMM_SEND_LEASE_S."""
+    from now on). Default 600 s, or VMM_SEND_LEASE_S. TypeError for what is not an int or a
+    float; ValueError for a lease below MIN_SEND_LEASE_S, beyond 1e9 s or not finite."""
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
         raise TypeError(f"the lease is a number of seconds, not {type(seconds).__name__}")
-    _lib.check(_lib.vmm().vmm_send_set_lease(float(seconds)), "set_send_lease")
+    try:
+        value = float(seconds)
+    except OverflowError:  # an int beyond the range of floats
+        value, seconds = math.inf, f"an int of {seconds.bit_length()} bits"
+    if not (math.isfinite(value) and value >= MIN_SEND_LEASE_S):
+        raise ValueError(f"set_send_lease: the lease is a finite number of seconds, at least "
+                         f"{MIN_SEND_LEASE_S:g}, not {seconds}")
+    _lib.check(_lib.vmm().vmm_send_set_lease(value), "set_send_lease")
 
 
 #: How long a sender over its send budget waits for an acknowledgement before it stops
@@ -568,9 +601,21 @@ def _check_ticket(ticket: Any) -> Optional[bytes]:
     return ticket
 
 
+def check_math_bits(conj: Any, neg: Any, dtype: torch.dtype) -> Tuple[bool, bool]:
+    """A received payload's conj and neg fields: TypeError unless bools, ValueError for a bit
+    no tensor of `dtype` has (conj on a dtype that is not complex, neg on bool)."""
+    conj, neg = _flag(conj, "conj"), _flag(neg, "neg")
+    if conj and not dtype.is_complex:
+        raise ValueError(f"conj on a tensor of {dtype}: only complex tensors have the "
+                         f"conjugate bit")
+    if neg and dtype == torch.bool:
+        raise ValueError("neg on a tensor of torch.bool: bool tensors cannot be negated")
+    return conj, neg
+
+
 def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offset: Any,
              device: Any, parameter: Any, requires_grad: Any, map_device: int,
-             ticket: Any = None) -> torch.Tensor:
+             ticket: Any = None, conj: Any = False, neg: Any = False) -> torch.Tensor:
     # Every field is checked before the import, so that these failures have nothing to
     # release; the import's own failures and the operator's (the view must fit the buffer)
     # release it. A send's ticket is acknowledged once the import is done or has failed.
@@ -581,6 +626,7 @@ def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offse
         device_type, _ = parse_device_field(device)
         parameter = _flag(parameter, "parameter")
         requires_grad = _flag(requires_grad, "requires_grad")
+        conj, neg = check_math_bits(conj, neg, dtype)
         shape, stride, storage_offset = check_view(shape, stride, storage_offset, dtype,
                                                    requires_grad)
         data = descriptor if type(descriptor) is bytes else as_bytes(descriptor)
@@ -595,6 +641,10 @@ def _rebuild(descriptor: Any, dtype: Any, shape: Any, stride: Any, storage_offse
         if ticket is not None:
             received_send(import_id, ticket)
     tensor = received_storage(wrap_import(import_id, shape, stride, storage_offset, dtype))
+    if conj:  # views of the same memory, as the sender's: the values it had
+        tensor = tensor.conj()
+    if neg:
+        tensor = torch._neg_view(tensor)
     if parameter:
         return torch.nn.Parameter(tensor, requires_grad=requires_grad)
     if requires_grad:
@@ -641,7 +691,8 @@ def received_storage(tensor: torch.Tensor) -> torch.Tensor:
 def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
                    stride: Sequence[int], storage_offset: int, device: str,
                    parameter: bool = False, requires_grad: bool = False,
-                   ticket: Optional[bytes] = None) -> torch.Tensor:
+                   ticket: Optional[bytes] = None, conj: bool = False,
+                   neg: bool = False) -> torch.Tensor:
     """The tensor of a payload (the module docstring's fields, in order): imports the
     descriptor and wraps a tensor over it, which keeps the mapping alive while any view of it
     lives. What unpickling a torch.multiprocessing payload calls.
@@ -649,11 +700,13 @@ def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
     A payload is hostile input. Raises TypeError for a field of the wrong type (flags are
     bools, shape and stride lists or tuples of ints), ValueError for a malformed one (bytes
     that are not a descriptor, an unknown dtype or device, a view that does not fit the
-    buffer, values beyond 64 bits), VmmError for a stale or forged descriptor, and leaves no
-    import behind on any failure. A send's `ticket` is acknowledged to the sender once the
-    descriptor is imported (or its import failed), so that the sender lets go of it."""
+    buffer, values beyond 64 bits, a conj or neg bit its dtype cannot have), VmmError for a
+    stale or forged descriptor, and leaves no import behind on any failure. A send's `ticket`
+    is acknowledged to the sender once the descriptor is imported (or its import failed), so
+    that the sender lets go of it. `conj` and `neg` set those bits on the tensor (a view of
+    the same memory), as the sender's had them."""
     return _rebuild(descriptor, dtype, shape, stride, storage_offset, device, parameter,
-                    requires_grad, -1, ticket)
+                    requires_grad, -1, ticket, conj, neg)
 
 
 class ImportedBuffer(_lib.Closable):
@@ -740,9 +793,13 @@ class SharedTensor:
     Attributes: ``descriptor`` (a FabricBufferDescriptor or PosixFdBufferDescriptor, decoded
     when first read), ``dtype``, ``shape``, ``stride``, ``storage_offset`` (in elements),
     ``device_type`` ("cuda" or "cpu"), ``device_index`` (exporting CUDA device or None),
-    ``storage_nbytes`` and ``payload`` (the flat tuple it pickles as; see the module
-    docstring). Picklable with plain pickle; ``open()`` imports it.
+    ``conj`` and ``neg`` (the exported tensor's is_conj() and is_neg(), set again by
+    ``open()``), ``storage_nbytes`` and ``payload`` (the flat tuple it pickles as; see the
+    module docstring). Picklable with plain pickle; ``open()`` imports it.
     """
+
+    conj = False  # the exported tensor's conjugate bit (a lazy conj() view)
+    neg = False  # its negative bit
 
     def __init__(self, descriptor: BufferDescriptor, dtype: torch.dtype,
                  shape: Sequence[int], stride: Sequence[int], storage_offset: int,
@@ -786,14 +843,20 @@ class SharedTensor:
     @classmethod
     def _from_payload(cls, payload: Sequence[Any], storage_nbytes: Optional[int],
                       trusted: bool) -> "SharedTensor":
-        if len(payload) != len(PAYLOAD_FIELDS):
-            raise ValueError(f"a shared tensor payload has {len(PAYLOAD_FIELDS)} fields, "
-                             f"not {len(payload)}")
+        with_bits = len(SEND_PAYLOAD_FIELDS) + len(MATH_BIT_FIELDS)
+        if len(payload) not in (len(PAYLOAD_FIELDS), with_bits):
+            raise ValueError(f"a shared tensor payload has {len(PAYLOAD_FIELDS)} fields "
+                             f"({with_bits} with the conj and neg bits), not {len(payload)}")
         data, code, shape, stride, storage_offset, device = payload[:6]
         device_type, device_index = parse_device_field(device)
+        dtype = dtype_from_code(code)
         self = object.__new__(cls)
-        self._set(as_bytes(data), None, dtype_from_code(code), shape, stride, storage_offset,
-                  device_type, device_index, storage_nbytes)
+        if len(payload) == with_bits:
+            if payload[len(PAYLOAD_FIELDS)] is not None:
+                raise ValueError("a shared tensor payload has no ticket (its field is None)")
+            self.conj, self.neg = check_math_bits(*payload[len(SEND_PAYLOAD_FIELDS):], dtype)
+        self._set(as_bytes(data), None, dtype, shape, stride, storage_offset, device_type,
+                  device_index, storage_nbytes)
         self._trusted = trusted
         return self
 
@@ -817,19 +880,22 @@ class SharedTensor:
     @property
     def payload(self) -> Payload:
         """The flat tuple this tensor travels as (see the module docstring)."""
+        bits = (None, self.conj, self.neg) if self.conj or self.neg else ()
         return (self._data, dtype_code(self.dtype), self.shape, self.stride,
                 self.storage_offset, device_field(self.device_type, self.device_index),
-                False, False)
+                False, False) + bits
 
     def open(self, device: DeviceArg = None) -> torch.Tensor:
         """Imports the descriptor and returns a tensor over the shared memory with the
-        exported dtype, shape, strides and storage offset. The mapping lives as long as any
-        view of the returned tensor. `device`: CUDA device to map on (default: the
-        exporting device); ignored for CPU tensors."""
+        exported dtype, shape, strides, storage offset and conjugate and negative bits. The
+        mapping lives as long as any view of the returned tensor. `device`: CUDA device to
+        map on (default: the exporting device); ignored for CPU tensors."""
         map_device = _import_device(device)  # checked also where it is ignored
         if self.device_type != "cuda":
             map_device = -1
-        return _rebuild(*self.payload, map_device)
+        payload = self.payload
+        return _rebuild(*payload[:len(PAYLOAD_FIELDS)], map_device,
+                        *payload[len(PAYLOAD_FIELDS):])
 
     def __reduce__(self) -> Tuple[Any, Payload]:
         return (rebuild_shared_tensor, self.payload)

@@ -143,16 +143,32 @@ def _optional(document: Dict[str, Any], key: str, check: Callable[[Any, Sequence
         check(value, list(path) + [key])
 
 
-def _check_stats(value: Any, path: Sequence[Any]) -> None:
-    for key, item in _object(value, path).items():
+def _first_visit(value: Any, seen: Set[Tuple[str, int]], kind: str) -> bool:
+    """Whether one check meets the container `value` (held by the document) as a `kind` of
+    part ("frames", "blocks", ...) for the first time, noting it: a pickle shares an object at
+    2 bytes a reference, so a check that walked each reference again would take a power of
+    the file's size (three levels of n-fold sharing: n**3). Each distinct container is walked
+    once for each kind of part it stands for (a list that is a trace in one place and frames
+    in another is checked as both)."""
+    key = (kind, id(value))
+    if key in seen:
+        return False
+    seen.add(key)
+    return True
+
+
+def _check_stats(value: Any, path: Sequence[Any], seen: Set[Tuple[str, int]]) -> None:
+    if not _first_visit(_object(value, path), seen, "stats"):
+        return
+    for key, item in value.items():
         _number(item, list(path) + [key])
 
 
-def _check_pool(value: Any, path: Sequence[Any]) -> None:
+def _check_pool(value: Any, path: Sequence[Any], seen: Set[Tuple[str, int]]) -> None:
     pool = _object(value, path)
     _optional(pool, "device", _device, path)
     _optional(pool, "handle_type", _text, path)
-    _optional(pool, "stats", _check_stats, path)
+    _optional(pool, "stats", lambda v, p: _check_stats(v, p, seen), path)
 
 
 def _check_block(value: Any, path: Sequence[Any]) -> None:
@@ -163,15 +179,21 @@ def _check_block(value: Any, path: Sequence[Any]) -> None:
         _optional(block, key, _text, path)
 
 
-def _check_segment(value: Any, path: Sequence[Any]) -> None:
+def _check_segment(value: Any, path: Sequence[Any], seen: Set[Tuple[str, int]],
+                   frames: bool = False) -> None:
+    """Checks a segment and its blocks (each distinct blocks list once: `seen`), and with
+    `frames` the blocks' optional "frames"."""
     segment = _object(value, path)
     _optional(segment, "device", _device, path)
     for key in ("address", "total_size", "allocated_size"):
         _optional(segment, key, _count, path)
     blocks = segment.get("blocks")
-    if blocks is not None:
-        for i, block in enumerate(_array(blocks, list(path) + ["blocks"])):
-            _check_block(block, list(path) + ["blocks", i])
+    if blocks is not None and _first_visit(_array(blocks, list(path) + ["blocks"]), seen, "blocks"):
+        for i, block in enumerate(blocks):
+            where = list(path) + ["blocks", i]
+            _check_block(block, where)
+            if frames:
+                _optional(block, "frames", lambda v, p: _check_frames(v, p, seen), where)
 
 
 def _check_time(value: Any, path: Sequence[Any]) -> None:
@@ -193,21 +215,22 @@ def check_dump(document: Any) -> Document:
     for key in ("backend", "torch_version"):
         _optional(document, key, _text, [])
     _optional(document, "time", _check_time, [])
+    seen: Set[Tuple[str, int]] = set()  # the containers walked (see _first_visit)
     stats = document.get("stats")
     if stats is not None:
         for device, item in _object(stats, ["stats"]).items():
-            _check_stats(item, ["stats", device])
+            _check_stats(item, ["stats", device], seen)
     pools = document.get("pools")
     if pools is not None:
         for pool_id, pool in _object(pools, ["pools"]).items():
             if not _POOL_ID.fullmatch(pool_id):
                 raise DumpError(f"pools has the key {_shown(pool_id)}, expected pool ids "
                                 f"(decimal integers)")
-            _check_pool(pool, ["pools", pool_id])
+            _check_pool(pool, ["pools", pool_id], seen)
     segments = document["snapshot"].get("segments")
     if segments is not None:
         for i, segment in enumerate(_array(segments, ["snapshot", "segments"])):
-            _check_segment(segment, ["snapshot", "segments", i])
+            _check_segment(segment, ["snapshot", "segments", i], seen)
     return document
 
 
@@ -563,8 +586,10 @@ def _has(document: Dict[str, Any], key: str, path: Sequence[Any]) -> Any:
     return document[key]
 
 
-def _check_frames(value: Any, path: Sequence[Any]) -> None:
-    for i, frame in enumerate(_array(value, path)):
+def _check_frames(value: Any, path: Sequence[Any], seen: Set[Tuple[str, int]]) -> None:
+    if not _first_visit(_array(value, path), seen, "frames"):
+        return  # a list of frames shared by many entries (PyTorch shares them too)
+    for i, frame in enumerate(value):
         if (type(frame) is dict and type(frame.get("filename")) is str
                 and type(frame.get("name")) is str and type(frame.get("line")) is int
                 and 0 <= frame["line"] < _LIMIT):
@@ -575,12 +600,12 @@ def _check_frames(value: Any, path: Sequence[Any]) -> None:
             check(_has(frame, key, where), where + [key])
 
 
-def _check_trace_entry(value: Any, path: Sequence[Any]) -> None:
+def _check_trace_entry(value: Any, path: Sequence[Any], seen: Set[Tuple[str, int]]) -> None:
     entry = _object(value, path)
     for key, check in (("action", _text), ("addr", _count), ("size", _count)):
         check(_has(entry, key, path), list(path) + [key])
     _optional(entry, "time_us", _number, path)
-    _optional(entry, "frames", _check_frames, path)
+    _optional(entry, "frames", lambda v, p: _check_frames(v, p, seen), path)
 
 
 def check_snapshot(document: Any) -> Document:
@@ -588,20 +613,22 @@ def check_snapshot(document: Any) -> Document:
     the timeline reads: "device_traces" (a list per device of entries with "action" (str),
     "addr" and "size" (integers), optional "time_us" and "frames" ({"filename", "name",
     "line"})) and "segments" (as in a dump, blocks with optional "frames"); DumpError naming
-    the first thing that is wrong otherwise."""
+    the first thing that is wrong otherwise. Each distinct list (a trace, a list of blocks or
+    of frames) is checked once however often the document refers to it, so the check takes
+    time linear in the size of the pickle it was loaded from."""
     if not isinstance(document, dict) or "device_traces" not in document:
         what = "no \"device_traces\"" if isinstance(document, dict) else (
             f"the document is {_shown(document)}")
         raise DumpError(f"not a memory snapshot of torch.cuda.memory._snapshot() ({what})")
+    seen: Set[Tuple[str, int]] = set()  # the containers walked (see _first_visit)
     traces = _array(document["device_traces"], ["device_traces"])
     for device, trace in enumerate(traces):
-        for i, entry in enumerate(_array(trace, ["device_traces", device])):
-            _check_trace_entry(entry, ["device_traces", device, i])
+        if _first_visit(_array(trace, ["device_traces", device]), seen, "trace"):
+            for i, entry in enumerate(trace):
+                _check_trace_entry(entry, ["device_traces", device, i], seen)
     segments = _array(_has(document, "segments", []), ["segments"])
     for i, segment in enumerate(segments):
-        _check_segment(segment, ["segments", i])
-        for j, block in enumerate(_blocks(segment)):
-            _optional(block, "frames", _check_frames, ["segments", i, "blocks", j])
+        _check_segment(segment, ["segments", i], seen, frames=True)
     return document
 
 
@@ -694,7 +721,8 @@ def timeline(snapshot: Document, device: int = 0) -> Timeline:
     """The allocations of `device`'s trace in the checked snapshot (DumpError if the snapshot
     has no trace for it). Blocks "active_allocated" in that GPU's segments that the trace
     does not hold at its end were allocated before it began and stay to its end, as in
-    PyTorch's memory viewer (their size is the requested one where given)."""
+    PyTorch's memory viewer (their size is the requested one where given). A list of blocks
+    that several segments share (one object, as only a pickle can make) counts once."""
     check_snapshot(snapshot)
     traces = snapshot["device_traces"]
     if not 0 <= device < len(traces):
@@ -702,10 +730,13 @@ def timeline(snapshot: Document, device: int = 0) -> Timeline:
         raise DumpError(f"no trace of device {device} (the snapshot has {have})")
     spans, not_freed = _spans(traces[device])
     whole = []
+    # Blocks lists drawn: one shared by several segments is drawn once.
+    walked: Set[Tuple[str, int]] = set()
     for segment in _segments(snapshot):
-        if segment.get("device", device) != device:
+        if segment.get("device", device) != device or not segment.get("blocks") or \
+                not _first_visit(segment["blocks"], walked, "blocks"):
             continue
-        for block in _blocks(segment):
+        for block in segment["blocks"]:
             if block.get("state") == "active_allocated" and \
                     _get(block, "address", -1) not in not_freed:
                 size = block.get("requested_size") or _get(block, "size", 0)
@@ -891,6 +922,7 @@ def timeline_svg(snapshot: Document, device: int = 0, width: int = 1200, height:
                    f"{len(allocations) - len(colour)} other allocations</title></polygon>")
     order = sorted(colour)  # stacking order
     labels = {}
+    where: Dict[int, str] = {}  # user_frame by frames list (one list may serve many)
     for k, i in enumerate(order):
         a = allocations[i]
         below = [allocations[j] for j in order[:k] if allocations[j].last >= a.first]
@@ -907,7 +939,9 @@ def timeline_svg(snapshot: Document, device: int = 0, width: int = 1200, height:
         top_path = [(x, y - plot_h * a.size / y_max) for x, y in bottom]
         span = "before the trace" if a.before_trace else f"event {a.first}"
         until = "the end" if a.after_trace else f"event {a.last}"
-        labels[i] = (f"{format_bytes(a.size)}, {user_frame(a.frames)}, from {span} to "
+        if id(a.frames) not in where:
+            where[id(a.frames)] = user_frame(a.frames)
+        labels[i] = (f"{format_bytes(a.size)}, {where[id(a.frames)]}, from {span} to "
                      f"{until}")
         out.append(f'<polygon class="band" fill="{colour[i]}" stroke="#ffffff" '
                    f'stroke-width="0.5" points="{_points(bottom + top_path[::-1])}">'
