@@ -806,4 +806,15 @@ TEST_F(CApiTest, DescriptorFromHandlesRefusesNullHandlesAndImpossibleCounts) {
   vmm_release_buffer(out);
 }
 
+// A lease the ledger cannot hold (it rounds to no time at all) is refused, not kept out with
+// only a log line while the call reports success.
+TEST_F(CApiTest, ASendLeaseThatRoundsToNothingIsRefused) {
+  for (double seconds : {1e-12, 0.0, -1.0, 2e9}) {
+    EXPECT_EQ(vmm_send_set_lease(seconds), -1) << seconds;
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT) << seconds;
+  }
+  EXPECT_EQ(vmm_send_set_lease(1e-9), 0) << vmm_last_error();
+  EXPECT_EQ(vmm_send_set_lease(600), 0) << vmm_last_error();
+}
+
 }  // namespace

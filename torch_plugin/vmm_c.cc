@@ -564,7 +564,9 @@ int vmm_imports_release_closing(void) {
 }
 
 int vmm_send_set_lease(double seconds) {
-  if (!(seconds > 0) || seconds > 1e9) {
+  // (A value that rounds to no time at all, below absl's quarter nanosecond, would be kept
+  // out by SetLease with only a log line: refused here.)
+  if (!(seconds > 0) || seconds > 1e9 || absl::Seconds(seconds) <= absl::ZeroDuration()) {
     return vmm::Fail(absl::InvalidArgumentError(
         absl::StrCat("a send's lease is a positive number of seconds, not ", seconds)));
   }
