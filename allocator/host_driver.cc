@@ -52,7 +52,6 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -710,12 +709,17 @@ absl::StatusOr<PhysHandle> HostDriver::ImportFabric(const FabricHandle& handle) 
 
 namespace {
 
-// Whether process `pid` has exited: no /proc entry, or one of a zombie (exited, not yet
-// waited for by its parent) or a dead process. Its descriptors are gone either way.
+// Whether process `pid` has exited: no /proc entry (ENOENT, ESRCH), or one of a zombie
+// (exited, not yet waited for by its parent) or a dead process. Its descriptors are gone
+// either way. A process /proc will not show (hidepid, EACCES) counts as alive.
 bool ProcessHasExited(uint32_t pid) {
-  std::ifstream stat_file(absl::StrCat("/proc/", pid, "/stat"));
-  std::string line;
-  if (!stat_file || !std::getline(stat_file, line)) return true;
+  const std::string path = absl::StrCat("/proc/", pid, "/stat");
+  UniqueFd file(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!file.valid()) return errno == ENOENT || errno == ESRCH;
+  char buffer[512];
+  const ssize_t n = ::read(file.get(), buffer, sizeof(buffer) - 1);
+  if (n <= 0) return false;
+  const std::string line(buffer, static_cast<size_t>(n));
   // "pid (comm) state ...": the command may hold spaces and parentheses, the state follows
   // the last ')'.
   const size_t close = line.rfind(')');

@@ -504,15 +504,23 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   request.requester = stream;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
-  if (stats_.allocated_bytes.peak != peak_seen_) {
-    peak_seen_ = stats_.allocated_bytes.peak;
+  // (Every new high of allocated bytes shows in the peak statistic, which only a reset of the
+  // peaks lowers.)
+  if (stats_.allocated_bytes.peak > allocated_high_) {
+    allocated_high_ = stats_.allocated_bytes.peak;
     moved_since_high_ = 0;
   }
-  const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) >
-                        stats_.allocated_bytes.peak;
-  const bool settle =
-      !new_high && moved_since_high_ / kSettleMoves >=
-                       static_cast<size_t>(std::max<int64_t>(stats_.reserved_bytes.current, 0));
+  const int64_t reserved = std::max<int64_t>(stats_.reserved_bytes.current, 0);
+  const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) > allocated_high_;
+  // Settling creates rather than moves: not where creating would pass the pool's memory limit
+  // or its GPU's memory fraction (the growth would fail, and the retry release the cache),
+  // nor once a growth has failed for lack of memory.
+  const bool may_create =
+      !short_of_memory_ &&
+      (memory_limit_ == 0 || static_cast<size_t>(reserved) + n <= memory_limit_) &&
+      (device_cap_ == nullptr || device_cap_->Allows(n));
+  const bool settle = may_create && !new_high &&
+                      moved_since_high_ / kSettleMoves >= static_cast<size_t>(reserved);
   auto cost = [&](const Arena::GrowthPlan& p) {
     return may_move ? GrowthCost(movable, p, settle) : p.len;
   };

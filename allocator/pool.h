@@ -530,11 +530,12 @@ class Pool {
   // a move except for requests of kLargeRequestChunks growth chunks or more. Never reset.
   bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
   bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
-  // Bytes that misses moved since the allocated bytes' peak was last `peak_seen_` (a new
-  // high, or a reset of the peaks): past kSettleMoves times what the pool holds, misses below
-  // the high settle (reclaim_policy.h GrowthCost).
+  // The most bytes ever allocated at once (a high that ResetPeakStats does not lower: a
+  // program that resets its peaks every step must not keep the pool from settling), and the
+  // bytes misses moved since it last rose: past kSettleMoves times what the pool holds,
+  // misses below the high settle (reclaim_policy.h GrowthCost).
+  int64_t allocated_high_ ABSL_GUARDED_BY(mu_) = 0;
   size_t moved_since_high_ ABSL_GUARDED_BY(mu_) = 0;
-  int64_t peak_seen_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t released_while_kept_ ABSL_GUARDED_BY(mu_) = 0;
   // The statistics, of the pool and of each arena (stats_.arena). Active bytes and blocks
   // are not kept there (the cached path would pay for them) but derived when read

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -417,6 +418,9 @@ struct ReplayOptions {
   int warm_repetitions = 3;  // replays after the first, from a warm cache
   // Reads Stats().reserved after every allocation even if the adapter keeps a peak itself.
   bool poll_reserved = false;
+  // Called before each warm replay (e.g. to reset the allocator's peak statistics, as a
+  // training loop that logs a peak per step does); the cold pass's figures are read before.
+  std::function<void()> before_warm_replay;
 };
 
 // The unit of an adapter's count: "bytes" for names ending in "_bytes", "ns" for driver
@@ -479,6 +483,7 @@ bool RunReplayWorkload(Adapter& adapter, const Trace& trace, const ReplayOptions
 
   std::vector<double> warm_ns;
   for (int rep = 0; rep < options.warm_repetitions; ++rep) {
+    if (options.before_warm_replay) options.before_warm_replay();
     const double s = internal::ReplayOnce(adapter, trace, poll, &polled_peak);
     if (s < 0) return false;
     warm_ns.push_back(s * 1e9 / static_cast<double>(trace.ops.size()));

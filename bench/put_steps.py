@@ -63,11 +63,11 @@ def main():
         t = fresh()
         timed("prepare_send(tensor)", reductions.prepare_send, t)
         _, payload = in_feeder(timed, "reduce_tensor(feeder)", reductions.reduce_tensor, t)
-        sharing.ack_send(payload[-1], wait=True)
+        sharing.ack_send(payload[len(sharing.PAYLOAD_FIELDS)], wait=True)
         t = fresh()
         timed("prepare_send((tensor, 1))", reductions.prepare_send, (t, 1))
         _, payload = in_feeder(reductions.reduce_tensor, t)
-        sharing.ack_send(payload[-1], wait=True)
+        sharing.ack_send(payload[len(sharing.PAYLOAD_FIELDS)], wait=True)
         # The Python path, step by step.
         t = fresh()
         timed("attributes", lambda: (t.is_cuda, t.layout, t.requires_grad, t.is_leaf))
@@ -79,7 +79,7 @@ def main():
         timed("current_stream", torch.cuda.current_stream, dev)
         payload = timed("send_payload(export, stream synchronised)", sharing.send_payload, t,
                         base, kind)
-        sharing.ack_send(payload[-1], wait=True)
+        sharing.ack_send(payload[len(sharing.PAYLOAD_FIELDS)], wait=True)
         if module is not None:
             t = fresh()
             timed("module.prepare_send", module.prepare_send, t)

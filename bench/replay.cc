@@ -39,6 +39,9 @@ ABSL_FLAG(std::vector<std::string>, large_page_mib, {},
 ABSL_FLAG(int64_t, host_capacity_gib, 256,
           "physical capacity of the host backend in GiB (memfd memory is never touched)");
 ABSL_FLAG(int, warm_reps, 3, "replays from a warm cache after the first one");
+ABSL_FLAG(bool, reset_peaks, false,
+          "reset the pool's peak statistics before each warm replay (as a training loop that "
+          "logs a peak per step does)");
 ABSL_FLAG(std::string, label, "vmm", "allocator label in the results");
 ABSL_FLAG(std::string, options, "",
           "pool option text (pool_options.h, e.g. 'small_size=256K,small_chunk=8M') applied "
@@ -159,6 +162,9 @@ int main(int argc, char** argv) {
                static_cast<int64_t>(adapter.pool()->options().large_page / kMiB));
       tags.Int("growth_page_mib",
                static_cast<int64_t>(adapter.pool()->options().growth_page / kMiB));
+      if (absl::GetFlag(FLAGS_reset_peaks)) {
+        replay_options.before_warm_replay = [&adapter] { adapter.pool()->ResetPeakStats(); };
+      }
       vmm_bench::ReplaySummary sum;
       if (!vmm_bench::RunReplayWorkload(adapter, trace, replay_options, tags, &sum)) {
         std::fprintf(stderr, "replay: growth_fraction=%g max_growth_extra=%zu MiB failed\n",

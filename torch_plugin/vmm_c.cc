@@ -568,7 +568,9 @@ int vmm_send_set_lease(double seconds) {
   // out by SetLease with only a log line: refused here.)
   if (!(seconds > 0) || seconds > 1e9 || absl::Seconds(seconds) <= absl::ZeroDuration()) {
     return vmm::Fail(absl::InvalidArgumentError(
-        absl::StrCat("a send's lease is a positive number of seconds, not ", seconds)));
+        absl::StrCat("a send's lease is a number of seconds, at least a quarter of a "
+                     "nanosecond and at most 1e9, not ",
+                     seconds)));
   }
   vmm::SendLedger::Get().SetLease(absl::Seconds(seconds));
   return 0;
@@ -698,8 +700,9 @@ int vmm_descriptor_from_handles(int handle_type, const uint8_t* const* handles,
   }
   // (The encoding counts handles in 32 bits: more is refused before any copy.)
   if (count > std::numeric_limits<uint32_t>::max()) {
-    return vmm::Fail(absl::InvalidArgumentError(absl::StrCat(
-        "vmm_descriptor_from_handles: ", count, " handles do not fit the encoding's 32-bit count")));
+    return vmm::Fail(absl::InvalidArgumentError(
+        absl::StrCat("vmm_descriptor_from_handles: ", count,
+                     " handles do not fit the encoding's 32-bit count")));
   }
   // The copies below may need more host memory than there is: an error, not an exception
   // through the C interface.

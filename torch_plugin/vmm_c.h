@@ -9,7 +9,8 @@
  * pointer or an id give NULL / -1 (vmm_pool_device: -2). vmm_stats_json, vmm_snapshot_json,
  * vmm_reset_*_stats, vmm_private_pool_use_count and the deleters (vmm_block_free,
  * vmm_import_release, vmm_snapshot_entries_release; the first two log their errors) do not
- * fail. vmm_last_error_code() then gives the failure's code (a
+ * fail, but for vmm_stats_json and vmm_snapshot_json's NULL when the host has no memory for
+ * their text (VMM_RESOURCE_EXHAUSTED). vmm_last_error_code() then gives the failure's code (a
  * vmm_status_code, the numeric absl::StatusCode) and vmm_last_error() its message (per
  * thread; the message names what failed and does not repeat the code). Codes by meaning:
  * VMM_INVALID_ARGUMENT for bad input, VMM_RESOURCE_EXHAUSTED for out of memory,

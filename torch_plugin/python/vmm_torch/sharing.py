@@ -38,7 +38,8 @@ The payload: a shared tensor travels as one flat tuple, the same for a pickled
   memory, so that it holds the sender's values. They follow the ticket, which is None in a
   SharedTensor's payload. Payloads without them keep the fields above, so earlier versions
   read them; a payload with them is refused by earlier versions (too many fields), never
-  rebuilt without the bits. (PyTorch's torch.multiprocessing reducer drops both bits,
+  rebuilt without the bits (such a refused send is not acknowledged: its sender holds the
+  memory until the send's lease ends). (PyTorch's torch.multiprocessing reducer drops both bits,
   CPU and CUDA alike.)
 
 :func:`rebuild_tensor` turns a payload into a tensor (it is what unpickling a
@@ -437,8 +438,8 @@ def flush_acks(timeout: float = ACK_FLUSH_TIMEOUT_S) -> int:
 
 
 #: The shortest lease set_send_lease takes. The library counts time in quarter nanoseconds
-#: (absl::Duration, rounded to the nearest) and ignores a lease that rounds to none (below
-#: 1.25e-10 s), keeping the one it had (SendLedger::SetLease only logs it).
+#: (absl::Duration, rounded to the nearest) and refuses a lease that rounds to none (below
+#: 1.25e-10 s); a nanosecond is the least this function passes on.
 MIN_SEND_LEASE_S = 1e-9
 
 
@@ -904,6 +905,7 @@ class SharedTensor:
         return self.payload
 
     def __setstate__(self, state: Any) -> None:
+        self.conj = self.neg = False  # a payload without the bits has neither
         if isinstance(state, dict):  # pickles made before the flat payload
             missing = [key for key in _LEGACY_STATE_KEYS if key not in state]
             if missing:
