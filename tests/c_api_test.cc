@@ -797,7 +797,8 @@ TEST_F(CApiTest, DescriptorFromHandlesRefusesNullHandlesAndImpossibleCounts) {
                                         nullptr, 0, &out, &len),
             -1);
   EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(vmm_last_error()).find("not 64"), std::string::npos) << vmm_last_error();
+  EXPECT_NE(std::string(vmm_last_error()).find("bytes, expected 64"), std::string::npos)
+      << vmm_last_error();
   ASSERT_EQ(vmm_descriptor_from_handles(VMM_HANDLE_FABRIC, handles, lens, sizes, 1, -1, nullptr,
                                         0, &out, &len),
             0)

@@ -713,11 +713,11 @@ int vmm_descriptor_from_handles(int handle_type, const uint8_t* const* handles,
         return vmm::Fail(absl::InvalidArgumentError(
             absl::StrCat("vmm_descriptor_from_handles: handle ", i, " is a null pointer")));
       }
-      // (Checked before the copy: a longer length would read past the caller's handle.)
+      // (Checked before the copy, with FromHandles' message: a longer length would read
+      // past the caller's handle.)
       if (handle_lens[i] != VMM_HANDLE_BYTES) {
-        return vmm::Fail(absl::InvalidArgumentError(
-            absl::StrCat("vmm_descriptor_from_handles: handle ", i, " is ", handle_lens[i],
-                         " bytes, not ", VMM_HANDLE_BYTES)));
+        return vmm::Fail(absl::InvalidArgumentError(absl::StrCat(
+            "handle ", i, " is ", handle_lens[i], " bytes, expected ", VMM_HANDLE_BYTES)));
       }
       h.emplace_back(reinterpret_cast<const char*>(handles[i]), handle_lens[i]);
     }
