@@ -48,8 +48,10 @@ def exported():
     for pool in pools:
         t = pool.empty((6, 8), dtype=torch.float32, shareable=True)
         t.copy_(torch.arange(48, dtype=torch.float32).view(6, 8))
-        tensors.append(t)
-        for view in (t, t[1:, 2::2]):
+        z = pool.zeros((4, 3), dtype=torch.complex64, shareable=True)
+        tensors += [t, z]
+        # With the conjugate and negative bits, the payloads have their trailing fields.
+        for view in (t, t[1:, 2::2], z.conj(), torch._neg_view(t[2:])):
             payloads.append(tuple(vmm_torch.export_tensor(view).payload))
     yield payloads
     del tensors
@@ -142,10 +144,19 @@ FLAGS = st.one_of(st.booleans(), st.booleans(), WRONG_TYPES, st.integers(-1, 2),
                   st.just(torch.ones(3)))
 
 
+TICKETS = st.one_of(st.none(), st.binary(min_size=64, max_size=64), st.binary(max_size=70),
+                    WRONG_TYPES)
+
+
 @st.composite
 def payloads(draw, real):
     base = list(draw(st.sampled_from(real)))
-    fields = draw(st.sets(st.integers(0, 7), max_size=8))
+    # Trailing fields (ticket, conj, neg) dropped or added: lengths 6 to 12.
+    length = draw(st.one_of(st.just(len(base)), st.integers(6, 12)))
+    while len(base) < length:
+        base.append(draw(TICKETS if len(base) == 8 else FLAGS))
+    del base[length:]
+    fields = draw(st.sets(st.integers(0, len(base) - 1), max_size=len(base)))
     strategies = {
         0: descriptors(base[0]),
         1: DTYPES,
@@ -155,9 +166,10 @@ def payloads(draw, real):
         5: DEVICES,
         6: FLAGS,
         7: FLAGS,
+        8: TICKETS,
     }
     for field in sorted(fields):
-        base[field] = draw(strategies[field])
+        base[field] = draw(strategies.get(field, FLAGS))
     return tuple(base)
 
 
