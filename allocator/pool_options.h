@@ -28,7 +28,7 @@ namespace vmm {
 inline constexpr size_t kAutoSize = std::numeric_limits<size_t>::max();
 // The most bytes a size option that the pool rounds up or adds up may give (small_chunk,
 // reserve_size, large_page): 2^48, 256 TiB, beyond any device and address range. More is
-// InvalidArgument at Pool::Create.
+// InvalidArgument, from ParsePoolOptions and from Pool::Create.
 inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
 // A paged growth for a request of at least this many growth_page chunks is made of them even
 // after the pool has moved memory (PoolOptions::growth_page).

@@ -30,11 +30,11 @@
 #include <algorithm>
 #include <charconv>
 #include <chrono>
-#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <random>
 #include <sstream>
