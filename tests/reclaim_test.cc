@@ -80,6 +80,16 @@ class ReclaimTest : public ::testing::Test {
     return AllocateOrFail(pool, size, stream);
   }
 
+  // `count` blocks of one page each, block i filled with `first + i`.
+  std::vector<void*> FilledPages(Pool& pool, int count, int first) {
+    std::vector<void*> pages;
+    for (int i = 0; i < count; ++i) {
+      pages.push_back(Alloc(pool, kPage));
+      std::memset(pages.back(), first + i, kPage);
+    }
+    return pages;
+  }
+
   std::unique_ptr<Driver> owned_;
   Driver* driver_ = nullptr;
 };
@@ -235,11 +245,7 @@ TEST_F(ReclaimTest, APoolMadeToExportKeepsSingleChunksUnlessTold) {
 // free pages and creates 1.
 TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
   auto pool = MakePool();
-  std::vector<void*> pages;
-  for (int i = 0; i < 10; ++i) {
-    pages.push_back(Alloc(*pool, kPage));
-    std::memset(pages.back(), 0x30 + i, kPage);
-  }
+  std::vector<void*> pages = FilledPages(*pool, 10, 0x30);
   for (int i = 3; i <= 6; ++i) ASSERT_OK(pool->Free(pages[i]));
   // Five pages at the end: four moved from the hole, which becomes a gap, and one created.
   void* first = Alloc(*pool, 5 * kPage);
@@ -267,11 +273,7 @@ TEST_F(ReclaimTest, AMissGrowsWhereItCanMoveTheMostAndCreateTheLeast) {
 // create, since the pool keeps what it creates and its peak reserved would rise for good.
 TEST_F(ReclaimTest, BelowItsHighAMissMovesPagesRatherThanCreateBesideAFreeNeighbour) {
   auto pool = MakePool();
-  std::vector<void*> p;
-  for (int i = 0; i < 10; ++i) {
-    p.push_back(Alloc(*pool, kPage));
-    std::memset(p.back(), 0x40 + i, kPage);
-  }
+  std::vector<void*> p = FilledPages(*pool, 10, 0x40);
   // Pages 2 and 3 move to the end for three pages (one created): [2, 4) is a gap now.
   for (int i : {2, 3}) ASSERT_OK(pool->Free(p[i]));
   void* q = Alloc(*pool, 3 * kPage);
