@@ -125,7 +125,6 @@ absl::Status Pool::Init() {
     if (options_.growth_page == kAutoSize) options_.growth_page = observer_ ? page : 4 * page;
     options_.growth_page =
         std::clamp(options_.growth_page, page, std::max(page, options_.max_chunk)) / page * page;
-    plan_unit_ = PlanUnit(page, granularity_);
   }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   size_t reserve = options_.reserve_size;
@@ -488,7 +487,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // either arena may move free chunks of both (reclaim_policy.h).
   const bool paged = !dedicated && &arena == &large_ && options_.large_page != 0;
   const bool moves = !dedicated && options_.large_page != 0;
-  bool in_units = moves;  // planned in whole units (plan_unit_, or granules in the small arena)
+  bool in_units = moves;  // planned in whole units (PlanUnit, or granules in the small arena)
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
   // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
   // process: the synchronisation of the requester's stream a move may need would invalidate
@@ -512,19 +511,25 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   }
   const int64_t reserved = std::max<int64_t>(stats_.reserved_bytes.current, 0);
   const bool new_high = stats_.allocated_bytes.current + static_cast<int64_t>(n) > allocated_high_;
-  // Settling creates rather than moves: not where creating would pass the pool's memory limit
-  // or its GPU's memory fraction (the growth would fail, and the retry release the cache),
-  // nor once a growth has failed for lack of memory.
-  const bool may_create =
-      !short_of_memory_ &&
-      (memory_limit_ == 0 || static_cast<size_t>(reserved) + n <= memory_limit_) &&
-      (device_cap_ == nullptr || device_cap_->Allows(n));
-  const bool settle = may_create && !new_high &&
+  // Settling creates rather than moves, within what the pool may still create (`room`: its
+  // memory limit, its GPU's memory fraction; a plan past them would fail, and the retry
+  // release the cache), and not once a growth has failed for lack of memory.
+  size_t room = SIZE_MAX;
+  if (memory_limit_ != 0) {
+    room = memory_limit_ - std::min(memory_limit_, static_cast<size_t>(reserved));
+  }
+  if (device_cap_ != nullptr && device_cap_->limit() != 0) {
+    const size_t limit = device_cap_->limit();
+    room = std::min(room, limit - std::min(limit, static_cast<size_t>(std::max<int64_t>(
+                                                     device_cap_->held(), 0))));
+  }
+  const bool settle = !short_of_memory_ && !new_high &&
                       moved_since_high_ / kSettleMoves >= static_cast<size_t>(reserved);
   auto cost = [&](const Arena::GrowthPlan& p) {
-    return may_move ? GrowthCost(movable, p, settle) : p.len;
+    return may_move ? GrowthCost(movable, p, settle, room) : p.len;
   };
-  size_t unit = paged ? plan_unit_ : granularity_;
+  size_t unit =
+      paged ? PlanUnit(options_.large_page, granularity_, short_of_memory_) : granularity_;
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
   if (!plan && paged) {
     // No gap holds the request in whole units (a small range): plan it to granularity, the

@@ -20,8 +20,10 @@
 // range holds the request in whole half pages), or, until a miss first moves memory (after
 // it, for requests of kLargeRequestChunks growth chunks or more), in chunks of up to
 // `growth_page` (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity
-// the rounding to half pages counts: a request within half a page of the limit can fail
-// (ResourceExhausted) where single chunks would fit it. Small-arena growth maps `small_chunk`
+// the rounding to half pages counts: a growth that passes the limit by its rounding fails,
+// and the retry after the pool releases its free chunks plans to granularity (as every
+// growth does once one has failed for lack of memory): the rounding alone fails no request.
+// Small-arena growth maps `small_chunk`
 // at a time, or takes a free chunk that size from the large arena (below).
 //
 // Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
@@ -495,9 +497,6 @@ class Pool {
   const uint64_t fork_generation_;  // ForkGeneration() when the pool was made
   PoolOptions options_;
   size_t granularity_ = 0;
-  // What the large arena's growth in pages is planned in and what moves take whole multiples
-  // of (growth_policy.h PlanUnit); 0 without pages.
-  size_t plan_unit_ = 0;
   HandleType handle_type_ = HandleType::kNone;
   std::string device_uuid_;
   uintptr_t base_ = 0;  // the reserved range

@@ -173,7 +173,8 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   return movable;
 }
 
-size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, bool settle) {
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, bool settle,
+                  size_t room) {
   // The neighbours the plan joins keep their pages (invariant 4).
   const size_t created = plan.len - movable.Fit(plan.len, plan.gap->prev, plan.gap->next);
   // Pages moved cost driver calls, and a range away from the free neighbours leaves gaps
@@ -183,6 +184,9 @@ size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, b
   // creep, docs/DESIGN.md §2b). Until the pool has moved kSettleMoves times what it holds
   // since that high: then two, so that a working set that keeps missing below its high
   // creates what it lacks once and stops moving pages.
+  // A settling pool creates only within its room; a plan past it would fail: after every plan
+  // within it.
+  if (created > room) return kPastRoom + created;
   return created + (settle ? plan.len / 2 : plan.len / 64);
 }
 

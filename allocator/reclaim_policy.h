@@ -132,9 +132,15 @@ ReclaimChoice ChooseReclaim(const ReclaimRequest& request, const MovableMemory& 
 // sixty-fourth, or a half once the pool `settle`s: when a miss below the allocated high
 // comes after misses have moved kSettleMoves times what the pool holds since that high was
 // reached (a working set that keeps missing below its high would otherwise move pages at
-// every pass; creating a little instead lets it settle).
+// every pass; creating a little instead lets it settle). A plan that creates more than
+// `room`, what the pool may still create under its memory limit or its GPU's memory
+// fraction (SIZE_MAX: no limit), would fail: it costs kPastRoom more, after every plan
+// within the room (a settling pool near its limit moves rather than fail and release its
+// cache).
 inline constexpr size_t kSettleMoves = 4;
-size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, bool settle);
+inline constexpr size_t kPastRoom = SIZE_MAX / 2;
+size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, bool settle,
+                  size_t room);
 
 }  // namespace vmm
 

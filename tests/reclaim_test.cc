@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <iterator>
 #include <map>
@@ -178,8 +179,10 @@ TEST_F(ReclaimTest, DefaultsPageTheLargeArenaAndKeepTheSmallArenaSmall) {
 }
 
 // Near a limit the rounding to half pages counts (pool.h): 21 MiB under a 22 MiB limit needs
-// six 4 MiB halves and fails cleanly, the pool staying usable; without pages it fits.
-TEST_F(ReclaimTest, NearALimitAPagedGrowthRoundsToHalfPages) {
+// six 4 MiB halves, so the first growth fails; the retry, after the pool has released its
+// free chunks, plans to granularity (22 MiB: two pages and a 6 MiB chunk) and serves it, as
+// single chunks would. Every growth after it is planned to granularity too.
+TEST_F(ReclaimTest, NearALimitAPagedGrowthRetriesToGranularity) {
   for (size_t page : {size_t{8} << 20, size_t{0}}) {
     SCOPED_TRACE(page);
     PoolOptions options;
@@ -189,13 +192,24 @@ TEST_F(ReclaimTest, NearALimitAPagedGrowthRoundsToHalfPages) {
     auto pool = CreatePoolOrFail(driver_, options);
     ASSERT_NE(pool, nullptr);
     absl::StatusOr<void*> p = pool->Allocate(21 * kMiB, 0);
-    if (page != 0) {
-      EXPECT_TRUE(absl::IsResourceExhausted(p.status())) << p.status();
-      EXPECT_OK(pool->CheckInvariants());
-      p = pool->Allocate(20 * kMiB, 0);
-    }
     ASSERT_OK(p.status());
+    PoolStats stats = pool->GetStats();
+    EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(22 * kMiB));
+    EXPECT_EQ(stats.num_alloc_retries, page != 0 ? 1 : 0);
+    EXPECT_EQ(stats.num_ooms, 0);
+    EXPECT_OK(pool->CheckInvariants());
     EXPECT_OK(pool->Free(*p));
+    if (page != 0) {
+      // Emptied and filled again: 2 MiB beside 20 MiB, each growth to granularity.
+      ASSERT_OK(pool->EmptyCache());
+      absl::StatusOr<void*> a = pool->Allocate(20 * kMiB, 0);
+      absl::StatusOr<void*> b = pool->Allocate(2 * kMiB, 0);
+      ASSERT_OK(a.status());
+      ASSERT_OK(b.status());
+      EXPECT_EQ(pool->GetStats().num_alloc_retries, 1);
+      EXPECT_OK(pool->Free(*a));
+      EXPECT_OK(pool->Free(*b));
+    }
     EXPECT_OK(pool->CheckInvariants());
   }
 }
@@ -300,14 +314,16 @@ TEST_F(ReclaimTest, BelowItsHighAMissMovesPagesRatherThanCreateBesideAFreeNeighb
   for (void* x : {p[0], p[7], p[8], p[9], q, r}) ASSERT_OK(pool->Free(x));
 }
 
-// Half a page where that is whole granules (so it divides the page), else the page.
+// Half a page where that is whole granules (so it divides the page), else the page; the
+// granularity once memory is short.
 TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
-  EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB), 4 * kMiB);
-  EXPECT_EQ(PlanUnit(4 * kMiB, 2 * kMiB), 2 * kMiB);
-  EXPECT_EQ(PlanUnit(12 * kMiB, 2 * kMiB), 6 * kMiB);
-  EXPECT_EQ(PlanUnit(2 * kMiB, 2 * kMiB), 2 * kMiB);   // one granule
-  EXPECT_EQ(PlanUnit(6 * kMiB, 2 * kMiB), 6 * kMiB);   // three granules
-  EXPECT_EQ(PlanUnit(64 * kMiB, 64 * kMiB), 64 * kMiB);
+  EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB, false), 4 * kMiB);
+  EXPECT_EQ(PlanUnit(4 * kMiB, 2 * kMiB, false), 2 * kMiB);
+  EXPECT_EQ(PlanUnit(12 * kMiB, 2 * kMiB, false), 6 * kMiB);
+  EXPECT_EQ(PlanUnit(2 * kMiB, 2 * kMiB, false), 2 * kMiB);   // one granule
+  EXPECT_EQ(PlanUnit(6 * kMiB, 2 * kMiB, false), 6 * kMiB);   // three granules
+  EXPECT_EQ(PlanUnit(64 * kMiB, 64 * kMiB, false), 64 * kMiB);
+  EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB, /*short_of_memory=*/true), 2 * kMiB);
 }
 
 // GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
@@ -323,13 +339,34 @@ TEST(GrowthCostTest, CountsWhatTheNeighboursKeepAndWeighsTheMoves) {
   plan.gap = &gap;
   plan.len = 8 * kPage;
   // The left neighbour's 4 pages stay: 6 of the 8 can move, 2 are created.
-  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), 2 * kPage + plan.len / 64);
-  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/true), 2 * kPage + plan.len / 2);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false, SIZE_MAX), 2 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/true, SIZE_MAX), 2 * kPage + plan.len / 2);
   // Away from that neighbour all 10 pages may move: nothing is created.
   gap.prev = nullptr;
-  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false, SIZE_MAX), plan.len / 64);
   plan.len = 12 * kPage;
-  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), 2 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false, SIZE_MAX), 2 * kPage + plan.len / 64);
+}
+
+// A plan that creates more than the pool may still create (its memory limit) would fail: it
+// costs more than any plan within that room, settling or not, and such plans rank by what
+// they create.
+TEST(GrowthCostTest, PlansPastTheRoomComeLast) {
+  Block gap, elsewhere;
+  MovableMemory movable;
+  movable.Add(&elsewhere, kPage, 6);
+  Arena::GrowthPlan plan;
+  plan.gap = &gap;
+  plan.len = 8 * kPage;  // 6 pages move, 2 are created
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/true, 2 * kPage), 2 * kPage + plan.len / 2);
+  const size_t past = GrowthCost(movable, plan, /*settle=*/true, kPage);
+  EXPECT_EQ(past, kPastRoom + 2 * kPage);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false, kPage), past);
+  // Within the room, a plan of the whole address range still costs less.
+  plan.len = size_t{1} << 48;
+  EXPECT_LT(GrowthCost(movable, plan, /*settle=*/true, SIZE_MAX), past);
+  plan.len = 12 * kPage;  // 6 created
+  EXPECT_GT(GrowthCost(movable, plan, /*settle=*/false, kPage), past);
 }
 
 // Chunks of several pages move whole (invariant 5): a plan counts only those that fit it,
@@ -350,11 +387,11 @@ TEST(GrowthCostTest, CountsOnlyTheChunksThatFitThePlan) {
   Arena::GrowthPlan plan;
   plan.gap = &gap;
   plan.len = 3 * kPage;  // the 4-page chunk does not fit: 2 + 1 move, nothing is created
-  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false, SIZE_MAX), plan.len / 64);
   movable = MovableMemory();
   movable.Add(&elsewhere, 4 * kPage, 1);
   // Only a chunk larger than the plan: all of it is created.
-  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false), 3 * kPage + plan.len / 64);
+  EXPECT_EQ(GrowthCost(movable, plan, /*settle=*/false, SIZE_MAX), 3 * kPage + plan.len / 64);
 }
 
 // Releasing free pages that lie end to end takes one Unmap for all of them (whole mappings
