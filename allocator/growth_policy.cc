@@ -14,8 +14,7 @@ size_t GrowthExtra(const PoolOptions& options, const GrowthRequest& request) {
   return extra / request.granularity * request.granularity;
 }
 
-size_t PlanUnit(size_t large_page, size_t granularity, bool short_of_memory) {
-  if (short_of_memory) return granularity;
+size_t PlanUnit(size_t large_page, size_t granularity) {
   const size_t half = large_page / 2;
   return half != 0 && half % granularity == 0 ? half : large_page;
 }

@@ -21,10 +21,9 @@
 //     gone: at most half a page instead of a page strands less (host replay of the trace suite,
 //     seeds 0-27, 8 MiB pages: peak reserved / peak allocated over 1.02 in 2 of 168 replays
 //     instead of 9, worst 1.0203 instead of 1.0225; mean driver calls per trace -17% to +10%).
-//     Quarter pages (2 MiB) did worse on rl_phases and inference_varying. Once a growth has
-//     failed for lack of memory (a memory limit, a fraction, the GPU's capacity), to
-//     granularity: near the limit a growth rounded up to half a page fails where its
-//     granules fit.
+//     Quarter pages (2 MiB) did worse on rl_phases and inference_varying. Where the plan in
+//     half pages would create more than a memory limit or a fraction leaves, the pool plans
+//     the request to granularity instead (Pool::Grow), so the rounding fails no request.
 // A new policy is a new implementation of GrowthExtra (and PlanUnit) in this file.
 #ifndef VMM_ALLOCATOR_GROWTH_POLICY_H_
 #define VMM_ALLOCATOR_GROWTH_POLICY_H_
@@ -49,9 +48,8 @@ size_t GrowthExtra(const PoolOptions& options, const GrowthRequest& request);
 
 // The unit a growth of the large arena in pages of `large_page` bytes (a multiple of
 // `granularity`, not 0) is planned in: half a page where that is a whole number of granules,
-// else the page (one granule, or an odd number of them); the granularity once the pool is
-// `short_of_memory` (a growth has failed for lack of memory). It always divides the page.
-size_t PlanUnit(size_t large_page, size_t granularity, bool short_of_memory);
+// else the page (one granule, or an odd number of them). It always divides the page.
+size_t PlanUnit(size_t large_page, size_t granularity);
 
 }  // namespace vmm
 

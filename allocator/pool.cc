@@ -285,9 +285,27 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     arena.NarrowAnyTo(stream);
     block = arena.BestFit(stream, n);
     if (block == nullptr && &arena == &large_ && !spare_.empty()) {
-      // Memory a send left behind, before growing (file comment, "Reusing exported chunks").
+      // Memory a send left behind, before growing (file comment, "Reusing exported chunks"):
+      // one it fills closely, else the smallest it fits, its rest free memory, rather than
+      // grow beside idle spare chunks (sends of varying sizes made reserved memory grow
+      // without bound: each chunk kept for a send of its own size).
       block = TakeSpareChunk(n, spare_slack, stream, /*for_send=*/false);
+      if (block == nullptr) block = TakeSpareChunk(n, SIZE_MAX, stream, /*for_send=*/false);
       reopened_spare = block != nullptr;
+    }
+  }
+  if (block == nullptr && shareable && !spare_.empty() && !keep_memory_) {
+    // A send that no spare chunk fits closely grows a chunk of its own. Spare chunks and
+    // that growth are kept within twice the most the pool has had allocated: past it the
+    // oldest spare chunks go back first, so that a stream of sends of varying sizes does not
+    // keep growing the pool with chunks that no later send fits. Not during a capture (the
+    // unmaps are kept out of it, capture_window.h).
+    const size_t high = static_cast<size_t>(
+        std::max<int64_t>(std::max(allocated_high_, stats_.allocated_bytes.peak), 0));
+    const size_t kept = spare_.bytes() + n;
+    if (kept / 2 > high) {
+      const WorkOutsideCapture releasing(/*wanted=*/true);
+      if (releasing.entered()) VMM_RETURN_IF_ERROR(ReleaseSpareChunks(kept - 2 * high));
     }
   }
   if (block == nullptr) {
@@ -307,7 +325,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
         VMM_RETURN_IF_ERROR(ReleaseKeptExports());
         VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
-        grown = Grow(arena, n, stream, shareable);
+        grown = Grow(arena, n, stream, shareable, /*to_granularity=*/true);
       }
     }
     if (!grown.ok()) {
@@ -479,7 +497,8 @@ bool Pool::SmallArenaSurplus() const {
          free >= stats_.arena[kSmallArena].allocated_bytes.current;
 }
 
-absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool dedicated) {
+absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool dedicated,
+                                  bool to_granularity) {
   // The large arena grows in chunks of whole pages (large_page; several pages until the first
   // move, GrowthChunk), planned in half pages (growth_policy.h PlanUnit: the last chunk may be
   // half a page), which a later miss may move (reclaim_policy.h); blocks with chunks of their
@@ -529,8 +548,21 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     return may_move ? GrowthCost(movable, p, settle, room) : p.len;
   };
   size_t unit =
-      paged ? PlanUnit(options_.large_page, granularity_, short_of_memory_) : granularity_;
+      paged && !to_granularity ? PlanUnit(options_.large_page, granularity_) : granularity_;
   std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
+  // Near a limit the rounding to half pages can take a plan past what the pool may create
+  // where the same request planned in granules fits: then that plan (its moves too).
+  auto past_room = [&](const Arena::GrowthPlan& p) {
+    return may_move ? cost(p) >= kPastRoom : p.len > room;
+  };
+  if (plan && paged && unit != granularity_ && past_room(*plan)) {
+    std::optional<Arena::GrowthPlan> fine =
+        arena.PlanGrowth(n, stream, granularity_, dedicated, cost);
+    if (fine && !past_room(*fine)) {
+      plan = fine;
+      unit = granularity_;
+    }
+  }
   if (!plan && paged) {
     // No gap holds the request in whole units (a small range): plan it to granularity, the
     // last chunk shorter than a unit, and move nothing for it.

@@ -20,10 +20,10 @@
 // range holds the request in whole half pages), or, until a miss first moves memory (after
 // it, for requests of kLargeRequestChunks growth chunks or more), in chunks of up to
 // `growth_page` (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity
-// the rounding to half pages counts: a growth that passes the limit by its rounding fails,
-// and the retry after the pool releases its free chunks plans to granularity (as every
-// growth does once one has failed for lack of memory): the rounding alone fails no request.
-// Small-arena growth maps `small_chunk`
+// a growth that the rounding to half pages would take past a memory limit or a fraction cap
+// is planned to granularity instead (its moves too), and so is the retry after a growth has
+// failed for lack of memory (the GPU's capacity), so the rounding alone fails no request but
+// during a CUDA graph capture, when no retry is made. Small-arena growth maps `small_chunk`
 // at a time, or takes a free chunk that size from the large arena (below).
 //
 // Reclaiming free pages (reclaim_policy.h). With `large_page` set (the default for a pool
@@ -76,10 +76,14 @@
 //   - kept *parked* (mapped, retired, counted in reserved) while receivers have not reported;
 //   - kept *spare* once all have, under a fresh id at once (ExportObserver::ChunkRenamed: fds
 //     re-registered under a new key, so a descriptor of an earlier send fetches nothing from
-//     then on): AllocateShareable takes the smallest spare chunk that fits before growing,
-//     and so does an allocation of the large arena that fills one closely (at most an eighth
-//     of the request, or a granule, left over) before it grows; neither makes a driver call,
-//     and a later send of the block exports it with the handle already exported.
+//     then on): AllocateShareable takes the smallest spare chunk that fits closely before
+//     growing, and an allocation of the large arena that no free block fits takes the one
+//     it fills most closely (plain memory then, its rest free) before it grows; neither
+//     makes a driver call, and a later send of the block exports it with the handle already
+//     exported. A send that no spare chunk fits closely first releases the oldest spare
+//     chunks beyond twice the most the pool has had allocated (counting its own growth), so
+//     sends of varying sizes do not keep growing the pool (each chunk waiting for a send of
+//     its own size made reserved memory grow without bound).
 // A chunk that still holds live blocks when its last receiver reports its release (a block
 // sent in place with its neighbours: ExportNeighbours::kAllow) loses its mark instead, unless
 // the pool isolates sends (PoolOptions::isolate_sends) or the chunk is dedicated: under a fresh
@@ -362,7 +366,10 @@ class Pool {
   bool SmallArenaSurplus() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   static constexpr int64_t kSmallSurplusChunks = 4;
   // Maps new memory so that `arena` can fit `n` bytes for `stream`; returns the free block.
-  absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated)
+  // `to_granularity`: plan it in granules, not half pages (the retry after a growth failed
+  // for lack of memory, where the rounding may be what did not fit).
+  absl::StatusOr<Block*> Grow(Arena& arena, size_t n, Stream stream, bool dedicated,
+                              bool to_granularity = false)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The largest chunk a paged growth of `fresh` new bytes for a request of `n`, planned in plan
   // units (`in_units`; else to granularity), creates: large_page; or, until the pool first

@@ -121,11 +121,13 @@ struct PoolOptions {
   std::vector<int> peer_devices;
   // How many bytes of exported chunks are kept, once nothing in them is allocated and every
   // receiver of their sends has released its mapping, for the next shareable block (a send)
-  // or an allocation that fills one closely, instead of being released: that send then costs
+  // or allocation that fits one, instead of being released: that send then costs
   // no chunk creation, mapping, access grant or export (pool.h, "Reusing exported chunks").
   // Spare chunks are cached memory, as free blocks are: EmptyCache and a growth that fails
-  // for lack of memory release them. The default keeps all (SIZE_MAX; "unlimited" in option
-  // text); a chunk larger than the cap is released once free; 0 turns the reuse off.
+  // for lack of memory release them, and a send that fits none releases the oldest beyond
+  // twice the pool's allocated high (pool.h). The default keeps all within that (SIZE_MAX;
+  // "unlimited" in option text); a chunk larger than the cap is released once free; 0 turns
+  // the reuse off.
   size_t spare_export_bytes = SIZE_MAX;
   // How a process's sends (torch.multiprocessing, vmm_export_send) carry a block that shares
   // a physical chunk with other live blocks. false (the default, PyTorch's model): in place,

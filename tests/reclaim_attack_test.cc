@@ -1051,9 +1051,9 @@ TEST_F(ReclaimAttack, PageRoundingMakesARequestThatFitsTheRangeFail) {
   }
 }
 
-// A memory limit that is not a multiple of the half page growth is planned in: the growth in
-// half pages fails, and the retry to granularity (pool.h) uses the whole limit; past it the
-// refusal is clean and the pool stays usable.
+// A memory limit that is not a multiple of the half page growth is planned in: the growth is
+// planned to granularity there (pool.h) and uses the whole limit; past it the refusal is
+// clean and the pool stays usable.
 TEST_F(ReclaimAttack, MemoryLimitBetweenPagesServesWhatFits) {
   for (size_t page : {size_t{0}, size_t{8} << 20}) {
     SCOPED_TRACE(absl::StrCat("large_page ", page));

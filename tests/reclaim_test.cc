@@ -178,11 +178,10 @@ TEST_F(ReclaimTest, DefaultsPageTheLargeArenaAndKeepTheSmallArenaSmall) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
-// Near a limit the rounding to half pages counts (pool.h): 21 MiB under a 22 MiB limit needs
-// six 4 MiB halves, so the first growth fails; the retry, after the pool has released its
-// free chunks, plans to granularity (22 MiB: two pages and a 6 MiB chunk) and serves it, as
-// single chunks would. Every growth after it is planned to granularity too.
-TEST_F(ReclaimTest, NearALimitAPagedGrowthRetriesToGranularity) {
+// Near a limit the rounding to half pages counts (pool.h): 21 MiB under a 22 MiB limit would
+// take six 4 MiB halves; planned in granules instead (22 MiB: two pages and a 6 MiB chunk), it
+// fits with no failed growth, as single chunks do.
+TEST_F(ReclaimTest, NearALimitAPagedGrowthIsPlannedInGranules) {
   for (size_t page : {size_t{8} << 20, size_t{0}}) {
     SCOPED_TRACE(page);
     PoolOptions options;
@@ -195,23 +194,56 @@ TEST_F(ReclaimTest, NearALimitAPagedGrowthRetriesToGranularity) {
     ASSERT_OK(p.status());
     PoolStats stats = pool->GetStats();
     EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(22 * kMiB));
-    EXPECT_EQ(stats.num_alloc_retries, page != 0 ? 1 : 0);
-    EXPECT_EQ(stats.num_ooms, 0);
+    EXPECT_EQ(stats.num_alloc_retries, 0);
     EXPECT_OK(pool->CheckInvariants());
     EXPECT_OK(pool->Free(*p));
-    if (page != 0) {
-      // Emptied and filled again: 2 MiB beside 20 MiB, each growth to granularity.
-      ASSERT_OK(pool->EmptyCache());
-      absl::StatusOr<void*> a = pool->Allocate(20 * kMiB, 0);
-      absl::StatusOr<void*> b = pool->Allocate(2 * kMiB, 0);
-      ASSERT_OK(a.status());
-      ASSERT_OK(b.status());
-      EXPECT_EQ(pool->GetStats().num_alloc_retries, 1);
-      EXPECT_OK(pool->Free(*a));
-      EXPECT_OK(pool->Free(*b));
-    }
+    EXPECT_TRUE(absl::IsResourceExhausted(pool->Allocate(23 * kMiB, 0).status()));
     EXPECT_OK(pool->CheckInvariants());
   }
+}
+
+// Where the GPU's capacity, not a limit the pool knows, refuses the half pages, the retry
+// after the pool has released its free chunks plans in granules.
+TEST_F(ReclaimTest, AtTheDevicesCapacityTheRetryIsPlannedInGranules) {
+  std::unique_ptr<Driver> small = NewHostDriver(HostDriverOptions{2 * kMiB, 22 * kMiB});
+  PoolOptions options;
+  options.reserve_size = 1024 * kMiB;
+  auto pool = CreatePoolOrFail(small.get(), options);
+  ASSERT_NE(pool, nullptr);
+  absl::StatusOr<void*> p = pool->Allocate(21 * kMiB, 0);
+  ASSERT_OK(p.status());
+  EXPECT_EQ(pool->GetStats().num_alloc_retries, 1);
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, static_cast<int64_t>(22 * kMiB));
+  EXPECT_OK(pool->Free(*p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// After a growth has failed for lack of memory, growth is planned in half pages again, so
+// that a miss can still move whole free pages (a plan in granules fits fewer of them): a
+// request of 14 MiB takes the two free 8 MiB pages and creates nothing.
+TEST_F(ReclaimTest, AfterAFailedGrowthFreePagesStillMove) {
+  PoolOptions options;
+  options.large_page = 8 * kMiB;
+  options.growth_page = 8 * kMiB;
+  options.reserve_size = 1024 * kMiB;
+  options.memory_limit = 48 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_TRUE(absl::IsResourceExhausted(pool->Allocate(56 * kMiB, 0).status()));
+  std::vector<void*> pages;
+  for (int i = 0; i < 6; ++i) pages.push_back(Alloc(*pool, 8 * kMiB));
+  ASSERT_OK(pool->Free(pages[1]));
+  ASSERT_OK(pool->Free(pages[3]));
+  const PoolStats before = pool->GetStats();
+  void* q = Alloc(*pool, 14 * kMiB);
+  ASSERT_NE(q, nullptr);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_alloc_retries, before.num_alloc_retries);
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_EQ(after.num_chunk_moves - before.num_chunk_moves, 2);
+  EXPECT_OK(pool->CheckInvariants());
+  for (int i : {0, 2, 4, 5}) ASSERT_OK(pool->Free(pages[i]));
+  ASSERT_OK(pool->Free(q));
 }
 
 // A range too small for whole half pages (a small reserve) still serves what fits it: the
@@ -314,16 +346,14 @@ TEST_F(ReclaimTest, BelowItsHighAMissMovesPagesRatherThanCreateBesideAFreeNeighb
   for (void* x : {p[0], p[7], p[8], p[9], q, r}) ASSERT_OK(pool->Free(x));
 }
 
-// Half a page where that is whole granules (so it divides the page), else the page; the
-// granularity once memory is short.
+// Half a page where that is whole granules (so it divides the page), else the page.
 TEST(PlanUnitTest, IsHalfAPageInWholeGranules) {
-  EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB, false), 4 * kMiB);
-  EXPECT_EQ(PlanUnit(4 * kMiB, 2 * kMiB, false), 2 * kMiB);
-  EXPECT_EQ(PlanUnit(12 * kMiB, 2 * kMiB, false), 6 * kMiB);
-  EXPECT_EQ(PlanUnit(2 * kMiB, 2 * kMiB, false), 2 * kMiB);   // one granule
-  EXPECT_EQ(PlanUnit(6 * kMiB, 2 * kMiB, false), 6 * kMiB);   // three granules
-  EXPECT_EQ(PlanUnit(64 * kMiB, 64 * kMiB, false), 64 * kMiB);
-  EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB, /*short_of_memory=*/true), 2 * kMiB);
+  EXPECT_EQ(PlanUnit(8 * kMiB, 2 * kMiB), 4 * kMiB);
+  EXPECT_EQ(PlanUnit(4 * kMiB, 2 * kMiB), 2 * kMiB);
+  EXPECT_EQ(PlanUnit(12 * kMiB, 2 * kMiB), 6 * kMiB);
+  EXPECT_EQ(PlanUnit(2 * kMiB, 2 * kMiB), 2 * kMiB);   // one granule
+  EXPECT_EQ(PlanUnit(6 * kMiB, 2 * kMiB), 6 * kMiB);   // three granules
+  EXPECT_EQ(PlanUnit(64 * kMiB, 64 * kMiB), 64 * kMiB);
 }
 
 // GrowthCost: the bytes left to create once the movable pages outside the plan's neighbours
