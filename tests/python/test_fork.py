@@ -76,3 +76,60 @@ def test_a_forked_child_cannot_allocate_from_its_parents_pool():
                           timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "fork scenario: ok" in done.stdout
+
+
+LOADER_SCENARIO = textwrap.dedent(r'''
+    import sys
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    import vmm_torch
+
+    vmm_torch.install_reducers()
+    torch.set_num_threads(2)  # DataLoader's workers set one thread themselves
+
+
+    class Rows(Dataset):
+        """Rows of a tensor the parent holds in a vmm host pool, returned as views (a
+        DataLoader without automatic batching), or as the storage of a row's clone."""
+
+        def __init__(self, pool, storages):
+            self.data = pool.empty((16, 4))
+            self.data.copy_(torch.arange(64.0).view(16, 4))
+            self.storages = storages
+
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return self.data[i].storage() if self.storages else self.data[i]
+
+
+    for handle_type in ("posix_fd", "fabric"):
+        for isolate in (False, True):
+            for storages in (False, True):
+                pool = vmm_torch.Pool("host", handle_type=handle_type, isolate_sends=isolate)
+                rows = Rows(pool, storages)
+                loader = DataLoader(rows, batch_size=None, num_workers=2,
+                                    multiprocessing_context="fork")
+                if storages:  # each item: the whole dataset's storage, as PyTorch sends it
+                    total = sum(float(torch.tensor(s.tolist()).sum()) for s in loader)
+                    expected = 16 * 2016.0
+                else:
+                    total = sum(float(row.sum()) for row in loader)
+                    expected = 2016.0
+                assert total == expected, (handle_type, isolate, storages, total)
+                assert vmm_torch.in_vmm_pool(rows.data)  # the parent's tensor stays in vmm
+                assert rows.data.sum() == 2016.0
+    print("loader scenario: ok")
+''')
+
+
+def test_forked_dataloader_workers_send_views_of_the_parents_pool_as_pytorch_does():
+    """A forked worker cannot export memory of its parent's pool (it is the parent's): it
+    sends such a tensor as PyTorch sends a CPU tensor (its reducer copies it into shared
+    memory) rather than fail, so that a DataLoader over a dataset in a vmm host pool works."""
+    done = subprocess.run([sys.executable, "-c", LOADER_SCENARIO], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "loader scenario: ok" in done.stdout
+    assert "[vmm]" not in done.stderr, done.stderr

@@ -3,6 +3,9 @@
 import gc
 import pickle
 import queue
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -180,3 +183,64 @@ def test_compact_payload_in_a_spawned_process(ctx, handle_type):
         assert replies[7] == ("tensor", "Tensor", (6, 8), (8, 1), 0, "torch.float64", False,
                               float(sum(range(48))))
         assert replies[8] == ("done",)
+
+
+def test_storages_and_share_memory_keep_receivers_on_the_senders_memory(ctx):
+    """A storage of vmm memory travels as a vmm send, like a tensor (PyTorch's reducer would
+    copy it into new shared memory), and share_memory_() on a received tensor leaves it where
+    it is (PyTorch's: a no-op for shared memory): the receiver's writes reach the sender."""
+    vmm_torch.install_reducers()
+    with vmm_torch.Pool("host") as pool:
+        tensors = [pool.zeros((4,)) for _ in range(3)]
+        untyped = (tensors[1].untyped_storage() if hasattr(torch.Tensor, "untyped_storage")
+                   else tensors[1].storage().untyped())
+        items = [("share_memory_", tensors[0]), ("storage", untyped),
+                 ("storage", tensors[2].storage())]  # a TypedStorage in this torch
+        q, results = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=workers.write_into_received, args=(q, results), daemon=True)
+        proc.start()
+        kinds = []
+        for item in items:
+            q.put(item)
+            kinds.append(results.get(timeout=TIMEOUT)[1])
+        q.put(None)
+        proc.join(TIMEOUT)
+        assert proc.exitcode == 0
+        assert kinds[1] == "UntypedStorage" and kinds[2] == type(items[2][1]).__name__
+        assert tensors[0].tolist() == [1.0] * 4
+        assert tensors[1].tolist() == [0.0, 100.0, 0.0, 0.0]
+        assert tensors[2].tolist() == [0.0, 100.0, 0.0, 0.0]
+        assert all(vmm_torch.in_vmm_pool(t) for t in tensors)
+
+
+def test_a_receiver_prints_nothing_at_exit(tmp_path):
+    """A process that received a vmm tensor exits without a word (torch 1.13 warned "Failed
+    to initialize NumPy" when the receiver's storage cache was torn down with the
+    interpreter)."""
+    script = tmp_path / "receiver_exit.py"
+    script.write_text(textwrap.dedent("""
+        import torch.multiprocessing as mp
+        import vmm_torch
+
+        vmm_torch.install_reducers()
+
+
+        def child(q):
+            print("child got", float(q.get(timeout=60).sum()), flush=True)
+
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            q = ctx.Queue()
+            p = ctx.Process(target=child, args=(q,))
+            p.start()
+            pool = vmm_torch.Pool("host")
+            q.put(pool.empty((10,)).fill_(1))
+            p.join(60)
+            assert p.exitcode == 0
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "child got 10.0\n"
+    assert done.stderr == ""

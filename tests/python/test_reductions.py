@@ -438,3 +438,95 @@ def test_external_streams_are_marked_foreign():
     assert pool_stream(FakeStream(0x7F00_1000, 0x7F00_1000)) == 0x7F00_1000 | FOREIGN_STREAM_BIT
     assert pool_stream(FakeStream(0x7F00_2000, 33)) == 0x7F00_2000
     assert pool_stream(FakeStream(0, 0)) == 0
+
+
+def _untyped(t):
+    return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage().untyped()
+
+
+STORAGES = {  # how a test takes a storage of tensor t
+    "untyped": _untyped,
+    "typed": lambda t: t.storage(),
+    "legacy": lambda t: torch.FloatStorage(wrap_storage=_untyped(t)),
+}
+
+
+@pytest.mark.parametrize("how", sorted(STORAGES))
+def test_storages_of_vmm_memory_travel_as_sends(pool, how):
+    """A storage of vmm memory goes as a send of its bytes, as a tensor over it would (held for
+    its receiver): the received storage maps the sender's memory. PyTorch's reducer would copy
+    it into new shared memory, which the sender never sees."""
+    settle_earlier_sends()
+    t = filled(pool, (4, 8))
+    storage = STORAGES[how](t)
+    received = round_trip(storage)
+    assert type(received) is type(storage) and len(received) == len(storage)
+    assert getattr(received, "dtype", None) == getattr(storage, "dtype", None)
+    assert received.data_ptr() != storage.data_ptr()  # a mapping of its own
+    view = torch.empty((0,), dtype=torch.float32).set_(
+        received if isinstance(received, torch.TypedStorage)
+        else torch.TypedStorage(wrap_storage=received, dtype=torch.float32))
+    view[5] = -1.0
+    assert float(t.view(-1)[5]) == -1.0  # the receiver wrote into the sender's memory
+    assert sharing.flush_acks(5) == 0
+    assert vmm_torch.send_stats()["held"] == 0  # received, so acknowledged
+
+
+def test_storage_sends_withdraw_forward_and_leave_other_storages_to_torch(pool):
+    settle_earlier_sends()
+    t = filled(pool, (16,))
+    untyped = _untyped(t)
+    rebuild, args = reductions.reduce_storage(untyped)
+    assert rebuild is sharing.rebuild_storage
+    assert len(args) == len(sharing.SEND_PAYLOAD_FIELDS)
+    forwarded = round_trip(rebuild(*args))  # a received storage, sent on
+    torch.empty((0,), dtype=torch.uint8).set_(forwarded)[0] = 0xFF
+    assert t.view(torch.uint8)[0] == 0xFF
+    # A message that fails to pickle withdraws the storage's send with it.
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        ForkingPickler.dumps((untyped, lambda: None))
+    assert sharing.flush_acks(5) == 0
+    assert vmm_torch.send_stats()["held"] == 0
+    # Storages that are not vmm memory, and an empty one of a pool: PyTorch's reducer.
+    from torch.multiprocessing import reductions as torch_reductions
+    plain = torch.arange(4.0)
+    for storage in (_untyped(plain), plain.storage(), _untyped(pool.empty((0,)))):
+        rebuild, _ = reductions.reduce_storage(storage)
+        assert rebuild.__module__ == torch_reductions.__name__
+    assert round_trip(plain.storage()).tolist() == plain.tolist()
+
+
+def test_queue_put_prepares_storages():
+    """Queue.put prepares the storages it reaches as it prepares tensors: in a pool that
+    isolates sends, one that shares its chunk moves to memory of its own in the caller."""
+    with vmm_torch.Pool("host", isolate_sends=True) as isolating:
+        t = isolating.empty((8,)).fill_(3)
+        neighbour = isolating.empty((8,)).fill_(4)
+        before = t.data_ptr()
+        assert reductions.prepare_send({"weights": [t.storage()]})
+        assert t.data_ptr() != before and t.tolist() == [3.0] * 8  # moved, values kept
+        assert reductions.prepare_send(_untyped(neighbour))
+        assert not reductions.prepare_send({"plain": [torch.arange(3.0).storage()]})
+        del t, neighbour
+
+
+class _NoDryRun(reductions._Preparer):
+    def __init__(self):
+        raise AssertionError("Queue.put pickled plain data in the caller (a dry run)")
+
+
+def test_plain_data_skips_the_dry_run(monkeypatch):
+    """Queue.put runs no pickling in the caller for data that cannot hold a tensor (a dry run
+    would run pickling code twice, and in the caller's thread)."""
+    monkeypatch.setattr(reductions, "_Preparer", _NoDryRun)
+    plain = {"id": 3, "name": "x", "rows": [(1, 2.5, None, True), {b"k": [frozenset({1})]}],
+             "set": {1, 2}, 7: bytearray(b"x")}
+    assert not reductions.prepare_send(plain)
+    assert not reductions.prepare_send([[]] * 100)
+    cycle = []
+    cycle.append(cycle)
+    for not_plain in ({"t": torch.zeros(1), "n": 1}, [{"deep": (torch.zeros(1),)}],
+                      {"big": list(range(reductions.PLAIN_ITEMS_CHECKED + 1))}, cycle,
+                      [type("Tagged", (int,), {})(1)], {"k": object()}):
+        with pytest.raises(AssertionError, match="dry run"):
+            reductions.prepare_send(not_plain)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vmm_torch
-from host_pools import HANDLE_TYPES, filled, pool  # noqa: F401 (pool: a fixture)
+from host_pools import HANDLE_TYPES, filled, next_id, pool  # noqa: F401 (pool: a fixture)
 from vmm_torch import FabricBufferDescriptor, PosixFdBufferDescriptor, SharedTensor, sharing
 
 MIB = 1 << 20
@@ -133,6 +133,45 @@ def test_import_buffer(pool):
         assert buf2.size == 256
     with pytest.raises(ValueError, match="closed"):
         buf2.as_tensor()
+
+
+def _import_is_open(import_id):
+    try:
+        sharing.import_info(import_id)
+        return True
+    except ValueError:  # "no import N"
+        return False
+
+
+def test_imported_buffer_from_an_id_takes_a_reference_of_its_own(pool, capfd):
+    """ImportedBuffer(import_id) (public) must never release a reference it did not take: it
+    used to adopt one, so closing it unmapped the memory of another live tensor (a crash at
+    its next read)."""
+    t = filled(pool, (1024,))
+    import_id = next_id()
+    received = vmm_torch.export_tensor(t).open()  # holds import `import_id`
+    assert _import_is_open(import_id)
+    for _ in range(3):
+        with vmm_torch.ImportedBuffer(import_id) as buf:
+            assert buf.size == 1024 * 4 and buf.backend == "host"
+            assert torch.equal(buf.as_tensor(torch.float32), t)
+        del buf
+        gc.collect()
+        assert _import_is_open(import_id), "closing the buffer released the tensor's import"
+    assert torch.equal(received, t)
+    del received
+    gc.collect()
+    assert not _import_is_open(import_id)  # the tensor's reference was the last
+    for bad in (None, "1", 1.5, b"1", True, [import_id]):
+        with pytest.raises(TypeError, match="import id"):
+            vmm_torch.ImportedBuffer(bad)
+    for bad in (0, -1, 2**63, 2**80, import_id, next_id() + 100):
+        with pytest.raises(ValueError, match="no import"):
+            vmm_torch.ImportedBuffer(bad)
+    with pytest.raises(ValueError, match="backend"):
+        vmm_torch.ImportedBuffer(next_id(), backend="tpu")
+    gc.collect()
+    assert "[vmm] error" not in capfd.readouterr().err  # nothing released that was not held
 
 
 def test_export_of_memory_outside_vmm_is_refused():
@@ -322,3 +361,34 @@ def test_as_tensor_shapes_are_checked(pool):
         with pytest.raises(TypeError, match="dtype"):
             buf.as_tensor(dtype="uint8")
         assert torch.equal(buf.as_tensor(shape=(4, 4)).view(16), t)
+
+
+def test_share_memory_leaves_vmm_cpu_memory_in_place(pool):
+    """share_memory_() is a no-op for memory that is shared already (PyTorch's rule): for a
+    tensor of a shareable host pool and a received (imported) one it must not copy the bytes
+    into new shared memory, which would detach the tensor from the processes that map it."""
+    t = filled(pool, (64,))
+    received = vmm_torch.export_tensor(t).open()
+    module = torch.nn.Linear(2, 2, bias=False)
+    module.weight.data = pool.empty((2, 2)).fill_(1)
+    for tensor in (t, received, t[5:], module.weight):
+        where = tensor.data_ptr()
+        assert tensor.share_memory_() is tensor
+        assert tensor.storage().share_memory_() is not None
+        assert tensor.data_ptr() == where
+    module.share_memory()
+    assert vmm_torch.in_vmm_pool(t) and vmm_torch.in_vmm_pool(module.weight)
+    received[0] = -5.0
+    assert float(t[0]) == -5.0  # still the same memory
+
+
+def test_share_memory_moves_what_vmm_cannot_share():
+    """Memory vmm cannot send (a pool without handles) and memory outside vmm move to shared
+    memory as PyTorch moves them."""
+    with vmm_torch.Pool("host", handle_type="none") as private:
+        t = private.empty((16,)).fill_(2)
+        t.share_memory_()
+        assert t.is_shared() and not vmm_torch.in_vmm_pool(t) and t.tolist() == [2.0] * 16
+    plain = torch.ones(4)
+    plain.share_memory_()
+    assert plain.is_shared()

@@ -394,3 +394,29 @@ def gpu_send_steps(results):
     proc.join(120)
     out["exitcode"] = proc.exitcode
     results.put(out)
+
+
+def write_into_received(q, results):
+    """Receives (how, item) items until None and writes into each, replying "written" after
+    each (test_multiprocess.py): ("share_memory_", tensor): calls tensor.share_memory_()
+    (PyTorch: a no-op for memory that is shared already) and adds 1 to every element;
+    ("storage", storage): sets element 1 of an untyped or typed storage of float32 to 100
+    (bytes 4-7 of an untyped one)."""
+    import vmm_torch
+
+    vmm_torch.install_reducers()
+    while True:
+        item = q.get(timeout=60)
+        if item is None:
+            return
+        how, received = item
+        if how == "share_memory_":
+            received.share_memory_()
+            received.add_(1)
+        elif isinstance(received, torch.UntypedStorage):
+            view = torch.empty((0,), dtype=torch.uint8).set_(received)
+            view.view(torch.float32)[1] = 100
+        else:
+            received[1] = 100.0
+        results.put(("written", type(received).__name__))
+        del received, item

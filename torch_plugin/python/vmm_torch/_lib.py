@@ -123,6 +123,7 @@ class Libraries:
                     f"vmm_torch: {path} is missing; install the package with pip (see "
                     f"torch_plugin/python/README.md) or set VMM_LIB_DIR to the folder that holds "
                     f"{LIBVMM_NAME} and {EXTENSION_NAME}")
+        self.pid = os.getpid()  # the process that loaded them (forked_since_load)
         self.vmm = ctypes.CDLL(self.libvmm_path)
         self.quick = ctypes.PyDLL(self.libvmm_path)
         _signatures.declare(self.vmm)
@@ -150,6 +151,19 @@ def load() -> Libraries:
             if _loaded is None:
                 _loaded = Libraries(library_dir())
     return _loaded
+
+
+def is_loaded() -> bool:
+    """Whether this process (or the parent it was forked from) has loaded the libraries; where
+    not, no memory of vmm's exists here. Loads nothing."""
+    return _loaded is not None
+
+
+def forked_since_load() -> bool:
+    """Whether this process is a fork() child of the process that loaded the libraries (its
+    pools made before the fork are its parent's, which the library's fork guard keeps it from
+    allocating from or exporting: FAILED_PRECONDITION). Loads nothing."""
+    return _loaded is not None and _loaded.pid != os.getpid()
 
 
 def vmm() -> ctypes.CDLL:

@@ -4,7 +4,9 @@ After :func:`install_reducers`, pickling with ``multiprocessing.reduction.Forkin
 (what ``torch.multiprocessing`` queues, pipes and process arguments use) turns a tensor whose
 storage is vmm memory into a *send*: its buffer descriptor, metadata and a ticket (the payload
 of :mod:`vmm_torch.sharing`). The receiving process imports the descriptor, mapping the same
-memory, and acknowledges the ticket. Other tensors go through PyTorch's own reducer.
+memory, and acknowledges the ticket. Other tensors go through PyTorch's own reducer. A storage
+of vmm memory (untyped, typed or legacy typed) is a send of all its bytes, unpickled as the
+same kind of storage over the memory the receiver maps; other storages go through PyTorch's.
 
 What a send promises (docs/DESIGN.md §3, §4 "send holds"):
 
@@ -33,6 +35,9 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
   ``Process`` arguments) the current stream is synchronized.
 - **Forwarding.** A received vmm tensor can be sent on (A -> B -> C): C maps A's memory through
   B's handles, with the same lifetime guarantee.
+- **Forked children.** A forked child (a DataLoader worker) never exports memory of a pool its
+  parent made (the library's fork guard): it sends such a CPU tensor or storage as PyTorch
+  does (PyTorch's reducer moves the child's storage into shared memory).
 - **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
   (VMM_SEND_EXIT_WAIT_S) for the receivers of its sends, since its memory goes with it.
 - **No silent loss.** A tensor that cannot travel (a pool with ``handle_type="none"``, a
@@ -134,10 +139,13 @@ def _parts(tensor: torch.Tensor) -> Optional[List[torch.Tensor]]:
     return []  # no memory of vmm's (a layout of another device)
 
 
-def _reduce(tensor: torch.Tensor) -> Reduction:
+def _reduce(tensor: torch.Tensor,
+            fallback: Callable[[torch.Tensor], Reduction] = _torch_reduce_tensor) -> Reduction:
+    """A send of `tensor` if it is vmm memory, else fallback(tensor) (PyTorch's reducer of what
+    is being pickled: the tensor, or the storage `tensor` views)."""
     if _parts(tensor) is not None:
         # Nested and sparse tensors: PyTorch's reducer sends their parts through vmm's.
-        return _torch_reduce_tensor(tensor)
+        return fallback(tensor)
     in_feeder = _on_feeder_thread()
     module = sharing.cuda_module() if in_feeder and tensor.is_cuda else None
     if module is not None:
@@ -152,12 +160,12 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
         if kind in (SEND_IN_PLACE, SEND_IMPORT):
             _lib.raise_last_error("send")
         if kind == SEND_NOT_VMM:
-            return _torch_reduce_tensor(tensor)
+            return fallback(tensor)
         # Otherwise the steps below, which send it through PyTorch or raise why it cannot go.
     base = sharing.storage_address(tensor)
     kind = sharing.send_kind(base)
     if kind == SEND_NOT_VMM:
-        return _torch_reduce_tensor(tensor)
+        return fallback(tensor)
     requires_grad = tensor.requires_grad
     if requires_grad and not tensor.is_leaf:
         raise _non_leaf_error()
@@ -165,18 +173,29 @@ def _reduce(tensor: torch.Tensor) -> Reduction:
         # A pool that isolates sends. Moving it here would race with its owner, who may still
         # write to it (put returned). Queue.put prepares every tensor pickle reaches, so only
         # a tensor that gained a neighbour otherwise (a put that bypassed the patched method,
-        # a tensor made while pickling) gets here.
-        raise _lib.VmmError(
+        # a tensor made while pickling), or one of a pool that the parent of this forked
+        # process made (which put could not move: sent as PyTorch sends it), gets here.
+        error = _lib.VmmError(
             "this tensor shares a physical chunk with other tensors and must move to memory of "
             "its own before it is sent (its pool isolates sends), which Queue.put does in the "
             "sending thread; it was not prepared there (was the queue's put bypassed?); send "
             "tensor.clone()",
             "FAILED_PRECONDITION")
+        if sharing.refused_after_fork(error, tensor, kind):
+            return fallback(tensor)
+        raise error
+    try:
+        payload = sharing.send_payload(tensor, base, kind,
+                                       isinstance(tensor, torch.nn.Parameter), requires_grad)
+    except _lib.VmmError as error:
+        if not sharing.refused_after_fork(error, tensor, kind):
+            raise
+        # A forked child (a DataLoader worker) sending memory of its parent's pool, which it
+        # cannot export: as PyTorch sends it (a copy in shared memory; the parent's is kept).
+        return fallback(tensor)
     if in_feeder:
         _vmm_feeders.add(threading.current_thread())
-    return (sharing.rebuild_tensor,
-            sharing.send_payload(tensor, base, kind, isinstance(tensor, torch.nn.Parameter),
-                                 requires_grad))
+    return (sharing.rebuild_tensor, payload)
 
 
 def reduce_tensor(tensor: torch.Tensor) -> Reduction:
@@ -187,10 +206,49 @@ def reduce_tensor(tensor: torch.Tensor) -> Reduction:
     vmm_torch._lib). There, a
     failure becomes a payload that raises it in the receiver (the feeder would print and drop
     it); elsewhere it raises in the caller."""
+    return _reduced(lambda: _reduce(tensor))
+
+
+def _torch_reduce_storage(storage: Any) -> Reduction:
+    """PyTorch's reducer of `storage`'s class, as install_reducers found it registered."""
+    reducer = _torch_storage_reducers.get(type(storage))
+    if reducer is None:
+        from torch.multiprocessing import reductions
+
+        reducer = reductions.reduce_storage
+    return reducer(storage)
+
+
+def reduce_storage(storage: Any) -> Reduction:
+    """ForkingPickler reducer of untyped storages: a vmm send of all their bytes where they are
+    vmm memory (what a tensor over them would make, with the same hold for the receiver), which
+    the receiver unpickles as the untyped storage over the memory it maps; else PyTorch's
+    reducer. TypedStorage and the legacy typed storages (torch.FloatStorage) reach it:
+    PyTorch's reducers of those pickle the untyped storage they wrap."""
+    view = sharing.storage_view(storage)
+    if view is None:
+        return _torch_reduce_storage(storage)
+
+    def send() -> Reduction:
+        function, args = _reduce(view, lambda _: _torch_reduce_storage(storage))
+        if function is sharing.rebuild_tensor:
+            return sharing.rebuild_storage, args
+        return function, args
+
+    return _reduced(send)
+
+
+#: The rebuild functions of sends (their payload holds the ticket).
+_SEND_REBUILDS = (sharing.rebuild_tensor, sharing.rebuild_storage)
+
+
+def _reduced(reduce: Callable[[], Reduction]) -> Reduction:
+    """reduce(), its send noted in the message being pickled; in a queue's feeder thread, a
+    failure becomes a payload that raises it in the receiver (see reduce_tensor)."""
     message = getattr(_pickling, "message", None)
     made = len(message.tickets) if message is not None else 0
     try:
-        return _note_send(_reduce(tensor))
+        return _note_send(reduce())
     except Exception as error:
         if not _on_feeder_thread():
             raise
@@ -225,7 +283,7 @@ def _note_send(reduction: Reduction) -> Reduction:
     """Notes the ticket of a send just made while a message is pickled, so that the message's
     failure can withdraw it."""
     message = getattr(_pickling, "message", None)
-    if message is not None and reduction[0] is sharing.rebuild_tensor:
+    if message is not None and reduction[0] in _SEND_REBUILDS:
         message.tickets.append(reduction[1][len(sharing.PAYLOAD_FIELDS)])  # the ticket
     return reduction
 
@@ -336,10 +394,19 @@ class _Preparer(pickle.Pickler):
             if _prepare_tensor(obj):
                 self.found_vmm = True
             return _NOTHING
+        if isinstance(obj, _STORAGE_TYPES):  # sent as a tensor over its bytes (reduce_storage)
+            view = sharing.storage_view(obj)
+            if view is not None and _prepare_tensor(view):
+                self.found_vmm = True
+            return _NOTHING
         kind = type(obj)
         if kind in ForkingPickler._extra_reducers or kind.__module__ == "numpy":
             return _NOTHING  # numpy arrays: no tensor inside, and pickling one copies it
         return NotImplemented
+
+
+#: The storage classes: untyped, and typed (TypedStorage and the legacy typed ones).
+_STORAGE_TYPES = (torch.UntypedStorage, torch.TypedStorage)
 
 
 class _Discard:
@@ -365,6 +432,35 @@ def _flat(obj: Any) -> bool:
     return all(type(item) is torch.Tensor or type(item) in _SCALARS for item in obj)
 
 
+#: The plain containers _plain walks (exact types: a subclass may pickle otherwise).
+_CONTAINERS = (tuple, list, dict, set, frozenset)
+#: How many items _plain looks at before it leaves an object to the dry run.
+PLAIN_ITEMS_CHECKED = 4096
+
+
+def _plain(obj: Any) -> bool:
+    """Whether `obj` is plain data that cannot hold a tensor: scalars (str, bytes, int, float,
+    bool, None) and tuples, lists, dicts, sets and frozensets of them, nested, all of exactly
+    those types, at most PLAIN_ITEMS_CHECKED items in all (beyond, not known: False). Looked
+    at without pickling, so that Queue.put runs no object's pickling code twice for it."""
+    pending = [obj]
+    budget = PLAIN_ITEMS_CHECKED
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        if kind in _SCALARS:
+            continue
+        if kind not in _CONTAINERS:
+            return False
+        budget -= len(item) * (2 if kind is dict else 1)
+        if budget < 0:
+            return False
+        pending.extend(item)  # a dict's keys
+        if kind is dict:
+            pending.extend(item.values())
+    return True
+
+
 def prepare_send(obj: Any) -> bool:
     """What Queue.put does before it hands `obj` to the queue's feeder thread, for every tensor
     pickling `obj` reaches: raises what sending it would raise (RuntimeError for a non-leaf
@@ -377,7 +473,10 @@ def prepare_send(obj: Any) -> bool:
     goes, so that the receiver reads what was written before put.
     Last, if this process's unacknowledged sends hold more than the send budget, waits while
     their receivers acknowledge (sharing.set_send_budget). An object that cannot be pickled is
-    left to the feeder (which reports it as before).
+    left to the feeder (which reports it as before). Tensors and flat tuples and lists of
+    tensors and scalars are prepared without pickling, and plain data (_plain) is known to hold
+    none; in any other object a dry run of pickle finds them (so its __getstate__ and
+    __reduce__ run here, and again in the feeder thread).
     Returns whether `obj` holds vmm tensors."""
     if type(obj) in _SCALARS:
         return False
@@ -389,6 +488,8 @@ def prepare_send(obj: Any) -> bool:
         for item in obj:
             if isinstance(item, torch.Tensor) and _prepare_tensor(item):
                 found = True
+    elif _plain(obj):
+        return False  # plain data: no tensor to prepare, and no dry run
     else:
         preparer = _Preparer()
         # The dry run pickles to nowhere: a send some object's own reducer makes meanwhile
@@ -432,7 +533,12 @@ def _prepare_tensor(tensor: torch.Tensor) -> bool:
     if kind == SEND_NOT_EXPORTABLE:
         sharing.send_payload(tensor, 0, SEND_NOT_EXPORTABLE)  # raises the one message
     elif kind == SEND_RELOCATE:
-        base = sharing.relocate_storage(tensor, base)
+        try:
+            base = sharing.relocate_storage(tensor, base)
+        except _lib.VmmError as error:
+            if not sharing.refused_after_fork(error, tensor, kind):
+                raise
+            return False  # its parent's pool: the reducer sends it as PyTorch does
     if tensor.is_cuda:
         # What the current stream wrote before put: the feeder thread waits for it before the
         # send goes (sharing.wait_until_ready), this thread goes on.
@@ -535,7 +641,8 @@ def install_reducers() -> None:
     the enabled allocator or of an explicit Pool, CPU tensors of host pools, and tensors
     received from another process), and makes ``Queue.put`` check what cannot travel.
     ``torch.multiprocessing.reductions.reduce_tensor`` becomes vmm's reducer too (for other
-    tensors it is PyTorch's). Idempotent; affects this process's pickling only."""
+    tensors it is PyTorch's), and storages of vmm memory travel as sends (reduce_storage).
+    Idempotent; affects this process's pickling only."""
     global _installed, _torch_reducer
     import torch.multiprocessing  # noqa: F401  (registers PyTorch's reducers first)
     from torch.multiprocessing import reductions
@@ -544,6 +651,15 @@ def install_reducers() -> None:
         _lib.load()  # now, not in the first reducer call (a queue's feeder thread)
         for tensor_type in (torch.Tensor, torch.nn.Parameter):
             ForkingPickler.register(tensor_type, reduce_tensor)
+        # Storages of vmm memory: PyTorch's reducer would copy a CPU one into new shared memory
+        # (the receiver's writes would never reach the sender) and refuse a CUDA one. Where
+        # PyTorch registers its reduce_storage (untyped storages; its reducers of the typed
+        # ones pickle the untyped storage they wrap, so reach vmm's too).
+        for storage_type in _untyped_storage_types():
+            registered = ForkingPickler._extra_reducers.get(storage_type)
+            if registered is not None and registered is not reduce_storage:
+                _torch_storage_reducers[storage_type] = registered
+            ForkingPickler.register(storage_type, reduce_storage)
         # Programs that call PyTorch's reducer themselves (handing weights to another process
         # as `func, args = reduce_tensor(t)`, then `func(*args)` there) get vmm's: PyTorch's
         # would ask the allocator for a CUDA IPC handle, which a pluggable allocator has not.
@@ -554,6 +670,19 @@ def install_reducers() -> None:
         _patch_dumps()
         _register_exit_wait()
         _installed = True
+
+
+#: PyTorch's reducers of the untyped storage classes, as install_reducers found them.
+_torch_storage_reducers: Dict[type, Callable[[Any], Reduction]] = {}
+
+
+def _untyped_storage_types() -> List[type]:
+    """The untyped storage classes of this torch (those PyTorch gives its reduce_storage:
+    torch.multiprocessing.reductions.init_reductions)."""
+    found = [t for t in getattr(torch, "_storage_classes", ()) if t.__name__ == "UntypedStorage"]
+    if torch.UntypedStorage not in found:
+        found.append(torch.UntypedStorage)
+    return found
 
 
 def reducers_installed() -> bool:

@@ -49,7 +49,9 @@ checked against the imported buffer (a received payload is hostile input).
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import logging
 import math
 import multiprocessing.util
@@ -64,9 +66,9 @@ from . import _cuda, _lib, allocator
 from ._streams import pool_stream
 from .allocator import send_stats  # noqa: F401  (re-exported: sends are this module's)
 from ._devices import parse_device
-from ._signatures import (BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS, SEND_IMPORT,
-                          SEND_IN_PLACE, SEND_NOT_EXPORTABLE, SEND_NOT_VMM, SEND_RELOCATE,
-                          TICKET_BYTES)
+from ._signatures import (BACKEND_CUDA, BACKEND_DEFAULT, BACKEND_HOST, BACKENDS,
+                          FAILED_PRECONDITION, SEND_IMPORT, SEND_IN_PLACE, SEND_NOT_EXPORTABLE,
+                          SEND_NOT_VMM, SEND_RELOCATE, TICKET_BYTES)
 from ._tensors import (INT64_MAX, DtypeCode, contiguous_strides, dtype_code, dtype_from_code,
                        dtype_from_name, element_size, numel, shape_list, tensor_nbytes,
                        view_int, view_ints)
@@ -662,6 +664,19 @@ _received_lock = threading.Lock()
 _received_sweep_at = 64
 
 
+def _forget_received() -> None:
+    """At exit, while the interpreter still works: drops the weak references of the received
+    storages. Left to the interpreter's teardown, each StorageWeakRef frees its reference
+    once torch can no longer import (torch 1.13 then warns "Failed to initialize NumPy")."""
+    with _received_lock:
+        refs = list(_received.values())
+        _received.clear()
+    del refs  # freed here, outside the lock
+
+
+atexit.register(_forget_received)
+
+
 def _untyped_storage(t: torch.Tensor) -> Any:
     return t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage().untyped()
 
@@ -710,17 +725,125 @@ def rebuild_tensor(descriptor: bytes, dtype: DtypeCode, shape: Sequence[int],
                     requires_grad, -1, ticket, conj, neg)
 
 
+# --- Storages --------------------------------------------------------------------------------
+# A storage of vmm memory (``t.untyped_storage()``, ``t.storage()``) travels as a send of a
+# uint8 tensor over all its bytes; the receiver unpickles that tensor's untyped storage.
+
+
+def untyped_storage_of(storage: Any) -> Any:
+    """The untyped storage of `storage` (an UntypedStorage, or a TypedStorage or legacy typed
+    storage such as torch.FloatStorage, which wraps one)."""
+    if isinstance(storage, torch.TypedStorage):
+        inner = getattr(storage, "_untyped_storage", None)  # torch 2.x's name
+        return storage._storage if inner is None else inner  # torch 1.x's
+    return storage
+
+
+def storage_view(storage: Any) -> Optional[torch.Tensor]:
+    """A uint8 tensor over all the bytes of `storage` (any storage class) if they are vmm
+    memory (a pool block or an import), else None (also for an empty storage: nothing of it
+    to share)."""
+    untyped = untyped_storage_of(storage)
+    device = untyped.device
+    if device.type not in _BACKENDS or untyped.nbytes() == 0:
+        return None
+    if send_kind(untyped.data_ptr()) == SEND_NOT_VMM:
+        return None
+    view = torch.empty((0,), dtype=torch.uint8, device=device)
+    return view.set_(untyped, 0, (untyped.nbytes(),), (1,))
+
+
+def rebuild_storage(*payload: Any) -> Any:
+    """What unpickling a storage sent by vmm calls: the untyped storage of the payload's
+    tensor (rebuild_tensor checks the payload and imports it, as for a tensor). PyTorch's
+    rebuild functions wrap it again in the TypedStorage or legacy typed storage sent."""
+    return _untyped_storage(rebuild_tensor(*payload))
+
+
+def refused_after_fork(error: BaseException, t: torch.Tensor, kind: int) -> bool:
+    """Whether sending CPU tensor `t` (`kind`: a pool block, SEND_IN_PLACE or SEND_RELOCATE)
+    failed because its pool was made by the parent of this forked process, which a forked
+    child never exports from (the library's fork guard, allocator/fork_guard.h): a VmmError
+    with code FAILED_PRECONDITION in a process forked since it loaded vmm. Such a tensor goes
+    as PyTorch sends a CPU tensor (its reducer moves the storage to shared memory)."""
+    return (isinstance(error, _lib.VmmError) and error.code_value == FAILED_PRECONDITION
+            and kind in (SEND_IN_PLACE, SEND_RELOCATE) and not t.is_cuda
+            and _lib.forked_since_load())
+
+
+def shared_already(storage: Any) -> bool:
+    """Whether `storage` (an untyped storage) is CPU memory of vmm that it sends where it lies
+    (a block of a shareable pool, or an import): shared memory, which share_memory_ leaves
+    in place. Loads nothing (no vmm memory exists before the library is loaded)."""
+    if not _lib.is_loaded() or storage.device.type != "cpu" or storage.nbytes() == 0:
+        return False
+    return send_kind(storage.data_ptr()) in (SEND_IN_PLACE, SEND_RELOCATE, SEND_IMPORT)
+
+
+def _keeping_vmm_memory(share_memory_: Any) -> Any:
+    """torch.UntypedStorage.share_memory_ (what Tensor.share_memory_, TypedStorage's and
+    Module.share_memory() call), leaving vmm's CPU memory where it is: PyTorch's would copy
+    it into a new shared memory segment (it knows only its own as shared), detaching the
+    tensor from the other processes that map it. Any other storage goes to PyTorch's."""
+
+    @functools.wraps(share_memory_)
+    def share_memory_keeping_vmm(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if shared_already(self):
+            return self
+        return share_memory_(self, *args, **kwargs)
+
+    share_memory_keeping_vmm._vmm_keeps = True  # type: ignore[attr-defined]
+    return share_memory_keeping_vmm
+
+
+def _patch_share_memory() -> None:
+    storage_type = getattr(torch, "UntypedStorage", None)
+    method = getattr(storage_type, "share_memory_", None)
+    if method is not None and not getattr(method, "_vmm_keeps", False):
+        storage_type.share_memory_ = _keeping_vmm_memory(method)  # type: ignore[union-attr]
+
+
+_patch_share_memory()
+
+
 class ImportedBuffer(_lib.Closable):
     """An imported buffer: ``ptr`` (address of its first byte), ``size`` (bytes), ``device``
     (the CUDA device it is mapped on; -1 for the host backend) and ``backend`` ("cuda" or
     "host"). ``close()`` (idempotent, also on leaving a ``with`` block) unmaps it once no
-    tensor made by ``as_tensor()`` uses it any more."""
+    tensor made by ``as_tensor()`` uses it any more.
 
-    _id: Optional[int] = None
+    Made by :func:`import_buffer`. ``ImportedBuffer(import_id)`` takes a reference of its own
+    of a live import of this process (so closing it never releases one it did not take):
+    TypeError unless `import_id` is an int, ValueError where it names no live import."""
+
+    _id: Optional[int] = None  # set only while this object holds a reference of the import
 
     def __init__(self, import_id: int, backend: Optional[str] = None) -> None:
+        if type(import_id) is not int:  # bool, float, str, None: not an import id
+            raise TypeError(f"ImportedBuffer takes an import id (an int), not "
+                            f"{type(import_id).__name__}; use vmm_torch.import_buffer()")
+        if not 0 < import_id <= INT64_MAX:
+            raise ValueError(f"no import {import_id} (import ids are ints from 1 to 2**63 - 1)")
+        if backend is not None and backend not in ("cuda", "host"):
+            raise ValueError(f"backend {backend!r} is not 'cuda' or 'host'")
+        retain_import(import_id)  # ValueError ("no import N") where it names none
+        self._adopt(import_id, backend)
+
+    @classmethod
+    def _adopting(cls, import_id: int, backend: Optional[str] = None) -> "ImportedBuffer":
+        """The buffer of import `import_id`, taking over the caller's reference of it (released
+        here if this fails)."""
+        self = cls.__new__(cls)
+        self._adopt(import_id, backend)
+        return self
+
+    def _adopt(self, import_id: int, backend: Optional[str]) -> None:
+        try:
+            self.ptr, self.size, self.device = import_info(import_id)
+        except BaseException:
+            release_import(import_id)
+            raise
         self._id = import_id
-        self.ptr, self.size, self.device = import_info(import_id)
         self.backend: str = backend or ("host" if self.device < 0 else "cuda")
 
     @property
@@ -778,7 +901,7 @@ def import_buffer(descriptor: Union[BufferDescriptor, bytes], device: DeviceArg 
         raise TypeError(
             f"expected a buffer descriptor or its bytes, not {type(descriptor).__name__}")
     code = _backend_code(backend)
-    return ImportedBuffer(import_descriptor(data, _import_device(device), code))
+    return ImportedBuffer._adopting(import_descriptor(data, _import_device(device), code))
 
 
 # --- SharedTensor ----------------------------------------------------------------------------
