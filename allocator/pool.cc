@@ -116,15 +116,24 @@ absl::Status Pool::Init() {
     options_.release_threshold = SIZE_MAX;
   }
   options_.large_page = RoundUp(options_.large_page, granularity_);
-  // Whole pages, at least one and at most what max_chunk holds; by default four pages, or one
-  // for a pool made to export (pool_options.h). Nothing without pages.
+  // Whole pages, at least one and at most what max_chunk holds; by default 32 MiB (at least a
+  // page), or one page for a pool made to export (pool_options.h). Nothing without pages.
   if (options_.large_page == 0) {
     options_.growth_page = 0;
+    options_.growth_page_from = 0;
   } else {
-    const size_t page = options_.large_page;  // at most 2^48 (Create), so 4 * page fits
-    if (options_.growth_page == kAutoSize) options_.growth_page = observer_ ? page : 4 * page;
+    const size_t page = options_.large_page;  // at most 2^48 (Create)
+    if (options_.growth_page == kAutoSize) {
+      options_.growth_page = observer_ ? page : std::max(page, kAutoGrowthPage);
+    }
     options_.growth_page =
         std::clamp(options_.growth_page, page, std::max(page, options_.max_chunk)) / page * page;
+    if (options_.growth_page_from == kAutoSize) {
+      // growth_page may be as large as max_chunk, which is not bounded: no wrap.
+      options_.growth_page_from = options_.growth_page > SIZE_MAX / kMultiPageRequestChunks
+                                      ? SIZE_MAX
+                                      : kMultiPageRequestChunks * options_.growth_page;
+    }
   }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   size_t reserve = options_.reserve_size;
@@ -655,8 +664,9 @@ size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   const size_t page = options_.large_page;
   // A growth planned to granularity (no gap held the request in whole units) stays in pages.
   if (short_of_memory_ || !in_units || options_.growth_page <= page) return page;
-  // Once memory has moved, single pages, but for a request of kLargeRequestChunks growth
-  // chunks or more (pool_options.h growth_page).
+  // Single pages for a request below growth_page_from, and once memory has moved, for one of
+  // fewer than kLargeRequestChunks growth chunks (pool_options.h growth_page).
+  if (n < options_.growth_page_from) return page;
   if (moved_memory_ && n / kLargeRequestChunks < options_.growth_page) return page;
   // The largest power-of-two number of pages within the request and growth_page (the last
   // chunk of the growth is what is left, a whole number of plan units: half pages). Splitting

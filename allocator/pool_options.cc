@@ -32,6 +32,7 @@ constexpr SizeKey kSizeKeys[] = {
     {"max_chunk", &PoolOptions::max_chunk},
     {"large_page", &PoolOptions::large_page, "auto", kAutoSize, true},
     {"growth_page", &PoolOptions::growth_page, "auto", kAutoSize},
+    {"growth_page_from", &PoolOptions::growth_page_from, "auto", kAutoSize},
     {"spare_export_bytes", &PoolOptions::spare_export_bytes, "unlimited", SIZE_MAX},
 };
 
@@ -96,7 +97,7 @@ absl::Status Apply(absl::string_view key, absl::string_view value, PoolOptions& 
 
 PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
   PoolOptions out = options;
-  if (out.large_page == kAutoSize) out.large_page = exportable ? 0 : size_t{8} << 20;
+  if (out.large_page == kAutoSize) out.large_page = exportable ? 0 : size_t{4} << 20;
   if (out.small_size == kAutoSize) {
     out.small_size = out.large_page != 0 ? size_t{256} << 10 : size_t{1} << 20;
   }
@@ -105,7 +106,7 @@ PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
 
 absl::string_view PoolOptionKeys() {
   return "handle_type, reserve_size, memory_limit, release_threshold, small_size, small_chunk, "
-         "growth_fraction, max_growth_extra, max_chunk, large_page, growth_page, "
+         "growth_fraction, max_growth_extra, max_chunk, large_page, growth_page, growth_page_from, "
          "peer_devices, spare_export_bytes, isolate_sends";
 }
 

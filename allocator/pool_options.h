@@ -30,9 +30,14 @@ inline constexpr size_t kAutoSize = std::numeric_limits<size_t>::max();
 // reserve_size, large_page): 2^48, 256 TiB, beyond any device and address range. More is
 // InvalidArgument, from ParsePoolOptions and from Pool::Create.
 inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
-// A paged growth for a request of at least this many growth_page chunks is made of them even
-// after the pool has moved memory (PoolOptions::growth_page).
+// A paged growth is made of chunks of several pages (growth_page) only for a request of at
+// least growth_page_from bytes (by default kMultiPageRequestChunks growth chunks), and after
+// the pool has moved memory only for one of at least kLargeRequestChunks growth chunks
+// (PoolOptions::growth_page).
+inline constexpr size_t kMultiPageRequestChunks = 4;
 inline constexpr size_t kLargeRequestChunks = 32;
+// growth_page's default where the pool pages (and does not export): 32 MiB.
+inline constexpr size_t kAutoGrowthPage = size_t{32} << 20;
 
 struct PoolOptions {
   int device = 0;
@@ -77,13 +82,13 @@ struct PoolOptions {
   // moved, and give an exported block fewer handles. A growth is planned in half pages
   // (growth_policy.h PlanUnit; whole pages where half a page is not whole granules): its last
   // chunk may end in half a page.
-  // 8 MiB kept peak reserved / peak allocated within 1.000-1.014 on every trace of
-  // bench/traces.py (16 MiB: up to 1.030, 32 MiB: up to 1.055) at about twice the driver
-  // calls of 16 MiB (bench/README.md). kAutoSize (the default): 8 MiB for a pool made without
-  // an export observer (Pool::Create), 0 for one made to export (CreateExportablePool, the
-  // PyTorch plugin's pools): an exported block carries one handle per chunk it spans, and an
-  // importer's cost and open files grow with them (3 GiB in 8 MiB pages is 384 handles; half
-  // pages moved into it can add as many again).
+  // kAutoSize (the default): 4 MiB for a pool made without an export observer (Pool::Create),
+  // 0 for one made to export (CreateExportablePool, the PyTorch plugin's pools): an exported
+  // block carries one handle per chunk it spans, and an importer's cost and open files grow
+  // with them (3 GiB in 4 MiB pages is 768 handles). With 4 MiB pages (and growth_page_from)
+  // peak reserved / peak allocated stayed within 1.0156 on 89 traces of 18 workload shapes,
+  // host replay (docs/results/2026-12-04.md, "4 MiB pages"); 8 MiB pages passed 1.02 on 6 of
+  // 61 of them (to 1.0318) for about half the driver calls.
   // Blocks from AllocateShareable keep chunks of their own (max_chunk at most).
   size_t large_page = kAutoSize;
   // Largest chunk of a paged growth made before the pool first moves memory (large_page set;
@@ -103,8 +108,9 @@ struct PoolOptions {
   // After a move, a request of kLargeRequestChunks growth chunks or more (1 GiB by default)
   // still grows in them: such a block's end chunks hold at most a sixteenth of it, and its
   // chunks, once free, move at a quarter of the calls.
-  // kAutoSize (the default): four pages, one for a pool made to export (an exported block
-  // retires the whole of the chunks it spans); large_page or less: every chunk one page.
+  // kAutoSize (the default): 32 MiB (kAutoGrowthPage, at least a page), one page for a pool
+  // made to export (an exported block retires the whole of the chunks it spans); large_page
+  // or less: every chunk one page. growth_page_from says for which requests.
   // (bench/traces.py, host replay at seed 0: the training trace grows with 1,338 driver calls
   // instead of 4,816; the other traces' peak ratios move by at most 0.003. Large requests in
   // growth chunks after a move, seeds 0-7: long_prefill 24,542-30,272 -> 16,113-21,742 calls
@@ -112,6 +118,14 @@ struct PoolOptions {
   // seeds, the same ratios; the other traces unchanged. From 512 MiB on, churn passed 1.02 at
   // every seed, 1.043 at worst.)
   size_t growth_page = kAutoSize;
+  // The smallest request whose growth is made of growth_page chunks (before the pool first
+  // moves memory); smaller ones grow in single pages. A chunk of several pages made for a
+  // block of a few of them outlives it: later blocks that do not fill it pin the rest (a
+  // training loop whose activations are rarely whole pages stranded 2-3% that way, seed 1 of
+  // bench/traces.py asr_training: 1.0318 with chunks of up to four 8 MiB pages for any
+  // request, 1.0125 with single 4 MiB pages below 128 MiB). kAutoSize (the default):
+  // kMultiPageRequestChunks growth chunks (128 MiB); 0: any request.
+  size_t growth_page_from = kAutoSize;
   // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
   // the pool was made (and again after EmptyCache), can be used by kernels and copies on them
@@ -145,7 +159,7 @@ struct PoolOptions {
 [[nodiscard]] absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,
                                                            const PoolOptions& defaults = {});
 
-// `options` with its kAutoSize fields decided (Pool::Create calls it): large_page 8 MiB, or 0
+// `options` with its kAutoSize fields decided (Pool::Create calls it): large_page 4 MiB, or 0
 // for a pool made to export (`exportable`); small_size 256 KiB where the large arena then
 // pages, else 1 MiB. Fields given explicitly are kept. growth_page stays kAutoSize: the pool
 // decides it once its page is rounded to the granularity (Pool::Init).

@@ -34,7 +34,7 @@ ABSL_FLAG(std::vector<std::string>, max_growth_extra_mib, {},
 ABSL_FLAG(int64_t, max_chunk_mib, 0, "PoolOptions::max_chunk in MiB (0: the default)");
 ABSL_FLAG(std::vector<std::string>, large_page_mib, {},
           "PoolOptions::large_page values in MiB, 0 for off (default: the PoolOptions "
-          "default, auto: 8 MiB pages for a pool that does not export); growth_fraction and "
+          "default, auto: 4 MiB pages for a pool that does not export); growth_fraction and "
           "max_growth_extra apply only with 0");
 ABSL_FLAG(int64_t, host_capacity_gib, 256,
           "physical capacity of the host backend in GiB (memfd memory is never touched)");

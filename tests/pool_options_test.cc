@@ -85,7 +85,7 @@ TEST(PoolOptionsTest, LargePageAndSmallSizeAreLeftToThePoolUnlessTold) {
   EXPECT_EQ(PoolOptions().large_page, kAutoSize);
   EXPECT_EQ(PoolOptions().small_size, kAutoSize);
   const PoolOptions plain = ResolveAutoSizes(PoolOptions(), /*exportable=*/false);
-  EXPECT_EQ(plain.large_page, size_t{8} << 20);
+  EXPECT_EQ(plain.large_page, size_t{4} << 20);
   EXPECT_EQ(plain.small_size, size_t{256} << 10);
   const PoolOptions exportable = ResolveAutoSizes(PoolOptions(), /*exportable=*/true);
   EXPECT_EQ(exportable.large_page, 0u);
@@ -122,6 +122,13 @@ TEST(PoolOptionsTest, GrowthPageIsLeftToThePoolUnlessTold) {
   o = ParsePoolOptions("growth_page=auto", *o);
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->growth_page, kAutoSize);
+  o = ParsePoolOptions("growth_page_from=0");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->growth_page_from, 0u);
+  o = ParsePoolOptions("growth_page_from=auto", *o);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->growth_page_from, kAutoSize);
+  EXPECT_FALSE(ParsePoolOptions("growth_page_from=-1").ok());
   o = ParsePoolOptions("growth_page=lots");
   EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(o.status().message(), HasSubstr("growth_page"));

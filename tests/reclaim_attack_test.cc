@@ -815,6 +815,14 @@ class ReclaimAttack : public ::testing::Test {
   std::unique_ptr<Pool> MakePool(PoolOptions options = {}) {
     return CreatePoolOrFail(driver_.get(), options);
   }
+  // 8 MiB pages, and chunks of up to four of them for a request of any size until the first
+  // move (the defaults before 4 MiB pages): what the move tests below were written for.
+  static PoolOptions EightMiBPages() {
+    PoolOptions options;
+    options.large_page = 8 * kMiB;
+    options.growth_page_from = 0;
+    return options;
+  }
   // Expects `p` (an allocation) to have succeeded, and frees it.
   static void ExpectAllocatedAndFree(Pool& pool, const absl::StatusOr<void*>& p) {
     EXPECT_TRUE(p.ok()) << p.status();
@@ -863,7 +871,7 @@ class ReclaimAttack : public ::testing::Test {
   std::unique_ptr<FaultDriver> driver_;
 };
 
-// Four 8 MiB blocks, one per page, the first and third freed: two wholly free pages that
+// Four 8 MiB blocks, one per page (EightMiBPages), the first and third freed: two wholly free pages that
 // are not adjacent, so a 16 MiB request misses and takes both (nothing fresh is created).
 std::vector<void*> TwoFreePages(Pool& pool) {
   std::vector<void*> p;
@@ -910,7 +918,7 @@ TEST_F(ReclaimAttack, UnmapFailingDuringAMoveKeepsTheFreshChunkAsFreeMemory) {
 // MoveChunks releases it, that release fails as well, and the chunk stays registered at the
 // destination, which the arena still has as a gap; its source became a gap too.
 TEST_F(ReclaimAttack, UnmapFailingWhileMovingBackKeepsTheChunkAsFreeMemory) {
-  auto pool = MakePool();
+  auto pool = MakePool(EightMiBPages());
   std::vector<void*> kept = TwoFreePages(*pool);
   const PoolStats before = pool->GetStats();
   driver_->Arm(kUnmap, /*skip=*/1, /*persistent=*/true);
@@ -936,7 +944,7 @@ TEST_F(ReclaimAttack, UnmapFailingWhileMovingBackKeepsTheChunkAsFreeMemory) {
 // live blocks intact, and the pool able to serve the request afterwards.
 TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMove) {
   ForEachOneShotFault([&](int op, int skip) {
-    auto pool = MakePool();
+    auto pool = MakePool(EightMiBPages());
     std::vector<void*> kept = TwoFreePages(*pool);
     bool faulted = false;
     absl::StatusOr<void*> c = AllocateWithOneShotFault(*pool, op, skip, 16 * kMiB, &faulted);
@@ -951,7 +959,7 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMove) {
 // unmapped (a Map of either page, or the access grant) puts back what did not move.
 TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
   ForEachOneShotFault([&](int op, int skip) {
-    auto pool = MakePool();
+    auto pool = MakePool(EightMiBPages());
     std::vector<void*> p;
     for (int i = 0; i < 4; ++i) {
       p.push_back(AllocateOrFail(*pool, 8 * kMiB, 0));
@@ -979,7 +987,7 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAdjacentPages) {
 // bookkeeping as they were, and the request is served after it.
 TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAChunkOfSeveralPages) {
   ForEachOneShotFault([&](int op, int skip) {
-    auto pool = MakePool();
+    auto pool = MakePool(EightMiBPages());
     void* left = AllocateOrFail(*pool, 8 * kMiB, 0);
     void* four = AllocateOrFail(*pool, 32 * kMiB, 0);
     void* right = AllocateOrFail(*pool, 8 * kMiB, 0);
@@ -1005,7 +1013,7 @@ TEST_F(ReclaimAttack, OneShotFailuresAtEachPointOfAMoveOfAChunkOfSeveralPages) {
 // EmptyCache unmaps four adjacent free pages with one call; when that call fails, it unmaps
 // them one by one, so one failure holds back none of them.
 TEST_F(ReclaimAttack, AFailedUnmapOfARunIsRetriedPageByPage) {
-  auto pool = MakePool();
+  auto pool = MakePool(EightMiBPages());
   // Four 8 MiB pages side by side (allocated one by one: a fresh pool would make one 32 MiB
   // request a single chunk, pool_options.h growth_page), freed into one block.
   std::vector<void*> run;

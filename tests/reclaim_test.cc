@@ -48,7 +48,8 @@ class ReclaimTest : public ::testing::Test {
 
   // Exact growth in pages of kPage, so that the tests can predict the reserved bytes; every
   // chunk one page (growth_page), so that they can predict the pages each hole holds.
-  // `growth_page` 0: the default, chunks of up to four pages until the first move.
+  // `growth_page` 0: the default; growth_page_from 0, so that requests of any size grow in
+  // chunks of up to growth_page until the first move.
   std::unique_ptr<Pool> MakePool(ExportObserver* observer = nullptr,
                                  size_t growth_page = kPage) {
     PoolOptions options = Paged();
@@ -62,6 +63,7 @@ class ReclaimTest : public ::testing::Test {
     options.growth_fraction = 0;
     options.large_page = kPage;
     options.growth_page = kPage;
+    options.growth_page_from = 0;
     options.reserve_size = 1024 * kMiB;
     return options;
   }
@@ -72,6 +74,7 @@ class ReclaimTest : public ::testing::Test {
     options.growth_fraction = 0;
     options.large_page = kPage;
     options.growth_page = 4 * kPage;
+    options.growth_page_from = 0;
     options.memory_limit = memory_limit;
     options.reserve_size = 1024 * kMiB;
     return CreatePoolOrFail(driver_, options);
@@ -153,28 +156,38 @@ TEST_F(ReclaimTest, PagedGrowthMapsOnlyWhatTheRequestNeeds) {
   for (void* p : {a, b}) EXPECT_OK(pool->Free(p));
 }
 
-// By default the pool pages its large arena and keeps only requests up to 256 KiB in the small
-// arena, so blocks of a few hundred KiB land in pages that move once free.
+// By default the pool pages its large arena in 4 MiB pages and keeps only requests up to
+// 256 KiB in the small arena, so blocks of a few hundred KiB land in pages that move once
+// free. Requests below 128 MiB grow in single pages; larger ones, until the pool first moves
+// memory, in chunks of up to 32 MiB.
 TEST_F(ReclaimTest, DefaultsPageTheLargeArenaAndKeepTheSmallArenaSmall) {
+  // A 1 GiB device: chunks of several pages are made only while the pool holds at most half
+  // of what the device has.
+  std::unique_ptr<Driver> device = NewHostDriver(HostDriverOptions{2 * kMiB, 1024 * kMiB});
   PoolOptions options;
   options.reserve_size = 1024 * kMiB;
-  auto pool = CreatePoolOrFail(driver_, options);
+  auto pool = CreatePoolOrFail(device.get(), options);
   ASSERT_NE(pool, nullptr);
-  EXPECT_EQ(pool->options().large_page, 8 * kMiB);
+  EXPECT_EQ(pool->options().large_page, 4 * kMiB);
   EXPECT_EQ(pool->options().growth_page, 32 * kMiB);
+  EXPECT_EQ(pool->options().growth_page_from, 128 * kMiB);
   void* tiny = Alloc(*pool, 256 * 1024);
   void* kv_page = Alloc(*pool, 512 * 1024);
   EXPECT_TRUE(pool->InSmallArena(tiny));
   EXPECT_FALSE(pool->InSmallArena(kv_page));
-  // kv_page took a chunk of half a page (growth is planned in half pages). Then the rest of
-  // it and 20 MiB more: a chunk of two pages (the pool has not moved memory yet, and 16 MiB
-  // is the largest power-of-two number of pages within 20 MiB) and a half page.
+  // kv_page took a chunk of half a page, 2 MiB (growth is planned in half pages). Then the
+  // rest of it and 18.5 MiB more, to 2 MiB: in single pages (below growth_page_from), five.
   void* big = Alloc(*pool, 20 * kMiB);
-  const PoolStats stats = pool->GetStats();
-  // The small arena's 2 MiB chunk, 4 MiB, 16 MiB and 4 MiB.
-  EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(26 * kMiB));
-  EXPECT_EQ(stats.segment.current, 4);
-  for (void* p : {tiny, kv_page, big}) EXPECT_OK(pool->Free(p));
+  PoolStats stats = pool->GetStats();
+  // The small arena's 2 MiB chunk, 2 MiB, five 4 MiB pages.
+  EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(24 * kMiB));
+  EXPECT_EQ(stats.segment.current, 7);
+  // 130 MiB: four chunks of 32 MiB and a half page (the pool has not moved memory).
+  void* huge = Alloc(*pool, 130 * kMiB);
+  stats = pool->GetStats();
+  EXPECT_EQ(stats.reserved_bytes.current, static_cast<int64_t>(154 * kMiB));
+  EXPECT_EQ(stats.segment.current, 12);
+  for (void* p : {tiny, kv_page, big, huge}) EXPECT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
 }
 
@@ -207,6 +220,7 @@ TEST_F(ReclaimTest, NearALimitAPagedGrowthIsPlannedInGranules) {
 TEST_F(ReclaimTest, AtTheDevicesCapacityTheRetryIsPlannedInGranules) {
   std::unique_ptr<Driver> small = NewHostDriver(HostDriverOptions{2 * kMiB, 22 * kMiB});
   PoolOptions options;
+  options.large_page = 8 * kMiB;  // planned in 4 MiB halves
   options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(small.get(), options);
   ASSERT_NE(pool, nullptr);
@@ -1062,6 +1076,7 @@ TEST_F(ReclaimTest, AGrowthAsksWhatTheGpuHasFreeOnlyWhenItCouldMatter) {
   options.growth_fraction = 0;
   options.large_page = kPage;
   options.growth_page = 4 * kPage;
+  options.growth_page_from = 0;
   options.memory_limit = 12 * kPage;
   options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(&counting, options);
@@ -1109,6 +1124,7 @@ TEST_F(ReclaimTest, GrowthPageIsWholePagesWithinMaxChunk) {
     PoolOptions options;
     options.large_page = kPage;
     options.growth_page = c.growth_page;
+    options.growth_page_from = 0;
     options.max_chunk = c.max_chunk;
     options.reserve_size = 1024 * kMiB;
     auto pool = CreatePoolOrFail(driver_, options);
@@ -1122,24 +1138,34 @@ TEST_F(ReclaimTest, GrowthPageIsWholePagesWithinMaxChunk) {
   }
 }
 
-// growth_page left to the pool: four pages of the page the pool uses (large_page rounded up
-// to the granularity), one page for a pool made to export, nothing without pages.
-TEST_F(ReclaimTest, TheDefaultGrowthPageIsFourOfThePoolsPages) {
+// growth_page left to the pool: 32 MiB, at least the page the pool uses (large_page rounded
+// up to the granularity), one page for a pool made to export, nothing without pages; and
+// growth_page_from four of them.
+TEST_F(ReclaimTest, TheDefaultGrowthPageIs32MiBOfThePoolsPages) {
   PoolOptions options;
   options.large_page = 3 * kMiB;  // the granularity is 2 MiB: 4 MiB pages
   options.reserve_size = 1024 * kMiB;
   auto pool = CreatePoolOrFail(driver_, options);
   ASSERT_NE(pool, nullptr);
   EXPECT_EQ(pool->options().large_page, 4 * kMiB);
-  EXPECT_EQ(pool->options().growth_page, 16 * kMiB);
+  EXPECT_EQ(pool->options().growth_page, 32 * kMiB);
+  EXPECT_EQ(pool->options().growth_page_from, 128 * kMiB);
+  options.large_page = 64 * kMiB;
+  pool = CreatePoolOrFail(driver_, options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->options().growth_page, 64 * kMiB);
+  EXPECT_EQ(pool->options().growth_page_from, 256 * kMiB);
+  options.large_page = 3 * kMiB;
   auto exportable = CreateExportablePool(driver_, options);
   ASSERT_OK(exportable.status());
   EXPECT_EQ((*exportable)->options().growth_page, 4 * kMiB);
   options.large_page = 0;
   options.growth_page = 64 * kMiB;
+  options.growth_page_from = 64 * kMiB;
   pool = CreatePoolOrFail(driver_, options);
   ASSERT_NE(pool, nullptr);
   EXPECT_EQ(pool->options().growth_page, 0u);
+  EXPECT_EQ(pool->options().growth_page_from, 0u);
 }
 
 TEST_F(ReclaimTest, OnlyWhatIsMissingIsCreated) {

@@ -61,6 +61,7 @@ class StatsJsonTest : public ::testing::Test {
     t_ = *driver_->CreateStream(0);
     PoolOptions options;
     options.reserve_size = 1024 * kMiB;
+    options.large_page = 8 * kMiB;  // PopulateEveryState's blocks share 8 MiB pages
     auto pool = Pool::Create(driver_.get(), options);
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = std::move(*pool);
