@@ -54,8 +54,15 @@ std::atomic<Window*> the_window{nullptr};
 thread_local int held_here = 0;
 
 // A forked child has no capture and none of its parent's threads: a fresh window, the
-// parent's left as it was (its lock may be held; its kept work is the parent's pools).
-void FreshWindowInChild() { the_window.store(new Window(), std::memory_order_release); }
+// parent's left as it was (its lock may be held; its kept work is the parent's pools). So no
+// lock is held across fork() here (unlike those of fork_guard.h): the child never takes the
+// parent's. The forking thread's own pieces of work (held_here, if it forked from inside
+// one) stay counted, so that leaving them balances.
+void FreshWindowInChild() {
+  auto* fresh = new Window();
+  fresh->busy = held_here;
+  the_window.store(fresh, std::memory_order_release);
+}
 
 // Never destroyed: background threads may use it during exit.
 Window& TheWindow() {

@@ -29,6 +29,14 @@
 // A context made current for a call is undone when the call returns, so the caller's thread
 // state is left as it was.
 //
+// fork(): CUDA is not usable in a forked child, but vmm's code in a child may reach this
+// backend's locks before it calls CUDA; it must then fail, not hang. mu_ guards maps only (no
+// CUDA call is made under it) and is held across fork() (fork_guard.h, ForkLevel::kDriver).
+// context_mu_ is held across cuDevicePrimaryCtxRetain and the making of the driver across
+// cuInit: holding those across fork() could wait on CUDA's own fork handling, so they are not;
+// the child, where none of the parent's threads runs, finds them free instead (reset by its
+// fork handler; what they guard is published in one store).
+//
 // Streams: stream 0 is the legacy default stream of the context the call runs in; streams
 // made by CreateStream are non-blocking (they do not synchronise with stream 0).
 #include "allocator/cuda_driver.h"
@@ -37,6 +45,7 @@
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -44,6 +53,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -53,6 +63,7 @@
 #include "absl/types/span.h"
 #include "allocator/cuda_status.h"
 #include "allocator/driver.h"
+#include "allocator/fork_guard.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
 #include "allocator/status_macros.h"
@@ -427,7 +438,23 @@ class CudaDriver final : public Driver {
         driver_version_(driver_version),
         devices_(std::move(devices)),
         contexts_(devices_.size(), nullptr),
-        granularity_(devices_.size(), 0) {}
+        granularity_(devices_.size(), 0) {
+    // Never destroyed (Load): registered for the life of the process (see the file comment).
+    AtForkForever(ForkLevel::kDriver,
+                  ForkHandlers{&LockForFork, &UnlockInParent, &UnlockInChild, this});
+  }
+
+  static void LockForFork(void* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    static_cast<CudaDriver*>(self)->mu_.Lock();
+  }
+  static void UnlockInParent(void* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    static_cast<CudaDriver*>(self)->mu_.Unlock();
+  }
+  static void UnlockInChild(void* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    auto* d = static_cast<CudaDriver*>(self);
+    d->mu_.UnlockInForkChild();
+    d->context_mu_.UnlockInForkChild();  // not held across fork(): reset (file comment)
+  }
 
   // Synchronises `context`, which must be current, whichever cuCtxSynchronize the driver
   // handed out (see CtxSynchronizeFn).
@@ -1034,11 +1061,36 @@ absl::Status CudaDriver::MemsetAsync(DevPtr dst, uint8_t value, size_t bytes, St
 
 }  // namespace
 
+namespace {
+
+// The process-wide backend: made once, on first use, under cuda_driver_mu (not a function's
+// static, whose initialisation a child forked meanwhile would find under way for good), and
+// never destroyed: no destructor runs at exit, when the driver may already be shutting down.
+// The lock is not held across fork() (it is held across cuInit: see the file comment); a
+// child finds it free, and makes the backend itself if its parent had not finished.
+ABSL_CONST_INIT Mutex cuda_driver_mu;
+std::atomic<const absl::StatusOr<Driver*>*> cuda_driver{nullptr};
+void ResetCudaDriverMuInChild(void*) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  cuda_driver_mu.UnlockInForkChild();
+}
+const bool cuda_driver_mu_reset_in_child = [] {
+  ForkHandlers handlers;
+  handlers.child = &ResetCudaDriverMuInChild;
+  AtForkForever(ForkLevel::kDriverInit, handlers);
+  return true;
+}();
+
+}  // namespace
+
 absl::StatusOr<Driver*> GetCudaDriver() {
-  // Initialised once, thread-safely, on first use, and never destroyed: no destructor runs at
-  // exit, when the driver may already be shutting down.
-  static const absl::StatusOr<Driver*>* const driver =
-      new absl::StatusOr<Driver*>(CudaDriver::Load());
+  (void)cuda_driver_mu_reset_in_child;
+  if (const auto* driver = cuda_driver.load(std::memory_order_acquire)) return *driver;
+  MutexLock lock(&cuda_driver_mu);
+  const absl::StatusOr<Driver*>* driver = cuda_driver.load(std::memory_order_relaxed);
+  if (driver == nullptr) {
+    driver = new absl::StatusOr<Driver*>(CudaDriver::Load());
+    cuda_driver.store(driver, std::memory_order_release);
+  }
   return *driver;
 }
 

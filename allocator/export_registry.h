@@ -16,6 +16,8 @@
 //
 // Thread safety: thread safe. Lock order: a pool's lock, then the registry's (the pool calls
 // the registry with its lock held; the registry never calls a pool while holding its own).
+// The registry's lock is held across fork() (fork_guard.h, ForkLevel::kExports), as is that of
+// its FdExportAnchors: a forked child exports from pools of its own through them.
 #ifndef VMM_ALLOCATOR_EXPORT_REGISTRY_H_
 #define VMM_ALLOCATOR_EXPORT_REGISTRY_H_
 
@@ -29,6 +31,7 @@
 #include "allocator/descriptor.h"
 #include "allocator/export_observer.h"
 #include "allocator/fd_export_anchor.h"
+#include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/pool.h"
 
@@ -79,6 +82,7 @@ class ExportRegistry final : public ExportObserver {
   mutable Mutex mu_;
   absl::flat_hash_map<Key, Cached> cached_ ABSL_GUARDED_BY(mu_);
   FdExportAnchors anchors_;
+  ForkRegistration fork_{ForkLevel::kExports, ForkHandlers::Lock(&mu_)};  // last
 };
 
 }  // namespace vmm

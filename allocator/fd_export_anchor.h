@@ -13,7 +13,8 @@
 // The allocation is outside every pool's range and statistics. A failure to make it is logged
 // and leaves exports working, only slower.
 //
-// Thread safe (its own mutex, a leaf: it calls only the driver).
+// Thread safe (its own mutex, a leaf: it calls only the driver). The mutex is held across
+// fork() (fork_guard.h, ForkLevel::kExports).
 #ifndef VMM_ALLOCATOR_FD_EXPORT_ANCHOR_H_
 #define VMM_ALLOCATOR_FD_EXPORT_ANCHOR_H_
 
@@ -23,6 +24,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "allocator/driver.h"
+#include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 
 namespace vmm {
@@ -48,6 +50,7 @@ class FdExportAnchors {
   mutable Mutex mu_;
   absl::flat_hash_map<Key, Anchor> anchors_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Key> holders_ ABSL_GUARDED_BY(mu_);
+  ForkRegistration fork_{ForkLevel::kExports, ForkHandlers::Lock(&mu_)};  // last
 };
 
 }  // namespace vmm

@@ -25,11 +25,13 @@
 #include <thread>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "allocator/log.h"
 #include "allocator/fd_share_internal.h"
+#include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/send_ledger.h"
 #include "allocator/status_macros.h"
@@ -832,13 +834,20 @@ class FdServer::Impl {
   UniqueFd listen_;
   UniqueFd wake_;  // an eventfd: written to make poll return (WakeForLedger)
   absl::Status start_;
-  Mutex mu_;  // guards the registry; the serving thread's state is its own
+  // Guards the registry; the serving thread's state is its own. Not held across fork(): a
+  // forked child never uses its parent's server (FdServer::impl() makes the child's own).
+  Mutex mu_;
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {
-Mutex server_mu;
+// Held across fork() (fork_guard.h): a forked child takes it to make its own server.
+ABSL_CONST_INIT Mutex server_mu;
+const bool server_mu_held_across_fork = [] {
+  AtForkForever(ForkLevel::kFdServer, ForkHandlers::Lock(&server_mu));
+  return true;
+}();
 }  // namespace
 
 FdServer& FdServer::Get() {
@@ -847,6 +856,7 @@ FdServer& FdServer::Get() {
 }
 
 FdServer::Impl* FdServer::impl() {
+  (void)server_mu_held_across_fork;
   MutexLock lock(&server_mu);
   // A forked child has the parent's object but not its thread or socket: start afresh.
   if (impl_ == nullptr || impl_->pid() != static_cast<uint32_t>(getpid())) impl_ = new Impl();
@@ -1011,8 +1021,9 @@ absl::StatusOr<UniqueFd> ConnectToServer(uint32_t pid, uint64_t server_id,
 // sockets of their own. At most kMaxCached are kept (beyond that the least recently used is
 // closed), so a process holds at most that many fds for them, and a server at its connection
 // cap may close one that idles (the fetch that finds it closed reconnects). Sockets are not
-// shared with a fork()ed child: the lock is held across fork() (pthread_atfork), so the child
-// never finds it held, and the child closes its copies at once. Thread safe.
+// shared with a fork()ed child: the lock is held across fork() (fork_guard.h,
+// ForkLevel::kConnections), so the child never finds it held, and the child closes its copies
+// at once. Thread safe.
 class ConnectionCache {
  public:
   static constexpr size_t kMaxCached = 8;
@@ -1077,18 +1088,24 @@ class ConnectionCache {
     UniqueFd sock;
   };
 
-  ConnectionCache() { pthread_atfork(&LockForFork, &UnlockInParent, &ForgetInChild); }
+  ConnectionCache() {
+    AtForkForever(ForkLevel::kConnections,
+                  ForkHandlers{&LockForFork, &UnlockInParent, &ForgetInChild, this});
+  }
 
-  // The pthread_atfork handlers: the lock is held from before fork() to after it, in both
-  // processes.
-  static void LockForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { Get().mu_.Lock(); }
-  static void UnlockInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS { Get().mu_.Unlock(); }
+  // The fork handlers: the lock is held from before fork() to after it, in both processes.
+  static void LockForFork(void* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    static_cast<ConnectionCache*>(cache)->mu_.Lock();
+  }
+  static void UnlockInParent(void* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    static_cast<ConnectionCache*>(cache)->mu_.Unlock();
+  }
   // The parent's connections are the parent's (a request of the child on one would mix with
   // the parent's), so the child closes its copies.
-  static void ForgetInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    ConnectionCache& cache = Get();
-    cache.entries_.clear();
-    cache.mu_.Unlock();
+  static void ForgetInChild(void* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    auto* c = static_cast<ConnectionCache*>(cache);
+    c->entries_.clear();
+    c->mu_.UnlockInForkChild();
   }
 
   Mutex mu_;

@@ -12,6 +12,36 @@
 //
 // The generation starts at 0 and goes up by one in every child fork() creates (a
 // pthread_atfork child handler, installed before main). Reading it is one relaxed atomic load.
+//
+// Locks held across fork(). fork() copies only the thread that calls it: a lock that another
+// thread holds at that moment stays held for good in the child, which hangs at its first use
+// (a receiver forked while a second thread of its parent allocates or exports, as
+// torch.multiprocessing's fork start method makes them). So every lock that a forked child
+// may take is held across fork(): registered here (ForkRegistration, or AtForkForever for what
+// lives as long as the process), it is taken by one pthread_atfork prepare handler, level by
+// level in the order of ForkLevel, and released after the fork in the parent and in the child
+// (whose handler may first make the state the child's: forget the parent's threads' work).
+// The child then finds every such lock free and the state it guards whole. A lock that a child
+// never takes (that of an object the child replaces, as the fd server of its parent) need not
+// be registered: where it is declared says why.
+//
+// The lock order: a lock of a level is never taken while a lock of a later level is held,
+// and locks of one level are never held together (the prepare handler takes them in that
+// order, so an inversion could deadlock fork()). Nor may a thread hold a registered lock while
+// it waits for another thread (a condition, a join) that needs a lock of an earlier level.
+// Registering or unregistering at a level (a ForkRegistration made or destroyed) waits while
+// a fork is under way: it must not be done while holding a lock of that level or a later one,
+// nor inside a function's static initialisation (a child forked meanwhile would find that
+// initialisation under way for good: singletons use AtForkForever, which never waits, or are
+// published through an atomic pointer, as ProcessState::Get does).
+//
+// Not covered: Pool::mu_ (one per pool, allocator/pool.cc) is not registered yet, so a child
+// that frees a block of its parent's pool can still find that pool's lock held. CUDA is not
+// usable in a forked child at all: the CUDA backend's locks are made free in the child only so
+// that its calls fail there rather than hang (cuda_driver.cc), and the LibTorch extension's
+// own locks (torch_plugin/csrc) guard CUDA state only. The capture window (capture_window.cc)
+// and the process queues (process_queue.h) give a child fresh objects instead, leaving the
+// parent's (and their locks) untouched.
 #ifndef VMM_ALLOCATOR_FORK_GUARD_H_
 #define VMM_ALLOCATOR_FORK_GUARD_H_
 
@@ -20,11 +50,13 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "allocator/mutex.h"
 
 namespace vmm {
 namespace fork_internal {
 extern std::atomic<uint64_t> generation;
 extern std::atomic<uint64_t> forks_made;
+struct Access;
 }  // namespace fork_internal
 
 // How many fork()s separate this process from the first one that loaded vmm.
@@ -39,6 +71,73 @@ inline uint64_t ForksMade() { return fork_internal::forks_made.load(std::memory_
 // FailedPrecondition: `what` was made by the parent of this forked process and cannot be used
 // here; says what to do instead.
 absl::Status ForkedError(absl::string_view what);
+
+// --- Locks held across fork() -------------------------------------------------------------
+
+// The order in which fork()'s prepare handler takes the registered locks: outermost first.
+enum class ForkLevel : int {
+  // Gates, held while background work runs that takes the locks below.
+  kImportCloses,  // ProcessQueue's gate (process_queue.h, kForkWaits): imports being closed
+  kSendReleases,  // the send ledger's run gate (send_ledger.cc): releases of sends running
+  // The plugin's state (torch_plugin/process_state.h).
+  kPrivatePools,   // ProcessState::private_mu_ (taken before mu_)
+  kProcessState,   // ProcessState::mu_
+  kProcessSends,   // ProcessState::released_mu_ and budget_mu_, BlockHolds::mu_
+  kPool,           // Pool::mu_ (one per pool): reserved, not registered yet (see above)
+  kSendLedger,     // the send ledger's lock (send_ledger.cc)
+  kImports,        // an import's mapping and kept handles, the mapping cache (sharing.cc)
+  kExports,        // ExportRegistry::mu_, FdExportAnchors::mu_
+  kFdServer,       // the fd server's server_mu (fd_share.cc), which makes a child's own server
+  kConnections,    // the fd client's kept connections (fd_share.cc)
+  kDriverInit,     // making the process-wide drivers (GetHostDriver, GetCudaDriver)
+  kDriver,         // HostDriver::mu_ (one per driver); CudaDriver's context_mu_ and mu_
+  kLog,            // LogWarningOnce's record of what was said (log.cc)
+  kCount,
+};
+
+// What runs around every fork() for one registration, each given `arg`: `prepare` before it
+// (in the forking thread, ForkLevel order), `parent` and `child` after it (reverse order), in
+// the parent and in the child. Any may be null. Handlers must not fork, register or
+// unregister, nor call LogWarningOnce (its lock is held).
+struct ForkHandlers {
+  void (*prepare)(void* arg) = nullptr;
+  void (*parent)(void* arg) = nullptr;
+  void (*child)(void* arg) = nullptr;
+  void* arg = nullptr;
+
+  // `*mu` held across fork(): locked before it, unlocked after it in the parent and, with
+  // Mutex::UnlockInForkChild, in the child.
+  static ForkHandlers Lock(Mutex* mu);
+};
+
+// Registers `handlers` at `level` for the life of the process (a singleton's lock). Never
+// waits: a registration made while a fork is under way takes effect from the next fork. May be
+// called from static initialisers.
+void AtForkForever(ForkLevel level, const ForkHandlers& handlers);
+
+// Registers `handlers` at `level` for the lifetime of this object (a lock of an object that
+// comes and goes): declare it after what the handlers use (the lock first of all), so that it
+// unregisters before that goes. Construction and destruction wait while a fork is under way:
+// see the rule above.
+class ForkRegistration {
+ public:
+  ForkRegistration(ForkLevel level, const ForkHandlers& handlers);
+  ~ForkRegistration() { Unregister(); }
+  ForkRegistration(const ForkRegistration&) = delete;
+  ForkRegistration& operator=(const ForkRegistration&) = delete;
+
+  // Ends the registration now (idempotent): for a destructor that tears down before its
+  // members go.
+  void Unregister();
+
+ private:
+  friend struct fork_internal::Access;
+  const int level_;
+  const ForkHandlers handlers_;
+  bool registered_ = false;  // guarded by the level's list lock
+  ForkRegistration* prev_ = nullptr;
+  ForkRegistration* next_ = nullptr;
+};
 
 }  // namespace vmm
 

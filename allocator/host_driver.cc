@@ -28,6 +28,15 @@
 // Streams are worker threads with a FIFO of work; events are generation counters that a
 // marker queued on a stream advances. Stream 0 runs its work at once on the calling thread.
 //
+// fork(): the driver's lock is held across fork() (fork_guard.h, ForkLevel::kDriver), so a
+// forked child finds it free and the tables whole, however busy its parent's threads were with
+// this driver. The child has none of its parent's stream threads: in the child, the parent's
+// streams and events are set aside (never used or destroyed there: their locks and condition
+// variables may have been in use by those threads) and the work they had queued is the
+// parent's (it runs there, on memory the child shares). A stream of the parent gets a new,
+// empty queue and thread on its first use in the child; an event of the parent starts there
+// as never recorded (done).
+//
 // Devices (host_driver.h): a device index is checked against the count and otherwise only
 // names a UUID and a bit in the access masks that SetAccess records per mapping.
 #include "allocator/host_driver.h"
@@ -42,6 +51,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <climits>
 #include <condition_variable>
@@ -57,6 +67,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/attributes.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -67,6 +78,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/string_view.h"
+#include "allocator/fork_guard.h"
 #include "allocator/host_memfd.h"
 #include "allocator/host_streams.h"
 #include "allocator/log.h"
@@ -238,6 +250,14 @@ class HostDriver final : public Driver {
   absl::Status MemsetAsync(DevPtr dst, uint8_t value, size_t bytes, Stream stream) override;
 
  private:
+  // fork() handlers (see the file comment): mu_ is held across the fork.
+  static void LockForFork(void* self) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  static void UnlockInParent(void* self) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  static void ForgetParentsThreadsInChild(void* self) ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  static ForkHandlers HeldAcrossFork(HostDriver* self) {
+    return ForkHandlers{&LockForFork, &UnlockInParent, &ForgetParentsThreadsInChild, self};
+  }
+
   // A physical allocation: created here or imported. Its bytes count against the capacity
   // until it is both released and unmapped everywhere in this driver; then it is erased.
   struct Allocation {
@@ -304,17 +324,44 @@ class HostDriver final : public Driver {
   absl::flat_hash_map<PhysHandle, Allocation> allocations_ ABSL_GUARDED_BY(mu_);
   std::map<DevPtr, size_t> reservations_ ABSL_GUARDED_BY(mu_);  // start -> size
   MappingMap mappings_ ABSL_GUARDED_BY(mu_);                    // start -> mapping
+  // Null: a stream of the parent of this forked process, made afresh on first use (FindStream).
   absl::flat_hash_map<Stream, std::shared_ptr<HostStream>> streams_ ABSL_GUARDED_BY(mu_);
   // Streams being destroyed, whose queues are still draining.
   std::vector<std::shared_ptr<HostStream>> draining_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<Event, std::shared_ptr<HostEvent>> events_ ABSL_GUARDED_BY(mu_);
+  // Last: unregistered before the members above go.
+  ForkRegistration fork_{ForkLevel::kDriver, HeldAcrossFork(this)};
 };
+
+void HostDriver::LockForFork(void* self) { static_cast<HostDriver*>(self)->mu_.Lock(); }
+
+void HostDriver::UnlockInParent(void* self) { static_cast<HostDriver*>(self)->mu_.Unlock(); }
+
+void HostDriver::ForgetParentsThreadsInChild(void* self) {
+  HostDriver& d = *static_cast<HostDriver*>(self);
+  // Set aside for good: destroying one would join a thread that does not exist here, or
+  // destroy a condition variable the parent's threads were waiting on.
+  auto* parents = new std::vector<std::shared_ptr<void>>();  // never freed
+  for (auto& [id, stream] : d.streams_) {
+    if (stream != nullptr) parents->push_back(std::move(stream));
+    stream = nullptr;
+  }
+  for (auto& stream : d.draining_) parents->push_back(std::move(stream));
+  d.draining_.clear();
+  for (auto& [id, event] : d.events_) {
+    parents->push_back(std::move(event));
+    event = std::make_shared<HostEvent>();
+  }
+  d.mu_.UnlockInForkChild();
+}
 
 HostDriver::~HostDriver() {
   std::vector<std::shared_ptr<HostStream>> streams;
   {
     MutexLock lock(&mu_);
-    for (auto& [id, stream] : streams_) streams.push_back(stream);
+    for (auto& [id, stream] : streams_) {
+      if (stream != nullptr) streams.push_back(stream);
+    }
     streams_.clear();
     events_.clear();
   }
@@ -794,6 +841,8 @@ absl::StatusOr<std::shared_ptr<HostStream>> HostDriver::FindStream(Stream stream
   if (it == streams_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("host: unknown stream ", stream));
   }
+  // A stream of the parent of this forked process: a queue and thread of the child's own.
+  if (it->second == nullptr) it->second = std::make_shared<HostStream>();
   return it->second;
 }
 
@@ -840,6 +889,7 @@ absl::Status HostDriver::DestroyStream(Stream stream) {
     }
     s = std::move(it->second);
     streams_.erase(it);
+    if (s == nullptr) return absl::OkStatus();  // the parent's, never used in this child
     // Until its queue is drained, SynchronizeDevice still waits for it (as CUDA's does).
     draining_.push_back(s);
   }
@@ -862,7 +912,9 @@ absl::Status HostDriver::SynchronizeDevice(int device) {
   std::vector<std::shared_ptr<HostStream>> streams;
   {
     MutexLock lock(&mu_);
-    for (auto& [id, stream] : streams_) streams.push_back(stream);
+    for (auto& [id, stream] : streams_) {
+      if (stream != nullptr) streams.push_back(stream);  // null: the parent's (see FindStream)
+    }
     streams.insert(streams.end(), draining_.begin(), draining_.end());
   }
   for (auto& stream : streams) stream->Synchronize();
@@ -931,13 +983,31 @@ std::unique_ptr<Driver> NewHostDriver(const HostDriverOptions& options) {
   return std::make_unique<HostDriver>(options);
 }
 
+namespace {
+
+// The process-wide host driver, made under a lock held across fork() (ForkLevel::kDriverInit)
+// rather than as a function's static: a child forked while another thread makes it would find
+// the static's initialisation under way for good, and hang.
+ABSL_CONST_INIT Mutex host_driver_mu;
+std::atomic<Driver*> host_driver{nullptr};
+const bool host_driver_mu_held_across_fork = [] {
+  AtForkForever(ForkLevel::kDriverInit, ForkHandlers::Lock(&host_driver_mu));
+  return true;
+}();
+
+}  // namespace
+
 Driver* GetHostDriver() {
-  // Lives until the process exits.
-  static Driver* const driver = [] {
+  (void)host_driver_mu_held_across_fork;
+  if (Driver* driver = host_driver.load(std::memory_order_acquire)) return driver;
+  MutexLock lock(&host_driver_mu);
+  Driver* driver = host_driver.load(std::memory_order_relaxed);
+  if (driver == nullptr) {
     HostDriverOptions options;
     options.device_count = DeviceCountFromEnv();
-    return NewHostDriver(options).release();
-  }();
+    driver = NewHostDriver(options).release();  // lives until the process exits
+    host_driver.store(driver, std::memory_order_release);
+  }
   return driver;
 }
 

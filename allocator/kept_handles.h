@@ -27,7 +27,9 @@
 // cannot be sent on (Describe is FailedPrecondition saying so). Fabric handles are not fds
 // and are not capped.
 //
-// Thread safety: thread safe (one mutex, a leaf apart from the driver and the FdServer).
+// Thread safety: thread safe (one mutex, a leaf apart from the driver and the FdServer). The
+// mutex is held across fork() (fork_guard.h, ForkLevel::kImports): a forked child may close or
+// send on an import its parent made.
 #ifndef VMM_ALLOCATOR_KEPT_HANDLES_H_
 #define VMM_ALLOCATOR_KEPT_HANDLES_H_
 
@@ -40,6 +42,7 @@
 #include "absl/status/statusor.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver.h"
+#include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/unique_fd.h"
 
@@ -112,6 +115,7 @@ class KeptHandles {
   // What Describe made: the handles, and the FdServer keys to unregister (POSIX fd).
   std::optional<std::vector<BufferDescriptor::Handle>> described_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> fd_keys_ ABSL_GUARDED_BY(mu_);
+  ForkRegistration fork_{ForkLevel::kImports, ForkHandlers::Lock(&mu_)};  // last
 };
 
 }  // namespace vmm

@@ -48,6 +48,15 @@ class ABSL_LOCKABLE Mutex {
   // Tells the analysis that the caller holds the lock (no run-time check).
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
 
+  // In a fork() child only, on a lock the forking thread took before the fork (a
+  // pthread_atfork prepare handler: fork_guard.h): releases it, and forgets the parent's
+  // threads that were waiting for it (none of them exists here), so that later unlocks do not
+  // make a system call to wake them.
+  void UnlockInForkChild() ABSL_UNLOCK_FUNCTION() {
+    sleepers_.store(0, std::memory_order_relaxed);
+    state_.store(kUnlocked, std::memory_order_release);
+  }
+
   // BasicLockable, for std::condition_variable_any.
   void lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { Lock(); }
   void unlock() ABSL_UNLOCK_FUNCTION() { Unlock(); }

@@ -11,15 +11,14 @@
 // fork()ed child starts with a new, empty queue and no thread: the parent's thread does not
 // exist there and its lock may have been held at the fork, so the copy (and what it holds) is
 // leaked, never drained. With `kForkWaits`, fork() waits for a batch being drained to finish
-// (a pthread_atfork gate), so that the child never inherits a lock the drain held (closing an
-// import holds the driver's); the drain must then never fork. If the thread cannot be started,
+// (a gate held across fork(): fork_guard.h, ForkLevel::kImportCloses, before every lock the
+// drain takes), so that the child never inherits half a batch (closing an import holds the
+// driver's lock); the drain must then never fork. If the thread cannot be started,
 // items are drained by the caller of Add (said once, naming the work). Hold() pauses the
 // thread (once the batch it drains is done) until as many Release() calls: items queued
 // meanwhile wait (the closing of imports pauses while a CUDA graph is captured). Thread safe.
 #ifndef VMM_ALLOCATOR_PROCESS_QUEUE_H_
 #define VMM_ALLOCATOR_PROCESS_QUEUE_H_
-
-#include <pthread.h>
 
 #include <atomic>
 #include <chrono>
@@ -33,6 +32,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "allocator/fork_guard.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
 
@@ -43,10 +43,11 @@ class ProcessQueue {
  public:
   // This process's queue (made on first use; never destroyed: items may come during exit).
   static ProcessQueue& ForThisProcess() {
-    static const int registered = pthread_atfork(&GateForFork, &UngateAfterFork, [] {
-      UngateAfterFork();
-      current.store(nullptr);
-    });
+    static const bool registered = [] {
+      AtForkForever(ForkLevel::kImportCloses,
+                    ForkHandlers{&GateForFork, &UngateInParent, &ForgetInChild, nullptr});
+      return true;
+    }();
     (void)registered;
     ProcessQueue* queue = current.load(std::memory_order_acquire);
     if (queue == nullptr) {
@@ -121,19 +122,25 @@ class ProcessQueue {
 
   // The fork handlers' ends of the gate (only the forking thread runs them): held from the
   // prepare handler to the parent's or the child's.
-  static void GateForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  static void GateForFork(void*) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     ProcessQueue* q = current.load(std::memory_order_acquire);
     if (kForkWaits && q != nullptr) {
       q->gate_.Lock();
       q->gated_ = true;
     }
   }
-  static void UngateAfterFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  static void UngateInParent(void*) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     ProcessQueue* q = current.load(std::memory_order_acquire);
     if (q != nullptr && q->gated_) {
       q->gated_ = false;
       q->gate_.Unlock();
     }
+  }
+  // The child starts with no queue: the parent's (its lock, its thread's work) is left as it
+  // was.
+  static void ForgetInChild(void* arg) {
+    UngateInParent(arg);
+    current.store(nullptr);
   }
 
   size_t Pending() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queued_.size() + draining_; }

@@ -1,6 +1,5 @@
 #include "allocator/send_ledger.h"
 
-#include <pthread.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,6 +20,7 @@
 #include "allocator/capture_window.h"
 #include "allocator/fd_share.h"
 #include "allocator/fd_share_internal.h"
+#include "allocator/fork_guard.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
 #include "allocator/status_macros.h"
@@ -287,20 +287,24 @@ class SendLedger::Impl {
     return stats;
   }
 
-  // pthread_atfork handlers: the lock is held across fork(), so that the child finds the
-  // state whole; the child then starts with an empty ledger. The run gate is taken first: a
-  // fork waits for a release that is running (which may hold a pool's or the fd server's
-  // lock, which the child would otherwise find held for good). A fork from inside a release
-  // (never done by vmm) skips the gate.
-  void LockForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  // fork() handlers (allocator/fork_guard.h): the lock is held across fork(), so that the
+  // child finds the state whole; the child then starts with an empty ledger. The run gate is
+  // taken before it (and before the locks of the state, pools and drivers that releases take:
+  // ForkLevel::kSendReleases): a fork waits for a release that is running, so that the child
+  // never inherits half of one. A fork from inside a release (never done by vmm) skips the
+  // gate.
+  void GateForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     gated_fork_ = !in_release;
     if (gated_fork_) run_gate_.Lock();
-    mu_.Lock();
   }
-  void UnlockInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    mu_.Unlock();
+  void UngateInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     if (gated_fork_) run_gate_.Unlock();
   }
+  void UngateInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    if (gated_fork_) run_gate_.UnlockInForkChild();
+  }
+  void LockForFork() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_.Lock(); }
+  void UnlockInParent() ABSL_NO_THREAD_SAFETY_ANALYSIS { mu_.Unlock(); }
   void ForgetParentInChild() ABSL_NO_THREAD_SAFETY_ANALYSIS {
     // The parent's holds are the parent's: their releases never run here, and they are not
     // destroyed either (what they capture belongs to the parent), so they are kept aside.
@@ -323,8 +327,7 @@ class SendLedger::Impl {
     emptied_ = new std::condition_variable_any();
     work_ = new std::condition_variable_any();
     progress_ = new std::condition_variable_any();
-    mu_.Unlock();
-    if (gated_fork_) run_gate_.Unlock();
+    mu_.UnlockInForkChild();
   }
 
  private:
@@ -434,13 +437,6 @@ class SendLedger::Impl {
       new std::condition_variable_any();
 };
 
-namespace {
-
-// The ledger, for the fork handlers (set once, before they are installed).
-SendLedger* ledger_for_fork = nullptr;
-
-}  // namespace
-
 thread_local bool SendLedger::Impl::in_release = false;
 
 SendLedger& SendLedger::Get() {
@@ -449,10 +445,17 @@ SendLedger& SendLedger::Get() {
 }
 
 SendLedger::SendLedger() : impl_(new Impl()) {
-  ledger_for_fork = this;
-  pthread_atfork([] { ledger_for_fork->impl_->LockForFork(); },
-                 [] { ledger_for_fork->impl_->UnlockInParent(); },
-                 [] { ledger_for_fork->impl_->ForgetParentInChild(); });
+  // The process's one ledger (Get), never destroyed.
+  AtForkForever(ForkLevel::kSendReleases,
+                ForkHandlers{[](void* impl) { static_cast<Impl*>(impl)->GateForFork(); },
+                             [](void* impl) { static_cast<Impl*>(impl)->UngateInParent(); },
+                             [](void* impl) { static_cast<Impl*>(impl)->UngateInChild(); },
+                             impl_});
+  AtForkForever(ForkLevel::kSendLedger,
+                ForkHandlers{[](void* impl) { static_cast<Impl*>(impl)->LockForFork(); },
+                             [](void* impl) { static_cast<Impl*>(impl)->UnlockInParent(); },
+                             [](void* impl) { static_cast<Impl*>(impl)->ForgetParentInChild(); },
+                             impl_});
 }
 
 absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release release,

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "allocator/export_registry.h"
+#include "allocator/fork_guard.h"
 #include "allocator/kept_handles.h"
 #include "allocator/unique_fd.h"
 #include "allocator/log.h"
@@ -113,11 +114,15 @@ class ImportedBuffer::Mapping {
   std::atomic<bool> forwarded_{false};
   Mutex callbacks_mu_;
   std::vector<absl::AnyInvocable<void(bool) &&>> on_unmapped_ ABSL_GUARDED_BY(callbacks_mu_);
+  // callbacks_mu_ is held across fork() (fork_guard.h; kept_'s lock too): a forked child may
+  // close an import its parent made. Last: unregistered before the rest goes.
+  ForkRegistration fork_{ForkLevel::kImports, ForkHandlers::Lock(&callbacks_mu_)};
 };
 
 namespace {
 
-// Open mappings by the identity of what they map.
+// Open mappings by the identity of what they map. Its lock is held across fork() (fork_guard.h,
+// ForkLevel::kImports): a forked child imports through it.
 class MappingCache {
  public:
   static MappingCache& Get() {
@@ -134,10 +139,11 @@ class MappingCache {
     open_[key] = mapping;
   }
   void Remove(const std::string& key, const ImportedBuffer::Mapping* mapping) {
+    std::shared_ptr<ImportedBuffer::Mapping> current;  // if the last one, it goes unlocked
     MutexLock lock(&mu_);
     auto it = open_.find(key);
     if (it == open_.end()) return;
-    auto current = it->second.lock();
+    current = it->second.lock();
     if (current == nullptr || current.get() == mapping) open_.erase(it);
   }
   size_t size() {
@@ -146,6 +152,8 @@ class MappingCache {
   }
 
  private:
+  MappingCache() { AtForkForever(ForkLevel::kImports, ForkHandlers::Lock(&mu_)); }
+
   Mutex mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<ImportedBuffer::Mapping>> open_
       ABSL_GUARDED_BY(mu_);

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <unordered_map>
 
+#include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 
 namespace vmm {
@@ -60,6 +61,8 @@ class BlockHolds {
   std::unordered_map<const void*, Entry> entries_ ABSL_GUARDED_BY(mu_);
   std::atomic<size_t> tracked_{0};  // entries_.size()
   std::atomic<uint64_t> moved_bytes_{0};
+  // mu_ is held across fork() (allocator/fork_guard.h): a forked child frees through DeferFree.
+  ForkRegistration fork_{ForkLevel::kProcessSends, ForkHandlers::Lock(&mu_)};
 };
 
 }  // namespace vmm

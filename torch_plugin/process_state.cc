@@ -1,6 +1,7 @@
 #include "torch_plugin/process_state.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <iterator>
 #include <limits>
@@ -61,8 +62,16 @@ absl::Status BadDevice(int device) {
 }  // namespace
 
 ProcessState& ProcessState::Get() {
-  static auto* state = new ProcessState();
-  return *state;
+  // Made and published without a function's static: its fork registrations wait while a fork
+  // is under way, and a child forked meanwhile would find the static's initialisation under
+  // way for good. Never destroyed.
+  static std::atomic<ProcessState*> state{nullptr};
+  ProcessState* s = state.load(std::memory_order_acquire);
+  if (s != nullptr) return *s;
+  auto* fresh = new ProcessState();
+  if (state.compare_exchange_strong(s, fresh, std::memory_order_acq_rel)) return *fresh;
+  delete fresh;  // another thread published one first
+  return *s;
 }
 
 ProcessState::ProcessState() : send_budget_(SendBudgetFromEnvironment()) {

@@ -32,7 +32,11 @@
 // made before the fork refuse to allocate or export in the child (Pool: FailedPrecondition).
 // The child's per-GPU state (memory-fraction caps, joint peaks, the totals of gone pools,
 // other allocators' holdings) starts empty at its first pool of any kind, a private pool
-// included, and its statistics count only pools it made (AdoptForkLocked).
+// included, and its statistics count only pools it made (AdoptForkLocked). Every lock of the
+// state (and of its BlockHolds) is held across fork() (allocator/fork_guard.h: private_mu_ at
+// ForkLevel::kPrivatePools, mu_ at kProcessState, released_mu_ and budget_mu_ at
+// kProcessSends), so that a child forked while other threads of its parent use the state finds
+// them free.
 //
 // Errors: InvalidArgument for bad ids, devices, options and pointers; FailedPrecondition for
 // calls in the wrong state (Configure after the first allocation); the pools' and the driver's
@@ -404,6 +408,13 @@ class ProcessState {
   std::shared_ptr<ProcessState*> self_ = std::make_shared<ProcessState*>(this);
   // Device pools of the parent of this forked process: found by Owner for frees, never freed.
   std::vector<Pool*> abandoned_ ABSL_GUARDED_BY(mu_);
+
+  // The locks above, held across fork() in the order of allocator/fork_guard.h. Last, so that
+  // they unregister before the rest goes.
+  ForkRegistration fork_private_{ForkLevel::kPrivatePools, ForkHandlers::Lock(&private_mu_)};
+  ForkRegistration fork_state_{ForkLevel::kProcessState, ForkHandlers::Lock(&mu_)};
+  ForkRegistration fork_released_{ForkLevel::kProcessSends, ForkHandlers::Lock(&released_mu_)};
+  ForkRegistration fork_budget_{ForkLevel::kProcessSends, ForkHandlers::Lock(&budget_mu_)};
 };
 
 }  // namespace vmm
