@@ -12,16 +12,9 @@
 namespace vmm {
 
 ExportRegistry& ExportRegistry::Process() {
-  // Made and published without a function's static: its fork registrations wait while a fork
-  // is under way, and a child forked meanwhile would find the static's initialisation under
-  // way for good. Never destroyed.
+  // Never destroyed; not a function's static (fork_guard.h PublishOnce).
   static std::atomic<ExportRegistry*> registry{nullptr};
-  ExportRegistry* r = registry.load(std::memory_order_acquire);
-  if (r != nullptr) return *r;
-  auto* fresh = new ExportRegistry();
-  if (registry.compare_exchange_strong(r, fresh, std::memory_order_acq_rel)) return *fresh;
-  delete fresh;  // another thread published one first
-  return *r;
+  return PublishOnce(registry, [] { return new ExportRegistry(); });
 }
 
 absl::Status ExportRegistry::HandleFor(Pool& pool, HandleType type, const ExportedChunk& chunk,

@@ -139,6 +139,21 @@ class ForkRegistration {
   ForkRegistration* next_ = nullptr;
 };
 
+// A process-wide object made at its first use by `make()` (a new T) and never destroyed,
+// published through `slot` rather than a function's static: its constructor may register
+// fork handlers, which wait while a fork is under way, and a child forked meanwhile would
+// find a static's initialisation under way for good. Where two threads make one at once, the
+// one published first wins and the other is deleted.
+template <typename T, typename Make>
+T& PublishOnce(std::atomic<T*>& slot, Make make) {
+  T* published = slot.load(std::memory_order_acquire);
+  if (published != nullptr) return *published;
+  T* fresh = make();
+  if (slot.compare_exchange_strong(published, fresh, std::memory_order_acq_rel)) return *fresh;
+  delete fresh;
+  return *published;
+}
+
 }  // namespace vmm
 
 #endif  // VMM_ALLOCATOR_FORK_GUARD_H_

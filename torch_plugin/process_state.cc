@@ -62,16 +62,9 @@ absl::Status BadDevice(int device) {
 }  // namespace
 
 ProcessState& ProcessState::Get() {
-  // Made and published without a function's static: its fork registrations wait while a fork
-  // is under way, and a child forked meanwhile would find the static's initialisation under
-  // way for good. Never destroyed.
+  // Never destroyed; not a function's static (fork_guard.h PublishOnce).
   static std::atomic<ProcessState*> state{nullptr};
-  ProcessState* s = state.load(std::memory_order_acquire);
-  if (s != nullptr) return *s;
-  auto* fresh = new ProcessState();
-  if (state.compare_exchange_strong(s, fresh, std::memory_order_acq_rel)) return *fresh;
-  delete fresh;  // another thread published one first
-  return *s;
+  return PublishOnce(state, [] { return new ProcessState(); });
 }
 
 ProcessState::ProcessState() : send_budget_(SendBudgetFromEnvironment()) {
