@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "allocator/fork_guard.h"
 #include "allocator/log.h"
 
 namespace vmm {
@@ -64,15 +65,20 @@ void FreshWindowInChild() {
   the_window.store(fresh, std::memory_order_release);
 }
 
-// Never destroyed: background threads may use it during exit.
+// The child handler, registered when the library is loaded (before any fork()): registered
+// at the first use instead, inside a function's static, a fork racing that first use would
+// skip it (and an older glibc blocks fork() during pthread_atfork).
+const bool fresh_window_in_child = [] {
+  AtForkForever(ForkLevel::kLog,
+                ForkHandlers{nullptr, nullptr, [](void*) { FreshWindowInChild(); }, nullptr});
+  return true;
+}();
+
+// Never destroyed: background threads may use it during exit. Made at the first use,
+// published through the_window (a fork never finds it half made).
 Window& TheWindow() {
-  static const bool made = [] {
-    the_window.store(new Window(), std::memory_order_release);
-    pthread_atfork(nullptr, nullptr, &FreshWindowInChild);
-    return true;
-  }();
-  (void)made;
-  return *the_window.load(std::memory_order_acquire);
+  (void)fresh_window_in_child;
+  return PublishOnce(the_window, [] { return new Window(); });
 }
 
 // Leaves background work entered by the constructor's caller, at the end of a scope.

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -440,8 +441,10 @@ class SendLedger::Impl {
 thread_local bool SendLedger::Impl::in_release = false;
 
 SendLedger& SendLedger::Get() {
-  static auto* ledger = new SendLedger();
-  return *ledger;
+  // Never destroyed; not a function's static (fork_guard.h PublishOnce: its constructor may
+  // warn, under the log's lock, about a malformed VMM_SEND_LEASE_S).
+  static std::atomic<SendLedger*> ledger{nullptr};
+  return PublishOnce(ledger, [] { return new SendLedger(); });
 }
 
 SendLedger::SendLedger() : impl_(new Impl()) {
