@@ -35,9 +35,7 @@
 // initialisation under way for good: singletons use AtForkForever, which never waits, or are
 // published through an atomic pointer, as ProcessState::Get does).
 //
-// Not covered: Pool::mu_ (one per pool, allocator/pool.cc) is not registered yet, so a child
-// that frees a block of its parent's pool can still find that pool's lock held. CUDA is not
-// usable in a forked child at all: the CUDA backend's locks are made free in the child only so
+// CUDA is not usable in a forked child at all: the CUDA backend's locks are made free in the child only so
 // that its calls fail there rather than hang (cuda_driver.cc), and the LibTorch extension's
 // own locks (torch_plugin/csrc) guard CUDA state only. The capture window (capture_window.cc)
 // and the process queues (process_queue.h) give a child fresh objects instead, leaving the
@@ -83,7 +81,7 @@ enum class ForkLevel : int {
   kPrivatePools,   // ProcessState::private_mu_ (taken before mu_)
   kProcessState,   // ProcessState::mu_
   kProcessSends,   // ProcessState::released_mu_ and budget_mu_, BlockHolds::mu_
-  kPool,           // Pool::mu_ (one per pool): reserved, not registered yet (see above)
+  kPool,           // Pool::mu_ (one per pool)
   kSendLedger,     // the send ledger's lock (send_ledger.cc)
   kImports,        // an import's mapping and kept handles, the mapping cache (sharing.cc)
   kExports,        // ExportRegistry::mu_, FdExportAnchors::mu_

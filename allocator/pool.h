@@ -550,6 +550,9 @@ class Pool {
   PoolStats stats_ ABSL_GUARDED_BY(mu_);
   Pending pending_ ABSL_GUARDED_BY(mu_);
   Pending arena_pending_[kNumArenas] ABSL_GUARDED_BY(mu_);
+  // mu_ held across fork() (fork_guard.h, ForkLevel::kPool), so that a forked child that frees
+  // blocks its parent made here never finds it held for good. Last: unregistered first.
+  ForkRegistration fork_registration_{ForkLevel::kPool, ForkHandlers::Lock(&mu_)};
 };
 
 }  // namespace vmm

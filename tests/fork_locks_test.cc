@@ -25,6 +25,7 @@
 #include "allocator/fork_guard.h"
 #include "allocator/host_driver.h"
 #include "allocator/log.h"
+#include "allocator/pool.h"
 #include "allocator/send_ledger.h"
 #include "gtest/gtest.h"
 #include "tests/sanitizers.h"
@@ -208,6 +209,54 @@ TEST(ForkLocksTest, ChildrenForkedWhileOtherThreadsUseVmmFinishTheirOwnUse) {
   EXPECT_TRUE(state.AddImportRef(*kept_import, -1).ok());
   EXPECT_TRUE(state.FreeBlock(*kept).ok());
   EXPECT_TRUE(state.ClosePool(*kept_pool).ok());
+}
+
+// A pool's own lock too: a child frees blocks its parent made in a pool that a thread of the
+// parent keeps allocating from and freeing to, and reads its statistics.
+TEST(ForkLocksTest, AChildFreesItsParentsBlocksWhileAThreadOfTheParentUsesThePool) {
+  PoolOptions options;
+  options.reserve_size = 256 * kMiB;
+  absl::StatusOr<std::unique_ptr<Pool>> made = Pool::Create(GetHostDriver(), options);
+  ASSERT_TRUE(made.ok()) << made.status();
+  Pool& pool = **made;
+  std::vector<void*> blocks;
+  for (int i = 0; i < kForks; ++i) {
+    absl::StatusOr<void*> p = pool.Allocate(64 * 1024, 0);
+    ASSERT_TRUE(p.ok()) << p.status();
+    blocks.push_back(*p);
+  }
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> rounds{0};
+  std::thread user([&] {
+    size_t size = 4096;
+    while (!stop.load()) {
+      absl::StatusOr<void*> p = pool.Allocate(size, 0);
+      if (p.ok()) (void)pool.Free(*p);
+      (void)pool.EmptyCache();
+      size = size * 3 % (8 * kMiB) + 4096;
+      rounds.fetch_add(1);
+    }
+  });
+  int hung = 0;
+  for (int i = 0; i < kForks && hung == 0; ++i) {
+    const uint64_t seen = rounds.load();
+    while (rounds.load() < seen + 2) std::this_thread::yield();
+    void* block = blocks[i];
+    const int rc = InForkedChild([&pool, block] {
+      alarm(kChildDeadlineSeconds);
+      if (!pool.Free(block).ok()) return 1;
+      (void)pool.GetStats();
+      return 0;
+    });
+    EXPECT_EQ(rc, 0) << "fork " << i << ": the child "
+                     << (rc == 128 + SIGALRM
+                             ? absl::StrCat("hung (killed after ", kChildDeadlineSeconds, " s)")
+                             : absl::StrCat("failed at step ", rc));
+    if (rc != 0) ++hung;
+  }
+  stop.store(true);
+  user.join();
+  for (void* b : blocks) EXPECT_TRUE(pool.Free(b).ok());
 }
 
 }  // namespace
