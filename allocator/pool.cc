@@ -1184,7 +1184,18 @@ absl::StatusOr<void*> Pool::AllocateAt(uintptr_t addr, size_t size, Stream strea
     // becomes one block that any stream may take once the device is idle (a pending block in
     // an exported chunk retires instead: checked again).
     VMM_RETURN_IF_ERROR(check_free());
-    VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
+    {
+      // Not during a capture anywhere in the process: the synchronisation would invalidate
+      // it (capture_window.h); a window that opens meanwhile waits for it.
+      const WorkOutsideCapture syncing(/*wanted=*/true);
+      if (!syncing.entered()) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "allocation at ", absl::Hex(addr), " of ", size, " bytes: the range holds memory ",
+            "other streams freed, which only a device synchronisation makes free, and a CUDA ",
+            "graph capture is under way; try again after the capture"));
+      }
+      VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
+    }
     VMM_RETURN_IF_ERROR(check_free());
     block = covering();
     if (block == nullptr) {

@@ -111,7 +111,9 @@
 // Allocating at an address. AllocateAt(addr, size) hands out exactly [addr, addr + size),
 // which must lie in free space the pool has mapped (a CUDA graph tree restoring a checkpoint
 // of the blocks a replay leaves allocated): it never grows the pool. Free blocks of the range
-// still tagged for other streams or pending frees cost a device synchronisation first.
+// still tagged for other streams or pending frees cost a device synchronisation first; while
+// a CUDA graph capture is under way anywhere in the process that is FailedPrecondition
+// instead (the synchronisation would invalidate the capture).
 //
 // Export invariant, continued. The pool knows nothing of handles, fds or descriptors: Export
 // marks chunks and lets a visitor see each chunk's physical handle under the pool's lock, and

@@ -17,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
+#include "allocator/capture_window.h"
 #include "allocator/driver_factory.h"
 #include "allocator/host_driver.h"
 #include "gmock/gmock.h"
@@ -1229,6 +1230,33 @@ TEST_F(PoolTest, AllocateAtCarvesTheMiddleOfAFreeBlock) {
   EXPECT_EQ(pool->GetStats().inactive_split.current, 2) << "one free block per arena";
   EXPECT_EQ(Alloc(*pool, 8 * kMiB), a);
   ASSERT_OK(pool->Free(a));
+}
+
+// During a capture the synchronisation that would make such space free is not made: the
+// request fails, saying why, with no synchronisation; after the capture it succeeds.
+TEST_F(PoolTest, AllocateAtDuringACaptureDoesNotSynchronise) {
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  void* a = Alloc(*pool, 4 * kMiB, s);
+  void* keep = Alloc(*pool, 4 * kMiB, t);
+  const auto at = reinterpret_cast<uintptr_t>(a);
+  ASSERT_OK(pool->Free(a));  // cached for s
+  const int64_t syncs = pool->GetStats().num_sync_all_streams;
+  OpenCaptureWindow();
+  absl::StatusOr<void*> during = pool->AllocateAt(at, 4 * kMiB, t);
+  CloseCaptureWindow();
+  EXPECT_EQ(during.status().code(), absl::StatusCode::kFailedPrecondition) << during.status();
+  EXPECT_THAT(std::string(during.status().message()), ::testing::HasSubstr("capture"));
+  EXPECT_EQ(pool->GetStats().num_sync_all_streams, syncs);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  ASSERT_OK_AND_ASSIGN(void* after, pool->AllocateAt(at, 4 * kMiB, t));
+  EXPECT_EQ(after, a);
+  EXPECT_EQ(pool->GetStats().num_sync_all_streams, syncs + 1);
+  ASSERT_OK(pool->Free(after));
+  ASSERT_OK(pool->Free(keep));
+  ASSERT_OK(driver_->DestroyStream(s));
+  ASSERT_OK(driver_->DestroyStream(t));
 }
 
 TEST_F(PoolTest, AllocateAtTakesFreeSpaceOfOtherStreamsAfterASynchronisation) {
