@@ -282,8 +282,19 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   }
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
   Arena& arena = shareable ? large_ : ArenaFor(n);
-  // A spare chunk serves only a request it fits closely (an eighth of it, or a granule, left).
+  // A spare chunk serves a request it fits closely (an eighth of it, or a granule, left), and
+  // any it fits once the spare chunks pass what the pool keeps of them (below).
   const size_t spare_slack = std::max(n / 8, granularity_);
+  // What the spare chunks and this request's bytes hold beyond twice the most the pool has
+  // had allocated (0: within it). Past it, idle spare chunks serve requests they do not fit
+  // closely, or go back before a send grows: a stream of sends of varying sizes, each spare
+  // chunk waiting for a send of its own size, grew reserved memory without bound.
+  auto spare_past_high = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> size_t {
+    const size_t high = static_cast<size_t>(
+        std::max<int64_t>(std::max(allocated_high_, stats_.allocated_bytes.peak), 0));
+    const size_t kept = spare_.bytes() + n;
+    return kept / 2 > high ? kept - 2 * high : 0;
+  };
   Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
                            : arena.BestFit(stream, n);
   bool reopened_spare = false;  // a spare chunk taken as plain memory
@@ -295,26 +306,25 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     block = arena.BestFit(stream, n);
     if (block == nullptr && &arena == &large_ && !spare_.empty()) {
       // Memory a send left behind, before growing (file comment, "Reusing exported chunks"):
-      // one it fills closely, else the smallest it fits, its rest free memory, rather than
-      // grow beside idle spare chunks (sends of varying sizes made reserved memory grow
-      // without bound: each chunk kept for a send of its own size).
-      block = TakeSpareChunk(n, spare_slack, stream, /*for_send=*/false);
-      if (block == nullptr) block = TakeSpareChunk(n, SIZE_MAX, stream, /*for_send=*/false);
+      // one it fills closely, else, past what the pool keeps, the smallest it fits (its rest
+      // free memory).
+      const size_t slack = spare_past_high() > 0 ? SIZE_MAX : spare_slack;
+      block = TakeSpareChunk(n, slack, stream, /*for_send=*/false);
       reopened_spare = block != nullptr;
     }
   }
   if (block == nullptr && shareable && !spare_.empty() && !keep_memory_) {
-    // A send that no spare chunk fits closely grows a chunk of its own. Spare chunks and
-    // that growth are kept within twice the most the pool has had allocated: past it the
-    // oldest spare chunks go back first, so that a stream of sends of varying sizes does not
-    // keep growing the pool with chunks that no later send fits. Not during a capture (the
-    // unmaps are kept out of it, capture_window.h).
-    const size_t high = static_cast<size_t>(
-        std::max<int64_t>(std::max(allocated_high_, stats_.allocated_bytes.peak), 0));
-    const size_t kept = spare_.bytes() + n;
-    if (kept / 2 > high) {
+    // A send that no spare chunk fits closely grows a chunk of its own; past what the pool
+    // keeps, the oldest spare chunks go back first. Not during a capture (the unmaps are kept
+    // out of it, capture_window.h). A trim that fails leaves the growth to go on.
+    if (const size_t excess = spare_past_high(); excess > 0) {
       const WorkOutsideCapture releasing(/*wanted=*/true);
-      if (releasing.entered()) VMM_RETURN_IF_ERROR(ReleaseSpareChunks(kept - 2 * high));
+      if (releasing.entered()) {
+        if (absl::Status trimmed = ReleaseSpareChunks(excess); !trimmed.ok()) {
+          LogWarningOnce("spare-trim", absl::StrCat("releasing spare exported chunks before a "
+                                                    "send grows: ", trimmed.message()));
+        }
+      }
     }
   }
   if (block == nullptr) {

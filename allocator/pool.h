@@ -77,13 +77,13 @@
 //   - kept *spare* once all have, under a fresh id at once (ExportObserver::ChunkRenamed: fds
 //     re-registered under a new key, so a descriptor of an earlier send fetches nothing from
 //     then on): AllocateShareable takes the smallest spare chunk that fits closely before
-//     growing, and an allocation of the large arena that no free block fits takes the one
-//     it fills most closely (plain memory then, its rest free) before it grows; neither
-//     makes a driver call, and a later send of the block exports it with the handle already
-//     exported. A send that no spare chunk fits closely first releases the oldest spare
-//     chunks beyond twice the most the pool has had allocated (counting its own growth), so
-//     sends of varying sizes do not keep growing the pool (each chunk waiting for a send of
-//     its own size made reserved memory grow without bound).
+//     growing, and so does an allocation of the large arena that no free block fits (plain
+//     memory then, its rest free); neither makes a driver call, and a later send of the
+//     block exports it with the handle already exported. Past twice the most the pool has
+//     had allocated (the spare chunks and the request together), such an allocation takes the
+//     smallest spare chunk it fits, closely or not, and a send that none fits closely first
+//     releases the oldest, so sends of varying sizes do not keep growing the pool (each chunk
+//     waiting for a send of its own size made reserved memory grow without bound).
 // A chunk that still holds live blocks when its last receiver reports its release (a block
 // sent in place with its neighbours: ExportNeighbours::kAllow) loses its mark instead, unless
 // the pool isolates sends (PoolOptions::isolate_sends) or the chunk is dedicated: under a fresh

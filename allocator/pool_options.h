@@ -138,8 +138,8 @@ struct PoolOptions {
   // or allocation that fits one, instead of being released: that send then costs
   // no chunk creation, mapping, access grant or export (pool.h, "Reusing exported chunks").
   // Spare chunks are cached memory, as free blocks are: EmptyCache and a growth that fails
-  // for lack of memory release them, and a send that fits none releases the oldest beyond
-  // twice the pool's allocated high (pool.h). The default keeps all within that (SIZE_MAX;
+  // for lack of memory release them, and past twice the pool's allocated high a send that fits
+  // none releases the oldest (pool.h). The default keeps all within that (SIZE_MAX;
   // "unlimited" in option text); a chunk larger than the cap is released once free; 0 turns
   // the reuse off.
   size_t spare_export_bytes = SIZE_MAX;

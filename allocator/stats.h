@@ -55,7 +55,7 @@ namespace vmm {
   X(driver_event, "driver_calls.event", "event record/query calls for stream ordering")   \
   X(num_exports, "num_exports", "blocks exported")                                        \
   X(num_export_reuses, "num_export_reuses",                                               \
-    "exported chunks reused for a shareable block once every receiver released them")     \
+    "spare exported chunks reused (for a send or as plain memory) once released by all")  \
   X(num_chunk_moves, "num_chunk_moves",                                                   \
     "free chunks unmapped and mapped again where a miss needed memory (no growth)")       \
   X(moved_bytes, "moved_bytes", "bytes of the free chunks moved (num_chunk_moves' bytes)")  \

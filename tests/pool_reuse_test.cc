@@ -454,24 +454,51 @@ TEST_F(PoolReuseTest, AReleaseThresholdReleasesSpareChunks) {
   EXPECT_FALSE(observer_.released().empty());
 }
 
-// A spare chunk much larger than an ordinary request is left for a request it fits: the
-// allocation grows instead of wasting the chunk's rest.
-// An ordinary allocation that no spare chunk fills closely takes the smallest spare chunk it
-// fits, as plain memory, rather than grow beside it: its rest is free memory handed out.
-TEST_F(PoolReuseTest, AnAllocationMuchSmallerThanASpareChunkTakesItAsPlainMemory) {
+// An ordinary allocation much smaller than the one spare chunk grows instead (the chunk stays
+// for a later send of its size) while the spare chunks and the request are within twice the
+// most the pool has had allocated.
+TEST_F(PoolReuseTest, AnAllocationMuchSmallerThanASpareChunkGrowsWithinTwiceTheHigh) {
   auto pool = MakePool();
   SKIP_IF_NOT_EXPORTABLE(pool);
   void* p = MakeSpare(*pool, 32 * kMiB);
   const PoolStats before = pool->GetStats();
-  absl::StatusOr<void*> q = pool->Allocate(8 * kMiB, 0);  // 24 MiB is left over
+  absl::StatusOr<void*> q = pool->Allocate(8 * kMiB, 0);  // 24 MiB would be left over
   ASSERT_OK(q);
-  EXPECT_EQ(*q, p);
-  absl::StatusOr<void*> r = pool->Allocate(16 * kMiB, 0);  // from the rest
+  EXPECT_NE(*q, p);
+  PoolStats s = pool->GetStats();
+  EXPECT_EQ(s.num_export_reuses, before.num_export_reuses);
+  EXPECT_GT(s.driver_create, before.driver_create);
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(40 * kMiB));
+  ASSERT_OK(pool->Free(*q));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// Past that, it takes the smallest spare chunk it fits, as plain memory, rather than grow
+// beside idle ones: blocks of 32, 40 and 48 MiB, each sent in place, freed and released by
+// its receiver in turn, leave 120 MiB of spare chunks after a high of 48 MiB.
+TEST_F(PoolReuseTest, AnAllocationMuchSmallerThanASpareChunkTakesItPastTwiceTheHigh) {
+  auto pool = MakePool();
+  SKIP_IF_NOT_EXPORTABLE(pool);
+  void* first = nullptr;
+  for (size_t mib : {32, 40, 48}) {
+    absl::StatusOr<void*> b = pool->Allocate(mib * kMiB, 0);
+    ASSERT_OK(b);
+    if (first == nullptr) first = *b;
+    const std::vector<ExportedChunk> sent = Send(*pool, *b);
+    ASSERT_OK(pool->Free(*b));
+    pool->SettleExport(sent, /*released=*/true);
+  }
+  ASSERT_EQ(Reserved(*pool), static_cast<int64_t>(120 * kMiB));
+  const PoolStats before = pool->GetStats();
+  absl::StatusOr<void*> q = pool->Allocate(8 * kMiB, 0);
+  ASSERT_OK(q);
+  EXPECT_EQ(*q, first) << "the smallest spare chunk, 32 MiB";
+  absl::StatusOr<void*> r = pool->Allocate(16 * kMiB, 0);  // from its rest
   ASSERT_OK(r);
   PoolStats s = pool->GetStats();
   EXPECT_EQ(s.num_export_reuses, before.num_export_reuses + 1);
   EXPECT_EQ(s.driver_create, before.driver_create);
-  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(32 * kMiB));
+  EXPECT_EQ(s.reserved_bytes.current, static_cast<int64_t>(120 * kMiB));
   ASSERT_OK(pool->Free(*q));
   ASSERT_OK(pool->Free(*r));
   EXPECT_OK(pool->CheckInvariants());
