@@ -128,6 +128,16 @@ int UseQuickLocks(const std::string& descriptor) {
   return 0;
 }
 
+// Whether fork `i`'s child, which exited with `rc`, finished (0); else a failure that says
+// how it ended.
+bool ChildFinished(int i, int rc) {
+  EXPECT_EQ(rc, 0) << "fork " << i << ": the child "
+                   << (rc == 128 + SIGALRM
+                           ? absl::StrCat("hung (killed after ", kChildDeadlineSeconds, " s)")
+                           : absl::StrCat("failed at step ", rc));
+  return rc == 0;
+}
+
 // The child: every path once, within the deadline.
 int Child() {
   alarm(kChildDeadlineSeconds);
@@ -196,11 +206,7 @@ TEST(ForkLocksTest, ChildrenForkedWhileOtherThreadsUseVmmFinishTheirOwnUse) {
     const uint64_t seen = rounds.load();
     while (rounds.load() < seen + 2 && failure.load() == 0) std::this_thread::yield();
     const int rc = InForkedChild(&Child);
-    EXPECT_EQ(rc, 0) << "fork " << i << ": the child "
-                     << (rc == 128 + SIGALRM
-                             ? absl::StrCat("hung (killed after ", kChildDeadlineSeconds, " s)")
-                             : absl::StrCat("failed at step ", rc));
-    if (rc != 0) ++hung;
+    if (!ChildFinished(i, rc)) ++hung;
   }
   stop.store(true);
   for (std::thread& thread : threads) thread.join();
@@ -248,11 +254,7 @@ TEST(ForkLocksTest, AChildFreesItsParentsBlocksWhileAThreadOfTheParentUsesThePoo
       (void)pool.GetStats();
       return 0;
     });
-    EXPECT_EQ(rc, 0) << "fork " << i << ": the child "
-                     << (rc == 128 + SIGALRM
-                             ? absl::StrCat("hung (killed after ", kChildDeadlineSeconds, " s)")
-                             : absl::StrCat("failed at step ", rc));
-    if (rc != 0) ++hung;
+    if (!ChildFinished(i, rc)) ++hung;
   }
   stop.store(true);
   user.join();
