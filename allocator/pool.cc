@@ -541,6 +541,10 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   request.requester = stream;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
+  // Chunks of several pages only while the blocks grown in them fill them (pool.h).
+  if (made_several_pages_ && !pinned_in_chunks_ && paged) {
+    pinned_in_chunks_ = PinnedInChunks(large_, chunks_, options_.large_page);
+  }
   // (Every new high of allocated bytes shows in the peak statistic, which only a reset of the
   // peaks lowers.)
   if (stats_.allocated_bytes.peak > allocated_high_) {
@@ -673,7 +677,9 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
 size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   const size_t page = options_.large_page;
   // A growth planned to granularity (no gap held the request in whole units) stays in pages.
-  if (short_of_memory_ || !in_units || options_.growth_page <= page) return page;
+  if (short_of_memory_ || pinned_in_chunks_ || !in_units || options_.growth_page <= page) {
+    return page;
+  }
   // Single pages for a request below growth_page_from, and once memory has moved, for one of
   // fewer than kLargeRequestChunks growth chunks (pool_options.h growth_page).
   if (n < options_.growth_page_from) return page;
@@ -702,6 +708,7 @@ size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
     allowed = std::min(allowed, reserved + static_cast<size_t>(info->free));
   }
   if (reserved + fresh > allowed / 2) return page;
+  made_several_pages_ = true;
   return chunk;
 }
 

@@ -18,8 +18,9 @@
 // is not whole granules), in chunks of `large_page` and a last chunk of what is left, which
 // may end in half a page (to granularity, the last one shorter, only where no gap of the
 // range holds the request in whole half pages), or, until a miss first moves memory (after
-// it, for requests of kLargeRequestChunks growth chunks or more), in chunks of up to
-// `growth_page` (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity
+// it, for requests of kLargeRequestChunks growth chunks or more) and until a miss first finds
+// free memory in such a chunk beside a live block, in chunks of up to `growth_page`
+// (pool_options.h). Near a memory limit, a fraction cap or the GPU's capacity
 // a growth that the rounding to half pages would take past a memory limit or a fraction cap
 // is planned to granularity instead (its moves too), and so is the retry after a growth has
 // failed for lack of memory (the GPU's capacity), so the rounding alone fails no request but
@@ -376,7 +377,8 @@ class Pool {
   // The largest chunk a paged growth of `fresh` new bytes for a request of `n`, planned in plan
   // units (`in_units`; else to granularity), creates: large_page; or, until the pool first
   // moves memory (after it, for `n` of kLargeRequestChunks growth chunks or more) and unless
-  // it ran short of it, and while it holds at most half of what it may, the largest
+  // it ran short of it or found free memory pinned in such a chunk (pinned_in_chunks_), and
+  // while it holds at most half of what it may, the largest
   // power-of-two number of pages
   // within `n` and growth_page (pool_options.h; the growth's last chunk is what is left).
   // Asks the driver how much of the GPU's memory is free only where the chunk could be several
@@ -538,6 +540,14 @@ class Pool {
   // a move except for requests of kLargeRequestChunks growth chunks or more. Never reset.
   bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
   bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
+  // Whether a growth has made chunks of several pages (GrowthChunk), and whether a miss has
+  // since found free memory pinned in one (reclaim_policy.h PinnedInChunks): from then on
+  // paged growth is in single pages whatever the request. Blocks that do not fill such
+  // chunks, or that reuse part of what an earlier block freed in them, keep the rest of each
+  // chunk from moving (a prefill's temporaries of several GiB freed, then every layer's K and
+  // V cache carved out of them). Never reset.
+  bool made_several_pages_ ABSL_GUARDED_BY(mu_) = false;
+  bool pinned_in_chunks_ ABSL_GUARDED_BY(mu_) = false;
   // The most bytes ever allocated at once (a high that ResetPeakStats does not lower: a
   // program that resets its peaks every step must not keep the pool from settling), and the
   // bytes misses moved since it last rose: past kSettleMoves times what the pool holds,

@@ -190,4 +190,25 @@ size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, b
   return created + (settle ? plan.len / 2 : plan.len / 64);
 }
 
+bool PinnedInChunks(const Arena& arena, const ChunkMap& chunks, size_t page) {
+  auto of_several_pages = [&](const Chunk& c) {
+    return c.size > page && !c.exported && !c.dedicated && !c.spare && !c.observed;
+  };
+  bool pinned = false;
+  arena.free_blocks().ForEach([&](const Block* b) {
+    if (pinned) return;
+    auto first = chunks.FirstEndingAfter(b->addr);
+    if (first == chunks.end() || first->first >= b->end()) return;
+    const uintptr_t first_end = first->first + first->second.size;
+    if (of_several_pages(first->second) && (first->first < b->addr || first_end > b->end())) {
+      pinned = true;
+      return;
+    }
+    auto last = chunks.FirstEndingAfter(b->end() - 1);
+    pinned = last != chunks.end() && of_several_pages(last->second) &&
+             last->first + last->second.size > b->end();
+  });
+  return pinned;
+}
+
 }  // namespace vmm

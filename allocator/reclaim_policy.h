@@ -16,8 +16,8 @@
 // large arena's growth is made of chunks of `large_page` bytes (pool_options.h), the last one of a
 // growth half a page where that is all the request needs (growth_policy.h PlanUnit), so that free
 // space there becomes movable page by page; until the pool first moves memory (after it, for
-// requests of 1 GiB or more by default), of chunks of up to `growth_page` (several pages), which
-// move whole.
+// requests of 1 GiB or more by default) and until a miss first finds free memory pinned in one
+// (PinnedInChunks), of chunks of up to `growth_page` (several pages), which move whole.
 //
 // Invariants (each policy must keep them; the pool relies on them):
 //   1. Only chunks wholly inside one free (kFree) block are taken: nothing allocated, pending,
@@ -125,6 +125,14 @@ MovableMemory FindMovable(const ReclaimRequest& request);
 // The chunks to move for `request` (the policy above), from `movable`, which FindMovable
 // gave for the same requester, page and arena, unchanged since.
 ReclaimChoice ChooseReclaim(const ReclaimRequest& request, const MovableMemory& movable);
+
+// Whether any free byte of `arena` lies in a chunk of several pages (larger than `page`, made
+// by a growth: not one of an exported block) that reaches past its free block: a block that
+// does not fill the chunks it was grown in, or a later one that reused part of them, shares
+// the chunk, and since a chunk moves whole (invariant 5) no miss can take that free memory
+// while it does. The pool stops making such chunks once it sees one (Pool::GrowthChunk).
+// Only the chunks at each free block's two ends can reach past it.
+bool PinnedInChunks(const Arena& arena, const ChunkMap& chunks, size_t page);
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
 // takes the least): the bytes left to create once the movable chunks outside the plan's

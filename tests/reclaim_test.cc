@@ -68,6 +68,14 @@ class ReclaimTest : public ::testing::Test {
     return options;
   }
 
+  // MakePool's, with `growth_page` and room for requests of a GiB and more.
+  std::unique_ptr<Pool> MakeLargePool(size_t growth_page) {
+    PoolOptions options = Paged();
+    options.growth_page = growth_page;
+    options.reserve_size = 4096 * kMiB;
+    return CreatePoolOrFail(driver_, options);
+  }
+
   // Chunks of up to four pages until the first move, and a memory limit.
   std::unique_ptr<Pool> MakePoolWithLimit(size_t memory_limit) {
     PoolOptions options;
@@ -1000,6 +1008,66 @@ TEST_F(ReclaimTest, AfterAMoveOnlyALargeRequestGrowsInChunksOfSeveralPages) {
   EXPECT_OK(pool->CheckInvariants());
   for (void* p : {b, moved_to, below, large}) ASSERT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
+}
+
+// Chunks of several pages only while the blocks grown in them fill them (pool.h): once a miss
+// finds free memory in one that a live block shares, every later growth is in single pages,
+// even a request that would otherwise get them (kLargeRequestChunks growth chunks, 1 GiB). A
+// chunk gets shared by a block carved out of what a freed block left (a prefill's
+// temporaries, then a layer's K and V cache) or by one that does not fill its growth.
+TEST_F(ReclaimTest, ChunksOfSeveralPagesStopOnceOneIsShared) {
+  constexpr size_t kGrowthPage = 8 * kPage;                     // 32 MiB
+  constexpr size_t kLarge = kLargeRequestChunks * kGrowthPage;  // 1 GiB
+  for (const bool reuse : {true, false}) {
+    SCOPED_TRACE(reuse ? "a block carved out of a freed one" : "a block that does not fill");
+    owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});  // under half of it
+    driver_ = owned_.get();
+    auto pool = MakeLargePool(kGrowthPage);
+    std::vector<void*> live;
+    if (reuse) {
+      void* temporary = Alloc(*pool, 8 * kGrowthPage);  // eight chunks of 32 MiB
+      ASSERT_EQ(pool->GetStats().driver_create, 8);
+      ASSERT_OK(pool->Free(temporary));
+      live.push_back(Alloc(*pool, 20 * kMiB));  // in the first chunk, whose rest stays free
+    } else {
+      // 249 MiB, planned in half pages: seven chunks of 32 MiB and one of 26 MiB, whose last
+      // MiB stays free.
+      live.push_back(Alloc(*pool, 249 * kMiB));
+      ASSERT_EQ(pool->GetStats().driver_create, 8);
+    }
+    ASSERT_EQ(pool->GetStats().num_chunk_moves, 0);
+    const PoolStats before = pool->GetStats();
+    live.push_back(Alloc(*pool, kLarge));
+    const PoolStats after = pool->GetStats();
+    const int64_t created = after.reserved_bytes.current - before.reserved_bytes.current;
+    EXPECT_GT(created, 0);
+    EXPECT_EQ(after.driver_create - before.driver_create, created / static_cast<int64_t>(kPage))
+        << "single pages";
+    EXPECT_OK(pool->CheckInvariants());
+    for (void* p : live) ASSERT_OK(pool->Free(p));
+  }
+}
+
+// While the blocks grown in chunks of several pages fill them, as a loop's same-sized
+// temporaries do, the pool goes on making them.
+TEST_F(ReclaimTest, ChunksOfSeveralPagesGoOnWhileBlocksFillThem) {
+  constexpr size_t kGrowthPage = 8 * kPage;
+  constexpr size_t kLarge = kLargeRequestChunks * kGrowthPage;
+  owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
+  driver_ = owned_.get();
+  auto pool = MakeLargePool(kGrowthPage);
+  void* temporary = Alloc(*pool, 8 * kGrowthPage);
+  ASSERT_OK(pool->Free(temporary));
+  void* again = Alloc(*pool, 8 * kGrowthPage);  // the same block, from the cache
+  const PoolStats before = pool->GetStats();
+  void* large = Alloc(*pool, kLarge);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.driver_create - before.driver_create,
+            static_cast<int64_t>(kLarge / kGrowthPage));
+  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
+            static_cast<int64_t>(kLarge));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : {again, large}) ASSERT_OK(pool->Free(p));
 }
 
 // A chunk of several pages wholly inside a free block moves whole, one Map for all its pages,

@@ -134,8 +134,10 @@ def enable(**options: Any) -> None:
       memory instead of growing: less memory stranded in holes, more driver calls, and a
       tensor sent in place spans one handle per page; off unless given, "4M" is the C++
       pools' default), ``growth_page`` (with pages: the largest chunk a growth makes before
-      the pool first moves memory, 32 MiB unless given), ``growth_page_from`` (the smallest
-      request grown in such chunks, four of them unless given).
+      the pool first moves memory or finds free memory in such a chunk beside a live block;
+      one page unless given, since a block sent in place retires the whole of the chunks it
+      spans), ``growth_page_from`` (the smallest request grown in such chunks, four of them
+      unless given).
     - ``growth_fraction``: grow by at least this fraction of what is reserved (0..1).
     - ``peer_devices``: list of other device indices granted access to the memory.
 
