@@ -40,7 +40,8 @@
 #                       $OUT/chain-profile/);
 #              dist     vmm_torch.distributed against torch.distributed, 4 ranks on the GPU;
 #              train    the training loop under native (twice), expandable-segments and vmm
-#                       (single-chunk growth, the plugin's default, and large_page=8M),
+#                       (single-chunk growth, the plugin's default, and large_page=4M, the
+#                       C++ pools' pages),
 #                       TRAIN_STEPS (300) steps, TRAIN_ROUNDS (1) interleaved rounds, compared;
 #                       then the stats tools on vmm's dump.
 #   compare  this build against .gpu/before (built by `BEFORE=<git-rev> tests/gpu/prepare.sh`),
@@ -339,8 +340,8 @@ bench_train() {
     else
       train_run vmm$sfx -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm
     fi
-    train_run vmm_large_page_8M$sfx -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm \
-      --vmm-option large_page=8M
+    train_run vmm_large_page_4M$sfx -u PYTORCH_CUDA_ALLOC_CONF -- --allocator vmm \
+      --vmm-option large_page=4M
   done
   step train_compare 20 python3 bench/compare_training.py "$logs"/train_*.json
   step stats_summary 60 python3 -m vmm_torch.stats summarize "$logs/vmm_dump.json"
