@@ -67,8 +67,12 @@ void Arena::NarrowAnyTo(Stream stream) {
   if (free_.CountOf(stream) < free_.CountOf(kAnyStream)) {
     for (Block* b : free_.BlocksOf(stream)) {
       if (b->size == 0 || !free_of(b, stream)) continue;
-      if (free_of(b->next, kAnyStream)) b = Retag(b->next, stream);
-      if (free_of(b->prev, kAnyStream)) Retag(b->prev, stream);
+      // Until no kAnyStream block borders it: a retagged neighbour also merges with the block
+      // of `stream` beyond it ([s][*][s][*]: the first retag joins the first three), whose
+      // other neighbour may be another kAnyStream block of the same run. Each retag merges
+      // the neighbour and `b` into one block, so the loops end.
+      while (free_of(b->next, kAnyStream)) b = Retag(b->next, stream);
+      while (free_of(b->prev, kAnyStream)) b = Retag(b->prev, stream);
     }
     return;
   }

@@ -79,7 +79,9 @@ class Arena {
   Block* Retag(Block* block, Stream stream);
 
   // Merges cached kAnyStream blocks with neighbouring blocks of `stream`, the merged block
-  // taking `stream`'s tag (for a request of `stream` that no single block fits).
+  // taking `stream`'s tag (for a request of `stream` that no single block fits). Every
+  // kAnyStream block beside a block of `stream` is retagged: a run of free blocks whose tags
+  // alternate between the two becomes one block.
   void NarrowAnyTo(Stream stream);
 
   // Marks `block` retired (not cached), merging with retired neighbours.

@@ -116,6 +116,14 @@ absl::Status Pool::Init() {
     options_.release_threshold = SIZE_MAX;
   }
   options_.large_page = RoundUp(options_.large_page, granularity_);
+  // Create compared the values given; rounded (large_page up, max_chunk down) a page may
+  // still pass max_chunk: 3 MiB each is a 4 MiB page and a 2 MiB max_chunk at 2 MiB granules.
+  if (options_.large_page > options_.max_chunk) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "large_page ", options_.large_page, " is larger than max_chunk ", options_.max_chunk,
+        " once both are rounded to the granularity of ", granularity_,
+        " bytes (large_page up, max_chunk down): a page is one physical chunk"));
+  }
   // Whole pages, at least one and at most what max_chunk holds; by default 32 MiB (at least a
   // page), or one page for a pool made to export (pool_options.h). Nothing without pages.
   if (options_.large_page == 0) {
@@ -140,6 +148,26 @@ absl::Status Pool::Init() {
   if (reserve == 0) reserve = 2 * info.total;
   // The small arena takes an eighth of the range, at least one small chunk.
   const size_t small = std::max(options_.small_chunk, RoundUp(reserve / 8, granularity_));
+  // Sizes that would leave an arena unable to serve what it is sent (pool_options.h): every
+  // such request failed as out of memory ("no gap") on an empty device. A small chunk of more
+  // than half the range (both rounded up to granules) makes the small arena larger than the
+  // large one, which serves every request above small_size (a small_chunk past the whole range
+  // left it one granule); a request of up to small_size must fit the small arena's range.
+  const size_t small_chunk_bound = RoundUp(RoundUp(reserve, granularity_) / 2, granularity_);
+  if (options_.small_chunk > small_chunk_bound) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "small_chunk ", options_.small_chunk, " is more than half of the pool's reserved range, ",
+        small_chunk_bound, " bytes (", FormatBytes(small_chunk_bound),
+        ", rounded up to the granularity): the large arena would be left smaller than the ",
+        "small one"));
+  }
+  if (options_.small_size > small) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "small_size ", options_.small_size, " is more than the small arena's range, ", small,
+        " bytes (", FormatBytes(small), ": an eighth of the reserved range, at least ",
+        "small_chunk): requests up to small_size go to the small arena, and larger ones could ",
+        "never be served there"));
+  }
   reserve_size_ = small + std::max(granularity_, RoundUp(reserve - std::min(reserve, small),
                                                           granularity_));
   max_request_ = std::min(reserve_size_, info.total);
@@ -344,7 +372,21 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
         VMM_RETURN_IF_ERROR(ReleaseKeptExports());
         VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
-        grown = Grow(arena, n, stream, shareable, /*to_granularity=*/true);
+        // The synchronisation made every stream's cached blocks usable by this one, and what
+        // is left of them (in chunks that hold live blocks) may fit the request: take it as
+        // the cached path would. A growth would not find it: a plan beside a free block that
+        // already holds the request has nothing to map, and is none (Arena::PlanGrowth).
+        // Shareable blocks keep chunks of their own, never cached space.
+        Block* cached = nullptr;
+        if (!shareable) {
+          arena.NarrowAnyTo(stream);
+          cached = arena.BestFit(stream, n);
+        }
+        if (cached != nullptr) {
+          grown = cached;
+        } else {
+          grown = Grow(arena, n, stream, shareable, /*to_granularity=*/true);
+        }
       }
     }
     if (!grown.ok()) {

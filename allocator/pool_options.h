@@ -56,8 +56,15 @@ struct PoolOptions {
   // batch) go to the large arena, whose pages move once free (bench/traces.py rl_phases:
   // peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB); without pages such
   // a block would pin the free space of a whole large chunk instead.
+  // At most the small arena's range (an eighth of the reserved range, at least small_chunk):
+  // a request routed there that the range cannot hold could never be served. More is
+  // InvalidArgument (Pool::Create).
   size_t small_size = kAutoSize;
-  // The small arena grows by this much at a time (rounded to granularity).
+  // The small arena grows by this much at a time (rounded up to granularity). At most half
+  // the reserved range (rounded up to granularity): the small arena's range is at least one
+  // small chunk, and a larger one would leave the large arena, which serves every request
+  // above small_size, smaller than it (past the whole range, one granule). More is
+  // InvalidArgument (Pool::Create).
   size_t small_chunk = size_t{2} << 20;
   // Growth in the large arena, where it does not grow in pages (large_page 0), is at least
   // this fraction of the bytes already reserved...
@@ -90,6 +97,9 @@ struct PoolOptions {
   // host replay (docs/results/2026-12-04.md, "4 MiB pages"); 8 MiB pages passed 1.02 on 6 of
   // 61 of them (to 1.0318) for about half the driver calls.
   // Blocks from AllocateShareable keep chunks of their own (max_chunk at most).
+  // At most max_chunk, compared as the pool uses them: large_page rounded up and max_chunk
+  // rounded down to the granularity (max_chunk=3M,large_page=3M is a 4 MiB page and a
+  // 2 MiB max_chunk at 2 MiB granules). More is InvalidArgument (Pool::Create).
   size_t large_page = kAutoSize;
   // Largest chunk of a paged growth made before the pool first moves memory (large_page set;
   // rounded down to whole pages, at least one, at most max_chunk; 0 without pages). A pool

@@ -838,6 +838,28 @@ TEST_F(ArenaTest, NarrowAnyToJoinsAnyStreamBlocksToTheStreamsNeighbours) {
   EXPECT_EQ(arena_.free_blocks().BlocksOf(kAnyStream).size(), 0u);
 }
 
+// Blocks of the stream and kAnyStream blocks alternating: the whole run becomes one block,
+// whichever block of the stream is visited first. NarrowAnyTo visits the stream's blocks when
+// they are fewer than the kAnyStream ones, smallest first: retagging the 8K block's upper
+// neighbour merged it through to the 16K block, and the kAnyStream block above that was left.
+TEST_F(ArenaTest, NarrowAnyToJoinsAWholeRunOfAlternatingBlocks) {
+  Block* b = Grow(kBase, kG, kS);
+  std::vector<Block*> a = Carve(b, {8 * kKiB, 8 * kKiB, 16 * kKiB, 8 * kKiB, 8 * kKiB, 8 * kKiB,
+                                    8 * kKiB}, kS);
+  arena_.AddFree(a[0], kS, 1);
+  arena_.AddFree(a[1], kAny, 2);
+  arena_.AddFree(a[2], kS, 3);
+  arena_.AddFree(a[3], kAny, 4);
+  arena_.AddFree(a[5], kAny, 5);  // more kAnyStream blocks than kS ones
+  ASSERT_VALID(arena_);
+  ASSERT_EQ(Layout(arena_), "F7:8K F*:8K F7:16K F*:8K A:8K F*:8K A:8K U:4032K");
+  EXPECT_EQ(arena_.BestFit(kS, 40 * kKiB), nullptr);
+  arena_.NarrowAnyTo(kS);
+  ASSERT_VALID(arena_);
+  EXPECT_EQ(Layout(arena_), "F7:40K A:8K F*:8K A:8K U:4032K");
+  EXPECT_EQ(arena_.BestFit(kS, 40 * kKiB), a[0]);
+}
+
 TEST_F(ArenaTest, PendingBlocksDoNotCoalesce) {
   // The pool marks a freed block kPendingFree while other streams' work is outstanding: free
   // neighbours of the same tag do not merge across it until it is added to the cache.

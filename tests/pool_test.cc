@@ -427,6 +427,77 @@ TEST_F(PoolTest, RejectsBadOptions) {
   }
 }
 
+// large_page and max_chunk are compared as the pool uses them, rounded to its granularity
+// (large_page up, max_chunk down): at 2 MiB granules, 3 MiB each is a 4 MiB page, one
+// physical chunk, above a 2 MiB max_chunk. (Compared as given, it was taken.)
+TEST_F(PoolTest, APageAboveMaxChunkOnceRoundedIsRefused) {
+  if (driver_->Granularity(0).value_or(0) != 2 * kMiB) GTEST_SKIP() << "needs 2 MiB granules";
+  PoolOptions options;
+  options.reserve_size = 1024 * kMiB;
+  options.max_chunk = 3 * kMiB;
+  options.large_page = 3 * kMiB;
+  EXPECT_THAT(Pool::Create(driver_, options).status(),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("large_page 4194304 is larger than max_chunk 2097152")));
+  // Both within one page once rounded: taken, and no chunk is above max_chunk.
+  options.max_chunk = 4 * kMiB;
+  auto pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->options().large_page, 4 * kMiB);
+  EXPECT_EQ(pool->options().max_chunk, 4 * kMiB);
+  void* p = Alloc(*pool, 20 * kMiB);
+  for (const SegmentInfo& segment : pool->GetSnapshot().segments) {
+    for (const ChunkInfo& chunk : segment.chunks) EXPECT_LE(chunk.size, 4 * kMiB);
+  }
+  ASSERT_TRUE(pool->Free(p).ok());
+}
+
+// Sizes that leave an arena unable to serve what it is sent are refused, naming the option
+// and its bound. A 1 GiB range gives the small arena 128 MiB (an eighth) and allows a
+// small_chunk of up to 512 MiB (half). (A small_chunk of 64 GiB made the small arena the
+// whole range and the large one a granule; a small_size of 4 GiB sent every request to the
+// small arena: every request it could not hold failed as out of memory on an empty device.)
+TEST_F(PoolTest, SizeOptionsThatLeaveAnArenaUnableToServeAreRefused) {
+  PoolOptions options = Exact();
+  options.reserve_size = 1024 * kMiB;
+  for (size_t chunk : {size_t{64} << 30, 514 * kMiB}) {
+    SCOPED_TRACE(absl::StrCat("small_chunk ", chunk));
+    PoolOptions huge_chunk = options;
+    huge_chunk.small_chunk = chunk;
+    EXPECT_THAT(Pool::Create(driver_, huge_chunk).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("is more than half of the pool's reserved range, 536870912")));
+  }
+  for (size_t size : {size_t{4} << 30, 129 * kMiB}) {
+    SCOPED_TRACE(absl::StrCat("small_size ", size));
+    PoolOptions huge_size = options;
+    huge_size.small_size = size;
+    EXPECT_THAT(Pool::Create(driver_, huge_size).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument,
+                         HasSubstr("small_size " + std::to_string(size) +
+                                   " is more than the small arena's range, 134217728")));
+  }
+  // At the bounds: each arena serves what it is sent.
+  PoolOptions chunk_at_bound = options;
+  chunk_at_bound.small_chunk = 512 * kMiB;  // the small arena 512 MiB, the large one too
+  auto pool = MakePool(chunk_at_bound);
+  ASSERT_NE(pool, nullptr);
+  void* p = Alloc(*pool, 100 * kMiB);
+  EXPECT_EQ(pool->GetStats().arena[kLargeArena].allocated_bytes.current,
+            static_cast<int64_t>(100 * kMiB));
+  ASSERT_TRUE(pool->Free(p).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  PoolOptions size_at_bound = options;
+  size_at_bound.small_size = 128 * kMiB;
+  pool = MakePool(size_at_bound);
+  ASSERT_NE(pool, nullptr);
+  p = Alloc(*pool, 100 * kMiB);
+  EXPECT_EQ(pool->GetStats().arena[kSmallArena].allocated_bytes.current,
+            static_cast<int64_t>(100 * kMiB));
+  ASSERT_TRUE(pool->Free(p).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+}
+
 // A release threshold past 2^63 - 1 keeps everything, as SIZE_MAX does: compared with signed
 // byte counts it read as negative, and every free released the whole cache.
 TEST_F(PoolTest, AHugeReleaseThresholdKeepsTheCache) {
@@ -583,6 +654,48 @@ TEST_F(PoolTest, OtherStreamsWaitForTheFreeingStreamsWork) {
   EXPECT_TRUE(c == a || reinterpret_cast<uintptr_t>(c) + 4 * kMiB == reinterpret_cast<uintptr_t>(a))
       << "the two 4 MiB blocks coalesce once both are usable by t";
   ASSERT_TRUE(pool->Free(c).ok());
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  ASSERT_TRUE(driver_->DestroyStream(s).ok());
+  ASSERT_TRUE(driver_->DestroyStream(t).ok());
+}
+
+// Free blocks of s and blocks every stream may use (t's, once t is done) side by side: a
+// request of s that their run fits is served from it, whichever block of s the pool looks at
+// first. (With s's 4 MiB block first, its retagged neighbour merged it through to the 16 MiB
+// block, and the block above that was left: the request grew the pool.)
+TEST_F(PoolTest, ACachedRunThatFitsIsServedWithoutGrowing) {
+  auto pool = MakePool();
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  void* b1 = Alloc(*pool, 4 * kMiB, s);
+  void* b2 = Alloc(*pool, 8 * kMiB, t);
+  void* b3 = Alloc(*pool, 16 * kMiB, s);
+  void* b4 = Alloc(*pool, 32 * kMiB, t);
+  // More blocks of t elsewhere than of s, between live ones.
+  std::vector<void*> live = {Alloc(*pool, 4 * kMiB, s)};
+  void* x = Alloc(*pool, 4 * kMiB, t);
+  live.push_back(Alloc(*pool, 4 * kMiB, s));
+  void* y = Alloc(*pool, 4 * kMiB, t);
+  live.push_back(Alloc(*pool, 4 * kMiB, s));
+  {
+    StreamGate gate(driver_, t);
+    for (void* p : {b1, b2, b3, b4, x, y}) ASSERT_TRUE(pool->Free(p).ok());
+    // A miss of s waits for t's work (an event behind it): t's blocks keep their tag.
+    live.push_back(Alloc(*pool, 20 * kMiB, s));
+    gate.Release();
+    ASSERT_TRUE(driver_->SynchronizeStream(t).ok());
+  }
+  // The next miss finds t done: its blocks are for any stream, and join s's neighbours.
+  const PoolStats before = pool->GetStats();
+  void* p = Alloc(*pool, 58 * kMiB, s);  // b1..b4 hold 60 MiB
+  EXPECT_EQ(p, b1);
+  const PoolStats after = pool->GetStats();
+  EXPECT_EQ(after.num_device_alloc, before.num_device_alloc);
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_EQ(after.num_alloc_retries, 0);
+  EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
+  live.push_back(p);
+  for (void* q : live) ASSERT_TRUE(pool->Free(q).ok());
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
   ASSERT_TRUE(driver_->DestroyStream(s).ok());
   ASSERT_TRUE(driver_->DestroyStream(t).ok());

@@ -240,6 +240,80 @@ TEST_F(ReclaimTest, AtTheDevicesCapacityTheRetryIsPlannedInGranules) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
+// Opens a gate (its stream's work) when the pool synchronises the device: the work is still
+// queued for a miss's first attempt, and done once the retry after a failed growth has
+// synchronised, as with work that ends meanwhile.
+class GateOnSyncDriver : public ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  void set_gate(StreamGate* gate) { gate_ = gate; }
+  absl::Status SynchronizeDevice(int device) override {
+    if (gate_ != nullptr) gate_->Release();
+    return ForwardingDriver::SynchronizeDevice(device);
+  }
+
+ private:
+  StreamGate* gate_ = nullptr;
+};
+
+// The retry after a failed growth synchronises the device, which makes the free space another
+// stream left usable by every stream: where a cached block then fits, the retry takes it.
+// (It went straight to growing, whose plan beside that block had nothing to map: the request
+// failed with "no gap ... left in the pool's reserved address range", and the same request
+// made again was served from the cache.) The pool's first block, of `first` bytes, is freed
+// on t, which then takes `kept` bytes (a multiple of 512) of its chunk again; `request` bytes
+// on s fit what is left of the chunk.
+void ExpectTheRetryTakesWhatTheSynchronisationFreed(Driver* inner, const PoolOptions& options,
+                                                    size_t first, size_t kept, size_t request) {
+  GateOnSyncDriver driver(inner);
+  Stream s = *driver.CreateStream(0);
+  Stream t = *driver.CreateStream(0);
+  {
+    StreamGate gate(&driver, t);  // t's work runs only once the pool synchronises
+    driver.set_gate(&gate);
+    auto pool = CreatePoolOrFail(&driver, options);
+    ASSERT_NE(pool, nullptr);
+    void* x = AllocateOrFail(*pool, first, t);
+    ASSERT_OK(pool->Free(x));
+    void* k = AllocateOrFail(*pool, kept, t);
+    ASSERT_EQ(k, x);  // the rest of the chunk stays cached for t, and t is busy
+    const int64_t reserved = pool->GetStats().reserved_bytes.current;
+    pool->SetMemoryLimit(static_cast<size_t>(reserved));  // no growth fits
+    absl::StatusOr<void*> p = pool->Allocate(request, s);
+    ASSERT_OK(p.status());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(*p), reinterpret_cast<uintptr_t>(x) + kept);
+    const PoolStats stats = pool->GetStats();
+    EXPECT_EQ(stats.num_alloc_retries, 1);
+    EXPECT_EQ(stats.num_ooms, 0);
+    EXPECT_EQ(stats.reserved_bytes.current, reserved);
+    EXPECT_OK(pool->CheckInvariants());
+    ASSERT_OK(pool->Free(*p));
+    ASSERT_OK(pool->Free(k));
+    EXPECT_OK(pool->CheckInvariants());
+    pool.reset();
+    driver.set_gate(nullptr);
+  }
+  ASSERT_OK(driver.DestroyStream(s));
+  ASSERT_OK(driver.DestroyStream(t));
+}
+
+TEST_F(ReclaimTest, TheRetryAfterAFailedGrowthTakesACachedBlockItMadeUsable) {
+  PoolOptions options = SingleChunkOptions();
+  options.growth_fraction = 0;
+  options.reserve_size = 1024 * kMiB;
+  // 40 MiB left of a 48 MiB chunk for a 32 MiB request.
+  ExpectTheRetryTakesWhatTheSynchronisationFreed(driver_, options, 48 * kMiB, 8 * kMiB,
+                                                 32 * kMiB);
+}
+
+// The same in the small arena, with the default options: a 512-byte request, and 2 MiB less
+// 1 KiB of a small chunk cached.
+TEST_F(ReclaimTest, TheRetryAfterAFailedGrowthTakesACachedSmallBlockItMadeUsable) {
+  PoolOptions options;
+  options.reserve_size = 1024 * kMiB;
+  ExpectTheRetryTakesWhatTheSynchronisationFreed(driver_, options, 4096, 1024, 512);
+}
+
 // After a growth has failed for lack of memory, growth is planned in half pages again, so
 // that a miss can still move whole free pages (a plan in granules fits fewer of them): a
 // request of 14 MiB takes the two free 8 MiB pages and creates nothing.
