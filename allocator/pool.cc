@@ -326,6 +326,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
                            : arena.BestFit(stream, n);
   bool reopened_spare = false;  // a spare chunk taken as plain memory
+  bool grew = false;            // the block comes from a growth (Grow)
   if (block == nullptr && !shareable) {
     // Blocks other streams freed may be done with; blocks every stream may use can join
     // this stream's neighbouring blocks.
@@ -400,8 +401,16 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
           "; ", Summary()));
     }
     block = *grown;
+    grew = true;
   }
   TakeBlock(arena, block, n, size, stream);
+  // A block that does not fill the chunks of several pages it was grown in (a request that is
+  // not a whole number of granules, one that joined a free neighbour) leaves their rest
+  // pinned at once (pool.h pinned_in_chunks_).
+  if (grew && made_several_pages_ && !pinned_in_chunks_ && &arena == &large_ &&
+      PinnedBytes(chunks_, block, options_.large_page) != 0) {
+    pinned_in_chunks_ = true;
+  }
   // Active (allocated + pending) peaks here; the cached path runs only with none pending.
   if (pending_.blocks > 0) NoteActivePeak();
   if (shareable && block->next != nullptr && block->next->state == BlockState::kFree &&
@@ -581,12 +590,13 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   request.page = granularity_;
   request.chunks = &chunks_;
   request.requester = stream;
+  // Chunks of several pages only while the blocks grown in them fill them (pool.h): a miss
+  // looks for free memory pinned in one until it finds some.
+  const bool watch_pinned = made_several_pages_ && !pinned_in_chunks_ && paged;
+  if (watch_pinned) request.count_pinned_above = options_.large_page;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
-  // Chunks of several pages only while the blocks grown in them fill them (pool.h).
-  if (made_several_pages_ && !pinned_in_chunks_ && paged) {
-    pinned_in_chunks_ = PinnedInChunks(large_, chunks_, options_.large_page);
-  }
+  if (movable.pinned != 0) pinned_in_chunks_ = true;
   // (Every new high of allocated bytes shows in the peak statistic, which only a reset of the
   // peaks lowers.)
   if (stats_.allocated_bytes.peak > allocated_high_) {

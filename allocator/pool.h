@@ -540,12 +540,13 @@ class Pool {
   // a move except for requests of kLargeRequestChunks growth chunks or more. Never reset.
   bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
   bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
-  // Whether a growth has made chunks of several pages (GrowthChunk), and whether a miss has
-  // since found free memory pinned in one (reclaim_policy.h PinnedInChunks): from then on
-  // paged growth is in single pages whatever the request. Blocks that do not fill such
-  // chunks, or that reuse part of what an earlier block freed in them, keep the rest of each
-  // chunk from moving (a prefill's temporaries of several GiB freed, then every layer's K and
-  // V cache carved out of them). Never reset.
+  // Whether a growth has made chunks of several pages (GrowthChunk), and whether memory
+  // pinned in one has been found since (reclaim_policy.h PinnedBytes: summed by a miss's
+  // FindMovable over the free blocks it may take from, and checked for a block taken from a
+  // growth): from then on paged growth is in single pages whatever the request. Blocks that
+  // do not fill such chunks, or that reuse part of what an earlier block freed in them, keep
+  // the rest of each chunk from moving (a prefill's temporaries of several GiB freed, then
+  // every layer's K and V cache carved out of them). Never reset.
   bool made_several_pages_ ABSL_GUARDED_BY(mu_) = false;
   bool pinned_in_chunks_ ABSL_GUARDED_BY(mu_) = false;
   // The most bytes ever allocated at once (a high that ResetPeakStats does not lower: a

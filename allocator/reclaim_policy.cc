@@ -159,6 +159,9 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   MovableMemory movable;
   if (r.page == 0) return movable;
   ForEachSource(r, [&](const Block* b) {
+    if (r.count_pinned_above != 0) {
+      movable.pinned += PinnedBytes(*r.chunks, b, r.count_pinned_above);
+    }
     MovableMemory::BlockChunks found{b, {}};
     ChunkCounts counts;  // this block's, counted first: a few sizes, one Add each
     ForEachMovableChunk(r, b, [&](uintptr_t addr, const Chunk& chunk) {
@@ -190,24 +193,24 @@ size_t GrowthCost(const MovableMemory& movable, const Arena::GrowthPlan& plan, b
   return created + (settle ? plan.len / 2 : plan.len / 64);
 }
 
-bool PinnedInChunks(const Arena& arena, const ChunkMap& chunks, size_t page) {
+size_t PinnedBytes(const ChunkMap& chunks, const Block* block, size_t page) {
   auto of_several_pages = [&](const Chunk& c) {
     return c.size > page && !c.exported && !c.dedicated && !c.spare && !c.observed;
   };
-  bool pinned = false;
-  arena.free_blocks().ForEach([&](const Block* b) {
-    if (pinned) return;
-    auto first = chunks.FirstEndingAfter(b->addr);
-    if (first == chunks.end() || first->first >= b->end()) return;
-    const uintptr_t first_end = first->first + first->second.size;
-    if (of_several_pages(first->second) && (first->first < b->addr || first_end > b->end())) {
-      pinned = true;
-      return;
-    }
-    auto last = chunks.FirstEndingAfter(b->end() - 1);
-    pinned = last != chunks.end() && of_several_pages(last->second) &&
-             last->first + last->second.size > b->end();
-  });
+  auto first = chunks.FirstEndingAfter(block->addr);
+  if (first == chunks.end() || first->first >= block->end()) return 0;
+  size_t pinned = 0;
+  const uintptr_t first_end = first->first + first->second.size;
+  if (of_several_pages(first->second) &&
+      (first->first < block->addr || first_end > block->end())) {
+    pinned += std::min(first_end, block->end()) - block->addr;
+    if (first_end >= block->end()) return pinned;  // one chunk holds the whole block
+  }
+  auto last = chunks.FirstEndingAfter(block->end() - 1);
+  if (last != chunks.end() && last != first && of_several_pages(last->second) &&
+      last->first + last->second.size > block->end()) {
+    pinned += block->end() - last->first;
+  }
   return pinned;
 }
 

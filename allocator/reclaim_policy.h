@@ -17,7 +17,7 @@
 // growth half a page where that is all the request needs (growth_policy.h PlanUnit), so that free
 // space there becomes movable page by page; until the pool first moves memory (after it, for
 // requests of 1 GiB or more by default) and until a miss first finds free memory pinned in one
-// (PinnedInChunks), of chunks of up to `growth_page` (several pages), which move whole.
+// (PinnedBytes), of chunks of up to `growth_page` (several pages), which move whole.
 //
 // Invariants (each policy must keep them; the pool relies on them):
 //   1. Only chunks wholly inside one free (kFree) block are taken: nothing allocated, pending,
@@ -86,6 +86,9 @@ struct ReclaimRequest {
   size_t page = 0;    // chunks of whole multiples of it may be taken (invariant 5), from
                       // free blocks at least that large
   size_t needed = 0;  // bytes the plan must map
+  // Where set, FindMovable also sums MovableMemory::pinned: the bytes of its blocks in chunks
+  // larger than this (the large arena's page) that reach past them (PinnedBytes).
+  size_t count_pinned_above = 0;
 };
 
 struct ReclaimChoice {
@@ -114,6 +117,8 @@ struct MovableMemory {
     std::vector<std::pair<uintptr_t, size_t>> chunks;
   };
   std::vector<BlockChunks> blocks;
+  // With ReclaimRequest::count_pinned_above: what PinnedBytes gives for the blocks looked at.
+  size_t pinned = 0;
   // Adds `count` chunks of `size` bytes in `block` to the counts.
   void Add(const Block* block, size_t size, size_t count);
   // The most bytes, up to `needed`, that the chunks outside `except_a` and `except_b` (may
@@ -126,13 +131,13 @@ MovableMemory FindMovable(const ReclaimRequest& request);
 // gave for the same requester, page and arena, unchanged since.
 ReclaimChoice ChooseReclaim(const ReclaimRequest& request, const MovableMemory& movable);
 
-// Whether any free byte of `arena` lies in a chunk of several pages (larger than `page`, made
-// by a growth: not one of an exported block) that reaches past its free block: a block that
-// does not fill the chunks it was grown in, or a later one that reused part of them, shares
-// the chunk, and since a chunk moves whole (invariant 5) no miss can take that free memory
-// while it does. The pool stops making such chunks once it sees one (Pool::GrowthChunk).
-// Only the chunks at each free block's two ends can reach past it.
-bool PinnedInChunks(const Arena& arena, const ChunkMap& chunks, size_t page);
+// The bytes of `block` in chunks of several pages (larger than `page`, made by a growth: not
+// one of an exported block) that reach past it. For a free block, memory no miss can take
+// while another block shares the chunk, since a chunk moves whole (invariant 5); for a block
+// just grown, the free rest of a chunk it does not fill. Only the chunks at a block's two
+// ends can reach past it. The pool stops making such chunks once it sees any (pool.h
+// pinned_in_chunks_).
+size_t PinnedBytes(const ChunkMap& chunks, const Block* block, size_t page);
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth
 // takes the least): the bytes left to create once the movable chunks outside the plan's
