@@ -371,17 +371,23 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         short_of_memory_ = true;
         ++stats_.num_alloc_retries;
         VMM_RETURN_IF_ERROR(SynchronizeAndRetag());
-        VMM_RETURN_IF_ERROR(ReleaseKeptExports());
-        VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
-        // The synchronisation made every stream's cached blocks usable by this one, and what
-        // is left of them (in chunks that hold live blocks) may fit the request: take it as
-        // the cached path would. A growth would not find it: a plan beside a free block that
-        // already holds the request has nothing to map, and is none (Arena::PlanGrowth).
-        // Shareable blocks keep chunks of their own, never cached space.
-        Block* cached = nullptr;
-        if (!shareable) {
+        // The synchronisation made every stream's cached blocks usable by this one: one may
+        // fit the request as it lies, taken as the cached path would (before the release
+        // below, which would unmap its whole chunks only for the growth to make them again);
+        // after the release, what is left of them (in chunks that hold live blocks) may. A
+        // growth would not find it: a plan beside a free block that already holds the request
+        // has nothing to map, and is none (Arena::PlanGrowth). Shareable blocks keep chunks
+        // of their own, never cached space.
+        auto cached_fit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
+          if (shareable) return nullptr;
           arena.NarrowAnyTo(stream);
-          cached = arena.BestFit(stream, n);
+          return arena.BestFit(stream, n);
+        };
+        Block* cached = cached_fit();
+        if (cached == nullptr) {
+          VMM_RETURN_IF_ERROR(ReleaseKeptExports());
+          VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
+          cached = cached_fit();
         }
         if (cached != nullptr) {
           grown = cached;

@@ -159,7 +159,9 @@ MovableMemory FindMovable(const ReclaimRequest& r) {
   MovableMemory movable;
   if (r.page == 0) return movable;
   ForEachSource(r, [&](const Block* b) {
-    if (r.count_pinned_above != 0) {
+    // The large arena's blocks only: the small arena's chunks are shared by many blocks by
+    // design, whatever their size.
+    if (r.count_pinned_above != 0 && r.arena->Contains(b->addr)) {
       movable.pinned += PinnedBytes(*r.chunks, b, r.count_pinned_above);
     }
     MovableMemory::BlockChunks found{b, {}};

@@ -86,8 +86,9 @@ struct ReclaimRequest {
   size_t page = 0;    // chunks of whole multiples of it may be taken (invariant 5), from
                       // free blocks at least that large
   size_t needed = 0;  // bytes the plan must map
-  // Where set, FindMovable also sums MovableMemory::pinned: the bytes of its blocks in chunks
-  // larger than this (the large arena's page) that reach past them (PinnedBytes).
+  // Where set, FindMovable also sums MovableMemory::pinned: the bytes of its large-arena
+  // blocks in chunks larger than this (the large arena's page) that reach past them
+  // (PinnedBytes).
   size_t count_pinned_above = 0;
 };
 
@@ -132,11 +133,12 @@ MovableMemory FindMovable(const ReclaimRequest& request);
 ReclaimChoice ChooseReclaim(const ReclaimRequest& request, const MovableMemory& movable);
 
 // The bytes of `block` in chunks of several pages (larger than `page`, made by a growth: not
-// one of an exported block) that reach past it. For a free block, memory no miss can take
-// while another block shares the chunk, since a chunk moves whole (invariant 5); for a block
-// just grown, the free rest of a chunk it does not fill. Only the chunks at a block's two
-// ends can reach past it. The pool stops making such chunks once it sees any (pool.h
-// pinned_in_chunks_).
+// one of an exported block) that reach past it, into memory outside the block (a live block,
+// a free one of another tag, a block waiting for a stream): nonzero when the block shares
+// such a chunk. For a free block, memory no miss can take while the chunk is shared, since a
+// chunk moves whole (invariant 5); for a block just taken from a growth, a chunk it does not
+// fill, whose rest is pinned from the start. Only the chunks at a block's two ends can reach
+// past it. The pool stops making such chunks once it sees any (pool.h pinned_in_chunks_).
 size_t PinnedBytes(const ChunkMap& chunks, const Block* block, size_t page);
 
 // What growing at `plan` costs, in bytes, for the pool to compare plans by (Arena::PlanGrowth

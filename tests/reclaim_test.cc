@@ -314,6 +314,38 @@ TEST_F(ReclaimTest, TheRetryAfterAFailedGrowthTakesACachedSmallBlockItMadeUsable
   ExpectTheRetryTakesWhatTheSynchronisationFreed(driver_, options, 4096, 1024, 512);
 }
 
+// A cached block of whole pages that the retry's synchronisation made usable is taken as it
+// lies: not released and made again by the growth (4 creates and 4 releases for 16 MiB).
+TEST_F(ReclaimTest, TheRetryTakesACachedBlockOfWholePagesWithoutRemakingIt) {
+  GateOnSyncDriver driver(driver_);
+  Stream s = *driver.CreateStream(0);
+  Stream t = *driver.CreateStream(0);
+  {
+    StreamGate gate(&driver, t);  // t's work runs only once the pool synchronises
+    driver.set_gate(&gate);
+    auto pool = CreatePoolOrFail(&driver, Paged());
+    ASSERT_NE(pool, nullptr);
+    void* keep = AllocateOrFail(*pool, 4 * kPage, s);
+    void* x = AllocateOrFail(*pool, 4 * kPage, t);
+    ASSERT_OK(pool->Free(x));  // cached for t, which is busy
+    pool->SetMemoryLimit(static_cast<size_t>(pool->GetStats().reserved_bytes.current));
+    const PoolStats before = pool->GetStats();
+    absl::StatusOr<void*> p = pool->Allocate(4 * kPage, s);
+    ASSERT_OK(p.status());
+    EXPECT_EQ(*p, x);
+    const PoolStats after = pool->GetStats();
+    EXPECT_EQ(after.num_alloc_retries - before.num_alloc_retries, 1);
+    EXPECT_EQ(after.driver_create, before.driver_create);
+    EXPECT_EQ(after.driver_release, before.driver_release);
+    EXPECT_OK(pool->CheckInvariants());
+    for (void* q : {*p, keep}) ASSERT_OK(pool->Free(q));
+    pool.reset();
+    driver.set_gate(nullptr);
+  }
+  ASSERT_OK(driver.DestroyStream(s));
+  ASSERT_OK(driver.DestroyStream(t));
+}
+
 // After a growth has failed for lack of memory, growth is planned in half pages again, so
 // that a miss can still move whole free pages (a plan in granules fits fewer of them): a
 // request of 14 MiB takes the two free 8 MiB pages and creates nothing.
@@ -1120,6 +1152,36 @@ TEST_F(ReclaimTest, ChunksOfSeveralPagesStopOnceOneIsShared) {
     EXPECT_OK(pool->CheckInvariants());
     for (void* p : live) ASSERT_OK(pool->Free(p));
   }
+}
+
+// The small arena's chunks are shared by many blocks by design: a free block beside a live
+// one there, in a chunk larger than a page (small_chunk 8 MiB), does not stop chunks of
+// several pages in the large arena.
+TEST_F(ReclaimTest, SharedSmallArenaChunksDoNotStopChunksOfSeveralPages) {
+  constexpr size_t kGrowthPage = 8 * kPage;
+  constexpr size_t kLarge = kLargeRequestChunks * kGrowthPage;
+  owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
+  driver_ = owned_.get();
+  PoolOptions options = Paged();
+  options.growth_page = kGrowthPage;
+  options.reserve_size = 4096 * kMiB;
+  options.small_chunk = 2 * kPage;
+  auto pool = CreatePoolOrFail(driver_, options);
+  std::vector<void*> live = {Alloc(*pool, 4 * kGrowthPage)};  // four chunks, filled
+  std::vector<void*> small;
+  for (int i = 0; i < 160; ++i) small.push_back(Alloc(*pool, 256 * 1024));
+  ASSERT_TRUE(pool->InSmallArena(small[0]));
+  live.push_back(small[0]);
+  for (size_t i = 1; i < small.size(); ++i) ASSERT_OK(pool->Free(small[i]));
+  const PoolStats before = pool->GetStats();
+  live.push_back(Alloc(*pool, kLarge));
+  const PoolStats after = pool->GetStats();
+  const int64_t created = after.reserved_bytes.current - before.reserved_bytes.current;
+  // Chunks of 32 MiB, but for the last one of the growth.
+  EXPECT_LE(after.driver_create - before.driver_create,
+            created / static_cast<int64_t>(kGrowthPage) + 1);
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : live) ASSERT_OK(pool->Free(p));
 }
 
 // While the blocks grown in chunks of several pages fill them, as a loop's same-sized
