@@ -68,12 +68,32 @@ class ReclaimTest : public ::testing::Test {
     return options;
   }
 
-  // MakePool's, with `growth_page` and room for requests of a GiB and more.
-  std::unique_ptr<Pool> MakeLargePool(size_t growth_page) {
+  // MakePool's with chunks of up to 32 MiB (kGrowthChunk) on a 4 GiB device, room for a
+  // request of kLargeRequestChunks of them (1 GiB): such chunks are made only while the pool
+  // holds at most half of what it may. `small_chunk` 0: the default.
+  static constexpr size_t kGrowthChunk = 8 * kPage;
+  static constexpr size_t kLargeGrowth = kLargeRequestChunks * kGrowthChunk;
+  std::unique_ptr<Pool> MakeLargePool(size_t small_chunk = 0) {
+    owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
+    driver_ = owned_.get();
     PoolOptions options = Paged();
-    options.growth_page = growth_page;
+    options.growth_page = kGrowthChunk;
     options.reserve_size = 4096 * kMiB;
+    if (small_chunk != 0) options.small_chunk = small_chunk;
     return CreatePoolOrFail(driver_, options);
+  }
+  // What a growth for kLargeGrowth bytes (a miss) created: bytes and chunks; the block is
+  // appended to `live`.
+  struct Created {
+    int64_t bytes;
+    int64_t chunks;
+  };
+  Created GrowLarge(Pool& pool, std::vector<void*>& live) {
+    const PoolStats before = pool.GetStats();
+    live.push_back(Alloc(pool, kLargeGrowth));
+    const PoolStats after = pool.GetStats();
+    return {after.reserved_bytes.current - before.reserved_bytes.current,
+            after.driver_create - before.driver_create};
   }
 
   // Chunks of up to four pages until the first move, and a memory limit.
@@ -1122,16 +1142,12 @@ TEST_F(ReclaimTest, AfterAMoveOnlyALargeRequestGrowsInChunksOfSeveralPages) {
 // chunk gets shared by a block carved out of what a freed block left (a prefill's
 // temporaries, then a layer's K and V cache) or by one that does not fill its growth.
 TEST_F(ReclaimTest, ChunksOfSeveralPagesStopOnceOneIsShared) {
-  constexpr size_t kGrowthPage = 8 * kPage;                     // 32 MiB
-  constexpr size_t kLarge = kLargeRequestChunks * kGrowthPage;  // 1 GiB
   for (const bool reuse : {true, false}) {
     SCOPED_TRACE(reuse ? "a block carved out of a freed one" : "a block that does not fill");
-    owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});  // under half of it
-    driver_ = owned_.get();
-    auto pool = MakeLargePool(kGrowthPage);
+    auto pool = MakeLargePool();
     std::vector<void*> live;
     if (reuse) {
-      void* temporary = Alloc(*pool, 8 * kGrowthPage);  // eight chunks of 32 MiB
+      void* temporary = Alloc(*pool, 8 * kGrowthChunk);  // eight chunks of 32 MiB
       ASSERT_EQ(pool->GetStats().driver_create, 8);
       ASSERT_OK(pool->Free(temporary));
       live.push_back(Alloc(*pool, 20 * kMiB));  // in the first chunk, whose rest stays free
@@ -1142,13 +1158,9 @@ TEST_F(ReclaimTest, ChunksOfSeveralPagesStopOnceOneIsShared) {
       ASSERT_EQ(pool->GetStats().driver_create, 8);
     }
     ASSERT_EQ(pool->GetStats().num_chunk_moves, 0);
-    const PoolStats before = pool->GetStats();
-    live.push_back(Alloc(*pool, kLarge));
-    const PoolStats after = pool->GetStats();
-    const int64_t created = after.reserved_bytes.current - before.reserved_bytes.current;
-    EXPECT_GT(created, 0);
-    EXPECT_EQ(after.driver_create - before.driver_create, created / static_cast<int64_t>(kPage))
-        << "single pages";
+    const Created created = GrowLarge(*pool, live);
+    EXPECT_GT(created.bytes, 0);
+    EXPECT_EQ(created.chunks, created.bytes / static_cast<int64_t>(kPage)) << "single pages";
     EXPECT_OK(pool->CheckInvariants());
     for (void* p : live) ASSERT_OK(pool->Free(p));
   }
@@ -1158,28 +1170,16 @@ TEST_F(ReclaimTest, ChunksOfSeveralPagesStopOnceOneIsShared) {
 // one there, in a chunk larger than a page (small_chunk 8 MiB), does not stop chunks of
 // several pages in the large arena.
 TEST_F(ReclaimTest, SharedSmallArenaChunksDoNotStopChunksOfSeveralPages) {
-  constexpr size_t kGrowthPage = 8 * kPage;
-  constexpr size_t kLarge = kLargeRequestChunks * kGrowthPage;
-  owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
-  driver_ = owned_.get();
-  PoolOptions options = Paged();
-  options.growth_page = kGrowthPage;
-  options.reserve_size = 4096 * kMiB;
-  options.small_chunk = 2 * kPage;
-  auto pool = CreatePoolOrFail(driver_, options);
-  std::vector<void*> live = {Alloc(*pool, 4 * kGrowthPage)};  // four chunks, filled
+  auto pool = MakeLargePool(/*small_chunk=*/2 * kPage);
+  std::vector<void*> live = {Alloc(*pool, 4 * kGrowthChunk)};  // four chunks, filled
   std::vector<void*> small;
   for (int i = 0; i < 160; ++i) small.push_back(Alloc(*pool, 256 * 1024));
   ASSERT_TRUE(pool->InSmallArena(small[0]));
   live.push_back(small[0]);
   for (size_t i = 1; i < small.size(); ++i) ASSERT_OK(pool->Free(small[i]));
-  const PoolStats before = pool->GetStats();
-  live.push_back(Alloc(*pool, kLarge));
-  const PoolStats after = pool->GetStats();
-  const int64_t created = after.reserved_bytes.current - before.reserved_bytes.current;
+  const Created created = GrowLarge(*pool, live);
   // Chunks of 32 MiB, but for the last one of the growth.
-  EXPECT_LE(after.driver_create - before.driver_create,
-            created / static_cast<int64_t>(kGrowthPage) + 1);
+  EXPECT_LE(created.chunks, created.bytes / static_cast<int64_t>(kGrowthChunk) + 1);
   EXPECT_OK(pool->CheckInvariants());
   for (void* p : live) ASSERT_OK(pool->Free(p));
 }
@@ -1187,23 +1187,15 @@ TEST_F(ReclaimTest, SharedSmallArenaChunksDoNotStopChunksOfSeveralPages) {
 // While the blocks grown in chunks of several pages fill them, as a loop's same-sized
 // temporaries do, the pool goes on making them.
 TEST_F(ReclaimTest, ChunksOfSeveralPagesGoOnWhileBlocksFillThem) {
-  constexpr size_t kGrowthPage = 8 * kPage;
-  constexpr size_t kLarge = kLargeRequestChunks * kGrowthPage;
-  owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
-  driver_ = owned_.get();
-  auto pool = MakeLargePool(kGrowthPage);
-  void* temporary = Alloc(*pool, 8 * kGrowthPage);
+  auto pool = MakeLargePool();
+  void* temporary = Alloc(*pool, 8 * kGrowthChunk);
   ASSERT_OK(pool->Free(temporary));
-  void* again = Alloc(*pool, 8 * kGrowthPage);  // the same block, from the cache
-  const PoolStats before = pool->GetStats();
-  void* large = Alloc(*pool, kLarge);
-  const PoolStats after = pool->GetStats();
-  EXPECT_EQ(after.driver_create - before.driver_create,
-            static_cast<int64_t>(kLarge / kGrowthPage));
-  EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
-            static_cast<int64_t>(kLarge));
+  std::vector<void*> live = {Alloc(*pool, 8 * kGrowthChunk)};  // the same block, from the cache
+  const Created created = GrowLarge(*pool, live);
+  EXPECT_EQ(created.chunks, static_cast<int64_t>(kLargeGrowth / kGrowthChunk));
+  EXPECT_EQ(created.bytes, static_cast<int64_t>(kLargeGrowth));
   EXPECT_OK(pool->CheckInvariants());
-  for (void* p : {again, large}) ASSERT_OK(pool->Free(p));
+  for (void* p : live) ASSERT_OK(pool->Free(p));
 }
 
 // A chunk of several pages wholly inside a free block moves whole, one Map for all its pages,
