@@ -327,12 +327,17 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
                            : arena.BestFit(stream, n);
   bool reopened_spare = false;  // a spare chunk taken as plain memory
   bool grew = false;            // the block comes from a growth (Grow)
-  if (block == nullptr && !shareable) {
-    // Blocks other streams freed may be done with; blocks every stream may use can join
-    // this stream's neighbouring blocks.
-    VMM_RETURN_IF_ERROR(ReclaimOtherStreams(stream));
+  // The cached block that fits once blocks every stream may use have joined this stream's
+  // neighbouring blocks. Shareable blocks keep chunks of their own, never cached space.
+  auto cached_fit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
+    if (shareable) return nullptr;
     arena.NarrowAnyTo(stream);
-    block = arena.BestFit(stream, n);
+    return arena.BestFit(stream, n);
+  };
+  if (block == nullptr && !shareable) {
+    // Blocks other streams freed may be done with.
+    VMM_RETURN_IF_ERROR(ReclaimOtherStreams(stream));
+    block = cached_fit();
     if (block == nullptr && &arena == &large_ && !spare_.empty()) {
       // Memory a send left behind, before growing (file comment, "Reusing exported chunks"):
       // one it fills closely, else, past what the pool keeps, the smallest it fits (its rest
@@ -376,13 +381,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         // below, which would unmap its whole chunks only for the growth to make them again);
         // after the release, what is left of them (in chunks that hold live blocks) may. A
         // growth would not find it: a plan beside a free block that already holds the request
-        // has nothing to map, and is none (Arena::PlanGrowth). Shareable blocks keep chunks
-        // of their own, never cached space.
-        auto cached_fit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
-          if (shareable) return nullptr;
-          arena.NarrowAnyTo(stream);
-          return arena.BestFit(stream, n);
-        };
+        // has nothing to map, and is none (Arena::PlanGrowth).
         Block* cached = cached_fit();
         if (cached == nullptr) {
           VMM_RETURN_IF_ERROR(ReleaseKeptExports());
