@@ -102,6 +102,35 @@ Pool::Pool(Driver* driver, const PoolOptions& options, ExportObserver* observer)
       fork_generation_(ForkGeneration()),
       options_(options) {}
 
+absl::StatusOr<Pool::RangeLayout> Pool::LayOutRange(size_t reserve) const {
+  RangeLayout layout;
+  // The small arena takes an eighth of the range, at least one small chunk.
+  layout.small = std::max(options_.small_chunk, RoundUp(reserve / 8, granularity_));
+  // Sizes that would leave an arena unable to serve what it is sent (pool_options.h): every
+  // such request failed as out of memory ("no gap") on an empty device. A small chunk of more
+  // than half the range (both rounded up to granules) makes the small arena larger than the
+  // large one, which serves every request above small_size (a small_chunk past the whole range
+  // left it one granule); a request of up to small_size must fit the small arena's range.
+  const size_t small_chunk_bound = RoundUp(RoundUp(reserve, granularity_) / 2, granularity_);
+  if (options_.small_chunk > small_chunk_bound) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "small_chunk ", options_.small_chunk, " is more than half of the pool's reserved range, ",
+        small_chunk_bound, " bytes (", FormatBytes(small_chunk_bound),
+        ", rounded up to the granularity): the large arena would be left smaller than the ",
+        "small one"));
+  }
+  if (options_.small_size > layout.small) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "small_size ", options_.small_size, " is more than the small arena's range, ",
+        layout.small, " bytes (", FormatBytes(layout.small),
+        ": an eighth of the reserved range, at least small_chunk): requests up to small_size ",
+        "go to the small arena, and larger ones could never be served there"));
+  }
+  layout.size = layout.small + std::max(granularity_, RoundUp(reserve - std::min(reserve, layout.small),
+                                                               granularity_));
+  return layout;
+}
+
 absl::Status Pool::Init() {
   const int device = options_.device;
   VMM_ASSIGN_OR_RETURN(granularity_, driver_->Granularity(device));
@@ -144,35 +173,33 @@ absl::Status Pool::Init() {
     }
   }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
+  // By default kPagedRangeDevices times the memory of the device where the large arena moves
+  // pages, else twice (pool_options.h reserve_size); where the driver or the process's address
+  // space refuses the larger range, twice.
+  const bool auto_range = options_.reserve_size == 0;
+  const bool wide = auto_range && options_.large_page != 0;
   size_t reserve = options_.reserve_size;
-  if (reserve == 0) reserve = 2 * info.total;
-  // The small arena takes an eighth of the range, at least one small chunk.
-  const size_t small = std::max(options_.small_chunk, RoundUp(reserve / 8, granularity_));
-  // Sizes that would leave an arena unable to serve what it is sent (pool_options.h): every
-  // such request failed as out of memory ("no gap") on an empty device. A small chunk of more
-  // than half the range (both rounded up to granules) makes the small arena larger than the
-  // large one, which serves every request above small_size (a small_chunk past the whole range
-  // left it one granule); a request of up to small_size must fit the small arena's range.
-  const size_t small_chunk_bound = RoundUp(RoundUp(reserve, granularity_) / 2, granularity_);
-  if (options_.small_chunk > small_chunk_bound) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "small_chunk ", options_.small_chunk, " is more than half of the pool's reserved range, ",
-        small_chunk_bound, " bytes (", FormatBytes(small_chunk_bound),
-        ", rounded up to the granularity): the large arena would be left smaller than the ",
-        "small one"));
+  if (auto_range) reserve = (wide ? kPagedRangeDevices : 2) * info.total;
+  VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(reserve));
+  absl::StatusOr<DevPtr> base = driver_->Reserve(layout.size, granularity_);
+  if (!base.ok() && wide) {
+    if (absl::StatusOr<RangeLayout> narrow = LayOutRange(2 * info.total); narrow.ok()) {
+      if (absl::StatusOr<DevPtr> b = driver_->Reserve(narrow->size, granularity_); b.ok()) {
+        LogWarningOnce("wide-range",
+                       absl::StrCat("reserving ", FormatBytes(layout.size),
+                                    " of address space failed (", base.status().message(),
+                                    "); the pool reserved ", FormatBytes(narrow->size),
+                                    ", twice the memory of its device"));
+        layout = *narrow;
+        base = b;
+      }
+    }
   }
-  if (options_.small_size > small) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "small_size ", options_.small_size, " is more than the small arena's range, ", small,
-        " bytes (", FormatBytes(small), ": an eighth of the reserved range, at least ",
-        "small_chunk): requests up to small_size go to the small arena, and larger ones could ",
-        "never be served there"));
-  }
-  reserve_size_ = small + std::max(granularity_, RoundUp(reserve - std::min(reserve, small),
-                                                          granularity_));
+  VMM_RETURN_IF_ERROR(base.status());
+  reserve_size_ = layout.size;
+  const size_t small = layout.small;
   max_request_ = std::min(reserve_size_, info.total);
-  VMM_ASSIGN_OR_RETURN(DevPtr base, driver_->Reserve(reserve_size_, granularity_));
-  base_ = static_cast<uintptr_t>(base);
+  base_ = static_cast<uintptr_t>(*base);
   // Allocated blocks of the large arena are larger than small_size, or alone in a chunk, so
   // they start at least this far apart (a power of two, at least 512).
   int large_shift = 9;

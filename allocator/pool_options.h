@@ -36,13 +36,25 @@ inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
 // (PoolOptions::growth_page).
 inline constexpr size_t kMultiPageRequestChunks = 4;
 inline constexpr size_t kLargeRequestChunks = 32;
+// reserve_size's default where the large arena grows in pages, in multiples of the device's
+// memory (PoolOptions::reserve_size).
+inline constexpr size_t kPagedRangeDevices = 8;
 // growth_page's default where the pool pages (and does not export): 32 MiB.
 inline constexpr size_t kAutoGrowthPage = size_t{32} << 20;
 
 struct PoolOptions {
   int device = 0;
   HandleRequest handle_type = HandleRequest::kAuto;
-  // Virtual address space to reserve; 0 means twice the memory of the device.
+  // Virtual address space to reserve; 0 (the default) means kPagedRangeDevices times the
+  // memory of the device where the large arena grows in pages (large_page), else twice it
+  // (twice where the driver or the process's address space refuses the larger range).
+  // Address space is cheap, and a pool that moves pages needs much more of it than it holds:
+  // a block goes where the address range has a gap as long as it, whatever physical memory
+  // is free elsewhere, and the blocks that live on (a KV cache, a hidden state) are left
+  // scattered across the range as memory moves around them. With twice the device's memory,
+  // 26 of 110 traces failed with "no gap" on a device 1.1 times their peak (host replay;
+  // long_prefill with 11.7 GiB of a 20 GiB device in the pool), none with eight times
+  // (docs/DESIGN.md §2b, "Address space"; bench/address_space_test.sh).
   size_t reserve_size = 0;
   // Most physical bytes the pool may hold; 0 means no limit beyond the size of the device.
   size_t memory_limit = 0;

@@ -19,6 +19,7 @@
 #include "absl/strings/str_format.h"
 #include "allocator/capture_window.h"
 #include "allocator/driver_factory.h"
+#include "allocator/forwarding_driver.h"
 #include "allocator/host_driver.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -457,6 +458,73 @@ TEST_F(PoolTest, APageAboveMaxChunkOnceRoundedIsRefused) {
 // small_chunk of up to 512 MiB (half). (A small_chunk of 64 GiB made the small arena the
 // whole range and the large one a granule; a small_size of 4 GiB sent every request to the
 // small arena: every request it could not hold failed as out of memory on an empty device.)
+// Refuses to reserve more than `most` bytes of address space, as a driver or a process
+// address space too small for the range asked for would.
+class NarrowRangeDriver : public ForwardingDriver {
+ public:
+  NarrowRangeDriver(Driver* inner, size_t most) : ForwardingDriver(inner), most_(most) {}
+  absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override {
+    ++reserves_;
+    if (size > most_) {
+      return absl::ResourceExhaustedError(absl::StrCat("no ", size, " bytes of address space"));
+    }
+    return ForwardingDriver::Reserve(size, alignment);
+  }
+  int reserves() const { return reserves_; }
+
+ private:
+  size_t most_;
+  int reserves_ = 0;
+};
+
+// The default address range: kPagedRangeDevices times the device's memory where the large
+// arena moves pages (pool_options.h reserve_size), twice without pages; twice where the driver
+// refuses the larger range; an explicit reserve_size, or a range refused even at twice, is
+// not retried.
+TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
+  ASSERT_OK_AND_ASSIGN(MemInfo info, driver_->GetMemInfo(0));
+  ASSERT_OK_AND_ASSIGN(size_t granularity, driver_->Granularity(0));
+  // The range for `multiple` times the device's memory, as the pool rounds it (its small
+  // arena an eighth of it, each part to granularity).
+  auto range = [&](size_t multiple) {
+    const size_t want = multiple * info.total;
+    const size_t small = (want / 8 + granularity - 1) / granularity * granularity;
+    return small + (want - small + granularity - 1) / granularity * granularity;
+  };
+  PoolOptions paged;  // Pool::Create's defaults: 4 MiB pages
+  auto pool = CreatePoolOrFail(driver_, paged);  // (MakePool sets a range)
+  ASSERT_NE(pool, nullptr);
+  ASSERT_GT(pool->options().large_page, 0u);
+  EXPECT_EQ(pool->GetSnapshot().reserved_size, range(kPagedRangeDevices));
+  PoolOptions unpaged;
+  unpaged.large_page = 0;
+  pool = CreatePoolOrFail(driver_, unpaged);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->GetSnapshot().reserved_size, range(2));
+  pool.reset();
+
+  NarrowRangeDriver narrow(driver_, range(2));
+  ASSERT_OK_AND_ASSIGN(pool, Pool::Create(&narrow, paged));
+  EXPECT_EQ(pool->GetSnapshot().reserved_size, range(2)) << "the larger range was refused";
+  EXPECT_EQ(narrow.reserves(), 2);
+  void* p = Alloc(*pool, 8 * kMiB);
+  ASSERT_TRUE(pool->Free(p).ok());
+  pool.reset();
+
+  PoolOptions explicit_range = paged;
+  explicit_range.reserve_size = range(4);
+  NarrowRangeDriver refused(driver_, range(2));
+  EXPECT_THAT(Pool::Create(&refused, explicit_range).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("address space")));
+  EXPECT_EQ(refused.reserves(), 1) << "a range the caller chose is not narrowed";
+  NarrowRangeDriver none(driver_, 0);
+  EXPECT_THAT(Pool::Create(&none, paged).status(),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("address space")));
+  EXPECT_EQ(none.reserves(), 2);
+  ASSERT_OK_AND_ASSIGN(MemInfo after, driver_->GetMemInfo(0));
+  EXPECT_EQ(after.free, free_at_start_) << "nothing is left held";
+}
+
 TEST_F(PoolTest, SizeOptionsThatLeaveAnArenaUnableToServeAreRefused) {
   PoolOptions options = Exact();
   options.reserve_size = 1024 * kMiB;
