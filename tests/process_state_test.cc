@@ -300,6 +300,31 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
   EXPECT_EQ(state_.ReleasePrivatePool(0, 5, 6).status().code(), absl::StatusCode::kNotFound);
 }
 
+// A private pool keeps its memory, so nothing in it moves: with pages it still reserves
+// twice the device's memory, not the wider range of a pool that moves them (pool_options.h
+// reserve_size), which a process holding a graph pool each would run out of.
+TEST_F(ProcessStateTest, APrivatePoolWithPagesReservesTwiceTheDevicesMemory) {
+  ASSERT_TRUE(state_.Configure("large_page=4M").ok());
+  absl::StatusOr<int64_t> id = state_.UsePrivatePool(Backend::kHost, 0, 7, 8, "");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> entry = state_.FindPool(*id);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  Pool& pool = *(*entry)->pool;
+  ASSERT_EQ(pool.options().large_page, 4 * kMiB);
+  absl::StatusOr<MemInfo> info = pool.driver()->GetMemInfo(0);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(pool.GetSnapshot().reserved_size, 2 * info->total);
+  absl::StatusOr<int> left = state_.ReleasePrivatePool(0, 7, 8);
+  ASSERT_TRUE(left.ok()) << left.status();
+  // A private pool that asks for its range gets it.
+  id = state_.UsePrivatePool(Backend::kHost, 0, 7, 9, "reserve_size=64M");
+  ASSERT_TRUE(id.ok()) << id.status();
+  entry = state_.FindPool(*id);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  EXPECT_EQ((*entry)->pool->GetSnapshot().reserved_size, 64 * kMiB);
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 7, 9).ok());
+}
+
 TEST_F(ProcessStateTest, PrivatePoolUsesAreCountedAcrossThreads) {
   std::atomic<int> failures{0};
   std::vector<std::thread> threads;

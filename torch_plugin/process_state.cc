@@ -390,6 +390,13 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   }
   VMM_ASSIGN_OR_RETURN(PoolOptions options, ParsePoolOptions(options_text, defaults));
   options.device = device;
+  if (options.reserve_size == 0) {
+    // A private pool keeps its memory (nothing in it moves), so the wider range of a pool that
+    // moves pages (pool_options.h reserve_size) would only take address space from the
+    // process, which may hold many of them (a graph each): twice the device's memory.
+    VMM_ASSIGN_OR_RETURN(MemInfo info, driver->GetMemInfo(device));
+    options.reserve_size = 2 * info.total;
+  }
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
   pool->SetKeepMemory(true);
   if (device < kMaxDevices) {  // counts against the GPU's memory fraction with its pool
