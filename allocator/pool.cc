@@ -102,31 +102,35 @@ Pool::Pool(Driver* driver, const PoolOptions& options, ExportObserver* observer)
       fork_generation_(ForkGeneration()),
       options_(options) {}
 
-absl::StatusOr<Pool::RangeLayout> Pool::LayOutRange(size_t reserve) const {
+absl::StatusOr<Pool::RangeLayout> Pool::LayOutRange(size_t basis, size_t extra) const {
   RangeLayout layout;
-  // The small arena takes an eighth of the range, at least one small chunk.
-  layout.small = std::max(options_.small_chunk, RoundUp(reserve / 8, granularity_));
+  // The small arena takes an eighth of the basis, at least one small chunk.
+  layout.small = std::max(options_.small_chunk, RoundUp(basis / 8, granularity_));
   // Sizes that would leave an arena unable to serve what it is sent (pool_options.h): every
   // such request failed as out of memory ("no gap") on an empty device. A small chunk of more
   // than half the range (both rounded up to granules) makes the small arena larger than the
   // large one, which serves every request above small_size (a small_chunk past the whole range
   // left it one granule); a request of up to small_size must fit the small arena's range.
-  const size_t small_chunk_bound = RoundUp(RoundUp(reserve, granularity_) / 2, granularity_);
+  // Judged by the basis, so that what is accepted does not depend on the extra range the
+  // driver grants.
+  const size_t small_chunk_bound = RoundUp(RoundUp(basis, granularity_) / 2, granularity_);
   if (options_.small_chunk > small_chunk_bound) {
     return absl::InvalidArgumentError(absl::StrCat(
         "small_chunk ", options_.small_chunk, " is more than half of the pool's reserved range, ",
         small_chunk_bound, " bytes (", FormatBytes(small_chunk_bound),
-        ", rounded up to the granularity): the large arena would be left smaller than the ",
-        "small one"));
+        ", rounded up to the granularity; by default twice the device's memory): the large ",
+        "arena would be left smaller than the small one"));
   }
   if (options_.small_size > layout.small) {
     return absl::InvalidArgumentError(absl::StrCat(
         "small_size ", options_.small_size, " is more than the small arena's range, ",
         layout.small, " bytes (", FormatBytes(layout.small),
-        ": an eighth of the reserved range, at least small_chunk): requests up to small_size ",
-        "go to the small arena, and larger ones could never be served there"));
+        ": an eighth of the reserved range, by default of twice the device's memory, at least ",
+        "small_chunk): requests up to small_size go to the small arena, and larger ones could ",
+        "never be served there"));
   }
-  layout.size = layout.small + std::max(granularity_, RoundUp(reserve - std::min(reserve, layout.small),
+  const size_t whole = basis + extra;  // at most 2^49 (Init)
+  layout.size = layout.small + std::max(granularity_, RoundUp(whole - std::min(whole, layout.small),
                                                                granularity_));
   return layout;
 }
@@ -174,25 +178,33 @@ absl::Status Pool::Init() {
   }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   // By default kPagedRangeDevices times the memory of the device where the large arena moves
-  // pages, else twice (pool_options.h reserve_size); where the driver or the process's address
-  // space refuses the larger range, twice.
+  // pages, else twice (pool_options.h reserve_size): the arenas' sizes and the option bounds
+  // are those of twice (the basis), the rest goes to the large arena, and where the driver or
+  // the process's address space refuses that much (out of memory, or a size it takes for
+  // invalid), twice. Each figure at most kMaxOptionBytes (a device of more than 2^45 bytes
+  // would take the multiple past what any address range holds).
+  auto times_memory = [&](size_t k) {
+    return info.total > kMaxOptionBytes / k ? kMaxOptionBytes : k * info.total;
+  };
   const bool auto_range = options_.reserve_size == 0;
-  const bool wide = auto_range && options_.large_page != 0;
-  size_t reserve = options_.reserve_size;
-  if (auto_range) reserve = (wide ? kPagedRangeDevices : 2) * info.total;
-  VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(reserve));
+  const size_t basis = auto_range ? times_memory(2) : options_.reserve_size;
+  size_t extra = 0;
+  if (auto_range && options_.large_page != 0) {
+    extra = times_memory(kPagedRangeDevices) - std::min(times_memory(kPagedRangeDevices), basis);
+  }
+  VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(basis, extra));
   absl::StatusOr<DevPtr> base = driver_->Reserve(layout.size, granularity_);
-  if (!base.ok() && wide) {
-    if (absl::StatusOr<RangeLayout> narrow = LayOutRange(2 * info.total); narrow.ok()) {
-      if (absl::StatusOr<DevPtr> b = driver_->Reserve(narrow->size, granularity_); b.ok()) {
-        LogWarningOnce("wide-range",
-                       absl::StrCat("reserving ", FormatBytes(layout.size),
-                                    " of address space failed (", base.status().message(),
-                                    "); the pool reserved ", FormatBytes(narrow->size),
-                                    ", twice the memory of its device"));
-        layout = *narrow;
-        base = b;
-      }
+  if (!base.ok() && extra != 0 &&
+      (absl::IsResourceExhausted(base.status()) || absl::IsInvalidArgument(base.status()))) {
+    VMM_ASSIGN_OR_RETURN(RangeLayout narrow, LayOutRange(basis, 0));  // accepted above
+    if (absl::StatusOr<DevPtr> b = driver_->Reserve(narrow.size, granularity_); b.ok()) {
+      LogWarningOnce("wide-range",
+                     absl::StrCat("reserving ", FormatBytes(layout.size),
+                                  " of address space failed (", base.status().message(),
+                                  "); the pool reserved ", FormatBytes(narrow.size),
+                                  ", twice the memory of its device"));
+      layout = narrow;
+      base = b;
     }
   }
   VMM_RETURN_IF_ERROR(base.status());

@@ -343,14 +343,15 @@ class Pool {
  private:
   Pool(Driver* driver, const PoolOptions& options, ExportObserver* observer);
   absl::Status Init();
-  // The reserved range for `reserve` bytes asked for: its small arena's share and its whole
-  // size (rounded to granularity); InvalidArgument where small_chunk or small_size leave an
-  // arena unable to serve what it is sent.
+  // The reserved range for a basis of `basis` bytes (reserve_size, or twice the device's
+  // memory) and `extra` more for the large arena: the small arena's share (an eighth of the
+  // basis) and the whole size, rounded to granularity; InvalidArgument where small_chunk or
+  // small_size leave an arena unable to serve what it is sent (judged by the basis alone).
   struct RangeLayout {
     size_t small = 0;
     size_t size = 0;
   };
-  absl::StatusOr<RangeLayout> LayOutRange(size_t reserve) const;
+  absl::StatusOr<RangeLayout> LayOutRange(size_t basis, size_t extra) const;
 
   absl::StatusOr<void*> AllocateLocked(size_t size, Stream stream, bool shareable)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

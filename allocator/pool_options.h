@@ -47,7 +47,9 @@ struct PoolOptions {
   HandleRequest handle_type = HandleRequest::kAuto;
   // Virtual address space to reserve; 0 (the default) means kPagedRangeDevices times the
   // memory of the device where the large arena grows in pages (large_page), else twice it
-  // (twice where the driver or the process's address space refuses the larger range).
+  // (twice where the driver or the process's address space refuses the larger range: out of
+  // memory, or a size it takes for invalid). The small arena and the bounds on small_chunk
+  // and small_size are those of twice in both cases: the rest goes to the large arena.
   // Address space is cheap, and a pool that moves pages needs much more of it than it holds:
   // a block goes where the address range has a gap as long as it, whatever physical memory
   // is free elsewhere, and the blocks that live on (a KV cache, a hidden state) are left
@@ -68,7 +70,8 @@ struct PoolOptions {
   // batch) go to the large arena, whose pages move once free (bench/traces.py rl_phases:
   // peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB); without pages such
   // a block would pin the free space of a whole large chunk instead.
-  // At most the small arena's range (an eighth of the reserved range, at least small_chunk):
+  // At most the small arena's range (an eighth of reserve_size, by default of twice the
+  // device's memory whatever the multiple, at least small_chunk):
   // a request routed there that the range cannot hold could never be served. More is
   // InvalidArgument (Pool::Create).
   size_t small_size = kAutoSize;

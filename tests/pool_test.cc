@@ -453,20 +453,18 @@ TEST_F(PoolTest, APageAboveMaxChunkOnceRoundedIsRefused) {
   ASSERT_TRUE(pool->Free(p).ok());
 }
 
-// Sizes that leave an arena unable to serve what it is sent are refused, naming the option
-// and its bound. A 1 GiB range gives the small arena 128 MiB (an eighth) and allows a
-// small_chunk of up to 512 MiB (half). (A small_chunk of 64 GiB made the small arena the
-// whole range and the large one a granule; a small_size of 4 GiB sent every request to the
-// small arena: every request it could not hold failed as out of memory on an empty device.)
 // Refuses to reserve more than `most` bytes of address space, as a driver or a process
 // address space too small for the range asked for would.
+// (`code`: the error it says so with; out of memory by default).
 class NarrowRangeDriver : public ForwardingDriver {
  public:
-  NarrowRangeDriver(Driver* inner, size_t most) : ForwardingDriver(inner), most_(most) {}
+  NarrowRangeDriver(Driver* inner, size_t most,
+                    absl::StatusCode code = absl::StatusCode::kResourceExhausted)
+      : ForwardingDriver(inner), most_(most), code_(code) {}
   absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override {
     ++reserves_;
     if (size > most_) {
-      return absl::ResourceExhaustedError(absl::StrCat("no ", size, " bytes of address space"));
+      return absl::Status(code_, absl::StrCat("no ", size, " bytes of address space"));
     }
     return ForwardingDriver::Reserve(size, alignment);
   }
@@ -474,6 +472,7 @@ class NarrowRangeDriver : public ForwardingDriver {
 
  private:
   size_t most_;
+  absl::StatusCode code_;
   int reserves_ = 0;
 };
 
@@ -485,10 +484,11 @@ TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
   ASSERT_OK_AND_ASSIGN(MemInfo info, driver_->GetMemInfo(0));
   ASSERT_OK_AND_ASSIGN(size_t granularity, driver_->Granularity(0));
   // The range for `multiple` times the device's memory, as the pool rounds it (its small
-  // arena an eighth of it, each part to granularity).
+  // arena an eighth of twice the device's memory whatever the multiple, each part to
+  // granularity).
   auto range = [&](size_t multiple) {
     const size_t want = multiple * info.total;
-    const size_t small = (want / 8 + granularity - 1) / granularity * granularity;
+    const size_t small = (2 * info.total / 8 + granularity - 1) / granularity * granularity;
     return small + (want - small + granularity - 1) / granularity * granularity;
   };
   PoolOptions paged;  // Pool::Create's defaults: 4 MiB pages
@@ -521,10 +521,61 @@ TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
   EXPECT_THAT(Pool::Create(&none, paged).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("address space")));
   EXPECT_EQ(none.reserves(), 2);
+  // A driver that takes the size for invalid is asked for twice too; any other failure is
+  // the driver's, and is returned as it is.
+  NarrowRangeDriver invalid(driver_, range(2), absl::StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(pool, Pool::Create(&invalid, paged));
+  EXPECT_EQ(pool->GetSnapshot().reserved_size, range(2));
+  pool.reset();
+  NarrowRangeDriver broken(driver_, range(2), absl::StatusCode::kInternal);
+  EXPECT_THAT(Pool::Create(&broken, paged).status(),
+              StatusIs(absl::StatusCode::kInternal, HasSubstr("address space")));
+  EXPECT_EQ(broken.reserves(), 1);
+  // What is accepted does not depend on the range: the small arena is an eighth of twice the
+  // device's memory with pages as without.
+  const size_t small_arena = (2 * info.total / 8 + granularity - 1) / granularity * granularity;
+  for (size_t page : {size_t{0}, 4 * kMiB}) {
+    SCOPED_TRACE(absl::StrCat("large_page ", page));
+    PoolOptions bound;
+    bound.large_page = page;
+    bound.small_size = small_arena;
+    ASSERT_OK_AND_ASSIGN(pool, Pool::Create(driver_, bound));
+    pool.reset();
+    bound.small_size = small_arena + 1;
+    EXPECT_THAT(Pool::Create(driver_, bound).status(),
+                StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("small_size")));
+  }
   ASSERT_OK_AND_ASSIGN(MemInfo after, driver_->GetMemInfo(0));
   EXPECT_EQ(after.free, free_at_start_) << "nothing is left held";
 }
 
+// A device past what any address range holds (a hostile or broken driver): the default range
+// is capped at 2^48 bytes, not wrapped around to a small one, and a range the process cannot
+// reserve is a clean out-of-memory error.
+TEST(PoolRangeTest, TheDefaultRangeOfAHugeDeviceIsCappedNotWrapped) {
+  for (size_t capacity : {size_t{1} << 61, (size_t{1} << 61) + (size_t{1} << 30)}) {
+    SCOPED_TRACE(absl::StrCat("capacity ", capacity));
+    HostDriverOptions options;
+    options.capacity = capacity;
+    std::unique_ptr<Driver> driver = NewHostDriver(options);
+    for (size_t page : {size_t{0}, 4 * kMiB}) {
+      PoolOptions pool_options;
+      pool_options.large_page = page;
+      absl::StatusOr<std::unique_ptr<Pool>> pool = Pool::Create(driver.get(), pool_options);
+      if (pool.ok()) {
+        EXPECT_EQ((*pool)->GetSnapshot().reserved_size, kMaxOptionBytes);
+      } else {
+        EXPECT_THAT(pool.status(), StatusIs(absl::StatusCode::kResourceExhausted));
+      }
+    }
+  }
+}
+
+// Sizes that leave an arena unable to serve what it is sent are refused, naming the option
+// and its bound. A 1 GiB range gives the small arena 128 MiB (an eighth) and allows a
+// small_chunk of up to 512 MiB (half). (A small_chunk of 64 GiB made the small arena the
+// whole range and the large one a granule; a small_size of 4 GiB sent every request to the
+// small arena: every request it could not hold failed as out of memory on an empty device.)
 TEST_F(PoolTest, SizeOptionsThatLeaveAnArenaUnableToServeAreRefused) {
   PoolOptions options = Exact();
   options.reserve_size = 1024 * kMiB;
