@@ -395,7 +395,8 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
     // moves pages (pool_options.h reserve_size) would only take address space from the
     // process, which may hold many of them (a graph each): twice the device's memory.
     VMM_ASSIGN_OR_RETURN(MemInfo info, driver->GetMemInfo(device));
-    options.reserve_size = 2 * info.total;
+    options.reserve_size =
+        info.total > kMaxOptionBytes / 2 ? kMaxOptionBytes : 2 * info.total;  // as Pool::Init
   }
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
   pool->SetKeepMemory(true);
