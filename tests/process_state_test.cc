@@ -17,6 +17,7 @@
 #include "allocator/mutex.h"
 #include "allocator/send_acker.h"
 #include "allocator/send_ledger.h"
+#include "allocator/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/hold_journal.h"
@@ -35,6 +36,20 @@ class ProcessStateTest : public ::testing::Test {
  protected:
   absl::StatusOr<int64_t> HostPool(absl::string_view options = kHostOptions) {
     return state_.CreatePool(Backend::kHost, 0, options);
+  }
+
+  // Uses private pool (id0, id1) of host device 0 (made with `options` if new): its id and
+  // entry.
+  struct PrivateEntry {
+    int64_t id = 0;
+    std::shared_ptr<ProcessState::ExplicitPool> entry;
+  };
+  absl::StatusOr<PrivateEntry> UsePrivateHostPool(uint64_t id0, uint64_t id1,
+                                                   absl::string_view options = "") {
+    VMM_ASSIGN_OR_RETURN(int64_t id, state_.UsePrivatePool(Backend::kHost, 0, id0, id1,
+                                                           std::string(options)));
+    VMM_ASSIGN_OR_RETURN(std::shared_ptr<ProcessState::ExplicitPool> entry, state_.FindPool(id));
+    return PrivateEntry{id, std::move(entry)};
   }
 
   // A MiB block of a host pool filled with `fill`, exported and imported in this process.
@@ -269,22 +284,21 @@ TEST_F(ProcessStateTest, ClosingAPoolWhileOthersAllocateIsSafe) {
 
 TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory) {
   ASSERT_TRUE(state_.Configure("reserve_size=128M,release_threshold=0").ok());
-  absl::StatusOr<int64_t> id = state_.UsePrivatePool(Backend::kHost, 0, 5, 6, "");
-  ASSERT_TRUE(id.ok()) << id.status();
-  absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> entry = state_.FindPool(*id);
-  ASSERT_TRUE(entry.ok()) << entry.status();
-  Pool& pool = *(*entry)->pool;
+  absl::StatusOr<PrivateEntry> opened = UsePrivateHostPool(5, 6);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  const int64_t id = opened->id;
+  Pool& pool = *opened->entry->pool;
   EXPECT_TRUE(pool.keeps_memory());
   EXPECT_EQ(pool.GetSnapshot().reserved_size, 128 * kMiB) << "the device pools' options";
-  void* p = *state_.PoolAllocate(*id, 4 * kMiB, 0, false);
+  void* p = *state_.PoolAllocate(id, 4 * kMiB, 0, false);
   ASSERT_TRUE(state_.FreeBlock(p).ok());
   EXPECT_EQ(pool.GetStats().reserved_bytes.current, static_cast<int64_t>(4 * kMiB))
       << "release_threshold=0 releases nothing while the pool keeps its memory";
-  EXPECT_EQ(state_.ClosePool(*id).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(state_.ClosePool(id).code(), absl::StatusCode::kFailedPrecondition);
   // Tagged in snapshots, and counted in the stats of its GPU.
   bool tagged = false;
   for (const Snapshot& snap : state_.Snapshots()) {
-    if (snap.pool_id != *id) continue;
+    if (snap.pool_id != id) continue;
     tagged = snap.mempool_id[0] == 5 && snap.mempool_id[1] == 6;
   }
   EXPECT_TRUE(tagged);
@@ -292,7 +306,7 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
   EXPECT_EQ(state_.DeviceStats(0).reserved_bytes.current, static_cast<int64_t>(4 * kMiB));
   unsetenv("VMM_BACKEND");
   EXPECT_EQ(state_.DevicePools(1).size(), 0u);
-  entry->reset();
+  opened->entry.reset();
   absl::StatusOr<int> left = state_.ReleasePrivatePool(0, 5, 6);
   ASSERT_TRUE(left.ok()) << left.status();
   EXPECT_EQ(*left, 0);
@@ -305,23 +319,20 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
 // reserve_size), which a process holding a graph pool each would run out of.
 TEST_F(ProcessStateTest, APrivatePoolWithPagesReservesTwiceTheDevicesMemory) {
   ASSERT_TRUE(state_.Configure("large_page=4M").ok());
-  absl::StatusOr<int64_t> id = state_.UsePrivatePool(Backend::kHost, 0, 7, 8, "");
-  ASSERT_TRUE(id.ok()) << id.status();
-  absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> entry = state_.FindPool(*id);
-  ASSERT_TRUE(entry.ok()) << entry.status();
-  Pool& pool = *(*entry)->pool;
+  absl::StatusOr<PrivateEntry> opened = UsePrivateHostPool(7, 8);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  Pool& pool = *opened->entry->pool;
   ASSERT_EQ(pool.options().large_page, 4 * kMiB);
   absl::StatusOr<MemInfo> info = pool.driver()->GetMemInfo(0);
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(pool.GetSnapshot().reserved_size, 2 * info->total);
-  absl::StatusOr<int> left = state_.ReleasePrivatePool(0, 7, 8);
-  ASSERT_TRUE(left.ok()) << left.status();
+  opened->entry.reset();
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 7, 8).ok());
   // A private pool that asks for its range gets it.
-  id = state_.UsePrivatePool(Backend::kHost, 0, 7, 9, "reserve_size=64M");
-  ASSERT_TRUE(id.ok()) << id.status();
-  entry = state_.FindPool(*id);
-  ASSERT_TRUE(entry.ok()) << entry.status();
-  EXPECT_EQ((*entry)->pool->GetSnapshot().reserved_size, 64 * kMiB);
+  opened = UsePrivateHostPool(7, 9, "reserve_size=64M");
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  EXPECT_EQ(opened->entry->pool->GetSnapshot().reserved_size, 64 * kMiB);
+  opened->entry.reset();
   ASSERT_TRUE(state_.ReleasePrivatePool(0, 7, 9).ok());
 }
 
