@@ -55,7 +55,7 @@ struct PoolOptions {
   // is free elsewhere, and the blocks that live on (a KV cache, a hidden state) are left
   // scattered across the range as memory moves around them. With twice the device's memory,
   // 26 of 110 traces failed with "no gap" on a device 1.1 times their peak (host replay;
-  // long_prefill with 11.7 GiB of a 20 GiB device in the pool), none with eight times
+  // long_prefill with 10.1 GiB of a 17 GiB device in the pool), none with eight times
   // (docs/DESIGN.md §2b, "Address space"; bench/address_space_test.sh).
   size_t reserve_size = 0;
   // Most physical bytes the pool may hold; 0 means no limit beyond the size of the device.

@@ -3,8 +3,8 @@
 # it do not refuse a request that memory could serve (allocator/pool_options.h reserve_size).
 # A long-context prefill of a 4-layer model (bench/traces.py long_prefill, 16k and 32k tokens:
 # peak 1.52 GiB) on a host device of 2 GiB: with twice the device's memory reserved (the range
-# of before) a score matrix of 896 MiB found no gap of its length with about 1 GiB in the pool;
-# with the default range the replay ends, at its usual peak ratio.
+# of before) a score matrix of 896 MiB found no gap of its length with 670 MiB in the pool;
+# with the default range the replay ends, within 1.02 (1.0077 when written).
 set -euo pipefail
 
 here=${TEST_SRCDIR:-.}/${TEST_WORKSPACE:-vmm}/bench
@@ -28,4 +28,6 @@ grep -q "no gap of 896.00 MiB left in the pool's reserved address range" "$tmp/o
   exit 1
 }
 replay || { echo "with the default range the replay failed:"; tail -3 "$tmp/out"; exit 1; }
-grep -q "ratio=1.0077 " "$tmp/out" || { echo "default range: $(tail -1 "$tmp/out")"; exit 1; }
+ratio=$(grep -o 'ratio=[0-9.]*' "$tmp/out" | tail -1 | cut -d= -f2)
+python3 -c "import sys; sys.exit(0 if 0 < float('${ratio:-0}') <= 1.02 else 1)" ||
+  { echo "default range: peak ratio ${ratio:-none} above 1.02: $(tail -1 "$tmp/out")"; exit 1; }

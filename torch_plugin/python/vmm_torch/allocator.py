@@ -128,8 +128,9 @@ def enable(**options: Any) -> None:
     - ``handle_type``: "auto" (fabric where available, else POSIX fds), "posix_fd", "fabric",
       or "none" (not shareable).
     - sizes, as ints (bytes) or strings like "40G": ``reserve_size`` (virtual range per
-      device: by default twice its memory, eight times with ``large_page``), ``memory_limit`` (most physical bytes), ``release_threshold`` (cached bytes kept
-      when freeing), ``small_size``, ``small_chunk``, ``max_growth_extra``, ``max_chunk``,
+      device: by default twice its memory, eight times with ``large_page``; twice for the
+      private pools of CUDA graphs and MemPools), ``memory_limit`` (most physical bytes),
+      ``release_threshold`` (cached bytes kept when freeing), ``small_size``, ``small_chunk``, ``max_growth_extra``, ``max_chunk``,
       ``large_page`` (grow in pages of this size, and move free pages to where a miss needs
       memory instead of growing: less memory stranded in holes, more driver calls, and a
       tensor sent in place spans one handle per page; off unless given, "4M" is the C++
