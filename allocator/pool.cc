@@ -118,14 +118,14 @@ absl::StatusOr<Pool::RangeLayout> Pool::LayOutRange(size_t basis, size_t extra) 
     return absl::InvalidArgumentError(absl::StrCat(
         "small_chunk ", options_.small_chunk, " is more than half of the pool's reserved range, ",
         small_chunk_bound, " bytes (", FormatBytes(small_chunk_bound),
-        ", rounded up to the granularity; by default twice the device's memory): the large ",
+        ", rounded up to the granularity; by default twice the memory of its GPU): the large ",
         "arena would be left smaller than the small one"));
   }
   if (options_.small_size > layout.small) {
     return absl::InvalidArgumentError(absl::StrCat(
         "small_size ", options_.small_size, " is more than the small arena's range, ",
         layout.small, " bytes (", FormatBytes(layout.small),
-        ": an eighth of the reserved range, by default of twice the device's memory, at least ",
+        ": an eighth of the reserved range, by default of twice the memory of its GPU, at least ",
         "small_chunk): requests up to small_size go to the small arena, and larger ones could ",
         "never be served there"));
   }
@@ -190,7 +190,8 @@ absl::Status Pool::Init() {
   const size_t basis = auto_range ? times_memory(2) : options_.reserve_size;
   size_t extra = 0;
   if (auto_range && options_.large_page != 0) {
-    extra = times_memory(kPagedRangeDevices) - std::min(times_memory(kPagedRangeDevices), basis);
+    const size_t wide = times_memory(kPagedRangeDevices);
+    extra = wide - std::min(wide, basis);
   }
   VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(basis, extra));
   absl::StatusOr<DevPtr> base = driver_->Reserve(layout.size, granularity_);

@@ -343,10 +343,11 @@ class Pool {
  private:
   Pool(Driver* driver, const PoolOptions& options, ExportObserver* observer);
   absl::Status Init();
-  // The reserved range for a basis of `basis` bytes (reserve_size, or twice the device's
-  // memory) and `extra` more for the large arena: the small arena's share (an eighth of the
-  // basis) and the whole size, rounded to granularity; InvalidArgument where small_chunk or
-  // small_size leave an arena unable to serve what it is sent (judged by the basis alone).
+  // The reserved range for a basis of `basis` bytes (reserve_size, or twice the memory of
+  // the pool's GPU) and `extra` more for the large arena: the small arena's share (an eighth
+  // of the basis) and the whole size, rounded to granularity; InvalidArgument where
+  // small_chunk or small_size leave an arena unable to serve what it is sent (judged by the
+  // basis alone).
   struct RangeLayout {
     size_t small = 0;
     size_t size = 0;
