@@ -242,12 +242,40 @@ void Arena::MakeGap(uintptr_t addr, size_t len) {
     DeleteBlock(b);
   }
   gaps_.insert(block);
-  if (block->next != nullptr && block->next->state == BlockState::kUnmapped) {
-    block = Join(block, block->next);
+  // A gap never spans a seam (ExtendRange): cut it at those inside it, and join neighbours only
+  // across addresses that are none.
+  for (auto seam = seams_.upper_bound(block->addr); seam != seams_.end() && *seam < end;
+       ++seam) {
+    block = Split(block, *seam);
   }
-  if (block->prev != nullptr && block->prev->state == BlockState::kUnmapped) {
+  while (block->prev != nullptr && block->prev->addr >= addr) block = block->prev;
+  Block* last_gap = block;
+  while (last_gap->end() < end) last_gap = last_gap->next;
+  if (last_gap->next != nullptr && last_gap->next->state == BlockState::kUnmapped &&
+      !seams_.contains(last_gap->end())) {
+    Join(last_gap, last_gap->next);
+  }
+  if (block->prev != nullptr && block->prev->state == BlockState::kUnmapped &&
+      !seams_.contains(block->addr)) {
     Join(block->prev, block);
   }
+}
+
+void Arena::ExtendRange(size_t more) {
+  if (more == 0 || more % 512 != 0) return;  // nothing a block could take
+  const uintptr_t at = base_ + size_;
+  Block* last = BlockContaining(at - 1);
+  size_ += more;
+  live_.Resize(size_);
+  Block* gap = NewBlock();
+  gap->addr = at;
+  gap->size = more;
+  gap->state = BlockState::kUnmapped;
+  gap->stream = kAnyStream;
+  gap->prev = last;
+  last->next = gap;
+  gaps_.insert(gap);
+  seams_.insert(at);
 }
 
 Block* Arena::BlockContaining(uintptr_t addr) const {
@@ -282,7 +310,8 @@ std::string Arena::CheckInvariants() const {
     if (b->size == 0) return absl::StrCat("empty block at 0x", absl::Hex(b->addr));
     if (b->addr % 512 != 0) return absl::StrCat("misaligned block at 0x", absl::Hex(b->addr));
     if (b->next != nullptr && b->next->prev != b) return "broken prev link";
-    if (b->next != nullptr && CanMerge(b, b->next)) {
+    if (b->next != nullptr && CanMerge(b, b->next) &&
+        !(b->state == BlockState::kUnmapped && seams_.contains(b->next->addr))) {
       return absl::StrCat("uncoalesced ", BlockStateName(b->state), " blocks at 0x",
                           absl::Hex(b->addr));
     }
@@ -293,6 +322,13 @@ std::string Arena::CheckInvariants() const {
     if (in_free && !free_.Filed(b)) {
       return absl::StrCat("free block at 0x", absl::Hex(b->addr), " is not in the bin of its ",
                           "size and tag");
+    }
+    if (b->state == BlockState::kUnmapped) {
+      auto seam = seams_.upper_bound(b->addr);
+      if (seam != seams_.end() && *seam < b->end()) {
+        return absl::StrCat("gap at 0x", absl::Hex(b->addr), " spans the seam at 0x",
+                            absl::Hex(*seam));
+      }
     }
     const bool in_gaps = gaps_.count(const_cast<Block*>(b)) != 0;
     if ((b->state == BlockState::kUnmapped) != in_gaps) {

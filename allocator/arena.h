@@ -119,8 +119,16 @@ class Arena {
   // at once. nullptr if [lo, hi) is not inside a retired block.
   Block* Reopen(uintptr_t lo, uintptr_t hi, Stream stream);
 
-  // Turns [addr, addr + len), which must hold only free or retired blocks, into a gap.
+  // Turns [addr, addr + len), which must hold only free or retired blocks, into a gap: one
+  // for each side of any seam inside it (ExtendRange), each joined with the gaps beside it on
+  // its own side.
   void MakeGap(uintptr_t addr, size_t len);
+
+  // Lengthens the arena by `more` bytes (nonzero, a multiple of 512) at its end (the pool reserved
+  // them after its range): they become a gap of their own. The address where they start is a seam:
+  // gaps never span one, so that a growth, which maps and grants access inside one gap, never
+  // crosses from one reservation into the next (driver.h ReserveAt). Free and allocated blocks may.
+  void ExtendRange(size_t more);
 
   // The block containing `addr`, or nullptr. A walk of the block list from the nearest of the
   // blocks it found before (near_), or from the first: for slow paths (exports, releases,
@@ -155,6 +163,7 @@ class Arena {
     bool operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
   };
   absl::btree_set<Block*, ByAddr> gaps_;
+  absl::btree_set<uintptr_t> seams_;  // where ExtendRange lengthened the arena
   std::vector<Block*> spare_;  // recycled Block objects
   // BlockContaining's starting points: the blocks it found, by 2 MiB region of the address
   // asked for. Block objects live as long as the arena; a deleted one (in spare_) has size 0

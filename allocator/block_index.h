@@ -28,6 +28,14 @@ class BlockIndex {
     leaves_.resize(((size >> slot_shift) >> kLeafBits) + 1);
   }
 
+  // Lengthens the indexed range to `size` bytes; a shorter size is ignored (a live block may
+  // be indexed anywhere in the range).
+  void Resize(size_t size) {
+    if (size <= size_) return;
+    size_ = size;
+    leaves_.resize(((size >> shift_) >> kLeafBits) + 1);
+  }
+
   // The live block starting exactly at `addr`, or nullptr.
   Block* Find(uintptr_t addr) const {
     const uintptr_t off = addr - base_;  // wraps around for addr < base_

@@ -98,9 +98,9 @@ absl::StatusOr<size_t> ChunkMap::UnmapRun(absl::Span<const uintptr_t> addrs, siz
     for (; j < addrs.size() && j >= *singles_until; ++j) {
       auto c = chunks_.find(addrs[j]);
       if (c == chunks_.end()) break;
-      if (c->first == hi) {
+      if (c->first == hi && !seams_.contains(hi)) {
         hi += c->second.size;
-      } else if (either_order && c->first + c->second.size == lo) {
+      } else if (either_order && c->first + c->second.size == lo && !seams_.contains(lo)) {
         lo = c->first;
       } else {
         break;

@@ -6,7 +6,9 @@
 // leaves nothing behind. Release unmaps and releases chunks; Move unmaps chunks and maps their
 // handles elsewhere. Chunks side by side are whole mappings side by side, which one Unmap call
 // takes together (the driver allows it: driver_conformance_test), so both unmap each run of
-// adjacent chunks at once. Every driver call is counted in the PoolStats passed in.
+// adjacent chunks at once, but for a seam (AddSeam: where the pool's range grew, a reservation
+// of its own begins), which no run spans. Every driver call is counted in the PoolStats
+// passed in.
 //
 // Export state lives here too: a chunk marked exported is never recycled (the pool's export
 // invariant, pool.h); `dedicated` chunks hold one shareable block alone.
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "absl/container/btree_map.h"
+#include "absl/container/btree_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -73,6 +76,9 @@ class ChunkMap {
   };
 
   void Init(Config config) { config_ = std::move(config); }
+  // `addr` starts a reservation of its own (the pool lengthened its range there, driver.h
+  // ReserveAt): no Unmap call spans it.
+  void AddSeam(uintptr_t addr) { seams_.insert(addr); }
   // From now on the bytes this map maps and releases also count in `cap` (device_cap.h; it
   // must outlive the map's chunks). The caller adds what is mapped already.
   void ShareCap(DeviceCap* cap) { cap_ = cap; }
@@ -169,9 +175,9 @@ class ChunkMap {
   ArenaStats& ArenaStatsOf(uintptr_t addr, PoolStats& stats) const {
     return stats.arena[ArenaKindAt(addr, config_.large_base)];
   }
-  // Unmaps the chunks from addrs[i] on that lie end to end (above addrs[i], or also below it
-  // when `either_order`) with one Unmap call; if it fails, the chunks of that run one by one
-  // (`*singles_until` remembers where the run ended). Returns the index past what it
+  // Unmaps the chunks from addrs[i] on that lie end to end (above addrs[i], or also below it when
+  // `either_order`; never across a seam) with one Unmap call; if it fails, the chunks of that run
+  // one by one (`*singles_until` remembers where the run ended). Returns the index past what it
   // unmapped, or the error of a single chunk's Unmap.
   absl::StatusOr<size_t> UnmapRun(absl::Span<const uintptr_t> addrs, size_t i, bool either_order,
                                   size_t* singles_until, PoolStats& stats);
@@ -185,6 +191,7 @@ class ChunkMap {
   Config config_;
   DeviceCap* cap_ = nullptr;  // ShareCap's (not owned)
   Map chunks_;
+  absl::btree_set<uintptr_t> seams_;  // AddSeam's
   uint64_t next_id_ = 1;
   int64_t exported_ = 0;
 };

@@ -16,8 +16,8 @@
 //     SynchronizeDevice) run in the primary context of that device.
 //   - Calls on an event, or on a stream that this backend created, run in the primary context
 //     of the device it was created on (remembered in a small map).
-//   - Calls that take only addresses or handles (Reserve, Unreserve, Map, Unmap, SetAccess,
-//     HasAccess, Release, Export, Import), and stream work on streams created elsewhere
+//   - Calls that take only addresses or handles (Reserve, ReserveAt, Unreserve, Map, Unmap,
+//     SetAccess, HasAccess, Release, Export, Import), and stream work on streams created elsewhere
 //     (PyTorch's, or stream 0), run in the calling thread's current context when it has one:
 //     virtual memory is process-wide, and a foreign stream belongs to whatever context the
 //     caller works in.
@@ -408,6 +408,7 @@ class CudaDriver final : public Driver {
   absl::Status Release(PhysHandle handle) override;
 
   absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override;
+  absl::StatusOr<DevPtr> ReserveAt(DevPtr at, size_t size) override;
   absl::Status Unreserve(DevPtr ptr, size_t size) override;
   absl::Status Map(DevPtr ptr, size_t size, PhysHandle handle) override;
   absl::Status Unmap(DevPtr ptr, size_t size) override;
@@ -765,6 +766,39 @@ absl::StatusOr<DevPtr> CudaDriver::Reserve(size_t size, size_t alignment) {
   VMM_RETURN_IF_ERROR(Check(api_.MemAddressReserve(&ptr, size, alignment, 0, 0),
                             "cuMemAddressReserve",
                             absl::StrCat(size, " bytes, alignment ", alignment)));
+  return DevPtr{ptr};
+}
+
+absl::StatusOr<DevPtr> CudaDriver::ReserveAt(DevPtr at, size_t size) {
+  VMM_RETURN_IF_ERROR(CheckRange("ReserveAt", at, size));
+  VMM_ASSIGN_OR_RETURN(size_t granularity, Granularity(0));
+  ScopedContext scope(api_);
+  VMM_RETURN_IF_ERROR(EnterAnyContext(scope));
+  // cuMemAddressReserve takes the address as a request: where it is taken, the driver
+  // reserves elsewhere, and that range is given back.
+  CUdeviceptr ptr = 0;
+  absl::Status reserved =
+      Check(api_.MemAddressReserve(&ptr, size, granularity, at, 0), "cuMemAddressReserve",
+            absl::StrFormat("at 0x%x, %d bytes", at, size));
+  // The size and address were checked above: the driver refusing them means the address
+  // space there is not to be had (driver.h: ResourceExhausted).
+  if (absl::IsInvalidArgument(reserved)) {
+    return absl::ResourceExhaustedError(absl::StrCat("ReserveAt: ", reserved.message()));
+  }
+  VMM_RETURN_IF_ERROR(reserved);
+  if (ptr != at) {
+    absl::Status freed = Check(api_.MemAddressFree(ptr, size), "cuMemAddressFree",
+                               absl::StrFormat("0x%x, %d bytes", ptr, size));
+    if (!freed.ok()) {
+      return absl::InternalError(absl::StrFormat(
+          "ReserveAt: the driver placed [0x%x, +%d) elsewhere, at 0x%x, and giving that back "
+          "failed (the range stays reserved): %s",
+          at, size, ptr, freed.message()));
+    }
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "ReserveAt: [0x%x, +%d) is not free address space (the driver offered 0x%x)", at, size,
+        ptr));
+  }
   return DevPtr{ptr};
 }
 

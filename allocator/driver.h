@@ -139,6 +139,13 @@ class Driver {
   // --- Virtual address ranges ------------------------------------------------------------
   // Reserves `size` bytes of address space aligned to `alignment` (0: granularity).
   virtual absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) = 0;
+  // Reserves exactly [at, at + size) (both multiples of the granularity), to lengthen a range
+  // the caller holds that ends at `at`. The new range is a reservation of its own: Unreserve
+  // frees it alone, and no Map, Unmap or SetAccess may cross from it into its neighbour.
+  // ResourceExhausted when any of that address space is taken, or the driver would place the
+  // range elsewhere (nothing is then left reserved); InvalidArgument for a bad address or size;
+  // Internal where a range placed elsewhere could not be given back.
+  virtual absl::StatusOr<DevPtr> ReserveAt(DevPtr at, size_t size) = 0;
   // Frees a whole reserved range; it must have no mappings left.
   virtual absl::Status Unreserve(DevPtr ptr, size_t size) = 0;
   // Maps `handle`, whose size is `size`, at `ptr`. InvalidArgument for any other size.

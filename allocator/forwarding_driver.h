@@ -34,6 +34,9 @@ class ForwardingDriver : public Driver {
   absl::StatusOr<DevPtr> Reserve(size_t size, size_t alignment) override {
     return inner_->Reserve(size, alignment);
   }
+  absl::StatusOr<DevPtr> ReserveAt(DevPtr at, size_t size) override {
+    return inner_->ReserveAt(at, size);
+  }
   absl::Status Unreserve(DevPtr p, size_t size) override { return inner_->Unreserve(p, size); }
   absl::Status Map(DevPtr p, size_t size, PhysHandle h) override { return inner_->Map(p, size, h); }
   absl::Status Unmap(DevPtr p, size_t size) override { return inner_->Unmap(p, size); }

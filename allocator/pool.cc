@@ -102,10 +102,13 @@ Pool::Pool(Driver* driver, const PoolOptions& options, ExportObserver* observer)
       fork_generation_(ForkGeneration()),
       options_(options) {}
 
-absl::StatusOr<Pool::RangeLayout> Pool::LayOutRange(size_t basis, size_t extra) const {
+absl::StatusOr<Pool::RangeLayout> Pool::LayOutRange(size_t basis, size_t extra,
+                                                    size_t small_floor) const {
   RangeLayout layout;
-  // The small arena takes an eighth of the basis, at least one small chunk.
-  layout.small = std::max(options_.small_chunk, RoundUp(basis / 8, granularity_));
+  // The large arena takes the basis and the extra but an eighth of the basis; the small arena
+  // that eighth, or `small_floor`, and at least one small chunk.
+  const size_t eighth = RoundUp(basis / 8, granularity_);
+  layout.small = std::max({options_.small_chunk, eighth, RoundUp(small_floor, granularity_)});
   // Sizes that would leave an arena unable to serve what it is sent (pool_options.h): every
   // such request failed as out of memory ("no gap") on an empty device. A small chunk of more
   // than half the range (both rounded up to granules) makes the small arena larger than the
@@ -121,16 +124,17 @@ absl::StatusOr<Pool::RangeLayout> Pool::LayOutRange(size_t basis, size_t extra) 
         ", rounded up to the granularity; by default twice the memory of its GPU): the large ",
         "arena would be left smaller than the small one"));
   }
-  if (options_.small_size > layout.small) {
+  const size_t small_bound = std::max(options_.small_chunk, eighth);  // small_floor aside
+  if (options_.small_size > small_bound) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "small_size ", options_.small_size, " is more than the small arena's range, ",
-        layout.small, " bytes (", FormatBytes(layout.small),
+        "small_size ", options_.small_size, " is more than the small arena's least range, ",
+        small_bound, " bytes (", FormatBytes(small_bound),
         ": an eighth of the reserved range, by default of twice the memory of its GPU, at least ",
-        "small_chunk): requests up to small_size go to the small arena, and larger ones could ",
+        "small_chunk): requests up to small_size go to the small arena, and larger ones might ",
         "never be served there"));
   }
   const size_t whole = basis + extra;  // at most 2^49 (Init)
-  layout.size = layout.small + std::max(granularity_, RoundUp(whole - std::min(whole, layout.small),
+  layout.size = layout.small + std::max(granularity_, RoundUp(whole - std::min(whole, small_bound),
                                                                granularity_));
   return layout;
 }
@@ -193,26 +197,39 @@ absl::Status Pool::Init() {
     const size_t wide = times_memory(kPagedRangeDevices);
     extra = wide - std::min(wide, basis);
   }
-  VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(basis, extra));
+  // A default range (or one that grows) gives the small arena the memory of its GPU: every
+  // small chunk the GPU could hold fits it, wherever its live blocks keep chunks, so it
+  // cannot fill while memory is left (with small chunks of one granule, the default) (it was an eighth of twice the memory: a quarter, and a
+  // program whose blocks of up to small_size held more failed with "no gap" on a GPU three
+  // quarters free). A range that grows lengthens only the large arena, at the range's end
+  // (ExtendRange). Not for a device of more than 2^44 bytes, whose range is capped at
+  // kMaxOptionBytes already.
+  const size_t small_floor =
+      (auto_range || options_.range_grows) && info.total <= kMaxOptionBytes / 16 ? info.total : 0;
+  VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(basis, extra, small_floor));
   absl::StatusOr<DevPtr> base = driver_->Reserve(layout.size, granularity_);
   if (!base.ok() && extra != 0 &&
       (absl::IsResourceExhausted(base.status()) || absl::IsInvalidArgument(base.status()))) {
-    VMM_ASSIGN_OR_RETURN(RangeLayout narrow, LayOutRange(basis, 0));  // accepted above
+    VMM_ASSIGN_OR_RETURN(RangeLayout narrow, LayOutRange(basis, 0, small_floor));  // as above
     if (absl::StatusOr<DevPtr> b = driver_->Reserve(narrow.size, granularity_); b.ok()) {
       LogWarningOnce("wide-range",
                      absl::StrCat("reserving ", FormatBytes(layout.size),
                                   " of address space failed (", base.status().message(),
                                   "); the pool reserved ", FormatBytes(narrow.size),
-                                  ", twice the memory of its device"));
+                                  ", the range of a pool that moves no pages"));
       layout = narrow;
       base = b;
     }
   }
   VMM_RETURN_IF_ERROR(base.status());
-  reserve_size_ = layout.size;
   const size_t small = layout.small;
-  max_request_ = std::min(reserve_size_, info.total);
+  const bool grows = auto_range || options_.range_grows;
+  // A range that grows serves up to the device's memory past its first size (ExtendRange),
+  // as far as the most address space it may reach.
+  max_request_ = grows ? std::min(info.total, kMaxOptionBytes - std::min(kMaxOptionBytes, small))
+                       : std::min(layout.size, info.total);
   base_ = static_cast<uintptr_t>(*base);
+  range_end_.store(base_ + layout.size, std::memory_order_release);
   // Allocated blocks of the large arena are larger than small_size, or alone in a chunk, so
   // they start at least this far apart (a power of two, at least 512).
   int large_shift = 9;
@@ -228,6 +245,10 @@ absl::Status Pool::Init() {
   for (int peer : options_.peer_devices) chunks.access.push_back(peer);
   chunks.large_base = base_ + small;
   MutexLock lock(&mu_);
+  reserve_size_ = layout.size;
+  reservations_.emplace_back(base_, reserve_size_);
+  range_grows_ = grows;
+  range_step_ = reserve_size_ - small;
   chunks_.Init(std::move(chunks));
   reclaim_.Init(driver_, device);
   small_.Init(base_, small, /*slot_shift=*/9);
@@ -251,10 +272,34 @@ Pool::~Pool() {
   });
   reclaim_.DestroyEvents();
   if (observer_ != nullptr) observer_->PoolDestroyed(id_);
-  if (base_ != 0) {
-    absl::Status s = driver_->Unreserve(base_, reserve_size_);
+  for (const auto& [at, size] : reservations_) {
+    absl::Status s = driver_->Unreserve(at, size);
     if (!s.ok()) LogError(absl::StrCat("pool teardown: ", s.message()));
   }
+}
+
+absl::Status Pool::ExtendRange(size_t n) {
+  const size_t step =
+      std::max(range_step_, RoundUp(n, std::max(granularity_, options_.large_page)));
+  const uintptr_t at = base_ + reserve_size_;
+  if (step > kMaxOptionBytes || reserve_size_ > kMaxOptionBytes - step || at + step < at) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the range would pass ", FormatBytes(kMaxOptionBytes), " of address space"));
+  }
+  VMM_ASSIGN_OR_RETURN(DevPtr got, driver_->ReserveAt(at, step));
+  if (got != at) {  // a driver that ignored the address: give it back
+    absl::Status freed = driver_->Unreserve(got, step);
+    if (!freed.ok()) LogError(absl::StrCat("giving back a misplaced range: ", freed.message()));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the driver reserved ", absl::Hex(got), " instead of ", absl::Hex(at)));
+  }
+  reservations_.emplace_back(at, step);
+  large_.ExtendRange(step);
+  chunks_.AddSeam(at);
+  reserve_size_ += step;
+  range_end_.store(base_ + reserve_size_, std::memory_order_release);
+  ++stats_.num_range_extensions;
+  return absl::OkStatus();
 }
 
 // Both pick an arena by table lookup rather than a branch: sizes and addresses come in no
@@ -331,8 +376,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     VMM_RETURN_IF_ERROR(CheckRequestSize(size));
     return absl::InvalidArgumentError(absl::StrCat(
         "requested ", size, " bytes (", RequestBytes(size), "), more than ",
-        size > reserve_size_ ? "the pool's whole address range ("
-                             : "the whole memory of the device (",
+        !range_grows_ && size > reserve_size_ ? "the pool's whole address range ("
+                                              : "the whole memory of the device (",
         FormatBytes(max_request_), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
@@ -667,22 +712,28 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   auto cost = [&](const Arena::GrowthPlan& p) {
     return may_move ? GrowthCost(movable, p, settle, room) : p.len;
   };
-  size_t unit =
+  const size_t whole_unit =
       paged && !to_granularity ? PlanUnit(options_.large_page, granularity_) : granularity_;
-  std::optional<Arena::GrowthPlan> plan = arena.PlanGrowth(n, stream, unit, dedicated, cost);
+  size_t unit = whole_unit;
   // Near a limit the rounding to half pages can take a plan past what the pool may create
   // where the same request planned in granules fits: then that plan (its moves too).
   auto past_room = [&](const Arena::GrowthPlan& p) {
     return may_move ? cost(p) >= kPastRoom : p.len > room;
   };
-  if (plan && paged && unit != granularity_ && past_room(*plan)) {
-    std::optional<Arena::GrowthPlan> fine =
-        arena.PlanGrowth(n, stream, granularity_, dedicated, cost);
-    if (fine && !past_room(*fine)) {
-      plan = fine;
-      unit = granularity_;
+  auto plan_in_units = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    unit = whole_unit;
+    std::optional<Arena::GrowthPlan> p = arena.PlanGrowth(n, stream, unit, dedicated, cost);
+    if (p && paged && unit != granularity_ && past_room(*p)) {
+      std::optional<Arena::GrowthPlan> fine =
+          arena.PlanGrowth(n, stream, granularity_, dedicated, cost);
+      if (fine && !past_room(*fine)) {
+        p = fine;
+        unit = granularity_;
+      }
     }
-  }
+    return p;
+  };
+  std::optional<Arena::GrowthPlan> plan = plan_in_units();
   if (!plan && paged) {
     // No gap holds the request in whole units (a small range): plan it to granularity, the
     // last chunk shorter than a unit, and move nothing for it.
@@ -690,9 +741,27 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     in_units = false;
     plan = arena.PlanGrowth(n, stream, unit, dedicated);
   }
+  if (!plan && range_grows_ && &arena == &large_ && range_refused_.ok()) {
+    // No gap holds the request at all: the range grows, and the request goes where any
+    // would. A refusal stands until EmptyCache: the address space after the range is seldom
+    // given back, and each miss would ask again. Errors other than a refusal are the driver's.
+    absl::Status lengthened = ExtendRange(n);
+    if (lengthened.ok()) {
+      in_units = moves;
+      plan = plan_in_units();
+    } else if (absl::IsResourceExhausted(lengthened)) {
+      range_refused_ = lengthened;
+    } else {
+      return lengthened;
+    }
+  }
   if (!plan) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("no gap of ", FormatBytes(n), " left in the pool's reserved address range"));
+    const std::string why =
+        range_grows_ && !range_refused_.ok()
+            ? absl::StrCat(" (lengthening it was refused: ", range_refused_.message(), ")")
+            : "";
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "no gap of ", FormatBytes(n), " left in the pool's reserved address range", why));
   }
   ReclaimChoice reclaim;
   if (may_move && in_units) {
@@ -1200,6 +1269,7 @@ absl::Status Pool::SynchronizeAll() {
 
 absl::Status Pool::EmptyCache() {
   MutexLock lock(&mu_);
+  range_refused_ = absl::OkStatus();  // the range may grow again (Grow)
   // The synchronisation and the unmaps would invalidate a capture under way
   // (capture_window.h); a window that opens meanwhile waits for them.
   const WorkOutsideCapture emptying(/*wanted=*/true);

@@ -1,12 +1,11 @@
 // pool.h: the caching device memory pool, one per device.
 //
-// The pool reserves one virtual address range and grows into it on demand with physical
-// chunks (Driver::Create + Map, then one SetAccess per contiguous range grown, for the pool's
-// device and its `peer_devices`). Freed blocks
-// are cached and reused best-fit; a block is split when larger than asked and coalesces with
-// free neighbours, also across chunk boundaries since the range is contiguous. Requests up to
-// `small_size` are served from a separate small arena so that long-lived small blocks do not
-// pin large regions.
+// The pool reserves a virtual address range (lengthened after itself where it fills: ExtendRange)
+// and grows into it on demand with physical chunks (Driver::Create + Map, then one SetAccess per
+// contiguous range grown, for the pool's device and its `peer_devices`). Freed blocks are cached
+// and reused best-fit; a block is split when larger than asked and coalesces with free neighbours,
+// also across chunk boundaries since the range is contiguous. Requests up to `small_size` are
+// served from a separate small arena so that long-lived small blocks do not pin large regions.
 //
 // Growth policy (growth_policy.h). A request that no cached block fits grows the pool by the
 // fewest new bytes that give a contiguous fit: a free block at the edge of a gap is extended
@@ -137,10 +136,12 @@
 #ifndef VMM_ALLOCATOR_POOL_H_
 #define VMM_ALLOCATOR_POOL_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/attributes.h"
@@ -321,10 +322,10 @@ class Pool {
   }
   // The start of this pool's reserved range (no lock taken).
   uintptr_t base() const { return base_; }
-  // Whether `ptr` lies in this pool's reserved range (no lock taken).
+  // Whether `ptr` lies in this pool's reserved range, as lengthened so far (no lock taken).
   bool Contains(const void* ptr) const {
     auto p = reinterpret_cast<uintptr_t>(ptr);
-    return p >= base_ && p < base_ + reserve_size_;
+    return p >= base_ && p < range_end_.load(std::memory_order_acquire);
   }
   // Unique among the pools of this process.
   uint64_t id() const { return id_; }
@@ -345,14 +346,20 @@ class Pool {
   absl::Status Init();
   // The reserved range for a basis of `basis` bytes (reserve_size, or twice the memory of
   // the pool's GPU) and `extra` more for the large arena: the small arena's share (an eighth
-  // of the basis) and the whole size, rounded to granularity; InvalidArgument where
-  // small_chunk or small_size leave an arena unable to serve what it is sent (judged by the
-  // basis alone).
+  // of the basis, or `small_floor` if more; the large arena keeps the rest of basis + extra)
+  // and the whole size, rounded to granularity; InvalidArgument where small_chunk or
+  // small_size leave an arena unable to serve what it is sent (judged by the basis alone).
   struct RangeLayout {
     size_t small = 0;
     size_t size = 0;
   };
-  absl::StatusOr<RangeLayout> LayOutRange(size_t basis, size_t extra) const;
+  absl::StatusOr<RangeLayout> LayOutRange(size_t basis, size_t extra, size_t small_floor) const;
+  // Lengthens the range for a large-arena request of `n` bytes that no gap holds: reserves
+  // the next range_step_ bytes (at least `n`, in whole pages) right after it (driver.h
+  // ReserveAt) and gives them to the large arena as a gap of their own (Arena::ExtendRange).
+  // ResourceExhausted when the driver refuses that address space (taken, or none left) or
+  // the range would pass kMaxOptionBytes; nothing changes then.
+  absl::Status ExtendRange(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   absl::StatusOr<void*> AllocateLocked(size_t size, Stream stream, bool shareable)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -520,10 +527,21 @@ class Pool {
   size_t granularity_ = 0;
   HandleType handle_type_ = HandleType::kNone;
   std::string device_uuid_;
-  uintptr_t base_ = 0;  // the reserved range
-  size_t reserve_size_ = 0;
+  // The reserved range: [base_, base_ + reserve_size_), one reservation from Init and any
+  // ExtendRange added after it (reservations_, each given back whole by the destructor).
+  // base_ is set once by Init; Contains reads range_end_ without the lock.
+  uintptr_t base_ = 0;
+  size_t reserve_size_ ABSL_GUARDED_BY(mu_) = 0;
+  std::atomic<uintptr_t> range_end_{0};
+  std::vector<std::pair<uintptr_t, size_t>> reservations_ ABSL_GUARDED_BY(mu_);
+  // Whether a full range lengthens (PoolOptions::range_grows), by how much at least (the
+  // large arena's first size), and the driver's refusal of the address after it, which
+  // stands until EmptyCache (OK: none).
+  bool range_grows_ ABSL_GUARDED_BY(mu_) = false;
+  size_t range_step_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Status range_refused_ ABSL_GUARDED_BY(mu_);
   // The largest request the pool could ever serve: the smaller of the whole memory of the device
-  // and the pool's address range (set by Init).
+  // and the pool's address range, or the most it may grow to where it grows (set by Init).
   size_t max_request_ = 0;
 
   mutable Mutex mu_;

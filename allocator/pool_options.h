@@ -48,8 +48,11 @@ struct PoolOptions {
   // Virtual address space to reserve; 0 (the default) means kPagedRangeDevices times the
   // memory of the device where the large arena grows in pages (large_page), else twice it
   // (twice where the driver or the process's address space refuses the larger range: out of
-  // memory, or a size it takes for invalid). The small arena and the bounds on small_chunk
-  // and small_size are those of twice in both cases: the rest goes to the large arena.
+  // memory, or a size it takes for invalid), for the large arena but an eighth of twice the
+  // memory, and the device's memory for the small arena, which then holds every small chunk
+  // the device could (8.75 or 2.75 times the memory in all). The bounds on small_chunk and
+  // small_size are those of twice in both cases (small_size at most an eighth of it). An
+  // explicit reserve_size is the whole range: an eighth of it is the small arena's.
   // Address space is cheap, and a pool that moves pages needs much more of it than it holds:
   // a block goes where the address range has a gap as long as it, whatever physical memory
   // is free elsewhere, and the blocks that live on (a KV cache, a hidden state) are left
@@ -58,6 +61,15 @@ struct PoolOptions {
   // long_prefill with 10.1 GiB of a 17 GiB device in the pool), none with eight times
   // (docs/DESIGN.md §2b, "Address space"; bench/address_space_test.sh).
   size_t reserve_size = 0;
+  // A range chosen by default (reserve_size 0) grows once no gap of it holds a request of
+  // the large arena: the pool reserves more address space right after it (the large arena's
+  // first size at a time, at least the request) and goes on, rather than fail with "no gap"
+  // where memory could serve the request. Where the driver gives no address space there
+  // (another mapping took it), the request fails as before. An explicit reserve_size is a
+  // bound, unless `range_grows` is set, which also gives the small arena the device's memory
+  // (the large arena keeping reserve_size but an eighth of it), as a default range does. Not an option of the text: callers set
+  // it (the PyTorch plugin's private pools, which choose their size).
+  bool range_grows = false;
   // Most physical bytes the pool may hold; 0 means no limit beyond the size of the device.
   size_t memory_limit = 0;
   // Free bytes the pool keeps cached when it could release memory on Free; SIZE_MAX (or any
@@ -70,10 +82,9 @@ struct PoolOptions {
   // batch) go to the large arena, whose pages move once free (bench/traces.py rl_phases:
   // peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB); without pages such
   // a block would pin the free space of a whole large chunk instead.
-  // At most the small arena's range (an eighth of reserve_size, by default of twice the
-  // device's memory whatever the multiple, at least small_chunk):
-  // a request routed there that the range cannot hold could never be served. More is
-  // InvalidArgument (Pool::Create).
+  // At most the small arena's least range (an eighth of reserve_size, by default of twice
+  // the device's memory whatever the multiple, at least small_chunk): a request routed there
+  // that the range cannot hold could never be served. More is InvalidArgument (Pool::Create).
   size_t small_size = kAutoSize;
   // The small arena grows by this much at a time (rounded up to granularity). At most half
   // the reserved range (rounded up to granularity): the small arena's range is at least one

@@ -59,6 +59,8 @@ namespace vmm {
   X(num_chunk_moves, "num_chunk_moves",                                                   \
     "free chunks unmapped and mapped again where a miss needed memory (no growth)")       \
   X(moved_bytes, "moved_bytes", "bytes of the free chunks moved (num_chunk_moves' bytes)")  \
+  X(num_range_extensions, "num_range_extensions",                                         \
+    "address ranges reserved after the pool's first, where no gap held a request")         \
   X(num_sync_stream, "num_sync_stream",                                                   \
     "stream synchronisations: before moving or exporting free memory that stream last "  \
     "used, and for a free whose stream could take no event")

@@ -990,6 +990,48 @@ TEST_F(ArenaTest, SplitAFreeBlockKeepsBothPartsCached) {
   EXPECT_EQ(Layout(arena_), "F7:64K U:128K F7:64K U:3840K");
 }
 
+// --- ExtendRange -------------------------------------------------------------------------------
+
+// The range lengthened at its end: a gap of its own, which no gap joins across the seam, so that
+// no growth plan crosses from one reservation into the next; free blocks may.
+TEST_F(ArenaTest, ExtendRangeAddsAGapThatNeverJoinsAcrossTheSeam) {
+  const uintptr_t seam = kBase + kArenaSize;
+  Grow(kBase, 4 * kG, kS);
+  arena_.ExtendRange(2 * kArenaSize);
+  ASSERT_VALID(arena_);
+  EXPECT_EQ(arena_.size(), 3 * kArenaSize);
+  EXPECT_TRUE(arena_.Contains(seam + 2 * kArenaSize - 1));
+  EXPECT_FALSE(arena_.Contains(seam + 2 * kArenaSize));
+  EXPECT_EQ(Layout(arena_), "F7:256K U:3840K U:8192K");
+  // A request larger than either gap has no plan: the two are not one range.
+  EXPECT_FALSE(arena_.PlanGrowth(2 * kArenaSize + kG, kS, kG, false).has_value());
+  // One that fits the new gap alone (not the old one with its free block) goes there.
+  std::optional<Arena::GrowthPlan> plan = arena_.PlanGrowth(kArenaSize + kG, kS, kG, false);
+  ASSERT_TRUE(plan.has_value());
+  EXPECT_EQ(plan->addr, seam);
+  EXPECT_LE(plan->addr + plan->len, plan->gap->end());
+  // Memory on both sides of the seam: its free blocks coalesce across it.
+  Grow(seam - kG, kG, kS);
+  Grow(seam, kG, kS);
+  EXPECT_EQ(Layout(arena_), "F7:256K U:3776K F7:128K U:8128K");
+  // Given back, the two sides are gaps again, cut at the seam, each joined with its own side.
+  arena_.MakeGap(seam - kG, 2 * kG);
+  ASSERT_VALID(arena_);
+  EXPECT_EQ(Layout(arena_), "F7:256K U:3840K U:8192K");
+  ASSERT_NE(arena_.BlockContaining(seam), nullptr);
+  EXPECT_EQ(arena_.BlockContaining(seam)->addr, seam);
+  // Live blocks past the seam are indexed.
+  Block* f = Grow(seam + 4 * kG, kG, kT);
+  Block* a = Alloc(f, kG, kT);
+  arena_.live().Insert(a);
+  EXPECT_EQ(arena_.live().Find(seam + 4 * kG), a);
+  arena_.live().Erase(a);
+  // A second lengthening adds a second seam.
+  arena_.ExtendRange(kArenaSize);
+  ASSERT_VALID(arena_);
+  EXPECT_EQ(Layout(arena_), "F7:256K U:3840K U:256K A:64K U:7872K U:4096K");
+}
+
 // --- MakeGap -------------------------------------------------------------------------------------
 
 TEST_F(ArenaTest, MakeGapInsideAFreeBlock) {

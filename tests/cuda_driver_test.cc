@@ -322,6 +322,50 @@ TEST_F(CudaGpuTest, MisuseFailsCleanly) {
   print("Unreserve(the range)", driver_->Unreserve(*base, 2 * g));
 }
 
+// What the driver answers to calls that cross from one reservation into the next, laid end to
+// end by ReserveAt, printed for the record: the pool never makes them (a seam is never crossed
+// by a growth's Map or SetAccess, nor by a batched Unmap: arena.h ExtendRange), and this says
+// whether it must keep that rule.
+TEST_F(CudaGpuTest, CallsAcrossTwoReservationsArePrinted) {
+  const size_t g = granularity_;
+  absl::StatusOr<DevPtr> base = driver_->Reserve(g, 0);
+  ASSERT_TRUE(base.ok()) << base.status();
+  absl::StatusOr<DevPtr> more = driver_->ReserveAt(*base + g, g);
+  if (!more.ok()) {
+    EXPECT_TRUE(driver_->Unreserve(*base, g).ok());
+    GTEST_SKIP() << "no address space after the range: " << more.status();
+  }
+  absl::StatusOr<PhysHandle> a = driver_->Create(0, g, 0);
+  absl::StatusOr<PhysHandle> b = driver_->Create(0, g, 0);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const int device0[] = {0};
+  auto print = [](const char* what, const absl::Status& status) {
+    std::printf("%-44s %s\n", what, status.ToString().c_str());
+  };
+  ASSERT_TRUE(driver_->Map(*base, g, *a).ok());
+  ASSERT_TRUE(driver_->Map(*more, g, *b).ok());
+  const absl::Status access = driver_->SetAccess(*base, 2 * g, device0);
+  print("SetAccess(across two reservations)", access);
+  if (!access.ok()) {
+    EXPECT_TRUE(driver_->SetAccess(*base, g, device0).ok());
+    EXPECT_TRUE(driver_->SetAccess(*more, g, device0).ok());
+  }
+  const absl::Status unmapped = driver_->Unmap(*base, 2 * g);
+  print("Unmap(across two reservations)", unmapped);
+  if (!unmapped.ok()) {
+    EXPECT_TRUE(driver_->Unmap(*base, g).ok());
+    EXPECT_TRUE(driver_->Unmap(*more, g).ok());
+  }
+  absl::StatusOr<PhysHandle> wide = driver_->Create(0, 2 * g, 0);
+  ASSERT_TRUE(wide.ok());
+  const absl::Status mapped = driver_->Map(*base, 2 * g, *wide);
+  print("Map(one allocation across two reservations)", mapped);
+  if (mapped.ok()) EXPECT_TRUE(driver_->Unmap(*base, 2 * g).ok());
+  for (PhysHandle h : {*a, *b, *wide}) EXPECT_TRUE(driver_->Release(h).ok());
+  EXPECT_TRUE(driver_->Unreserve(*more, g).ok());
+  EXPECT_TRUE(driver_->Unreserve(*base, g).ok());
+}
+
 // Threads with no current context create, map, use and free memory at the same time.
 TEST_F(CudaGpuTest, ConcurrentThreads) {
   std::atomic<int> failures{0};

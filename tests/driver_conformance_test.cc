@@ -514,6 +514,80 @@ TEST_P(DriverConformanceTest, ReserveHonoursAlignment) {
   ASSERT_OK(driver()->Unreserve(va, gran_));
 }
 
+// ReserveAt lengthens a range: exactly the address asked for, a reservation of its own (given
+// back alone), memory mapped on both sides of the seam reads and writes as one range. Address
+// space that is taken is ResourceExhausted and leaves nothing reserved; a misaligned address is
+// InvalidArgument. The address space is made free first (a range reserved and given back):
+// where the CUDA driver still places the range elsewhere, it must say ResourceExhausted (the
+// test then skips); the host must succeed.
+TEST_P(DriverConformanceTest, ReserveAtLengthensARangeEndToEnd) {
+  const size_t start = FreeBytes();
+  ASSERT_OK_AND_ASSIGN(DevPtr space, driver()->Reserve(4 * gran_, 0));
+  ASSERT_OK(driver()->Unreserve(space, 4 * gran_));
+  absl::StatusOr<DevPtr> first = driver()->ReserveAt(space, 2 * gran_);
+  if (!first.ok()) {
+    EXPECT_FALSE(IsHost()) << first.status();
+    EXPECT_EQ(first.status().code(), absl::StatusCode::kResourceExhausted) << first.status();
+    GTEST_SKIP() << "the driver did not give back the address space: " << first.status();
+  }
+  const DevPtr va = *first;
+  ASSERT_EQ(va, space);
+  EXPECT_EQ(driver()->ReserveAt(va + gran_, 2 * gran_).status().code(),
+            absl::StatusCode::kResourceExhausted)
+      << "inside the first reservation";
+  EXPECT_EQ(driver()->ReserveAt(va + 2 * gran_ + 1, gran_).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(driver()->ReserveAt(va + 2 * gran_, gran_ + 1).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  absl::StatusOr<DevPtr> more = driver()->ReserveAt(va + 2 * gran_, 2 * gran_);
+  if (!more.ok()) {
+    EXPECT_FALSE(IsHost()) << more.status();
+    EXPECT_EQ(more.status().code(), absl::StatusCode::kResourceExhausted) << more.status();
+    ASSERT_OK(driver()->Unreserve(va, 2 * gran_));
+    GTEST_SKIP() << "the driver gave no address space after the range: " << more.status();
+  }
+  ASSERT_EQ(*more, va + 2 * gran_);
+  // One chunk on each side of the seam, each mapped and granted inside its own reservation.
+  ASSERT_OK_AND_ASSIGN(PhysHandle low, driver()->Create(kDevice, gran_, 0));
+  ASSERT_OK_AND_ASSIGN(PhysHandle high, driver()->Create(kDevice, gran_, 0));
+  ASSERT_OK(driver()->Map(va + gran_, gran_, low));
+  ASSERT_OK(driver()->Map(va + 2 * gran_, gran_, high));
+  ASSERT_OK(driver()->SetAccess(va + gran_, gran_, {kDevice}));
+  ASSERT_OK(driver()->SetAccess(va + 2 * gran_, gran_, {kDevice}));
+  ASSERT_OK(Fill(driver(), va + gran_, 0x22, 2 * gran_));
+  const size_t span = gran_ / 2;
+  const DevPtr across = va + 2 * gran_ - span / 2;
+  const std::vector<uint8_t> pattern = Pattern(span, 5);
+  ASSERT_OK(Write(driver(), across, pattern));
+  ASSERT_OK_AND_ASSIGN(std::vector<uint8_t> back, Read(driver(), across, span));
+  EXPECT_TRUE(back == pattern) << "a copy across the seam differs";
+  EXPECT_TRUE(AllBytesAre(driver(), va + gran_, gran_ - span / 2, 0x22));
+  EXPECT_TRUE(AllBytesAre(driver(), across + span, va + 3 * gran_ - (across + span), 0x22));
+  if (IsHost()) {
+    // The host backend refuses calls across the seam, as the pool must never make them
+    // (whether CUDA takes them: CudaGpuTest.CallsAcrossTwoReservationsArePrinted).
+    EXPECT_EQ(driver()->SetAccess(va + gran_, 2 * gran_, {kDevice}).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(driver()->Unmap(va + gran_, 2 * gran_).code(), absl::StatusCode::kInvalidArgument);
+  }
+  ASSERT_OK(driver()->Unmap(va + gran_, gran_));
+  ASSERT_OK(driver()->Unmap(va + 2 * gran_, gran_));
+  if (IsHost()) {
+    ASSERT_OK_AND_ASSIGN(PhysHandle wide, driver()->Create(kDevice, 2 * gran_, 0));
+    EXPECT_EQ(driver()->Map(va + gran_, 2 * gran_, wide).code(),
+              absl::StatusCode::kInvalidArgument)
+        << "one allocation across the seam";
+    ASSERT_OK(driver()->Release(wide));
+  }
+  ASSERT_OK(driver()->Release(low));
+  ASSERT_OK(driver()->Release(high));
+  // Each reservation is given back alone, whole.
+  EXPECT_FALSE(driver()->Unreserve(va, 4 * gran_).ok()) << "two reservations are not one";
+  ASSERT_OK(driver()->Unreserve(*more, 2 * gran_));
+  ASSERT_OK(driver()->Unreserve(va, 2 * gran_));
+  EXPECT_EQ(FreeBytes(), start);
+}
+
 TEST_P(DriverConformanceTest, ChunksMappedContiguouslyActAsOneRange) {
   const size_t start = FreeBytes();
   ASSERT_OK_AND_ASSIGN(PhysHandle first, driver()->Create(kDevice, gran_, 0));

@@ -1,9 +1,10 @@
 // Attack tests of the moving path (reclaim_policy.h) under the DEFAULT pool options: long
 // randomized sequences with several streams, pending frees, async stream work racing the pool,
-// exports of every ExportUse, SettleExport, AllocateShareable, EmptyCache, SetKeepMemory,
-// memory limits near the working set, a DeviceCap shared by two pools, and driver failures
-// injected while the pool moves chunks. After every step: Pool::CheckInvariants, every live
-// block's bytes, stats against the snapshot and the driver, and that no exported chunk moved.
+// exports of every ExportUse, SettleExport, AllocateShareable, EmptyCache, SetKeepMemory, memory
+// limits near the working set, a DeviceCap shared by two pools, ranges that grow past their first
+// reservation, and driver failures injected while the pool moves chunks. After every step:
+// Pool::CheckInvariants, every live block's bytes, stats against the snapshot and the driver, and
+// that no exported chunk moved.
 #include <unistd.h>
 
 #include <atomic>
@@ -26,6 +27,7 @@
 #include "gtest/gtest.h"
 #include "allocator/forwarding_driver.h"
 #include "tests/pool_helpers.h"
+#include "tests/slack_range_driver.h"
 #include "tests/status_matchers.h"
 #include "tests/stream_gate.h"
 
@@ -40,11 +42,12 @@ constexpr size_t kMiB = size_t{1} << 20;
 
 enum FaultOp {
   kCreate, kMap, kUnmap, kSetAccess, kSyncStream,
-  kCreateEvent, kRecordEvent, kEventDone, kSyncDevice, kNumOps
+  kCreateEvent, kRecordEvent, kEventDone, kSyncDevice, kReserveAt, kNumOps
 };
 const char* const kOpNames[kNumOps] = {"Create",      "Map",         "Unmap",
                                        "SetAccess",   "SynchronizeStream", "CreateEvent",
-                                       "RecordEvent", "EventDone",   "SynchronizeDevice"};
+                                       "RecordEvent", "EventDone",   "SynchronizeDevice",
+                                       "ReserveAt"};
 
 class FaultDriver : public ForwardingDriver {
  public:
@@ -84,6 +87,10 @@ class FaultDriver : public ForwardingDriver {
   absl::Status SetAccess(DevPtr p, size_t size, absl::Span<const int> devices) override {
     if (absl::Status s = Hit(kSetAccess); !s.ok()) return s;
     return ForwardingDriver::SetAccess(p, size, devices);
+  }
+  absl::StatusOr<DevPtr> ReserveAt(DevPtr at, size_t size) override {
+    if (absl::Status s = Hit(kReserveAt); !s.ok()) return s;
+    return ForwardingDriver::ReserveAt(at, size);
   }
   absl::Status SynchronizeStream(Stream s) override {
     if (absl::Status st = Hit(kSyncStream); !st.ok()) return st;
@@ -252,6 +259,9 @@ struct Options {
   int devices = 1;
   size_t live_cap = 200 * kMiB;
   size_t max_size = 64 * kMiB;
+  // Address space kept free after each range (SlackRangeDriver), where a range that grows
+  // (PoolOptions::range_grows) goes; 0: the host driver's own (mostly taken).
+  size_t slack = 0;
 };
 
 class Harness {
@@ -261,7 +271,8 @@ class Harness {
     h.capacity = o.capacity;
     h.device_count = o.devices;
     inner_ = NewHostDriver(h);
-    driver_ = std::make_unique<FaultDriver>(inner_.get());
+    if (o.slack != 0) slack_ = std::make_unique<SlackRangeDriver>(inner_.get(), o.slack);
+    driver_ = std::make_unique<FaultDriver>(slack_ != nullptr ? slack_.get() : inner_.get());
     for (int i = 0; i < 3; ++i) streams_.push_back(*inner_->CreateStream(0));
     streams_.push_back(0);  // the default stream too
   }
@@ -282,7 +293,7 @@ class Harness {
     auto p = Pool::Create(driver_.get(), o_.pool, &observer_);
     if (!p.ok()) return ::testing::AssertionFailure() << p.status();
     a.pool = std::move(*p);
-    a.limited = o_.pool.reserve_size != 0;  // a small range fragments: OOM is legitimate
+    a.limited = SmallRange();
     pools_.push_back(std::move(a));
     if (o_.two_pools) {
       cap_ = std::make_shared<DeviceCap>();
@@ -340,6 +351,14 @@ class Harness {
   int64_t exports() const { return exports_; }
   // Snapshots that showed a chunk of several pages (summed over chunks and steps).
   int64_t several_page_chunks_seen() const { return several_page_chunks_seen_; }
+  // Ranges the pools reserved after their first (PoolStats::num_range_extensions).
+  int64_t range_extensions() const {
+    int64_t n = 0;
+    for (const auto& ps : pools_) n += ps.pool->GetStats().num_range_extensions;
+    return n;
+  }
+  // Driver calls that crossed from one reservation into another (none may).
+  int crossings() const { return slack_ != nullptr ? slack_->crossings() : 0; }
   int64_t sync_streams() const {
     int64_t n = 0;
     for (const auto& ps : pools_) n += ps.pool->GetStats().num_sync_stream;
@@ -348,6 +367,11 @@ class Harness {
 
  private:
   int Pct() { return static_cast<int>(rng_() % 100); }
+  // Whether the pools' range is small and bounded: it fragments, and an OOM is legitimate
+  // (not where it grows into address space the driver keeps free).
+  bool SmallRange() const {
+    return o_.pool.reserve_size != 0 && !(o_.pool.range_grows && o_.slack != 0);
+  }
   Stream AnyStream() { return streams_[rng_() % streams_.size()]; }
 
   size_t RandomSize() {
@@ -507,7 +531,7 @@ class Harness {
                                                       rng_() % (16 * kMiB + 1)));
       }
       pool.SetMemoryLimit(limit);
-      ps.limited = limit != 0 || cap_ != nullptr || o_.pool.reserve_size != 0;
+      ps.limited = limit != 0 || cap_ != nullptr || SmallRange();
       return ::testing::AssertionSuccess();
     }
     // A device synchronisation from the program (not the pool).
@@ -695,6 +719,7 @@ class Harness {
   Options o_;
   std::mt19937_64 rng_;
   std::unique_ptr<Driver> inner_;
+  std::unique_ptr<SlackRangeDriver> slack_;  // with Options::slack, between the two
   std::unique_ptr<FaultDriver> driver_;
   std::vector<Stream> streams_;
   std::set<Stream> busy_;
@@ -707,26 +732,34 @@ class Harness {
   int64_t several_page_chunks_seen_ = 0;
 };
 
-// Returns the snapshots' count of chunks of several pages (Harness::several_page_chunks_seen).
-int64_t RunHarness(Options o, bool expect_moves = true) {
+// What a run saw: chunks of several pages in its snapshots (Harness::several_page_chunks_seen)
+// and ranges grown (Harness::range_extensions).
+struct Seen {
+  int64_t several_pages = 0;
+  int64_t range_extensions = 0;
+};
+
+Seen RunHarness(Options o, bool expect_moves = true) {
   // ATTACK_SEED_BASE / ATTACK_STEPS: more seeds and longer runs by hand.
   if (const char* b = getenv("ATTACK_SEED_BASE")) o.seed += std::strtoull(b, nullptr, 10) * 1000003;
   if (const char* n = getenv("ATTACK_STEPS")) o.steps = std::atoi(n);
   Harness h(o);
   const ::testing::AssertionResult setup = h.Setup();
   EXPECT_TRUE(setup);
-  if (!setup) return 0;
+  if (!setup) return {};
   ::testing::AssertionResult r = h.Run();
   EXPECT_TRUE(r);
+  EXPECT_EQ(h.crossings(), 0) << "a driver call crossed from one reservation into another";
   std::cout << "seed " << o.seed << ": moves " << h.moves() << " in " << h.steps_with_moves()
             << " steps, sync_stream " << h.sync_streams() << ", exports " << h.exports()
             << ", allocation failures " << h.alloc_failures() << ", injected faults "
             << h.injected() << ", chunks of several pages seen "
-            << h.several_page_chunks_seen() << std::endl;
+            << h.several_page_chunks_seen() << ", ranges grown " << h.range_extensions()
+            << std::endl;
   if (r && expect_moves) {
     EXPECT_GT(h.moves(), 0);
   }
-  return h.several_page_chunks_seen();
+  return {h.several_page_chunks_seen(), h.range_extensions()};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -779,6 +812,7 @@ struct Edge {
   const char* name;
   void (*apply)(PoolOptions&);
   bool several_pages = false;  // the options make chunks of several pages: one must show
+  size_t slack = 0;            // Options::slack: the range grows (one must)
 };
 
 const Edge kEdges[] = {
@@ -839,28 +873,50 @@ const Edge kEdges[] = {
        o.large_page = 0;
        o.growth_fraction = 0;
      }},
+    // A range that grows after itself, with pages and without: blocks, moves, releases and
+    // exports on both sides of each seam, and no driver call across one.
+    {"range_grows_from_96MiB",
+     [](PoolOptions& o) {
+       o.reserve_size = 96 * kMiB;
+       o.range_grows = true;
+     },
+     false, size_t{4} << 30},
+    {"range_grows_from_96MiB_no_pages",
+     [](PoolOptions& o) {
+       o.reserve_size = 96 * kMiB;
+       o.range_grows = true;
+       o.large_page = 0;
+       o.growth_fraction = 0;
+     },
+     false, size_t{4} << 30},
 };
 
 class AttackEdges : public ::testing::TestWithParam<int> {};
 
 TEST_P(AttackEdges, RandomStepsKeepInvariants) {
   const Edge& e = kEdges[GetParam()];
-  int64_t several_pages = 0;
+  Seen seen;
   for (uint64_t seed : {11u, 12u}) {
     SCOPED_TRACE(absl::StrCat(e.name, " seed ", seed));
     Options o;
     o.seed = seed;
     o.steps = 1200;
     e.apply(o.pool);
-    if (o.pool.reserve_size != 0) {
+    o.slack = e.slack;
+    if (o.pool.reserve_size != 0 && e.slack == 0) {
       o.live_cap = o.pool.reserve_size / 2;
       o.max_size = 32 * kMiB;
     }
-    several_pages += RunHarness(o, /*expect_moves=*/false);
+    const Seen run = RunHarness(o, /*expect_moves=*/false);
+    seen.several_pages += run.several_pages;
+    seen.range_extensions += run.range_extensions;
     if (HasFatalFailure() || HasNonfatalFailure()) return;
   }
   if (e.several_pages) {
-    EXPECT_GT(several_pages, 0) << "no chunk of several pages was made";
+    EXPECT_GT(seen.several_pages, 0) << "no chunk of several pages was made";
+  }
+  if (e.slack != 0) {
+    EXPECT_GT(seen.range_extensions, 0) << "the range never grew";
   }
 }
 
