@@ -824,6 +824,69 @@ def hf_generate(rec, seed, *, batches=8, layers=16, hidden=2048, kv_heads=8, hea
         rec.free_all((ids, mask, tokens))
 
 
+@workload(length="steps")
+def mixed_lifetimes(rec, seed, *, steps=230, small_per_step=200, small_min=64 * KIB,
+                    small_max=MIB, live_small=3000, workspace_rate=0.02,
+                    workspace_min=256 * MIB, workspace_max=2 * GIB, live_workspaces=4):
+    """Many long-lived tensors of 64 KiB-1 MiB among a few huge short-lived workspaces.
+
+    Stands for a model with many small parameter-like tensors that come and go slowly (a
+    detection or graph model's buffers, per-request state of a server) beside the large
+    scratch buffers of its operators. Each step allocates `small_per_step` tensors of
+    log-uniform size between `small_min` and `small_max` (either side of the small arena's
+    limit); once `live_small` are live, each new one frees one of them chosen at random.
+    With probability `workspace_rate` per tensor a workspace of uniform size between
+    `workspace_min` and `workspace_max` is allocated too, and once `live_workspaces` are live
+    one of them, at random, is freed.
+
+    steps: how many steps (--scale multiplies it).
+
+    Defaults: 93,836 events, peak live 9.912 GiB with seed 0 (9 to 11 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    lo, hi = math.log(small_min), math.log(small_max)
+    small, workspaces = [], []
+    for _ in range(steps):
+        for _ in range(small_per_step):
+            small.append(rec.alloc(int(math.exp(rng.uniform(lo, hi)))))
+            if len(small) > live_small:
+                i = rng.randrange(len(small))
+                small[i], small[-1] = small[-1], small[i]
+                rec.free(small.pop())
+            if rng.random() < workspace_rate:
+                workspaces.append(rec.alloc(rng.randint(workspace_min, workspace_max)))
+                if len(workspaces) > live_workspaces:
+                    rec.free(workspaces.pop(rng.randrange(len(workspaces))))
+    rec.free_all(small)
+    rec.free_all(workspaces)
+
+
+@workload(length="steps")
+def off_page_sizes(rec, seed, *, steps=40000, live=300, unit=2 * MIB, max_units=16,
+                   offsets=(4 * KIB, 512, 1, -4 * KIB, 0)):
+    """Tensors whose sizes fall just off a multiple of 2 MiB, replaced at random.
+
+    Stands for tensors whose shapes are round numbers plus a little (a vocabulary of 50,257,
+    a padded sequence, a bias folded into a weight): k * `unit` + an offset, k uniform in
+    1..`max_units`, the offset drawn from `offsets`. `live` of them are live; each step
+    allocates one and frees one chosen at random. A block just past a page boundary shares
+    its last page with whatever goes beside it.
+
+    steps: how many allocations (--scale multiplies it).
+
+    Defaults: 80,000 events, peak live 5.424 GiB with seed 0 (5 to 6 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    blocks = []
+    for _ in range(steps):
+        blocks.append(rec.alloc(rng.randint(1, max_units) * unit + rng.choice(offsets)))
+        if len(blocks) > live:
+            i = rng.randrange(len(blocks))
+            blocks[i], blocks[-1] = blocks[-1], blocks[i]
+            rec.free(blocks.pop())
+    rec.free_all(blocks)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running and checking.
 

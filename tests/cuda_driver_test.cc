@@ -360,7 +360,9 @@ TEST_F(CudaGpuTest, CallsAcrossTwoReservationsArePrinted) {
   ASSERT_TRUE(wide.ok());
   const absl::Status mapped = driver_->Map(*base, 2 * g, *wide);
   print("Map(one allocation across two reservations)", mapped);
-  if (mapped.ok()) EXPECT_TRUE(driver_->Unmap(*base, 2 * g).ok());
+  if (mapped.ok()) {
+    EXPECT_TRUE(driver_->Unmap(*base, 2 * g).ok());
+  }
   for (PhysHandle h : {*a, *b, *wide}) EXPECT_TRUE(driver_->Release(h).ok());
   EXPECT_TRUE(driver_->Unreserve(*more, g).ok());
   EXPECT_TRUE(driver_->Unreserve(*base, g).ok());
