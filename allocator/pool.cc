@@ -198,12 +198,12 @@ absl::Status Pool::Init() {
     extra = wide - std::min(wide, basis);
   }
   // A default range (or one that grows) gives the small arena the memory of its GPU: every
-  // small chunk the GPU could hold fits it, wherever its live blocks keep chunks, so it
-  // cannot fill while memory is left (with small chunks of one granule, the default) (it was an eighth of twice the memory: a quarter, and a
-  // program whose blocks of up to small_size held more failed with "no gap" on a GPU three
-  // quarters free). A range that grows lengthens only the large arena, at the range's end
-  // (ExtendRange). Not for a device of more than 2^44 bytes, whose range is capped at
-  // kMaxOptionBytes already.
+  // small chunk the GPU could hold fits it, wherever its live blocks keep chunks, so with
+  // small chunks of one granule (the default) it cannot fill while memory is left. It was an
+  // eighth of twice the memory, a quarter, and a program whose blocks of up to small_size
+  // held more failed with "no gap" on a GPU three quarters free. A range that grows
+  // lengthens only the large arena, at the range's end (ExtendRange). Not for a device of
+  // more than 2^44 bytes, whose range is capped at kMaxOptionBytes already.
   const size_t small_floor =
       (auto_range || options_.range_grows) && info.total <= kMaxOptionBytes / 16 ? info.total : 0;
   VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(basis, extra, small_floor));
