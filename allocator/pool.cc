@@ -185,18 +185,23 @@ absl::Status Pool::Init() {
   // pages, else twice (pool_options.h reserve_size): the arenas' sizes and the option bounds
   // are those of twice (the basis), the rest goes to the large arena, and where the driver or
   // the process's address space refuses that much (out of memory, or a size it takes for
-  // invalid), twice. Each figure at most kMaxOptionBytes (a device of more than 2^45 bytes
-  // would take the multiple past what any address range holds).
+  // invalid), kPagedRangeFallbackDevices times, then twice. Each figure at most
+  // kMaxOptionBytes (a device of more than 2^43 bytes would take the multiple past what any
+  // address range holds).
   auto times_memory = [&](size_t k) {
     return info.total > kMaxOptionBytes / k ? kMaxOptionBytes : k * info.total;
   };
   const bool auto_range = options_.reserve_size == 0;
   const size_t basis = auto_range ? times_memory(2) : options_.reserve_size;
-  size_t extra = 0;
+  // The extra range for the large arena, widest first (0: the basis alone).
+  absl::InlinedVector<size_t, 3> extras;
   if (auto_range && options_.large_page != 0) {
-    const size_t wide = times_memory(kPagedRangeDevices);
-    extra = wide - std::min(wide, basis);
+    for (size_t k : {kPagedRangeDevices, kPagedRangeFallbackDevices}) {
+      const size_t wide = times_memory(k);
+      extras.push_back(wide - std::min(wide, basis));
+    }
   }
+  extras.push_back(0);
   // A default range (or one that grows) gives the small arena the memory of its GPU: every
   // small chunk the GPU could hold fits it, wherever its live blocks keep chunks, so with
   // small chunks of one granule (the default) it cannot fill while memory is left. It was an
@@ -206,20 +211,23 @@ absl::Status Pool::Init() {
   // more than 2^44 bytes, whose range is capped at kMaxOptionBytes already.
   const size_t small_floor =
       (auto_range || options_.range_grows) && info.total <= kMaxOptionBytes / 16 ? info.total : 0;
-  VMM_ASSIGN_OR_RETURN(RangeLayout layout, LayOutRange(basis, extra, small_floor));
-  absl::StatusOr<DevPtr> base = driver_->Reserve(layout.size, granularity_);
-  if (!base.ok() && extra != 0 &&
-      (absl::IsResourceExhausted(base.status()) || absl::IsInvalidArgument(base.status()))) {
-    VMM_ASSIGN_OR_RETURN(RangeLayout narrow, LayOutRange(basis, 0, small_floor));  // as above
-    if (absl::StatusOr<DevPtr> b = driver_->Reserve(narrow.size, granularity_); b.ok()) {
+  RangeLayout layout;
+  absl::StatusOr<DevPtr> base = absl::InternalError("no range asked for");
+  for (size_t i = 0; i < extras.size(); ++i) {
+    absl::StatusOr<RangeLayout> asked = LayOutRange(basis, extras[i], small_floor);
+    VMM_RETURN_IF_ERROR(asked.status());  // the same bounds for every extra: fails first
+    absl::StatusOr<DevPtr> got = driver_->Reserve(asked->size, granularity_);
+    if (i > 0 && got.ok()) {
       LogWarningOnce("wide-range",
                      absl::StrCat("reserving ", FormatBytes(layout.size),
                                   " of address space failed (", base.status().message(),
-                                  "); the pool reserved ", FormatBytes(narrow.size),
-                                  ", the range of a pool that moves no pages"));
-      layout = narrow;
-      base = b;
+                                  "); the pool reserved ", FormatBytes(asked->size)));
     }
+    layout = *asked;
+    base = std::move(got);
+    const bool refused =
+        absl::IsResourceExhausted(base.status()) || absl::IsInvalidArgument(base.status());
+    if (base.ok() || !refused) break;
   }
   VMM_RETURN_IF_ERROR(base.status());
   const size_t small = layout.small;

@@ -37,8 +37,9 @@ inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
 inline constexpr size_t kMultiPageRequestChunks = 4;
 inline constexpr size_t kLargeRequestChunks = 32;
 // reserve_size's default where the large arena grows in pages, in multiples of the device's
-// memory (PoolOptions::reserve_size).
-inline constexpr size_t kPagedRangeDevices = 8;
+// memory (PoolOptions::reserve_size), and what is asked next where the driver refuses it.
+inline constexpr size_t kPagedRangeDevices = 32;
+inline constexpr size_t kPagedRangeFallbackDevices = 8;
 // growth_page's default where the pool pages (and does not export): 32 MiB.
 inline constexpr size_t kAutoGrowthPage = size_t{32} << 20;
 
@@ -47,8 +48,8 @@ struct PoolOptions {
   HandleRequest handle_type = HandleRequest::kAuto;
   // Virtual address space to reserve; 0 (the default) means kPagedRangeDevices times the
   // memory of the device where the large arena grows in pages (large_page), else twice it
-  // (twice where the driver or the process's address space refuses the larger range: out of
-  // memory, or a size it takes for invalid), for the large arena but an eighth of twice the
+  // (kPagedRangeFallbackDevices times, then twice, where the driver or the process's address
+  // space refuses the larger range: out of memory, or a size it takes for invalid), for the large arena but an eighth of twice the
   // memory, and the device's memory for the small arena, which then holds every small chunk
   // the device could (8.75 or 2.75 times the memory in all). The bounds on small_chunk and
   // small_size are those of twice in both cases (small_size at most an eighth of it). An
@@ -58,8 +59,12 @@ struct PoolOptions {
   // is free elsewhere, and the blocks that live on (a KV cache, a hidden state) are left
   // scattered across the range as memory moves around them. With twice the device's memory,
   // 26 of 110 traces failed with "no gap" on a device 1.1 times their peak (host replay;
-  // long_prefill with 10.1 GiB of a 17 GiB device in the pool), none with eight times
-  // (docs/DESIGN.md §2b, "Address space"; bench/address_space_test.sh).
+  // long_prefill with 10.1 GiB of a 17 GiB device in the pool), none with eight times; but
+  // a long run of bench/traces.py mixed_lifetimes (8 and 32 times its length) still spread its
+  // long-lived blocks across eight times, and needs 14-16 and 16-21 times its peak for its
+  // large arena (docs/DESIGN.md §2b, "Address space"; bench/address_space_test.sh). The range
+  // spent grows with a run's length there: a longer one may still fill it, unless it grows
+  // (range_grows).
   size_t reserve_size = 0;
   // A range chosen by default (reserve_size 0) grows once no gap of it holds a request of
   // the large arena: the pool reserves more address space right after it (the large arena's

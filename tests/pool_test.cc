@@ -480,9 +480,10 @@ class NarrowRangeDriver : public ForwardingDriver {
 };
 
 // The default address range: kPagedRangeDevices times the device's memory where the large
-// arena moves pages (pool_options.h reserve_size), twice without pages, with the device's
-// memory more for the small arena; twice where the driver refuses the larger range; an
-// explicit reserve_size, or a range refused even at twice, is not retried.
+// arena moves pages (pool_options.h reserve_size), twice without pages, and the device's
+// memory for the small arena; kPagedRangeFallbackDevices times, then twice, where the driver
+// refuses the larger range; an explicit reserve_size, or a range refused even at twice, is not
+// retried.
 TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
   ASSERT_OK_AND_ASSIGN(MemInfo info, driver_->GetMemInfo(0));
   ASSERT_OK_AND_ASSIGN(size_t granularity, driver_->Granularity(0));
@@ -508,10 +509,16 @@ TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
   EXPECT_EQ(pool->GetSnapshot().reserved_size, range(2));
   pool.reset();
 
+  NarrowRangeDriver fallback(driver_, range(kPagedRangeFallbackDevices));
+  ASSERT_OK_AND_ASSIGN(pool, Pool::Create(&fallback, paged));
+  EXPECT_EQ(pool->GetSnapshot().reserved_size, range(kPagedRangeFallbackDevices))
+      << "the widest range was refused";
+  EXPECT_EQ(fallback.reserves(), 2);
+  pool.reset();
   NarrowRangeDriver narrow(driver_, range(2));
   ASSERT_OK_AND_ASSIGN(pool, Pool::Create(&narrow, paged));
-  EXPECT_EQ(pool->GetSnapshot().reserved_size, range(2)) << "the larger range was refused";
-  EXPECT_EQ(narrow.reserves(), 2);
+  EXPECT_EQ(pool->GetSnapshot().reserved_size, range(2)) << "both wider ranges were refused";
+  EXPECT_EQ(narrow.reserves(), 3);
   void* p = Alloc(*pool, 8 * kMiB);
   ASSERT_TRUE(pool->Free(p).ok());
   pool.reset();
@@ -525,9 +532,9 @@ TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
   NarrowRangeDriver none(driver_, 0);
   EXPECT_THAT(Pool::Create(&none, paged).status(),
               StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("address space")));
-  EXPECT_EQ(none.reserves(), 2);
-  // A driver that takes the size for invalid is asked for twice too; any other failure is
-  // the driver's, and is returned as it is.
+  EXPECT_EQ(none.reserves(), 3);
+  // A driver that takes the size for invalid is asked for the narrower ranges too; any other
+  // failure is the driver's, and is returned as it is.
   NarrowRangeDriver invalid(driver_, range(2), absl::StatusCode::kInvalidArgument);
   ASSERT_OK_AND_ASSIGN(pool, Pool::Create(&invalid, paged));
   EXPECT_EQ(pool->GetSnapshot().reserved_size, range(2));
