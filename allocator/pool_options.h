@@ -46,25 +46,24 @@ inline constexpr size_t kAutoGrowthPage = size_t{32} << 20;
 struct PoolOptions {
   int device = 0;
   HandleRequest handle_type = HandleRequest::kAuto;
-  // Virtual address space to reserve; 0 (the default) means kPagedRangeDevices times the
-  // memory of the device where the large arena grows in pages (large_page), else twice it
-  // (kPagedRangeFallbackDevices times, then twice, where the driver or the process's address
-  // space refuses the larger range: out of memory, or a size it takes for invalid), for the large arena but an eighth of twice the
-  // memory, and the device's memory for the small arena, which then holds every small chunk
-  // the device could (8.75 or 2.75 times the memory in all). The bounds on small_chunk and
-  // small_size are those of twice in both cases (small_size at most an eighth of it). An
-  // explicit reserve_size is the whole range: an eighth of it is the small arena's.
-  // Address space is cheap, and a pool that moves pages needs much more of it than it holds:
-  // a block goes where the address range has a gap as long as it, whatever physical memory
-  // is free elsewhere, and the blocks that live on (a KV cache, a hidden state) are left
-  // scattered across the range as memory moves around them. With twice the device's memory,
-  // 26 of 110 traces failed with "no gap" on a device 1.1 times their peak (host replay;
-  // long_prefill with 10.1 GiB of a 17 GiB device in the pool), none with eight times; but
-  // a long run of bench/traces.py mixed_lifetimes (8 and 32 times its length) still spread its
-  // long-lived blocks across eight times, and needs 14-16 and 16-21 times its peak for its
-  // large arena (docs/DESIGN.md §2b, "Address space"; bench/address_space_test.sh). The range
-  // spent grows with a run's length there: a longer one may still fill it, unless it grows
-  // (range_grows).
+  // Virtual address space to reserve; 0 (the default) means kPagedRangeDevices times the memory of
+  // the device where the large arena grows in pages (large_page), else twice it
+  // (kPagedRangeFallbackDevices times, then twice, where the driver or the process's address space
+  // refuses the larger range: out of memory, or a size it takes for invalid), for the large arena
+  // but an eighth of twice the memory, and the device's memory for the small arena, which then
+  // holds every small chunk the device could (32.75 or 2.75 times the memory in all). The bounds on
+  // small_chunk and small_size are those of twice in both cases (small_size at most an eighth of
+  // it). An explicit reserve_size is the whole range: an eighth of it is the small arena's. Address
+  // space is cheap, and a pool that moves pages needs much more of it than it holds: a block goes
+  // where the address range has a gap as long as it, whatever physical memory is free elsewhere,
+  // and the blocks that live on (a KV cache, a hidden state) are left scattered across the range as
+  // memory moves around them. With twice the device's memory, 26 of 110 traces failed with "no gap"
+  // on a device 1.1 times their peak (host replay; long_prefill with 10.1 GiB of a 17 GiB device in
+  // the pool), none with eight times; but a long run of bench/traces.py mixed_lifetimes (8 and 32
+  // times its length) still spread its long-lived blocks across eight times, and needs 14-16 and
+  // 16-21 times its peak for its large arena (docs/DESIGN.md §2b, "Address space";
+  // bench/address_space_test.sh). The range spent grows with a run's length there: a longer one may
+  // still fill it, unless it grows (range_grows).
   size_t reserve_size = 0;
   // A range chosen by default (reserve_size 0) grows once no gap of it holds a request of
   // the large arena: the pool reserves more address space right after it (the large arena's
