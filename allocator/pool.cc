@@ -232,7 +232,7 @@ absl::Status Pool::Init() {
   VMM_RETURN_IF_ERROR(base.status());
   const size_t small = layout.small;
   const bool grows = auto_range || options_.range_grows;
-  // A range that grows serves up to the device's memory past its first size (ExtendRange),
+  // A range that grows serves up to the GPU's memory past its first size (ExtendRange),
   // as far as the most address space it may reach.
   max_request_ = grows ? std::min(info.total, kMaxOptionBytes - std::min(kMaxOptionBytes, small))
                        : std::min(layout.size, info.total);

@@ -50,14 +50,14 @@ struct PoolOptions {
   // the device where the large arena grows in pages (large_page), else twice it
   // (kPagedRangeFallbackDevices times, then twice, where the driver or the process's address space
   // refuses the larger range: out of memory, or a size it takes for invalid), for the large arena
-  // but an eighth of twice the memory, and the device's memory for the small arena, which then
+  // but an eighth of twice the memory, and the GPU's memory for the small arena, which then
   // holds every small chunk the device could (32.75 or 2.75 times the memory in all). The bounds on
   // small_chunk and small_size are those of twice in both cases (small_size at most an eighth of
   // it). An explicit reserve_size is the whole range: an eighth of it is the small arena's. Address
   // space is cheap, and a pool that moves pages needs much more of it than it holds: a block goes
   // where the address range has a gap as long as it, whatever physical memory is free elsewhere,
   // and the blocks that live on (a KV cache, a hidden state) are left scattered across the range as
-  // memory moves around them. With twice the device's memory, 26 of 110 traces failed with "no gap"
+  // memory moves around them. With twice the GPU's memory, 26 of 110 traces failed with "no gap"
   // on a device 1.1 times their peak (host replay; long_prefill with 10.1 GiB of a 17 GiB device in
   // the pool), none with eight times; but a long run of bench/traces.py mixed_lifetimes (8 and 32
   // times its length) still spread its long-lived blocks across eight times, and needs 14-16 and
@@ -70,7 +70,7 @@ struct PoolOptions {
   // first size at a time, at least the request) and goes on, rather than fail with "no gap"
   // where memory could serve the request. Where the driver gives no address space there
   // (another mapping took it), the request fails as before. An explicit reserve_size is a
-  // bound, unless `range_grows` is set, which also gives the small arena the device's memory
+  // bound, unless `range_grows` is set, which also gives the small arena the GPU's memory
   // (the large arena keeping reserve_size but an eighth of it), as a default range does. Not an option of the text: callers set
   // it (the PyTorch plugin's private pools, which choose their size).
   bool range_grows = false;
@@ -87,7 +87,7 @@ struct PoolOptions {
   // peak reserved / peak allocated 1.086 with 1 MiB, 1.021 with 256 KiB); without pages such
   // a block would pin the free space of a whole large chunk instead.
   // At most the small arena's least range (an eighth of reserve_size, by default of twice
-  // the device's memory whatever the multiple, at least small_chunk): a request routed there
+  // the GPU's memory whatever the multiple, at least small_chunk): a request routed there
   // that the range cannot hold could never be served. More is InvalidArgument (Pool::Create).
   size_t small_size = kAutoSize;
   // The small arena grows by this much at a time (rounded up to granularity). At most half

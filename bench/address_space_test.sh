@@ -2,7 +2,7 @@
 # A pool that moves pages reserves address space enough that the blocks left scattered across
 # it do not refuse a request that memory could serve (allocator/pool_options.h reserve_size).
 # A long-context prefill of a 4-layer model (bench/traces.py long_prefill, 16k and 32k tokens:
-# peak 1.52 GiB) on a host device of 2 GiB: with twice the device's memory reserved (the range
+# peak 1.52 GiB) on a host device of 2 GiB: with twice the GPU's memory reserved (the range
 # of before) a score matrix of 896 MiB found no gap of its length with 670 MiB in the pool;
 # with the default range the replay ends, within 1.02 (1.0077 when written).
 set -euo pipefail
@@ -18,12 +18,12 @@ replay() {
 }
 
 if replay --options=reserve_size=4G; then
-  echo "with twice the device's memory reserved the replay was expected to run out of address space:"
+  echo "with twice the GPU's memory reserved the replay was expected to run out of address space:"
   tail -3 "$tmp/out"
   exit 1
 fi
 grep -q "no gap of 896.00 MiB left in the pool's reserved address range" "$tmp/out" || {
-  echo "with twice the device's memory reserved the replay failed otherwise:"
+  echo "with twice the GPU's memory reserved the replay failed otherwise:"
   tail -3 "$tmp/out"
   exit 1
 }

@@ -479,17 +479,17 @@ class NarrowRangeDriver : public ForwardingDriver {
   int reserves_ = 0;
 };
 
-// The default address range: kPagedRangeDevices times the device's memory where the large
-// arena moves pages (pool_options.h reserve_size), twice without pages, and the device's
+// The default address range: kPagedRangeDevices times the GPU's memory where the large
+// arena moves pages (pool_options.h reserve_size), twice without pages, and the GPU's
 // memory for the small arena; kPagedRangeFallbackDevices times, then twice, where the driver
 // refuses the larger range; an explicit reserve_size, or a range refused even at twice, is not
 // retried.
 TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
   ASSERT_OK_AND_ASSIGN(MemInfo info, driver_->GetMemInfo(0));
   ASSERT_OK_AND_ASSIGN(size_t granularity, driver_->Granularity(0));
-  // The range for `multiple` times the device's memory, as the pool rounds it (each part to
-  // granularity): the large arena that multiple but an eighth of twice the device's memory,
-  // the small arena the device's memory (whatever the multiple: every small chunk the device
+  // The range for `multiple` times the GPU's memory, as the pool rounds it (each part to
+  // granularity): the large arena that multiple but an eighth of twice the GPU's memory,
+  // the small arena the GPU's memory (whatever the multiple: every small chunk the device
   // could hold fits it).
   auto range = [&](size_t multiple) {
     const size_t want = multiple * info.total;
@@ -544,7 +544,7 @@ TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
               StatusIs(absl::StatusCode::kInternal, HasSubstr("address space")));
   EXPECT_EQ(broken.reserves(), 1);
   // What is accepted does not depend on the range: small_size's bound is an eighth of twice
-  // the device's memory with pages as without.
+  // the GPU's memory with pages as without.
   const size_t small_arena = (2 * info.total / 8 + granularity - 1) / granularity * granularity;
   for (size_t page : {size_t{0}, 4 * kMiB}) {
     SCOPED_TRACE(absl::StrCat("large_page ", page));
@@ -562,7 +562,7 @@ TEST_F(PoolTest, TheDefaultRangeIsWideWherePagesMoveAndNarrowsWhereRefused) {
 }
 
 // Blocks of up to small_size may take most of the device: the default range gives the small
-// arena the device's memory. (It was a quarter of it: 128 KiB blocks past 64 MiB of a 256 MiB
+// arena the GPU's memory. (It was a quarter of it: 128 KiB blocks past 64 MiB of a 256 MiB
 // device failed with "no gap" while three quarters of the device were free; bench/traces.py
 // rl_phases with 4 layers, whose KV blocks are 128 KiB, failed so on a device three times
 // its peak.)
@@ -632,7 +632,7 @@ TEST(PoolRangeTest, TheDefaultRangeOfAHugeDeviceIsCappedNotWrapped) {
 TEST_F(PoolTest, AFullRangeGrowsAfterItselfWhereTheDriverGivesAddressSpace) {
   SlackRangeDriver driver(driver_, 512 * kMiB);
   PoolOptions options = Exact();
-  options.reserve_size = 64 * kMiB;  // a large arena of 56 MiB (the small one: the device's)
+  options.reserve_size = 64 * kMiB;  // a large arena of 56 MiB (the small one: the GPU's)
   options.range_grows = true;
   {
     auto pool = CreatePoolOrFail(&driver, options);

@@ -315,7 +315,7 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
 }
 
 // A private pool keeps its memory, so nothing in it moves: with pages it still reserves
-// twice the device's memory, not the wider range of a pool that moves them (pool_options.h
+// twice the GPU's memory, not the wider range of a pool that moves them (pool_options.h
 // reserve_size), which a process holding a graph pool each would run out of.
 TEST_F(ProcessStateTest, APrivatePoolWithPagesReservesTheRangeOfAPoolWithoutPages) {
   ASSERT_TRUE(state_.Configure("large_page=4M").ok());
@@ -326,7 +326,7 @@ TEST_F(ProcessStateTest, APrivatePoolWithPagesReservesTheRangeOfAPoolWithoutPage
   absl::StatusOr<MemInfo> info = pool.driver()->GetMemInfo(0);
   ASSERT_TRUE(info.ok()) << info.status();
   // Twice the memory for the large arena, but for an eighth of it, and the memory itself for
-  // the small arena (pool_options.h range_grows; the host device's memory is whole granules).
+  // the small arena (pool_options.h range_grows; the host GPU's memory is whole granules).
   EXPECT_EQ(pool.GetSnapshot().reserved_size, info->total + 2 * info->total - info->total / 4);
   opened->entry.reset();
   ASSERT_TRUE(state_.ReleasePrivatePool(0, 7, 8).ok());

@@ -26,7 +26,7 @@ namespace vmm {
 // took it, and so does it everywhere once `refuse` is set). Each range it gives is a
 // reservation of its own: a Map, Unmap or SetAccess that crosses from one into another fails
 // and is counted, as the CUDA backend is taken to refuse it (driver.h ReserveAt). `total`, if
-// set, is the device's memory that GetMemInfo reports (the default range follows it).
+// set, is the GPU's memory that GetMemInfo reports (the default range follows it).
 // Thread safe: its tables are under one lock.
 class SlackRangeDriver : public ForwardingDriver {
  public:

@@ -394,8 +394,8 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
     // A private pool keeps its memory (nothing in it moves), so the wider range of a pool that
     // moves pages (pool_options.h reserve_size) would only take address space from the
     // process, which may hold many of them (a graph each): the range of a pool without pages,
-    // twice the device's memory for the large arena, which grows if it fills, and the
-    // device's memory for the small arena (pool_options.h range_grows): 2.75 times in all.
+    // twice the GPU's memory for the large arena, which grows if it fills, and the
+    // GPU's memory for the small arena (pool_options.h range_grows): 2.75 times in all.
     VMM_ASSIGN_OR_RETURN(MemInfo info, driver->GetMemInfo(device));
     options.reserve_size =
         info.total > kMaxOptionBytes / 2 ? kMaxOptionBytes : 2 * info.total;  // as Pool::Init
