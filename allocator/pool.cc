@@ -86,6 +86,12 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
         "large_page ", resolved.large_page, " is larger than max_chunk ", resolved.max_chunk,
         ": a page is one physical chunk"));
   }
+  if (resolved.pressure_page != kAutoSize &&
+      resolved.pressure_page > std::min(resolved.max_chunk, kMaxOptionBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pressure_page ", resolved.pressure_page, " is larger than max_chunk ",
+        resolved.max_chunk, ": a page is one physical chunk"));
+  }
   std::unique_ptr<Pool> pool(new Pool(driver, resolved, observer));
   VMM_RETURN_IF_ERROR(pool->Init());
   return pool;
@@ -152,15 +158,26 @@ absl::Status Pool::Init() {
   if (options_.release_threshold > static_cast<size_t>(INT64_MAX)) {
     options_.release_threshold = SIZE_MAX;
   }
-  options_.large_page = RoundUp(options_.large_page, granularity_);
-  // Create compared the values given; rounded (large_page up, max_chunk down) a page may
-  // still pass max_chunk: 3 MiB each is a 4 MiB page and a 2 MiB max_chunk at 2 MiB granules.
-  if (options_.large_page > options_.max_chunk) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "large_page ", options_.large_page, " is larger than max_chunk ", options_.max_chunk,
-        " once both are rounded to the granularity of ", granularity_,
-        " bytes (large_page up, max_chunk down): a page is one physical chunk"));
+  // By default a pool without pages switches to pages of kAutoPressurePage, at most
+  // max_chunk; one with pages has none to switch to (pool_options.h pressure_page).
+  if (options_.pressure_page == kAutoSize) {
+    options_.pressure_page =
+        options_.large_page == 0 ? std::min(kAutoPressurePage, options_.max_chunk) : 0;
   }
+  if (options_.large_page != 0) options_.pressure_page = 0;
+  // Create compared the values given; rounded (pages up, max_chunk down) a page may still
+  // pass max_chunk: 3 MiB each is a 4 MiB page and a 2 MiB max_chunk at 2 MiB granules.
+  for (auto [name, page] : {std::pair<const char*, size_t*>{"large_page", &options_.large_page},
+                            {"pressure_page", &options_.pressure_page}}) {
+    *page = RoundUp(*page, granularity_);
+    if (*page > options_.max_chunk) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, " ", *page, " is larger than max_chunk ", options_.max_chunk,
+          " once both are rounded to the granularity of ", granularity_, " bytes (", name,
+          " up, max_chunk down): a page is one physical chunk"));
+    }
+  }
+  page_ = options_.large_page;
   // Whole pages, at least one and at most what max_chunk holds; by default 32 MiB (at least a
   // page), or one page for a pool made to export (pool_options.h). Nothing without pages.
   if (options_.large_page == 0) {
@@ -182,7 +199,7 @@ absl::Status Pool::Init() {
   }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   // By default kPagedRangeDevices times the memory of the device where the large arena moves
-  // pages, else twice (pool_options.h reserve_size): the arenas' sizes and the option bounds
+  // pages or may come to (pressure_page), else twice (pool_options.h reserve_size): the arenas' sizes and the option bounds
   // are those of twice (the basis), the rest goes to the large arena, and where the driver or
   // the process's address space refuses that much (out of memory, or a size it takes for
   // invalid), kPagedRangeFallbackDevices times, then twice. Each figure at most
@@ -195,7 +212,7 @@ absl::Status Pool::Init() {
   const size_t basis = auto_range ? times_memory(2) : options_.reserve_size;
   // The extra range for the large arena, widest first (0: the basis alone).
   absl::InlinedVector<size_t, 3> extras;
-  if (auto_range && options_.large_page != 0) {
+  if (auto_range && (options_.large_page != 0 || options_.pressure_page != 0)) {
     for (size_t k : {kPagedRangeDevices, kPagedRangeFallbackDevices}) {
       const size_t wide = times_memory(k);
       extras.push_back(wide - std::min(wide, basis));
@@ -288,7 +305,7 @@ Pool::~Pool() {
 
 absl::Status Pool::ExtendRange(size_t n) {
   const size_t step =
-      std::max(range_step_, RoundUp(n, std::max(granularity_, options_.large_page)));
+      std::max(range_step_, RoundUp(n, std::max(granularity_, page_)));
   const uintptr_t at = base_ + reserve_size_;
   if (step > kMaxOptionBytes || reserve_size_ > kMaxOptionBytes - step || at + step < at) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -506,7 +523,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   // not a whole number of granules, one that joined a free neighbour) leaves their rest
   // pinned at once (pool.h pinned_in_chunks_).
   if (grew && made_several_pages_ && !pinned_in_chunks_ && &arena == &large_ &&
-      PinnedBytes(chunks_, block, options_.large_page) != 0) {
+      PinnedBytes(chunks_, block, page_) != 0) {
     pinned_in_chunks_ = true;
   }
   // Active (allocated + pending) peaks here; the cached path runs only with none pending.
@@ -672,8 +689,11 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // half a page), which a later miss may move (reclaim_policy.h); blocks with chunks of their
   // own keep one chunk of up to max_chunk. Where the large arena grows in pages, a growth of
   // either arena may move free chunks of both (reclaim_policy.h).
-  const bool paged = !dedicated && &arena == &large_ && options_.large_page != 0;
-  const bool moves = !dedicated && options_.large_page != 0;
+  if (page_ == 0 && options_.pressure_page != 0 && !dedicated && &arena == &large_) {
+    SwitchToPagesUnderPressure(n);
+  }
+  const bool paged = !dedicated && &arena == &large_ && page_ != 0;
+  const bool moves = !dedicated && page_ != 0;
   bool in_units = moves;  // planned in whole units (PlanUnit, or granules in the small arena)
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
   // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
@@ -691,7 +711,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // Chunks of several pages only while the blocks grown in them fill them (pool.h): a miss
   // looks for free memory pinned in one until it finds some.
   const bool watch_pinned = made_several_pages_ && !pinned_in_chunks_ && paged;
-  if (watch_pinned) request.count_pinned_above = options_.large_page;
+  if (watch_pinned) request.count_pinned_above = page_;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
   if (movable.pinned != 0) pinned_in_chunks_ = true;
@@ -721,7 +741,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     return may_move ? GrowthCost(movable, p, settle, room) : p.len;
   };
   const size_t whole_unit =
-      paged && !to_granularity ? PlanUnit(options_.large_page, granularity_) : granularity_;
+      paged && !to_granularity ? PlanUnit(page_, granularity_) : granularity_;
   size_t unit = whole_unit;
   // Near a limit the rounding to half pages can take a plan past what the pool may create
   // where the same request planned in granules fits: then that plan (its moves too).
@@ -849,7 +869,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
 }
 
 size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
-  const size_t page = options_.large_page;
+  const size_t page = page_;
   // A growth planned to granularity (no gap held the request in whole units) stays in pages.
   if (short_of_memory_ || pinned_in_chunks_ || !in_units || options_.growth_page <= page) {
     return page;
@@ -866,8 +886,13 @@ size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   while (chunk * 2 <= std::min(n, options_.growth_page)) chunk *= 2;
   if (chunk == page) return page;  // nothing to decide: no need to ask the driver below
   // A chunk of several pages moves and is released only whole, so a small block left in one
-  // keeps the rest of it: made only while the pool, grown, holds at most half of what it may
-  // (its memory limit, its share of a memory fraction, what the GPU has free).
+  // keeps the rest of it: made only while the pool, grown, holds at most half of what it may.
+  if (PastHalfOfAllowed(fresh)) return page;
+  made_several_pages_ = true;
+  return chunk;
+}
+
+bool Pool::PastHalfOfAllowed(size_t fresh) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current);
   size_t allowed = SIZE_MAX;
   if (memory_limit_ != 0) allowed = memory_limit_;
@@ -876,14 +901,25 @@ size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
     const size_t limit = device_cap_->limit();
     allowed = std::min(allowed, reserved + (limit > held ? limit - held : 0));
   }
-  if (reserved + fresh > allowed / 2) return page;
+  const size_t grown = fresh > SIZE_MAX - reserved ? SIZE_MAX : reserved + fresh;
+  if (grown > allowed / 2) return true;
   // What the GPU has free last: the one figure that costs a driver call.
   if (absl::StatusOr<MemInfo> info = driver_->GetMemInfo(options_.device); info.ok()) {
     allowed = std::min(allowed, reserved + static_cast<size_t>(info->free));
   }
-  if (reserved + fresh > allowed / 2) return page;
-  made_several_pages_ = true;
-  return chunk;
+  return grown > allowed / 2;
+}
+
+void Pool::SwitchToPagesUnderPressure(size_t n) {
+  // A pool that keeps its memory moves nothing: pages would only be more chunks.
+  if (keep_memory_ || (!short_of_memory_ && !PastHalfOfAllowed(n))) return;
+  page_ = options_.pressure_page;
+  ++stats_.num_page_switches;
+}
+
+size_t Pool::page() const {
+  MutexLock lock(&mu_);
+  return page_;
 }
 
 absl::Status Pool::MoveChunks(const ReclaimChoice& reclaim, uintptr_t to, Stream stream) {

@@ -339,6 +339,9 @@ class Pool {
   // The options in force: kAutoSize fields decided, sizes rounded to granularity (set by
   // Create, constant afterwards).
   const PoolOptions& options() const { return options_; }
+  // The pages the large arena grows in now: options().large_page, or pressure_page once a
+  // pool without pages has switched to them (pool_options.h); 0: single chunks.
+  size_t page() const ABSL_LOCKS_EXCLUDED(mu_);
   const std::string& device_uuid() const { return device_uuid_; }
 
  private:
@@ -401,6 +404,15 @@ class Pool {
   // Asks the driver how much of the GPU's memory is free only where the chunk could be several
   // pages and the memory limit and memory fraction leave the answer open.
   size_t GrowthChunk(size_t n, bool in_units, size_t fresh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the pool, grown by `fresh` bytes, would hold more than half of what it may: its
+  // memory limit, its share of a memory fraction, what the GPU has free. Asks the driver the
+  // last (the one figure that costs a call) only where the others leave the answer open; a
+  // failed ask counts as no bound.
+  bool PastHalfOfAllowed(size_t fresh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Turns pages on (page_ = pressure_page) in a pool without them, once a growth of `n` more
+  // bytes would take it past half of what it may hold or one has failed for lack of memory
+  // (pool_options.h pressure_page); counted in num_page_switches.
+  void SwitchToPagesUnderPressure(size_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the chosen free chunks (reclaim_policy.h) end to end from `to`, granting access
   // once; synchronises `stream` first when the choice says so. On failure the chunks are
   // moved back (or released, their places made gaps) and the error returned.
@@ -567,6 +579,9 @@ class Pool {
   // then on paged growth is in single pages (GrowthChunk; pool_options.h growth_page), after
   // a move except for requests of kLargeRequestChunks growth chunks or more. Never reset.
   bool moved_memory_ ABSL_GUARDED_BY(mu_) = false;
+  // The pages the large arena grows in: options_.large_page (0: single chunks), until a pool
+  // without them switches to pressure_page (SwitchToPagesUnderPressure). Never switched back.
+  size_t page_ ABSL_GUARDED_BY(mu_) = 0;
   bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
   // Whether a growth has made chunks of several pages (GrowthChunk), and whether memory
   // pinned in one has been found since (reclaim_policy.h PinnedBytes: summed by a miss's

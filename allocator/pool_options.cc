@@ -33,6 +33,7 @@ constexpr SizeKey kSizeKeys[] = {
     {"large_page", &PoolOptions::large_page, "auto", kAutoSize, true},
     {"growth_page", &PoolOptions::growth_page, "auto", kAutoSize},
     {"growth_page_from", &PoolOptions::growth_page_from, "auto", kAutoSize},
+    {"pressure_page", &PoolOptions::pressure_page, "auto", kAutoSize, true},
     {"spare_export_bytes", &PoolOptions::spare_export_bytes, "unlimited", SIZE_MAX},
 };
 
@@ -101,13 +102,14 @@ PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
   if (out.small_size == kAutoSize) {
     out.small_size = out.large_page != 0 ? size_t{256} << 10 : size_t{1} << 20;
   }
+
   return out;
 }
 
 absl::string_view PoolOptionKeys() {
   return "handle_type, reserve_size, memory_limit, release_threshold, small_size, small_chunk, "
          "growth_fraction, max_growth_extra, max_chunk, large_page, growth_page, growth_page_from, "
-         "peer_devices, spare_export_bytes, isolate_sends";
+         "pressure_page, peer_devices, spare_export_bytes, isolate_sends";
 }
 
 absl::StatusOr<PoolOptions> ParsePoolOptions(absl::string_view text,

@@ -4,11 +4,11 @@
 //
 // Option text is "key=value" pairs separated by commas (whitespace around keys and values is
 // ignored). Keys are the field names below; sizes are read by ParseByteSize (K, M, G, T
-// suffixes, powers of 1024; small_size, large_page and growth_page also take "auto",
-// spare_export_bytes "unlimited"); handle_type is auto|none|posix_fd|fabric; growth_fraction a
-// number in [0, 1]; peer_devices device indices separated by ':' ("1:2"); isolate_sends 0, 1,
-// false or true. An unknown key, a repeated key, a pair without '=', or a malformed value is
-// InvalidArgument naming it.
+// suffixes, powers of 1024; small_size, large_page, growth_page, growth_page_from and
+// pressure_page also take "auto", spare_export_bytes "unlimited"); handle_type is
+// auto|none|posix_fd|fabric; growth_fraction a number in [0, 1]; peer_devices device indices
+// separated by ':' ("1:2"); isolate_sends 0, 1, false or true. An unknown key, a repeated
+// key, a pair without '=', or a malformed value is InvalidArgument naming it.
 #ifndef VMM_ALLOCATOR_POOL_OPTIONS_H_
 #define VMM_ALLOCATOR_POOL_OPTIONS_H_
 
@@ -27,7 +27,7 @@ namespace vmm {
 // small_size and large_page.
 inline constexpr size_t kAutoSize = std::numeric_limits<size_t>::max();
 // The most bytes a size option that the pool rounds up or adds up may give (small_chunk,
-// reserve_size, large_page): 2^48, 256 TiB, beyond any device and address range. More is
+// reserve_size, large_page, pressure_page): 2^48, 256 TiB, beyond any device and address range. More is
 // InvalidArgument, from ParsePoolOptions and from Pool::Create.
 inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
 // A paged growth is made of chunks of several pages (growth_page) only for a request of at
@@ -42,12 +42,15 @@ inline constexpr size_t kPagedRangeDevices = 32;
 inline constexpr size_t kPagedRangeFallbackDevices = 8;
 // growth_page's default where the pool pages (and does not export): 32 MiB.
 inline constexpr size_t kAutoGrowthPage = size_t{32} << 20;
+// The pages a pool without pages switches to by default (pressure_page).
+inline constexpr size_t kAutoPressurePage = size_t{4} << 20;
 
 struct PoolOptions {
   int device = 0;
   HandleRequest handle_type = HandleRequest::kAuto;
   // Virtual address space to reserve; 0 (the default) means kPagedRangeDevices times the memory of
-  // the device where the large arena grows in pages (large_page), else twice it
+  // the device where the large arena grows in pages (large_page) or may come to (pressure_page,
+  // the default for a pool without pages), else twice it
   // (kPagedRangeFallbackDevices times, then twice, where the driver or the process's address space
   // refuses the larger range: out of memory, or a size it takes for invalid), for the large arena
   // but an eighth of twice the memory, and the GPU's memory for the small arena, which then
@@ -172,6 +175,25 @@ struct PoolOptions {
   // request, 1.0125 with single 4 MiB pages below 128 MiB). kAutoSize (the default):
   // kMultiPageRequestChunks growth chunks (128 MiB); 0: any request.
   size_t growth_page_from = kAutoSize;
+  // Pages that a pool without pages (large_page 0) grows its large arena in once a growth
+  // would take it past half of what it may hold (its memory_limit, its share of a memory
+  // fraction, the GPU's free memory), and once a growth has failed for lack of memory; 0:
+  // never, the large arena grows in single chunks for good. Single chunks give an exported
+  // block one handle, but a chunk goes back only once all of it is free: blocks that reuse
+  // part of what a freed one left, or that join a free neighbour in another chunk, pin chunk
+  // after chunk, and near the GPU's capacity a request then finds no memory that a release
+  // could take back (bench/traces.py mixed_lifetimes, host replay: out of memory at 1.1-1.3
+  // times its peak, where PyTorch's allocator, whose segments never join, runs). From the
+  // switch on the pool grows and moves as one with large_page set to this (single pages,
+  // growth_page one page), so memory freed in the pages grown since can serve any request
+  // again; what it holds in single chunks stays as it is, and a block grown since, exported,
+  // carries one handle per page it spans. Not while the pool keeps its memory
+  // (SetKeepMemory: nothing would move). Counted in num_page_switches; never undone.
+  // kAutoSize (the default): 4 MiB (kAutoPressurePage, at most max_chunk) where large_page is
+  // 0, else nothing
+  // to switch to (0). Rounded up to the granularity; given, at most max_chunk (Pool::Create:
+  // InvalidArgument).
+  size_t pressure_page = kAutoSize;
   // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after
   // the pool was made (and again after EmptyCache), can be used by kernels and copies on them
@@ -207,8 +229,8 @@ struct PoolOptions {
 
 // `options` with its kAutoSize fields decided (Pool::Create calls it): large_page 4 MiB, or 0
 // for a pool made to export (`exportable`); small_size 256 KiB where the large arena then
-// pages, else 1 MiB. Fields given explicitly are kept. growth_page stays kAutoSize: the pool
-// decides it once its page is rounded to the granularity (Pool::Init).
+// pages, else 1 MiB. Fields given explicitly are kept. growth_page and pressure_page stay
+// kAutoSize: the pool decides them once its pages are rounded to the granularity (Pool::Init).
 PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable);
 
 // The keys ParsePoolOptions accepts, comma separated, for messages and documentation.

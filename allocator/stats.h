@@ -61,6 +61,8 @@ namespace vmm {
   X(moved_bytes, "moved_bytes", "bytes of the free chunks moved (num_chunk_moves' bytes)")  \
   X(num_range_extensions, "num_range_extensions",                                         \
     "address ranges reserved after the pool's first, where no gap held a request")         \
+  X(num_page_switches, "num_page_switches",                                               \
+    "pools without pages that began growing in pressure_page pages (pool_options.h)")     \
   X(num_sync_stream, "num_sync_stream",                                                   \
     "stream synchronisations: before moving or exporting free memory that stream last "  \
     "used, and for a free whose stream could take no event")

@@ -178,7 +178,7 @@ int main(int argc, char** argv) {
                    "(create=%lld map=%lld set_access=%lld unmap=%lld release=%lld) moves=%lld "
                    "syncs=%lld  %.0f ns/op cold, %.0f warm\n",
                    fraction, extra == SIZE_MAX ? "inf" : std::to_string(extra / kMiB).c_str(),
-                   adapter.pool()->options().large_page / kMiB,
+                   adapter.pool()->page() / kMiB,
                    sum.ratio, static_cast<double>(sum.peak_reserved) / (1 << 30),
                    static_cast<long long>(sum.Count("num_device_alloc")),
                    static_cast<long long>(sum.Count("num_device_free")),

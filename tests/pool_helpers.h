@@ -15,11 +15,12 @@
 namespace vmm {
 
 // Options for tests that predict where blocks go and what the pool maps: growth in single
-// chunks (large_page off: no pages moved, reclaim_test covers those) and a small arena of
-// requests up to 1 MiB.
+// chunks for good (large_page off and no switch to pages near capacity, pressure_page: no
+// pages moved, reclaim_test covers those) and a small arena of requests up to 1 MiB.
 inline PoolOptions SingleChunkOptions() {
   PoolOptions options;
   options.large_page = 0;
+  options.pressure_page = 0;
   options.small_size = size_t{1} << 20;
   return options;
 }

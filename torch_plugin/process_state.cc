@@ -22,9 +22,11 @@ namespace {
 
 // Every pool of the plugin grows in single chunks rather than large_page pages
 // (pool_options.h) unless asked: a tensor sent in place spans the chunks behind it, and an
-// importer's cost grows with their number (one handle per 8 MiB page would be 128 for a 1 GiB
-// tensor). `large_page=8M` turns the moving of free pages on (and small_size, left to the
-// pool, then becomes 256 KiB instead of 1 MiB).
+// importer's cost grows with their number (one handle per 4 MiB page would be 256 for a 1 GiB
+// tensor). `large_page=4M` turns the moving of free pages on (and small_size, left to the
+// pool, then becomes 256 KiB instead of 1 MiB). Past half of what a pool may hold, its growth
+// is in pressure_page pages all the same (4 MiB), which move: near the GPU's capacity single
+// chunks pinned by blocks that span them ran out of memory where PyTorch's allocator did not.
 PoolOptions PluginPoolDefaults() {
   PoolOptions defaults;
   defaults.large_page = 0;

@@ -22,13 +22,16 @@
  * memory_limit=40G,peer_devices=1:2" (allocator/pool_options.h: keys handle_type
  * (auto|none|posix_fd|fabric), reserve_size, memory_limit, release_threshold, small_size,
  * small_chunk, growth_fraction, max_growth_extra, max_chunk, large_page, growth_page,
- * peer_devices, spare_export_bytes). Sizes accept K, M, G and T suffixes (powers of
- * 1024; "64MiB" and "2KB" too; small_size, large_page and growth_page also "auto"; small_chunk,
- * reserve_size and large_page at most 256 TiB). An unknown key, a key
+ * growth_page_from, pressure_page, peer_devices, spare_export_bytes, isolate_sends). Sizes
+ * accept K, M, G and T suffixes (powers of 1024; "64MiB" and "2KB" too; small_size,
+ * large_page, growth_page, growth_page_from and pressure_page also "auto"; small_chunk,
+ * reserve_size, large_page and pressure_page at most 256 TiB). An unknown key, a key
  * given twice or a malformed value (also "1 K" or "+5") is an error naming it.
- * Every pool of this interface grows in single chunks (large_page=0) unless told; device pools
- * (the registered allocator) also default to growth_fraction=0 (exact growth, the smallest
- * footprint); explicit pools otherwise take PoolOptions' defaults.
+ * Every pool of this interface grows in single chunks (large_page=0) unless told, until a
+ * growth would take it past half of what it may hold: then in pressure_page pages (4 MiB),
+ * which move (pool_options.h); device pools (the registered allocator) also default to
+ * growth_fraction=0 (exact growth, the smallest footprint); explicit pools otherwise take
+ * PoolOptions' defaults.
  *
  * This header is the interface's one declaration: the LibTorch extension includes it, and the
  * Python package's ctypes signatures (vmm_torch/_signatures.py) are checked against it by a

@@ -128,9 +128,10 @@ def enable(**options: Any) -> None:
     - ``handle_type``: "auto" (fabric where available, else POSIX fds), "posix_fd", "fabric",
       or "none" (not shareable).
     - sizes, as ints (bytes) or strings like "40G": ``reserve_size`` (virtual range per
-      device: by default twice its memory, eight times with ``large_page``; twice for the
+      device: by default twice its memory, 32 times with ``large_page``; twice for the
       private pools of CUDA graphs and MemPools), ``memory_limit`` (most physical bytes),
-      ``release_threshold`` (cached bytes kept when freeing), ``small_size``, ``small_chunk``, ``max_growth_extra``, ``max_chunk``,
+      ``release_threshold`` (cached bytes kept when freeing), ``small_size``,
+      ``small_chunk``, ``max_growth_extra``, ``max_chunk``,
       ``large_page`` (grow in pages of this size, and move free pages to where a miss needs
       memory instead of growing: less memory stranded in holes, more driver calls, and a
       tensor sent in place spans one handle per page; off unless given, "4M" is the C++
@@ -138,7 +139,11 @@ def enable(**options: Any) -> None:
       the pool first moves memory or finds free memory in such a chunk beside a live block;
       one page unless given, since a block sent in place retires the whole of the chunks it
       spans), ``growth_page_from`` (the smallest request grown in such chunks, four of them
-      unless given).
+      unless given), ``pressure_page`` (without ``large_page``: the pages a device pool
+      grows in, and moves, once a growth would take it past half of what it may hold, or
+      one failed for lack of memory, so that memory freed near the GPU's capacity serves
+      any request again; "4M" unless given, 0 keeps single chunks for good; a tensor grown
+      since and sent in place spans one handle per page).
     - ``growth_fraction``: grow by at least this fraction of what is reserved (0..1).
     - ``peer_devices``: list of other device indices granted access to the memory.
 
