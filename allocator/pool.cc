@@ -86,7 +86,8 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
         "large_page ", resolved.large_page, " is larger than max_chunk ", resolved.max_chunk,
         ": a page is one physical chunk"));
   }
-  if (resolved.pressure_page != kAutoSize &&
+  // (A pool with pages has none to switch to: pressure_page is not used there.)
+  if (resolved.large_page == 0 && resolved.pressure_page != kAutoSize &&
       resolved.pressure_page > std::min(resolved.max_chunk, kMaxOptionBytes)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "pressure_page ", resolved.pressure_page, " is larger than max_chunk ",
@@ -167,8 +168,9 @@ absl::Status Pool::Init() {
   if (options_.large_page != 0) options_.pressure_page = 0;
   // Create compared the values given; rounded (pages up, max_chunk down) a page may still
   // pass max_chunk: 3 MiB each is a 4 MiB page and a 2 MiB max_chunk at 2 MiB granules.
-  for (auto [name, page] : {std::pair<const char*, size_t*>{"large_page", &options_.large_page},
-                            {"pressure_page", &options_.pressure_page}}) {
+  using NamedPage = std::pair<const char*, size_t*>;
+  for (auto [name, page] : {NamedPage{"large_page", &options_.large_page},
+                            NamedPage{"pressure_page", &options_.pressure_page}}) {
     *page = RoundUp(*page, granularity_);
     if (*page > options_.max_chunk) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -177,7 +179,6 @@ absl::Status Pool::Init() {
           " up, max_chunk down): a page is one physical chunk"));
     }
   }
-  page_ = options_.large_page;
   // Whole pages, at least one and at most what max_chunk holds; by default 32 MiB (at least a
   // page), or one page for a pool made to export (pool_options.h). Nothing without pages.
   if (options_.large_page == 0) {
@@ -199,10 +200,10 @@ absl::Status Pool::Init() {
   }
   VMM_ASSIGN_OR_RETURN(MemInfo info, driver_->GetMemInfo(device));
   // By default kPagedRangeDevices times the memory of the device where the large arena moves
-  // pages or may come to (pressure_page), else twice (pool_options.h reserve_size): the arenas' sizes and the option bounds
-  // are those of twice (the basis), the rest goes to the large arena, and where the driver or
-  // the process's address space refuses that much (out of memory, or a size it takes for
-  // invalid), kPagedRangeFallbackDevices times, then twice. Each figure at most
+  // pages or may come to (pressure_page), else twice (pool_options.h reserve_size): the
+  // arenas' sizes and the option bounds are those of twice (the basis), the rest goes to the
+  // large arena, and where the driver or the process's address space refuses that much (out
+  // of memory, or a size it takes for invalid), kPagedRangeFallbackDevices times, then twice. Each figure at most
   // kMaxOptionBytes (a device of more than 2^43 bytes would take the multiple past what any
   // address range holds).
   auto times_memory = [&](size_t k) {
@@ -270,6 +271,7 @@ absl::Status Pool::Init() {
   for (int peer : options_.peer_devices) chunks.access.push_back(peer);
   chunks.large_base = base_ + small;
   MutexLock lock(&mu_);
+  page_ = options_.large_page;
   reserve_size_ = layout.size;
   reservations_.emplace_back(base_, reserve_size_);
   range_grows_ = grows;

@@ -27,8 +27,8 @@ namespace vmm {
 // small_size and large_page.
 inline constexpr size_t kAutoSize = std::numeric_limits<size_t>::max();
 // The most bytes a size option that the pool rounds up or adds up may give (small_chunk,
-// reserve_size, large_page, pressure_page): 2^48, 256 TiB, beyond any device and address range. More is
-// InvalidArgument, from ParsePoolOptions and from Pool::Create.
+// reserve_size, large_page, pressure_page): 2^48, 256 TiB, beyond any device and address
+// range. More is InvalidArgument, from ParsePoolOptions and from Pool::Create.
 inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
 // A paged growth is made of chunks of several pages (growth_page) only for a request of at
 // least growth_page_from bytes (by default kMultiPageRequestChunks growth chunks), and after
@@ -74,8 +74,9 @@ struct PoolOptions {
   // where memory could serve the request. Where the driver gives no address space there
   // (another mapping took it), the request fails as before. An explicit reserve_size is a
   // bound, unless `range_grows` is set, which also gives the small arena the GPU's memory
-  // (the large arena keeping reserve_size but an eighth of it), as a default range does. Not an option of the text: callers set
-  // it (the PyTorch plugin's private pools, which choose their size).
+  // (the large arena keeping reserve_size but an eighth of it), as a default range does. Not
+  // an option of the text: callers set it (the PyTorch plugin's private pools, which choose
+  // their size).
   bool range_grows = false;
   // Most physical bytes the pool may hold; 0 means no limit beyond the size of the device.
   size_t memory_limit = 0;
@@ -99,8 +100,8 @@ struct PoolOptions {
   // above small_size, smaller than it (past the whole range, one granule). More is
   // InvalidArgument (Pool::Create).
   size_t small_chunk = size_t{2} << 20;
-  // Growth in the large arena, where it does not grow in pages (large_page 0), is at least
-  // this fraction of the bytes already reserved...
+  // Growth in the large arena, where it does not grow in pages (large_page 0, and before a
+  // switch to pressure_page), is at least this fraction of the bytes already reserved...
   // (On the training trace, bench/training_trace.py, 0.05 and 64 MiB give peak reserved / peak
   // allocated 1.0034 with 98 growths; exact growth (0) gives 1.0000 with 112. bench/README.md.)
   double growth_fraction = 0.05;
@@ -185,14 +186,17 @@ struct PoolOptions {
   // could take back (bench/traces.py mixed_lifetimes, host replay: out of memory at 1.1-1.3
   // times its peak, where PyTorch's allocator, whose segments never join, runs). From the
   // switch on the pool grows and moves as one with large_page set to this (single pages,
-  // growth_page one page), so memory freed in the pages grown since can serve any request
+  // exact growth: growth_fraction no longer applies), so memory freed in the pages grown since can serve any request
   // again; what it holds in single chunks stays as it is, and a block grown since, exported,
   // carries one handle per page it spans. Not while the pool keeps its memory
-  // (SetKeepMemory: nothing would move). Counted in num_page_switches; never undone.
+  // (SetKeepMemory: nothing would move), so never in the plugin's private pools. "Failed"
+  // is any growth that the retry after a release had to make (no memory, or no gap). Counted
+  // in num_page_switches; never undone. Below half, each large-arena growth asks the driver
+  // how much of the GPU is free (where no memory limit or fraction decides it first).
+  // Such a pool reserves the range of one that moves pages (reserve_size).
   // kAutoSize (the default): 4 MiB (kAutoPressurePage, at most max_chunk) where large_page is
-  // 0, else nothing
-  // to switch to (0). Rounded up to the granularity; given, at most max_chunk (Pool::Create:
-  // InvalidArgument).
+  // 0. Where large_page is set there is nothing to switch to: pressure_page is not used (0).
+  // Rounded up to the granularity; given, at most max_chunk (Pool::Create: InvalidArgument).
   size_t pressure_page = kAutoSize;
   // Other devices granted read-write access to every range the pool maps: each growth's
   // SetAccess lists the pool's device and these, so every chunk, also those mapped long after

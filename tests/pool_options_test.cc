@@ -129,6 +129,18 @@ TEST(PoolOptionsTest, GrowthPageIsLeftToThePoolUnlessTold) {
   ASSERT_TRUE(o.ok()) << o.status();
   EXPECT_EQ(o->growth_page_from, kAutoSize);
   EXPECT_FALSE(ParsePoolOptions("growth_page_from=-1").ok());
+  // pressure_page: auto (the pool decides: 4 MiB without pages), 0 (never), a size.
+  EXPECT_EQ(PoolOptions().pressure_page, kAutoSize);
+  o = ParsePoolOptions("pressure_page=8M");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->pressure_page, size_t{8} << 20);
+  o = ParsePoolOptions("pressure_page=0", *o);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->pressure_page, 0u);
+  o = ParsePoolOptions("pressure_page=auto", *o);
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->pressure_page, kAutoSize);
+  EXPECT_FALSE(ParsePoolOptions("pressure_page=-1").ok());
   o = ParsePoolOptions("growth_page=lots");
   EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(o.status().message(), HasSubstr("growth_page"));
@@ -204,7 +216,8 @@ TEST(PoolOptionsTest, MalformedTextIsAnErrorNamingIt) {
                         // process-wide configuration fails where it is given.
                         Case{"small_chunk=257T", "option small_chunk: '257T' is not at most 256T"},
                         Case{"reserve_size=18446744073709551615", "option reserve_size"},
-                        Case{"large_page=18446744073709551615", "option large_page"}}) {
+                        Case{"large_page=18446744073709551615", "option large_page"},
+                        Case{"pressure_page=257T", "option pressure_page: '257T'"}}) {
     absl::StatusOr<PoolOptions> o = ParsePoolOptions(c.text);
     EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << c.text;
     EXPECT_THAT(o.status().message(), HasSubstr(c.names)) << c.text;

@@ -620,7 +620,8 @@ TEST_F(PoolTest, APoolWithoutPagesGrowsInPagesPastHalfOfWhatItMayHold) {
 }
 
 // A pool that keeps its memory moves nothing, so it keeps single chunks (pool_options.h
-// pressure_page); pages given explicitly have nothing to switch to.
+// pressure_page) until it no longer keeps it; a shareable block keeps a chunk of its own
+// wherever the pool stands; pages given explicitly have nothing to switch to.
 TEST_F(PoolTest, NoSwitchToPagesWhereNothingWouldMove) {
   PoolOptions options = Exact();
   options.pressure_page = kAutoSize;
@@ -632,7 +633,22 @@ TEST_F(PoolTest, NoSwitchToPagesWhereNothingWouldMove) {
   for (int i = 0; i < 6; ++i) blocks.push_back(Alloc(*kept, 8 * kMiB));
   EXPECT_EQ(kept->page(), 0u);
   EXPECT_EQ(kept->GetStats().num_page_switches, 0);
+  kept->SetKeepMemory(false);
+  blocks.push_back(Alloc(*kept, 8 * kMiB));
+  EXPECT_EQ(kept->page(), 4 * kMiB);
+  EXPECT_EQ(kept->GetStats().num_page_switches, 1);
+  EXPECT_EQ(kept->GetStats().segment.current, 8);  // six chunks, then two pages
   for (void* p : blocks) ASSERT_OK(kept->Free(p));
+  kept.reset();
+
+  auto shares = MakePool(options);
+  ASSERT_NE(shares, nullptr);
+  ASSERT_OK_AND_ASSIGN(void* shared, shares->AllocateShareable(40 * kMiB, 0));
+  EXPECT_EQ(shares->page(), 0u);
+  EXPECT_EQ(shares->GetStats().segment.current, 1);
+  ASSERT_OK(shares->Free(shared));
+  shares.reset();
+
   options.large_page = 2 * kMiB;
   auto paged = MakePool(options);
   ASSERT_NE(paged, nullptr);
@@ -640,11 +656,60 @@ TEST_F(PoolTest, NoSwitchToPagesWhereNothingWouldMove) {
   EXPECT_EQ(paged->page(), 2 * kMiB);
 }
 
+// A growth that fails (here for want of a gap in a small range, the pool far below half of
+// its device) switches a pool without pages as well: the retry set it short of memory.
+TEST_F(PoolTest, AFailedGrowthSwitchesAPoolWithoutPagesToPages) {
+  PoolOptions options = Exact();
+  options.pressure_page = kAutoSize;
+  options.reserve_size = 64 * kMiB;  // a small arena of 8 MiB, a large one of 56
+  auto pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  void* a = Alloc(*pool, 30 * kMiB);
+  void* b = Alloc(*pool, 20 * kMiB);
+  ASSERT_OK(pool->Free(a));
+  EXPECT_THAT(pool->Allocate(40 * kMiB, 0),
+              StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("no gap")));
+  EXPECT_EQ(pool->page(), 4 * kMiB) << "switched for the retry";
+  EXPECT_EQ(pool->GetStats().num_page_switches, 1);
+  const int64_t chunks = pool->GetStats().segment.current;
+  void* c = Alloc(*pool, 8 * kMiB);
+  EXPECT_EQ(pool->GetStats().segment.current, chunks + 2) << "two pages";
+  ASSERT_OK(pool->Free(b));
+  ASSERT_OK(pool->Free(c));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// pressure_page is checked as large_page is: given, at most max_chunk (before and after
+// rounding to the granularity); by default a page of 4 MiB, or max_chunk where that is
+// smaller; not used where the pool has pages.
+TEST_F(PoolTest, PressurePageIsBoundedByMaxChunk) {
+  PoolOptions options = Exact();
+  options.max_chunk = 2 * kMiB;
+  options.pressure_page = 4 * kMiB;
+  EXPECT_THAT(Pool::Create(driver_, options),
+              StatusIs(absl::StatusCode::kInvalidArgument,
+                       HasSubstr("pressure_page 4194304 is larger than max_chunk")));
+  options.pressure_page = 3 * kMiB;  // 4 MiB once rounded
+  options.max_chunk = 3 * kMiB;     // 2 MiB once rounded
+  options.reserve_size = 64 * kMiB;
+  EXPECT_THAT(Pool::Create(driver_, options),
+              StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("once both are rounded")));
+  options.pressure_page = kAutoSize;
+  auto pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->options().pressure_page, 2 * kMiB);
+  options.large_page = 2 * kMiB;
+  options.pressure_page = 64 * kMiB;  // past max_chunk, but not used
+  pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  EXPECT_EQ(pool->options().pressure_page, 0u);
+}
+
 // Workspaces of 8-56 MiB replaced at random, at most five live, under a memory limit of 1.07
-// times the most they can hold (bench/traces.py mixed_lifetimes' workspaces at a 32nd of their size). In single
-// chunks for good (pressure_page=0) blocks that reuse part of what a freed one left, or that
-// join a free neighbour in another chunk, pin chunk after chunk until a request finds no
-// chunk wholly free to release: out of memory at some seeds, with more than the request free
+// times the most they can hold (bench/traces.py mixed_lifetimes' workspaces at a 32nd of
+// their size). In single chunks for good (pressure_page=0) blocks that reuse part of what a
+// freed one left, or that join a free neighbour in another chunk, pin chunk after chunk until
+// a request finds no chunk wholly free to release: out of memory at some seeds, with more than the request free
 // in the pool. Switched to pages past half of the limit, the free pages move to the request.
 TEST_F(PoolTest, APoolWithoutPagesNearItsLimitServesRequestsItsFreeMemoryHolds) {
   std::unique_ptr<Driver> big;

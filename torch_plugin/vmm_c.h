@@ -29,7 +29,8 @@
  * given twice or a malformed value (also "1 K" or "+5") is an error naming it.
  * Every pool of this interface grows in single chunks (large_page=0) unless told, until a
  * growth would take it past half of what it may hold: then in pressure_page pages (4 MiB),
- * which move (pool_options.h); device pools (the registered allocator) also default to
+ * which move (pool_options.h; not the private pools of CUDA graphs and MemPools, which keep
+ * their memory); device pools (the registered allocator) also default to
  * growth_fraction=0 (exact growth, the smallest footprint); explicit pools otherwise take
  * PoolOptions' defaults.
  *

@@ -84,6 +84,23 @@ def test_out_of_memory_in_the_allocator_raises_and_the_process_goes_on():
     assert result["allocated"] >= 4 << 20
 
 
+def test_pools_near_their_limit_serve_what_their_free_memory_holds():
+    """The device pool, under a memory limit 1.07 times the most its workspaces hold: in
+    single chunks for good (pressure_page=0) blocks that reuse part of what a freed one left
+    pin chunk after chunk, and some seed runs out of memory; switched to pages past half of
+    the limit (the default), none does (pool_options.h pressure_page)."""
+    seeds = list(range(8))
+    single = run_in_spawned_process(workers.gpu_workspaces_near_the_limit,
+                                    {"memory_limit": "300M", "pressure_page": 0}, seeds)
+    paged = run_in_spawned_process(workers.gpu_workspaces_near_the_limit,
+                                   {"memory_limit": "300M"}, seeds)
+    assert single["switches"] == 0
+    assert single["failed"], "the workload strands single chunks (else it tests nothing)"
+    assert paged["failed"] == [], paged
+    assert paged["switches"] == 1
+    assert paged["reserved_peak"] <= 300 << 20
+
+
 def test_enable_after_cuda_init_is_refused():
     message = run_in_spawned_process(workers.gpu_enable_too_late)
     assert "before CUDA is used" in message

@@ -151,6 +151,34 @@ def gpu_out_of_memory(results):
                  "allocated": vmm_torch.memory_stats()["allocated_bytes.all.current"]})
 
 
+def gpu_workspaces_near_the_limit(results, options, seeds):
+    """enable(**options) (a memory limit), then for each seed workspaces of 8-56 MiB replaced
+    at random, at most five live (280 MiB), 600 allocations, each written once: replies with
+    the seeds that ran out of memory and the pool's statistics."""
+    import random
+
+    import vmm_torch
+
+    vmm_torch.enable(**options)
+    failed = []
+    for seed in seeds:
+        rng = random.Random(seed)
+        live = []
+        try:
+            for _ in range(600):
+                if len(live) == 5:
+                    live.pop(rng.randrange(len(live)))
+                size = rng.randint(8 << 20, 56 << 20)
+                live.append(torch.empty(size, dtype=torch.uint8, device="cuda").fill_(1))
+        except torch.cuda.OutOfMemoryError:
+            failed.append(seed)
+        live.clear()
+        torch.cuda.synchronize()
+    stats = vmm_torch.memory_stats()
+    results.put({"failed": failed, "switches": stats["vmm.num_page_switches"],
+                 "reserved_peak": stats["reserved_bytes.all.peak"]})
+
+
 def gpu_enable_too_late(results):
     """enable() after CUDA is initialised: replies with the error text."""
     import vmm_torch

@@ -128,8 +128,8 @@ def enable(**options: Any) -> None:
     - ``handle_type``: "auto" (fabric where available, else POSIX fds), "posix_fd", "fabric",
       or "none" (not shareable).
     - sizes, as ints (bytes) or strings like "40G": ``reserve_size`` (virtual range per
-      device: by default twice its memory, 32 times with ``large_page``; twice for the
-      private pools of CUDA graphs and MemPools), ``memory_limit`` (most physical bytes),
+      device: by default 32 times its memory, twice with ``pressure_page=0``; twice for
+      the private pools of CUDA graphs and MemPools), ``memory_limit`` (most physical bytes),
       ``release_threshold`` (cached bytes kept when freeing), ``small_size``,
       ``small_chunk``, ``max_growth_extra``, ``max_chunk``,
       ``large_page`` (grow in pages of this size, and move free pages to where a miss needs
