@@ -203,9 +203,9 @@ absl::Status Pool::Init() {
   // pages or may come to (pressure_page), else twice (pool_options.h reserve_size): the
   // arenas' sizes and the option bounds are those of twice (the basis), the rest goes to the
   // large arena, and where the driver or the process's address space refuses that much (out
-  // of memory, or a size it takes for invalid), kPagedRangeFallbackDevices times, then twice. Each figure at most
-  // kMaxOptionBytes (a device of more than 2^43 bytes would take the multiple past what any
-  // address range holds).
+  // of memory, or a size it takes for invalid), kPagedRangeFallbackDevices times, then twice.
+  // Each figure at most kMaxOptionBytes (a device of more than 2^43 bytes would take the
+  // multiple past what any address range holds).
   auto times_memory = [&](size_t k) {
     return info.total > kMaxOptionBytes / k ? kMaxOptionBytes : k * info.total;
   };
@@ -872,6 +872,15 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
 
 size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   const size_t page = page_;
+  if (options_.large_page == 0) {
+    // Switched to pages under pressure (pool_options.h pressure_page): the fewest pages, in a
+    // power of two, that make the request at most kPressureGrowthChunks chunks.
+    size_t chunk = page;
+    while ((n + chunk - 1) / chunk > kPressureGrowthChunks && chunk <= options_.max_chunk / 2) {
+      chunk *= 2;
+    }
+    return chunk;
+  }
   // A growth planned to granularity (no gap held the request in whole units) stays in pages.
   if (short_of_memory_ || pinned_in_chunks_ || !in_units || options_.growth_page <= page) {
     return page;

@@ -42,8 +42,10 @@ inline constexpr size_t kPagedRangeDevices = 32;
 inline constexpr size_t kPagedRangeFallbackDevices = 8;
 // growth_page's default where the pool pages (and does not export): 32 MiB.
 inline constexpr size_t kAutoGrowthPage = size_t{32} << 20;
-// The pages a pool without pages switches to by default (pressure_page).
+// The pages a pool without pages switches to by default (pressure_page), and the most chunks
+// a growth of one request makes there (its chunks are whole pages, a power of two of them).
 inline constexpr size_t kAutoPressurePage = size_t{4} << 20;
+inline constexpr size_t kPressureGrowthChunks = 64;
 
 struct PoolOptions {
   int device = 0;
@@ -185,12 +187,19 @@ struct PoolOptions {
   // after chunk, and near the GPU's capacity a request then finds no memory that a release
   // could take back (bench/traces.py mixed_lifetimes, host replay: out of memory at 1.1-1.3
   // times its peak, where PyTorch's allocator, whose segments never join, runs). From the
-  // switch on the pool grows and moves as one with large_page set to this (single pages,
-  // exact growth: growth_fraction no longer applies), so memory freed in the pages grown since can serve any request
-  // again; what it holds in single chunks stays as it is, and a block grown since, exported,
-  // carries one handle per page it spans. Not while the pool keeps its memory
-  // (SetKeepMemory: nothing would move), so never in the plugin's private pools. "Failed"
-  // is any growth that the retry after a release had to make (no memory, or no gap). Counted
+  // switch on the pool grows and moves as one with large_page set to this (exact growth:
+  // growth_fraction no longer applies), so memory freed in the pages grown since can serve
+  // any request again; what it holds in single chunks stays as it is. A growth there is made
+  // of chunks of the fewest pages, a power of two, that keep it within kPressureGrowthChunks
+  // (64) chunks: a block grown since and sent in place carries a handle per chunk it spans,
+  // a handful where it was grown for itself (19,539 for a buffer of 55% of an H200 in single
+  // 4 MiB pages, past the 16,384 one import maps), and a huge growth costs tens of driver
+  // calls, not tens of thousands. Host replay: with single pages, churn at 1.12 times its
+  // peak ran out of memory where chunks of up to 64 a growth ran it (1.0546), with a quarter
+  // to a half of the calls on mixed_lifetimes (docs/results/2026-12-05.md). Not while the
+  // pool keeps its memory (SetKeepMemory: nothing would move), so never in the plugin's
+  // private pools. "Failed" is any growth that the retry after a release had to make (no
+  // memory, or no gap). Counted
   // in num_page_switches; never undone. Below half, each large-arena growth asks the driver
   // how much of the GPU is free (where no memory limit or fraction decides it first).
   // Such a pool reserves the range of one that moves pages (reserve_size).

@@ -619,6 +619,29 @@ TEST_F(PoolTest, APoolWithoutPagesGrowsInPagesPastHalfOfWhatItMayHold) {
   }
 }
 
+// After the switch a growth is at most kPressureGrowthChunks chunks of whole pages: a huge
+// request is not thousands of pages (a block sent in place carries a handle per chunk).
+TEST_F(PoolTest, AGrowthAfterTheSwitchIsAFewChunksOfPages) {
+  std::unique_ptr<Driver> big;
+  Driver* driver = driver_;
+  if (!on_cuda_) {  // room for the request below
+    big = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
+    driver = big.get();
+  }
+  PoolOptions options = Exact();
+  options.pressure_page = kAutoSize;
+  options.memory_limit = 2048 * kMiB;
+  options.reserve_size = 8192 * kMiB;
+  auto pool = CreatePoolOrFail(driver, options);
+  ASSERT_NE(pool, nullptr);
+  void* p = Alloc(*pool, 1536 * kMiB);  // past half of the limit: switched
+  EXPECT_EQ(pool->page(), 4 * kMiB);
+  // 1.5 GiB in 4 MiB pages would be 384 chunks; in 32 MiB chunks it is 48, within 64.
+  EXPECT_EQ(pool->GetStats().segment.current, 48);
+  ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
 // A pool that keeps its memory moves nothing, so it keeps single chunks (pool_options.h
 // pressure_page) until it no longer keeps it; a shareable block keeps a chunk of its own
 // wherever the pool stands; pages given explicitly have nothing to switch to.
@@ -709,8 +732,8 @@ TEST_F(PoolTest, PressurePageIsBoundedByMaxChunk) {
 // times the most they can hold (bench/traces.py mixed_lifetimes' workspaces at a 32nd of
 // their size). In single chunks for good (pressure_page=0) blocks that reuse part of what a
 // freed one left, or that join a free neighbour in another chunk, pin chunk after chunk until
-// a request finds no chunk wholly free to release: out of memory at some seeds, with more than the request free
-// in the pool. Switched to pages past half of the limit, the free pages move to the request.
+// a request finds no chunk wholly free to release: out of memory at some seeds, with more than
+// the request free in the pool. Switched to pages past half of the limit, the free pages move to the request.
 TEST_F(PoolTest, APoolWithoutPagesNearItsLimitServesRequestsItsFreeMemoryHolds) {
   std::unique_ptr<Driver> big;
   Driver* driver = driver_;
