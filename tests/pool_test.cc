@@ -733,7 +733,8 @@ TEST_F(PoolTest, PressurePageIsBoundedByMaxChunk) {
 // their size). In single chunks for good (pressure_page=0) blocks that reuse part of what a
 // freed one left, or that join a free neighbour in another chunk, pin chunk after chunk until
 // a request finds no chunk wholly free to release: out of memory at some seeds, with more than
-// the request free in the pool. Switched to pages past half of the limit, the free pages move to the request.
+// the request free in the pool. Switched to pages past half of the limit, the free pages move
+// to the request.
 TEST_F(PoolTest, APoolWithoutPagesNearItsLimitServesRequestsItsFreeMemoryHolds) {
   std::unique_ptr<Driver> big;
   Driver* driver = driver_;
