@@ -107,8 +107,17 @@ class PoolTest : public ::testing::Test {
     return owned_two_.get();
   }
 
+  // The test's driver on CUDA; on the host backend, one whose device holds `capacity` bytes
+  // (for tests that need more than the fixture's 256 MiB).
+  Driver* DriverOfAtLeast(size_t capacity) {
+    if (on_cuda_) return driver_;
+    owned_big_ = NewHostDriver(HostDriverOptions{2 * kMiB, capacity});
+    return owned_big_.get();
+  }
+
   std::unique_ptr<Driver> owned_;
   std::unique_ptr<Driver> owned_two_;
+  std::unique_ptr<Driver> owned_big_;
   Driver* driver_ = nullptr;
   bool on_cuda_ = false;
   size_t free_at_start_ = 0;
@@ -622,12 +631,7 @@ TEST_F(PoolTest, APoolWithoutPagesGrowsInPagesPastHalfOfWhatItMayHold) {
 // After the switch a growth is at most kPressureGrowthChunks chunks of whole pages: a huge
 // request is not thousands of pages (a block sent in place carries a handle per chunk).
 TEST_F(PoolTest, AGrowthAfterTheSwitchIsAFewChunksOfPages) {
-  std::unique_ptr<Driver> big;
-  Driver* driver = driver_;
-  if (!on_cuda_) {  // room for the request below
-    big = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
-    driver = big.get();
-  }
+  Driver* driver = DriverOfAtLeast(4096 * kMiB);
   PoolOptions options = Exact();
   options.pressure_page = kAutoSize;
   options.memory_limit = 2048 * kMiB;
@@ -736,12 +740,7 @@ TEST_F(PoolTest, PressurePageIsBoundedByMaxChunk) {
 // the request free in the pool. Switched to pages past half of the limit, the free pages move
 // to the request.
 TEST_F(PoolTest, APoolWithoutPagesNearItsLimitServesRequestsItsFreeMemoryHolds) {
-  std::unique_ptr<Driver> big;
-  Driver* driver = driver_;
-  if (!on_cuda_) {  // room for the limit below
-    big = NewHostDriver(HostDriverOptions{2 * kMiB, 512 * kMiB});
-    driver = big.get();
-  }
+  Driver* driver = DriverOfAtLeast(512 * kMiB);
   constexpr int kSeeds = 8;
   int failed_single = 0;
   for (size_t pressure : {kAutoSize, size_t{0}}) {
