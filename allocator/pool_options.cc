@@ -102,7 +102,6 @@ PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
   if (out.small_size == kAutoSize) {
     out.small_size = out.large_page != 0 ? size_t{256} << 10 : size_t{1} << 20;
   }
-
   return out;
 }
 

@@ -199,10 +199,10 @@ struct PoolOptions {
   // to a half of the calls on mixed_lifetimes (docs/results/2026-12-05.md). Not while the
   // pool keeps its memory (SetKeepMemory: nothing would move), so never in the plugin's
   // private pools. "Failed" is any growth that the retry after a release had to make (no
-  // memory, or no gap). Counted
-  // in num_page_switches; never undone. Below half, each large-arena growth asks the driver
-  // how much of the GPU is free (where no memory limit or fraction decides it first).
-  // Such a pool reserves the range of one that moves pages (reserve_size).
+  // memory, or no gap). Counted in num_page_switches; never undone. Below half, each
+  // large-arena growth asks the driver how much of the GPU is free (where no memory limit or
+  // fraction decides it first). Such a pool reserves the range of one that moves pages
+  // (reserve_size).
   // kAutoSize (the default): 4 MiB (kAutoPressurePage, at most max_chunk) where large_page is
   // 0. Where large_page is set there is nothing to switch to: pressure_page is not used (0).
   // Rounded up to the granularity; given, at most max_chunk (Pool::Create: InvalidArgument).
