@@ -36,7 +36,7 @@ inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
 // (PoolOptions::growth_page).
 inline constexpr size_t kMultiPageRequestChunks = 4;
 inline constexpr size_t kLargeRequestChunks = 32;
-// reserve_size's default where the large arena grows in pages, in multiples of the device's
+// reserve_size's default where the large arena grows in pages, in multiples of the GPU's
 // memory (PoolOptions::reserve_size), and what is asked next where the driver refuses it.
 inline constexpr size_t kPagedRangeDevices = 32;
 inline constexpr size_t kPagedRangeFallbackDevices = 8;
