@@ -45,9 +45,13 @@ class JointStat {
 
 class DeviceCap {
  public:
-  // The most bytes the sharing pools may hold together (0: no limit).
+  static constexpr size_t kNoLimit = SIZE_MAX;
+
+  // The most bytes the sharing pools may hold together (kNoLimit, the default: none; 0: none
+  // at all, as a memory fraction of 0 allows).
   void SetLimit(size_t bytes) { limit_.store(bytes, std::memory_order_relaxed); }
   size_t limit() const { return limit_.load(std::memory_order_relaxed); }
+  bool limited() const { return limit() != kNoLimit; }
 
   // Bytes mapped (`delta` > 0) or released (< 0) by one of the pools.
   void AddMapped(int64_t delta) {
@@ -62,7 +66,7 @@ class DeviceCap {
   bool Allows(size_t more) const {
     const size_t cap = limit();
     const int64_t held_now = held();
-    return cap == 0 || static_cast<size_t>(held_now < 0 ? 0 : held_now) + more <= cap;
+    return cap == kNoLimit || static_cast<size_t>(held_now < 0 ? 0 : held_now) + more <= cap;
   }
 
   // The sharing pools' reserved bytes (what they map) and allocated bytes, with their joint
@@ -76,7 +80,7 @@ class DeviceCap {
   }
 
  private:
-  std::atomic<size_t> limit_{0};
+  std::atomic<size_t> limit_{kNoLimit};
   std::atomic<int64_t> held_{0};
   JointStat mapped_;
   JointStat allocated_;

@@ -226,14 +226,41 @@ absl::Status Pool::Init() {
   // eighth of twice the memory, a quarter, and a program whose blocks of up to small_size
   // held more failed with "no gap" on a GPU three quarters free. A range that grows
   // lengthens only the large arena, at the range's end (ExtendRange). Not for a device of
-  // more than 2^44 bytes, whose range is capped at kMaxOptionBytes already.
-  const size_t small_floor =
-      (auto_range || options_.range_grows) && info.total <= kMaxOptionBytes / 16 ? info.total : 0;
+  // more than 2^44 bytes, whose range is capped at kMaxOptionBytes already. At most half the
+  // basis: a range that grows chosen smaller than twice the GPU's memory (the plugin's
+  // private pools past their budget, process_state.cc) is not made the GPU's memory again.
+  const size_t small_floor = (auto_range || options_.range_grows) &&
+                                     info.total <= kMaxOptionBytes / 16
+                                 ? std::min(info.total, basis / 2)
+                                 : 0;
+  // What to ask the driver for, first to last.
+  struct Ask {
+    size_t basis;
+    size_t extra;
+    size_t small_floor;
+  };
+  absl::InlinedVector<Ask, 6> asks;
+  for (size_t extra : extras) asks.push_back(Ask{basis, extra, small_floor});
+  if (auto_range || options_.range_grows) {
+    // A range that grows where it fills (ExtendRange) may start smaller where the process's
+    // address space is short (many pools: the plugin's private pools, a CUDA graph each, at
+    // 2.75 times the GPU's memory apiece): an eighth, then a sixty-fourth, of what it asked.
+    for (size_t div : {size_t{8}, size_t{64}}) {
+      const size_t smaller = RoundUp(basis / div, granularity_);
+      if (smaller >= kLeastGrowingRange) {
+        asks.push_back(Ask{smaller, 0, RoundUp(small_floor / div, granularity_)});
+      }
+    }
+  }
   RangeLayout layout;
   absl::StatusOr<DevPtr> base = absl::InternalError("no range asked for");
-  for (size_t i = 0; i < extras.size(); ++i) {
-    absl::StatusOr<RangeLayout> asked = LayOutRange(basis, extras[i], small_floor);
-    VMM_RETURN_IF_ERROR(asked.status());  // the same bounds for every extra: fails first
+  for (size_t i = 0; i < asks.size(); ++i) {
+    absl::StatusOr<RangeLayout> asked = LayOutRange(asks[i].basis, asks[i].extra,
+                                                    asks[i].small_floor);
+    // The options' bounds are judged by the first basis: they fail first. A smaller range
+    // they do not fit is not asked for; the refusal before it stands.
+    if (i == 0 || asks[i].basis == basis) VMM_RETURN_IF_ERROR(asked.status());
+    if (!asked.ok()) break;
     absl::StatusOr<DevPtr> got = driver_->Reserve(asked->size, granularity_);
     if (i > 0 && got.ok()) {
       LogWarningOnce("wide-range",
@@ -732,7 +759,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   if (memory_limit_ != 0) {
     room = memory_limit_ - std::min(memory_limit_, static_cast<size_t>(reserved));
   }
-  if (device_cap_ != nullptr && device_cap_->limit() != 0) {
+  if (device_cap_ != nullptr && device_cap_->limited()) {
     const size_t limit = device_cap_->limit();
     room = std::min(room, limit - std::min(limit, static_cast<size_t>(std::max<int64_t>(
                                                      device_cap_->held(), 0))));
@@ -907,7 +934,7 @@ bool Pool::PastHalfOfAllowed(size_t fresh) {
   const size_t reserved = static_cast<size_t>(stats_.reserved_bytes.current);
   size_t allowed = SIZE_MAX;
   if (memory_limit_ != 0) allowed = memory_limit_;
-  if (device_cap_ != nullptr && device_cap_->limit() != 0) {
+  if (device_cap_ != nullptr && device_cap_->limited()) {
     const size_t held = static_cast<size_t>(std::max<int64_t>(device_cap_->held(), 0));
     const size_t limit = device_cap_->limit();
     allowed = std::min(allowed, reserved + (limit > held ? limit - held : 0));

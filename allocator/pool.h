@@ -322,6 +322,8 @@ class Pool {
   }
   // The start of this pool's reserved range (no lock taken).
   uintptr_t base() const { return base_; }
+  // The bytes of address space the pool holds, as lengthened so far (no lock taken).
+  size_t reserved_range() const { return range_end_.load(std::memory_order_acquire) - base_; }
   // Whether `ptr` lies in this pool's reserved range, as lengthened so far (no lock taken).
   bool Contains(const void* ptr) const {
     auto p = reinterpret_cast<uintptr_t>(ptr);

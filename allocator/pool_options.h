@@ -40,6 +40,10 @@ inline constexpr size_t kLargeRequestChunks = 32;
 // memory (PoolOptions::reserve_size), and what is asked next where the driver refuses it.
 inline constexpr size_t kPagedRangeDevices = 32;
 inline constexpr size_t kPagedRangeFallbackDevices = 8;
+// A range that grows (the default one, and range_grows) where even twice the GPU's memory is
+// refused (the process's address space taken by many pools) is asked for an eighth, then a
+// sixty-fourth, of its first size, each at least this much.
+inline constexpr size_t kLeastGrowingRange = size_t{64} << 20;
 // growth_page's default where the pool pages (and does not export): 32 MiB.
 inline constexpr size_t kAutoGrowthPage = size_t{32} << 20;
 // The pages a pool without pages switches to by default (pressure_page), and the most chunks
@@ -75,10 +79,13 @@ struct PoolOptions {
   // first size at a time, at least the request) and goes on, rather than fail with "no gap"
   // where memory could serve the request. Where the driver gives no address space there
   // (another mapping took it), the request fails as before. An explicit reserve_size is a
-  // bound, unless `range_grows` is set, which also gives the small arena the GPU's memory
-  // (the large arena keeping reserve_size but an eighth of it), as a default range does. Not
+  // bound, unless `range_grows` is set, which also gives the small arena the GPU's memory, at
+  // most half of reserve_size (the large arena keeping reserve_size but an eighth of it), as a
+  // default range does. Not
   // an option of the text: callers set it (the PyTorch plugin's private pools, which choose
-  // their size).
+  // their size). A range that grows, default or not, where the driver refuses even the size
+  // above (the process's address space taken by many pools) starts at an eighth, then a
+  // sixty-fourth, of it (kLeastGrowingRange at least), and grows from there.
   bool range_grows = false;
   // Most physical bytes the pool may hold; 0 means no limit beyond the size of the device.
   size_t memory_limit = 0;

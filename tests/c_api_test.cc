@@ -5,6 +5,7 @@
 // every test leaves it as it found it (no live block, no private pool).
 #include "torch_plugin/vmm_c.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -704,6 +705,28 @@ TEST_F(CApiTest, AMemoryFractionCapsTheDevicePool) {
   if (q != nullptr) vmm_free(q, 0);
 }
 
+// A fraction of 0, which PyTorch accepts: nothing more is mapped on the GPU, while what the
+// device pool has cached still serves; out of range (below 0, past 1, NaN) is refused.
+TEST_F(CApiTest, AMemoryFractionOfZeroLetsOnlyCachedMemoryServe) {
+  void* cached = vmm_alloc(8 * kMiB, 0, nullptr);
+  ASSERT_NE(cached, nullptr) << vmm_last_error();
+  vmm_free(cached, 0);
+  ASSERT_EQ(vmm_set_memory_fraction(0.0, 0), 0) << vmm_last_error();
+  void* again = vmm_alloc(8 * kMiB, 0, nullptr);
+  EXPECT_NE(again, nullptr) << "a cached block under a fraction of 0: " << vmm_last_error();
+  void* more = vmm_alloc(64 * kMiB, 0, nullptr);
+  const int code = vmm_last_error_code();
+  if (more != nullptr) vmm_free(more, 0);
+  if (again != nullptr) vmm_free(again, 0);
+  for (double bad : {-0.01, 1.01, std::nan("")}) {
+    EXPECT_EQ(vmm_set_memory_fraction(bad, 0), -1) << bad;
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT) << bad;
+  }
+  ASSERT_EQ(vmm_set_memory_fraction(1.0, 0), 0);
+  EXPECT_EQ(more, nullptr) << "64 MiB mapped under a fraction of 0";
+  EXPECT_EQ(code, VMM_RESOURCE_EXHAUSTED);
+}
+
 // PyTorch's set_per_process_memory_fraction caps everything its allocator holds on the device,
 // CUDA graph pools and MemPools included: the device pool and the private pools share one cap.
 TEST_F(CApiTest, AMemoryFractionAlsoCapsTheDevicesPrivatePools) {
@@ -819,3 +842,37 @@ TEST_F(CApiTest, ASendLeaseThatRoundsToNothingIsRefused) {
 }
 
 }  // namespace
+
+// Hundreds of private pools alive at once (a CUDA graph captured per shape, each with a pool of
+// its own; a MemPool per request), half replaced, then all gone: each serves its blocks, and
+// the address space of those gone comes back.
+TEST_F(CApiTest, HundredsOfPrivatePoolsLiveTogether) {
+  constexpr int kPools = 400;
+  std::vector<std::pair<uint64_t, void*>> live;
+  auto make = [&](uint64_t id0) {
+    const int64_t id = UsePrivate(id0, 7);
+    if (id <= 0) return false;
+    void* p = PoolAlloc(id, 4096);
+    if (p == nullptr) return false;
+    std::memset(p, static_cast<int>(id0 & 0xff), 4096);
+    live.emplace_back(id0, p);
+    return true;
+  };
+  for (uint64_t i = 0; i < kPools; ++i) ASSERT_TRUE(make(1000 + i)) << i;
+  std::vector<std::pair<uint64_t, void*>> kept;
+  for (size_t i = 0; i < live.size(); ++i) {
+    if (i % 2 == 0) {
+      vmm_block_free(live[i].second);
+      ASSERT_EQ(vmm_private_pool_release(0, live[i].first, 7), 0) << vmm_last_error();
+    } else {
+      kept.push_back(live[i]);
+    }
+  }
+  live = kept;
+  for (uint64_t i = 0; i < kPools / 2; ++i) ASSERT_TRUE(make(5000 + i)) << i;
+  for (const auto& [id0, p] : live) {
+    EXPECT_EQ(static_cast<unsigned char*>(p)[4095], static_cast<unsigned char>(id0 & 0xff));
+    vmm_block_free(p);
+    EXPECT_EQ(vmm_private_pool_release(0, id0, 7), 0) << vmm_last_error();
+  }
+}

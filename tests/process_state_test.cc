@@ -180,7 +180,7 @@ TEST_F(ProcessStateTest, BadArgumentsAreInvalidArgument) {
   EXPECT_EQ(state_.DevicePool(-1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(state_.DevicePool(ProcessState::kMaxDevices).status().code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(state_.SetMemoryFraction(0, 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(state_.SetMemoryFraction(-0.5, 0).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(state_.SetMemoryFraction(1.5, 0).code(), absl::StatusCode::kInvalidArgument);
   int local = 0;
   EXPECT_EQ(state_.FreeBlock(&local).code(), absl::StatusCode::kInvalidArgument);
@@ -848,6 +848,36 @@ TEST(ProcessStateCloseTest, ALargeImportIsClosedAtOnceASmallOneOnTheClosingThrea
   ASSERT_TRUE(state.FreeBlock(*big).ok());
   ASSERT_TRUE(state.FreeBlock(*small).ok());
   ASSERT_TRUE(state.ClosePool(*id).ok());
+}
+
+// Private pools (a CUDA graph or a MemPool each) take 2.75 times the GPU's memory of address
+// space apiece until those alive hold kPrivateRangeBudget; later ones start at a sixty-fourth
+// of that and grow where they fill, so that hundreds of them leave the process address space.
+TEST_F(ProcessStateTest, PrivatePoolsPastTheirAddressSpaceBudgetStartSmaller) {
+  std::vector<uint64_t> made;
+  size_t held = 0;
+  size_t full = 0;
+  while (held <= ProcessState::kPrivateRangeBudget) {
+    const uint64_t id0 = 7000 + made.size();
+    absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(id0, 1);
+    ASSERT_TRUE(use.ok()) << use.status();
+    made.push_back(id0);
+    full = use->entry->pool->reserved_range();
+    held += full;
+  }
+  absl::StatusOr<PrivateEntry> late = UsePrivateHostPool(9999, 1);
+  ASSERT_TRUE(late.ok()) << late.status();
+  made.push_back(9999);
+  EXPECT_LE(late->entry->pool->reserved_range(), full / 32);
+  absl::StatusOr<void*> p = late->entry->pool->Allocate(64 * kMiB, 0);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_TRUE(late->entry->pool->Free(*p).ok());
+  for (uint64_t id0 : made) ASSERT_TRUE(state_.ReleasePrivatePool(0, id0, 1).ok());
+  // Released, they no longer count: the next one is full size again.
+  absl::StatusOr<PrivateEntry> again = UsePrivateHostPool(10000, 1);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->entry->pool->reserved_range(), full);
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 10000, 1).ok());
 }
 
 }  // namespace

@@ -72,6 +72,7 @@ ProcessState& ProcessState::Get() {
 ProcessState::ProcessState() : send_budget_(SendBudgetFromEnvironment()) {
   MutexLock lock(&mu_);
   options_ = DevicePoolDefaults();
+  fractions_.fill(kNoFraction);
 }
 
 ProcessState::~ProcessState() {
@@ -178,9 +179,11 @@ Pool* ProcessState::DevicePoolIfAny(int device) const {
 }
 
 absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
-  if (!(fraction > 0 && fraction <= 1)) {
+  // 0 too, as PyTorch takes it: nothing more may be mapped on that GPU (cached blocks still
+  // serve).
+  if (!(fraction >= 0 && fraction <= 1)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("memory fraction ", fraction, " is outside (0, 1]"));
+        absl::StrCat("memory fraction ", fraction, " is outside [0, 1]"));
   }
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   MutexLock lock(&mu_);
@@ -209,7 +212,7 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   AdoptForkLocked();
   const bool fresh = caps_[device] == nullptr;
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
-  if (fresh && fractions_[device] > 0) SetCapFromDefaultDriverLocked(device);
+  if (fresh && fractions_[device] >= 0) SetCapFromDefaultDriverLocked(device);
   if (delta < 0 && delta < -external_held_[device]) {
     return absl::InvalidArgumentError(absl::StrCat(
         "giving back ", FormatBytes(size_t{0} - static_cast<size_t>(delta)),
@@ -255,7 +258,7 @@ absl::Status ProcessState::ShareCapLocked(int device, Pool& pool) {
   if (OfAnotherBackendLocked(device, pool)) return absl::OkStatus();
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
   pool.ShareDeviceCap(cap);
-  if (fractions_[device] > 0) {
+  if (fractions_[device] >= 0) {
     VMM_ASSIGN_OR_RETURN(MemInfo info, pool.driver()->GetMemInfo(pool.device()));
     cap->SetLimit(static_cast<size_t>(fractions_[device] * static_cast<double>(info.total)));
   }
@@ -402,6 +405,14 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
     options.reserve_size =
         info.total > kMaxOptionBytes / 2 ? kMaxOptionBytes : 2 * info.total;  // as Pool::Init
     options.range_grows = true;
+    // Past kPrivateRangeBudget held by the private pools alive, a sixty-fourth of that, which
+    // grows where it fills: hundreds of such ranges took the process's address space, which
+    // the host's memory allocations share (400 pools of an H100 asked for 88 TB).
+    size_t held = 0;
+    for (const auto& [other, use] : private_) held += use.entry->pool->reserved_range();
+    if (held > kPrivateRangeBudget) {
+      options.reserve_size = std::max(options.reserve_size / 64, kLeastGrowingRange);
+    }
   }
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
   pool->SetKeepMemory(true);

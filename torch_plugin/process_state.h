@@ -79,6 +79,9 @@ namespace vmm {
 class ProcessState {
  public:
   static constexpr int kMaxDevices = 64;
+  // The address space the private pools alive may hold before a new one is made at a
+  // sixty-fourth of its usual range, which grows where it fills (UsePrivatePool).
+  static constexpr size_t kPrivateRangeBudget = size_t{16} << 40;
 
   // A pool made by CreatePool or UsePrivatePool: it lives until it is closed and its last
   // block is freed.
@@ -120,8 +123,8 @@ class ProcessState {
   // Allocates from the device pool of `device` (created on first use). A request no device
   // could hold (CheckRequestSize) is InvalidArgument before the pool is created.
   absl::StatusOr<void*> DeviceAllocate(int device, size_t size, Stream stream);
-  // Caps `device`'s pool at `fraction` (0 < fraction <= 1) of the memory of the device, now or when
-  // the pool is created.
+  // Caps `device`'s pool at `fraction` (0 <= fraction <= 1; 0 lets nothing more be mapped) of
+  // the memory of the device, now or when the pool is created.
   absl::Status SetMemoryFraction(double fraction, int device);
   // Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (a
   // torch.cuda.MemPool over a CUDAPluggableAllocator) in the GPU's cap, as PyTorch's
@@ -357,7 +360,9 @@ class ProcessState {
   mutable Mutex mu_;
   PoolOptions options_ ABSL_GUARDED_BY(mu_);
   bool any_device_pool_ ABSL_GUARDED_BY(mu_) = false;
-  std::array<double, kMaxDevices> fractions_ ABSL_GUARDED_BY(mu_){};
+  // set_per_process_memory_fraction's, by device: in [0, 1], or kNoFraction where none was set.
+  static constexpr double kNoFraction = -1;
+  std::array<double, kMaxDevices> fractions_ ABSL_GUARDED_BY(mu_);
   // The cap set_per_process_memory_fraction puts on each GPU's device pool and private
   // pools together (allocator/device_cap.h); made with the first such pool of the GPU.
   std::array<std::shared_ptr<DeviceCap>, kMaxDevices> caps_ ABSL_GUARDED_BY(mu_){};

@@ -120,7 +120,8 @@ int vmm_record_stream(void* ptr, void* stream);
  * all pools, explicit and private ones too). A private pool in use releases nothing. */
 int vmm_empty_cache(int device);
 /* Caps what the device pool and the private pools of GPU `device` hold together at `fraction`
- * of its memory (0 < fraction <= 1; a pool's own memory_limit option still applies). */
+ * of its memory (0 <= fraction <= 1, 0 letting nothing more be mapped, as PyTorch takes it; a
+ * pool's own memory_limit option still applies). */
 int vmm_set_memory_fraction(double fraction, int device);
 /* Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (the segments
  * of a torch.cuda.MemPool over a CUDAPluggableAllocator) against that GPU's memory fraction,

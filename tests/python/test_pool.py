@@ -255,10 +255,20 @@ def test_device_pool_stats_and_helpers():
         vmm_torch.memory_stats(-3)
 
 
-@pytest.mark.parametrize("fraction", [0, -0.5, 1.5, float("nan"), float("inf"), 10**400])
+@pytest.mark.parametrize("fraction", [-0.5, 1.5, float("nan"), float("inf"), 10**400])
 def test_memory_fractions_outside_zero_to_one_are_value_errors(fraction):
     with pytest.raises(ValueError, match="fraction"):  # was: OverflowError for 10**400
         vmm_torch.set_per_process_memory_fraction(fraction)
+
+
+def test_a_memory_fraction_of_zero_is_taken():
+    # As PyTorch takes it (torch.cuda.set_per_process_memory_fraction's range is [0, 1]); what
+    # it does to the device pool: c_api_test's AMemoryFractionOfZeroLetsOnlyCachedMemoryServe.
+    try:
+        vmm_torch.set_per_process_memory_fraction(0)
+        vmm_torch.set_per_process_memory_fraction(0.0)
+    finally:
+        vmm_torch.set_per_process_memory_fraction(1.0)
 
 
 def test_snapshot_structure():

@@ -38,6 +38,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -171,6 +172,33 @@ struct MempoolIdHash {
   }
 };
 
+// Whether config class C has a static per_process_memory_fraction() (PYTORCH_CUDA_ALLOC_CONF's
+// per_process_memory_fraction, in newer torch releases).
+template <typename C, typename = void>
+struct HasProcessFraction : std::false_type {};
+template <typename C>
+struct HasProcessFraction<C, std::void_t<decltype(C::per_process_memory_fraction())>>
+    : std::true_type {};
+template <typename Config>
+double ProcessFractionOf() {
+  if constexpr (HasProcessFraction<Config>::value) {
+    return Config::per_process_memory_fraction();
+  } else {
+    return 1.0;
+  }
+}
+
+// The memory fraction PYTORCH_CUDA_ALLOC_CONF gives every GPU (1.0 where it gives none or the
+// torch does not read one). Its first call parses the variable, as PyTorch's allocator's first
+// use does, and throws what that parse throws for a bad value.
+double ConfiguredFraction() {
+#ifdef VMM_TORCH_HAS_ALLOCATOR_CONFIG
+  return ProcessFractionOf<c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig>();
+#else
+  return 1.0;
+#endif
+}
+
 // PyTorch's CUDA allocator over libvmm (see the file comment).
 class VmmAllocator : public Pluggable {
  public:
@@ -193,6 +221,10 @@ class VmmAllocator : public Pluggable {
       CheckOk(libvmm.set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
       std::lock_guard<std::mutex> lock(mu_);
       fractions_[device] = fraction;
+      // Set by the program: the variable's fraction no longer applies to this GPU.
+      if (device >= 0 && device < kFractionDevices) {
+        fraction_read_[device].store(true, std::memory_order_release);
+      }
     };
     record_stream_fn_ = [this](void* ptr, cudaStream_t stream) {
       // A block of a MemPool over another allocator keeps the stream until its free (asked
@@ -637,6 +669,7 @@ class VmmAllocator : public Pluggable {
   bool isEnabled() const override { return caching_.load(std::memory_order_relaxed); }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
+    ApplyConfiguredFraction(device);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = fractions_.find(device);
     return it == fractions_.end() ? 1.0 : it->second;
@@ -914,6 +947,10 @@ class VmmAllocator : public Pluggable {
     // allocator (its storage's pointer is null; Free ignores null).
     if (size == 0) return nullptr;
     RequireBound();
+    if (C10_UNLIKELY(device < 0 || device >= kFractionDevices ||
+                     !fraction_read_[device].load(std::memory_order_acquire))) {
+      ApplyConfiguredFraction(device);
+    }
     // The driver calls of a growth must not be captured (nor refused) when the stream
     // captures a CUDA graph: as PyTorch's allocator does around cudaMalloc.
     c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
@@ -956,6 +993,34 @@ class VmmAllocator : public Pluggable {
     return ptr;
   }
 
+  // PyTorch's allocator sets each GPU's memory fraction from PYTORCH_CUDA_ALLOC_CONF's
+  // per_process_memory_fraction when it sets that GPU up; vmm does at the GPU's first
+  // allocation or fraction query (getMemoryFraction), unless the program set one first
+  // (set_per_process_memory_fraction). Read once per GPU: a later change of the variable is
+  // not read, as by PyTorch. Not for the allocators of MemPools (UseOwnPools): the fraction
+  // is the GPU's, set once by the installed allocator. A bad value throws what PyTorch's
+  // parse throws, at each use until fixed, as PyTorch's allocator does.
+  void ApplyConfiguredFraction(int device) {
+    if (device < 0 || device >= kFractionDevices) return;
+    std::atomic<bool>& read = fraction_read_[device];
+    if (read.load(std::memory_order_acquire)) return;
+    const double fraction = own_pools_only_ ? 1.0 : ConfiguredFraction();
+    if (fraction != 1.0) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (fractions_.count(device) != 0) {  // the program's, set meanwhile
+          read.store(true, std::memory_order_release);
+          return;
+        }
+      }
+      CheckOk(libvmm.set_memory_fraction(fraction, device),
+              "per_process_memory_fraction of PYTORCH_CUDA_ALLOC_CONF");
+      std::lock_guard<std::mutex> lock(mu_);
+      fractions_.emplace(device, fraction);
+    }
+    read.store(true, std::memory_order_release);
+  }
+
   void RecordAlloc(void* ptr, size_t size, int device, cudaStream_t stream, MempoolId_t pool) {
     if (history_.on()) {
       history_.Record(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
@@ -967,17 +1032,25 @@ class VmmAllocator : public Pluggable {
   }
 
   // What PyTorch's allocator tells the tools at each allocation (delta > 0) and free: the
-  // profiler's memory events (torch.profiler's profile_memory) and the GPU trace's callbacks
-  // (torch.cuda._gpu_trace, the CUDA sanitizer). Off, two cheap checks.
+  // GPU trace's callbacks (torch.cuda._gpu_trace, the CUDA sanitizer; TellTrace) and the
+  // profiler's memory events (torch.profiler's profile_memory; TellProfiler). Off, two cheap
+  // checks. At a free, Free tells the trace before the block goes back and the profiler after.
   static void TellTools(void* ptr, int64_t delta, int device) {
+    TellTrace(ptr, delta > 0);
+    TellProfiler(ptr, delta, device);
+  }
+  static void TellTrace(void* ptr, bool allocated) {
     if (const c10::impl::PyInterpreter* trace = c10::impl::GPUTrace::get_trace();
         C10_UNLIKELY(trace != nullptr)) {
-      if (delta > 0) {
+      if (allocated) {
         (*trace)->trace_gpu_memory_allocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
       } else {
         (*trace)->trace_gpu_memory_deallocation(c10::kCUDA, reinterpret_cast<uintptr_t>(ptr));
       }
     }
+  }
+  // With the GPU's figures after the allocation or free, as PyTorch's allocator reports them.
+  static void TellProfiler(void* ptr, int64_t delta, int device) {
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
       vmm_torch_stats stats{};
       (void)libvmm.device_torch_stats(device, &stats);
@@ -1097,15 +1170,23 @@ class VmmAllocator : public Pluggable {
 
   void Free(void* ptr, size_t size, int device, cudaStream_t stream) {
     if (ptr == nullptr) return;  // an empty tensor's (Malloc)
+    // Recorded and told before the block goes back: from then on another thread may be handed
+    // its address and report that allocation, which must come after this free in the trace
+    // and the tools' callbacks (PyTorch's allocator records under its lock, and calls the
+    // GPU trace before the block goes back). vmm orders the free after the stream's work
+    // itself, so it is complete here too.
     if (history_.on()) {
       history_.Record(cda::TraceEntry::FREE_REQUESTED, static_cast<c10::DeviceIndex>(device),
                       reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
+      history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),
+                      reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
     }
+    if (!own_pools_only_) TellTrace(ptr, /*allocated=*/false);
     // A MemPool over another allocator first (that allocator's memory may be vmm's own).
     if (!FreeForeign(ptr) && libvmm.free(ptr, device) != 0) {
       TORCH_WARN("vmm: free failed: ", libvmm.last_error());
     }
-    if (!own_pools_only_) TellTools(ptr, -static_cast<int64_t>(size), device);
+    if (!own_pools_only_) TellProfiler(ptr, -static_cast<int64_t>(size), device);
     if (C10_UNLIKELY(!caching_.load(std::memory_order_relaxed) || ForceUncached()) &&
         routes_empty_.load(std::memory_order_relaxed)) {
       // Caching off: the GPU's pools give back what is free now, after a device
@@ -1115,11 +1196,6 @@ class VmmAllocator : public Pluggable {
       if (libvmm.empty_cache(device) != 0) {
         TORCH_WARN("vmm: giving memory back with caching off failed: ", libvmm.last_error());
       }
-    }
-    // vmm orders the free after the stream's work itself: complete from here on.
-    if (history_.on()) {
-      history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),
-                      reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
     }
   }
 
@@ -1152,6 +1228,10 @@ class VmmAllocator : public Pluggable {
   std::unordered_map<void*, Restored> restored_;
   std::atomic<bool> any_restored_{false};  // restored_ was ever used (raw_delete's check)
   std::unordered_map<int, double> fractions_;  // set_per_process_memory_fraction's, by device
+  // Per GPU: whether the variable's fraction was read (ApplyConfiguredFraction), or the
+  // program set one. GPUs past kFractionDevices are not read.
+  static constexpr int kFractionDevices = 64;
+  std::array<std::atomic<bool>, kFractionDevices> fraction_read_{};
 };
 
 std::shared_ptr<VmmAllocator> installed;

@@ -374,11 +374,11 @@ def empty_cache() -> None:
 
 
 def set_per_process_memory_fraction(fraction: float, device: DeviceLike = None) -> None:
-    """Caps the device pool at `fraction` (0 < fraction <= 1) of the memory of the device
+    """Caps the device pool at `fraction` (0 <= fraction <= 1) of the memory of the device
     (ValueError outside that, an int too large for a float included)."""
     try:
         value = float(fraction)
-    except OverflowError:  # an int beyond the range of floats: outside (0, 1] all the same
+    except OverflowError:  # an int beyond the range of floats: outside [0, 1] all the same
         value = math.inf
     _lib.check(_lib.vmm().vmm_set_memory_fraction(value, device_index(device)))
 
