@@ -28,10 +28,9 @@ import collections
 import faulthandler
 import random
 import threading
-import time
 
 import torch
-from dropin_report import report
+from dropin_report import mlp_and_input, python_worker, report, threaded_backward
 
 MIB = 1 << 20
 RUN_S = 3.0
@@ -93,49 +92,10 @@ class Tracker:
             self.errors.append(f"deallocation callback: {type(e).__name__}: {str(e)[:200]}")
 
 
-def python_worker(stop, errors, wid):
-    try:
-        x = torch.randn(256, 1024, device="cuda")
-        while True:
-            y = torch.nn.functional.layer_norm(x, (1024,))
-            flat = y.flatten()
-            s, idx = torch.sort(flat)
-            c = torch.cumsum(flat, 0)  # noqa: F841
-            t = torch.empty(256 * 1024, device="cuda")
-            t.fill_(float(wid))
-            del y, flat, s, idx, c, t
-            if stop.is_set():
-                break
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"worker {wid}: {type(e).__name__}: {str(e)[:300]}")
-
-
 def threaded_workload(errors):
-    """Backward passes in the main thread while two Python threads allocate; True if done."""
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(1024, 1024), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers).cuda()
-    x = torch.randn(256, 1024, device="cuda")
-    stop = threading.Event()
-    workers = [threading.Thread(target=python_worker, args=(stop, errors, w)) for w in (1, 2)]
-    for w in workers:
-        w.start()
-    steps = 0
-    start = time.monotonic()
-    try:
-        while time.monotonic() - start < RUN_S:
-            loss = model(x).square().mean()
-            loss.backward()
-            model.zero_grad(set_to_none=True)
-            steps += 1
-    finally:
-        stop.set()
-        for w in workers:
-            w.join(30)
-    torch.cuda.synchronize()
-    return steps
+    """Backward passes in the main thread while two Python threads allocate; the passes."""
+    model, x = mlp_and_input()
+    return threaded_backward(model, x, errors, RUN_S)
 
 
 def main():

@@ -23,30 +23,12 @@ loses the block.
 """
 import faulthandler
 import threading
-import time
 
 import torch
-from dropin_report import report
+from dropin_report import mlp_and_input, python_worker, report, threaded_backward
 
 RUN_S = 2.0
 MAX_ENTRIES = 300_000
-
-
-def python_worker(stop, errors, wid):
-    try:
-        x = torch.randn(256, 1024, device="cuda")
-        while True:
-            y = torch.nn.functional.layer_norm(x, (1024,))
-            flat = y.flatten()
-            s, idx = torch.sort(flat)
-            c = torch.cumsum(flat, 0)  # noqa: F841
-            t = torch.empty(256 * 1024, device="cuda")
-            t.fill_(float(wid))
-            del y, flat, s, idx, c, t
-            if stop.is_set():
-                break
-    except Exception as e:  # noqa: BLE001
-        errors.append(f"worker {wid}: {type(e).__name__}: {str(e)[:300]}")
 
 
 def check_order(trace):
@@ -75,12 +57,7 @@ def check_order(trace):
 def main():
     faulthandler.dump_traceback_later(50, exit=True)
     errors = []
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(6):
-        layers += [torch.nn.Linear(1024, 1024), torch.nn.GELU()]
-    model = torch.nn.Sequential(*layers).cuda()
-    x = torch.randn(256, 1024, device="cuda")
+    model, x = mlp_and_input()
     model(x).square().mean().backward()  # lazy state (kernels, workspaces) made first
     model.zero_grad(set_to_none=True)
     once = threading.Event()
@@ -90,22 +67,7 @@ def main():
 
     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="python",
                                              max_entries=MAX_ENTRIES)
-    stop = threading.Event()
-    workers = [threading.Thread(target=python_worker, args=(stop, errors, w)) for w in (1, 2)]
-    for w in workers:
-        w.start()
-    steps = 0
-    start = time.monotonic()
-    try:
-        while time.monotonic() - start < RUN_S:
-            model(x).square().mean().backward()
-            model.zero_grad(set_to_none=True)
-            steps += 1
-    finally:
-        stop.set()
-        for w in workers:
-            w.join(30)
-    torch.cuda.synchronize()
+    steps = threaded_backward(model, x, errors, RUN_S)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
 

@@ -134,3 +134,59 @@ def capture_increments(a, steps):
         for _ in range(steps):
             b = b.clone() + 1
     return g, b
+
+
+def python_worker(stop, errors, wid):
+    """Allocates and frees CUDA tensors in a loop (layer_norm, sort, cumsum, a filled tensor)
+    until `stop` is set, at least once; what it raises goes to `errors`."""
+    import torch
+    try:
+        x = torch.randn(256, 1024, device="cuda")
+        while True:
+            y = torch.nn.functional.layer_norm(x, (1024,))
+            flat = y.flatten()
+            s, idx = torch.sort(flat)
+            c = torch.cumsum(flat, 0)  # noqa: F841
+            t = torch.empty(256 * 1024, device="cuda")
+            t.fill_(float(wid))
+            del y, flat, s, idx, c, t
+            if stop.is_set():
+                break
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"worker {wid}: {type(e).__name__}: {str(e)[:300]}")
+
+
+def threaded_backward(model, x, errors, seconds):
+    """Backward passes of `model` on `x` in this thread for `seconds` while two Python threads
+    run python_worker (the autograd engine's thread frees beside them); the number of passes,
+    once the threads are joined and the GPU synchronized."""
+    import threading
+    import time
+    import torch
+    stop = threading.Event()
+    workers = [threading.Thread(target=python_worker, args=(stop, errors, w)) for w in (1, 2)]
+    for w in workers:
+        w.start()
+    steps = 0
+    start = time.monotonic()
+    try:
+        while time.monotonic() - start < seconds:
+            model(x).square().mean().backward()
+            model.zero_grad(set_to_none=True)
+            steps += 1
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(30)
+    torch.cuda.synchronize()
+    return steps
+
+
+def mlp_and_input():
+    """(model, x): six Linear(1024, 1024) + GELU layers on the GPU (seed 0) and a batch of 256."""
+    import torch
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(6):
+        layers += [torch.nn.Linear(1024, 1024), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers).cuda(), torch.randn(256, 1024, device="cuda")
