@@ -226,13 +226,9 @@ absl::Status Pool::Init() {
   // eighth of twice the memory, a quarter, and a program whose blocks of up to small_size
   // held more failed with "no gap" on a GPU three quarters free. A range that grows
   // lengthens only the large arena, at the range's end (ExtendRange). Not for a device of
-  // more than 2^44 bytes, whose range is capped at kMaxOptionBytes already. At most half the
-  // basis: a range that grows chosen smaller than twice the GPU's memory (the plugin's
-  // private pools past their budget, process_state.cc) is not made the GPU's memory again.
-  const size_t small_floor = (auto_range || options_.range_grows) &&
-                                     info.total <= kMaxOptionBytes / 16
-                                 ? std::min(info.total, basis / 2)
-                                 : 0;
+  // more than 2^44 bytes, whose range is capped at kMaxOptionBytes already.
+  const size_t small_floor =
+      (auto_range || options_.range_grows) && info.total <= kMaxOptionBytes / 16 ? info.total : 0;
   // What to ask the driver for, first to last.
   struct Ask {
     size_t basis;

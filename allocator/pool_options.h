@@ -79,9 +79,8 @@ struct PoolOptions {
   // first size at a time, at least the request) and goes on, rather than fail with "no gap"
   // where memory could serve the request. Where the driver gives no address space there
   // (another mapping took it), the request fails as before. An explicit reserve_size is a
-  // bound, unless `range_grows` is set, which also gives the small arena the GPU's memory, at
-  // most half of reserve_size (the large arena keeping reserve_size but an eighth of it), as a
-  // default range does. Not
+  // bound, unless `range_grows` is set, which also gives the small arena the GPU's memory
+  // (the large arena keeping reserve_size but an eighth of it), as a default range does. Not
   // an option of the text: callers set it (the PyTorch plugin's private pools, which choose
   // their size). A range that grows, default or not, where the driver refuses even the size
   // above (the process's address space taken by many pools) starts at an eighth, then a

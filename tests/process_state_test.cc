@@ -851,33 +851,40 @@ TEST(ProcessStateCloseTest, ALargeImportIsClosedAtOnceASmallOneOnTheClosingThrea
 }
 
 // Private pools (a CUDA graph or a MemPool each) take 2.75 times the GPU's memory of address
-// space apiece until those alive hold kPrivateRangeBudget; later ones start at a sixty-fourth
-// of that and grow where they fill, so that hundreds of them leave the process address space.
+// space apiece until those alive hold the budget (kPrivateRangeBudget; here three pools' worth);
+// later ones get a quarter of the GPU's memory, which serves what fits it, so that hundreds of
+// them leave the process address space. Released, they count no more.
 TEST_F(ProcessStateTest, PrivatePoolsPastTheirAddressSpaceBudgetStartSmaller) {
-  std::vector<uint64_t> made;
-  size_t held = 0;
-  size_t full = 0;
-  while (held <= ProcessState::kPrivateRangeBudget) {
-    const uint64_t id0 = 7000 + made.size();
+  absl::StatusOr<PrivateEntry> first = UsePrivateHostPool(7000, 1);
+  ASSERT_TRUE(first.ok()) << first.status();
+  const size_t full = first->entry->pool->reserved_range();
+  state_.SetPrivateRangeBudgetForTesting(3 * full - 1);
+  std::vector<uint64_t> made = {7000};
+  for (uint64_t id0 = 7001; id0 < 7003; ++id0) {
     absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(id0, 1);
     ASSERT_TRUE(use.ok()) << use.status();
     made.push_back(id0);
-    full = use->entry->pool->reserved_range();
-    held += full;
+    EXPECT_EQ(use->entry->pool->reserved_range(), full) << "within the budget";
   }
-  absl::StatusOr<PrivateEntry> late = UsePrivateHostPool(9999, 1);
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 7002, 1).ok());
+  made.pop_back();
+  absl::StatusOr<PrivateEntry> third = UsePrivateHostPool(7003, 1);  // 2 held: within
+  ASSERT_TRUE(third.ok()) << third.status();
+  made.push_back(7003);
+  EXPECT_EQ(third->entry->pool->reserved_range(), full) << "a released pool counts no more";
+  absl::StatusOr<PrivateEntry> late = UsePrivateHostPool(7004, 1);  // 3 held: past it
   ASSERT_TRUE(late.ok()) << late.status();
-  made.push_back(9999);
-  EXPECT_LE(late->entry->pool->reserved_range(), full / 32);
-  absl::StatusOr<void*> p = late->entry->pool->Allocate(64 * kMiB, 0);
-  ASSERT_TRUE(p.ok()) << p.status();
-  ASSERT_TRUE(late->entry->pool->Free(*p).ok());
+  made.push_back(7004);
+  EXPECT_LE(late->entry->pool->reserved_range(), full / 8);
+  // It serves what fits a quarter of the GPU's memory, small blocks too.
+  absl::StatusOr<void*> big = late->entry->pool->Allocate(64 * kMiB, 0);
+  ASSERT_TRUE(big.ok()) << big.status();
+  absl::StatusOr<void*> small = late->entry->pool->Allocate(4096, 0);
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_TRUE(late->entry->pool->Free(*big).ok());
+  EXPECT_TRUE(late->entry->pool->Free(*small).ok());
   for (uint64_t id0 : made) ASSERT_TRUE(state_.ReleasePrivatePool(0, id0, 1).ok());
-  // Released, they no longer count: the next one is full size again.
-  absl::StatusOr<PrivateEntry> again = UsePrivateHostPool(10000, 1);
-  ASSERT_TRUE(again.ok()) << again.status();
-  EXPECT_EQ(again->entry->pool->reserved_range(), full);
-  ASSERT_TRUE(state_.ReleasePrivatePool(0, 10000, 1).ok());
+  state_.SetPrivateRangeBudgetForTesting(ProcessState::kPrivateRangeBudget);
 }
 
 }  // namespace

@@ -405,13 +405,17 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
     options.reserve_size =
         info.total > kMaxOptionBytes / 2 ? kMaxOptionBytes : 2 * info.total;  // as Pool::Init
     options.range_grows = true;
-    // Past kPrivateRangeBudget held by the private pools alive, a sixty-fourth of that, which
-    // grows where it fills: hundreds of such ranges took the process's address space, which
-    // the host's memory allocations share (400 pools of an H100 asked for 88 TB).
+    // Past the budget (kPrivateRangeBudget) held by the private pools alive, a quarter of the
+    // GPU's memory, which does not grow (a pool's range may grow only into the address space
+    // right after it, which the next pool's mostly takes): hundreds of full ranges took the
+    // process's address space, which the host's own memory mappings share (400 pools of an
+    // H100 asked for 88 TB, run DU). Such a pool holds at most seven eighths of that in
+    // blocks above small_size, and an eighth of it in smaller ones.
     size_t held = 0;
     for (const auto& [other, use] : private_) held += use.entry->pool->reserved_range();
-    if (held > kPrivateRangeBudget) {
-      options.reserve_size = std::max(options.reserve_size / 64, kLeastGrowingRange);
+    if (held > private_range_budget_) {
+      options.reserve_size = std::max(static_cast<size_t>(info.total / 4), kLeastGrowingRange);
+      options.range_grows = false;
     }
   }
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));

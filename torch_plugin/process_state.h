@@ -79,9 +79,9 @@ namespace vmm {
 class ProcessState {
  public:
   static constexpr int kMaxDevices = 64;
-  // The address space the private pools alive may hold before a new one is made at a
-  // sixty-fourth of its usual range, which grows where it fills (UsePrivatePool).
-  static constexpr size_t kPrivateRangeBudget = size_t{16} << 40;
+  // The address space the private pools alive may hold before a new one is made with a range
+  // of a quarter of the GPU's memory, which does not grow (UsePrivatePool).
+  static constexpr size_t kPrivateRangeBudget = size_t{32} << 40;
 
   // A pool made by CreatePool or UsePrivatePool: it lives until it is closed and its last
   // block is freed.
@@ -155,6 +155,11 @@ class ProcessState {
   // `options` applied on top; returns its id. A later use returns the same id (`backend` and
   // `options` ignored). A pool made before a fork() is not this process's: the child makes a
   // fresh one.
+  // Tests: the budget of address space of the private pools alive (kPrivateRangeBudget).
+  void SetPrivateRangeBudgetForTesting(size_t bytes) {
+    MutexLock lock(&private_mu_);
+    private_range_budget_ = bytes;
+  }
   absl::StatusOr<int64_t> UsePrivatePool(std::optional<Backend> backend, int device,
                                          uint64_t id0, uint64_t id1, absl::string_view options);
   // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
@@ -385,6 +390,7 @@ class ProcessState {
   };
   using PrivateKey = std::tuple<int, uint64_t, uint64_t>;
   Mutex private_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  size_t private_range_budget_ ABSL_GUARDED_BY(private_mu_) = kPrivateRangeBudget;
   std::map<PrivateKey, PrivateUse> private_ ABSL_GUARDED_BY(private_mu_);
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
   // Imports by buffer address (several imports of one buffer share an address), ordered by id

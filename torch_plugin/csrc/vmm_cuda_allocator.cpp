@@ -218,8 +218,10 @@ class VmmAllocator : public Pluggable {
       if (libvmm.empty_cache(-1) != 0) TORCH_WARN("vmm: empty_cache failed: ", libvmm.last_error());
     };
     memory_fraction_fn_ = [this](double fraction, int device) {
-      CheckOk(libvmm.set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
+      // Under mu_ with the libvmm call, as ApplyConfiguredFraction: the fraction set last is
+      // the one both keep.
       std::lock_guard<std::mutex> lock(mu_);
+      CheckOk(libvmm.set_memory_fraction(fraction, device), "set_per_process_memory_fraction");
       fractions_[device] = fraction;
       // Set by the program: the variable's fraction no longer applies to this GPU.
       if (device >= 0 && device < kFractionDevices) {
@@ -947,13 +949,14 @@ class VmmAllocator : public Pluggable {
     // allocator (its storage's pointer is null; Free ignores null).
     if (size == 0) return nullptr;
     RequireBound();
+    // The driver calls of a growth must not be captured (nor refused) when the stream
+    // captures a CUDA graph: as PyTorch's allocator does around cudaMalloc. (Setting the
+    // configured fraction may ask the driver for the GPU's memory too.)
+    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     if (C10_UNLIKELY(device < 0 || device >= kFractionDevices ||
                      !fraction_read_[device].load(std::memory_order_acquire))) {
       ApplyConfiguredFraction(device);
     }
-    // The driver calls of a growth must not be captured (nor refused) when the stream
-    // captures a CUDA graph: as PyTorch's allocator does around cudaMalloc.
-    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
     MempoolId_t pool_id{0, 0};
     void* ptr = nullptr;
     void* const pool_stream = vmm_torch::PoolStream(stream, device);
@@ -1004,19 +1007,17 @@ class VmmAllocator : public Pluggable {
     if (device < 0 || device >= kFractionDevices) return;
     std::atomic<bool>& read = fraction_read_[device];
     if (read.load(std::memory_order_acquire)) return;
+    // Read outside mu_: the first read parses the variable through PyTorch.
     const double fraction = own_pools_only_ ? 1.0 : ConfiguredFraction();
     if (fraction != 1.0) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (fractions_.count(device) != 0) {  // the program's, set meanwhile
-          read.store(true, std::memory_order_release);
-          return;
-        }
-      }
-      CheckOk(libvmm.set_memory_fraction(fraction, device),
-              "per_process_memory_fraction of PYTORCH_CUDA_ALLOC_CONF");
+      // Under mu_ with the libvmm call, as memory_fraction_fn_: a fraction the program sets
+      // meanwhile is either seen here or set after this one.
       std::lock_guard<std::mutex> lock(mu_);
-      fractions_.emplace(device, fraction);
+      if (fractions_.count(device) == 0) {
+        CheckOk(libvmm.set_memory_fraction(fraction, device),
+                "per_process_memory_fraction of PYTORCH_CUDA_ALLOC_CONF");
+        fractions_.emplace(device, fraction);
+      }
     }
     read.store(true, std::memory_order_release);
   }
