@@ -155,13 +155,13 @@ class ProcessState {
   // `options` applied on top; returns its id. A later use returns the same id (`backend` and
   // `options` ignored). A pool made before a fork() is not this process's: the child makes a
   // fresh one.
+  absl::StatusOr<int64_t> UsePrivatePool(std::optional<Backend> backend, int device,
+                                         uint64_t id0, uint64_t id1, absl::string_view options);
   // Tests: the budget of address space of the private pools alive (kPrivateRangeBudget).
   void SetPrivateRangeBudgetForTesting(size_t bytes) {
     MutexLock lock(&private_mu_);
     private_range_budget_ = bytes;
   }
-  absl::StatusOr<int64_t> UsePrivatePool(std::optional<Backend> backend, int device,
-                                         uint64_t id0, uint64_t id1, absl::string_view options);
   // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
   // what is cached (errors are logged) and closes; a later UsePrivatePool of the same MempoolId
   // makes a fresh pool. NotFound for an unknown one.
