@@ -851,14 +851,15 @@ TEST(ProcessStateCloseTest, ALargeImportIsClosedAtOnceASmallOneOnTheClosingThrea
 }
 
 // Private pools (a CUDA graph or a MemPool each) take 2.75 times the GPU's memory of address
-// space apiece until those alive hold the budget (kPrivateRangeBudget; here three pools' worth);
-// later ones get a quarter of the GPU's memory, which serves what fits it, so that hundreds of
-// them leave the process address space. Released, they count no more.
+// space apiece until the explicit and private pools alive hold the budget (kPoolRangeBudget;
+// here three pools' worth); later ones get a quarter of the GPU's memory, which serves what
+// fits it, and explicit pools the range of a pool without pages, so that hundreds of them
+// leave the process address space. Released, they count no more.
 TEST_F(ProcessStateTest, PrivatePoolsPastTheirAddressSpaceBudgetStartSmaller) {
   absl::StatusOr<PrivateEntry> first = UsePrivateHostPool(7000, 1);
   ASSERT_TRUE(first.ok()) << first.status();
   const size_t full = first->entry->pool->reserved_range();
-  state_.SetPrivateRangeBudgetForTesting(3 * full - 1);
+  state_.SetPoolRangeBudgetForTesting(3 * full - 1);
   std::vector<uint64_t> made = {7000};
   for (uint64_t id0 = 7001; id0 < 7003; ++id0) {
     absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(id0, 1);
@@ -883,8 +884,17 @@ TEST_F(ProcessStateTest, PrivatePoolsPastTheirAddressSpaceBudgetStartSmaller) {
   ASSERT_TRUE(small.ok()) << small.status();
   EXPECT_TRUE(late->entry->pool->Free(*big).ok());
   EXPECT_TRUE(late->entry->pool->Free(*small).ok());
+  // An explicit pool made now (past the budget) gets twice the GPU's memory and a small arena
+  // of its memory (2.75 times), not the paged default of 32.75 times, and counts too.
+  absl::StatusOr<int64_t> explicit_pool = state_.CreatePool(Backend::kHost, 0, "");
+  ASSERT_TRUE(explicit_pool.ok()) << explicit_pool.status();
+  absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> entry =
+      state_.FindPool(*explicit_pool);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  EXPECT_EQ((*entry)->pool->reserved_range(), full);
+  ASSERT_TRUE(state_.ClosePool(*explicit_pool).ok());
   for (uint64_t id0 : made) ASSERT_TRUE(state_.ReleasePrivatePool(0, id0, 1).ok());
-  state_.SetPrivateRangeBudgetForTesting(ProcessState::kPrivateRangeBudget);
+  state_.SetPoolRangeBudgetForTesting(ProcessState::kPoolRangeBudget);
 }
 
 }  // namespace

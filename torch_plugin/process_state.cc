@@ -272,8 +272,23 @@ absl::StatusOr<int64_t> ProcessState::CreatePool(Backend backend, int device,
   if (device < 0) return BadDevice(device);
   VMM_ASSIGN_OR_RETURN(Driver * driver, DriverFor(backend));
   options.device = device;
+  if (options.reserve_size == 0 && PastPoolRangeBudget()) {
+    // Past the budget, the range of a pool that never moves pages (twice the GPU's memory,
+    // and its memory for the small arena), which grows where the address space after it is
+    // free, rather than the paged default of 32.75 times.
+    VMM_ASSIGN_OR_RETURN(MemInfo info, driver->GetMemInfo(device));
+    options.reserve_size = info.total > kMaxOptionBytes / 2 ? kMaxOptionBytes : 2 * info.total;
+    options.range_grows = true;
+  }
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
   return Register(std::move(pool), /*is_private=*/false, 0, 0)->id;
+}
+
+bool ProcessState::PastPoolRangeBudget() {
+  MutexLock lock(&mu_);
+  size_t held = 0;
+  for (const auto& [id, entry] : explicit_) held += entry->pool->reserved_range();
+  return held > pool_range_budget_;
 }
 
 std::shared_ptr<ProcessState::ExplicitPool> ProcessState::Register(std::unique_ptr<Pool> pool,
@@ -405,15 +420,13 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
     options.reserve_size =
         info.total > kMaxOptionBytes / 2 ? kMaxOptionBytes : 2 * info.total;  // as Pool::Init
     options.range_grows = true;
-    // Past the budget (kPrivateRangeBudget) held by the private pools alive, a quarter of the
-    // GPU's memory, which does not grow (a pool's range may grow only into the address space
-    // right after it, which the next pool's mostly takes): hundreds of full ranges took the
-    // process's address space, which the host's own memory mappings share (400 pools of an
-    // H100 asked for 88 TB, run DU). Such a pool holds at most seven eighths of that in
+    // Past the budget of the explicit and private pools alive (kPoolRangeBudget), a quarter
+    // of the GPU's memory, which does not grow (a pool's range may grow only into the address
+    // space right after it, which the next pool's mostly takes): hundreds of full ranges took
+    // the process's address space, which the host's own memory mappings share (400 pools of
+    // an H100 asked for 88 TB, run DU). Such a pool holds at most seven eighths of that in
     // blocks above small_size, and an eighth of it in smaller ones.
-    size_t held = 0;
-    for (const auto& [other, use] : private_) held += use.entry->pool->reserved_range();
-    if (held > private_range_budget_) {
+    if (PastPoolRangeBudget()) {
       options.reserve_size = std::max(static_cast<size_t>(info.total / 4), kLeastGrowingRange);
       options.range_grows = false;
     }

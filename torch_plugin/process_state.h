@@ -79,9 +79,11 @@ namespace vmm {
 class ProcessState {
  public:
   static constexpr int kMaxDevices = 64;
-  // The address space the private pools alive may hold before a new one is made with a range
-  // of a quarter of the GPU's memory, which does not grow (UsePrivatePool).
-  static constexpr size_t kPrivateRangeBudget = size_t{32} << 40;
+  // The address space the explicit and private pools alive (not the device pools) may hold
+  // before a new one is made with a smaller default range: a private pool a quarter of the
+  // GPU's memory, which does not grow (UsePrivatePool); an explicit one twice the GPU's
+  // memory, which grows where it can, rather than the paged default (CreatePool).
+  static constexpr size_t kPoolRangeBudget = size_t{32} << 40;
 
   // A pool made by CreatePool or UsePrivatePool: it lives until it is closed and its last
   // block is freed.
@@ -135,7 +137,8 @@ class ProcessState {
 
   // --- Explicit pools -----------------------------------------------------------------------
   // Creates a pool on `backend`'s `device` (the host backend has one device unless
-  // VMM_HOST_DEVICES says more). Returns its id (> 0).
+  // VMM_HOST_DEVICES says more). Returns its id (> 0). Past kPoolRangeBudget, one without
+  // a reserve_size gets twice the GPU's memory of address space, which grows where it can.
   absl::StatusOr<int64_t> CreatePool(Backend backend, int device, absl::string_view options);
   // Closes pool `id`; it is destroyed now if no block of it is live, else with its last one.
   absl::Status ClosePool(int64_t id);
@@ -157,10 +160,10 @@ class ProcessState {
   // fresh one.
   absl::StatusOr<int64_t> UsePrivatePool(std::optional<Backend> backend, int device,
                                          uint64_t id0, uint64_t id1, absl::string_view options);
-  // Tests: the budget of address space of the private pools alive (kPrivateRangeBudget).
-  void SetPrivateRangeBudgetForTesting(size_t bytes) {
-    MutexLock lock(&private_mu_);
-    private_range_budget_ = bytes;
+  // Tests: the budget of address space of the explicit and private pools (kPoolRangeBudget).
+  void SetPoolRangeBudgetForTesting(size_t bytes) {
+    MutexLock lock(&mu_);
+    pool_range_budget_ = bytes;
   }
   // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
   // what is cached (errors are logged) and closes; a later UsePrivatePool of the same MempoolId
@@ -335,6 +338,9 @@ class ProcessState {
   // Makes `pool` (the device pool or a private pool of `device`) count against the cap of
   // its GPU, whose limit follows the fraction set for the device (measured by the pool's driver).
   absl::Status ShareCapLocked(int device, Pool& pool) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether the explicit and private pools alive hold more address space than
+  // pool_range_budget_ (kPoolRangeBudget).
+  bool PastPoolRangeBudget() ABSL_LOCKS_EXCLUDED(mu_);
   // The open pool `id` (explicit or private), or InvalidArgument.
   absl::StatusOr<std::shared_ptr<ExplicitPool>> FindOpenLocked(int64_t id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -379,6 +385,7 @@ class ProcessState {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
+  size_t pool_range_budget_ ABSL_GUARDED_BY(mu_) = kPoolRangeBudget;
   // The same pools by the start of their reserved range, for Owner: a scan of explicit_ made
   // every free and record_stream cost a pass over all pools (a program with a thousand graph
   // pools: 15 µs an allocation and free).
@@ -390,7 +397,6 @@ class ProcessState {
   };
   using PrivateKey = std::tuple<int, uint64_t, uint64_t>;
   Mutex private_mu_ ABSL_ACQUIRED_BEFORE(mu_);
-  size_t private_range_budget_ ABSL_GUARDED_BY(private_mu_) = kPrivateRangeBudget;
   std::map<PrivateKey, PrivateUse> private_ ABSL_GUARDED_BY(private_mu_);
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
   // Imports by buffer address (several imports of one buffer share an address), ordered by id
