@@ -24,23 +24,18 @@ import collections
 import gc
 
 import torch
-from dropin_report import report
+from dropin_report import gpu_trace_api, report
 
 MIB = 1 << 20
 
 
 def main():
     errors = []
-    try:
-        import torch.cuda._gpu_trace as gpu_trace
-    except ImportError:
-        gpu_trace = None
-    activate = getattr(torch._C, "_activate_gpu_trace", None)
-    if gpu_trace is None or activate is None or not hasattr(
-            gpu_trace, "register_callback_for_memory_allocation"):
-        print("this torch has no GPU trace API; nothing checked")
+    api = gpu_trace_api()
+    if api is None:
         report(errors)
         return
+    gpu_trace, activate = api
     torch.empty(1, device="cuda")
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

@@ -30,7 +30,8 @@ import random
 import threading
 
 import torch
-from dropin_report import mlp_and_input, python_worker, report, threaded_backward
+from dropin_report import (gpu_trace_api, mlp_and_input, python_worker, report,
+                           threaded_backward)
 
 MIB = 1 << 20
 RUN_S = 3.0
@@ -101,16 +102,11 @@ def threaded_workload(errors):
 def main():
     faulthandler.dump_traceback_later(50, exit=True)
     errors = []
-    try:
-        import torch.cuda._gpu_trace as gpu_trace
-    except ImportError:
-        gpu_trace = None
-    activate = getattr(torch._C, "_activate_gpu_trace", None)
-    if gpu_trace is None or activate is None or not hasattr(
-            gpu_trace, "register_callback_for_memory_allocation"):
-        print("this torch has no GPU trace API; nothing checked")
+    api = gpu_trace_api()
+    if api is None:
         report(errors)
         return
+    gpu_trace, activate = api
     # Everything lazily made (kernels, cuBLAS workspaces, the model's first pass) first.
     once = threading.Event()
     once.set()

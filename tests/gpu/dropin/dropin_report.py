@@ -190,3 +190,19 @@ def mlp_and_input():
     for _ in range(6):
         layers += [torch.nn.Linear(1024, 1024), torch.nn.GELU()]
     return torch.nn.Sequential(*layers).cuda(), torch.randn(256, 1024, device="cuda")
+
+
+def gpu_trace_api():
+    """(torch.cuda._gpu_trace, torch._C._activate_gpu_trace) where this torch has the GPU
+    trace's memory callbacks, else None (after saying so: the case then checks nothing)."""
+    import torch
+    try:
+        import torch.cuda._gpu_trace as gpu_trace
+    except ImportError:
+        gpu_trace = None
+    activate = getattr(torch._C, "_activate_gpu_trace", None)
+    if gpu_trace is None or activate is None or not hasattr(
+            gpu_trace, "register_callback_for_memory_allocation"):
+        print("this torch has no GPU trace API; nothing checked")
+        return None
+    return gpu_trace, activate
