@@ -14,14 +14,22 @@ everything is gone and empty_cache() ran, memory_allocated() is back at its base
 
 Why vmm may differ: vmm gives each private pool a virtual address range of its own, 2.75
 times the GPU's memory (process_state.cc UsePrivatePool: twice for the large arena, once for
-the small one), reserved when the pool is first used; 400 pools ask for about 155 TB of
-address space on an H200 (88 TB on an H100), more than the 128 TiB a process has on an H200
-(600 of each made PyTorch's own allocator crash). A
-reservation the driver refuses must not fail a capture or an allocation that PyTorch's
-allocator serves from a 2 MiB segment, and the ranges of pools that are gone must come back.
+the small one), until the private and explicit pools alive hold 32 TiB of address space; past
+that a quarter of the GPU's memory (process_state.h kPoolRangeBudget; before it, 400 pools
+asked for 88 TB of address space on an H100). A reservation the driver refuses must not fail
+a capture or an allocation that PyTorch's allocator serves from a 2 MiB segment, and the
+ranges of pools that are gone must come back.
+
+Where each MemPool tensor lies is not checked here (case_api_nested_pool_contexts and others
+do, for a few pools): with torch 2.11, `MemPool.snapshot()` of some of these pools, then
+their deletion, made the next `torch.cuda.memory_stats()` crash the process (SIGSEGV) with
+PyTorch's own allocator (3 runs of 3 with the MemPools alone, about half the runs of the
+whole case), and with vmm alike (the crash once taken for vmm's, run DU); without those
+snapshots the case ran 3 of 3 with PyTorch's allocator and 4 of 4 with vmm on an H100 (run
+DX, docs/results/2026-12-05.md).
 """
 import torch
-from dropin_report import baseline, in_pool, memory_back, report, settle
+from dropin_report import baseline, memory_back, report, settle
 
 GRAPHS = 200
 POOLS = 200
@@ -55,7 +63,7 @@ def check_graphs(graphs, x, errors, when):
 
 
 def check_pools(pools, errors, when):
-    """Every MemPool tensor holds its value; a few lie in their own pool's segments."""
+    """Every MemPool tensor holds its value (each was written in its own pool)."""
     if not pools:
         return
     vals = torch.tensor([float(v) for v, _, _ in pools], device="cuda").unsqueeze(1)
@@ -63,10 +71,6 @@ def check_pools(pools, errors, when):
     if not torch.equal(got, vals.expand(-1, N)):
         bad = (got != vals).any(dim=1).nonzero().flatten().tolist()
         errors.append(f"{when}: {len(bad)} of {len(pools)} MemPool tensors lost their values")
-    for i in (0, len(pools) // 2, len(pools) - 1):
-        v, pool, t = pools[i]
-        if not in_pool(pool, t):
-            errors.append(f"{when}: the tensor of MemPool {v} lies in none of its segments")
 
 
 def make_graphs(x, ks, graphs, errors, when):
