@@ -9,7 +9,8 @@ With PyTorch's allocator a private pool costs only the segments it holds: each g
 holds one 2 MiB segment of small blocks (its temporary and its output), each MemPool one, so
 the 400 pools take about 0.8 GiB of the GPU and nothing else; every graph replays into its
 own output (x * k + 1 for its own k, with the shared static input refilled between
-replays), every MemPool tensor keeps its value and lies in its own pool's segments, and once
+replays), every MemPool tensor keeps its value (and lies in its own pool's segments, not
+checked here, below), and once
 everything is gone and empty_cache() ran, memory_allocated() is back at its baseline.
 
 Why vmm may differ: vmm gives each private pool a virtual address range of its own, 2.75
@@ -21,8 +22,8 @@ a capture or an allocation that PyTorch's allocator serves from a 2 MiB segment,
 ranges of pools that are gone must come back.
 
 Where each MemPool tensor lies is not checked here (case_api_nested_pool_contexts and others
-do, for a few pools): with torch 2.11, `MemPool.snapshot()` of some of these pools, then
-their deletion, made the next `torch.cuda.memory_stats()` crash the process (SIGSEGV) with
+do, for a few pools): with torch 2.11, `MemPool.snapshot()` of a few of these pools made a
+later `torch.cuda.memory_stats()` crash the process (SIGSEGV) with
 PyTorch's own allocator (3 runs of 3 with the MemPools alone, about half the runs of the
 whole case), and with vmm alike (the crash once taken for vmm's, run DU); without those
 snapshots the case ran 3 of 3 with PyTorch's allocator and 4 of 4 with vmm on an H100 (run
