@@ -274,9 +274,12 @@ absl::Status Pool::Init() {
   const size_t small = layout.small;
   const bool grows = auto_range || options_.range_grows;
   // A range that grows serves up to the GPU's memory past its first size (ExtendRange),
-  // as far as the most address space it may reach.
+  // as far as the most address space it may reach; one that does not, what its large arena
+  // holds (requests up to small_size fit the small arena, which is at least that long).
   max_request_ = grows ? std::min(info.total, kMaxOptionBytes - std::min(kMaxOptionBytes, small))
-                       : std::min(layout.size, info.total);
+                       : std::min(std::max(layout.size - small, options_.small_size), info.total);
+  range_bounds_requests_ = !grows && max_request_ < info.total;
+  device_total_ = info.total;
   base_ = static_cast<uintptr_t>(*base);
   range_end_.store(base_ + layout.size, std::memory_order_release);
   // Allocated blocks of the large arena are larger than small_size, or alone in a chunk, so
@@ -424,11 +427,16 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   if (size > max_request_) {
     ++stats_.num_ooms;  // no memory for it, ever (pool.h)
     VMM_RETURN_IF_ERROR(CheckRequestSize(size));
+    if (range_bounds_requests_ && size <= device_total_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "out of memory: requested ", size, " bytes (", RequestBytes(size), ") on ",
+          driver_->Name(), " device ", options_.device, ", more than the pool's address range ",
+          "holds (", FormatBytes(max_request_), "), which does not grow; ", Summary()));
+    }
+    const size_t device_bound = range_bounds_requests_ ? device_total_ : max_request_;
     return absl::InvalidArgumentError(absl::StrCat(
-        "requested ", size, " bytes (", RequestBytes(size), "), more than ",
-        !range_grows_ && size > reserve_size_ ? "the pool's whole address range ("
-                                              : "the whole memory of the device (",
-        FormatBytes(max_request_), ")"));
+        "requested ", size, " bytes (", RequestBytes(size),
+        "), more than the whole memory of the device (", FormatBytes(device_bound), ")"));
   }
   const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
   if (reclaim_.fences() > 0) {

@@ -140,6 +140,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -221,8 +222,12 @@ class Pool {
   // Returns at least `size` bytes (512-byte aligned) usable on `stream`. ResourceExhausted when
   // the memory cannot be found even after releasing the cache. InvalidArgument, before anything
   // is reclaimed, trimmed or mapped, for a request no state of the pool could serve: more than
-  // the whole memory of the device or the pool's whole address range (CheckRequestSize too).
-  // Both count in num_ooms, as PyTorch counts every allocation that found no memory.
+  // the whole memory of the device (CheckRequestSize too); ResourceExhausted, as early, for
+  // one within the device's memory but past what the range of a pool whose range does not
+  // grow holds (its large arena, at least small_size: an explicit reserve_size below the
+  // device's memory, a private pool past its process's budget of address space; PyTorch's
+  // allocator would call it out of memory). All count in num_ooms, as PyTorch counts every
+  // allocation that found no memory.
   absl::StatusOr<void*> Allocate(size_t size, Stream stream);
   // Like Allocate, in chunks of its own that no other block shares, ready to export.
   // FailedPrecondition when the pool's memory is not exportable.
@@ -309,6 +314,11 @@ class Pool {
   std::vector<BlockInfo> LiveBlocks() const;
 
   PoolStats GetStats() const;
+  // The figures of a pool about to be destroyed, fixed: GetStats returns them from now on
+  // (what its owner keeps of them once it is gone, and what readers still holding it see, are
+  // then the same; a sweep's EmptyCache on it meanwhile changes neither). Once only: later
+  // calls return the same figures.
+  PoolStats FreezeStats();
   void ResetPeakStats();
   void ResetAccumulatedStats();
   Snapshot GetSnapshot() const;
@@ -555,8 +565,12 @@ class Pool {
   size_t range_step_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Status range_refused_ ABSL_GUARDED_BY(mu_);
   // The largest request the pool could ever serve: the smaller of the whole memory of the device
-  // and the pool's address range, or the most it may grow to where it grows (set by Init).
+  // and what its range holds (its large arena, at least small_size), or the most it may grow
+  // to where it grows (set by Init); and whether the range bounds it below the device's
+  // memory (a request past it but within the device is then out of memory in this pool).
   size_t max_request_ = 0;
+  bool range_bounds_requests_ = false;
+  size_t device_total_ = 0;  // the device's whole memory (set by Init)
 
   mutable Mutex mu_;
   Arena small_ ABSL_GUARDED_BY(mu_);
@@ -606,6 +620,7 @@ class Pool {
   // (UpdateDerivedStats) from allocated and the Pending figures, of the pool (pending_) and
   // of each arena (arena_pending_).
   PoolStats stats_ ABSL_GUARDED_BY(mu_);
+  std::optional<PoolStats> frozen_stats_ ABSL_GUARDED_BY(mu_);  // FreezeStats
   Pending pending_ ABSL_GUARDED_BY(mu_);
   Pending arena_pending_[kNumArenas] ABSL_GUARDED_BY(mu_);
   // mu_ held across fork() (fork_guard.h, ForkLevel::kPool), so that a forked child that frees

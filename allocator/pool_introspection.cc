@@ -85,8 +85,19 @@ void Pool::UpdateDerivedStats(PoolStats& stats) const {
       free_bytes == 0 ? 0.0 : 1.0 - static_cast<double>(largest) / static_cast<double>(free_bytes);
 }
 
+PoolStats Pool::FreezeStats() {
+  MutexLock lock(&mu_);
+  if (!frozen_stats_.has_value()) {
+    PoolStats stats = stats_;
+    UpdateDerivedStats(stats);
+    frozen_stats_ = stats;
+  }
+  return *frozen_stats_;
+}
+
 PoolStats Pool::GetStats() const {
   MutexLock lock(&mu_);
+  if (frozen_stats_.has_value()) return *frozen_stats_;
   PoolStats stats = stats_;
   UpdateDerivedStats(stats);
   return stats;
@@ -116,6 +127,7 @@ void Pool::ResetPeakStats() {
 void Pool::ResetAccumulatedStats() {
   MutexLock lock(&mu_);
   ResetAccumulated(stats_);
+  if (frozen_stats_.has_value()) ResetAccumulated(*frozen_stats_);
   for (int a = 0; a < kNumArenas; ++a) arenas_[a]->ResetFreeStatAccumulated();
   for (Pending* p : {&pending_, &arena_pending_[kSmallArena], &arena_pending_[kLargeArena]}) {
     p->bytes_at_reset = p->bytes;

@@ -140,8 +140,10 @@ inline void ResetAccumulated(PoolStats& stats) {
 }
 
 // What a pool that is gone leaves in its GPU's statistics (PyTorch's totals never fall): its
-// cumulative figures, what it still held counted as freed, and its counters; nothing current
-// and no peak (the GPU's byte peaks are kept apart: device_cap.h).
+// cumulative figures, what it still held counted as freed, and its counters, with the
+// releases of its teardown (~Pool unmaps and releases each chunk it still holds: one
+// segment each); nothing current and no peak (the GPU's byte peaks are kept apart:
+// device_cap.h).
 inline PoolStats RetiredStats(const PoolStats& pool) {
   PoolStats out;
   auto retire = [](const Stat& s, Stat& t) {
@@ -160,6 +162,10 @@ inline PoolStats RetiredStats(const PoolStats& pool) {
 #define VMM_RETIRE_COUNTER(name, key, what) out.name = pool.name;
   VMM_COUNTERS(VMM_RETIRE_COUNTER)
 #undef VMM_RETIRE_COUNTER
+  const int64_t chunks = pool.segment.current;
+  out.num_device_free += chunks;
+  out.driver_unmap += chunks;
+  out.driver_release += chunks;
   return out;
 }
 

@@ -337,25 +337,40 @@ TEST_F(PoolTest, CreationOnAFullDeviceFailsRatherThanChoosingNoSharing) {
   EXPECT_EQ(pool->handle_type(), HandleType::kFabric);
 }
 
-// A request no state of the pool could serve is bad input, refused before the cache is trimmed
-// or anything is reserved or mapped; it counts in num_ooms, as in PyTorch.
+// A request no state of the pool could serve is refused before the cache is trimmed or
+// anything is reserved or mapped, and counts in num_ooms, as in PyTorch: bad input past the
+// device's whole memory; out of memory in this pool past what a range that does not grow
+// holds (its large arena) but within the device's memory, which only a GPU shows here.
 TEST_F(PoolTest, ARequestNoDeviceCouldHoldIsInvalidAndTouchesNothing) {
   auto pool = MakePool();  // 1 GiB of address range
   void* cached = Alloc(*pool, 8 * kMiB);
   ASSERT_OK(pool->Free(cached));
   const int64_t reserved = pool->GetStats().reserved_bytes.current;
-  std::vector<size_t> sizes = {size_t{1} << 47, (size_t{1} << 47) + 1, SIZE_MAX, 2048 * kMiB};
-  if (!on_cuda_) sizes.push_back(512 * kMiB);  // inside the range, past the 256 MiB device
-  for (size_t size : sizes) {
+  std::vector<size_t> invalid = {size_t{1} << 47, (size_t{1} << 47) + 1, SIZE_MAX};
+  std::vector<size_t> past_range;
+  if (on_cuda_) {
+    past_range = {2048 * kMiB, 1024 * kMiB - kMiB};  // the latter inside the range
+  } else {
+    invalid.push_back(2048 * kMiB);
+    invalid.push_back(512 * kMiB);  // inside the range, past the 256 MiB device
+  }
+  for (size_t size : invalid) {
     SCOPED_TRACE(size);
     EXPECT_THAT(pool->Allocate(size, 0),
                 StatusIs(absl::StatusCode::kInvalidArgument, HasSubstr("more than")));
     EXPECT_THAT(pool->AllocateShareable(size, 0), StatusIs(absl::StatusCode::kInvalidArgument));
   }
+  for (size_t size : past_range) {
+    SCOPED_TRACE(size);
+    EXPECT_THAT(pool->Allocate(size, 0), StatusIs(absl::StatusCode::kResourceExhausted,
+                                                  HasSubstr("address range holds")));
+    EXPECT_THAT(pool->AllocateShareable(size, 0),
+                StatusIs(absl::StatusCode::kResourceExhausted));
+  }
   EXPECT_THAT(CheckRequestSize(size_t{1} << 47), StatusIs(absl::StatusCode::kInvalidArgument));
   EXPECT_OK(CheckRequestSize((size_t{1} << 47) - 1));
   PoolStats s = pool->GetStats();
-  EXPECT_EQ(s.num_ooms, static_cast<int64_t>(2 * sizes.size()));
+  EXPECT_EQ(s.num_ooms, static_cast<int64_t>(2 * (invalid.size() + past_range.size())));
   EXPECT_EQ(s.num_alloc_retries, 0);
   EXPECT_EQ(s.reserved_bytes.current, reserved) << "the cache was trimmed for it";
   EXPECT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();

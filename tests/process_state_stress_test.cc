@@ -7,13 +7,17 @@
 // was destroyed.
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "allocator/descriptor.h"
+#include "allocator/mutex.h"
 #include "gtest/gtest.h"
 #include "torch_plugin/process_state.h"
 
@@ -104,6 +108,118 @@ TEST(ProcessStateStressTest, ProcessWideCallsRaceWithPoolsComingAndGoing) {
   EXPECT_GT(sweeps.load(), 3);
   EXPECT_TRUE(state.AllPools().empty()) << "every closed pool went with its last block";
   EXPECT_EQ(state.import_count(), 0u);
+}
+
+// A GPU's cumulative statistics never fall (PyTorch's do not), while private pools are used,
+// grown, released (some with live blocks, freed then by another thread, racing the release's
+// EmptyCache) and destroyed in three threads, the device pool churns in a fourth and a fifth
+// reads the statistics. A pool destroyed between the reader's
+// list of pools and its read of the totals of pools that are gone was counted in neither or
+// in both (an exhaustive reader saw 214 to 228 falls in 8 s).
+TEST(ProcessStateStressTest, CumulativeStatisticsNeverFallWhilePrivatePoolsComeAndGo) {
+  setenv("VMM_BACKEND", "host", 1);  // the device pool on the private pools' backend
+  ProcessState state;
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0};
+  std::atomic<int64_t> cycles{0}, reads{0}, falls{0};
+  Mutex handed_mu;
+  std::vector<void*> handed;  // blocks of released pools, for the freeing thread
+  std::atomic<bool> pools_done{false};
+  auto freer = [&] {
+    for (bool last = false; !last;) {
+      last = pools_done.load();
+      std::vector<void*> blocks;
+      {
+        MutexLock lock(&handed_mu);
+        blocks.swap(handed);
+      }
+      for (void* b : blocks) {
+        if (!state.FreeBlock(b).ok()) failures.fetch_add(1);  // the pool goes with the last
+      }
+    }
+  };
+  auto private_pools = [&](unsigned seed) {
+    std::mt19937 rng(seed);
+    for (uint64_t n = 0; !stop.load(); ++n) {
+      const uint64_t key = 1000 * (seed + 1) + n % 7;
+      absl::StatusOr<int64_t> id = state.UsePrivatePool(Backend::kHost, 0, key, 9, "");
+      if (!id.ok()) {
+        failures.fetch_add(1);
+        continue;
+      }
+      std::vector<void*> blocks;
+      for (int i = 0; i < 3; ++i) {
+        const size_t size = rng() % 2 ? 4096 : (1 + rng() % 4) * kMiB;
+        absl::StatusOr<void*> p = state.PoolAllocate(*id, size, 0, /*shareable=*/false);
+        if (p.ok()) {
+          blocks.push_back(*p);
+        } else {
+          failures.fetch_add(1);
+        }
+      }
+      const bool free_first = rng() % 2;
+      for (void* b : free_first ? blocks : std::vector<void*>{}) {
+        if (!state.FreeBlock(b).ok()) failures.fetch_add(1);
+      }
+      if (!state.ReleasePrivatePool(0, key, 9).ok()) failures.fetch_add(1);
+      if (!free_first) {
+        MutexLock lock(&handed_mu);
+        handed.insert(handed.end(), blocks.begin(), blocks.end());
+      }
+      cycles.fetch_add(1);
+    }
+  };
+  auto device_pool = [&] {
+    std::mt19937 rng(77);
+    while (!stop.load()) {
+      absl::StatusOr<void*> p = state.DeviceAllocate(0, (1 + rng() % 8) * kMiB, 0);
+      if (!p.ok() || !state.FreeBlock(*p).ok()) failures.fetch_add(1);
+    }
+  };
+  std::string first_fall;
+  auto reader = [&] {
+    PoolStats last = state.DeviceStats(0);
+    while (!stop.load()) {
+      const PoolStats now = state.DeviceStats(0);
+      reads.fetch_add(1);
+      std::string why;
+      auto check = [&](const char* name, int64_t before, int64_t after) {
+        if (after < before) absl::StrAppend(&why, name, " ", before, " -> ", after, "; ");
+      };
+      check("allocation.allocated", last.allocation.allocated, now.allocation.allocated);
+      check("allocation.freed", last.allocation.freed, now.allocation.freed);
+      check("allocated_bytes.allocated", last.allocated_bytes.allocated,
+            now.allocated_bytes.allocated);
+      check("allocated_bytes.freed", last.allocated_bytes.freed, now.allocated_bytes.freed);
+      check("segment.allocated", last.segment.allocated, now.segment.allocated);
+      check("segment.freed", last.segment.freed, now.segment.freed);
+      check("num_device_alloc", last.num_device_alloc, now.num_device_alloc);
+      check("num_device_free", last.num_device_free, now.num_device_free);
+      check("driver_calls.release", last.driver_release, now.driver_release);
+      check("num_sync_all_streams", last.num_sync_all_streams, now.num_sync_all_streams);
+      if (!why.empty() && falls.fetch_add(1) == 0) first_fall = why;
+      last = now;
+    }
+  };
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < 3; ++t) threads.emplace_back(private_pools, t);
+  threads.emplace_back(device_pool);
+  threads.emplace_back(reader);
+  std::thread freeing(freer);
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  stop.store(true);
+  for (std::thread& t : threads) t.join();
+  pools_done.store(true);  // the freeing thread frees what they handed it last, then ends
+  freeing.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(cycles.load(), 10);
+  EXPECT_GT(reads.load(), 100);
+  EXPECT_EQ(falls.load(), 0) << "first: " << first_fall;
+  // Every pool gone and the device pool's blocks freed: only its cache is left.
+  const PoolStats end = state.DeviceStats(0);
+  unsetenv("VMM_BACKEND");
+  EXPECT_EQ(end.allocated_bytes.current, 0);
+  EXPECT_EQ(end.segment.current, state.DevicePoolIfAny(0)->GetStats().segment.current);
 }
 
 }  // namespace

@@ -2,8 +2,13 @@
 // host backend. Each test uses a ProcessState of its own.
 #include "torch_plugin/process_state.h"
 
-#include <cstring>
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -21,6 +26,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/hold_journal.h"
+#include "tests/sanitizers.h"
 
 namespace vmm {
 namespace {
@@ -312,6 +318,41 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
   EXPECT_EQ(*left, 0);
   EXPECT_TRUE(state_.AllPools().empty());
   EXPECT_EQ(state_.ReleasePrivatePool(0, 5, 6).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A private pool that is gone leaves its totals in its GPU's statistics, the releases of its
+// teardown included (its chunks go with it, after its figures were taken): a GPU's
+// num_device_free and driver calls of release catch up with its growths, whether the pool
+// went at its release or with its last block.
+TEST_F(ProcessStateTest, AGonePrivatePoolLeavesItsReleasesInItsGpusStatistics) {
+  setenv("VMM_BACKEND", "host", 1);  // the GPU's statistics on the private pools' backend
+  const PoolStats before = state_.DeviceStats(0);
+  for (bool free_first : {true, false}) {
+    SCOPED_TRACE(free_first ? "freed, then released" : "released, then freed");
+    absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(9100 + free_first, 1);
+    ASSERT_TRUE(use.ok()) << use.status();
+    absl::StatusOr<void*> p = state_.PoolAllocate(use->id, 8 * kMiB, 0, false);
+    ASSERT_TRUE(p.ok()) << p.status();
+    use->entry.reset();
+    if (free_first) {
+      ASSERT_TRUE(state_.FreeBlock(*p).ok());
+    }
+    ASSERT_TRUE(state_.ReleasePrivatePool(0, 9100 + free_first, 1).ok());
+    if (!free_first) {
+      ASSERT_TRUE(state_.FreeBlock(*p).ok());
+    }
+  }
+  const PoolStats after = state_.DeviceStats(0);
+  unsetenv("VMM_BACKEND");
+  EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
+  EXPECT_EQ(after.segment.current, before.segment.current);
+  EXPECT_GE(after.num_device_alloc - before.num_device_alloc, 2);
+  EXPECT_EQ(after.num_device_free - before.num_device_free,
+            after.segment.allocated - before.segment.allocated);
+  EXPECT_EQ(after.driver_release - before.driver_release,
+            after.driver_create - before.driver_create);
+  EXPECT_EQ(after.segment.freed - before.segment.freed,
+            after.segment.allocated - before.segment.allocated);
 }
 
 // A private pool keeps its memory, so nothing in it moves: with pages it still reserves
@@ -884,6 +925,23 @@ TEST_F(ProcessStateTest, PrivatePoolsPastTheirAddressSpaceBudgetStartSmaller) {
   ASSERT_TRUE(small.ok()) << small.status();
   EXPECT_TRUE(late->entry->pool->Free(*big).ok());
   EXPECT_TRUE(late->entry->pool->Free(*small).ok());
+  // A request past what its range holds but within the GPU's memory is out of memory in this
+  // pool (PyTorch's allocator would serve it; torch.cuda.OutOfMemoryError, not a ValueError),
+  // refused before any retry; past the GPU's memory it is bad input, as in every pool.
+  Pool& late_pool = *late->entry->pool;
+  absl::StatusOr<MemInfo> info = late_pool.driver()->GetMemInfo(0);
+  ASSERT_TRUE(info.ok()) << info.status();
+  const size_t range = late_pool.reserved_range();
+  ASSERT_LT(range + kMiB, info->total);
+  const int64_t retries = late_pool.GetStats().num_alloc_retries;
+  for (size_t size : {range + kMiB, range - kMiB}) {  // the latter: past the large arena
+    absl::StatusOr<void*> past = late_pool.Allocate(size, 0);
+    EXPECT_EQ(past.status().code(), absl::StatusCode::kResourceExhausted) << past.status();
+    EXPECT_THAT(past.status().message(), HasSubstr("address range"));
+  }
+  EXPECT_EQ(late_pool.GetStats().num_alloc_retries, retries);
+  EXPECT_EQ(late_pool.Allocate(info->total + kMiB, 0).status().code(),
+            absl::StatusCode::kInvalidArgument);
   // An explicit pool made now (past the budget) gets twice the GPU's memory and a small arena
   // of its memory (2.75 times), not the paged default of 32.75 times, and counts too.
   absl::StatusOr<int64_t> explicit_pool = state_.CreatePool(Backend::kHost, 0, "");
@@ -895,6 +953,49 @@ TEST_F(ProcessStateTest, PrivatePoolsPastTheirAddressSpaceBudgetStartSmaller) {
   ASSERT_TRUE(state_.ClosePool(*explicit_pool).ok());
   for (uint64_t id0 : made) ASSERT_TRUE(state_.ReleasePrivatePool(0, id0, 1).ok());
   state_.SetPoolRangeBudgetForTesting(ProcessState::kPoolRangeBudget);
+}
+
+// Where the address space runs short (here a limit on the process's), a private pool past the
+// budget is still made, in a smaller range, as one within the budget is: the budget saves
+// address space and never costs a pool. In a child process (the limit is the whole
+// process's); not under the sanitizers, whose shadow memory such a limit would also bound.
+TEST_F(ProcessStateTest, APrivatePoolPastTheBudgetIsMadeWhereAddressSpaceRunsShort) {
+  if (VMM_UNDER_ASAN || VMM_UNDER_TSAN) {
+    GTEST_SKIP() << "a limit on the address space bounds the sanitizers' shadow memory too";
+  }
+  constexpr size_t kRoom = size_t{10} << 30;  // what the limit leaves above what is mapped
+  struct rlimit now;
+  ASSERT_EQ(getrlimit(RLIMIT_AS, &now), 0);
+  if (now.rlim_max != RLIM_INFINITY) GTEST_SKIP() << "the address space is limited already";
+  // The child's exit code: 0 made (the second pool in less than the quarter it asked for),
+  // 1 a pool refused, 2 no limit set, 3 a block refused, 4 the second pool's range not cut.
+  EXPECT_EXIT(
+      {
+        ProcessState state;
+        state.SetPoolRangeBudgetForTesting(0);  // every private pool after the first is past
+        size_t pages = 0;
+        std::ifstream("/proc/self/statm") >> pages;
+        struct rlimit limit;
+        limit.rlim_cur = limit.rlim_max =
+            pages * static_cast<size_t>(sysconf(_SC_PAGESIZE)) + kRoom;
+        if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(2);
+        for (uint64_t id0 : {1, 2}) {
+          absl::StatusOr<int64_t> id = state.UsePrivatePool(Backend::kHost, 0, id0, 1, "");
+          if (!id.ok()) {
+            fprintf(stderr, "pool %d: %s\n", static_cast<int>(id0),
+                    std::string(id.status().message()).c_str());
+            _exit(1);
+          }
+          absl::StatusOr<void*> p = state.PoolAllocate(*id, 4 * kMiB, 0, false);
+          if (!p.ok() || !state.FreeBlock(*p).ok()) _exit(3);
+          absl::StatusOr<std::shared_ptr<ProcessState::ExplicitPool>> entry = state.FindPool(*id);
+          if (!entry.ok()) _exit(1);
+          const size_t total = (*entry)->pool->driver()->GetMemInfo(0)->total;
+          if (id0 == 2 && (*entry)->pool->reserved_range() >= total / 4) _exit(4);
+        }
+        _exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

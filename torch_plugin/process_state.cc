@@ -6,6 +6,7 @@
 #include <iterator>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
@@ -332,6 +333,7 @@ void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
     *doomed = entry;
     explicit_.erase(entry->id);
     explicit_by_base_.erase(entry->pool->base());
+    if (entry->is_private) retiring_.push_back(entry);  // listed until Retire
   }
 }
 
@@ -410,6 +412,7 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   }
   VMM_ASSIGN_OR_RETURN(PoolOptions options, ParsePoolOptions(options_text, defaults));
   options.device = device;
+  std::vector<size_t> fallback_sizes;  // smaller ranges to ask where the first is refused
   if (options.reserve_size == 0) {
     // A private pool keeps its memory (nothing in it moves), so the wider range of a pool that
     // moves pages (pool_options.h reserve_size) would only take address space from the
@@ -425,13 +428,36 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
     // space right after it, which the next pool's mostly takes): hundreds of full ranges took
     // most of the process's address space, which the host's own memory mappings share (400 pools of
     // an H100 asked for 88 TB, run DU). Such a pool holds at most seven eighths of that in
-    // blocks above small_size, and an eighth of it in smaller ones.
+    // blocks above small_size, and an eighth of it in smaller ones. Where the driver refuses
+    // that much, an eighth, then a sixty-fourth, of it (at least kLeastGrowingRange), as a
+    // range that grows is asked (pool_options.h), rather than fail where a pool within the
+    // budget would be made.
     if (PastPoolRangeBudget()) {
       options.reserve_size = std::max(static_cast<size_t>(info.total / 4), kLeastGrowingRange);
       options.range_grows = false;
+      fallback_sizes = {std::max(options.reserve_size / 8, kLeastGrowingRange),
+                        std::max(options.reserve_size / 64, kLeastGrowingRange)};
     }
   }
-  VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> pool, CreateExportablePool(driver, options));
+  absl::StatusOr<std::unique_ptr<Pool>> made = CreateExportablePool(driver, options);
+  const absl::Status first = made.status();
+  const size_t first_size = options.reserve_size;
+  for (size_t smaller : fallback_sizes) {
+    // Refused as Pool::Init takes a refusal: out of memory, or a size taken for invalid.
+    const bool refused =
+        absl::IsResourceExhausted(made.status()) || absl::IsInvalidArgument(made.status());
+    if (made.ok() || !refused || smaller >= options.reserve_size) break;
+    options.reserve_size = smaller;
+    made = CreateExportablePool(driver, options);
+    if (made.ok()) {
+      LogWarningOnce("private-range",
+                     absl::StrCat("reserving ", FormatBytes(first_size),
+                                  " of address space for a private pool failed (",
+                                  first.message(), "); it reserved ", FormatBytes(smaller)));
+    }
+  }
+  if (!made.ok()) return first;  // why the range it should have had was refused
+  std::unique_ptr<Pool> pool = *std::move(made);
   pool->SetKeepMemory(true);
   if (device < kMaxDevices) {  // counts against the GPU's memory fraction with its pool
     MutexLock state_lock(&mu_);
@@ -489,7 +515,7 @@ absl::StatusOr<int64_t> ProcessState::FindPrivatePool(int device, uint64_t id0, 
   return it->second.entry->id;
 }
 
-std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device) {
+std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device, PoolStats* retired) {
   std::vector<PoolRef> out;
   Pool* device_pool = DevicePoolIfAny(device);
   // A device pool made before a fork is the parent's (abandoned at the child's first use).
@@ -502,24 +528,27 @@ std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device) {
     driver = *d;
   }
   MutexLock lock(&mu_);
-  for (auto& [id, e] : explicit_) {
+  auto add = [&](const std::shared_ptr<ExplicitPool>& e) {
     if (e->is_private && e->pool->device() == device && !e->pool->made_before_fork() &&
         (driver == nullptr || e->pool->driver() == driver)) {
       out.push_back(PoolRef{e->pool.get(), e});
     }
+  };
+  for (auto& [id, e] : explicit_) add(e);
+  for (const std::shared_ptr<ExplicitPool>& e : retiring_) add(e);
+  if (retired != nullptr && device >= 0 && device < kMaxDevices) {
+    AdoptForkLocked();
+    *retired = retired_[device];
   }
   return out;
 }
 
 PoolStats ProcessState::DeviceStats(int device) {
+  // The totals of private pools that are gone, read with the list of those alive: a pool is
+  // in one of the two (Retire), so no total falls.
   PoolStats total;
-  const std::vector<PoolRef> pools = DevicePools(device);
+  const std::vector<PoolRef> pools = DevicePools(device, &total);
   for (const PoolRef& p : pools) AddPoolStats(p.pool->GetStats(), total);
-  if (device >= 0 && device < kMaxDevices) {
-    MutexLock lock(&mu_);
-    AdoptForkLocked();
-    AddPoolStats(retired_[device], total);  // the totals of private pools that are gone
-  }
   // The sum of the pools' peaks counts each at its own high, and forgets a pool that is gone;
   // the cap's joint peak is the GPU's (pools of another backend than its device pool's do
   // not share it: ShareCapLocked).
@@ -575,6 +604,7 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
       doomed = std::move(it->second);
       explicit_.erase(it);
       explicit_by_base_.erase(entry->pool->base());
+      if (doomed->is_private) retiring_.push_back(doomed);  // listed until Retire
     }
   }
   Retire(doomed);
@@ -582,10 +612,17 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
 
 void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
   if (doomed == nullptr || !doomed->is_private) return;
+  // Outside mu_: the pool's lock may be held through a device synchronisation (a sweep's
+  // EmptyCache), which would hold every free of the process behind mu_.
+  const PoolStats stats = doomed->pool->FreezeStats();
+  MutexLock lock(&mu_);
+  // Off the list and into the totals at once: a reader of DevicePools counts the pool (its
+  // frozen figures, from now on) or its totals, never neither nor both.
+  if (auto it = std::find(retiring_.begin(), retiring_.end(), doomed); it != retiring_.end()) {
+    retiring_.erase(it);
+  }
   const int device = doomed->pool->device();
   if (device < 0 || device >= kMaxDevices) return;
-  const PoolStats stats = doomed->pool->GetStats();
-  MutexLock lock(&mu_);
   AdoptForkLocked();
   if (doomed->pool->made_before_fork()) return;  // the parent's, counted in the parent
   if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either

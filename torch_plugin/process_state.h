@@ -81,8 +81,9 @@ class ProcessState {
   static constexpr int kMaxDevices = 64;
   // The address space the explicit and private pools alive (not the device pools) may hold
   // before a new one is made with a smaller default range: a private pool a quarter of the
-  // GPU's memory, which does not grow (UsePrivatePool); an explicit one twice the GPU's
-  // memory, which grows where it can, rather than the paged default (CreatePool).
+  // GPU's memory, which does not grow (an eighth of that, then a sixty-fourth, where the
+  // driver refuses it; UsePrivatePool); an explicit one twice the GPU's memory, which grows
+  // where it can, rather than the paged default (CreatePool).
   static constexpr size_t kPoolRangeBudget = size_t{32} << 40;
 
   // A pool made by CreatePool or UsePrivatePool: it lives until it is closed and its last
@@ -177,7 +178,9 @@ class ProcessState {
   // --- Devices ------------------------------------------------------------------------------
   // The pools of `device`: its device pool (if any), then the private pools on it (open, or
   // closed with live blocks) of the same backend (the default one if there is no device pool).
-  std::vector<PoolRef> DevicePools(int device);
+  // `retired`, if given: the totals of its private pools that are gone (retired_), read under
+  // the same lock as the list.
+  std::vector<PoolRef> DevicePools(int device, PoolStats* retired = nullptr);
   // Their statistics as one (AddPoolStats); zeros for an unused device. The peaks of
   // allocated_bytes and reserved_bytes are the GPU's (DeviceCap's joint figures: the
   // highest the pools held together, kept when a pool is gone); those of their parts (each
@@ -355,8 +358,10 @@ class ProcessState {
   // A block of `entry` went (freed, or its allocation failed): destroys the pool if it was
   // closed and this was its last block.
   void BlockGone(const std::shared_ptr<ExplicitPool>& entry);
-  // A pool about to be destroyed (`doomed`, null for none): a private pool's totals stay in
-  // its GPU's statistics (retired_; PyTorch's never fall).
+  // A pool taken out of explicit_ to be destroyed (`doomed`, null for none): a private
+  // pool's totals stay in its GPU's statistics (retired_; PyTorch's never fall). Its figures
+  // are frozen (Pool::FreezeStats), then it leaves retiring_, where CloseLocked and BlockGone
+  // put it, as they join retired_, under one lock.
   void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(mu_);
   // In a forked child: moves the parent's device pools to abandoned_ and drops the parent's
   // caps, retired totals and other allocators' holdings.
@@ -381,6 +386,9 @@ class ProcessState {
   std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
   // What private pools that are gone left in their GPU's statistics, by device (Retire).
   std::array<PoolStats, kMaxDevices> retired_ ABSL_GUARDED_BY(mu_){};
+  // Private pools out of explicit_ whose totals are not in retired_ yet (Retire): DevicePools
+  // still lists them.
+  std::vector<std::shared_ptr<ExplicitPool>> retiring_ ABSL_GUARDED_BY(mu_);
   // The fork generation (allocator/fork_guard.h) caps_, external_held_ and retired_ belong to.
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
