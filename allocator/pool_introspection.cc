@@ -105,10 +105,8 @@ PoolStats Pool::GetStats() const {
 
 void Pool::ResetPeakStats() {
   MutexLock lock(&mu_);
-#define VMM_RESET_PEAK(name, key, what) stats_.name.ResetPeak();
-  VMM_BYTE_STATS(VMM_RESET_PEAK)
-  VMM_COUNT_STATS(VMM_RESET_PEAK)
-#undef VMM_RESET_PEAK
+  if (frozen_stats_.has_value()) ResetPeaks(*frozen_stats_);
+  ResetPeaks(stats_);
   auto reset = [](const Stat& allocated_bytes, const Stat& allocation, Pending& p) {
     p.active_bytes_peak = allocated_bytes.current + p.bytes;
     p.active_peak = allocation.current + p.blocks;
@@ -116,9 +114,6 @@ void Pool::ResetPeakStats() {
   reset(stats_.allocated_bytes, stats_.allocation, pending_);
   for (int a = 0; a < kNumArenas; ++a) {
     ArenaStats& split = stats_.arena[a];
-#define VMM_RESET_ARENA_PEAK(name) split.name.ResetPeak();
-    VMM_TORCH_STATS(VMM_RESET_ARENA_PEAK)
-#undef VMM_RESET_ARENA_PEAK
     reset(split.allocated_bytes, split.allocation, arena_pending_[a]);
     arenas_[a]->ResetFreeStatPeaks();
   }

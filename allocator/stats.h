@@ -123,6 +123,20 @@ inline void AddStat(const Stat& s, Stat& t) {
   t.freed += s.freed;
 }
 
+// Every statistic's peak back to its current value (the byte and count statistics and each
+// arena's).
+inline void ResetPeaks(PoolStats& stats) {
+#define VMM_RESET_PEAK_OF(name, key, what) stats.name.ResetPeak();
+  VMM_BYTE_STATS(VMM_RESET_PEAK_OF)
+  VMM_COUNT_STATS(VMM_RESET_PEAK_OF)
+#undef VMM_RESET_PEAK_OF
+  for (int a = 0; a < kNumArenas; ++a) {
+#define VMM_RESET_ARENA_PEAK_OF(name) stats.arena[a].name.ResetPeak();
+    VMM_TORCH_STATS(VMM_RESET_ARENA_PEAK_OF)
+#undef VMM_RESET_ARENA_PEAK_OF
+  }
+}
+
 // Every statistic's cumulative figures and every counter back to 0 (current and peak stay).
 inline void ResetAccumulated(PoolStats& stats) {
 #define VMM_RESET_ACC(name, key, what) stats.name.ResetAccumulated();

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "allocator/descriptor.h"
 #include "allocator/mutex.h"
+#include "allocator/stats.h"
 #include "gtest/gtest.h"
 #include "torch_plugin/process_state.h"
 
@@ -136,6 +137,7 @@ TEST(ProcessStateStressTest, CumulativeStatisticsNeverFallWhilePrivatePoolsComeA
       for (void* b : blocks) {
         if (!state.FreeBlock(b).ok()) failures.fetch_add(1);  // the pool goes with the last
       }
+      if (blocks.empty()) std::this_thread::yield();
     }
   };
   auto private_pools = [&](unsigned seed) {
@@ -183,20 +185,27 @@ TEST(ProcessStateStressTest, CumulativeStatisticsNeverFallWhilePrivatePoolsComeA
       const PoolStats now = state.DeviceStats(0);
       reads.fetch_add(1);
       std::string why;
-      auto check = [&](const char* name, int64_t before, int64_t after) {
+      auto check = [&](const std::string& name, int64_t before, int64_t after) {
         if (after < before) absl::StrAppend(&why, name, " ", before, " -> ", after, "; ");
       };
-      check("allocation.allocated", last.allocation.allocated, now.allocation.allocated);
-      check("allocation.freed", last.allocation.freed, now.allocation.freed);
-      check("allocated_bytes.allocated", last.allocated_bytes.allocated,
-            now.allocated_bytes.allocated);
-      check("allocated_bytes.freed", last.allocated_bytes.freed, now.allocated_bytes.freed);
-      check("segment.allocated", last.segment.allocated, now.segment.allocated);
-      check("segment.freed", last.segment.freed, now.segment.freed);
-      check("num_device_alloc", last.num_device_alloc, now.num_device_alloc);
-      check("num_device_free", last.num_device_free, now.num_device_free);
-      check("driver_calls.release", last.driver_release, now.driver_release);
-      check("num_sync_all_streams", last.num_sync_all_streams, now.num_sync_all_streams);
+      // Every statistic's cumulative figures (no reset runs here) and every counter.
+      auto check_stat = [&](const std::string& name, const Stat& before, const Stat& after) {
+        check(name + ".allocated", before.allocated, after.allocated);
+        check(name + ".freed", before.freed, after.freed);
+      };
+#define VMM_CHECK_STAT(name, key, what) check_stat(key, last.name, now.name);
+      VMM_BYTE_STATS(VMM_CHECK_STAT)
+      VMM_COUNT_STATS(VMM_CHECK_STAT)
+#undef VMM_CHECK_STAT
+      for (int a = 0; a < kNumArenas; ++a) {
+#define VMM_CHECK_ARENA_STAT(name) \
+  check_stat(absl::StrCat("arena ", a, " " #name), last.arena[a].name, now.arena[a].name);
+        VMM_TORCH_STATS(VMM_CHECK_ARENA_STAT)
+#undef VMM_CHECK_ARENA_STAT
+      }
+#define VMM_CHECK_COUNTER(name, key, what) check(key, last.name, now.name);
+      VMM_COUNTERS(VMM_CHECK_COUNTER)
+#undef VMM_CHECK_COUNTER
       if (!why.empty() && falls.fetch_add(1) == 0) first_fall = why;
       last = now;
     }

@@ -325,7 +325,11 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
 // num_device_free and driver calls of release catch up with its growths, whether the pool
 // went at its release or with its last block.
 TEST_F(ProcessStateTest, AGonePrivatePoolLeavesItsReleasesInItsGpusStatistics) {
-  setenv("VMM_BACKEND", "host", 1);  // the GPU's statistics on the private pools' backend
+  // The GPU's statistics on the private pools' backend, until the test ends however it ends.
+  setenv("VMM_BACKEND", "host", 1);
+  struct Unset {
+    ~Unset() { unsetenv("VMM_BACKEND"); }
+  } unset;
   const PoolStats before = state_.DeviceStats(0);
   for (bool free_first : {true, false}) {
     SCOPED_TRACE(free_first ? "freed, then released" : "released, then freed");
@@ -343,7 +347,6 @@ TEST_F(ProcessStateTest, AGonePrivatePoolLeavesItsReleasesInItsGpusStatistics) {
     }
   }
   const PoolStats after = state_.DeviceStats(0);
-  unsetenv("VMM_BACKEND");
   EXPECT_EQ(after.reserved_bytes.current, before.reserved_bytes.current);
   EXPECT_EQ(after.segment.current, before.segment.current);
   EXPECT_GE(after.num_device_alloc - before.num_device_alloc, 2);

@@ -180,18 +180,19 @@ class ProcessState {
   // closed with live blocks) of the same backend (the default one if there is no device pool).
   // `retired`, if given: the totals of its private pools that are gone (retired_), read under
   // the same lock as the list.
-  std::vector<PoolRef> DevicePools(int device, PoolStats* retired = nullptr);
+  std::vector<PoolRef> DevicePools(int device, PoolStats* retired = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Their statistics as one (AddPoolStats); zeros for an unused device. The peaks of
   // allocated_bytes and reserved_bytes are the GPU's (DeviceCap's joint figures: the
   // highest the pools held together, kept when a pool is gone); those of their parts (each
   // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
   // peaks are the sum of the pools' (at least the GPU's).
-  PoolStats DeviceStats(int device);
+  PoolStats DeviceStats(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Resets the cumulative figures and counters of the pools of `device`, and those that
   // private pools that are gone left in its statistics.
-  void ResetDeviceAccumulated(int device);
+  void ResetDeviceAccumulated(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Resets the peaks of the pools of `device` and the GPU's joint peaks to what is held now.
-  void ResetDevicePeaks(int device);
+  void ResetDevicePeaks(int device) ABSL_LOCKS_EXCLUDED(mu_);
 
   // --- Any pool -----------------------------------------------------------------------------
   // The pool whose range holds `ptr`, or a null PoolRef.
