@@ -123,31 +123,28 @@ inline void AddStat(const Stat& s, Stat& t) {
   t.freed += s.freed;
 }
 
-// Every statistic's peak back to its current value (the byte and count statistics and each
-// arena's).
-inline void ResetPeaks(PoolStats& stats) {
-#define VMM_RESET_PEAK_OF(name, key, what) stats.name.ResetPeak();
-  VMM_BYTE_STATS(VMM_RESET_PEAK_OF)
-  VMM_COUNT_STATS(VMM_RESET_PEAK_OF)
-#undef VMM_RESET_PEAK_OF
+// Calls `f` on every Stat of `stats`: the byte and count statistics, then each arena's.
+template <typename F>
+void ForEachStat(PoolStats& stats, F&& f) {
+#define VMM_EACH_STAT(name, key, what) f(stats.name);
+  VMM_BYTE_STATS(VMM_EACH_STAT)
+  VMM_COUNT_STATS(VMM_EACH_STAT)
+#undef VMM_EACH_STAT
   for (int a = 0; a < kNumArenas; ++a) {
-#define VMM_RESET_ARENA_PEAK_OF(name) stats.arena[a].name.ResetPeak();
-    VMM_TORCH_STATS(VMM_RESET_ARENA_PEAK_OF)
-#undef VMM_RESET_ARENA_PEAK_OF
+#define VMM_EACH_ARENA_STAT(name) f(stats.arena[a].name);
+    VMM_TORCH_STATS(VMM_EACH_ARENA_STAT)
+#undef VMM_EACH_ARENA_STAT
   }
+}
+
+// Every statistic's peak back to its current value.
+inline void ResetPeaks(PoolStats& stats) {
+  ForEachStat(stats, [](Stat& s) { s.ResetPeak(); });
 }
 
 // Every statistic's cumulative figures and every counter back to 0 (current and peak stay).
 inline void ResetAccumulated(PoolStats& stats) {
-#define VMM_RESET_ACC(name, key, what) stats.name.ResetAccumulated();
-  VMM_BYTE_STATS(VMM_RESET_ACC)
-  VMM_COUNT_STATS(VMM_RESET_ACC)
-#undef VMM_RESET_ACC
-  for (int a = 0; a < kNumArenas; ++a) {
-#define VMM_RESET_ARENA_ACC(name) stats.arena[a].name.ResetAccumulated();
-    VMM_TORCH_STATS(VMM_RESET_ARENA_ACC)
-#undef VMM_RESET_ARENA_ACC
-  }
+  ForEachStat(stats, [](Stat& s) { s.ResetAccumulated(); });
 #define VMM_RESET_COUNTER(name, key, what) stats.name = 0;
   VMM_COUNTERS(VMM_RESET_COUNTER)
 #undef VMM_RESET_COUNTER
