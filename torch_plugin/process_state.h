@@ -176,8 +176,9 @@ class ProcessState {
   absl::StatusOr<int64_t> FindPrivatePool(int device, uint64_t id0, uint64_t id1);
 
   // --- Devices ------------------------------------------------------------------------------
-  // The pools of `device`: its device pool (if any), then the private pools on it (open, or
-  // closed with live blocks) of the same backend (the default one if there is no device pool).
+  // The pools of `device`: its device pool (if any), then the private pools on it (open,
+  // closed with live blocks, or going: Retire) of the same backend (the default one if there
+  // is no device pool).
   // `retired`, if given: the totals of its private pools that are gone (retired_), read under
   // the same lock as the list.
   std::vector<PoolRef> DevicePools(int device, PoolStats* retired = nullptr)
