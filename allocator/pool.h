@@ -223,9 +223,9 @@ class Pool {
   // the memory cannot be found even after releasing the cache. InvalidArgument, before anything
   // is reclaimed, trimmed or mapped, for a request no state of the pool could serve: more than
   // the whole memory of the device (CheckRequestSize too); ResourceExhausted, as early, for
-  // one within the device's memory but past what the range of a pool whose range does not
+  // one within the GPU's memory but past what the range of a pool whose range does not
   // grow holds (its large arena, at least small_size: an explicit reserve_size below the
-  // device's memory, a private pool past its process's budget of address space; PyTorch's
+  // GPU's memory, a private pool past its process's budget of address space; PyTorch's
   // allocator would call it out of memory). All count in num_ooms, as PyTorch counts every
   // allocation that found no memory.
   absl::StatusOr<void*> Allocate(size_t size, Stream stream);
@@ -566,11 +566,11 @@ class Pool {
   absl::Status range_refused_ ABSL_GUARDED_BY(mu_);
   // The largest request the pool could ever serve: the smaller of the whole memory of the device
   // and what its range holds (its large arena, at least small_size), or the most it may grow
-  // to where it grows (set by Init); and whether the range bounds it below the device's
+  // to where it grows (set by Init); and whether the range bounds it below the GPU's
   // memory (a request past it but within the device is then out of memory in this pool).
   size_t max_request_ = 0;
   bool range_bounds_requests_ = false;
-  size_t device_total_ = 0;  // the device's whole memory (set by Init)
+  size_t device_total_ = 0;  // all the memory of the pool's GPU (set by Init)
 
   mutable Mutex mu_;
   Arena small_ ABSL_GUARDED_BY(mu_);

@@ -339,8 +339,8 @@ TEST_F(PoolTest, CreationOnAFullDeviceFailsRatherThanChoosingNoSharing) {
 
 // A request no state of the pool could serve is refused before the cache is trimmed or
 // anything is reserved or mapped, and counts in num_ooms, as in PyTorch: bad input past the
-// device's whole memory; out of memory in this pool past what a range that does not grow
-// holds (its large arena) but within the device's memory, which only a GPU shows here.
+// GPU's whole memory; out of memory in this pool past what a range that does not grow
+// holds (its large arena) but within the GPU's memory, which only a GPU shows here.
 TEST_F(PoolTest, ARequestNoDeviceCouldHoldIsInvalidAndTouchesNothing) {
   auto pool = MakePool();  // 1 GiB of address range
   void* cached = Alloc(*pool, 8 * kMiB);
