@@ -155,6 +155,22 @@ std::optional<Arena::GrowthPlan> Arena::PlanGrowth(
   return best;
 }
 
+bool Arena::HasGrowthRoomFor(size_t n, Stream stream, size_t granularity) const {
+  // PlanGrowth's candidates (none of no length: a free neighbour that holds the request
+  // already is the cache's, not a growth's), without the choice among them.
+  auto fits = [&](const Block* gap, size_t beside) {
+    const size_t len = RoundUp(n - std::min(n, beside), granularity);
+    return len != 0 && len <= gap->size;
+  };
+  for (const Block* gap : gaps_) {
+    const size_t left = UsableBy(gap->prev, stream) ? gap->prev->size : 0;
+    const size_t right = UsableBy(gap->next, stream) ? gap->next->size : 0;
+    if (fits(gap, left) || (right > 0 && fits(gap, right))) return true;
+    if (left > 0 && right > 0 && left + gap->size + right >= n) return true;
+  }
+  return false;
+}
+
 void Arena::Extend(GrowthPlan& plan, size_t extra) {
   const Block* gap = plan.gap;
   switch (plan.side) {

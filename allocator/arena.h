@@ -99,6 +99,9 @@ class Arena {
   // the range may still border them (see CommitGrowth).
   std::optional<GrowthPlan> PlanGrowth(size_t n, Stream stream, size_t granularity,
                                        bool alone) const;
+  // Whether PlanGrowth(n, stream, granularity, alone = false) would find a plan: stops at the
+  // first gap that holds one (a pool's check that its small arena's range is full).
+  bool HasGrowthRoomFor(size_t n, Stream stream, size_t granularity) const;
   // The same, but of the candidate ranges picks the one for which `cost` is least (the pool's
   // GrowthCost, reclaim_policy.h: what a plan would create once pages are moved to it, and a
   // share for the moves); ties go to the fewest new bytes, then the lower address.

@@ -359,6 +359,8 @@ absl::Status Pool::ExtendRange(size_t n) {
 // predictable order, and a mispredicted branch costs more than the whole lookup.
 Arena& Pool::ArenaFor(size_t rounded) { return *arenas_[rounded > options_.small_size]; }
 
+size_t Pool::SpillSize() const { return RoundUp(options_.small_size + 1, kMinBlock); }
+
 Arena& Pool::ArenaOf(uintptr_t addr) { return *arenas_[addr >= large_base_]; }
 
 Block* Pool::LiveBlock(const void* ptr) {
@@ -438,7 +440,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         "requested ", size, " bytes (", RequestBytes(size),
         "), more than the whole memory of the device (", FormatBytes(device_bound), ")"));
   }
-  const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
+  size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);  // larger if it spills, below
   if (reclaim_.fences() > 0) {
     // A free whose stream took no event and could not be synchronised waits on a fence that
     // only a synchronisation of the devices completes (FreeInUse): try again now, rather than
@@ -452,10 +454,10 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     }
   }
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
-  Arena& arena = shareable ? large_ : ArenaFor(n);
+  Arena* arena = shareable ? &large_ : &ArenaFor(n);
   // A spare chunk serves a request it fits closely (an eighth of it, or a granule, left), and
   // any it fits once the spare chunks pass what the pool keeps of them (below).
-  const size_t spare_slack = std::max(n / 8, granularity_);
+  size_t spare_slack = std::max(n / 8, granularity_);
   // What the spare chunks and this request's bytes hold beyond twice the most the pool has
   // had allocated (0: within it). Past it, idle spare chunks serve requests they do not fit
   // closely, or go back before a send grows: a stream of sends of varying sizes, each spare
@@ -467,21 +469,34 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     return kept / 2 > high ? kept - 2 * high : 0;
   };
   Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
-                           : arena.BestFit(stream, n);
+                           : arena->BestFit(stream, n);
   bool reopened_spare = false;  // a spare chunk taken as plain memory
   bool grew = false;            // the block comes from a growth (Grow)
+  const size_t small_n = n;     // what the small arena would give a request it spills (below)
+  bool spilled = false;
   // The cached block that fits once blocks every stream may use have joined this stream's
   // neighbouring blocks. Shareable blocks keep chunks of their own, never cached space.
   auto cached_fit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
     if (shareable) return nullptr;
-    arena.NarrowAnyTo(stream);
-    return arena.BestFit(stream, n);
+    arena->NarrowAnyTo(stream);
+    return arena->BestFit(stream, n);
   };
   if (block == nullptr && !shareable) {
     // Blocks other streams freed may be done with.
     VMM_RETURN_IF_ERROR(ReclaimOtherStreams(stream));
     block = cached_fit();
-    if (block == nullptr && &arena == &large_ && !spare_.empty()) {
+    if (block == nullptr && arena == &small_ &&
+        !small_.HasGrowthRoomFor(n, stream, granularity_)) {
+      // The small arena's range is full (a range given in the options, a private pool's that
+      // does not grow, one cut where the address space was short): the block spills into the
+      // large arena, as a block just past small_size (the large arena's least; pool.h).
+      arena = &large_;
+      n = SpillSize();
+      spare_slack = std::max(n / 8, granularity_);
+      spilled = true;
+      block = cached_fit();
+    }
+    if (block == nullptr && arena == &large_ && !spare_.empty()) {
       // Memory a send left behind, before growing (file comment, "Reusing exported chunks"):
       // one it fills closely, else, past what the pool keeps, the smallest it fits (its rest
       // free memory).
@@ -505,7 +520,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     }
   }
   if (block == nullptr) {
-    absl::StatusOr<Block*> grown = Grow(arena, n, stream, shareable);
+    absl::StatusOr<Block*> grown = Grow(*arena, n, stream, shareable);
     bool capturing = false;
     if (!grown.ok() && absl::IsResourceExhausted(grown.status())) {
       // Not while a capture is under way: the synchronisation and the unmaps would invalidate
@@ -525,16 +540,28 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         // after the release, what is left of them (in chunks that hold live blocks) may. A
         // growth would not find it: a plan beside a free block that already holds the request
         // has nothing to map, and is none (Arena::PlanGrowth).
+        // A spilled request goes back to the small arena where that now holds it: a block
+        // the synchronisation made usable, or a gap the release left.
+        auto back_to_small = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+          arena = &small_;
+          n = small_n;
+          spilled = false;
+        };
+        if (spilled) {
+          small_.NarrowAnyTo(stream);
+          if (small_.BestFit(stream, small_n) != nullptr) back_to_small();
+        }
         Block* cached = cached_fit();
         if (cached == nullptr) {
           VMM_RETURN_IF_ERROR(ReleaseKeptExports());
           VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
+          if (spilled && small_.HasGrowthRoomFor(small_n, stream, granularity_)) back_to_small();
           cached = cached_fit();
         }
         if (cached != nullptr) {
           grown = cached;
         } else {
-          grown = Grow(arena, n, stream, shareable, /*to_granularity=*/true);
+          grown = Grow(*arena, n, stream, shareable, /*to_granularity=*/true);
         }
       }
     }
@@ -544,6 +571,9 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       return absl::ResourceExhaustedError(absl::StrCat(
           "out of memory: requested ", size, " bytes (", FormatBytes(size), ") on ",
           driver_->Name(), " device ", options_.device, ": ", grown.status().message(),
+          spilled ? absl::StrCat(" (the small arena's range is full: the large arena was asked "
+                                 "for a block of ", FormatBytes(n), ")")
+                  : "",
           capturing ? " (no cached memory is released while a CUDA graph capture is under way)"
                     : "",
           "; ", Summary()));
@@ -551,11 +581,12 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     block = *grown;
     grew = true;
   }
-  TakeBlock(arena, block, n, size, stream);
+  if (spilled) ++stats_.num_small_spills;
+  TakeBlock(*arena, block, n, size, stream);
   // A block that does not fill the chunks of several pages it was grown in (a request that is
   // not a whole number of granules, one that joined a free neighbour) leaves their rest
   // pinned at once (pool.h pinned_in_chunks_).
-  if (grew && made_several_pages_ && !pinned_in_chunks_ && &arena == &large_ &&
+  if (grew && made_several_pages_ && !pinned_in_chunks_ && arena == &large_ &&
       PinnedBytes(chunks_, block, page_) != 0) {
     pinned_in_chunks_ = true;
   }
@@ -565,13 +596,13 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
       chunks_.OverlapsExported(block->next->addr, block->next->end())) {
     // The rest of its own chunk is never handed out.
     retired_bytes_ += static_cast<int64_t>(block->next->size);
-    arena.Retire(block->next);
+    arena->Retire(block->next);
   } else if (reopened_spare && block->next != nullptr &&
              block->next->state == BlockState::kFree &&
              chunks_.Containing(block->next->addr) == chunks_.Containing(block->addr)) {
     // Reopen left the chunk apart from its neighbours; the rest of it is plain free memory
     // and joins a free neighbour of its tag.
-    arena.Retag(block->next, block->next->stream);
+    arena->Retag(block->next, block->next->stream);
   }
   return reinterpret_cast<void*>(block->addr);
 }

@@ -5,7 +5,10 @@
 // contiguous range grown, for the pool's device and its `peer_devices`). Freed blocks are cached
 // and reused best-fit; a block is split when larger than asked and coalesces with free neighbours,
 // also across chunk boundaries since the range is contiguous. Requests up to `small_size` are
-// served from a separate small arena so that long-lived small blocks do not pin large regions.
+// served from a separate small arena so that long-lived small blocks do not pin large regions;
+// where the small arena's range is full (a range given in the options, one that does not grow,
+// one cut short for address space) while the large arena has room, such a request is served
+// there instead, as a block of SpillSize() bytes (counted in num_small_spills).
 //
 // Growth policy (growth_policy.h). A request that no cached block fits grows the pool by the
 // fewest new bytes that give a contiguous fit: a free block at the edge of a gap is extended
@@ -379,6 +382,10 @@ class Pool {
   absl::StatusOr<void*> AllocateLocked(size_t size, Stream stream, bool shareable)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   Arena& ArenaFor(size_t rounded) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The size of a block of up to small_size served by the large arena (a spill): the large
+  // arena's least block, just past small_size, so that its blocks still start at least
+  // 2^large_shift apart (Init).
+  size_t SpillSize() const;
   Arena& ArenaOf(uintptr_t addr) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AllocateAt's argument checks (InvalidArgument).
   absl::Status CheckAllocateAtRange(uintptr_t addr, size_t size)

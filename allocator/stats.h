@@ -63,6 +63,8 @@ namespace vmm {
     "address ranges reserved after the pool's first, where no gap held a request")         \
   X(num_page_switches, "num_page_switches",                                               \
     "pools without pages that began growing in pressure_page pages (pool_options.h)")     \
+  X(num_small_spills, "num_small_spills",                                                 \
+    "blocks of up to small_size served by the large arena: the small one's range was full") \
   X(num_sync_stream, "num_sync_stream",                                                   \
     "stream synchronisations: before moving or exporting free memory that stream last "  \
     "used, and for a free whose stream could take no event")

@@ -386,6 +386,13 @@ TEST_F(ArenaTest, PlanGrowthNulloptWhenNothingFits) {
   // 8G: it would take both gaps, which no single block can span.
   EXPECT_FALSE(arena.PlanGrowth(8 * kG, kS, kG, false).has_value());
   EXPECT_FALSE(arena.PlanGrowth(6 * kG + 512, kS, kG, false).has_value());
+  // HasGrowthRoomFor says the same as PlanGrowth (alone = false), for each size and stream.
+  for (size_t n : {512 * size_t{1}, 2 * kG, 4 * kG, 4 * kG + 512, 6 * kG, 6 * kG + 512, 8 * kG}) {
+    for (Stream s : {kS, kT}) {
+      EXPECT_EQ(arena.HasGrowthRoomFor(n, s, kG), arena.PlanGrowth(n, s, kG, false).has_value())
+          << n << " bytes, stream " << s;
+    }
+  }
   // A full arena has no gaps.
   arena.CommitGrowth(*arena.PlanGrowth(6 * kG, kS, kG, false), kS, false);
   ASSERT_VALID(arena);
@@ -398,6 +405,30 @@ TEST_F(ArenaTest, PlanGrowthNulloptWhenNothingFits) {
   EXPECT_EQ(all->size, 8 * kG);
   EXPECT_FALSE(arena.PlanGrowth(512, kS, kG, false).has_value());
   EXPECT_FALSE(arena.PlanGrowth(512, kT, kG, true).has_value());
+  EXPECT_FALSE(arena.HasGrowthRoomFor(512, kS, kG));
+}
+
+// HasGrowthRoomFor where a gap has usable free blocks on both sides: a plan may join either,
+// or both (the gap mapped whole).
+TEST_F(ArenaTest, HasGrowthRoomForCountsFreeBlocksOnBothSidesOfAGap) {
+  Arena arena;
+  arena.Init(kBase, 4 * kG, 9);
+  // [F7 1G][gap 2G][F7 1G]
+  arena.CommitGrowth(Arena::GrowthPlan{arena.head(), kBase, kG, Side::kAlone}, kS, false);
+  Block* gap = arena.BlockContaining(kBase + kG);
+  ASSERT_NE(gap, nullptr);
+  arena.CommitGrowth(Arena::GrowthPlan{gap, kBase + 3 * kG, kG, Side::kAlone}, kS, false);
+  ASSERT_VALID(arena);
+  ASSERT_EQ(Layout(arena), "F7:64K U:128K F7:64K");
+  for (size_t n : {2 * kG, 2 * kG + 512, 3 * kG, 3 * kG + 512, 4 * kG, 4 * kG + 512}) {
+    for (Stream s : {kS, kT}) {
+      EXPECT_EQ(arena.HasGrowthRoomFor(n, s, kG), arena.PlanGrowth(n, s, kG, false).has_value())
+          << n << " bytes, stream " << s;
+    }
+  }
+  EXPECT_TRUE(arena.HasGrowthRoomFor(4 * kG, kS, kG)) << "both sides and the gap";
+  EXPECT_FALSE(arena.HasGrowthRoomFor(4 * kG + 512, kS, kG));
+  EXPECT_FALSE(arena.HasGrowthRoomFor(2 * kG + 512, kT, kG)) << "kT may use neither side";
 }
 
 TEST_F(ArenaTest, PlanGrowthUsesAnyStreamNeighboursAndNarrowsThem) {

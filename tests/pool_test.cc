@@ -4,6 +4,7 @@
 #include "allocator/pool.h"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -636,6 +637,146 @@ TEST_F(PoolTest, SmallBlocksMayTakeMostOfTheDevice) {
     for (void* p : blocks) ASSERT_OK(pool->Free(p));
     EXPECT_OK(pool->CheckInvariants());
   }
+}
+
+// Where the small arena's range is full and the large arena has room (a range given in the
+// options, or a private pool's that does not grow: its small arena is an eighth of it), blocks
+// of up to small_size spill into the large arena, as blocks just past small_size; before,
+// they failed with "no gap" while most of the range was free. Freed small-arena space is
+// used again first; past the large arena too, the error is a clean out-of-memory.
+TEST_F(PoolTest, SmallBlocksSpillIntoTheLargeArenaOnceTheSmallRangeIsFull) {
+  for (size_t page : {size_t{0}, 4 * kMiB}) {
+  SCOPED_TRACE(absl::StrCat("large_page ", page));
+  PoolOptions options = Exact();
+  options.large_page = page;
+  options.reserve_size = 64 * kMiB;  // a small arena of 8 MiB, a large one of 56
+  auto pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  const size_t small = 128 * 1024;
+  ASSERT_GE(pool->options().small_size, small);
+  const size_t spill = (pool->options().small_size + 1 + 511) / 512 * 512;
+  std::vector<void*> in_small;
+  std::vector<void*> spilled;
+  for (int i = 0; i < 96; ++i) {  // 12 MiB of 128 KiB blocks
+    absl::StatusOr<void*> p = pool->Allocate(small, 0);
+    ASSERT_OK(p.status()) << "block " << i;
+    (pool->InSmallArena(*p) ? in_small : spilled).push_back(*p);
+  }
+  EXPECT_EQ(in_small.size(), 64u) << "the small arena's 8 MiB first";
+  EXPECT_EQ(spilled.size(), 32u);
+  PoolStats stats = pool->GetStats();
+  EXPECT_EQ(stats.num_small_spills, 32);
+  EXPECT_EQ(stats.num_ooms, 0);
+  EXPECT_EQ(stats.allocated_bytes.current, static_cast<int64_t>(64 * small + 32 * spill));
+  EXPECT_EQ(stats.requested_bytes.current, static_cast<int64_t>(96 * small));
+  EXPECT_EQ(stats.arena[kLargeArena].requested_bytes.current, static_cast<int64_t>(32 * small));
+  EXPECT_EQ(stats.arena[kLargeArena].allocation.current, 32);
+  for (void* p : spilled) {
+    ASSERT_OK_AND_ASSIGN(size_t asked, pool->BlockSize(p));
+    EXPECT_EQ(asked, small) << "the request's size, as for any block";
+  }
+  EXPECT_OK(pool->CheckInvariants());
+
+  // A freed small-arena block is used again before the large arena.
+  ASSERT_OK(pool->Free(in_small.back()));
+  in_small.back() = Alloc(*pool, small);
+  EXPECT_TRUE(pool->InSmallArena(in_small.back()));
+  EXPECT_EQ(pool->GetStats().num_small_spills, 32);
+
+  // A freed spilled block is reused by the next spill (no growth), and a checkpoint restore
+  // of it (AllocateAt with the size LiveBlocks gives) finds it in the large arena.
+  const int64_t grown = pool->GetStats().num_device_alloc;
+  ASSERT_OK(pool->Free(spilled.back()));
+  spilled.back() = Alloc(*pool, 4096);
+  EXPECT_FALSE(pool->InSmallArena(spilled.back()));
+  EXPECT_EQ(pool->GetStats().num_device_alloc, grown);
+  BlockInfo last;
+  for (const BlockInfo& b : pool->LiveBlocks()) {
+    if (b.addr == reinterpret_cast<uintptr_t>(spilled.back())) last = b;
+  }
+  ASSERT_EQ(last.size, spill);
+  ASSERT_OK(pool->Free(spilled.back()));
+  ASSERT_OK_AND_ASSIGN(spilled.back(), pool->AllocateAt(last.addr, last.size, 0));
+
+  // Once the large arena is full too: out of memory, and the pool stays usable.
+  absl::StatusOr<void*> p;
+  while ((p = pool->Allocate(small, 0)).ok()) spilled.push_back(*p);
+  EXPECT_THAT(p.status(), StatusIs(absl::StatusCode::kResourceExhausted, HasSubstr("no gap")));
+  EXPECT_THAT(p.status().message(), HasSubstr("small arena's range is full"));
+  EXPECT_GE(spilled.size(), 32u + 20u) << "most of the large arena's 56 MiB spilled into";
+  EXPECT_EQ(pool->GetStats().num_small_spills, static_cast<int64_t>(spilled.size()) + 1)
+      << "blocks served (the one freed and spilled again above too), not requests that failed";
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->Free(in_small.back()));
+  in_small.back() = Alloc(*pool, small);
+  EXPECT_TRUE(pool->InSmallArena(in_small.back()));
+
+  for (void* q : in_small) ASSERT_OK(pool->Free(q));
+  for (void* q : spilled) ASSERT_OK(pool->Free(q));
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->EmptyCache());
+  EXPECT_EQ(pool->GetStats().reserved_bytes.current, 0);
+  }
+}
+
+// A spill is for a small arena short of range, not of memory: past a memory limit a small
+// request is out of memory as before (the large arena could not grow either).
+TEST_F(PoolTest, NoSpillWhereTheSmallArenaIsShortOfMemoryRatherThanRange) {
+  PoolOptions options = Exact();
+  options.reserve_size = 64 * kMiB;
+  options.memory_limit = 8 * kMiB;
+  auto pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  void* large = Alloc(*pool, 6 * kMiB);
+  std::vector<void*> small;
+  absl::StatusOr<void*> p;
+  while ((p = pool->Allocate(128 * 1024, 0)).ok()) small.push_back(*p);
+  EXPECT_EQ(p.status().code(), absl::StatusCode::kResourceExhausted) << p.status();
+  EXPECT_EQ(small.size(), 16u) << "one 2 MiB small chunk within the limit";
+  EXPECT_EQ(pool->GetStats().num_small_spills, 0);
+  for (void* q : small) EXPECT_TRUE(pool->InSmallArena(q));
+  for (void* q : small) ASSERT_OK(pool->Free(q));
+  ASSERT_OK(pool->Free(large));
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A spilled request whose small arena holds it once another stream's frees are known complete
+// (the retry's synchronisation) is served there: blocks freed on a stream whose work is still
+// queued fill the small arena, the large arena is full, and a request on another stream
+// waits for the synchronisation rather than fail in the large arena.
+TEST_F(PoolTest, ASpilledRequestGoesBackToTheSmallArenaAfterTheRetrysSynchronisation) {
+  if (on_cuda_) GTEST_SKIP() << "holds a stream through a host function";
+  PoolOptions options = Exact();
+  options.reserve_size = 64 * kMiB;  // a small arena of 8 MiB, a large one of 56
+  auto pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  Stream s = *driver_->CreateStream(0);
+  Stream t = *driver_->CreateStream(0);
+  void* large = Alloc(*pool, 56 * kMiB);  // the large arena's whole range
+  std::vector<void*> small;
+  for (int i = 0; i < 64; ++i) small.push_back(Alloc(*pool, 128 * 1024, s));
+  void* got = nullptr;
+  {
+    StreamGate gate(driver_, s);  // s's work before the frees has not run
+    for (void* q : small) ASSERT_OK(pool->Free(q));
+    std::thread opener([&gate] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      gate.Release();
+    });
+    absl::StatusOr<void*> p = pool->Allocate(128 * 1024, t);
+    opener.join();
+    ASSERT_OK(p.status());
+    got = *p;
+  }
+  EXPECT_TRUE(pool->InSmallArena(got));
+  EXPECT_EQ(pool->GetStats().num_small_spills, 0);
+  EXPECT_EQ(pool->GetStats().num_alloc_retries, 1);
+  ASSERT_OK(pool->Free(got));
+  ASSERT_OK(pool->Free(large));
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(driver_->SynchronizeStream(s));
+  ASSERT_OK(driver_->DestroyStream(s));
+  ASSERT_OK(driver_->DestroyStream(t));
 }
 
 // A pool without pages switches to pressure_page pages once a growth would take it past half

@@ -427,8 +427,9 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
     // of the GPU's memory, which does not grow (a pool's range may grow only into the address
     // space right after it, which the next pool's mostly takes): hundreds of full ranges took
     // most of the process's address space, which the host's own memory mappings share (400
-    // pools of an H100 asked for 88 TB, run DU). Such a pool holds at most seven eighths of that in
-    // blocks above small_size, and an eighth of it in smaller ones. Where the driver refuses
+    // pools of an H100 asked for 88 TB, run DU). Such a pool holds at most that much, a request
+    // of at most seven eighths of it (its large arena; small blocks past the small arena's
+    // eighth spill into the large one, pool.h). Where the driver refuses
     // that much, an eighth, then a sixty-fourth, of it (at least kLeastGrowingRange), as a
     // range that grows is asked (pool_options.h), rather than fail where a pool within the
     // budget would be made.
