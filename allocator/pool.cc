@@ -481,21 +481,43 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     arena->NarrowAnyTo(stream);
     return arena->BestFit(stream, n);
   };
+  // A small request spills into the large arena, as a block just past small_size (the large
+  // arena's least; pool.h): where the small arena's range is full (a range given in the
+  // options, a private pool's that does not grow, one cut where the address space was short),
+  // or, below, where it is out of memory and a cached large block holds the request.
+  auto spill = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    arena = &large_;
+    n = SpillSize();
+    spare_slack = std::max(n / 8, granularity_);
+    spilled = true;
+  };
+  // A spilled request goes back to the small arena where that holds it after all: a block
+  // other streams freed, now known complete, or a gap a release left.
+  auto back_to_small = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    arena = &small_;
+    n = small_n;
+    spare_slack = std::max(n / 8, granularity_);
+    spilled = false;
+  };
+  auto small_fit_after_all = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    small_.NarrowAnyTo(stream);
+    if (small_.BestFit(stream, small_n) != nullptr) back_to_small();
+  };
+  if (block == nullptr && arena == &small_ && !shareable &&
+      !small_.HasGrowthRoomFor(n, stream, granularity_)) {
+    // At once, before other streams' blocks are reclaimed: a spill this stream freed is
+    // reused as the cached path reuses any block (a spill that first reclaimed other streams'
+    // frees merged its own with theirs, and two streams taking turns grew the pool at every
+    // other turn), and a fragmented small arena is not searched again at every spill.
+    spill();
+    block = arena->BestFit(stream, n);
+  }
   if (block == nullptr && !shareable) {
-    // Blocks other streams freed may be done with.
+    // Blocks other streams freed may be done with (for a spill, in the small arena too: the
+    // reclaim only adds room, so a request that did not spill above needs no second look).
     VMM_RETURN_IF_ERROR(ReclaimOtherStreams(stream));
+    if (spilled) small_fit_after_all();
     block = cached_fit();
-    if (block == nullptr && arena == &small_ &&
-        !small_.HasGrowthRoomFor(n, stream, granularity_)) {
-      // The small arena's range is full (a range given in the options, a private pool's that
-      // does not grow, one cut where the address space was short): the block spills into the
-      // large arena, as a block just past small_size (the large arena's least; pool.h).
-      arena = &large_;
-      n = SpillSize();
-      spare_slack = std::max(n / 8, granularity_);
-      spilled = true;
-      block = cached_fit();
-    }
     if (block == nullptr && arena == &large_ && !spare_.empty()) {
       // Memory a send left behind, before growing (file comment, "Reusing exported chunks"):
       // one it fills closely, else, past what the pool keeps, the smallest it fits (its rest
@@ -540,17 +562,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         // after the release, what is left of them (in chunks that hold live blocks) may. A
         // growth would not find it: a plan beside a free block that already holds the request
         // has nothing to map, and is none (Arena::PlanGrowth).
-        // A spilled request goes back to the small arena where that now holds it: a block
-        // the synchronisation made usable, or a gap the release left.
-        auto back_to_small = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-          arena = &small_;
-          n = small_n;
-          spilled = false;
-        };
-        if (spilled) {
-          small_.NarrowAnyTo(stream);
-          if (small_.BestFit(stream, small_n) != nullptr) back_to_small();
-        }
+        if (spilled) small_fit_after_all();
         Block* cached = cached_fit();
         if (cached == nullptr) {
           VMM_RETURN_IF_ERROR(ReleaseKeptExports());
@@ -563,6 +575,18 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         } else {
           grown = Grow(*arena, n, stream, shareable, /*to_granularity=*/true);
         }
+      }
+    }
+    if (!grown.ok() && absl::IsResourceExhausted(grown.status()) && arena == &small_ &&
+        !shareable) {
+      // Short of memory rather than of range: a cached block of the large arena this stream
+      // may use may still hold the request as a spill (after the retry, what the release left
+      // in chunks that hold live blocks; during a capture, or in a pool that keeps its
+      // memory, whatever is cached).
+      large_.NarrowAnyTo(stream);
+      if (Block* cached = large_.BestFit(stream, SpillSize()); cached != nullptr) {
+        spill();
+        grown = cached;
       }
     }
     if (!grown.ok()) {

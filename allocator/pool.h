@@ -7,7 +7,8 @@
 // also across chunk boundaries since the range is contiguous. Requests up to `small_size` are
 // served from a separate small arena so that long-lived small blocks do not pin large regions;
 // where the small arena's range is full (a range given in the options, one that does not grow,
-// one cut short for address space) while the large arena has room, such a request is served
+// one cut short for address space) while the large arena has room, or where the small arena
+// cannot grow for lack of memory but a cached large block holds it, such a request is served
 // there instead, as a block of SpillSize() bytes (counted in num_small_spills).
 //
 // Growth policy (growth_policy.h). A request that no cached block fits grows the pool by the

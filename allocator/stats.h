@@ -64,7 +64,7 @@ namespace vmm {
   X(num_page_switches, "num_page_switches",                                               \
     "pools without pages that began growing in pressure_page pages (pool_options.h)")     \
   X(num_small_spills, "num_small_spills",                                                 \
-    "blocks of up to small_size served by the large arena: the small one's range was full") \
+    "blocks of up to small_size served by the large arena (small range full, or no memory)") \
   X(num_sync_stream, "num_sync_stream",                                                   \
     "stream synchronisations: before moving or exporting free memory that stream last "  \
     "used, and for a free whose stream could take no event")

@@ -32,6 +32,7 @@ struct Live {
   size_t size;
   uint8_t pattern;
   Stream stream;
+  size_t block;  // the bytes it holds: rounded up to 512, or a spill's (pool.h SpillSize)
 };
 
 class PoolStressTest : public ::testing::TestWithParam<uint32_t> {};
@@ -109,6 +110,8 @@ TEST_P(PoolStressTest, MatchesReferenceModel) {
   std::map<uintptr_t, Live> live;
   int64_t model_bytes = 0;
   int64_t ooms = 0;
+  int64_t spills = 0;
+  const size_t small_size = pool->options().small_size;
 
   auto random_size = [&]() -> size_t {
     const uint32_t r = rng() % 100;
@@ -152,14 +155,18 @@ TEST_P(PoolStressTest, MatchesReferenceModel) {
       check_no_overlap(p, size);
       const auto pattern = static_cast<uint8_t>(rng());
       Fill(*got, size, pattern);
-      live[p] = Live{size, pattern, stream};
-      model_bytes += static_cast<int64_t>((size + 511) / 512 * 512);
+      // A small request the large arena served (its small arena short of room) spilled.
+      const bool spilled = !shareable && size <= small_size && !pool->InSmallArena(*got);
+      const size_t block = spilled ? (small_size + 1 + 511) / 512 * 512 : (size + 511) / 512 * 512;
+      spills += spilled ? 1 : 0;
+      live[p] = Live{size, pattern, stream, block};
+      model_bytes += static_cast<int64_t>(block);
     } else if (op < 90) {
       auto it = pick();
       ASSERT_TRUE(Intact(reinterpret_cast<void*>(it->first), it->second.size, it->second.pattern))
           << "block at " << it->first << " was overwritten";
       ASSERT_TRUE(pool->Free(reinterpret_cast<void*>(it->first)).ok());
-      model_bytes -= static_cast<int64_t>((it->second.size + 511) / 512 * 512);
+      model_bytes -= static_cast<int64_t>(it->second.block);
       live.erase(it);
     } else if (op < 94) {
       auto it = pick();
@@ -197,6 +204,7 @@ TEST_P(PoolStressTest, MatchesReferenceModel) {
     const PoolStats stats = pool->GetStats();
     ASSERT_EQ(stats.allocation.current, static_cast<int64_t>(live.size()));
     ASSERT_EQ(stats.allocated_bytes.current, model_bytes);
+    ASSERT_EQ(stats.num_small_spills, spills);
     if (step % 25 == 0) {
       ASSERT_TRUE(pool->CheckInvariants().ok()) << pool->CheckInvariants();
       if (!live.empty()) {
