@@ -124,51 +124,56 @@ std::optional<Arena::GrowthPlan> Arena::PlanGrowth(size_t n, Stream stream, size
   return PlanGrowth(n, stream, granularity, alone, [](const GrowthPlan& p) { return p.len; });
 }
 
-std::optional<Arena::GrowthPlan> Arena::PlanGrowth(
-    size_t n, Stream stream, size_t granularity, bool alone,
-    absl::FunctionRef<size_t(const GrowthPlan&)> cost) const {
+template <typename F>
+bool Arena::ForEachGrowthPlan(size_t n, Stream stream, size_t granularity, bool alone,
+                              F&& f) const {
   auto usable = [&](const Block* b) { return !alone && UsableBy(b, stream); };
-  std::optional<GrowthPlan> best;
-  size_t best_cost = 0;
-  auto consider = [&](Block* gap, uintptr_t addr, size_t len, GrowthPlan::Side side) {
-    if (len == 0 || len > gap->size) return;
-    const GrowthPlan plan{gap, addr, len, side};
-    const size_t c = cost(plan);
-    if (!best || std::make_tuple(c, len, addr) < std::make_tuple(best_cost, best->len, best->addr)) {
-      best = plan;
-      best_cost = c;
-    }
+  // None of no length: a free neighbour that holds the request already is the cache's, not a
+  // growth's.
+  auto offer = [&](Block* gap, uintptr_t addr, size_t len, GrowthPlan::Side side) {
+    return len != 0 && len <= gap->size && f(GrowthPlan{gap, addr, len, side});
   };
   for (Block* gap : gaps_) {
     const size_t left = usable(gap->prev) ? gap->prev->size : 0;
     const size_t right = usable(gap->next) ? gap->next->size : 0;
-    consider(gap, gap->addr, RoundUp(n - std::min(n, left), granularity),
-             left > 0 ? GrowthPlan::Side::kLeft : GrowthPlan::Side::kAlone);
+    if (offer(gap, gap->addr, RoundUp(n - std::min(n, left), granularity),
+              left > 0 ? GrowthPlan::Side::kLeft : GrowthPlan::Side::kAlone)) {
+      return true;
+    }
     if (right > 0) {
       const size_t len = RoundUp(n - std::min(n, right), granularity);
-      if (len <= gap->size) consider(gap, gap->end() - len, len, GrowthPlan::Side::kRight);
+      if (len <= gap->size && offer(gap, gap->end() - len, len, GrowthPlan::Side::kRight)) {
+        return true;
+      }
     }
-    if (left > 0 && right > 0 && left + gap->size + right >= n) {
-      consider(gap, gap->addr, gap->size, GrowthPlan::Side::kBoth);
+    if (left > 0 && right > 0 && left + gap->size + right >= n &&
+        offer(gap, gap->addr, gap->size, GrowthPlan::Side::kBoth)) {
+      return true;
     }
   }
+  return false;
+}
+
+std::optional<Arena::GrowthPlan> Arena::PlanGrowth(
+    size_t n, Stream stream, size_t granularity, bool alone,
+    absl::FunctionRef<size_t(const GrowthPlan&)> cost) const {
+  std::optional<GrowthPlan> best;
+  size_t best_cost = 0;
+  ForEachGrowthPlan(n, stream, granularity, alone, [&](const GrowthPlan& plan) {
+    const size_t c = cost(plan);
+    if (!best || std::make_tuple(c, plan.len, plan.addr) <
+                     std::make_tuple(best_cost, best->len, best->addr)) {
+      best = plan;
+      best_cost = c;
+    }
+    return false;  // every candidate
+  });
   return best;
 }
 
 bool Arena::HasGrowthRoomFor(size_t n, Stream stream, size_t granularity) const {
-  // PlanGrowth's candidates (none of no length: a free neighbour that holds the request
-  // already is the cache's, not a growth's), without the choice among them.
-  auto fits = [&](const Block* gap, size_t beside) {
-    const size_t len = RoundUp(n - std::min(n, beside), granularity);
-    return len != 0 && len <= gap->size;
-  };
-  for (const Block* gap : gaps_) {
-    const size_t left = UsableBy(gap->prev, stream) ? gap->prev->size : 0;
-    const size_t right = UsableBy(gap->next, stream) ? gap->next->size : 0;
-    if (fits(gap, left) || (right > 0 && fits(gap, right))) return true;
-    if (left > 0 && right > 0 && left + gap->size + right >= n) return true;
-  }
-  return false;
+  return ForEachGrowthPlan(n, stream, granularity, /*alone=*/false,
+                           [](const GrowthPlan&) { return true; });  // the first will do
 }
 
 void Arena::Extend(GrowthPlan& plan, size_t extra) {

@@ -142,6 +142,11 @@ class Arena {
   std::string CheckInvariants() const;
 
  private:
+  // Offers `f` each candidate plan of PlanGrowth (per gap: joining the free neighbour before
+  // it or none, joining the one after it, mapping the gap whole between both); stops and
+  // returns true once `f` does.
+  template <typename F>
+  bool ForEachGrowthPlan(size_t n, Stream stream, size_t granularity, bool alone, F&& f) const;
   static bool CanMerge(const Block* a, const Block* b);
   // Whether `block` is cached and may be taken by `stream`.
   static bool UsableBy(const Block* block, Stream stream);
