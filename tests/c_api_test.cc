@@ -177,6 +177,10 @@ TEST_F(CApiTest, TheStatsStructSaysWhatTheJsonSays) {
   ASSERT_EQ(vmm_free(blocks[3], -1), 0);
   const vmm_torch_stats stats = DeviceStats(0);
   ExpectSameAsJson(stats, TakeJson(vmm_stats_json(0)));
+  int64_t live_allocated = -1, live_reserved = -1;
+  ASSERT_EQ(vmm_device_usage(0, &live_allocated, &live_reserved), 0) << vmm_last_error();
+  EXPECT_EQ(live_allocated, stats.allocated_bytes[VMM_STAT_ALL].current);
+  EXPECT_EQ(live_reserved, stats.reserved_bytes[VMM_STAT_ALL].current);
   EXPECT_GE(stats.allocation[VMM_STAT_ALL].current, 3);
   EXPECT_GT(stats.reserved_bytes[VMM_STAT_ALL].current, 0);
   // PyTorch's pool types: 700 bytes live in the small arena, 5 and 9 MiB in the large one.
@@ -193,6 +197,17 @@ TEST_F(CApiTest, TheStatsStructSaysWhatTheJsonSays) {
   ExpectSameAsJson(DeviceStats(0), TakeJson(vmm_stats_json(0)));
   EXPECT_EQ(vmm_device_torch_stats(0, nullptr), -1);
   EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  // vmm_device_usage: the struct's current allocated and reserved bytes, all blocks freed.
+  int64_t allocated = -1, reserved = -1;
+  ASSERT_EQ(vmm_device_usage(0, &allocated, &reserved), 0) << vmm_last_error();
+  const vmm_torch_stats now = DeviceStats(0);
+  EXPECT_EQ(allocated, now.allocated_bytes[VMM_STAT_ALL].current);
+  EXPECT_EQ(reserved, now.reserved_bytes[VMM_STAT_ALL].current);
+  ASSERT_EQ(vmm_device_usage(5, &allocated, &reserved), 0) << vmm_last_error();
+  EXPECT_EQ(allocated | reserved, 0) << "an unused device";
+  EXPECT_EQ(vmm_device_usage(0, nullptr, &reserved), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_device_usage(0, &allocated, nullptr), -1);
 }
 
 // More than any device holds is refused and counted as an out-of-memory, as PyTorch counts it,

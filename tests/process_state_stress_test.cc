@@ -226,7 +226,10 @@ TEST(ProcessStateStressTest, CumulativeStatisticsNeverFallWhilePrivatePoolsComeA
   EXPECT_EQ(falls.load(), 0) << "first: " << first_fall;
   // Every pool gone and the device pool's blocks freed: only its cache is left.
   const PoolStats end = state.DeviceStats(0);
+  const ProcessState::Usage usage = state.DeviceUsage(0);  // what the GPU's cap added up
   unsetenv("VMM_BACKEND");
+  EXPECT_EQ(usage.allocated, end.allocated_bytes.current);
+  EXPECT_EQ(usage.reserved, end.reserved_bytes.current);
   EXPECT_EQ(end.allocated_bytes.current, 0);
   EXPECT_EQ(end.segment.current, state.DevicePoolIfAny(0)->GetStats().segment.current);
 }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "allocator/descriptor.h"
@@ -318,6 +319,64 @@ TEST_F(ProcessStateTest, APrivatePoolTakesTheDevicePoolsOptionsAndKeepsItsMemory
   EXPECT_EQ(*left, 0);
   EXPECT_TRUE(state_.AllPools().empty());
   EXPECT_EQ(state_.ReleasePrivatePool(0, 5, 6).status().code(), absl::StatusCode::kNotFound);
+}
+
+// DeviceUsage (what the profiler's memory events report at every allocation) gives what
+// DeviceStats sums over the GPU's pools, through the device pool's and private pools'
+// allocations, exports, frees, a pool released with a block left, its last free, empty_cache
+// and a memory fraction, without visiting the pools.
+TEST_F(ProcessStateTest, DeviceUsageIsWhatTheDevicesStatisticsSay) {
+  setenv("VMM_BACKEND", "host", 1);  // the device pool on the private pools' backend
+  struct Unset {
+    ~Unset() { unsetenv("VMM_BACKEND"); }
+  } unset;
+  auto same = [&](const std::string& when) {
+    SCOPED_TRACE(when);
+    const PoolStats stats = state_.DeviceStats(0);
+    const ProcessState::Usage usage = state_.DeviceUsage(0);
+    EXPECT_EQ(usage.allocated, stats.allocated_bytes.current);
+    EXPECT_EQ(usage.reserved, stats.reserved_bytes.current);
+  };
+  same("nothing allocated");
+  EXPECT_EQ(state_.DeviceUsage(0).reserved, 0);
+  ASSERT_TRUE(state_.Configure("reserve_size=256M").ok());
+  absl::StatusOr<void*> a = state_.DeviceAllocate(0, 3 * kMiB + 5, 0);
+  ASSERT_TRUE(a.ok()) << a.status();
+  absl::StatusOr<void*> small = state_.DeviceAllocate(0, 4096, 0);
+  ASSERT_TRUE(small.ok()) << small.status();
+  same("device pool");
+  EXPECT_GT(state_.DeviceUsage(0).allocated, static_cast<int64_t>(3 * kMiB));
+  std::vector<void*> kept;
+  for (uint64_t key = 1; key <= 3; ++key) {
+    absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(7700 + key, 1);
+    ASSERT_TRUE(use.ok()) << use.status();
+    absl::StatusOr<void*> p = state_.PoolAllocate(use->id, key * kMiB, 0, /*shareable=*/true);
+    ASSERT_TRUE(p.ok()) << p.status();
+    absl::StatusOr<BufferDescriptor> exported = state_.Export(*p);
+    ASSERT_TRUE(exported.ok()) << exported.status();
+    kept.push_back(*p);
+    same(absl::StrCat("private pool ", key));
+  }
+  ASSERT_TRUE(state_.FreeBlock(kept[0]).ok());
+  same("an exported block of a private pool freed");
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 7702, 1).ok());
+  same("a private pool released with a block left");
+  ASSERT_TRUE(state_.FreeBlock(kept[1]).ok());
+  same("its last block freed: the pool is gone");
+  ASSERT_TRUE(state_.SetMemoryFraction(0.5, 0).ok());
+  ASSERT_TRUE(state_.FreeBlock(*a).ok());
+  ASSERT_TRUE(state_.FreeBlock(*small).ok());
+  same("the device pool's blocks freed");
+  for (const ProcessState::PoolRef& p : state_.DevicePools(0)) {
+    ASSERT_TRUE(p.pool->EmptyCache().ok());  // as vmm_empty_cache does
+  }
+  same("empty_cache");
+  EXPECT_LT(state_.DeviceUsage(0).reserved, static_cast<int64_t>(8 * kMiB));
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 7701, 1).ok());
+  ASSERT_TRUE(state_.FreeBlock(kept[2]).ok());
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 7703, 1).ok());
+  same("every private pool gone");
+  EXPECT_EQ(state_.DeviceUsage(0).allocated, 0);
 }
 
 // A private pool that is gone leaves its totals in its GPU's statistics, the releases of its

@@ -571,6 +571,14 @@ PoolStats ProcessState::DeviceStats(int device) {
   return total;
 }
 
+ProcessState::Usage ProcessState::DeviceUsage(int device) {
+  if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) {
+    return Usage{cap->allocated().current(), cap->mapped().current()};
+  }
+  const PoolStats stats = DeviceStats(device);
+  return Usage{stats.allocated_bytes.current, stats.reserved_bytes.current};
+}
+
 void ProcessState::ResetDeviceAccumulated(int device) {
   for (const PoolRef& p : DevicePools(device)) p.pool->ResetAccumulatedStats();
   if (device < 0 || device >= kMaxDevices) return;

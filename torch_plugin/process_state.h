@@ -189,6 +189,16 @@ class ProcessState {
   // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
   // peaks are the sum of the pools' (at least the GPU's).
   PoolStats DeviceStats(int device) ABSL_LOCKS_EXCLUDED(mu_);
+  // DeviceStats(device)'s allocated_bytes.current and reserved_bytes.current, read from the
+  // GPU's DeviceCap (what its pools add as they hand blocks out and map memory) rather than
+  // summed over its pools, so that its cost does not grow with the private pools alive: the
+  // profiler's memory events report both at every allocation and free. Where no pool shares
+  // a cap yet, DeviceStats's.
+  struct Usage {
+    int64_t allocated = 0;
+    int64_t reserved = 0;
+  };
+  Usage DeviceUsage(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Resets the cumulative figures and counters of the pools of `device`, and those that
   // private pools that are gone left in its statistics.
   void ResetDeviceAccumulated(int device) ABSL_LOCKS_EXCLUDED(mu_);

@@ -332,6 +332,16 @@ int vmm_device_torch_stats(int device, vmm_torch_stats* out) {
   return 0;
 }
 
+int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved) {
+  if (allocated == nullptr || reserved == nullptr) {
+    return vmm::Fail(absl::InvalidArgumentError("vmm_device_usage: null output"));
+  }
+  const vmm::ProcessState::Usage usage = State().DeviceUsage(device);
+  *allocated = usage.allocated;
+  *reserved = usage.reserved;
+  return 0;
+}
+
 int vmm_device_largest_free_block(int device, uint64_t* out) {
   if (out == nullptr) {
     return vmm::Fail(absl::InvalidArgumentError("vmm_device_largest_free_block: null output"));

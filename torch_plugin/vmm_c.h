@@ -204,6 +204,11 @@ typedef struct vmm_torch_stats {
  * max_memory_reserved). Other peaks are the sum of the pools' peaks (exact while one pool
  * alone has allocated, else at least the true peak). */
 int vmm_device_torch_stats(int device, vmm_torch_stats* out);
+/* vmm_device_torch_stats's allocated_bytes[VMM_STAT_ALL].current and
+ * reserved_bytes[VMM_STAT_ALL].current, read without visiting the private pools (its cost does
+ * not grow with how many are alive): what the profiler's memory events report at each
+ * allocation and free. VMM_INVALID_ARGUMENT for a null output. */
+int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved);
 /* One pool by id (explicit or private). */
 int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out);
 /* The largest free block cached by the device pool of `device` and the private pools on it

@@ -50,6 +50,7 @@ struct Vmm {
   decltype(&vmm_reset_peak_stats) reset_peak_stats = nullptr;
   decltype(&vmm_reset_accumulated_stats) reset_accumulated_stats = nullptr;
   decltype(&vmm_device_torch_stats) device_torch_stats = nullptr;
+  decltype(&vmm_device_usage) device_usage = nullptr;
   decltype(&vmm_device_largest_free_block) device_largest_free_block = nullptr;
   decltype(&vmm_snapshot_get) snapshot_get = nullptr;
   decltype(&vmm_snapshot_entries_release) snapshot_release = nullptr;
@@ -94,6 +95,7 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_reset_peak_stats", &v.reset_peak_stats);
   Lookup(lib, "vmm_reset_accumulated_stats", &v.reset_accumulated_stats);
   Lookup(lib, "vmm_device_torch_stats", &v.device_torch_stats);
+  Lookup(lib, "vmm_device_usage", &v.device_usage);
   Lookup(lib, "vmm_device_largest_free_block", &v.device_largest_free_block);
   Lookup(lib, "vmm_snapshot_get", &v.snapshot_get);
   Lookup(lib, "vmm_snapshot_entries_release", &v.snapshot_release);

@@ -648,11 +648,11 @@ class VmmAllocator : public Pluggable {
     size_t device_free = 0, device_total = 0;
     C10_CUDA_CHECK(cudaMemGetInfo(&device_free, &device_total));
     size_t largest = device_free;
-    vmm_torch_stats stats{};
-    if (libvmm.device_torch_stats(device, &stats) == 0) {
+    int64_t allocated = 0;
+    int64_t reserved_now = 0;
+    if (libvmm.device_usage(device, &allocated, &reserved_now) == 0) {
       const auto cap = static_cast<size_t>(getMemoryFraction(device) * device_total);
-      const auto reserved =
-          static_cast<size_t>(std::max<int64_t>(stats.reserved_bytes[VMM_STAT_ALL].current, 0));
+      const auto reserved = static_cast<size_t>(std::max<int64_t>(reserved_now, 0));
       largest = std::min(largest, cap > reserved ? cap - reserved : 0);
     }
     uint64_t cached = 0;
@@ -1050,14 +1050,16 @@ class VmmAllocator : public Pluggable {
       }
     }
   }
-  // With the GPU's figures after the allocation or free, as PyTorch's allocator reports them.
+  // With the GPU's figures after the allocation or free, as PyTorch's allocator reports them
+  // (vmm_device_usage: read at every allocation, so not summed over the private pools).
   static void TellProfiler(void* ptr, int64_t delta, int device) {
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
-      vmm_torch_stats stats{};
-      (void)libvmm.device_torch_stats(device, &stats);
+      int64_t allocated = 0;
+      int64_t reserved = 0;
+      (void)libvmm.device_usage(device, &allocated, &reserved);
       c10::reportMemoryUsageToProfiler(
-          ptr, delta, static_cast<size_t>(stats.allocated_bytes[VMM_STAT_ALL].current),
-          static_cast<size_t>(stats.reserved_bytes[VMM_STAT_ALL].current),
+          ptr, delta, static_cast<size_t>(std::max<int64_t>(allocated, 0)),
+          static_cast<size_t>(std::max<int64_t>(reserved, 0)),
           c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
     }
   }
