@@ -392,6 +392,11 @@ TEST(ForeignIndexTest, FindsThePoolOfEveryAddressInASegment) {
   EXPECT_EQ(index.Find(base + 22 * kMiB - 1).pool, b.get());
   EXPECT_EQ(index.Find(base + 22 * kMiB).pool, nullptr);
   EXPECT_EQ(index.Find(base - 1).pool, nullptr);
+  // The segment's start, which a CUDA IPC handle of a block names (with the block's offset).
+  EXPECT_EQ(index.FindSegment(base + kMiB).base, base);
+  EXPECT_EQ(index.FindSegment(base + 21 * kMiB).base, base + 2 * kMiB);
+  EXPECT_EQ(index.FindSegment(base + 21 * kMiB).owner.pool, b.get());
+  EXPECT_EQ(index.FindSegment(base + 22 * kMiB).base, nullptr);
   EXPECT_EQ(a.use_count(), 2) << "the entry holds its pool";
   index.Remove(base);
   EXPECT_EQ(a.use_count(), 1);

@@ -47,7 +47,14 @@ class ForeignIndex {
   bool Empty() const { return count_.load(std::memory_order_relaxed) == 0; }
 
   // The pool whose segment holds `ptr` (pool null if none).
-  Owner Find(const void* ptr) const {
+  Owner Find(const void* ptr) const { return FindSegment(ptr).owner; }
+
+  // The segment that holds `ptr`: its start (null if none) and its pool.
+  struct Segment {
+    const void* base = nullptr;
+    Owner owner;
+  };
+  Segment FindSegment(const void* ptr) const {
     if (Empty()) return {};
     const auto address = reinterpret_cast<uintptr_t>(ptr);
     std::shared_lock<std::shared_mutex> lock(mu_);
@@ -55,7 +62,7 @@ class ForeignIndex {
     if (it == segments_.begin()) return {};
     --it;
     if (address - it->first >= it->second.size) return {};
-    return it->second.owner;
+    return Segment{reinterpret_cast<const void*>(it->first), it->second.owner};
   }
 
  private:

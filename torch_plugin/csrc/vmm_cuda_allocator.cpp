@@ -75,6 +75,7 @@
 #include "torch_plugin/csrc/foreign_index.h"
 #include "torch_plugin/csrc/foreign_segments.h"
 #include "torch_plugin/csrc/foreign_source.h"
+#include "torch_plugin/csrc/legacy_ipc.h"
 #include "torch_plugin/csrc/pool_stream.h"
 #include "torch_plugin/csrc/ready_events.h"
 #include "torch_plugin/csrc/send_steps.h"
@@ -613,6 +614,17 @@ class VmmAllocator : public Pluggable {
   // vmm's sends forward (PyTorch's allocator refuses to share a received storage).
   cca::ShareableHandle shareIpcHandle(void* ptr) override {
     RequireBound();
+    // A block of a MemPool over another allocator is shared as PyTorch's allocator shares
+    // it: a CUDA IPC handle of its segment, and its offset there (legacy_ipc.h).
+    if (const vmm_torch::ForeignIndex::Segment segment = foreign_index_.FindSegment(ptr);
+        segment.base != nullptr) {
+      cudaIpcMemHandle_t handle;
+      C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, const_cast<void*>(segment.base)));
+      return cca::ShareableHandle{
+          static_cast<ptrdiff_t>(static_cast<const char*>(ptr) -
+                                 static_cast<const char*>(segment.base)),
+          vmm_torch::EncodeLegacyIpcHandle(&handle)};
+    }
     uint8_t* bytes = nullptr;
     size_t len = 0;
     CheckOk(libvmm.export_block(ptr, &bytes, &len), "sharing a CUDA storage (_share_cuda_)");
@@ -624,6 +636,16 @@ class VmmAllocator : public Pluggable {
   std::shared_ptr<void> getIpcDevPtr(std::string handle) override {
     RequireBound();
     const int device = c10::cuda::current_device();
+    // PyTorch's own handles: a MemPool over another allocator's block (shareIpcHandle), or a
+    // storage from a process whose allocator is PyTorch's.
+    const vmm_torch::ParsedIpcHandle parsed = vmm_torch::ParseIpcHandle(handle);
+    if (parsed.kind == vmm_torch::IpcHandleKind::kCudaMalloc) {
+      return LegacyIpc().Open(parsed.raw, device);
+    }
+    TORCH_CHECK(parsed.kind != vmm_torch::IpcHandleKind::kExpandable,
+                "vmm: this CUDA storage was shared from an expandable segment of PyTorch's own "
+                "allocator, which vmm does not open; enable vmm (VMM_TORCH_ENABLE) in the "
+                "sending process too");
     const int64_t id = libvmm.import_descriptor(reinterpret_cast<const uint8_t*>(handle.data()),
                                              handle.size(), device, VMM_BACKEND_DEFAULT, 0);
     if (id < 0) ThrowLastError("opening a shared CUDA storage (_new_shared_cuda)");
@@ -638,6 +660,27 @@ class VmmAllocator : public Pluggable {
     return std::shared_ptr<void>(reinterpret_cast<void*>(ptr), [id](void*) {
       libvmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
     });
+  }
+
+  // The segments opened from PyTorch's CUDA IPC handles, one mapping per handle for the
+  // process (the driver opens a handle once per process), never destroyed: storages may
+  // outlive the allocator at exit.
+  static vmm_torch::LegacyIpcMappings& LegacyIpc() {
+    static_assert(sizeof(cudaIpcMemHandle_t) == vmm_torch::kCudaIpcHandleSize);
+    static auto* mappings = new vmm_torch::LegacyIpcMappings(
+        [](const std::string& raw, int device) -> void* {
+          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+          cudaIpcMemHandle_t handle;
+          std::memcpy(&handle, raw.data(), sizeof(handle));
+          void* ptr = nullptr;
+          C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
+          return ptr;
+        },
+        [](void* ptr, int device) {
+          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+          C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(ptr));
+        });
+    return *mappings;
   }
 
   // The largest block an allocation could get now (cuDNN sizes its workspace by it), as
