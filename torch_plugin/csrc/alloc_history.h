@@ -52,11 +52,21 @@ class History {
     for (const std::string& action : skip_actions) {
       skip_.insert(static_cast<int>(cda::parseTraceEntryAction(action)));
     }
-    if (clear || !enabled) {
-      traces_.clear();
-      if (!enabled) contexts_.clear();
-    }
+    // The trace goes when recording stops or is cleared; the stacks of live blocks stay (a
+    // snapshot taken later still shows where they were made, as PyTorch's blocks keep the
+    // context they were given) until the blocks are freed (Forget).
+    if (clear || !enabled) traces_.clear();
     on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
+  }
+
+  // Whether any live block has a stack (one relaxed load): while recording is off, a free
+  // asks this before Forget.
+  bool holds_contexts() const { return holds_contexts_.load(std::memory_order_relaxed); }
+
+  // A block at `addr` was freed while nothing was recorded: its stack goes.
+  void Forget(size_t addr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (contexts_.erase(addr) != 0) NoteContexts();
   }
 
   void AddTracker(cca::AllocatorTraceTracker tracker) {
@@ -86,6 +96,7 @@ class History {
     std::lock_guard<std::mutex> lock(mu_);
     if (is_alloc && context != nullptr) contexts_[addr] = context;
     if (action == cda::TraceEntry::FREE_COMPLETED) contexts_.erase(addr);
+    NoteContexts();
     // The trace is kept while history is on, whatever `when` says of stacks (as PyTorch's
     // allocator does: context=None still records the events, without stacks).
     const bool traced = enabled_ && skip_.count(action) == 0;
@@ -101,6 +112,7 @@ class History {
     while (trace.size() > max_entries_) trace.pop_front();
   }
 
+  // The stack of the live block at `addr`, or null.
   std::shared_ptr<c10::GatheredContext> ContextOf(size_t addr) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = contexts_.find(addr);
@@ -117,7 +129,10 @@ class History {
   }
 
  private:
+  void NoteContexts() { holds_contexts_.store(!contexts_.empty(), std::memory_order_relaxed); }
+
   std::atomic<bool> on_{false};
+  std::atomic<bool> holds_contexts_{false};  // !contexts_.empty()
   std::mutex mu_;
   bool enabled_ = false;  // _record_memory_history is on (the trace is kept)
   cca::CreateContextFn recorder_ = nullptr;

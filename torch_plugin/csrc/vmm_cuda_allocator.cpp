@@ -365,7 +365,9 @@ class VmmAllocator : public Pluggable {
         block.requested_size = e.requested_size;
         block.allocated = e.state == VMM_BLOCK_ACTIVE_ALLOCATED;
         block.active = e.state != VMM_BLOCK_INACTIVE;
-        if (block.active && history_.on()) block.context_when_allocated = history_.ContextOf(e.address);
+        if (block.active && history_.holds_contexts()) {
+          block.context_when_allocated = history_.ContextOf(e.address);
+        }
         segment.blocks.push_back(std::move(block));
       }
       out.segments.push_back(std::move(segment));
@@ -1226,6 +1228,8 @@ class VmmAllocator : public Pluggable {
                       reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
       history_.Record(cda::TraceEntry::FREE_COMPLETED, static_cast<c10::DeviceIndex>(device),
                       reinterpret_cast<size_t>(ptr), size, stream, {0, 0});
+    } else if (C10_UNLIKELY(history_.holds_contexts())) {
+      history_.Forget(reinterpret_cast<size_t>(ptr));  // made while recording, freed after
     }
     if (!own_pools_only_) TellTrace(ptr, /*allocated=*/false);
     // A MemPool over another allocator first (that allocator's memory may be vmm's own).
