@@ -59,6 +59,31 @@ class History {
     on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
   }
 
+  // torch.cuda.memory._set_memory_metadata / _get_memory_metadata: a string that every
+  // trace entry of `device` carries from then on, as PyTorch's allocator keeps one per GPU.
+  void SetUserMetadata(c10::DeviceIndex device, const std::string& metadata) {
+    std::lock_guard<std::mutex> lock(mu_);
+    notes_[device].user_metadata = metadata;
+  }
+  std::string UserMetadata(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = notes_.find(device);
+    return it == notes_.end() ? std::string() : it->second.user_metadata;
+  }
+  // torch.compile's contexts while history is recorded: each trace entry of `device` carries
+  // the innermost ("N/A" with none, as PyTorch writes it).
+  void PushCompileContext(c10::DeviceIndex device, const std::string& context) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (enabled_) notes_[device].compile.push_back(context);
+  }
+  void PopCompileContext(c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = notes_.find(device);
+    if (enabled_ && it != notes_.end() && !it->second.compile.empty()) {
+      it->second.compile.pop_back();
+    }
+  }
+
   // Whether any live block has a stack (one relaxed load): while recording is off, a free
   // asks this before Forget.
   bool holds_contexts() const { return holds_contexts_.load(std::memory_order_relaxed); }
@@ -101,8 +126,11 @@ class History {
     // allocator does: context=None still records the events, without stacks).
     const bool traced = enabled_ && skip_.count(action) == 0;
     if (!traced && trackers_.empty()) return;
+    const DeviceNotes& notes = notes_[device];
     cda::TraceEntry entry(action, device, addr, size, stream, pool, /*time=*/0,
-                          when_ >= cca::RecordContext::ALLOC ? context : nullptr);
+                          when_ >= cca::RecordContext::ALLOC ? context : nullptr,
+                          notes.compile.empty() ? "N/A" : notes.compile.back(),
+                          notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
     if (!traced) return;
@@ -142,6 +170,11 @@ class History {
   std::vector<cca::AllocatorTraceTracker> trackers_;
   std::vector<std::deque<cda::TraceEntry>> traces_;
   std::unordered_map<size_t, std::shared_ptr<c10::GatheredContext>> contexts_;
+  struct DeviceNotes {
+    std::string user_metadata;
+    std::vector<std::string> compile;  // a stack
+  };
+  std::unordered_map<c10::DeviceIndex, DeviceNotes> notes_;
 };
 
 }  // namespace vmm_torch

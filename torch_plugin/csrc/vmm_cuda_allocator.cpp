@@ -400,6 +400,17 @@ class VmmAllocator : public Pluggable {
                        skip_actions);
   }
 
+  void setUserMetadata(const std::string& metadata) override {
+    history_.SetUserMetadata(c10::cuda::current_device(), metadata);
+  }
+  std::string getUserMetadata() override {
+    return history_.UserMetadata(c10::cuda::current_device());
+  }
+  void pushCompileContext(std::string& md) override {
+    history_.PushCompileContext(c10::cuda::current_device(), md);
+  }
+  void popCompileContext() override { history_.PopCompileContext(c10::cuda::current_device()); }
+
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> lock(mu_);
     oom_observers_.push_back(std::move(observer));
