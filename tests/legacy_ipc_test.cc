@@ -85,6 +85,22 @@ TEST(LegacyIpcTest, OneMappingPerHandleClosedWithItsLastStorage) {
   EXPECT_EQ(mappings.size(), 0u);
 }
 
+// A close that throws (CUDA going at exit) is dropped: it ran in a shared_ptr's deleter,
+// where an exception ends the process.
+TEST(LegacyIpcTest, ACloserThatThrowsDoesNotEndTheProcess) {
+  char memory = 0;
+  int closes = 0;
+  LegacyIpcMappings mappings([&](const std::string&, int) -> void* { return &memory; },
+                             [&](void*, int) {
+                               ++closes;
+                               throw std::runtime_error("CUDA driver shutting down");
+                             });
+  std::shared_ptr<void> p = mappings.Open(RawHandle('a'), 0);
+  p.reset();
+  EXPECT_EQ(closes, 1);
+  EXPECT_EQ(mappings.size(), 0u);
+}
+
 // Threads opening and dropping storages of the same few handles: the driver never sees a
 // handle opened twice at once, and every open is closed.
 TEST(LegacyIpcTest, ThreadsOpeningAndDroppingOneHandleNeverOpenItTwice) {

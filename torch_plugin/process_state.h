@@ -192,8 +192,10 @@ class ProcessState {
   // DeviceStats(device)'s allocated_bytes.current and reserved_bytes.current, read from the
   // GPU's DeviceCap (what its pools add as they hand blocks out and map memory) rather than
   // summed over its pools, so that its cost does not grow with the private pools alive: the
-  // profiler's memory events report both at every allocation and free. Where no pool shares
-  // a cap yet, DeviceStats's.
+  // profiler's memory events report both at every allocation and free. They differ from
+  // DeviceStats's only while a released private pool's teardown waits for a capture to end
+  // (Retire has moved its totals aside; its memory is still mapped and counted here). Where no
+  // pool shares a cap yet, DeviceStats's.
   struct Usage {
     int64_t allocated = 0;
     int64_t reserved = 0;

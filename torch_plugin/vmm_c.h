@@ -207,7 +207,8 @@ int vmm_device_torch_stats(int device, vmm_torch_stats* out);
 /* vmm_device_torch_stats's allocated_bytes[VMM_STAT_ALL].current and
  * reserved_bytes[VMM_STAT_ALL].current, read without visiting the private pools (its cost does
  * not grow with how many are alive): what the profiler's memory events report at each
- * allocation and free. VMM_INVALID_ARGUMENT for a null output. */
+ * allocation and free. (While a released private pool's teardown waits for a capture to end,
+ * its memory still counts here and no longer there.) VMM_INVALID_ARGUMENT for a null output. */
 int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved);
 /* One pool by id (explicit or private). */
 int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out);

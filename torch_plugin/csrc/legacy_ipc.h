@@ -10,11 +10,12 @@
 // Version 1 is written: PyTorch's receivers take any version up to their own, and the 'c'
 // layout has not changed since the byte came in.
 //
-// A segment's handle opens once per process (the driver refuses to open one handle twice), so
 // LegacyIpcMappings keeps one mapping per handle, shared by every storage opened from it
 // (PyTorch sends each tensor of a segment with the segment's handle) and closed when the last
-// of them goes. Failures: Open throws what the opener throws (nothing is kept then); a close
-// that fails is the closer's to report. Thread safe. Pure C++ (no CUDA, no PyTorch): the
+// of them goes: one open and one close per segment however many tensors of it arrive (older
+// drivers refused a second open of one handle in a process; newer ones count opens). Failures:
+// Open throws what the opener throws (nothing is kept then); a close that fails is the
+// closer's to report (it must not throw; what it throws is dropped). Thread safe. Pure C++ (no CUDA, no PyTorch): the
 // plugin gives it cudaIpcOpenMemHandle / cudaIpcCloseMemHandle; tests give it fakes
 // (tests/legacy_ipc_test.cc).
 #ifndef VMM_TORCH_PLUGIN_CSRC_LEGACY_IPC_H_
@@ -83,14 +84,20 @@ class LegacyIpcMappings {
   // mapped yet); the mapping stays while any pointer returned for it lives, and the returned
   // pointer must not outlive this object.
   std::shared_ptr<void> Open(const std::string& raw, int device) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = mappings_.find(raw);
-    if (it == mappings_.end()) {
-      void* ptr = open_(raw, device);  // throws: nothing kept
-      it = mappings_.emplace(raw, Mapping{ptr, device, 0}).first;
+    auto drop = [this, raw](void*) { Drop(raw); };  // made first: copying may throw
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = mappings_.find(raw);
+      if (it == mappings_.end()) {
+        void* opened = open_(raw, device);  // throws: nothing kept
+        it = mappings_.emplace(raw, Mapping{opened, device, 0}).first;
+      }
+      ++it->second.users;
+      ptr = it->second.ptr;
     }
-    ++it->second.users;
-    return std::shared_ptr<void>(it->second.ptr, [this, raw](void*) { Drop(raw); });
+    // Outside the lock: where the shared_ptr cannot be made, it calls `drop` itself.
+    return std::shared_ptr<void>(ptr, std::move(drop));
   }
 
   // Handles mapped now (tests).
@@ -112,9 +119,13 @@ class LegacyIpcMappings {
     if (it == mappings_.end() || --it->second.users > 0) return;
     const Mapping gone = it->second;
     mappings_.erase(it);
-    // Closed under the lock: an Open of the same handle meanwhile would map it a second time,
-    // which the driver refuses while this mapping stands.
-    close_(gone.ptr, gone.device);
+    // Closed under the lock, deliberately: an Open of the same handle meanwhile waits for the
+    // close rather than open the handle again beside a mapping on its way out. In a
+    // shared_ptr's deleter nothing may throw: a closer that does is caught here.
+    try {
+      close_(gone.ptr, gone.device);
+    } catch (...) {
+    }
   }
 
   const Opener open_;

@@ -632,7 +632,17 @@ class VmmAllocator : public Pluggable {
     if (const vmm_torch::ForeignIndex::Segment segment = foreign_index_.FindSegment(ptr);
         segment.base != nullptr) {
       cudaIpcMemHandle_t handle;
-      C10_CUDA_CHECK(cudaIpcGetMemHandle(&handle, const_cast<void*>(segment.base)));
+      const cudaError_t error = cudaIpcGetMemHandle(&handle, const_cast<void*>(segment.base));
+      if (error != cudaSuccess) {
+        (void)cudaGetLastError();  // not a sticky error: clear it
+        TORCH_CHECK(false,
+                    "vmm: sharing a tensor of a MemPool over another allocator: "
+                    "cudaIpcGetMemHandle of its segment failed (",
+                    cudaGetErrorString(error),
+                    "); memory of the CUDA virtual memory API (as NCCL's and vLLM's allocators "
+                    "make) cannot be shared by CUDA IPC, with PyTorch's allocator either; send "
+                    "a clone made outside that pool");
+      }
       return cca::ShareableHandle{
           static_cast<ptrdiff_t>(static_cast<const char*>(ptr) -
                                  static_cast<const char*>(segment.base)),
@@ -689,9 +699,14 @@ class VmmAllocator : public Pluggable {
           C10_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
           return ptr;
         },
-        [](void* ptr, int device) {
-          c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+        [](void* ptr, int device) {  // must not throw (legacy_ipc.h)
+          int current = 0;
+          if (cudaGetDevice(&current) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return;  // CUDA is going (the process exits): the driver drops the mapping
+          }
           C10_CUDA_CHECK_WARN(cudaIpcCloseMemHandle(ptr));
+          (void)cudaSetDevice(current);
         });
     return *mappings;
   }

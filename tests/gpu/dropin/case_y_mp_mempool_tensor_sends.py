@@ -12,7 +12,8 @@ segment that the allocator knows (its pool's segment, from its own cudaMalloc or
 program's allocator): Queue.put sends it as any CUDA tensor (storage._share_cuda_ ->
 shareIpcHandle: cudaIpcGetMemHandle of the segment's base, the block's offset in it) and the
 receiver opens the handle (getIpcDevPtr: cudaIpcOpenMemHandle). So, for tensors of 16 KiB to
-8 MiB in the default MemPool and of 3 and 12 MiB in the pool over cuMemAlloc (each lies in
+8 MiB in the default MemPool and of 3, 3 (the same segment, 3 MiB in) and 12 MiB in the pool over cuMemAlloc, kept alive
+together by the worker (each lies in
 its pool's snapshot): the worker receives each with its values, writes 16 marker values at its
 start, and the parent sees them there, its other values unchanged. Through the driver API the
 pool-over-cuMemAlloc tensors (4 KiB and 40 MiB) report a range (RANGE_START_ADDR /
@@ -83,6 +84,7 @@ def child(q, reply):
     ("end",); answers {name: [errors]} (an empty list: all right)."""
     results = {}
     opened = {}
+    kept = []  # received tensors stay alive together (two of them share one segment)
     cu = None
     try:
         torch.empty(1, device="cuda")
@@ -113,7 +115,7 @@ def child(q, reply):
                     torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001
                     errs.append(f"using the received tensor: {type(e).__name__}: {e}")
-                del t
+                kept.append(t)
                 continue
             _, name, k, handle, offset, numel = msg
             errs = results.setdefault(name, [])
@@ -142,6 +144,7 @@ def child(q, reply):
             if rc != 0:
                 errs.append(f"cuMemcpyHtoD through the handle: CUresult {rc}")
         torch.cuda.synchronize()
+        kept.clear()
         for dptr in opened.values():
             cu["close"](dptr)
     except Exception as e:  # noqa: BLE001
@@ -164,7 +167,9 @@ def main():
     by_hand = {}
     with torch.cuda.use_mem_pool(custom_pool):
         # Sizes whose segments are not those of the tensors shared by hand below.
+        # The two 3 MiB tensors share one 20 MiB segment (the second 3 MiB into it).
         for k, (name, nbytes) in enumerate((("custom-pool 3 MiB", 3 * MIB),
+                                            ("custom-pool 3 MiB, second", 3 * MIB),
                                             ("custom-pool 12 MiB", 12 * MIB)), start=10):
             sent[name] = (custom_pool, filled(nbytes // 4, k), k)
         for k, (name, nbytes) in enumerate((("custom-pool 4 KiB (by hand)", 4 * KIB),
