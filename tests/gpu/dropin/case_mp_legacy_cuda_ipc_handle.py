@@ -26,48 +26,14 @@ import ctypes
 import torch
 import torch.multiprocessing as mp
 from dropin_report import report
+from libcuda import (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEMORYTYPE_DEVICE,
+                     CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                     CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                     CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, IpcMemHandle, driver)
 
 MIB = 1 << 20
-CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
-CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
-CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
-CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
-CU_MEMORYTYPE_DEVICE = 2
-CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 MARK = 12345.0
-
-
-class IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-def driver():
-    cu = ctypes.CDLL("libcuda.so.1")
-
-    def fn(names, argtypes):
-        for name in names:
-            f = getattr(cu, name, None)
-            if f is not None:
-                f.argtypes = argtypes
-                f.restype = ctypes.c_int
-                return f
-        raise RuntimeError(f"libcuda has none of {names}")
-
-    u64 = ctypes.c_uint64
-    return {
-        "attr": fn(["cuPointerGetAttribute"], [ctypes.c_void_p, ctypes.c_int, u64]),
-        "range": fn(["cuMemGetAddressRange_v2", "cuMemGetAddressRange"],
-                    [ctypes.POINTER(u64), ctypes.POINTER(ctypes.c_size_t), u64]),
-        "get": fn(["cuIpcGetMemHandle"], [ctypes.POINTER(IpcMemHandle), u64]),
-        "open": fn(["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"],
-                   [ctypes.POINTER(u64), IpcMemHandle, ctypes.c_uint]),
-        "close": fn(["cuIpcCloseMemHandle"], [u64]),
-        "dtoh": fn(["cuMemcpyDtoH_v2", "cuMemcpyDtoH"], [ctypes.c_void_p, u64, ctypes.c_size_t]),
-        "htod": fn(["cuMemcpyHtoD_v2", "cuMemcpyHtoD"], [u64, ctypes.c_void_p, ctypes.c_size_t]),
-    }
-
-
 def attribute(cu, attr, ptr):
     """(CUresult, value) of cuPointerGetAttribute; the value read from a zeroed 8-byte buffer
     (the attributes asked here are 1, 4 or 8 bytes wide)."""

@@ -17,28 +17,15 @@ Why vmm may differ: vmm maps its own pool bookkeeping onto PyTorch's DeviceStats
 (vmm_device_torch_stats): its accumulated fields, its reset and its handling of a free that
 waits for another stream's event are its own.
 """
-import re
 
 import torch
-from dropin_report import report
+from dropin_report import core_stats, report
 
 MIB = 1 << 20
-CORE = re.compile(r"^(allocation|allocated_bytes|segment|reserved_bytes|active|active_bytes|"
-                  r"inactive_split|inactive_split_bytes|requested_bytes)\.(all|large_pool|"
-                  r"small_pool)\.(current|peak|allocated|freed)$")
-
-
-def core():
-    out = {}
-    for k, v in torch.cuda.memory_stats().items():
-        m = CORE.match(k)
-        if m:
-            out.setdefault(f"{m[1]}.{m[2]}", {})[m[3]] = v
-    return out
 
 
 def check(where, at_reset, errors):
-    st = core()
+    st = core_stats()
     for name, s in st.items():
         moved = s.get("current", 0) - at_reset.get(name, {}).get("current", 0)
         if moved != s.get("allocated", 0) - s.get("freed", 0):
@@ -59,7 +46,7 @@ def main():
     torch.cuda.synchronize()
     errors = []
     torch.cuda.reset_accumulated_memory_stats()
-    at_reset, stats = core(), torch.cuda.memory_stats()
+    at_reset, stats = core_stats(), torch.cuda.memory_stats()
     dirty = [f"{k}.{m}={v[m]}" for k, v in at_reset.items() for m in ("allocated", "freed")
              if v.get(m, 0)] + [f"{k}={stats[k]}" for k in ("num_ooms", "num_alloc_retries")
                                 if stats.get(k, 0)]

@@ -31,7 +31,7 @@ pool is made and shares the GPU's DeviceCap), and makes a private pool before th
 import warnings
 
 import torch
-from dropin_report import report
+from dropin_report import oom, report
 
 MIB, GIB = 1 << 20, 1 << 30
 CORE = ("allocation", "allocated_bytes", "segment", "reserved_bytes", "active", "active_bytes",
@@ -53,16 +53,6 @@ def warned(fn, *args):
         warnings.simplefilter("always")
         value = fn(*args)
     return value, any(issubclass(w.category, FutureWarning) for w in caught)
-
-
-def oom(nbytes):
-    try:
-        t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        t.fill_(1)
-        del t
-        return False
-    except torch.cuda.OutOfMemoryError:
-        return True
 
 
 def main():

@@ -35,40 +35,11 @@ import torch
 import torch.multiprocessing as mp
 from counted_allocator import CountedAllocator
 from dropin_report import in_pool, report
+from libcuda import (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+                     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, IpcMemHandle, driver)
 
 KIB, MIB = 1 << 10, 1 << 20
 MARK = 4321.0
-CU_POINTER_ATTRIBUTE_RANGE_START_ADDR = 11
-CU_POINTER_ATTRIBUTE_RANGE_SIZE = 12
-CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
-
-
-class IpcMemHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
-def driver():
-    cu = ctypes.CDLL("libcuda.so.1")
-
-    def fn(names, argtypes):
-        for name in names:
-            f = getattr(cu, name, None)
-            if f is not None:
-                f.argtypes = argtypes
-                f.restype = ctypes.c_int
-                return f
-        raise RuntimeError(f"libcuda has none of {names}")
-
-    u64 = ctypes.c_uint64
-    return {
-        "attr": fn(["cuPointerGetAttribute"], [ctypes.c_void_p, ctypes.c_int, u64]),
-        "get": fn(["cuIpcGetMemHandle"], [ctypes.POINTER(IpcMemHandle), u64]),
-        "open": fn(["cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"],
-                   [ctypes.POINTER(u64), IpcMemHandle, ctypes.c_uint]),
-        "close": fn(["cuIpcCloseMemHandle"], [u64]),
-        "dtoh": fn(["cuMemcpyDtoH_v2", "cuMemcpyDtoH"], [ctypes.c_void_p, u64, ctypes.c_size_t]),
-        "htod": fn(["cuMemcpyHtoD_v2", "cuMemcpyHtoD"], [u64, ctypes.c_void_p, ctypes.c_size_t]),
-    }
 
 
 def pattern(i, k):

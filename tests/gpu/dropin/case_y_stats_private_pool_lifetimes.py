@@ -24,25 +24,11 @@ adds them up; a private pool that is gone leaves its totals and counters to the 
 alive and pools gone alike: a pool counted in neither or both, a total that falls, or a
 reset that misses a pool breaks the equation a monitor computes.
 """
-import re
-
 import torch
-from dropin_report import baseline, report, settle
+from dropin_report import baseline, core_stats, report, settle
 
 MIB = 1 << 20
-CORE = re.compile(r"^(allocation|allocated_bytes|segment|reserved_bytes|active|active_bytes|"
-                  r"inactive_split|inactive_split_bytes|requested_bytes)\.(all|large_pool|"
-                  r"small_pool)\.(current|peak|allocated|freed)$")
 COUNTERS = ("num_device_alloc", "num_device_free")
-
-
-def core():
-    out = {}
-    for k, v in torch.cuda.memory_stats().items():
-        m = CORE.match(k)
-        if m:
-            out.setdefault(f"{m[1]}.{m[2]}", {})[m[3]] = v
-    return out
 
 
 class Monitor:
@@ -52,7 +38,7 @@ class Monitor:
 
     def reset(self):
         torch.cuda.reset_accumulated_memory_stats()
-        self.at_reset = core()
+        self.at_reset = core_stats()
         self.last = self.at_reset
         stats = torch.cuda.memory_stats()
         self.last_counters = {k: stats.get(k, 0) for k in COUNTERS}
@@ -69,7 +55,7 @@ class Monitor:
                (v < 0 and k != "max_split_size")]
         if bad:
             self.errors.append(f"{where}: not non-negative ints: {', '.join(bad[:6])}")
-        st = core()
+        st = core_stats()
         for name, s in st.items():
             moved = s.get("current", 0) - self.at_reset.get(name, {}).get("current", 0)
             net = s.get("allocated", 0) - s.get("freed", 0)
@@ -163,7 +149,7 @@ def main():
     settle()
     mon.check("after the second MemPool was dropped and the cache emptied")
     torch.cuda.reset_peak_memory_stats()
-    st = core()
+    st = core_stats()
     stale = [f"{k}.peak={v.get('peak')} current={v.get('current')}" for k, v in st.items()
              if v.get("peak") != v.get("current")]
     if stale:

@@ -1,7 +1,25 @@
 """What every program of the drop-in suite does at its end: each difference from PyTorch's
 behaviour on stderr and exit status 1, or "ok" and exit status 0 (run.sh reads both); and
 the helpers several programs share."""
+import re
 import sys
+
+
+# The core statistics of torch.cuda.memory_stats(): "<stat>.<pool>.<field>".
+CORE_STAT = re.compile(r"^(allocation|allocated_bytes|segment|reserved_bytes|active|active_bytes|"
+                       r"inactive_split|inactive_split_bytes|requested_bytes)\.(all|large_pool|"
+                       r"small_pool)\.(current|peak|allocated|freed)$")
+
+
+def core_stats():
+    """torch.cuda.memory_stats()'s core statistics as {"<stat>.<pool>": {field: value}}."""
+    import torch
+    out = {}
+    for k, v in torch.cuda.memory_stats().items():
+        m = CORE_STAT.match(k)
+        if m:
+            out.setdefault(f"{m[1]}.{m[2]}", {})[m[3]] = v
+    return out
 
 
 def report(errors):
