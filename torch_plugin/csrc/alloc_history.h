@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -31,6 +32,24 @@ inline time_t NowMicros() {
   return std::chrono::duration_cast<std::chrono::microseconds>(
              std::chrono::system_clock::now().time_since_epoch())
       .count();
+}
+
+// A trace entry with torch.compile's context and the user metadata, where this torch's
+// TraceEntry carries them (else without them).
+template <typename Entry = cda::TraceEntry>
+Entry MakeTraceEntry(typename Entry::Action action, c10::DeviceIndex device, size_t addr,
+                     size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool,
+                     std::shared_ptr<c10::GatheredContext> context, const std::string& compile,
+                     const std::string& metadata) {
+  if constexpr (std::is_constructible_v<Entry, typename Entry::Action, c10::DeviceIndex, size_t,
+                                        size_t, cudaStream_t, c10::cuda::MempoolId_t, int,
+                                        std::shared_ptr<c10::GatheredContext>, std::string,
+                                        std::string>) {
+    return Entry(action, device, addr, size, stream, pool, /*time=*/0, std::move(context),
+                 compile, metadata);
+  } else {
+    return Entry(action, device, addr, size, stream, pool, /*time=*/0, std::move(context));
+  }
 }
 
 // The history PyTorch asks for with _record_memory_history: a bounded trace of allocations
@@ -127,10 +146,10 @@ class History {
     const bool traced = enabled_ && skip_.count(action) == 0;
     if (!traced && trackers_.empty()) return;
     const DeviceNotes& notes = notes_[device];
-    cda::TraceEntry entry(action, device, addr, size, stream, pool, /*time=*/0,
-                          when_ >= cca::RecordContext::ALLOC ? context : nullptr,
-                          notes.compile.empty() ? "N/A" : notes.compile.back(),
-                          notes.user_metadata);
+    cda::TraceEntry entry = MakeTraceEntry(
+        action, device, addr, size, stream, pool,
+        when_ >= cca::RecordContext::ALLOC ? context : nullptr,
+        notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
     if (!traced) return;

@@ -400,16 +400,16 @@ class VmmAllocator : public Pluggable {
                        skip_actions);
   }
 
-  void setUserMetadata(const std::string& metadata) override {
+  // PyTorch's virtuals where this torch has them (hence no `override`: with a torch whose
+  // allocator interface lacks them they are plain members, unused).
+  void setUserMetadata(const std::string& metadata) {
     history_.SetUserMetadata(c10::cuda::current_device(), metadata);
   }
-  std::string getUserMetadata() override {
-    return history_.UserMetadata(c10::cuda::current_device());
-  }
-  void pushCompileContext(std::string& md) override {
+  std::string getUserMetadata() { return history_.UserMetadata(c10::cuda::current_device()); }
+  void pushCompileContext(std::string& md) {
     history_.PushCompileContext(c10::cuda::current_device(), md);
   }
-  void popCompileContext() override { history_.PopCompileContext(c10::cuda::current_device()); }
+  void popCompileContext() { history_.PopCompileContext(c10::cuda::current_device()); }
 
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> lock(mu_);
