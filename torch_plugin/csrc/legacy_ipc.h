@@ -13,11 +13,11 @@
 // LegacyIpcMappings keeps one mapping per handle, shared by every storage opened from it
 // (PyTorch sends each tensor of a segment with the segment's handle) and closed when the last
 // of them goes: one open and one close per segment however many tensors of it arrive (older
-// drivers refused a second open of one handle in a process; newer ones count opens). Failures:
-// Open throws what the opener throws (nothing is kept then); a close that fails is the
-// closer's to report (it must not throw; what it throws is dropped). Thread safe. Pure C++ (no CUDA, no PyTorch): the
-// plugin gives it cudaIpcOpenMemHandle / cudaIpcCloseMemHandle; tests give it fakes
-// (tests/legacy_ipc_test.cc).
+// drivers refused a second open of one handle in a process; newer ones count opens).
+// Failures: Open throws what the opener throws (nothing is kept then); a close that fails is
+// the closer's to report (it must not throw; what it throws is dropped). Thread safe. Pure
+// C++ (no CUDA, no PyTorch): the plugin gives it cudaIpcOpenMemHandle / cudaIpcCloseMemHandle;
+// tests give it fakes (tests/legacy_ipc_test.cc).
 #ifndef VMM_TORCH_PLUGIN_CSRC_LEGACY_IPC_H_
 #define VMM_TORCH_PLUGIN_CSRC_LEGACY_IPC_H_
 

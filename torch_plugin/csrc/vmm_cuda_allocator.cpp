@@ -686,8 +686,7 @@ class VmmAllocator : public Pluggable {
   }
 
   // The segments opened from PyTorch's CUDA IPC handles, one mapping per handle for the
-  // process (the driver opens a handle once per process), never destroyed: storages may
-  // outlive the allocator at exit.
+  // process (legacy_ipc.h), never destroyed: storages may outlive the allocator at exit.
   static vmm_torch::LegacyIpcMappings& LegacyIpc() {
     static_assert(sizeof(cudaIpcMemHandle_t) == vmm_torch::kCudaIpcHandleSize);
     static auto* mappings = new vmm_torch::LegacyIpcMappings(
