@@ -19,7 +19,7 @@ num_ooms and num_alloc_retries is 0. At the end memory_allocated() is back at it
 empty_cache() brings memory_reserved() back to where it was.
 
 Why vmm may differ: vmm keeps statistics per pool (the device pool, each private pool) and
-adds them up; a private pool that is gone leaves its totals and counters to the device's
+adds them up; a private pool that is gone leaves its totals and counters to the GPU's
 ("what it still held counted as freed", ProcessState::Retire), and resets must reach pools
 alive and pools gone alike: a pool counted in neither or both, a total that falls, or a
 reset that misses a pool breaks the equation a monitor computes.
