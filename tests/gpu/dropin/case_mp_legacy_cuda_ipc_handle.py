@@ -30,7 +30,8 @@ from libcuda import (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_MEMORYTYPE_DEVICE,
                      CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
                      CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
                      CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, IpcMemHandle, driver)
+                     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, IpcMemHandle, driver,
+                     read_and_mark)
 
 MIB = 1 << 20
 MARK = 12345.0
@@ -62,20 +63,8 @@ def child(jobs, reply):
                     errs.append(f"{name}: cuIpcOpenMemHandle returned CUresult {rc}")
                     continue
                 opened[handle] = dptr.value
-            base = opened[handle]
-            buf = (ctypes.c_float * 16)()
-            for where, first in (("first", 0), ("last", numel - 16)):
-                rc = cu["dtoh"](ctypes.addressof(buf), base + offset + 4 * first, 64)
-                want = [pattern(first + i) for i in range(16)]
-                if rc != 0:
-                    errs.append(f"{name}: cuMemcpyDtoH of its {where} values: CUresult {rc}")
-                elif list(buf) != want:
-                    errs.append(f"{name}: its {where} 16 values read through the IPC handle are "
-                                f"{list(buf)[:4]}..., expected {want[:4]}...")
-            mark = (ctypes.c_float * 16)(*[MARK + i for i in range(16)])
-            rc = cu["htod"](base + offset, ctypes.addressof(mark), 64)
-            if rc != 0:
-                errs.append(f"{name}: cuMemcpyHtoD through the IPC handle: CUresult {rc}")
+            errs += [f"{name}: {e}" for e in
+                     read_and_mark(cu, opened[handle] + offset, numel, pattern, MARK)]
         torch.cuda.synchronize()  # the copies above are done before the parent looks
         for dptr in opened.values():
             rc = cu["close"](dptr)

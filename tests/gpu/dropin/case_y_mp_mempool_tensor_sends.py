@@ -36,7 +36,8 @@ import torch.multiprocessing as mp
 from counted_allocator import CountedAllocator
 from dropin_report import in_pool, report
 from libcuda import (CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS, CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-                     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, IpcMemHandle, driver)
+                     CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, IpcMemHandle, driver,
+                     read_and_mark)
 
 KIB, MIB = 1 << 10, 1 << 20
 MARK = 4321.0
@@ -100,20 +101,8 @@ def child(q, reply):
                     errs.append(f"cuIpcOpenMemHandle returned CUresult {rc}")
                     continue
                 opened[handle] = dptr.value
-            base = opened[handle]
-            buf = (ctypes.c_float * 16)()
-            for where, first in (("first", 0), ("last", numel - 16)):
-                rc = cu["dtoh"](ctypes.addressof(buf), base + offset + 4 * first, 64)
-                want = [pattern(first + i, k) for i in range(16)]
-                if rc != 0:
-                    errs.append(f"cuMemcpyDtoH of its {where} values: CUresult {rc}")
-                elif list(buf) != want:
-                    errs.append(f"its {where} values through the handle are {list(buf)[:3]}..., "
-                                f"expected {want[:3]}...")
-            mark = (ctypes.c_float * 16)(*[MARK + i for i in range(16)])
-            rc = cu["htod"](base + offset, ctypes.addressof(mark), 64)
-            if rc != 0:
-                errs.append(f"cuMemcpyHtoD through the handle: CUresult {rc}")
+            errs += read_and_mark(cu, opened[handle] + offset, numel,
+                                  lambda i, k=k: pattern(i, k), MARK)
         torch.cuda.synchronize()
         kept.clear()
         for dptr in opened.values():

@@ -41,3 +41,24 @@ def driver():
         "dtoh": fn(["cuMemcpyDtoH_v2", "cuMemcpyDtoH"], [ctypes.c_void_p, u64, ctypes.c_size_t]),
         "htod": fn(["cuMemcpyHtoD_v2", "cuMemcpyHtoD"], [u64, ctypes.c_void_p, ctypes.c_size_t]),
     }
+
+
+def read_and_mark(cu, at, numel, expected, mark):
+    """Through memory opened from an IPC handle, at device address `at` (float32 values):
+    checks the first and last 16 of `numel` values against expected(i), then writes
+    mark + 0..15 over the first 16. Returns what differed, as messages."""
+    errs = []
+    buf = (ctypes.c_float * 16)()
+    for where, first in (("first", 0), ("last", numel - 16)):
+        rc = cu["dtoh"](ctypes.addressof(buf), at + 4 * first, 64)
+        want = [expected(first + i) for i in range(16)]
+        if rc != 0:
+            errs.append(f"cuMemcpyDtoH of its {where} values: CUresult {rc}")
+        elif list(buf) != want:
+            errs.append(f"its {where} 16 values read through the IPC handle are "
+                        f"{list(buf)[:4]}..., expected {want[:4]}...")
+    values = (ctypes.c_float * 16)(*[mark + i for i in range(16)])
+    rc = cu["htod"](at, ctypes.addressof(values), 64)
+    if rc != 0:
+        errs.append(f"cuMemcpyHtoD through the IPC handle: CUresult {rc}")
+    return errs
