@@ -15,8 +15,10 @@ with it, so every replay gives 6x + 1 from the side stream and x - 7 from the ca
 in graph B the capture stream sleeps, then reads `s` (made on the side stream) after the join,
 while the side stream, after `del s`, fills a new tensor with -9: every replay gives the sum of
 2x and x + 1 - 9. Four replays each with new inputs, eager tensors filled with 5 between
-replays keep their value, and once the graphs and outputs are gone memory_allocated() is back at
-its baseline and empty_cache() brings memory_reserved() back to where it was.
+replays keep their value, and once the graphs and outputs are gone memory_allocated() is back
+within one tensor of its baseline: PyTorch's allocator (2.11) keeps one tensor's block (16
+MiB) allocated and reserved after the graphs are gone, one of those freed inside the captures
+with another stream recorded (so the case asks no more of vmm).
 
 Why vmm may differ: vmm's record_stream hook and its frees that wait for other streams
 (stream_reclaim) are asked to act while a capture is under way, when vmm records and queries
@@ -26,7 +28,7 @@ must still be recorded once the capture is over (or the block stays pending and 
 never comes back).
 """
 import torch
-from dropin_report import baseline, memory_back, report, settle
+from dropin_report import baseline, report, settle
 
 MIB = 1 << 20
 N = 4 * MIB  # float32: 16 MiB
@@ -80,7 +82,7 @@ def capture(fn, x, side, cap):
 def main():
     errors = []
     torch.empty(1, device="cuda")
-    base, res0, _ = baseline()
+    base, _, _ = baseline()
     side, cap = torch.cuda.Stream(), torch.cuda.Stream()
     x = torch.randn(N, device="cuda")
     ga, (a_side, a_main) = capture(graph_a, x, side, cap)
@@ -108,7 +110,11 @@ def main():
         del junk
     del ga, gb, a_side, a_main, b_out, x
     settle()
-    memory_back(errors, base, res0, "after the graphs and their outputs were dropped")
+    # Within one tensor of the baseline: the block PyTorch's allocator keeps (see above).
+    allocated = torch.cuda.memory_allocated()
+    if allocated > base + N * 4:
+        errors.append(f"after the graphs and their outputs were dropped memory_allocated() is "
+                      f"{allocated}, more than one tensor ({N * 4}) above {base} before")
     report(errors)
 
 

@@ -2,7 +2,8 @@
 # The drop-in suite: small PyTorch programs that work with PyTorch's own CUDA allocator, each
 # run twice, with it and with vmm (VMM_TORCH_ENABLE=1), under `timeout 60`. One line per case:
 #
-#   case native_rc vmm_rc verdict   (ok | VMM-BREAKS | known-gap | gap-closed | native-fails)
+#   case native_rc vmm_rc verdict   (ok | VMM-BREAKS | known-gap | gap-closed | native-fails |
+#                                    not-run)
 #
 # then the tail of stderr of each failing run and a summary. A case exits 0 when the behaviour
 # is PyTorch's and says on stderr what differed otherwise. known_gaps.txt lists the cases vmm
@@ -19,6 +20,8 @@
 # would not run: a sitecustomize that calls site.addsitedir(VMM_SITE) is put first on
 # PYTHONPATH (it chains to any sitecustomize it hides). Both modes get the same PYTHONPATH.
 # JOBS (default 8): cases run at once; cases marked "# EXCLUSIVE" run alone afterwards.
+# DROPIN_UNTIL (seconds since the epoch): a run that would begin after it is not begun; its
+# case reports not-run (rc "-"), so that a time-boxed caller still gets the table of the rest.
 # OUT: results go to $OUT/dropin when set, else /tmp/dropin_results.
 # VMM_ENABLE_TEXT: the value of VMM_TORCH_ENABLE in the vmm runs (default 1; e.g.
 # handle_type=posix_fd). Fabric handles need an IMEX channel (tests/gpu/run.sh makes one).
@@ -91,6 +94,10 @@ fi
 run_one() {
   local file=$1 mode=$2 name
   name=$(basename "$file" .py)
+  if [[ -n "${DROPIN_UNTIL:-}" && $(date +%s) -ge $DROPIN_UNTIL ]]; then
+    echo - >"$results/$name.$mode.rc"
+    return
+  fi
   local start=$SECONDS
   if [[ $mode == native ]]; then
     env -u VMM_TORCH_ENABLE timeout 60 python3 "$file" >"$results/$name.$mode.out" \
@@ -103,7 +110,7 @@ run_one() {
   echo $((SECONDS - start)) >"$results/$name.$mode.time"
 }
 export -f run_one
-export results VMM_ENABLE_TEXT
+export results VMM_ENABLE_TEXT DROPIN_UNTIL
 
 started=$SECONDS
 parallel=() exclusive=()
@@ -122,7 +129,7 @@ done
 
 # known_gaps.txt: a case name per line, then its reason (# comments).
 known=" $(sed -e 's/#.*//' "$here/known_gaps.txt" | tr -s ' \n' ' ') "
-ok=0 breaks=0 nfail=0 gaps=0 closed=0
+ok=0 breaks=0 nfail=0 gaps=0 closed=0 notrun=0
 lines=() details=()
 for f in "${parallel[@]}" "${exclusive[@]}"; do
   name=$(basename "$f" .py)
@@ -130,7 +137,10 @@ for f in "${parallel[@]}" "${exclusive[@]}"; do
   v=$(cat "$results/$name.vmm.rc" 2>/dev/null || echo "?")
   gap=0
   [[ $known == *" ${name#case_} "* ]] && gap=1
-  if [[ $n == 0 && $v == 0 && $gap == 1 ]]; then
+  if [[ $n == - || $v == - ]]; then
+    verdict=not-run
+    ((notrun++))
+  elif [[ $n == 0 && $v == 0 && $gap == 1 ]]; then
     verdict=gap-closed
     ((closed++))
   elif [[ $n == 0 && $v == 0 ]]; then
@@ -160,5 +170,6 @@ if [[ ${#details[@]} -gt 0 ]]; then
 fi
 echo
 echo "summary: ${#lines[@]} cases: $ok ok, $breaks VMM-BREAKS, $gaps known-gap," \
-  "$closed gap-closed, $nfail native-fails ($((SECONDS - started)) s; logs in $results)"
-[[ $breaks -eq 0 && $nfail -eq 0 && $closed -eq 0 ]]
+  "$closed gap-closed, $nfail native-fails, $notrun not-run ($((SECONDS - started)) s; logs in" \
+  "$results)"
+[[ $breaks -eq 0 && $nfail -eq 0 && $closed -eq 0 && $notrun -eq 0 ]]
