@@ -216,7 +216,7 @@ phase_dropin() {
   # Runs that would begin in the last 75 s of the step's time are not begun (each takes at
   # most 60 s), so the case table is written even when DEADLINE cuts the step short. The
   # cases' logs go to $logs/dropin (in logs.tgz): loose, they are 8 files a case in $OUT.
-  local limit=420
+  local limit=480
   if [[ -n "${DEADLINE:-}" && $((DEADLINE + 60 - SECONDS)) -lt $limit ]]; then
     limit=$((DEADLINE + 60 - SECONDS))
   fi
