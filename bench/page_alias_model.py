@@ -14,8 +14,9 @@ than one address.
                 driver maps only whole allocations). A block is made of pieces, in address
                 order: optionally the free end of one held page, whole new pages, optionally
                 the free start of another held page; or it fits in one free gap of a held
-                page. The option with the fewest new pages wins (the smallest pieces that do
-                on a tie). A page is held while any piece in it lives.
+                page. The option with the fewest new pages wins; on a tie the one with the
+                fewest bytes in held pages, or with --reuse-first the most. A page is held
+                while any piece in it lives.
 
 Block sizes are rounded up to 512 bytes. The figure is peak held pages times P over peak
 live bytes, the trace suite's peak reserved / peak allocated.
@@ -89,7 +90,7 @@ def one_address(events, page):
     return peak.ratio()
 
 
-def _plan(used, size, page):
+def _plan(used, size, page, reuse_first):
     """The pieces (page, lo, hi) of a new block of `size` bytes; new pages are named None."""
     if size <= page:  # in one free gap of a held page, the smallest that fits
         best = None
@@ -133,7 +134,7 @@ def _plan(used, size, page):
         tail = min(s, size)
         options.append((-(-(size - tail) // page), tail, None, (ps, tail)))
     options.append((-(-size // page), 0, None, None))
-    options.sort(key=lambda o: (o[0], o[1]))
+    options.sort(key=lambda o: (o[0], -o[1] if reuse_first else o[1]))
     _, _, head, tail = options[0]
     pieces = []
     middle = size - (head[1] if head else 0) - (tail[1] if tail else 0)
@@ -153,7 +154,7 @@ def _plan(used, size, page):
     return pieces
 
 
-def aliased(events, page):
+def aliased(events, page, reuse_first=False):
     """Peak held / peak live bytes when a page may be mapped at several addresses."""
     used = {}    # page -> sorted [(lo, hi)] of live pieces
     where = {}   # ID -> (bytes, pieces)
@@ -163,7 +164,7 @@ def aliased(events, page):
         if op == "a":
             size = _round(nbytes)
             pieces = [(next(names) if p is None else p, lo, hi)
-                      for p, lo, hi in _plan(used, size, page)]
+                      for p, lo, hi in _plan(used, size, page, reuse_first)]
             for p, lo, hi in pieces:
                 bisect.insort(used.setdefault(p, []), (lo, hi))
             where[ident] = (size, pieces)
@@ -184,12 +185,14 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--page-mib", default="4", help="page sizes in MiB, comma-separated")
+    ap.add_argument("--reuse-first", action="store_true",
+                    help="aliased: on a tie, the option with the most bytes in held pages")
     args = ap.parse_args(argv)
     events = traces.events(args.trace, seed=args.seed, scale=args.scale)
     for mib in (int(x) for x in args.page_mib.split(",")):
         print(f"{args.trace} seed {args.seed} scale {args.scale} page {mib} MiB: "
               f"one address {one_address(events, mib * MIB):.4f}, "
-              f"aliased {aliased(events, mib * MIB):.4f}", flush=True)
+              f"aliased {aliased(events, mib * MIB, args.reuse_first):.4f}", flush=True)
 
 
 if __name__ == "__main__":
