@@ -1,4 +1,4 @@
-"""Tests of bench/page_alias_model.py: two hand-made traces whose figures follow from the rules,
+"""Tests of bench/page_alias_model.py: hand-made traces whose figures follow from the rules,
 the bound every trace must meet, and determinism.
 
     bazel test //bench:page_alias_model_test
@@ -35,6 +35,16 @@ def test_a_free_page_end_and_a_free_start_make_one_block():
     events = [("a", i, half) for i in range(6)] + [("f", 1, 0), ("f", 4, 0), ("a", 6, P)]
     assert model.one_address(events, P) == pytest.approx(4 / 3)
     assert model.aliased(events, P) == pytest.approx(1.0)
+
+
+def test_reuse_first_fills_a_free_end_on_a_tie():
+    # A holds half of page 0. D (1.75 pages) needs two new pages either way: by default it
+    # takes them whole and leaves page 0's free half; with reuse_first it starts in that half
+    # and leaves three quarters of its last page free, where E (0.75 pages) then fits; by
+    # default E, too large for either free end, takes a fourth page.
+    events = [("a", 0, P // 2), ("a", 1, P + 3 * P // 4), ("a", 2, 3 * P // 4)]
+    assert model.aliased(events, P) == pytest.approx(4 / 3)
+    assert model.aliased(events, P, reuse_first=True) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("name", sorted(traces.WORKLOADS))
