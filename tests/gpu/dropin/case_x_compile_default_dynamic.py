@@ -25,7 +25,7 @@ import subprocess
 
 import torch
 import torch._dynamo
-from dropin_report import baseline, memory_back, report, settle
+from dropin_report import baseline, compile_ready, memory_back, report, settle
 
 BATCHES = (8, 24, 13, 64, 40, 7, 33, 64)
 LENGTHS = (1000, 4097, 123_457, 3_000_000)
@@ -53,16 +53,8 @@ def batch(step, n):
 
 def main():
     errors = []
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        print("triton is not installed; torch.compile cannot build GPU kernels; nothing checked")
-        report(errors)
+    if not compile_ready(Net().cuda(), *(t.cuda() for t in batch(99, 16))):
         return
-    warm = Net().cuda()  # cuBLAS workspaces of the main and autograd threads made first
-    x, y = batch(99, 16)
-    torch.nn.functional.mse_loss(warm(x.cuda()), y.cuda()).backward()
-    del warm, x, y
     base, res0, _ = baseline()
 
     torch.manual_seed(0)

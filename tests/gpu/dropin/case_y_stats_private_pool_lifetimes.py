@@ -25,7 +25,7 @@ alive and pools gone alike: a pool counted in neither or both, a total that fall
 reset that misses a pool breaks the equation a monitor computes.
 """
 import torch
-from dropin_report import baseline, core_stats, report, settle
+from dropin_report import baseline, core_stats, memory_back, report, settle
 
 MIB = 1 << 20
 COUNTERS = ("num_device_alloc", "num_device_free")
@@ -159,12 +159,7 @@ def main():
     del more, x
     settle()
     mon.check("at the end")
-    if torch.cuda.memory_allocated() != base:
-        errors.append(f"at the end memory_allocated() is {torch.cuda.memory_allocated()}, was "
-                      f"{base}")
-    if torch.cuda.memory_reserved() > res0:
-        errors.append(f"at the end, after empty_cache, memory_reserved() is "
-                      f"{torch.cuda.memory_reserved()}, was {res0}")
+    memory_back(errors, base, res0, "at the end")
     del keep
     report(errors)
 

@@ -30,6 +30,22 @@ def report(errors):
     print("ok")
 
 
+def compile_ready(net, x, y):
+    """For the torch.compile programs: False, with "ok" printed (nothing checked), where triton,
+    which torch.compile needs for GPU kernels, is missing; else True, once `net` has run forward
+    and backward on (x, y) so that cuBLAS's workspaces of the main and autograd threads exist
+    before the program takes its baseline."""
+    import torch
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("triton is not installed; torch.compile cannot build GPU kernels; nothing checked")
+        report([])
+        return False
+    torch.nn.functional.mse_loss(net(x), y).backward()
+    return True
+
+
 def oom(nbytes):
     """Whether a CUDA tensor of `nbytes` (written, then freed) raises
     torch.cuda.OutOfMemoryError; in the pool a use_mem_pool context routes to, if any."""
