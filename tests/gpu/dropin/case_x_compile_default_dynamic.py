@@ -21,11 +21,10 @@ pointers, and vmm's enabling runs in every compile worker, which must neither fa
 at its start or exit.
 """
 import copy
-import subprocess
 
 import torch
 import torch._dynamo
-from dropin_report import baseline, compile_ready, memory_back, report, settle
+from dropin_report import baseline, compile_ready, compile_unavailable, memory_back, report, settle
 
 BATCHES = (8, 24, 13, 64, 40, 7, 33, 64)
 LENGTHS = (1000, 4097, 123_457, 3_000_000)
@@ -95,13 +94,9 @@ def main():
                 errors.append(f"the compiled function differs from eager at length {n}")
                 break
     except Exception as e:  # noqa: BLE001
-        text = str(e)
-        if (isinstance(e, subprocess.CalledProcessError) or "C compiler" in text
-                or "Python.h" in text):
-            print(f"torch.compile cannot build kernels here ({text[:200]}); nothing checked")
-            report([])
+        if compile_unavailable(e):
             return
-        errors.append(f"torch.compile: {type(e).__name__}: {text[:400]}")
+        errors.append(f"torch.compile: {type(e).__name__}: {str(e)[:400]}")
 
     del model, eager, compiled, opt, eager_opt
     torch._dynamo.reset()

@@ -25,10 +25,9 @@ compares vmm's list with the tree's, and dynamic shapes make the tree record, ch
 restore at each new size, with backward's graphs (autograd's thread) in the same pool.
 """
 import copy
-import subprocess
 
 import torch
-from dropin_report import baseline, compile_ready, report, settle
+from dropin_report import baseline, compile_ready, compile_unavailable, report, settle
 
 BATCHES = (8, 24, 13, 24, 8, 40, 13, 8, 24, 40)
 LENGTHS = (1000, 4096, 1000, 70000, 4096, 1000, 70000)
@@ -114,13 +113,9 @@ def main():
                 errors.append(f"the clone kept from call {i} changed after later calls")
         del cscan
     except Exception as e:  # noqa: BLE001
-        text = str(e)
-        if (isinstance(e, subprocess.CalledProcessError) or "C compiler" in text
-                or "Python.h" in text):
-            print(f"torch.compile cannot build kernels here ({text[:200]}); nothing checked")
-            report([])
+        if compile_unavailable(e):
             return
-        errors.append(f"torch.compile: {type(e).__name__}: {text[:400]}")
+        errors.append(f"torch.compile: {type(e).__name__}: {str(e)[:400]}")
     from torch._dynamo.utils import counters
     print(f"cudagraph skips: {counters['inductor']['cudagraph_skips']} (0: graphs were used)")
 

@@ -46,6 +46,19 @@ def compile_ready(net, x, y):
     return True
 
 
+def compile_unavailable(e):
+    """Whether the exception `e` of a torch.compile program says this machine cannot build
+    kernels (no C compiler, no Python headers); if so, prints so and "ok" (nothing checked)."""
+    import subprocess
+    text = str(e)
+    if not (isinstance(e, subprocess.CalledProcessError) or "C compiler" in text
+            or "Python.h" in text):
+        return False
+    print(f"torch.compile cannot build kernels here ({text[:200]}); nothing checked")
+    report([])
+    return True
+
+
 def oom(nbytes):
     """Whether a CUDA tensor of `nbytes` (written, then freed) raises
     torch.cuda.OutOfMemoryError; in the pool a use_mem_pool context routes to, if any."""
