@@ -187,6 +187,14 @@ TEST_F(ProcessStateTest, BadArgumentsAreInvalidArgument) {
   EXPECT_EQ(state_.DevicePool(-1).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(state_.DevicePool(ProcessState::kMaxDevices).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Past the devices the process tracks (a cap and statistics each), refused before the driver
+  // is asked (whose own limit may be higher), as DevicePool.
+  for (absl::Status status :
+       {state_.CreatePool(Backend::kHost, ProcessState::kMaxDevices, kHostOptions).status(),
+        state_.UsePrivatePool(Backend::kHost, ProcessState::kMaxDevices, 1, 2, "").status()}) {
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(status.message(), HasSubstr("is out of range")) << status;
+  }
   EXPECT_EQ(state_.SetMemoryFraction(-0.5, 0).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(state_.SetMemoryFraction(1.5, 0).code(), absl::StatusCode::kInvalidArgument);
   int local = 0;

@@ -270,7 +270,7 @@ absl::StatusOr<int64_t> ProcessState::CreatePool(Backend backend, int device,
                                                  absl::string_view options_text) {
   VMM_ASSIGN_OR_RETURN(PoolOptions options,
                        ParsePoolOptions(options_text, PluginPoolDefaults()));
-  if (device < 0) return BadDevice(device);
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   VMM_ASSIGN_OR_RETURN(Driver * driver, DriverFor(backend));
   options.device = device;
   if (options.reserve_size == 0 && PastPoolRangeBudget()) {
@@ -387,7 +387,7 @@ absl::StatusOr<std::vector<BlockInfo>> ProcessState::PoolLiveBlocks(int64_t id) 
 absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> backend, int device,
                                                      uint64_t id0, uint64_t id1,
                                                      absl::string_view options_text) {
-  if (device < 0) return BadDevice(device);
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   const PrivateKey key{device, id0, id1};
   // Held while a first use creates the pool: a second use of the same MempoolId waits for it.
   MutexLock lock(&private_mu_);
@@ -460,7 +460,7 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   if (!made.ok()) return first;  // why the range it should have had was refused
   std::unique_ptr<Pool> pool = *std::move(made);
   pool->SetKeepMemory(true);
-  if (device < kMaxDevices) {  // counts against the GPU's memory fraction with its pool
+  {  // counts against the GPU's memory fraction with its pool
     MutexLock state_lock(&mu_);
     VMM_RETURN_IF_ERROR(ShareCapLocked(device, *pool));
   }
