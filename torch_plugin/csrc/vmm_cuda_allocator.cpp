@@ -941,12 +941,6 @@ class VmmAllocator : public Pluggable {
     return out;
   }
 
-  // Frees `ptr` if a MemPool over another allocator gave it (the index, then that pool).
-  bool FreeForeign(void* ptr) {
-    const vmm_torch::ForeignIndex::Owner owner = foreign_index_.Find(ptr);
-    return owner.pool != nullptr && owner.pool->Free(ptr);
-  }
-
   static void AddForeignStats(const vmm_torch::ForeignStats& f, cda::DeviceStats& out) {
     // DeviceStats' groups in ForeignStats::kGroups' order.
     static constexpr c10::CachingAllocator::StatArray cda::DeviceStats::*kTorchGroups[] = {
@@ -1105,7 +1099,8 @@ class VmmAllocator : public Pluggable {
   // What PyTorch's allocator tells the tools at each allocation (delta > 0) and free: the
   // GPU trace's callbacks (torch.cuda._gpu_trace, the CUDA sanitizer; TellTrace) and the
   // profiler's memory events (torch.profiler's profile_memory; TellProfiler). Off, two cheap
-  // checks. At a free, Free tells the trace before the block goes back and the profiler after.
+  // checks. An allocation is told once its block is handed out; Free tells both before the
+  // block goes back, so that no other thread's allocation of the address comes first.
   static void TellTools(void* ptr, int64_t delta, int device) {
     TellTrace(ptr, delta > 0);
     TellProfiler(ptr, delta, device);
@@ -1122,11 +1117,14 @@ class VmmAllocator : public Pluggable {
   }
   // With the GPU's figures after the allocation or free, as PyTorch's allocator reports them
   // (vmm_device_usage: read at every allocation, so not summed over the private pools).
-  static void TellProfiler(void* ptr, int64_t delta, int device) {
+  // `pending` is what the event's own change has yet to do to the allocated figure read now:
+  // a free is told before its block goes back (Free).
+  static void TellProfiler(void* ptr, int64_t delta, int device, int64_t pending = 0) {
     if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
       int64_t allocated = 0;
       int64_t reserved = 0;
       (void)libvmm.device_usage(device, &allocated, &reserved);
+      allocated += pending;
       c10::reportMemoryUsageToProfiler(
           ptr, delta, static_cast<size_t>(std::max<int64_t>(allocated, 0)),
           static_cast<size_t>(std::max<int64_t>(reserved, 0)),
@@ -1256,12 +1254,20 @@ class VmmAllocator : public Pluggable {
     } else if (C10_UNLIKELY(history_.holds_contexts())) {
       history_.Forget(reinterpret_cast<size_t>(ptr));  // made while recording, freed after
     }
-    if (!own_pools_only_) TellTrace(ptr, /*allocated=*/false);
     // A MemPool over another allocator first (that allocator's memory may be vmm's own).
-    if (!FreeForeign(ptr) && libvmm.free(ptr, device) != 0) {
+    const vmm_torch::ForeignIndex::Owner owner = foreign_index_.Find(ptr);
+    if (!own_pools_only_) {
+      TellTrace(ptr, /*allocated=*/false);
+      // The GPU's allocated figure as it will be once the block is back: less the block, its
+      // size rounded as vmm's pools round it (to 512 bytes; a small block that spilled into
+      // the large arena is larger, pool.h, which this one event's figure leaves in); a block
+      // of a MemPool over another allocator goes back to that pool and leaves it as it is.
+      const size_t freed = owner.pool != nullptr ? 0 : (size + 511) & ~size_t{511};
+      TellProfiler(ptr, -static_cast<int64_t>(size), device, -static_cast<int64_t>(freed));
+    }
+    if (!(owner.pool != nullptr && owner.pool->Free(ptr)) && libvmm.free(ptr, device) != 0) {
       TORCH_WARN("vmm: free failed: ", libvmm.last_error());
     }
-    if (!own_pools_only_) TellProfiler(ptr, -static_cast<int64_t>(size), device);
     if (C10_UNLIKELY(!caching_.load(std::memory_order_relaxed) || ForceUncached()) &&
         routes_empty_.load(std::memory_order_relaxed)) {
       // Caching off: the GPU's pools give back what is free now, after a device
