@@ -425,6 +425,41 @@ TEST_F(ProcessStateTest, AGonePrivatePoolLeavesItsReleasesInItsGpusStatistics) {
             after.segment.allocated - before.segment.allocated);
 }
 
+// A reset of the GPU's cumulative figures that lands while a private pool goes (between
+// Retire freezing the pool's figures and adding them to the GPU's totals) leaves none of the
+// pool's figures from before it, as PyTorch's reset under its lock would.
+TEST_F(ProcessStateTest, AResetWhileAPrivatePoolGoesLeavesNothingFromBeforeIt) {
+  setenv("VMM_BACKEND", "host", 1);
+  struct Unset {
+    ProcessState& state;
+    ~Unset() {
+      unsetenv("VMM_BACKEND");
+      state.SetRetireHookForTesting(nullptr);
+    }
+  } unset{state_};
+  absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(9200, 1);
+  ASSERT_TRUE(use.ok()) << use.status();
+  for (int i = 0; i < 3; ++i) {
+    absl::StatusOr<void*> p = state_.PoolAllocate(use->id, 8 * kMiB, 0, false);
+    ASSERT_TRUE(p.ok()) << p.status();
+    ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  }
+  use->entry.reset();
+  ASSERT_GE(state_.DeviceStats(0).allocation.allocated, 3);
+  state_.SetRetireHookForTesting(
+      [](ProcessState& state, int device) { state.ResetDeviceAccumulated(device); });
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 9200, 1).ok());
+  const PoolStats after = state_.DeviceStats(0);
+  EXPECT_EQ(after.allocation.allocated, 0);
+  EXPECT_EQ(after.allocation.freed, 0);
+  EXPECT_EQ(after.allocated_bytes.allocated, 0);
+  EXPECT_EQ(after.allocated_bytes.freed, 0);
+  EXPECT_EQ(after.num_device_alloc, 0) << "the pool's growth came before the reset";
+  // Its teardown comes after the reset: the chunk it held is freed and released then.
+  EXPECT_EQ(after.num_device_free, after.driver_release);
+  EXPECT_GE(after.driver_release, 1);
+}
+
 // A private pool keeps its memory, so nothing in it moves: with pages it still reserves
 // twice the GPU's memory, not the wider range of a pool that moves them (pool_options.h
 // reserve_size), which a process holding a graph pool each would run out of.

@@ -333,7 +333,7 @@ void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
     *doomed = entry;
     explicit_.erase(entry->id);
     explicit_by_base_.erase(entry->pool->base());
-    if (entry->is_private) retiring_.push_back(entry);  // listed until Retire
+    StartRetiringLocked(entry);
   }
 }
 
@@ -585,6 +585,7 @@ void ProcessState::ResetDeviceAccumulated(int device) {
   MutexLock lock(&mu_);
   AdoptForkLocked();
   ResetAccumulated(retired_[device]);
+  ++accumulated_resets_[device];
 }
 
 void ProcessState::ResetDevicePeaks(int device) {
@@ -613,7 +614,7 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
       doomed = std::move(it->second);
       explicit_.erase(it);
       explicit_by_base_.erase(entry->pool->base());
-      if (doomed->is_private) retiring_.push_back(doomed);  // listed until Retire
+      StartRetiringLocked(doomed);
     }
   }
   Retire(doomed);
@@ -623,7 +624,8 @@ void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
   if (doomed == nullptr || !doomed->is_private) return;
   // Outside mu_: the pool's lock may be held through a device synchronisation (a sweep's
   // EmptyCache), which would hold every free of the process behind mu_.
-  const PoolStats stats = doomed->pool->FreezeStats();
+  PoolStats stats = doomed->pool->FreezeStats();
+  if (RetireHook hook = retire_hook_.load(); hook != nullptr) hook(*this, doomed->pool->device());
   MutexLock lock(&mu_);
   // Off the list and into the totals at once: a reader of DevicePools counts the pool (its
   // frozen figures, from now on) or its totals, never neither nor both.
@@ -635,7 +637,17 @@ void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
   AdoptForkLocked();
   if (doomed->pool->made_before_fork()) return;  // the parent's, counted in the parent
   if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either
+  if (accumulated_resets_[device] != doomed->resets_when_retiring) ResetAccumulated(stats);
   AddPoolStats(RetiredStats(stats), retired_[device]);
+}
+
+void ProcessState::StartRetiringLocked(const std::shared_ptr<ExplicitPool>& entry) {
+  if (!entry->is_private) return;
+  const int device = entry->pool->device();
+  if (device >= 0 && device < kMaxDevices) {
+    entry->resets_when_retiring = accumulated_resets_[device];
+  }
+  retiring_.push_back(entry);
 }
 
 ProcessState::PoolRef ProcessState::Owner(const void* ptr) {

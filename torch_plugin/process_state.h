@@ -94,6 +94,9 @@ class ProcessState {
     std::unique_ptr<Pool> pool;
     std::atomic<int64_t> live{0};  // blocks handed out (or being allocated) and not yet freed
     bool closed = false;           // read and written only under ProcessState::mu_
+    // Its GPU's count of ResetDeviceAccumulated when it joined retiring_ (under mu_): Retire
+    // compares it to tell whether its frozen figures predate a reset.
+    uint64_t resets_when_retiring = 0;
     // Set when the pool is registered (under mu_), constant after: its id, and for a private
     // pool its MempoolId (such a pool is closed by ReleasePrivatePool only).
     int64_t id = 0;
@@ -166,6 +169,10 @@ class ProcessState {
     MutexLock lock(&mu_);
     pool_range_budget_ = bytes;
   }
+  // Tests: a function Retire calls between freezing a pool's figures and adding them to its
+  // GPU's totals (null: none), the window another thread's reset may fall in.
+  using RetireHook = void (*)(ProcessState& state, int device);
+  void SetRetireHookForTesting(RetireHook hook) { retire_hook_.store(hook); }
   // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
   // what is cached (errors are logged) and closes; a later UsePrivatePool of the same MempoolId
   // makes a fresh pool. NotFound for an unknown one.
@@ -202,7 +209,8 @@ class ProcessState {
   };
   Usage DeviceUsage(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Resets the cumulative figures and counters of the pools of `device`, and those that
-  // private pools that are gone left in its statistics.
+  // private pools that are gone left in its statistics. A private pool going at the same time
+  // leaves none of its figures from before the reset (Retire).
   void ResetDeviceAccumulated(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Resets the peaks of the pools of `device` and the GPU's joint peaks to what is held now.
   void ResetDevicePeaks(int device) ABSL_LOCKS_EXCLUDED(mu_);
@@ -375,8 +383,14 @@ class ProcessState {
   // A pool taken out of explicit_ to be destroyed (`doomed`, null for none): a private
   // pool's totals stay in its GPU's statistics (retired_; PyTorch's never fall). Its figures
   // are frozen (Pool::FreezeStats), then it leaves retiring_, where CloseLocked and BlockGone
-  // put it, as they join retired_, under one lock.
+  // put it (StartRetiringLocked), as they join retired_, under one lock. A reset of the GPU's
+  // figures since it joined retiring_ may have reached retired_ before the frozen figures
+  // (read before the lock): their cumulative part is dropped then, as the reset would have
+  // (a going pool allocates and frees nothing more).
   void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(mu_);
+  // Lists a private pool taken out of explicit_ in retiring_ until Retire.
+  void StartRetiringLocked(const std::shared_ptr<ExplicitPool>& entry)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // In a forked child: moves the parent's device pools to abandoned_ and drops the parent's
   // caps, retired totals and other allocators' holdings.
   void AbandonParentsDevicePools() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -403,6 +417,9 @@ class ProcessState {
   // Private pools out of explicit_ whose totals are not in retired_ yet (Retire): DevicePools
   // still lists them.
   std::vector<std::shared_ptr<ExplicitPool>> retiring_ ABSL_GUARDED_BY(mu_);
+  // ResetDeviceAccumulated's calls, by device (Retire).
+  std::array<uint64_t, kMaxDevices> accumulated_resets_ ABSL_GUARDED_BY(mu_){};
+  std::atomic<RetireHook> retire_hook_{nullptr};  // SetRetireHookForTesting
   // The fork generation (allocator/fork_guard.h) caps_, external_held_ and retired_ belong to.
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
