@@ -425,39 +425,67 @@ TEST_F(ProcessStateTest, AGonePrivatePoolLeavesItsReleasesInItsGpusStatistics) {
             after.segment.allocated - before.segment.allocated);
 }
 
-// A reset of the GPU's cumulative figures that lands while a private pool goes (between
-// Retire freezing the pool's figures and adding them to the GPU's totals) leaves none of the
-// pool's figures from before it, as PyTorch's reset under its lock would.
-TEST_F(ProcessStateTest, AResetWhileAPrivatePoolGoesLeavesNothingFromBeforeIt) {
+// What a hook of Retire does (SetRetireHookForTesting): at which stage it resets the GPU's
+// cumulative figures, and whether it then empties the cache of the pool that goes, as another
+// thread's reset_accumulated_memory_stats() and empty_cache() may.
+ProcessState::RetireStage retire_hook_stage;
+Pool* retire_hook_empties = nullptr;
+void ResetInRetire(ProcessState& state, int device, ProcessState::RetireStage stage) {
+  if (stage != retire_hook_stage) return;
+  state.ResetDeviceAccumulated(device);
+  if (retire_hook_empties != nullptr) ASSERT_TRUE(retire_hook_empties->EmptyCache().ok());
+}
+
+// A reset of the GPU's cumulative figures that lands while a private pool goes (before or
+// after Retire freezes the pool's figures, before it adds them to the GPU's totals) leaves
+// none of the pool's figures from before it, as PyTorch's reset under its lock would, and
+// keeps what came after it: a release of the pool's cached chunk by an empty_cache.
+TEST_F(ProcessStateTest, AResetWhileAPrivatePoolGoesKeepsOnlyWhatCameAfterIt) {
   setenv("VMM_BACKEND", "host", 1);
   struct Unset {
     ProcessState& state;
     ~Unset() {
       unsetenv("VMM_BACKEND");
       state.SetRetireHookForTesting(nullptr);
+      retire_hook_empties = nullptr;
     }
   } unset{state_};
-  absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(9200, 1);
-  ASSERT_TRUE(use.ok()) << use.status();
-  for (int i = 0; i < 3; ++i) {
-    absl::StatusOr<void*> p = state_.PoolAllocate(use->id, 8 * kMiB, 0, false);
-    ASSERT_TRUE(p.ok()) << p.status();
-    ASSERT_TRUE(state_.FreeBlock(*p).ok());
+  uint64_t id0 = 9200;
+  for (ProcessState::RetireStage stage :
+       {ProcessState::RetireStage::kBeforeFreeze, ProcessState::RetireStage::kAfterFreeze}) {
+    for (bool empty_cache : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(stage == ProcessState::RetireStage::kBeforeFreeze
+                                    ? "reset before the freeze"
+                                    : "reset after the freeze",
+                                empty_cache ? ", then empty_cache" : ""));
+      absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(++id0, 1);
+      ASSERT_TRUE(use.ok()) << use.status();
+      for (int i = 0; i < 3; ++i) {
+        absl::StatusOr<void*> p = state_.PoolAllocate(use->id, 8 * kMiB, 0, false);
+        ASSERT_TRUE(p.ok()) << p.status();
+        ASSERT_TRUE(state_.FreeBlock(*p).ok());
+      }
+      const int64_t chunks = use->entry->pool->GetStats().segment.current;
+      ASSERT_GE(chunks, 1);
+      retire_hook_stage = stage;
+      retire_hook_empties = empty_cache ? use->entry->pool.get() : nullptr;
+      use->entry.reset();
+      ASSERT_GE(state_.DeviceStats(0).allocation.allocated, 3);
+      state_.SetRetireHookForTesting(&ResetInRetire);
+      ASSERT_TRUE(state_.ReleasePrivatePool(0, id0, 1).ok());
+      state_.SetRetireHookForTesting(nullptr);
+      const PoolStats after = state_.DeviceStats(0);
+      EXPECT_EQ(after.allocation.allocated, 0);
+      EXPECT_EQ(after.allocation.freed, 0);
+      EXPECT_EQ(after.allocated_bytes.allocated, 0);
+      EXPECT_EQ(after.allocated_bytes.freed, 0);
+      EXPECT_EQ(after.num_device_alloc, 0) << "the pool's growth came before the reset";
+      // Its chunks are released after the reset, by the empty_cache or by its teardown.
+      EXPECT_EQ(after.segment.freed, chunks);
+      EXPECT_EQ(after.num_device_free, chunks);
+      EXPECT_EQ(after.driver_release, chunks);
+    }
   }
-  use->entry.reset();
-  ASSERT_GE(state_.DeviceStats(0).allocation.allocated, 3);
-  state_.SetRetireHookForTesting(
-      [](ProcessState& state, int device) { state.ResetDeviceAccumulated(device); });
-  ASSERT_TRUE(state_.ReleasePrivatePool(0, 9200, 1).ok());
-  const PoolStats after = state_.DeviceStats(0);
-  EXPECT_EQ(after.allocation.allocated, 0);
-  EXPECT_EQ(after.allocation.freed, 0);
-  EXPECT_EQ(after.allocated_bytes.allocated, 0);
-  EXPECT_EQ(after.allocated_bytes.freed, 0);
-  EXPECT_EQ(after.num_device_alloc, 0) << "the pool's growth came before the reset";
-  // Its teardown comes after the reset: the chunk it held is freed and released then.
-  EXPECT_EQ(after.num_device_free, after.driver_release);
-  EXPECT_GE(after.driver_release, 1);
 }
 
 // A private pool keeps its memory, so nothing in it moves: with pages it still reserves

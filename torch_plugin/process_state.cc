@@ -622,30 +622,42 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
 
 void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
   if (doomed == nullptr || !doomed->is_private) return;
-  // Outside mu_: the pool's lock may be held through a device synchronisation (a sweep's
-  // EmptyCache), which would hold every free of the process behind mu_.
-  PoolStats stats = doomed->pool->FreezeStats();
-  if (RetireHook hook = retire_hook_.load(); hook != nullptr) hook(*this, doomed->pool->device());
-  MutexLock lock(&mu_);
-  // Off the list and into the totals at once: a reader of DevicePools counts the pool (its
-  // frozen figures, from now on) or its totals, never neither nor both.
-  if (auto it = std::find(retiring_.begin(), retiring_.end(), doomed); it != retiring_.end()) {
-    retiring_.erase(it);
-  }
   const int device = doomed->pool->device();
-  if (device < 0 || device >= kMaxDevices) return;
-  AdoptForkLocked();
-  if (doomed->pool->made_before_fork()) return;  // the parent's, counted in the parent
-  if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either
-  if (accumulated_resets_[device] != doomed->resets_when_retiring) ResetAccumulated(stats);
-  AddPoolStats(RetiredStats(stats), retired_[device]);
+  const bool counted = device >= 0 && device < kMaxDevices;
+  RetireHook hook = retire_hook_.load();  // tests: the first pass only
+  for (;; hook = nullptr) {
+    if (hook != nullptr) hook(*this, device, RetireStage::kBeforeFreeze);
+    // Outside mu_: the pool's lock may be held through a device synchronisation (a sweep's
+    // EmptyCache), which would hold every free of the process behind mu_.
+    PoolStats stats = doomed->pool->FreezeStats();
+    if (hook != nullptr) hook(*this, device, RetireStage::kAfterFreeze);
+    MutexLock lock(&mu_);
+    if (counted && accumulated_resets_[device] != doomed->resets_seen) {
+      // A reset since the pool joined retiring_ (or since the last pass) may have cleared
+      // retired_ after the figures above were read. It reset the pool's figures, frozen or
+      // not, before it counted (DevicePools lists a going pool): read them again.
+      doomed->resets_seen = accumulated_resets_[device];
+      continue;
+    }
+    // Off the list and into the totals at once: a reader of DevicePools counts the pool (its
+    // frozen figures, from now on) or its totals, never neither nor both.
+    if (auto it = std::find(retiring_.begin(), retiring_.end(), doomed); it != retiring_.end()) {
+      retiring_.erase(it);
+    }
+    if (!counted) return;
+    AdoptForkLocked();
+    if (doomed->pool->made_before_fork()) return;  // the parent's, counted in the parent
+    if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either
+    AddPoolStats(RetiredStats(stats), retired_[device]);
+    return;
+  }
 }
 
 void ProcessState::StartRetiringLocked(const std::shared_ptr<ExplicitPool>& entry) {
   if (!entry->is_private) return;
   const int device = entry->pool->device();
   if (device >= 0 && device < kMaxDevices) {
-    entry->resets_when_retiring = accumulated_resets_[device];
+    entry->resets_seen = accumulated_resets_[device];
   }
   retiring_.push_back(entry);
 }

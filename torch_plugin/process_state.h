@@ -94,9 +94,10 @@ class ProcessState {
     std::unique_ptr<Pool> pool;
     std::atomic<int64_t> live{0};  // blocks handed out (or being allocated) and not yet freed
     bool closed = false;           // read and written only under ProcessState::mu_
-    // Its GPU's count of ResetDeviceAccumulated when it joined retiring_ (under mu_): Retire
-    // compares it to tell whether its frozen figures predate a reset.
-    uint64_t resets_when_retiring = 0;
+    // Its GPU's count of ResetDeviceAccumulated when it joined retiring_, then when Retire
+    // last read its figures (under mu_): a count that moved since means a reset may have
+    // cleared the GPU's totals after the read.
+    uint64_t resets_seen = 0;
     // Set when the pool is registered (under mu_), constant after: its id, and for a private
     // pool its MempoolId (such a pool is closed by ReleasePrivatePool only).
     int64_t id = 0;
@@ -169,9 +170,10 @@ class ProcessState {
     MutexLock lock(&mu_);
     pool_range_budget_ = bytes;
   }
-  // Tests: a function Retire calls between freezing a pool's figures and adding them to its
-  // GPU's totals (null: none), the window another thread's reset may fall in.
-  using RetireHook = void (*)(ProcessState& state, int device);
+  // Tests: a function Retire calls just before and just after it freezes a pool's figures
+  // (outside every lock; null: none), where another thread's reset or empty_cache may fall.
+  enum class RetireStage { kBeforeFreeze, kAfterFreeze };
+  using RetireHook = void (*)(ProcessState& state, int device, RetireStage stage);
   void SetRetireHookForTesting(RetireHook hook) { retire_hook_.store(hook); }
   // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
   // what is cached (errors are logged) and closes; a later UsePrivatePool of the same MempoolId
@@ -383,10 +385,10 @@ class ProcessState {
   // A pool taken out of explicit_ to be destroyed (`doomed`, null for none): a private
   // pool's totals stay in its GPU's statistics (retired_; PyTorch's never fall). Its figures
   // are frozen (Pool::FreezeStats), then it leaves retiring_, where CloseLocked and BlockGone
-  // put it (StartRetiringLocked), as they join retired_, under one lock. A reset of the GPU's
-  // figures since it joined retiring_ may have reached retired_ before the frozen figures
-  // (read before the lock): their cumulative part is dropped then, as the reset would have
-  // (a going pool allocates and frees nothing more).
+  // put it (StartRetiringLocked), as they join retired_, under one lock. The figures are read
+  // before that lock: where a reset of the GPU's figures (ResetDeviceAccumulated) came since
+  // the pool joined retiring_, it may have cleared retired_ after the read, so they are read
+  // again (the reset cleared the pool's own first).
   void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(mu_);
   // Lists a private pool taken out of explicit_ in retiring_ until Retire.
   void StartRetiringLocked(const std::shared_ptr<ExplicitPool>& entry)
