@@ -28,17 +28,23 @@ namespace vmm {
 // since the last ResetPeak. The pools keep the cumulative totals themselves.
 class JointStat {
  public:
-  void Add(int64_t delta) {
-    const int64_t now = current_.fetch_add(delta, std::memory_order_relaxed) + delta;
+  void Add(int64_t delta) { Raise(current_.fetch_add(delta, std::memory_order_relaxed) + delta); }
+  int64_t current() const { return current_.load(std::memory_order_relaxed); }
+  int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
+  void ResetPeak() {
+    peak_.store(current(), std::memory_order_relaxed);
+    // An Add between the read and the store saw the old, higher peak and left it: the value it
+    // made is current now, and the peak must cover it.
+    Raise(current());
+  }
+
+ private:
+  void Raise(int64_t now) {
     int64_t peak = peak_.load(std::memory_order_relaxed);
     while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
     }
   }
-  int64_t current() const { return current_.load(std::memory_order_relaxed); }
-  int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
-  void ResetPeak() { peak_.store(current(), std::memory_order_relaxed); }
 
- private:
   std::atomic<int64_t> current_{0};
   std::atomic<int64_t> peak_{0};
 };

@@ -79,6 +79,7 @@ enum class ForkLevel : int {
   kSendReleases,  // the send ledger's run gate (send_ledger.cc): releases of sends running
   // The plugin's state (torch_plugin/process_state.h).
   kPrivatePools,   // ProcessState::private_mu_ (taken before mu_)
+  kStatistics,     // ProcessState::stats_mu_ (resets of a GPU's figures, pools going)
   kProcessState,   // ProcessState::mu_
   kProcessSends,   // ProcessState::released_mu_ and budget_mu_, BlockHolds::mu_
   kPool,           // Pool::mu_ (one per pool)

@@ -139,6 +139,26 @@ void ForEachStat(PoolStats& stats, F&& f) {
   }
 }
 
+// Calls `f(from.x, to.x)` on every Stat x, in ForEachStat's order.
+template <typename F>
+void ForEachStatPair(const PoolStats& from, PoolStats& to, F&& f) {
+#define VMM_EACH_STAT(name, key, what) f(from.name, to.name);
+  VMM_BYTE_STATS(VMM_EACH_STAT)
+  VMM_COUNT_STATS(VMM_EACH_STAT)
+#undef VMM_EACH_STAT
+  for (int a = 0; a < kNumArenas; ++a) {
+#define VMM_EACH_ARENA_STAT(name) f(from.arena[a].name, to.arena[a].name);
+    VMM_TORCH_STATS(VMM_EACH_ARENA_STAT)
+#undef VMM_EACH_ARENA_STAT
+  }
+}
+
+// Every peak of `stats` at least that of `floor` (the peaks a GPU's figures reached before a
+// pool that is gone took its own out of their sum).
+inline void RaisePeaks(const PoolStats& floor, PoolStats& stats) {
+  ForEachStatPair(floor, stats, [](const Stat& f, Stat& s) { s.peak = std::max(s.peak, f.peak); });
+}
+
 // Every statistic's peak back to its current value.
 inline void ResetPeaks(PoolStats& stats) {
   ForEachStat(stats, [](Stat& s) { s.ResetPeak(); });

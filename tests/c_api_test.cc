@@ -5,6 +5,7 @@
 // every test leaves it as it found it (no live block, no private pool).
 #include "torch_plugin/vmm_c.h"
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -285,6 +286,54 @@ TEST_F(CApiTest, ThePrivatePoolsOfADeviceAreInItsStats) {
   EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
   EXPECT_EQ(vmm_private_pool_release(0, 2, 0), 0);
   ASSERT_EQ(vmm_free(d, 0), 0);
+}
+
+// A private pool that goes leaves the GPU's peaks where they were: what
+// torch.cuda.memory_stats() reports as allocation.all.peak does not fall with it.
+TEST_F(CApiTest, AGonePrivatePoolsPeaksStayInItsGpusStats) {
+  const int64_t id = UsePrivate(77, 1);
+  void* blocks[4];
+  for (void*& p : blocks) p = PoolAlloc(id, kMiB);
+  for (void* p : blocks) vmm_block_free(p);
+  const vmm_torch_stats before = DeviceStats(0);
+  ASSERT_EQ(vmm_private_pool_release(0, 77, 1), 0) << vmm_last_error();
+  const vmm_torch_stats after = DeviceStats(0);
+  EXPECT_GE(before.allocation[VMM_STAT_ALL].peak, 4);
+  for (const NamedStat& s : kStats) {
+    EXPECT_GE((after.*s.field)[VMM_STAT_ALL].peak, (before.*s.field)[VMM_STAT_ALL].peak)
+        << s.name;
+  }
+  ASSERT_EQ(vmm_reset_peak_stats(0), 0);
+  EXPECT_EQ(DeviceStats(0).allocation[VMM_STAT_ALL].peak,
+            DeviceStats(0).allocation[VMM_STAT_ALL].current);
+}
+
+// A device number past those the library holds reads as an unused GPU's and resets nothing:
+// as a GPU without vmm's memory, not an error (PyTorch checks the index before asking).
+TEST_F(CApiTest, StatisticsOfADeviceOutOfRangeAreAnUnusedGpus) {
+  for (int dev : {-1, -7, INT_MIN, 64, 65, INT_MAX}) {
+    SCOPED_TRACE(dev);
+    const Json json = TakeJson(vmm_stats_json(dev));
+    EXPECT_TRUE(json.contains("torch"));
+    EXPECT_EQ(vmm_reset_peak_stats(dev), 0);
+    EXPECT_EQ(vmm_reset_accumulated_stats(dev), 0);
+    EXPECT_EQ(DeviceStats(dev).allocated_bytes[VMM_STAT_ALL].current, 0);
+    int64_t allocated = -1, reserved = -1;
+    EXPECT_EQ(vmm_device_usage(dev, &allocated, &reserved), 0);
+    EXPECT_EQ(allocated, 0);
+    EXPECT_EQ(reserved, 0);
+    uint64_t largest = 1;
+    EXPECT_EQ(vmm_device_largest_free_block(dev, &largest), 0);
+    EXPECT_EQ(largest, 0u);
+    EXPECT_EQ(vmm_private_pool_use(VMM_BACKEND_HOST, dev, 1, 1, ""), -1);
+    EXPECT_EQ(vmm_private_pool_release(dev, 1, 1), -1);
+    EXPECT_EQ(vmm_private_pool_use_count(dev, 1, 1), 0);
+    EXPECT_EQ(vmm_private_pool_find(dev, 1, 1), -1);
+    EXPECT_EQ(vmm_alloc(kMiB, dev, nullptr), nullptr);
+    EXPECT_EQ(vmm_set_memory_fraction(0.5, dev), -1);
+    EXPECT_EQ(vmm_device_hold(dev, 10), -1);
+    EXPECT_EQ(vmm_empty_cache(dev), 0);
+  }
 }
 
 // cacheInfo's figure (cuDNN's workspace): the largest block the GPU's pools have cached,

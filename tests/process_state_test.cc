@@ -425,21 +425,39 @@ TEST_F(ProcessStateTest, AGonePrivatePoolLeavesItsReleasesInItsGpusStatistics) {
             after.segment.allocated - before.segment.allocated);
 }
 
-// What a hook of Retire does (SetRetireHookForTesting): at which stage it resets the GPU's
-// cumulative figures, and whether it then empties the cache of the pool that goes, as another
-// thread's reset_accumulated_memory_stats() and empty_cache() may.
-ProcessState::RetireStage retire_hook_stage;
-Pool* retire_hook_empties = nullptr;
+// What a hook of Retire does (SetRetireHookForTesting). As Retire starts, it resets the GPU's
+// cumulative figures, then empties the going pool's cache if asked, as another thread's
+// reset_accumulated_memory_stats() and empty_cache() may. Once the pool's figures are frozen
+// (under the lock that orders resets with Retire), it starts a thread that resets them and
+// notes whether that reset ended before the hook did (it must wait for the pool to be gone).
+struct RetireHookPlan {
+  ProcessState::RetireStage stage = ProcessState::RetireStage::kStarting;
+  Pool* empty = nullptr;
+  std::thread resetter;
+  std::atomic<bool> reset_done{false};
+  bool reset_done_in_window = false;
+};
+RetireHookPlan* retire_hook_plan = nullptr;
 void ResetInRetire(ProcessState& state, int device, ProcessState::RetireStage stage) {
-  if (stage != retire_hook_stage) return;
-  state.ResetDeviceAccumulated(device);
-  if (retire_hook_empties != nullptr) ASSERT_TRUE(retire_hook_empties->EmptyCache().ok());
+  RetireHookPlan& plan = *retire_hook_plan;
+  if (stage != plan.stage) return;
+  if (stage == ProcessState::RetireStage::kStarting) {
+    state.ResetDeviceAccumulated(device);
+    if (plan.empty != nullptr) ASSERT_TRUE(plan.empty->EmptyCache().ok());
+    return;
+  }
+  plan.resetter = std::thread([&state, &plan, device] {
+    state.ResetDeviceAccumulated(device);
+    plan.reset_done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(50));
+  plan.reset_done_in_window = plan.reset_done;
 }
 
-// A reset of the GPU's cumulative figures that lands while a private pool goes (before or
-// after Retire freezes the pool's figures, before it adds them to the GPU's totals) leaves
-// none of the pool's figures from before it, as PyTorch's reset under its lock would, and
-// keeps what came after it: a release of the pool's cached chunk by an empty_cache.
+// A reset of the GPU's cumulative figures that comes while a private pool goes leaves none of
+// the pool's figures from before it, as PyTorch's reset under its lock would, and keeps what
+// came after it: a release of the pool's cached chunk by an empty_cache. A reset asked once
+// the pool's figures are frozen waits for them to join the GPU's totals, then clears them.
 TEST_F(ProcessStateTest, AResetWhileAPrivatePoolGoesKeepsOnlyWhatCameAfterIt) {
   setenv("VMM_BACKEND", "host", 1);
   struct Unset {
@@ -447,44 +465,49 @@ TEST_F(ProcessStateTest, AResetWhileAPrivatePoolGoesKeepsOnlyWhatCameAfterIt) {
     ~Unset() {
       unsetenv("VMM_BACKEND");
       state.SetRetireHookForTesting(nullptr);
-      retire_hook_empties = nullptr;
+      retire_hook_plan = nullptr;
     }
   } unset{state_};
   uint64_t id0 = 9200;
-  for (ProcessState::RetireStage stage :
-       {ProcessState::RetireStage::kBeforeFreeze, ProcessState::RetireStage::kAfterFreeze}) {
-    for (bool empty_cache : {false, true}) {
-      SCOPED_TRACE(absl::StrCat(stage == ProcessState::RetireStage::kBeforeFreeze
-                                    ? "reset before the freeze"
-                                    : "reset after the freeze",
-                                empty_cache ? ", then empty_cache" : ""));
-      absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(++id0, 1);
-      ASSERT_TRUE(use.ok()) << use.status();
-      for (int i = 0; i < 3; ++i) {
-        absl::StatusOr<void*> p = state_.PoolAllocate(use->id, 8 * kMiB, 0, false);
-        ASSERT_TRUE(p.ok()) << p.status();
-        ASSERT_TRUE(state_.FreeBlock(*p).ok());
-      }
-      const int64_t chunks = use->entry->pool->GetStats().segment.current;
-      ASSERT_GE(chunks, 1);
-      retire_hook_stage = stage;
-      retire_hook_empties = empty_cache ? use->entry->pool.get() : nullptr;
-      use->entry.reset();
-      ASSERT_GE(state_.DeviceStats(0).allocation.allocated, 3);
-      state_.SetRetireHookForTesting(&ResetInRetire);
-      ASSERT_TRUE(state_.ReleasePrivatePool(0, id0, 1).ok());
-      state_.SetRetireHookForTesting(nullptr);
-      const PoolStats after = state_.DeviceStats(0);
-      EXPECT_EQ(after.allocation.allocated, 0);
-      EXPECT_EQ(after.allocation.freed, 0);
-      EXPECT_EQ(after.allocated_bytes.allocated, 0);
-      EXPECT_EQ(after.allocated_bytes.freed, 0);
-      EXPECT_EQ(after.num_device_alloc, 0) << "the pool's growth came before the reset";
-      // Its chunks are released after the reset, by the empty_cache or by its teardown.
-      EXPECT_EQ(after.segment.freed, chunks);
-      EXPECT_EQ(after.num_device_free, chunks);
-      EXPECT_EQ(after.driver_release, chunks);
+  for (int variant = 0; variant < 3; ++variant) {
+    const bool frozen = variant == 2;
+    const bool empty_cache = variant == 1;
+    SCOPED_TRACE(frozen ? "reset once the figures are frozen"
+                        : empty_cache ? "reset as Retire starts, then empty_cache"
+                                      : "reset as Retire starts");
+    absl::StatusOr<PrivateEntry> use = UsePrivateHostPool(++id0, 1);
+    ASSERT_TRUE(use.ok()) << use.status();
+    for (int i = 0; i < 3; ++i) {
+      absl::StatusOr<void*> p = state_.PoolAllocate(use->id, 8 * kMiB, 0, false);
+      ASSERT_TRUE(p.ok()) << p.status();
+      ASSERT_TRUE(state_.FreeBlock(*p).ok());
     }
+    const int64_t chunks = use->entry->pool->GetStats().segment.current;
+    ASSERT_GE(chunks, 1);
+    RetireHookPlan plan;
+    plan.stage = frozen ? ProcessState::RetireStage::kFrozen : ProcessState::RetireStage::kStarting;
+    plan.empty = empty_cache ? use->entry->pool.get() : nullptr;
+    retire_hook_plan = &plan;
+    use->entry.reset();
+    ASSERT_GE(state_.DeviceStats(0).allocation.allocated, 3);
+    state_.SetRetireHookForTesting(&ResetInRetire);
+    ASSERT_TRUE(state_.ReleasePrivatePool(0, id0, 1).ok());
+    state_.SetRetireHookForTesting(nullptr);
+    if (plan.resetter.joinable()) plan.resetter.join();
+    EXPECT_EQ(frozen, plan.reset_done.load());
+    EXPECT_FALSE(plan.reset_done_in_window) << "a reset ended inside Retire's window";
+    const PoolStats after = state_.DeviceStats(0);
+    EXPECT_EQ(after.allocation.allocated, 0);
+    EXPECT_EQ(after.allocation.freed, 0);
+    EXPECT_EQ(after.allocated_bytes.allocated, 0);
+    EXPECT_EQ(after.allocated_bytes.freed, 0);
+    EXPECT_EQ(after.num_device_alloc, 0) << "the pool's growth came before the reset";
+    // Its chunks are released after a reset as Retire starts, by the empty_cache or by its
+    // teardown; a reset that waited for Retire clears those too.
+    const int64_t released = frozen ? 0 : chunks;
+    EXPECT_EQ(after.segment.freed, released);
+    EXPECT_EQ(after.num_device_free, released);
+    EXPECT_EQ(after.driver_release, released);
   }
 }
 

@@ -155,6 +155,7 @@ void ProcessState::AbandonParentsDevicePools() {
   // start fresh ones.
   for (auto& cap : caps_) cap = nullptr;
   retired_.fill(PoolStats{});  // the parent's pools that are gone are not this process's
+  peak_floor_.fill(PoolStats{});
   external_held_.fill(0);  // the parent's other allocators' segments are not this process's
   generation_ = ForkGeneration();
 }
@@ -333,7 +334,7 @@ void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
     *doomed = entry;
     explicit_.erase(entry->id);
     explicit_by_base_.erase(entry->pool->base());
-    StartRetiringLocked(entry);
+    if (entry->is_private) retiring_.push_back(entry);  // listed until Retire
   }
 }
 
@@ -516,7 +517,8 @@ absl::StatusOr<int64_t> ProcessState::FindPrivatePool(int device, uint64_t id0, 
   return it->second.entry->id;
 }
 
-std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device, PoolStats* retired) {
+std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device, PoolStats* retired,
+                                                             PoolStats* peak_floor) {
   std::vector<PoolRef> out;
   Pool* device_pool = DevicePoolIfAny(device);
   // A device pool made before a fork is the parent's (abandoned at the child's first use).
@@ -537,9 +539,10 @@ std::vector<ProcessState::PoolRef> ProcessState::DevicePools(int device, PoolSta
   };
   for (auto& [id, e] : explicit_) add(e);
   for (const std::shared_ptr<ExplicitPool>& e : retiring_) add(e);
-  if (retired != nullptr && device >= 0 && device < kMaxDevices) {
+  if (device >= 0 && device < kMaxDevices && (retired != nullptr || peak_floor != nullptr)) {
     AdoptForkLocked();
-    *retired = retired_[device];
+    if (retired != nullptr) *retired = retired_[device];
+    if (peak_floor != nullptr) *peak_floor = peak_floor_[device];
   }
   return out;
 }
@@ -548,8 +551,10 @@ PoolStats ProcessState::DeviceStats(int device) {
   // The totals of private pools that are gone, read with the list of those alive: a pool is
   // in one of the two (Retire), so no total falls.
   PoolStats total;
-  const std::vector<PoolRef> pools = DevicePools(device, &total);
+  PoolStats peak_floor;
+  const std::vector<PoolRef> pools = DevicePools(device, &total, &peak_floor);
   for (const PoolRef& p : pools) AddPoolStats(p.pool->GetStats(), total);
+  RaisePeaks(peak_floor, total);
   // The sum of the pools' peaks counts each at its own high, and forgets a pool that is gone;
   // the cap's joint peak is the GPU's (pools of another backend than its device pool's do
   // not share it: ShareCapLocked).
@@ -573,24 +578,33 @@ PoolStats ProcessState::DeviceStats(int device) {
 
 ProcessState::Usage ProcessState::DeviceUsage(int device) {
   if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) {
-    return Usage{cap->allocated().current(), cap->mapped().current()};
+    // Two figures read apart: a free and the release of its memory (or a growth and the
+    // allocation in it) may fall between the reads. Allocated bytes are held within reserved
+    // ones, as figures read together would be.
+    const int64_t reserved = cap->mapped().current();
+    return Usage{std::min(cap->allocated().current(), reserved), reserved};
   }
   const PoolStats stats = DeviceStats(device);
   return Usage{stats.allocated_bytes.current, stats.reserved_bytes.current};
 }
 
 void ProcessState::ResetDeviceAccumulated(int device) {
+  MutexLock stats_lock(&stats_mu_);
   for (const PoolRef& p : DevicePools(device)) p.pool->ResetAccumulatedStats();
   if (device < 0 || device >= kMaxDevices) return;
   MutexLock lock(&mu_);
   AdoptForkLocked();
   ResetAccumulated(retired_[device]);
-  ++accumulated_resets_[device];
 }
 
 void ProcessState::ResetDevicePeaks(int device) {
+  MutexLock stats_lock(&stats_mu_);
   for (const PoolRef& p : DevicePools(device)) p.pool->ResetPeakStats();
   if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) cap->ResetPeaks();
+  if (device < 0 || device >= kMaxDevices) return;
+  MutexLock lock(&mu_);
+  AdoptForkLocked();
+  peak_floor_[device] = PoolStats{};
 }
 
 std::shared_ptr<DeviceCap> ProcessState::CapOf(int device) {
@@ -614,7 +628,7 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
       doomed = std::move(it->second);
       explicit_.erase(it);
       explicit_by_base_.erase(entry->pool->base());
-      StartRetiringLocked(doomed);
+      if (doomed->is_private) retiring_.push_back(doomed);  // listed until Retire
     }
   }
   Retire(doomed);
@@ -623,43 +637,29 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
 void ProcessState::Retire(const std::shared_ptr<ExplicitPool>& doomed) {
   if (doomed == nullptr || !doomed->is_private) return;
   const int device = doomed->pool->device();
-  const bool counted = device >= 0 && device < kMaxDevices;
-  RetireHook hook = retire_hook_.load();  // tests: the first pass only
-  for (;; hook = nullptr) {
-    if (hook != nullptr) hook(*this, device, RetireStage::kBeforeFreeze);
-    // Outside mu_: the pool's lock may be held through a device synchronisation (a sweep's
-    // EmptyCache), which would hold every free of the process behind mu_.
-    PoolStats stats = doomed->pool->FreezeStats();
-    if (hook != nullptr) hook(*this, device, RetireStage::kAfterFreeze);
-    MutexLock lock(&mu_);
-    if (counted && accumulated_resets_[device] != doomed->resets_seen) {
-      // A reset since the pool joined retiring_ (or since the last pass) may have cleared
-      // retired_ after the figures above were read. It reset the pool's figures, frozen or
-      // not, before it counted (DevicePools lists a going pool): read them again.
-      doomed->resets_seen = accumulated_resets_[device];
-      continue;
-    }
-    // Off the list and into the totals at once: a reader of DevicePools counts the pool (its
-    // frozen figures, from now on) or its totals, never neither nor both.
-    if (auto it = std::find(retiring_.begin(), retiring_.end(), doomed); it != retiring_.end()) {
-      retiring_.erase(it);
-    }
-    if (!counted) return;
-    AdoptForkLocked();
-    if (doomed->pool->made_before_fork()) return;  // the parent's, counted in the parent
-    if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either
-    AddPoolStats(RetiredStats(stats), retired_[device]);
-    return;
+  const RetireHook hook = retire_hook_.load();
+  if (hook != nullptr) hook(*this, device, RetireStage::kStarting);
+  MutexLock stats_lock(&stats_mu_);
+  // Outside mu_: the pool's lock may be held through a device synchronisation (a sweep's
+  // EmptyCache), which would hold every free of the process behind mu_.
+  const PoolStats stats = doomed->pool->FreezeStats();
+  if (hook != nullptr) hook(*this, device, RetireStage::kFrozen);
+  // The GPU's peaks with the pool still counted (it is in retiring_), read outside mu_ as any
+  // reader does: where another pool's peak rises between this read and the pool leaving the
+  // list, a reader may see the sum fall back by up to that rise, never by the pool's own.
+  const PoolStats peaks = device >= 0 && device < kMaxDevices ? DeviceStats(device) : PoolStats{};
+  MutexLock lock(&mu_);
+  // Off the list and into the totals at once: a reader of DevicePools counts the pool (its
+  // frozen figures, from now on) or its totals, never neither nor both.
+  if (auto it = std::find(retiring_.begin(), retiring_.end(), doomed); it != retiring_.end()) {
+    retiring_.erase(it);
   }
-}
-
-void ProcessState::StartRetiringLocked(const std::shared_ptr<ExplicitPool>& entry) {
-  if (!entry->is_private) return;
-  const int device = entry->pool->device();
-  if (device >= 0 && device < kMaxDevices) {
-    entry->resets_seen = accumulated_resets_[device];
-  }
-  retiring_.push_back(entry);
+  if (device < 0 || device >= kMaxDevices) return;
+  AdoptForkLocked();
+  if (doomed->pool->made_before_fork()) return;  // the parent's, counted in the parent
+  if (OfAnotherBackendLocked(device, *doomed->pool)) return;  // not among DevicePools either
+  AddPoolStats(RetiredStats(stats), retired_[device]);
+  RaisePeaks(peaks, peak_floor_[device]);
 }
 
 ProcessState::PoolRef ProcessState::Owner(const void* ptr) {

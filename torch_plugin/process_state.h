@@ -94,10 +94,6 @@ class ProcessState {
     std::unique_ptr<Pool> pool;
     std::atomic<int64_t> live{0};  // blocks handed out (or being allocated) and not yet freed
     bool closed = false;           // read and written only under ProcessState::mu_
-    // Its GPU's count of ResetDeviceAccumulated when it joined retiring_, then when Retire
-    // last read its figures (under mu_): a count that moved since means a reset may have
-    // cleared the GPU's totals after the read.
-    uint64_t resets_seen = 0;
     // Set when the pool is registered (under mu_), constant after: its id, and for a private
     // pool its MempoolId (such a pool is closed by ReleasePrivatePool only).
     int64_t id = 0;
@@ -170,9 +166,9 @@ class ProcessState {
     MutexLock lock(&mu_);
     pool_range_budget_ = bytes;
   }
-  // Tests: a function Retire calls just before and just after it freezes a pool's figures
-  // (outside every lock; null: none), where another thread's reset or empty_cache may fall.
-  enum class RetireStage { kBeforeFreeze, kAfterFreeze };
+  // Tests: a function Retire calls (null: none) as it starts, before any lock, and once the
+  // pool's figures are frozen, under stats_mu_ (a reset on another thread waits then).
+  enum class RetireStage { kStarting, kFrozen };
   using RetireHook = void (*)(ProcessState& state, int device, RetireStage stage);
   void SetRetireHookForTesting(RetireHook hook) { retire_hook_.store(hook); }
   // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
@@ -188,34 +184,38 @@ class ProcessState {
   // The pools of `device`: its device pool (if any), then the private pools on it (open,
   // closed with live blocks, or going: Retire) of the same backend (the default one if there
   // is no device pool).
-  // `retired`, if given: the totals of its private pools that are gone (retired_), read under
-  // the same lock as the list.
-  std::vector<PoolRef> DevicePools(int device, PoolStats* retired = nullptr)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `retired`, if given: the totals of its private pools that are gone (retired_), and
+  // `peak_floor` the peaks its figures had reached when one went (peak_floor_), read under the
+  // same lock as the list.
+  std::vector<PoolRef> DevicePools(int device, PoolStats* retired = nullptr,
+                                   PoolStats* peak_floor = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Their statistics as one (AddPoolStats); zeros for an unused device. The peaks of
   // allocated_bytes and reserved_bytes are the GPU's (DeviceCap's joint figures: the
   // highest the pools held together, kept when a pool is gone); those of their parts (each
   // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
-  // peaks are the sum of the pools' (at least the GPU's).
+  // peaks are the sum of the pools' (at least the GPU's), and no lower than that sum was when
+  // a private pool went (peak_floor_): no peak falls but at ResetDevicePeaks.
   PoolStats DeviceStats(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // DeviceStats(device)'s allocated_bytes.current and reserved_bytes.current, read from the
   // GPU's DeviceCap (what its pools add as they hand blocks out and map memory) rather than
   // summed over its pools, so that its cost does not grow with the private pools alive: the
   // profiler's memory events report both at every allocation and free. They differ from
   // DeviceStats's only while a released private pool's teardown waits for a capture to end
-  // (Retire has moved its totals aside; its memory is still mapped and counted here). Where no
-  // pool shares a cap yet, DeviceStats's.
+  // (Retire has moved its totals aside; its memory is still mapped and counted here), and in
+  // that allocated is held within reserved where a free and the release of its memory fall
+  // between the two reads. Where no pool shares a cap yet, DeviceStats's.
   struct Usage {
     int64_t allocated = 0;
     int64_t reserved = 0;
   };
   Usage DeviceUsage(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // Resets the cumulative figures and counters of the pools of `device`, and those that
-  // private pools that are gone left in its statistics. A private pool going at the same time
-  // leaves none of its figures from before the reset (Retire).
-  void ResetDeviceAccumulated(int device) ABSL_LOCKS_EXCLUDED(mu_);
-  // Resets the peaks of the pools of `device` and the GPU's joint peaks to what is held now.
-  void ResetDevicePeaks(int device) ABSL_LOCKS_EXCLUDED(mu_);
+  // private pools that are gone left in its statistics: one step for a private pool that goes
+  // meanwhile (stats_mu_), whose figures join those totals before it or after it.
+  void ResetDeviceAccumulated(int device) ABSL_LOCKS_EXCLUDED(stats_mu_, mu_);
+  // Resets the peaks of the pools of `device`, of those that are gone and the GPU's joint
+  // peaks to what is held now, as one step for a private pool that goes meanwhile.
+  void ResetDevicePeaks(int device) ABSL_LOCKS_EXCLUDED(stats_mu_, mu_);
 
   // --- Any pool -----------------------------------------------------------------------------
   // The pool whose range holds `ptr`, or a null PoolRef.
@@ -385,14 +385,11 @@ class ProcessState {
   // A pool taken out of explicit_ to be destroyed (`doomed`, null for none): a private
   // pool's totals stay in its GPU's statistics (retired_; PyTorch's never fall). Its figures
   // are frozen (Pool::FreezeStats), then it leaves retiring_, where CloseLocked and BlockGone
-  // put it (StartRetiringLocked), as they join retired_, under one lock. The figures are read
-  // before that lock: where a reset of the GPU's figures (ResetDeviceAccumulated) came since
-  // the pool joined retiring_, it may have cleared retired_ after the read, so they are read
-  // again (the reset cleared the pool's own first).
-  void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(mu_);
-  // Lists a private pool taken out of explicit_ in retiring_ until Retire.
-  void StartRetiringLocked(const std::shared_ptr<ExplicitPool>& entry)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // put it, as they join retired_, under one lock; the GPU's peaks read with it still counted
+  // raise peak_floor_. The whole under stats_mu_, so that a reset of the GPU's figures does
+  // not fall between the freeze and the join (it would clear retired_, then the figures of
+  // before it would be added).
+  void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(stats_mu_, mu_);
   // In a forked child: moves the parent's device pools to abandoned_ and drops the parent's
   // caps, retired totals and other allocators' holdings.
   void AbandonParentsDevicePools() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -403,6 +400,10 @@ class ProcessState {
   void AdoptForkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::array<std::atomic<Pool*>, kMaxDevices> device_pools_{};
+  // Held by the resets of a GPU's figures across their pools and retired_, and by Retire from
+  // a pool's freeze to its figures joining retired_; taken before mu_ and any pool's lock.
+  // Only these take it, never under another lock of the state.
+  Mutex stats_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   mutable Mutex mu_;
   PoolOptions options_ ABSL_GUARDED_BY(mu_);
   bool any_device_pool_ ABSL_GUARDED_BY(mu_) = false;
@@ -416,11 +417,13 @@ class ProcessState {
   std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
   // What private pools that are gone left in their GPU's statistics, by device (Retire).
   std::array<PoolStats, kMaxDevices> retired_ ABSL_GUARDED_BY(mu_){};
+  // The peaks of each GPU's figures (DeviceStats) just before a private pool went (Retire),
+  // the highest since ResetDevicePeaks: a gone pool's peak leaves the sums of peaks, which
+  // stay at least these. Only the peaks are used.
+  std::array<PoolStats, kMaxDevices> peak_floor_ ABSL_GUARDED_BY(mu_){};
   // Private pools out of explicit_ whose totals are not in retired_ yet (Retire): DevicePools
   // still lists them.
   std::vector<std::shared_ptr<ExplicitPool>> retiring_ ABSL_GUARDED_BY(mu_);
-  // ResetDeviceAccumulated's calls, by device (Retire).
-  std::array<uint64_t, kMaxDevices> accumulated_resets_ ABSL_GUARDED_BY(mu_){};
   std::atomic<RetireHook> retire_hook_{nullptr};  // SetRetireHookForTesting
   // The fork generation (allocator/fork_guard.h) caps_, external_held_ and retired_ belong to.
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
@@ -470,6 +473,7 @@ class ProcessState {
   // The locks above, held across fork() in the order of allocator/fork_guard.h. Last, so that
   // they unregister before the rest goes.
   ForkRegistration fork_private_{ForkLevel::kPrivatePools, ForkHandlers::Lock(&private_mu_)};
+  ForkRegistration fork_stats_{ForkLevel::kStatistics, ForkHandlers::Lock(&stats_mu_)};
   ForkRegistration fork_state_{ForkLevel::kProcessState, ForkHandlers::Lock(&mu_)};
   ForkRegistration fork_released_{ForkLevel::kProcessSends, ForkHandlers::Lock(&released_mu_)};
   ForkRegistration fork_budget_{ForkLevel::kProcessSends, ForkHandlers::Lock(&budget_mu_)};
