@@ -28,19 +28,23 @@ namespace vmm {
 // since the last ResetPeak. The pools keep the cumulative totals themselves.
 class JointStat {
  public:
-  void Add(int64_t delta) { Raise(current_.fetch_add(delta, std::memory_order_relaxed) + delta); }
+  // Add's change of the current value and its read of the peak, and ResetPeak's store of the
+  // peak and its read of the current value, are sequentially consistent: one of the two sees
+  // the other's write (with relaxed order each may miss the other's, and the peak end below
+  // the current value). On x86 they cost what relaxed ones do but the reset's store.
+  void Add(int64_t delta) { Raise(current_.fetch_add(delta) + delta); }
   int64_t current() const { return current_.load(std::memory_order_relaxed); }
   int64_t peak() const { return peak_.load(std::memory_order_relaxed); }
   void ResetPeak() {
-    peak_.store(current(), std::memory_order_relaxed);
+    peak_.store(current());
     // An Add between the read and the store saw the old, higher peak and left it: the value it
     // made is current now, and the peak must cover it.
-    Raise(current());
+    Raise(current_.load());
   }
 
  private:
   void Raise(int64_t now) {
-    int64_t peak = peak_.load(std::memory_order_relaxed);
+    int64_t peak = peak_.load();
     while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
     }
   }

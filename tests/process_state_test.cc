@@ -443,7 +443,9 @@ void ResetInRetire(ProcessState& state, int device, ProcessState::RetireStage st
   if (stage != plan.stage) return;
   if (stage == ProcessState::RetireStage::kStarting) {
     state.ResetDeviceAccumulated(device);
-    if (plan.empty != nullptr) ASSERT_TRUE(plan.empty->EmptyCache().ok());
+    if (plan.empty != nullptr) {
+      ASSERT_TRUE(plan.empty->EmptyCache().ok());
+    }
     return;
   }
   plan.resetter = std::thread([&state, &plan, device] {

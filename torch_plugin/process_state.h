@@ -34,8 +34,8 @@
 // other allocators' holdings) starts empty at its first pool of any kind, a private pool
 // included, and its statistics count only pools it made (AdoptForkLocked). Every lock of the
 // state (and of its BlockHolds) is held across fork() (allocator/fork_guard.h: private_mu_ at
-// ForkLevel::kPrivatePools, mu_ at kProcessState, released_mu_ and budget_mu_ at
-// kProcessSends), so that a child forked while other threads of its parent use the state finds
+// ForkLevel::kPrivatePools, stats_mu_ at kStatistics, mu_ at kProcessState, released_mu_ and
+// budget_mu_ at kProcessSends), so that a child forked while other threads of its parent use the state finds
 // them free.
 //
 // Errors: InvalidArgument for bad ids, devices, options and pointers; FailedPrecondition for
@@ -388,10 +388,12 @@ class ProcessState {
   // put it, as they join retired_, under one lock; the GPU's peaks read with it still counted
   // raise peak_floor_. The whole under stats_mu_, so that a reset of the GPU's figures does
   // not fall between the freeze and the join (it would clear retired_, then the figures of
-  // before it would be added).
+  // before it would be added). Reading the GPU's peaks visits every pool of the GPU, as
+  // DeviceStats does: its cost grows with the pools alive, and it waits for a pool whose lock
+  // is held through a device synchronisation (a sweep's EmptyCache), as a reset does.
   void Retire(const std::shared_ptr<ExplicitPool>& doomed) ABSL_LOCKS_EXCLUDED(stats_mu_, mu_);
   // In a forked child: moves the parent's device pools to abandoned_ and drops the parent's
-  // caps, retired totals and other allocators' holdings.
+  // caps, retired totals, peak floors and other allocators' holdings.
   void AbandonParentsDevicePools() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // AbandonParentsDevicePools once, the first time a forked child reads or makes per-GPU
   // state (a cap, the retired totals, other allocators' holdings), whichever pool it makes
@@ -425,7 +427,8 @@ class ProcessState {
   // still lists them.
   std::vector<std::shared_ptr<ExplicitPool>> retiring_ ABSL_GUARDED_BY(mu_);
   std::atomic<RetireHook> retire_hook_{nullptr};  // SetRetireHookForTesting
-  // The fork generation (allocator/fork_guard.h) caps_, external_held_ and retired_ belong to.
+  // The fork generation (allocator/fork_guard.h) caps_, external_held_, retired_ and
+  // peak_floor_ belong to.
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);
