@@ -35,6 +35,15 @@ struct HostEnv {
   ~HostEnv() { unsetenv("VMM_BACKEND"); }
 };
 
+// A process state of its own on the host backend, its device pools' ranges 256 MiB.
+class ProcessStateStatsTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(state_.Configure("reserve_size=256M").ok()); }
+
+  HostEnv env_;
+  ProcessState state_;
+};
+
 // Every current figure is consistent: allocated <= reserved, counts >= 0, peak >= current.
 std::string Inconsistent(const PoolStats& s) {
   std::string why;
@@ -57,19 +66,16 @@ std::string Inconsistent(const PoolStats& s) {
 
 // A private pool that goes leaves the GPU's peaks where they were (before, every peak but
 // the byte peaks DeviceCap keeps fell with it).
-TEST(ProcessStateStatsTest, PeaksOfAGonePrivatePoolStayInTheGpusStatistics) {
-  HostEnv env;
-  ProcessState state;
-  ASSERT_TRUE(state.Configure("reserve_size=256M").ok());
-  void* d = *state.DeviceAllocate(0, 2 * kMiB, 0);
-  absl::StatusOr<int64_t> id = state.UsePrivatePool(Backend::kHost, 0, 1, 1, kSmall);
+TEST_F(ProcessStateStatsTest, PeaksOfAGonePrivatePoolStayInTheGpusStatistics) {
+  void* d = *state_.DeviceAllocate(0, 2 * kMiB, 0);
+  absl::StatusOr<int64_t> id = state_.UsePrivatePool(Backend::kHost, 0, 1, 1, kSmall);
   ASSERT_TRUE(id.ok()) << id.status();
   std::vector<void*> blocks;
-  for (int i = 0; i < 10; ++i) blocks.push_back(*state.PoolAllocate(*id, 2 * kMiB, 0, false));
-  for (void* b : blocks) ASSERT_TRUE(state.FreeBlock(b).ok());
-  const PoolStats before = state.DeviceStats(0);
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 1, 1).ok());
-  const PoolStats after = state.DeviceStats(0);
+  for (int i = 0; i < 10; ++i) blocks.push_back(*state_.PoolAllocate(*id, 2 * kMiB, 0, false));
+  for (void* b : blocks) ASSERT_TRUE(state_.FreeBlock(b).ok());
+  const PoolStats before = state_.DeviceStats(0);
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 1, 1).ok());
+  const PoolStats after = state_.DeviceStats(0);
   std::string fell;
   auto check = [&](const std::string& name, const Stat& b, const Stat& a) {
     if (a.peak < b.peak) absl::StrAppend(&fell, name, ".peak ", b.peak, " -> ", a.peak, "; ");
@@ -86,32 +92,29 @@ TEST(ProcessStateStatsTest, PeaksOfAGonePrivatePoolStayInTheGpusStatistics) {
   }
   EXPECT_EQ(fell, "") << "peaks fell with no reset of peaks";
   EXPECT_GE(after.allocation.peak, 11) << "11 blocks were live at once on the GPU";
-  ASSERT_TRUE(state.FreeBlock(d).ok());
+  ASSERT_TRUE(state_.FreeBlock(d).ok());
 }
 
 // After ResetDevicePeaks every peak equals its current value (quiescent), with a device
 // pool, an open private pool, a released private pool with a live block, and a gone one.
-TEST(ProcessStateStatsTest, ResetPeaksMakesEveryPeakCurrent) {
-  HostEnv env;
-  ProcessState state;
-  ASSERT_TRUE(state.Configure("reserve_size=256M").ok());
-  void* d = *state.DeviceAllocate(0, 3 * kMiB + 7, 0);
-  void* ds = *state.DeviceAllocate(0, 4096, 0);
-  void* big = *state.DeviceAllocate(0, 16 * kMiB, 0);
-  ASSERT_TRUE(state.FreeBlock(big).ok());
-  int64_t a = *state.UsePrivatePool(Backend::kHost, 0, 2, 1, kSmall);
-  int64_t b = *state.UsePrivatePool(Backend::kHost, 0, 2, 2, kSmall);
-  int64_t c = *state.UsePrivatePool(Backend::kHost, 0, 2, 3, kSmall);
-  void* pa = *state.PoolAllocate(a, 5 * kMiB, 0, false);
-  void* pb = *state.PoolAllocate(b, 6 * kMiB, 0, true);
-  void* pb2 = *state.PoolAllocate(b, 1000, 0, false);
-  void* pc = *state.PoolAllocate(c, 7 * kMiB, 0, false);
-  ASSERT_TRUE(state.FreeBlock(pc).ok());
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 2, 3).ok());  // gone
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 2, 2).ok());  // closed, live blocks
-  ASSERT_TRUE(state.FreeBlock(pb2).ok());
-  state.ResetDevicePeaks(0);
-  const PoolStats s = state.DeviceStats(0);
+TEST_F(ProcessStateStatsTest, ResetPeaksMakesEveryPeakCurrent) {
+  void* d = *state_.DeviceAllocate(0, 3 * kMiB + 7, 0);
+  void* ds = *state_.DeviceAllocate(0, 4096, 0);
+  void* big = *state_.DeviceAllocate(0, 16 * kMiB, 0);
+  ASSERT_TRUE(state_.FreeBlock(big).ok());
+  int64_t a = *state_.UsePrivatePool(Backend::kHost, 0, 2, 1, kSmall);
+  int64_t b = *state_.UsePrivatePool(Backend::kHost, 0, 2, 2, kSmall);
+  int64_t c = *state_.UsePrivatePool(Backend::kHost, 0, 2, 3, kSmall);
+  void* pa = *state_.PoolAllocate(a, 5 * kMiB, 0, false);
+  void* pb = *state_.PoolAllocate(b, 6 * kMiB, 0, true);
+  void* pb2 = *state_.PoolAllocate(b, 1000, 0, false);
+  void* pc = *state_.PoolAllocate(c, 7 * kMiB, 0, false);
+  ASSERT_TRUE(state_.FreeBlock(pc).ok());
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 2, 3).ok());  // gone
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 2, 2).ok());  // closed, live blocks
+  ASSERT_TRUE(state_.FreeBlock(pb2).ok());
+  state_.ResetDevicePeaks(0);
+  const PoolStats s = state_.DeviceStats(0);
   std::string bad;
   auto check = [&](const std::string& name, const Stat& st) {
     if (st.peak != st.current) absl::StrAppend(&bad, name, " peak ", st.peak, " current ",
@@ -128,39 +131,36 @@ TEST(ProcessStateStatsTest, ResetPeaksMakesEveryPeakCurrent) {
   }
   EXPECT_EQ(bad, "");
   EXPECT_EQ(Inconsistent(s), "");
-  ProcessState::Usage u = state.DeviceUsage(0);
+  ProcessState::Usage u = state_.DeviceUsage(0);
   EXPECT_EQ(u.allocated, s.allocated_bytes.current);
   EXPECT_EQ(u.reserved, s.reserved_bytes.current);
-  ASSERT_TRUE(state.FreeBlock(pb).ok());
-  ASSERT_TRUE(state.FreeBlock(pa).ok());
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 2, 1).ok());
-  ASSERT_TRUE(state.FreeBlock(d).ok());
-  ASSERT_TRUE(state.FreeBlock(ds).ok());
-  EXPECT_EQ(Inconsistent(state.DeviceStats(0)), "");
+  ASSERT_TRUE(state_.FreeBlock(pb).ok());
+  ASSERT_TRUE(state_.FreeBlock(pa).ok());
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 2, 1).ok());
+  ASSERT_TRUE(state_.FreeBlock(d).ok());
+  ASSERT_TRUE(state_.FreeBlock(ds).ok());
+  EXPECT_EQ(Inconsistent(state_.DeviceStats(0)), "");
 }
 
 // Resets between an allocation and its free, and between a release and the last free:
 // afterwards allocated counts only what came after the reset; nothing negative.
-TEST(ProcessStateStatsTest, ResetsBetweenAllocAndFreeCountOnlyWhatCameAfter) {
-  HostEnv env;
-  ProcessState state;
-  ASSERT_TRUE(state.Configure("reserve_size=256M").ok());
-  void* d = *state.DeviceAllocate(0, 2 * kMiB, 0);
-  int64_t a = *state.UsePrivatePool(Backend::kHost, 0, 3, 1, kSmall);
-  void* p1 = *state.PoolAllocate(a, 2 * kMiB, 0, false);
-  void* p2 = *state.PoolAllocate(a, 2 * kMiB, 0, false);
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 3, 1).ok());
-  state.ResetDeviceAccumulated(0);
-  PoolStats s = state.DeviceStats(0);
+TEST_F(ProcessStateStatsTest, ResetsBetweenAllocAndFreeCountOnlyWhatCameAfter) {
+  void* d = *state_.DeviceAllocate(0, 2 * kMiB, 0);
+  int64_t a = *state_.UsePrivatePool(Backend::kHost, 0, 3, 1, kSmall);
+  void* p1 = *state_.PoolAllocate(a, 2 * kMiB, 0, false);
+  void* p2 = *state_.PoolAllocate(a, 2 * kMiB, 0, false);
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 3, 1).ok());
+  state_.ResetDeviceAccumulated(0);
+  PoolStats s = state_.DeviceStats(0);
   EXPECT_EQ(s.allocation.allocated, 0);
   EXPECT_EQ(s.allocation.freed, 0);
   EXPECT_EQ(s.allocation.current, 3);
   EXPECT_EQ(s.num_device_alloc, 0);
-  ASSERT_TRUE(state.FreeBlock(p1).ok());
-  state.ResetDeviceAccumulated(0);
-  ASSERT_TRUE(state.FreeBlock(p2).ok());  // pool goes
-  ASSERT_TRUE(state.FreeBlock(d).ok());
-  s = state.DeviceStats(0);
+  ASSERT_TRUE(state_.FreeBlock(p1).ok());
+  state_.ResetDeviceAccumulated(0);
+  ASSERT_TRUE(state_.FreeBlock(p2).ok());  // pool goes
+  ASSERT_TRUE(state_.FreeBlock(d).ok());
+  s = state_.DeviceStats(0);
   EXPECT_EQ(s.allocation.allocated, 0);
   EXPECT_EQ(s.allocation.freed, 2) << "p2 and d were freed after the last reset";
   EXPECT_EQ(s.allocated_bytes.allocated, 0);
@@ -168,136 +168,131 @@ TEST(ProcessStateStatsTest, ResetsBetweenAllocAndFreeCountOnlyWhatCameAfter) {
   EXPECT_EQ(s.allocation.current, 0);
   EXPECT_EQ(Inconsistent(s), "");
   // A fresh allocation after the resets counts once.
-  int64_t b = *state.UsePrivatePool(Backend::kHost, 0, 3, 2, kSmall);
-  void* q = *state.PoolAllocate(b, kMiB, 0, false);
-  ASSERT_TRUE(state.FreeBlock(q).ok());
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 3, 2).ok());
-  s = state.DeviceStats(0);
+  int64_t b = *state_.UsePrivatePool(Backend::kHost, 0, 3, 2, kSmall);
+  void* q = *state_.PoolAllocate(b, kMiB, 0, false);
+  ASSERT_TRUE(state_.FreeBlock(q).ok());
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 3, 2).ok());
+  s = state_.DeviceStats(0);
   EXPECT_EQ(s.allocation.allocated, 1);
   EXPECT_EQ(s.allocation.freed, 3);
 }
 
 // Bad device numbers at every public entry point: errors, no crash, no state touched.
-TEST(ProcessStateStatsTest, OutOfRangeDevicesAtEveryEntryPoint) {
-  HostEnv env;
-  ProcessState state;
-  void* d = *state.DeviceAllocate(0, kMiB, 0);
-  const PoolStats ref = state.DeviceStats(0);
+TEST_F(ProcessStateStatsTest, OutOfRangeDevicesAtEveryEntryPoint) {
+  void* d = *state_.DeviceAllocate(0, kMiB, 0);
+  const PoolStats ref = state_.DeviceStats(0);
   for (int dev : {-1, -2, -1000, INT_MIN, ProcessState::kMaxDevices,
                   ProcessState::kMaxDevices + 1, 1000, INT_MAX}) {
     SCOPED_TRACE(dev);
-    EXPECT_FALSE(state.DevicePool(dev).ok());
-    EXPECT_EQ(state.DevicePoolIfAny(dev), nullptr);
-    EXPECT_FALSE(state.DeviceAllocate(dev, kMiB, 0).ok());
-    EXPECT_FALSE(state.SetMemoryFraction(0.5, dev).ok());
-    EXPECT_FALSE(state.HoldExternal(dev, 100).ok());
-    EXPECT_FALSE(state.HoldExternal(dev, -100).ok());
-    EXPECT_FALSE(state.CreatePool(Backend::kHost, dev, kSmall).ok());
-    EXPECT_FALSE(state.UsePrivatePool(Backend::kHost, dev, 1, 1, kSmall).ok());
-    EXPECT_FALSE(state.UsePrivatePool(std::nullopt, dev, 1, 1, kSmall).ok());
-    EXPECT_FALSE(state.ReleasePrivatePool(dev, 1, 1).ok());
-    EXPECT_EQ(state.PrivatePoolUses(dev, 1, 1), 0);
-    EXPECT_FALSE(state.FindPrivatePool(dev, 1, 1).ok());
-    EXPECT_TRUE(state.DevicePools(dev).empty());
+    EXPECT_FALSE(state_.DevicePool(dev).ok());
+    EXPECT_EQ(state_.DevicePoolIfAny(dev), nullptr);
+    EXPECT_FALSE(state_.DeviceAllocate(dev, kMiB, 0).ok());
+    EXPECT_FALSE(state_.SetMemoryFraction(0.5, dev).ok());
+    EXPECT_FALSE(state_.HoldExternal(dev, 100).ok());
+    EXPECT_FALSE(state_.HoldExternal(dev, -100).ok());
+    EXPECT_FALSE(state_.CreatePool(Backend::kHost, dev, kSmall).ok());
+    EXPECT_FALSE(state_.UsePrivatePool(Backend::kHost, dev, 1, 1, kSmall).ok());
+    EXPECT_FALSE(state_.UsePrivatePool(std::nullopt, dev, 1, 1, kSmall).ok());
+    EXPECT_FALSE(state_.ReleasePrivatePool(dev, 1, 1).ok());
+    EXPECT_EQ(state_.PrivatePoolUses(dev, 1, 1), 0);
+    EXPECT_FALSE(state_.FindPrivatePool(dev, 1, 1).ok());
+    EXPECT_TRUE(state_.DevicePools(dev).empty());
     PoolStats retired;
-    EXPECT_TRUE(state.DevicePools(dev, &retired).empty());
-    const PoolStats s = state.DeviceStats(dev);
+    EXPECT_TRUE(state_.DevicePools(dev, &retired).empty());
+    const PoolStats s = state_.DeviceStats(dev);
     EXPECT_EQ(s.allocated_bytes.current, 0);
     EXPECT_EQ(s.reserved_bytes.current, 0);
     EXPECT_EQ(s.num_device_alloc, 0);
-    const ProcessState::Usage u = state.DeviceUsage(dev);
+    const ProcessState::Usage u = state_.DeviceUsage(dev);
     EXPECT_EQ(u.allocated, 0);
     EXPECT_EQ(u.reserved, 0);
-    state.ResetDeviceAccumulated(dev);
-    state.ResetDevicePeaks(dev);
+    state_.ResetDeviceAccumulated(dev);
+    state_.ResetDevicePeaks(dev);
   }
-  const PoolStats s = state.DeviceStats(0);
+  const PoolStats s = state_.DeviceStats(0);
   EXPECT_EQ(s.num_device_alloc, ref.num_device_alloc) << "bad devices reset device 0";
   EXPECT_EQ(s.allocation.allocated, ref.allocation.allocated);
   EXPECT_EQ(s.allocated_bytes.peak, ref.allocated_bytes.peak);
   // Valid-but-absent host devices (the host backend has one).
   for (int dev : {1, 5, ProcessState::kMaxDevices - 1}) {
     SCOPED_TRACE(dev);
-    absl::StatusOr<int64_t> id = state.UsePrivatePool(Backend::kHost, dev, 9, 9, kSmall);
+    absl::StatusOr<int64_t> id = state_.UsePrivatePool(Backend::kHost, dev, 9, 9, kSmall);
     if (id.ok()) {
-      ASSERT_TRUE(state.ReleasePrivatePool(dev, 9, 9).ok());
+      ASSERT_TRUE(state_.ReleasePrivatePool(dev, 9, 9).ok());
     }
-    (void)state.DeviceStats(dev);
-    (void)state.DeviceUsage(dev);
-    state.ResetDeviceAccumulated(dev);
-    state.ResetDevicePeaks(dev);
-    EXPECT_EQ(Inconsistent(state.DeviceStats(dev)), "");
+    (void)state_.DeviceStats(dev);
+    (void)state_.DeviceUsage(dev);
+    state_.ResetDeviceAccumulated(dev);
+    state_.ResetDevicePeaks(dev);
+    EXPECT_EQ(Inconsistent(state_.DeviceStats(dev)), "");
   }
-  ASSERT_TRUE(state.FreeBlock(d).ok());
+  ASSERT_TRUE(state_.FreeBlock(d).ok());
 }
 
 // A forked child's statistics start clean, whatever the parent did (device pool, private
 // pools open, closed with live blocks, gone; resets; external holdings; fractions).
-TEST(ProcessStateStatsTest, AForkedChildsStatisticsStartClean) {
+TEST_F(ProcessStateStatsTest, AForkedChildsStatisticsStartClean) {
   if (VMM_UNDER_TSAN) GTEST_SKIP() << "fork with threads";
-  HostEnv env;
-  ProcessState state;
-  ASSERT_TRUE(state.Configure("reserve_size=256M").ok());
-  void* d = *state.DeviceAllocate(0, 8 * kMiB, 0);
-  int64_t open = *state.UsePrivatePool(Backend::kHost, 0, 5, 1, kSmall);
-  void* po = *state.PoolAllocate(open, 2 * kMiB, 0, false);
-  int64_t closing = *state.UsePrivatePool(Backend::kHost, 0, 5, 2, kSmall);
-  void* pc = *state.PoolAllocate(closing, 2 * kMiB, 0, false);
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 5, 2).ok());
-  int64_t gone = *state.UsePrivatePool(Backend::kHost, 0, 5, 3, kSmall);
-  ASSERT_TRUE(state.FreeBlock(*state.PoolAllocate(gone, 3 * kMiB, 0, false)).ok());
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 5, 3).ok());
-  ASSERT_TRUE(state.HoldExternal(0, 1 << 20).ok());
-  ASSERT_TRUE(state.SetMemoryFraction(0.5, 0).ok());
-  state.ResetDeviceAccumulated(0);
-  const PoolStats parent = state.DeviceStats(0);
+  void* d = *state_.DeviceAllocate(0, 8 * kMiB, 0);
+  int64_t open = *state_.UsePrivatePool(Backend::kHost, 0, 5, 1, kSmall);
+  void* po = *state_.PoolAllocate(open, 2 * kMiB, 0, false);
+  int64_t closing = *state_.UsePrivatePool(Backend::kHost, 0, 5, 2, kSmall);
+  void* pc = *state_.PoolAllocate(closing, 2 * kMiB, 0, false);
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 5, 2).ok());
+  int64_t gone = *state_.UsePrivatePool(Backend::kHost, 0, 5, 3, kSmall);
+  ASSERT_TRUE(state_.FreeBlock(*state_.PoolAllocate(gone, 3 * kMiB, 0, false)).ok());
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 5, 3).ok());
+  ASSERT_TRUE(state_.HoldExternal(0, 1 << 20).ok());
+  ASSERT_TRUE(state_.SetMemoryFraction(0.5, 0).ok());
+  state_.ResetDeviceAccumulated(0);
+  const PoolStats parent = state_.DeviceStats(0);
   const int rc = InForkedChild([&]() -> int {
     for (int round = 0; round < 3; ++round) {
-      const PoolStats s = state.DeviceStats(0);
-      const ProcessState::Usage u = state.DeviceUsage(0);
+      const PoolStats s = state_.DeviceStats(0);
+      const ProcessState::Usage u = state_.DeviceUsage(0);
       if (s.allocated_bytes.current != 0 || s.reserved_bytes.current != 0) return 10 + round;
       if (s.allocated_bytes.peak != 0 || s.reserved_bytes.peak != 0) return 20 + round;
       if (s.allocation.current != 0 || s.allocation.freed != 0) return 30 + round;
       if (s.num_device_alloc != 0 || s.num_device_free != 0) return 40 + round;
       if (s.segment.freed != 0 || s.segment.allocated != 0) return 50 + round;
       if (u.allocated != 0 || u.reserved != 0) return 60 + round;
-      if (round == 0) state.ResetDevicePeaks(0);
-      if (round == 1) state.ResetDeviceAccumulated(0);
+      if (round == 0) state_.ResetDevicePeaks(0);
+      if (round == 1) state_.ResetDeviceAccumulated(0);
     }
     // The parent's gone pool, and a parent's block freed in the child, count nowhere here.
-    if (!state.FreeBlock(pc).ok()) return 70;  // the parent's closed pool goes (in the child)
-    PoolStats s = state.DeviceStats(0);
+    if (!state_.FreeBlock(pc).ok()) return 70;  // the parent's closed pool goes (in the child)
+    PoolStats s = state_.DeviceStats(0);
     if (s.allocation.freed != 0 || s.segment.freed != 0 || s.num_device_free != 0) return 71;
     // The child's own pool.
-    absl::StatusOr<int64_t> mine = state.UsePrivatePool(Backend::kHost, 0, 5, 1, kSmall);
+    absl::StatusOr<int64_t> mine = state_.UsePrivatePool(Backend::kHost, 0, 5, 1, kSmall);
     if (!mine.ok()) return 80;
-    absl::StatusOr<void*> p = state.PoolAllocate(*mine, kMiB, 0, false);
+    absl::StatusOr<void*> p = state_.PoolAllocate(*mine, kMiB, 0, false);
     if (!p.ok()) return 81;
-    s = state.DeviceStats(0);
+    s = state_.DeviceStats(0);
     if (s.allocated_bytes.current != static_cast<int64_t>(kMiB)) return 82;
     if (s.allocated_bytes.peak != static_cast<int64_t>(kMiB)) return 83;
     if (s.allocation.allocated != 1 || s.allocation.current != 1) return 84;
-    const ProcessState::Usage u = state.DeviceUsage(0);
+    const ProcessState::Usage u = state_.DeviceUsage(0);
     if (u.allocated != static_cast<int64_t>(kMiB)) return 85;
-    if (!state.FreeBlock(*p).ok()) return 86;
-    if (!state.ReleasePrivatePool(0, 5, 1).ok()) return 87;
-    s = state.DeviceStats(0);
+    if (!state_.FreeBlock(*p).ok()) return 86;
+    if (!state_.ReleasePrivatePool(0, 5, 1).ok()) return 87;
+    s = state_.DeviceStats(0);
     if (s.allocation.allocated != 1 || s.allocation.freed != 1) return 88;
     if (s.allocated_bytes.current != 0 || s.reserved_bytes.current != 0) return 89;
     if (!Inconsistent(s).empty()) return 90;
     // The child may hold external memory anew (the parent's holding is not its own).
-    if (state.HoldExternal(0, -(1 << 20)).ok()) return 91;
+    if (state_.HoldExternal(0, -(1 << 20)).ok()) return 91;
     return 0;
   });
   EXPECT_EQ(rc, 0);
-  const PoolStats after = state.DeviceStats(0);
+  const PoolStats after = state_.DeviceStats(0);
   EXPECT_EQ(after.allocated_bytes.current, parent.allocated_bytes.current);
   EXPECT_EQ(after.allocation.allocated, parent.allocation.allocated);
-  ASSERT_TRUE(state.FreeBlock(pc).ok());
-  ASSERT_TRUE(state.FreeBlock(po).ok());
-  ASSERT_TRUE(state.ReleasePrivatePool(0, 5, 1).ok());
-  ASSERT_TRUE(state.FreeBlock(d).ok());
-  ASSERT_TRUE(state.HoldExternal(0, -(1 << 20)).ok());
+  ASSERT_TRUE(state_.FreeBlock(pc).ok());
+  ASSERT_TRUE(state_.FreeBlock(po).ok());
+  ASSERT_TRUE(state_.ReleasePrivatePool(0, 5, 1).ok());
+  ASSERT_TRUE(state_.FreeBlock(d).ok());
+  ASSERT_TRUE(state_.HoldExternal(0, -(1 << 20)).ok());
 }
 
 // Many private pools with threads allocating/freeing/releasing while one thread reads the
@@ -305,10 +300,7 @@ TEST(ProcessStateStatsTest, AForkedChildsStatisticsStartClean) {
 // checks consistency on every read, monotonicity of every cumulative figure between reads
 // with no reset anywhere, and after its own reset of accumulated that allocation.allocated
 // counts no more than allocations that began after the reset began.
-TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
-  HostEnv env;
-  ProcessState state;
-  ASSERT_TRUE(state.Configure("reserve_size=256M").ok());
+TEST_F(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
   std::atomic<bool> stop{false};
   std::atomic<int> failures{0};
   std::atomic<int64_t> allocs_begun{0}, allocs_done{0};
@@ -327,7 +319,7 @@ TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
     std::mt19937 rng(seed);
     for (uint64_t n = 0; !stop.load(); ++n) {
       const uint64_t key = 100 * (seed + 1) + n % 13;
-      absl::StatusOr<int64_t> id = state.UsePrivatePool(Backend::kHost, 0, key, 7, kSmall);
+      absl::StatusOr<int64_t> id = state_.UsePrivatePool(Backend::kHost, 0, key, 7, kSmall);
       if (!id.ok()) {
         fail(std::string(id.status().message()));
         continue;
@@ -337,34 +329,34 @@ TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
       for (int i = 0; i < k; ++i) {
         allocs_begun.fetch_add(1);
         const size_t size = rng() % 2 ? 512 + rng() % 8192 : (1 + rng() % 4) * kMiB;
-        absl::StatusOr<void*> p = state.PoolAllocate(*id, size, 0, rng() % 2);
+        absl::StatusOr<void*> p = state_.PoolAllocate(*id, size, 0, rng() % 2);
         allocs_done.fetch_add(1);
         if (p.ok()) blocks.push_back(*p);
       }
       if (rng() % 3 == 0) {
         allocs_begun.fetch_add(1);
-        absl::StatusOr<void*> p = state.DeviceAllocate(0, (1 + rng() % 3) * kMiB, 0);
+        absl::StatusOr<void*> p = state_.DeviceAllocate(0, (1 + rng() % 3) * kMiB, 0);
         allocs_done.fetch_add(1);
         if (p.ok()) blocks.push_back(*p);
       }
       const int mode = rng() % 3;
       if (mode == 0) {
-        for (void* b : blocks) if (!state.FreeBlock(b).ok()) fail("free");
-        if (!state.ReleasePrivatePool(0, key, 7).ok()) fail("release");
+        for (void* b : blocks) if (!state_.FreeBlock(b).ok()) fail("free");
+        if (!state_.ReleasePrivatePool(0, key, 7).ok()) fail("release");
       } else if (mode == 1) {
-        if (!state.ReleasePrivatePool(0, key, 7).ok()) fail("release");
+        if (!state_.ReleasePrivatePool(0, key, 7).ok()) fail("release");
         MutexLock l(&handed_mu);
         handed.insert(handed.end(), blocks.begin(), blocks.end());
       } else {
         // keep the pool used once more for a while (another use), then release both
-        absl::StatusOr<int64_t> again = state.UsePrivatePool(Backend::kHost, 0, key, 7, "");
+        absl::StatusOr<int64_t> again = state_.UsePrivatePool(Backend::kHost, 0, key, 7, "");
         if (!again.ok() || *again != *id) fail("second use");
-        if (!state.ReleasePrivatePool(0, key, 7).ok()) fail("release 1");
-        for (void* b : blocks) if (!state.FreeBlock(b).ok()) fail("free");
-        if (!state.ReleasePrivatePool(0, key, 7).ok()) fail("release 2");
+        if (!state_.ReleasePrivatePool(0, key, 7).ok()) fail("release 1");
+        for (void* b : blocks) if (!state_.FreeBlock(b).ok()) fail("free");
+        if (!state_.ReleasePrivatePool(0, key, 7).ok()) fail("release 2");
       }
       if (rng() % 5 == 0) {
-        for (const ProcessState::PoolRef& p : state.DevicePools(0)) (void)p.pool->EmptyCache();
+        for (const ProcessState::PoolRef& p : state_.DevicePools(0)) (void)p.pool->EmptyCache();
       }
     }
   };
@@ -377,7 +369,7 @@ TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
         MutexLock l(&handed_mu);
         blocks.swap(handed);
       }
-      for (void* b : blocks) if (!state.FreeBlock(b).ok()) fail("handed free");
+      for (void* b : blocks) if (!state_.FreeBlock(b).ok()) fail("handed free");
       if (blocks.empty()) std::this_thread::yield();
     }
   };
@@ -386,9 +378,9 @@ TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
     while (!stop.load()) {
       resets_begun.fetch_add(1);
       if (rng() % 2) {
-        state.ResetDevicePeaks(0);
+        state_.ResetDevicePeaks(0);
       } else {
-        state.ResetDeviceAccumulated(0);
+        state_.ResetDeviceAccumulated(0);
       }
       resets_done.fetch_add(1);
       std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % 2000));
@@ -406,8 +398,8 @@ TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
       const int op = rng() % 20;
       if (op == 0) {
         const int64_t done_before = allocs_done.load();  // completed before the reset
-        state.ResetDeviceAccumulated(0);
-        const PoolStats s = state.DeviceStats(0);
+        state_.ResetDeviceAccumulated(0);
+        const PoolStats s = state_.DeviceStats(0);
         // At most what had not completed when the reset began.
         const int64_t later = allocs_begun.load() - done_before;
         // Another resetter may only lower it further.
@@ -420,11 +412,11 @@ TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
         continue;
       }
       if (op == 1) {
-        state.ResetDevicePeaks(0);
+        state_.ResetDevicePeaks(0);
         have_last = false;
         continue;
       }
-      const PoolStats s = state.DeviceStats(0);
+      const PoolStats s = state_.DeviceStats(0);
       ++reads;
       const std::string why = Inconsistent(s);
       if (!why.empty()) fail("inconsistent: " + why);
@@ -465,37 +457,34 @@ TEST(ProcessStateStatsTest, ThreadsChurnPrivatePoolsWhileOthersResetAndRead) {
   EXPECT_GT(reads, 50);
   EXPECT_GT(checked_after_reset, 3);
   // Quiescent end: everything freed; figures consistent; usage agrees.
-  state.ResetDevicePeaks(0);
-  const PoolStats end = state.DeviceStats(0);
+  state_.ResetDevicePeaks(0);
+  const PoolStats end = state_.DeviceStats(0);
   EXPECT_EQ(Inconsistent(end), "");
   EXPECT_EQ(end.allocated_bytes.current, 0);
   EXPECT_EQ(end.allocation.current, 0);
   EXPECT_EQ(end.allocated_bytes.peak, 0);
-  const ProcessState::Usage u = state.DeviceUsage(0);
+  const ProcessState::Usage u = state_.DeviceUsage(0);
   EXPECT_EQ(u.allocated, end.allocated_bytes.current);
   EXPECT_EQ(u.reserved, end.reserved_bytes.current);
 }
 
 // DeviceUsage (vmm_device_usage) read while blocks are freed and their memory released:
 // allocated must never exceed reserved.
-TEST(ProcessStateStatsTest, DeviceUsageNeverShowsMoreAllocatedThanReserved) {
-  HostEnv env;
-  ProcessState state;
-  ASSERT_TRUE(state.Configure("reserve_size=256M").ok());
+TEST_F(ProcessStateStatsTest, DeviceUsageNeverShowsMoreAllocatedThanReserved) {
   std::atomic<bool> stop{false};
   std::atomic<int64_t> bad{0}, reads{0};
   std::atomic<int64_t> worst_alloc{0}, worst_res{0};
   auto churn = [&](int t) {
     while (!stop.load()) {
-      absl::StatusOr<void*> p = state.DeviceAllocate(0, 2 * kMiB, 0);
+      absl::StatusOr<void*> p = state_.DeviceAllocate(0, 2 * kMiB, 0);
       if (!p.ok()) continue;
-      (void)state.FreeBlock(*p);
-      (void)(*state.DevicePool(0))->EmptyCache();
+      (void)state_.FreeBlock(*p);
+      (void)(*state_.DevicePool(0))->EmptyCache();
     }
   };
   auto reader = [&] {
     while (!stop.load()) {
-      const ProcessState::Usage u = state.DeviceUsage(0);
+      const ProcessState::Usage u = state_.DeviceUsage(0);
       reads.fetch_add(1, std::memory_order_relaxed);
       if (u.allocated > u.reserved || u.allocated < 0 || u.reserved < 0) {
         if (bad.fetch_add(1) == 0) {
@@ -518,7 +507,7 @@ TEST(ProcessStateStatsTest, DeviceUsageNeverShowsMoreAllocatedThanReserved) {
 
 // DeviceCap's joint peak under a reset racing an Add: after both, peak >= current (and so
 // the GPU's peak covers an allocation that completed alongside a reset).
-TEST(ProcessStateStatsTest, JointPeakResetRacingAnAddLosesNothing) {
+TEST(DeviceCapTest, AResetOfTheJointPeakRacingAnAddLosesNothing) {
   const int kIters = VMM_UNDER_TSAN ? 20000 : 300000;
   DeviceCap cap;
   constexpr int64_t kX = 1 << 20;
