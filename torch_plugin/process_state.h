@@ -35,8 +35,8 @@
 // included, and its statistics count only pools it made (AdoptForkLocked). Every lock of the
 // state (and of its BlockHolds) is held across fork() (allocator/fork_guard.h: private_mu_ at
 // ForkLevel::kPrivatePools, stats_mu_ at kStatistics, mu_ at kProcessState, released_mu_ and
-// budget_mu_ at kProcessSends), so that a child forked while other threads of its parent use the state finds
-// them free.
+// budget_mu_ at kProcessSends), so that a child forked while other threads of its parent use
+// the state finds them free.
 //
 // Errors: InvalidArgument for bad ids, devices, options and pointers; FailedPrecondition for
 // calls in the wrong state (Configure after the first allocation); the pools' and the driver's
