@@ -771,7 +771,12 @@ TEST_F(SendLedgerTest, WaitForProgressWakesWhenAnotherThreadMakesSome) {
     EXPECT_GE(waited, absl::Milliseconds(90)) << "returned before any progress";
     EXPECT_LT(waited, absl::Seconds(5));
     acker.join();
+    // The ack was answered (and was progress) before its release ran on the release thread
+    // (AnAckIsProgressBeforeItsReleaseRuns): wait for it, since it writes to `journal`, which
+    // ends with this iteration (a release run after it hung on the dead journal's lock).
+    EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(10)), 0u);
     EXPECT_OK(ReportSends({ticket}, SendReport::kReleased));
+    EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
   }
 }
 
