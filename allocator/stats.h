@@ -125,21 +125,7 @@ inline void AddStat(const Stat& s, Stat& t) {
   t.freed += s.freed;
 }
 
-// Calls `f` on every Stat of `stats`: the byte and count statistics, then each arena's.
-template <typename F>
-void ForEachStat(PoolStats& stats, F&& f) {
-#define VMM_EACH_STAT(name, key, what) f(stats.name);
-  VMM_BYTE_STATS(VMM_EACH_STAT)
-  VMM_COUNT_STATS(VMM_EACH_STAT)
-#undef VMM_EACH_STAT
-  for (int a = 0; a < kNumArenas; ++a) {
-#define VMM_EACH_ARENA_STAT(name) f(stats.arena[a].name);
-    VMM_TORCH_STATS(VMM_EACH_ARENA_STAT)
-#undef VMM_EACH_ARENA_STAT
-  }
-}
-
-// Calls `f(from.x, to.x)` on every Stat x, in ForEachStat's order.
+// Calls `f(from.x, to.x)` on every Stat x: the byte and count statistics, then each arena's.
 template <typename F>
 void ForEachStatPair(const PoolStats& from, PoolStats& to, F&& f) {
 #define VMM_EACH_STAT(name, key, what) f(from.name, to.name);
@@ -151,6 +137,12 @@ void ForEachStatPair(const PoolStats& from, PoolStats& to, F&& f) {
     VMM_TORCH_STATS(VMM_EACH_ARENA_STAT)
 #undef VMM_EACH_ARENA_STAT
   }
+}
+
+// Calls `f` on every Stat of `stats`, in ForEachStatPair's order.
+template <typename F>
+void ForEachStat(PoolStats& stats, F&& f) {
+  ForEachStatPair(stats, stats, [&f](const Stat&, Stat& s) { f(s); });
 }
 
 // Every peak of `stats` at least that of `floor` (the peaks a GPU's figures reached before a
@@ -179,19 +171,10 @@ inline void ResetAccumulated(PoolStats& stats) {
 // device_cap.h).
 inline PoolStats RetiredStats(const PoolStats& pool) {
   PoolStats out;
-  auto retire = [](const Stat& s, Stat& t) {
+  ForEachStatPair(pool, out, [](const Stat& s, Stat& t) {
     t.allocated = s.allocated;
     t.freed = s.freed + s.current;
-  };
-#define VMM_RETIRE_STAT(name, key, what) retire(pool.name, out.name);
-  VMM_BYTE_STATS(VMM_RETIRE_STAT)
-  VMM_COUNT_STATS(VMM_RETIRE_STAT)
-#undef VMM_RETIRE_STAT
-  for (int a = 0; a < kNumArenas; ++a) {
-#define VMM_RETIRE_ARENA_STAT(name) retire(pool.arena[a].name, out.arena[a].name);
-    VMM_TORCH_STATS(VMM_RETIRE_ARENA_STAT)
-#undef VMM_RETIRE_ARENA_STAT
-  }
+  });
 #define VMM_RETIRE_COUNTER(name, key, what) out.name = pool.name;
   VMM_COUNTERS(VMM_RETIRE_COUNTER)
 #undef VMM_RETIRE_COUNTER
@@ -207,15 +190,7 @@ inline PoolStats RetiredStats(const PoolStats& pool) {
 // pools' peaks (at least the peak of the sum, and equal to it when one pool alone allocated);
 // largest_free_block is the largest of the pools' and fragmentation is derived again.
 inline void AddPoolStats(const PoolStats& pool, PoolStats& total) {
-#define VMM_ADD_STAT(name, key, what) AddStat(pool.name, total.name);
-  VMM_BYTE_STATS(VMM_ADD_STAT)
-  VMM_COUNT_STATS(VMM_ADD_STAT)
-#undef VMM_ADD_STAT
-  for (int a = 0; a < kNumArenas; ++a) {
-#define VMM_ADD_ARENA_STAT(name) AddStat(pool.arena[a].name, total.arena[a].name);
-    VMM_TORCH_STATS(VMM_ADD_ARENA_STAT)
-#undef VMM_ADD_ARENA_STAT
-  }
+  ForEachStatPair(pool, total, AddStat);
 #define VMM_ADD_COUNTER(name, key, what) total.name += pool.name;
   VMM_COUNTERS(VMM_ADD_COUNTER)
 #undef VMM_ADD_COUNTER
