@@ -309,7 +309,8 @@ TEST_F(CApiTest, AGonePrivatePoolsPeaksStayInItsGpusStats) {
 }
 
 // A device number past those the library holds reads as an unused GPU's and resets nothing:
-// as a GPU without vmm's memory, not an error (PyTorch checks the index before asking).
+// as a GPU without vmm's memory, not an error (the PyTorch plugin checks the index against the
+// process's GPUs before asking, as PyTorch's allocator does).
 TEST_F(CApiTest, StatisticsOfADeviceOutOfRangeAreAnUnusedGpus) {
   for (int dev : {-1, -7, INT_MIN, 64, 65, INT_MAX}) {
     SCOPED_TRACE(dev);

@@ -72,6 +72,44 @@ def test_memory_functions_answer_from_vmm():
     assert r["freed_after_reset"] == 0
 
 
+def test_a_device_the_process_does_not_have_is_an_error_as_with_pytorchs_allocator():
+    # torch.cuda passes the index through to the allocator, whose check it is: PyTorch's
+    # raises "Invalid device argument"; vmm read an unused GPU's zeros and kept a fraction for
+    # a GPU that does not exist. The same calls with PyTorch's allocator give the reference.
+    body = """
+        n = torch.cuda.device_count()
+        t = torch.empty(MIB, dtype=torch.uint8, device="cuda")
+        calls = {
+            "memory_stats": lambda d: torch.cuda.memory_stats(d),
+            "memory_allocated": lambda d: torch.cuda.memory_allocated(d),
+            "max_memory_reserved": lambda d: torch.cuda.max_memory_reserved(d),
+            "reset_peak_memory_stats": lambda d: torch.cuda.reset_peak_memory_stats(d),
+            "reset_accumulated_memory_stats": lambda d: torch.cuda.reset_accumulated_memory_stats(d),
+            "set_per_process_memory_fraction": lambda d: torch.cuda.set_per_process_memory_fraction(0.5, d),
+        }
+        if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+            calls["get_per_process_memory_fraction"] = lambda d: torch.cuda.get_per_process_memory_fraction(d)
+        out = {}
+        for name, call in calls.items():
+            for d in (n, n + 3, torch.device("cuda", n)):
+                try:
+                    call(d)
+                    out[f"{name}({d})"] = "returned"
+                except Exception as e:
+                    out[f"{name}({d})"] = type(e).__name__
+        # The GPU the process has still answers, its fraction untouched.
+        out["allocated"] = torch.cuda.memory_allocated(0) >= MIB
+        out["fraction"] = torch.cuda.get_per_process_memory_fraction(0) if hasattr(
+            torch.cuda, "get_per_process_memory_fraction") else 1.0
+        print(json.dumps(out))
+    """
+    native = run(body, enable=False)
+    got = run(body)
+    assert got == native, (got, native)
+    assert got.pop("allocated") is True and got.pop("fraction") == 1.0
+    assert got and "returned" not in got.values(), got
+
+
 def test_empty_tensors_take_no_memory():
     # PyTorch's allocator gives a tensor of no elements a null pointer and counts nothing.
     r = run("""

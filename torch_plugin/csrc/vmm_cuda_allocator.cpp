@@ -219,6 +219,7 @@ class VmmAllocator : public Pluggable {
       if (libvmm.empty_cache(-1) != 0) TORCH_WARN("vmm: empty_cache failed: ", libvmm.last_error());
     };
     memory_fraction_fn_ = [this](double fraction, int device) {
+      CheckDevice(device, "set_per_process_memory_fraction");
       // Under mu_ with the libvmm call, as ApplyConfiguredFraction: the fraction set last is
       // the one both keep.
       std::lock_guard<std::mutex> lock(mu_);
@@ -281,6 +282,7 @@ class VmmAllocator : public Pluggable {
   // --- Statistics ---------------------------------------------------------------------
 
   cda::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    CheckDevice(device, "memory_stats");
     vmm_torch_stats s{};
     CheckOk(libvmm.device_torch_stats(device, &s), "memory_stats");
     cda::DeviceStats out;
@@ -311,6 +313,7 @@ class VmmAllocator : public Pluggable {
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {
+    CheckDevice(device, "reset_peak_memory_stats");
     CheckOk(libvmm.reset_peak_stats(device), "reset_peak_memory_stats");
     for (const auto& pool : ForeignPools(device)) pool->segments->ResetPeaks();
     std::lock_guard<std::mutex> lock(mu_);
@@ -320,6 +323,7 @@ class VmmAllocator : public Pluggable {
   }
 
   void resetAccumulatedStats(c10::DeviceIndex device) override {
+    CheckDevice(device, "reset_accumulated_memory_stats");
     CheckOk(libvmm.reset_accumulated_stats(device), "reset_accumulated_memory_stats");
     for (const auto& pool : ForeignPools(device)) pool->segments->ResetAccumulated();
     std::lock_guard<std::mutex> lock(mu_);
@@ -741,6 +745,7 @@ class VmmAllocator : public Pluggable {
   bool isEnabled() const override { return caching_.load(std::memory_order_relaxed); }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
+    CheckDevice(device, "get_per_process_memory_fraction");
     ApplyConfiguredFraction(device);
     std::lock_guard<std::mutex> lock(mu_);
     auto it = fractions_.find(device);
@@ -774,6 +779,16 @@ class VmmAllocator : public Pluggable {
   }
 
  private:
+  // A device index the program gave (torch.cuda's statistics, resets and memory fraction pass
+  // it through unchecked) must name one of the process's GPUs: PyTorch's allocator raises
+  // "Invalid device argument" for any other, where libvmm would answer for an unused GPU
+  // (its figures zero, a fraction kept for a GPU that does not exist).
+  static void CheckDevice(int device, const char* what) {
+    const int count = c10::cuda::device_count();
+    TORCH_CHECK(device >= 0 && device < count, "Invalid device argument ", device, ": vmm's ",
+                what, " on a process with ", count, count == 1 ? " GPU" : " GPUs");
+  }
+
   // Ends the route of (device, mempool_id), if one is open, and then, with mu_ no longer held,
   // the capture window it opened (vmm_imports_release_closing); whether there was one. Closing
   // the last window runs what was kept back during it (imports closed, pools destroyed: device
