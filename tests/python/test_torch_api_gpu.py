@@ -35,8 +35,11 @@ def run(body, enable=True):
     """Runs `body` in a fresh interpreter (after vmm_torch.enable() if `enable`); returns the
     object it printed last as JSON."""
     code = (PRELUDE if enable else PRELUDE.replace("vmm_torch.enable()", "")) + textwrap.dedent(body)
+    env = dict(os.environ)
+    if not enable:
+        env.pop("VMM_TORCH_ENABLE", None)  # PyTorch's allocator, not vmm's through the variable
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=TIMEOUT, env=dict(os.environ))
+                          timeout=TIMEOUT, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -74,8 +77,9 @@ def test_memory_functions_answer_from_vmm():
 
 def test_a_device_the_process_does_not_have_is_an_error_as_with_pytorchs_allocator():
     # torch.cuda passes the index through to the allocator, whose check it is: PyTorch's
-    # raises "Invalid device argument"; vmm read an unused GPU's zeros and kept a fraction for
-    # a GPU that does not exist. The same calls with PyTorch's allocator give the reference.
+    # raises "Invalid device argument"; vmm read an unused GPU's zeros, kept a fraction for a
+    # GPU that does not exist and refused use_mem_pool with a ValueError. The same calls with
+    # PyTorch's allocator give the reference.
     body = """
         n = torch.cuda.device_count()
         t = torch.empty(MIB, dtype=torch.uint8, device="cuda")
@@ -89,14 +93,24 @@ def test_a_device_the_process_does_not_have_is_an_error_as_with_pytorchs_allocat
         }
         if hasattr(torch.cuda, "get_per_process_memory_fraction"):
             calls["get_per_process_memory_fraction"] = lambda d: torch.cuda.get_per_process_memory_fraction(d)
+        if hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
+            pool = torch.cuda.MemPool()
+            def in_pool(d):
+                with torch.cuda.use_mem_pool(pool, device=d):
+                    torch.empty(MIB, dtype=torch.uint8, device="cuda")
+            calls["use_mem_pool"] = in_pool
         out = {}
+        messages = set()
         for name, call in calls.items():
-            for d in (n, n + 3, torch.device("cuda", n)):
+            for d in (n, n + 3, -1, torch.device("cuda", n)):
                 try:
                     call(d)
                     out[f"{name}({d})"] = "returned"
                 except Exception as e:
                     out[f"{name}({d})"] = type(e).__name__
+                    messages.add("Invalid device argument" in str(e))
+        out["messages"] = sorted(messages)
+        out["hooks"] = list(vmm_torch.enabled_hooks())
         # The GPU the process has still answers, its fraction untouched.
         out["allocated"] = torch.cuda.memory_allocated(0) >= MIB
         out["fraction"] = torch.cuda.get_per_process_memory_fraction(0) if hasattr(
@@ -105,6 +119,9 @@ def test_a_device_the_process_does_not_have_is_an_error_as_with_pytorchs_allocat
     """
     native = run(body, enable=False)
     got = run(body)
+    assert got.pop("hooks") == ["vmm_cuda_allocator"] and native.pop("hooks") == []
+    native.pop("messages")  # PyTorch words some of these otherwise ("Allocator not initialized")
+    assert True in got.pop("messages")  # vmm's own check says what PyTorch's mostly says
     assert got == native, (got, native)
     assert got.pop("allocated") is True and got.pop("fraction") == 1.0
     assert got and "returned" not in got.values(), got

@@ -432,6 +432,7 @@ class VmmAllocator : public Pluggable {
   // (vmm_imports_hold_closing waits for a close already running).
   void beginAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                            std::function<bool(cudaStream_t)> filter) override {
+    CheckDevice(device, "use_mem_pool");
     // A MemPool over another allocator keeps being served by it; any other pool is vmm's.
     std::shared_ptr<ForeignPool> foreign = UseForeignPool(device, mempool_id, nullptr);
     const int64_t pool = foreign != nullptr ? -1 : UsePool(device, mempool_id, nullptr);
@@ -449,6 +450,7 @@ class VmmAllocator : public Pluggable {
   }
 
   void endAllocateToPool(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    CheckDevice(device, "use_mem_pool");
     TORCH_CHECK(EndRoute(device, mempool_id), "vmm: endAllocateToPool: not allocating to pool (",
                 mempool_id.first, ", ", mempool_id.second, ")");
   }
@@ -473,6 +475,7 @@ class VmmAllocator : public Pluggable {
   }
 
   int getPoolUseCount(c10::DeviceIndex device, MempoolId_t mempool_id) override {
+    CheckDevice(device, "MemPool.use_count");
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = foreign_.find({device, mempool_id});
@@ -485,6 +488,7 @@ class VmmAllocator : public Pluggable {
   // another allocator (a CUDAPluggableAllocator), that allocator's segments serve it.
   void createOrIncrefPool(c10::DeviceIndex device, MempoolId_t mempool_id,
                           std::shared_ptr<cca::CUDAAllocator> allocator) override {
+    CheckDevice(device, "MemPool");
     auto* mine = dynamic_cast<VmmAllocator*>(allocator.get());
     if (allocator != nullptr && mine == nullptr) {
       UseForeignPool(device, mempool_id, std::move(allocator));
@@ -495,6 +499,7 @@ class VmmAllocator : public Pluggable {
   }
 
   void setUseOnOOM(c10::DeviceIndex device, MempoolId_t mempool_id, bool use_on_oom) override {
+    CheckDevice(device, "MemPool use_on_oom");
     std::lock_guard<std::mutex> lock(mu_);
     if (auto f = foreign_.find({device, mempool_id}); f != foreign_.end()) {
       f->second->use_on_oom = use_on_oom;
@@ -779,10 +784,12 @@ class VmmAllocator : public Pluggable {
   }
 
  private:
-  // A device index the program gave (torch.cuda's statistics, resets and memory fraction pass
-  // it through unchecked) must name one of the process's GPUs: PyTorch's allocator raises
-  // "Invalid device argument" for any other, where libvmm would answer for an unused GPU
-  // (its figures zero, a fraction kept for a GPU that does not exist).
+  // A device index the program gave (torch.cuda's statistics, resets, memory fraction and
+  // use_mem_pool pass it through unchecked) must name one of the process's GPUs: PyTorch's
+  // allocator raises "Invalid device argument" (RuntimeError) for any other, where libvmm
+  // would answer for an unused GPU (its figures zero, a fraction kept for a GPU that does not
+  // exist) or refuse a private pool with a ValueError. releasePool is left to libvmm (it
+  // follows a use that was checked, and may run in a destructor).
   static void CheckDevice(int device, const char* what) {
     const int count = c10::cuda::device_count();
     TORCH_CHECK(device >= 0 && device < count, "Invalid device argument ", device, ": vmm's ",

@@ -108,7 +108,7 @@ def in_process(errors):
         while collector.is_alive() or rounds < 20:
             a = torch.full((SIZES[rounds % len(SIZES)],), 3.0, device="cuda")
             b = a * 2
-            if float(b.sum().item()) != 6.0 * a.numel():
+            if float(b.sum(dtype=torch.float64).item()) != 6.0 * a.numel():
                 errors.append(f"main thread, round {rounds}: a wrong sum while the collector ran")
             del a, b
             rounds += 1
@@ -191,7 +191,7 @@ def at_exit():
     n = gc.collect()
     t = torch.empty(16 << 20, device="cuda")
     t.fill_(3.0)
-    ok = float(t.sum().item()) == 3.0 * (16 << 20)
+    ok = float(t.sum(dtype=torch.float64).item()) == 3.0 * (16 << 20)
     del t
     torch.cuda.memory_stats()
     torch.cuda.empty_cache()

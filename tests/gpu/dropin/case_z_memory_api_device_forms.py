@@ -164,7 +164,7 @@ def main():
         errors.append(f"get_per_process_memory_fraction(0) is {getter(0)} after a fraction "
                       f"was set for device {bad} (none was set for device 0)")
     t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
-    if float(t.sum().item()) != float((1 << 20) * ((1 << 20) - 1) // 2):
+    if float(t.sum(dtype=torch.float64).item()) != float((1 << 20) * ((1 << 20) - 1) // 2):
         errors.append("a tensor made afterwards sums wrong")
     if any(float(k.min().item()) != 1.0 or float(k.max().item()) != 1.0 for k in keep):
         errors.append("a tensor made before lost its value")

@@ -66,6 +66,17 @@ def check_received(who, got, rank, errs):
                         f"dtype {g.dtype})")
 
 
+def get_within(queue, seconds, what):
+    """SimpleQueue.get with a deadline (it has none): a peer that failed before its put must
+    not hold the program past the runner's limit."""
+    deadline = time.monotonic() + seconds
+    while queue.empty():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"nothing came from {what} in {seconds} s")
+        time.sleep(0.02)
+    return queue.get()
+
+
 def worker(rank, inboxes, to_parent, reports, go_exit):
     errs = []
     try:
@@ -97,7 +108,7 @@ def worker(rank, inboxes, to_parent, reports, go_exit):
         # may come back meanwhile: vmm frees a sent block once its receivers acknowledge it
         # (here they may while this rank waits), PyTorch's allocator at a later ipc_collect().
         before = torch.cuda.memory_allocated()
-        sender, got = inboxes[rank].get()
+        sender, got = get_within(inboxes[rank], 25, f"rank {1 - rank}")
         if torch.cuda.memory_allocated() > before:
             errs.append(f"rank {rank}: receiving rank {sender}'s tensors raised its own "
                         f"memory_allocated() by {torch.cuda.memory_allocated() - before}")
@@ -106,7 +117,7 @@ def worker(rank, inboxes, to_parent, reports, go_exit):
         torch.cuda.synchronize()
         reports.put(("released", rank, errs))
         errs = []
-        if not go_exit.wait(60):
+        if not go_exit.wait(30):
             errs.append(f"rank {rank}: the parent never said everything was dropped")
         else:
             error = memory_back_error(base, "peer and the parent")
@@ -132,10 +143,24 @@ def main():
     torch.cuda.synchronize()
     pc = mp.spawn(worker, args=(inboxes, to_parent, reports, go_exit), nprocs=2, join=False)
 
+    try:
+        main_steps(pc, to_parent, reports, go_exit, errors)
+    finally:
+        for p in pc.processes:  # a worker still blocked must not outlive the program
+            if p.is_alive():
+                p.terminate()
+    report(errors)
+
+
+def main_steps(pc, to_parent, reports, go_exit, errors):
     held = []
     before = torch.cuda.memory_allocated()
     for _ in range(2):
-        rank, ts = to_parent.get()
+        try:
+            rank, ts = get_within(to_parent, 25, "the workers")
+        except TimeoutError as e:
+            errors.append(str(e))
+            return
         held.append((rank, ts))
     if torch.cuda.memory_allocated() != before:
         errors.append(f"the parent's memory_allocated() changed by "
@@ -143,7 +168,7 @@ def main():
     for rank, ts in held:
         check_received("the parent", ts, rank, errors)
     released, finished = set(), set()
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 20
     while len(released) < 2 and time.monotonic() < deadline:
         kind, rank, errs = reports.get(timeout=max(1.0, deadline - time.monotonic()))
         errors += errs
@@ -155,19 +180,19 @@ def main():
     torch.cuda.synchronize()
     go_exit.set()
     while len(finished) < 2:
-        kind, rank, errs = reports.get(timeout=90)
+        kind, rank, errs = reports.get(timeout=20)
         errors += errs
         if kind == "done":
             finished.add(rank)
     try:
-        while not pc.join(60):
+        deadline = time.monotonic() + 20
+        while not pc.join(5) and time.monotonic() < deadline:
             pass
     except Exception as e:  # noqa: BLE001
         errors.append(f"spawn's join raised {type(e).__name__}: {str(e)[:300]}")
     codes = [p.exitcode for p in pc.processes]
     if codes != [0, 0]:
         errors.append(f"the workers' exit codes are {codes}")
-    report(errors)
 
 
 if __name__ == "__main__":
