@@ -166,8 +166,11 @@ def test_parameters_and_requires_grad(pool):
     leaf = pool.zeros((4,)).requires_grad_()
     again = round_trip(leaf)
     assert type(again) is torch.Tensor and again.requires_grad and again.is_leaf
-    with pytest.raises(RuntimeError, match="non-leaf"):
+    with pytest.raises(RuntimeError) as error:
         ForkingPickler.dumps(leaf * 2)
+    # PyTorch's reducer's words, which programs match.
+    assert str(error.value).startswith(
+        "Cowardly refusing to serialize non-leaf tensor which requires_grad")
 
 
 def test_conjugate_and_negative_views_arrive_with_their_values(pool):

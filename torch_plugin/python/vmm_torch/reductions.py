@@ -103,8 +103,15 @@ def _torch_reduce_tensor(tensor: torch.Tensor) -> Reduction:
     return reductions.reduce_tensor(tensor)
 
 
-def _non_leaf_error() -> RuntimeError:
-    return RuntimeError(
+def _non_leaf_error(tensor: torch.Tensor) -> RuntimeError:
+    """The error PyTorch's reducer raises for a non-leaf tensor that requires grad, word for
+    word from the torch installed (programs match its text: RL collectors, trainers that fall
+    back to detach()), taken from that reducer, which checks this before it touches memory."""
+    try:
+        _torch_reduce_tensor(tensor)
+    except RuntimeError as e:
+        return e
+    return RuntimeError(  # a torch whose reducer does not refuse it: vmm's own words
         "cannot send a non-leaf tensor that requires grad to another process (autograd "
         "graphs do not cross processes); send tensor.detach() instead")
 
@@ -168,7 +175,7 @@ def _reduce(tensor: torch.Tensor,
         return fallback(tensor)
     requires_grad = tensor.requires_grad
     if requires_grad and not tensor.is_leaf:
-        raise _non_leaf_error()
+        raise _non_leaf_error(tensor)
     if kind == SEND_RELOCATE and in_feeder:
         # A pool that isolates sends. Moving it here would race with its owner, who may still
         # write to it (put returned). Queue.put prepares every tensor pickle reaches, so only
@@ -527,7 +534,7 @@ def _prepare_tensor(tensor: torch.Tensor) -> bool:
         base = sharing.storage_address(tensor)
         kind = sharing.send_kind_marked(base)
     if kind == _NON_LEAF:
-        raise _non_leaf_error()
+        raise _non_leaf_error(tensor)
     if kind == SEND_NOT_VMM:
         return False
     if kind == SEND_NOT_EXPORTABLE:
