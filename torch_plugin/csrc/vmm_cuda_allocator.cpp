@@ -220,6 +220,10 @@ class VmmAllocator : public Pluggable {
     };
     memory_fraction_fn_ = [this](double fraction, int device) {
       CheckDevice(device, "set_per_process_memory_fraction");
+      // RuntimeError, as PyTorch's allocator refuses it (torch.cuda's own check lets NaN by;
+      // libvmm's refusal would be a ValueError).
+      TORCH_CHECK(fraction >= 0 && fraction <= 1, "vmm: invalid memory fraction ", fraction,
+                  ": set_per_process_memory_fraction takes one within [0, 1]");
       // Under mu_ with the libvmm call, as ApplyConfiguredFraction: the fraction set last is
       // the one both keep.
       std::lock_guard<std::mutex> lock(mu_);
