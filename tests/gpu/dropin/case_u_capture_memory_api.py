@@ -20,15 +20,10 @@ CUDAPluggableAllocator's bookkeeping and vmm's capture routes); a call that sync
 device, or that vmm defers or accepts where PyTorch's allocator refuses, changes the
 outcome.
 """
-import json
-import os
-import subprocess
-import sys
 
-from dropin_report import report
+from outcome_compare import groups_against_native, outcome
 
 MIB = 1 << 20
-PHRASES = ["out of memory"]
 GROUPS = [
     ["empty_cache"],
     ["mem_get_info"],
@@ -110,122 +105,5 @@ def probe(names):
     return res
 
 
-# --- the comparison harness (the same in every case_u_* program) -----------------------------
-
-
-def outcome(fn):
-    """What fn() did: {"kind": "returned", "value": ...} (the value as fn summarised it) or
-    {"kind": "raised", "type": ..., "phrases": [...], "text": ...}."""
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001  (what is raised is the outcome)
-        try:
-            text = str(e)
-        except Exception:  # noqa: BLE001
-            text = ""
-        lines = text.strip().splitlines()
-        low = text.lower()
-        return {"kind": "raised", "type": type(e).__name__,
-                "phrases": [p for p in PHRASES if p in low],
-                "text": lines[0][:200] if lines else ""}
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        value = f"<{type(value).__name__}>"
-    return {"kind": "returned", "value": value}
-
-
-def same(a, b):
-    """Whether two outcomes agree in what programs see: returned (and the value) or raised (the
-    exception's type and the key phrases of its message)."""
-    if a is None or b is None or a["kind"] != b["kind"]:
-        return False
-    if a["kind"] == "returned":  # as JSON: a tuple is a list, nan equals nan
-        return json.dumps(a["value"], sort_keys=True) == json.dumps(b["value"], sort_keys=True)
-    return a["type"] == b["type"] and a["phrases"] == b["phrases"]
-
-
-def show(o):
-    if o is None:
-        return "(missing)"
-    if o["kind"] == "returned":
-        return f"returned {o['value']!r}"
-    return f"raised {o['type']} {o['phrases']} {o['text']!r}"
-
-
-def child_env():
-    """This program's environment without VMM_TORCH_ENABLE: PyTorch's own allocator (the
-    runner's sitecustomize only adds vmm_torch's folder; vmm is enabled by that variable)."""
-    return {k: v for k, v in os.environ.items() if k != "VMM_TORCH_ENABLE"}
-
-
-def start_probe(args, env):
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--probe"] + args,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish_probe(proc, label, errors, timeout=50):
-    """The outcomes a probe process printed (a list of [name, outcome]), or None."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        errors.append(f"{label}: the probe process hung")
-        return None
-    lines = [line for line in out.splitlines() if line.startswith("OUTCOMES ")]
-    if proc.returncode != 0 or not lines:
-        tail = " | ".join(err.strip().splitlines()[-5:])
-        errors.append(f"{label}: the probe process exited {proc.returncode} without outcomes: "
-                      f"{tail}")
-        return None
-    return json.loads(lines[-1][len("OUTCOMES "):])
-
-
-def compare(native, mine, errors, skip=()):
-    """Prints the table native | this process and adds each disagreement to `errors`."""
-    theirs = dict((name, o) for name, o in native)
-    ours = dict((name, o) for name, o in mine)
-    names = [name for name, _ in native] + [n for n, _ in mine if n not in theirs]
-    mode = "vmm" if os.environ.get("VMM_TORCH_ENABLE") else "native"
-    print(f"{'probe':44s} | PyTorch's allocator (child) | this process ({mode})")
-    for name in names:
-        a, b = theirs.get(name), ours.get(name)
-        flag = "  " if same(a, b) else "!="
-        print(f"{flag} {name:41s} | {show(a)} | {show(b)}")
-        if name in skip:
-            continue
-        if not same(a, b):
-            errors.append(f"{name}: PyTorch's allocator {show(a)}; here {show(b)}")
-
-
-def emit(results):
-    print("OUTCOMES " + json.dumps(results))
-
-
-def main():
-    if "--probe" in sys.argv:
-        names = sys.argv[sys.argv.index("--probe") + 1:]
-        emit(probe(names))
-        return
-    errors = []
-    runs = [(group, start_probe(group, child_env()), start_probe(group, dict(os.environ)))
-            for group in GROUPS]
-    native, mine = [], []
-    for group, theirs, ours in runs:
-        a = finish_probe(theirs, f"{group[0]}... with PyTorch's allocator", errors)
-        b = finish_probe(ours, f"{group[0]}... in this program's environment", errors)
-        if a is not None and b is not None:
-            native += a
-            mine += b
-            backend = dict(a).get("_backend", {}).get("value")
-            if backend != "native":
-                errors.append(f"the process meant to run PyTorch's allocator has backend "
-                              f"{backend!r}")
-    compare([o for o in native if o[0] != "_backend"], [o for o in mine if o[0] != "_backend"],
-            errors)
-    report(errors)
-
-
 if __name__ == "__main__":
-    main()
+    groups_against_native(GROUPS, probe)

@@ -19,18 +19,13 @@ handle for storages (a null storage has no vmm block), and answers record_stream
 it does not own.
 """
 import gc
-import json
-import os
-import subprocess
-import sys
 import warnings
 
 from multiprocessing.reduction import ForkingPickler
 
-from dropin_report import report
+from outcome_compare import a_tensor_works, against_native, outcome
 
 MIB = 1 << 20
-PHRASES = ["out of memory"]
 
 
 def kind(p):
@@ -132,123 +127,9 @@ def probes():
         return steps
     rec("empty(0).resize_(10) then resize_(0): data_ptr, nbytes", tensor_resizes)
 
-    def works():
-        gc.collect()
-        torch.cuda.synchronize()
-        t = torch.full((MIB,), 3.0, device="cuda")
-        return float(t.sum(dtype=torch.float64).item())
-    rec("a tensor at the end", works)
+    rec("a tensor at the end", a_tensor_works)
     return res
 
 
-# --- the comparison harness (the same in every case_u_* program) -----------------------------
-
-
-def outcome(fn):
-    """What fn() did: {"kind": "returned", "value": ...} (the value as fn summarised it) or
-    {"kind": "raised", "type": ..., "phrases": [...], "text": ...}."""
-    try:
-        value = fn()
-    except Exception as e:  # noqa: BLE001  (what is raised is the outcome)
-        try:
-            text = str(e)
-        except Exception:  # noqa: BLE001
-            text = ""
-        lines = text.strip().splitlines()
-        low = text.lower()
-        return {"kind": "raised", "type": type(e).__name__,
-                "phrases": [p for p in PHRASES if p in low],
-                "text": lines[0][:200] if lines else ""}
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        value = f"<{type(value).__name__}>"
-    return {"kind": "returned", "value": value}
-
-
-def same(a, b):
-    """Whether two outcomes agree in what programs see: returned (and the value) or raised (the
-    exception's type and the key phrases of its message)."""
-    if a is None or b is None or a["kind"] != b["kind"]:
-        return False
-    if a["kind"] == "returned":  # as JSON: a tuple is a list, nan equals nan
-        return json.dumps(a["value"], sort_keys=True) == json.dumps(b["value"], sort_keys=True)
-    return a["type"] == b["type"] and a["phrases"] == b["phrases"]
-
-
-def show(o):
-    if o is None:
-        return "(missing)"
-    if o["kind"] == "returned":
-        return f"returned {o['value']!r}"
-    return f"raised {o['type']} {o['phrases']} {o['text']!r}"
-
-
-def child_env():
-    """This program's environment without VMM_TORCH_ENABLE: PyTorch's own allocator (the
-    runner's sitecustomize only adds vmm_torch's folder; vmm is enabled by that variable)."""
-    return {k: v for k, v in os.environ.items() if k != "VMM_TORCH_ENABLE"}
-
-
-def start_probe(args, env):
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--probe"] + args,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish_probe(proc, label, errors, timeout=50):
-    """The outcomes a probe process printed (a list of [name, outcome]), or None."""
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        errors.append(f"{label}: the probe process hung")
-        return None
-    lines = [line for line in out.splitlines() if line.startswith("OUTCOMES ")]
-    if proc.returncode != 0 or not lines:
-        tail = " | ".join(err.strip().splitlines()[-5:])
-        errors.append(f"{label}: the probe process exited {proc.returncode} without outcomes: "
-                      f"{tail}")
-        return None
-    return json.loads(lines[-1][len("OUTCOMES "):])
-
-
-def compare(native, mine, errors, skip=()):
-    """Prints the table native | this process and adds each disagreement to `errors`."""
-    theirs = dict((name, o) for name, o in native)
-    ours = dict((name, o) for name, o in mine)
-    names = [name for name, _ in native] + [n for n, _ in mine if n not in theirs]
-    mode = "vmm" if os.environ.get("VMM_TORCH_ENABLE") else "native"
-    print(f"{'probe':44s} | PyTorch's allocator (child) | this process ({mode})")
-    for name in names:
-        a, b = theirs.get(name), ours.get(name)
-        flag = "  " if same(a, b) else "!="
-        print(f"{flag} {name:41s} | {show(a)} | {show(b)}")
-        if name in skip:
-            continue
-        if not same(a, b):
-            errors.append(f"{name}: PyTorch's allocator {show(a)}; here {show(b)}")
-
-
-def emit(results):
-    print("OUTCOMES " + json.dumps(results))
-
-
-def main():
-    if "--probe" in sys.argv:
-        emit(probes())
-        return
-    errors = []
-    child = start_probe([], child_env())
-    mine = probes()
-    native = finish_probe(child, "PyTorch's allocator", errors)
-    if native is not None:
-        backend = dict(native).get("_backend", {}).get("value")
-        if backend != "native":
-            errors.append(f"the child meant to run PyTorch's allocator has backend {backend!r}")
-        compare(native, mine, errors, skip=("_backend",))
-    report(errors)
-
-
 if __name__ == "__main__":
-    main()
+    against_native(probes)
