@@ -3,9 +3,10 @@ that applies an allocator configuration string again after start-up (a launcher'
 handed down, a trainer's flag): with PyTorch's allocator in place, naming its own backend is
 accepted and changes nothing (run EV: returned None, and tensors made afterwards are right).
 
-Why vmm differs (known gap, docs/DESIGN.md §2g "A backend named at run time"): PyTorch's
+Why vmm may differ (docs/DESIGN.md §2g, "A backend named at run time"): PyTorch's
 configuration parser requires a backend named at run time to be the allocator in place, and
-vmm's is named "vmm", so the parser's internal assertion raises RuntimeError.
+vmm's is named "vmm", so the parser's internal assertion raised RuntimeError (run EV);
+vmm_torch now leaves the start-up backend's item out before PyTorch parses the string.
 """
 import warnings
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from . import _cuda, _lib, _registry, _signatures
+from . import _cuda, _lib, _registry, _settings, _signatures
 from ._devices import bad_device, parse_device
 from ._files import PathArg, write_file
 from ._options import format_options
@@ -214,12 +214,14 @@ def _enable_text(text: str, implicit: bool) -> None:
         if full is not None:
             # vmm's own CUDAAllocator: statistics, snapshots, graph pools, OOM observers.
             full.install()
+            _settings.install()  # a backend named at run time: the start-up one goes through
             _enabled = _Enabled(text, None, (FULL_ALLOCATOR,), implicit)
             return
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(
             libs.extension_path, "vmm_torch_malloc", "vmm_torch_free")
         hooks = _set_hooks(pluggable, libs.extension_path)
         torch.cuda.memory.change_current_allocator(pluggable)
+        _settings.install()
         _enabled = _Enabled(text, pluggable, hooks, implicit)
 
 
