@@ -1,6 +1,6 @@
 """vmm_torch._settings: allocator settings given at run time while vmm is PyTorch's CUDA
-allocator (a backend item naming the start-up backend is left out; everything else goes to
-PyTorch as given)."""
+allocator (a backend item naming the allocator that was in place is left out; everything
+else goes to PyTorch as given)."""
 
 import pytest
 import torch
@@ -12,9 +12,9 @@ from vmm_torch import _settings
     ("", [""]),
     ("backend:native", ["backend:native"]),
     ("a:1,b:2", ["a:1", "b:2"]),
+    ("a:1,,b:2", ["a:1", "", "b:2"]),
     ("roundup_power2_divisions:[256:1,512:2,>:1],backend:native",
      ["roundup_power2_divisions:[256:1,512:2,>:1]", "backend:native"]),
-    ("x:[1,[2,3]],y:4", ["x:[1,[2,3]]", "y:4"]),
 ])
 def test_items_split_at_commas_outside_brackets(text, items):
     assert _settings.split_items(text) == items
@@ -24,30 +24,37 @@ def test_items_split_at_commas_outside_brackets(text, items):
     ({}, "native"),
     ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "native"),
     ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "cudaMallocAsync"),
-    ({"PYTORCH_ALLOC_CONF": " backend : native ,max_split_size_mb:64"}, "native"),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:", "PYTORCH_ALLOC_CONF": ""}, "native"),
+    ({"PYTORCH_ALLOC_CONF": " back end : cudaMallocAsync ,max_split_size_mb:64"},
+     "cudaMallocAsync"),
+    # PYTORCH_ALLOC_CONF, set at all, is the one read (torch 2.9+).
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync",
+      "PYTORCH_ALLOC_CONF": "expandable_segments:True"}, "native"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "PYTORCH_ALLOC_CONF": ""}, "native"),
 ])
-def test_the_startup_backend_is_what_the_variables_name(environ, backend):
-    assert _settings.startup_backend(environ) == backend
+def test_the_variables_name_the_startup_backend_as_pytorch_reads_them(environ, backend):
+    assert _settings.startup_backend_from(environ) == backend
 
 
 @pytest.mark.parametrize("text, left", [
-    ("backend:native", None),
-    (" backend : native ", None),
+    ("backend:native", ""),
+    (" back end : native ", ""),
     ("backend:native,expandable_segments:False", "expandable_segments:False"),
     ("expandable_segments:False,backend:native", "expandable_segments:False"),
     ("roundup_power2_divisions:[256:1,512:2],backend:native",
      "roundup_power2_divisions:[256:1,512:2]"),
+    # An empty item stays (PyTorch refuses it with either allocator).
+    ("backend:native,,expandable_segments:True", ",expandable_segments:True"),
     # Unchanged: no such item, another backend (PyTorch refuses it with either allocator),
     # malformed text (PyTorch says what is wrong with it).
     ("expandable_segments:False", "expandable_segments:False"),
     ("backend:cudaMallocAsync", "backend:cudaMallocAsync"),
+    ("Backend:native", "Backend:native"),
     ("", ""),
     ("garbage", "garbage"),
     ("backend_x:native", "backend_x:native"),
 ])
 def test_only_the_startup_backend_is_left_out(text, left):
-    assert _settings.without_startup_backend(text, "native") == left
+    assert _settings.without_backend(text, "native") == left
 
 
 def test_the_wrapper_passes_the_rest_and_returns_what_pytorch_returns():
@@ -58,11 +65,12 @@ def test_the_wrapper_passes_the_rest_and_returns_what_pytorch_returns():
         return "result"
 
     wrapped = _settings.wrap(setter, "native")
-    assert wrapped("backend:native") is None and calls == []
+    assert wrapped("backend:native") == "result"  # parsed as "": what a parse resets, resets
     assert wrapped("backend:native,garbage_collection_threshold:0.5") == "result"
     assert wrapped("backend:cudaMallocAsync") == "result"
-    assert calls == ["garbage_collection_threshold:0.5", "backend:cudaMallocAsync"]
-    assert wrapped.__wrapped__ is setter
+    assert wrapped(None) == "result"  # not a string: PyTorch says what is wrong
+    assert calls == ["", "garbage_collection_threshold:0.5", "backend:cudaMallocAsync", None]
+    assert wrapped.__wrapped__ is setter and wrapped.__name__ == setter.__name__
 
     def failing(env):
         raise RuntimeError(f"refused {env}")
@@ -71,22 +79,47 @@ def test_the_wrapper_passes_the_rest_and_returns_what_pytorch_returns():
         _settings.wrap(failing, "native")("bogus:1,backend:native")
 
 
-def test_install_wraps_the_function_where_torch_holds_it_once(monkeypatch):
-    import torch.cuda.memory as memory
-
+def test_install_wraps_torchs_setters_once_so_the_python_function_finds_them(monkeypatch):
     calls = []
 
     def setter(env):
         calls.append(env)
 
-    monkeypatch.setattr(memory, "_set_allocator_settings", setter, raising=False)
-    monkeypatch.setattr(torch.cuda, "_set_allocator_settings", setter, raising=False)
+    for name in _settings.SETTERS:
+        monkeypatch.setattr(torch._C, name, setter, raising=False)
     monkeypatch.setattr(_settings, "_installed", False)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    _settings.install("native")
+    _settings.install("cudaMallocAsync")  # once: the first allocator is the one in place
+    for name in _settings.SETTERS:
+        assert getattr(torch._C, name).__wrapped__ is setter
+        getattr(torch._C, name)("backend:native,expandable_segments:False")
+    assert calls == ["expandable_segments:False"] * len(_settings.SETTERS)
+    # What a program bound before enable() calls: torch.cuda.memory's function looks the
+    # setter up in torch._C at each call (a stand-in of it here).
+    def set_allocator_settings(env):
+        return torch._C._accelerator_setAllocatorSettings(env)
+
+    set_allocator_settings("backend:native")
+    assert calls[-1] == ""
+
+
+def test_install_leaves_a_torch_without_setters_alone(monkeypatch):
+    for name in _settings.SETTERS:
+        monkeypatch.delattr(torch._C, name, raising=False)
+    monkeypatch.setattr(_settings, "_installed", False)
+    _settings.install("native")
+    assert all(not hasattr(torch._C, name) for name in _settings.SETTERS)
+
+
+def test_the_startup_backend_is_the_allocator_in_place(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync",
+                        raising=False)
+    assert _settings.startup_backend() == "cudaMallocAsync"
+
+    def unavailable():
+        raise RuntimeError("no CUDA")
+
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", unavailable, raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    _settings.install()
-    _settings.install()  # once
-    assert memory._set_allocator_settings.__wrapped__ is setter
-    assert torch.cuda._set_allocator_settings is memory._set_allocator_settings
-    memory._set_allocator_settings("backend:native,expandable_segments:False")
-    assert calls == ["expandable_segments:False"]
+    assert _settings.startup_backend() == "cudaMallocAsync"

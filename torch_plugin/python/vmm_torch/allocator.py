@@ -210,18 +210,19 @@ def _enable_text(text: str, implicit: bool) -> None:
         _check_can_enable()
         if refusal is not None:
             raise refusal
+        # A backend named at run time: the allocator in place now is what programs may name
+        # (_settings), read before vmm takes its place.
+        _settings.install(_settings.startup_backend())
         full = _cuda.module(libs)
         if full is not None:
             # vmm's own CUDAAllocator: statistics, snapshots, graph pools, OOM observers.
             full.install()
-            _settings.install()  # a backend named at run time: the start-up one goes through
             _enabled = _Enabled(text, None, (FULL_ALLOCATOR,), implicit)
             return
         pluggable = torch.cuda.memory.CUDAPluggableAllocator(
             libs.extension_path, "vmm_torch_malloc", "vmm_torch_free")
         hooks = _set_hooks(pluggable, libs.extension_path)
         torch.cuda.memory.change_current_allocator(pluggable)
-        _settings.install()
         _enabled = _Enabled(text, pluggable, hooks, implicit)
 
 
