@@ -31,6 +31,7 @@ LAYERS = {
     "_pickles": 0,     # loading untrusted pickles of builtins (memory snapshots)
     "_cuda": 0,        # vmm's own CUDA allocator module, where built
     "_streams": 0,     # the stream of an allocation as pools take it (foreign mark)
+    "_settings": 0,    # PyTorch's allocator settings at run time (a backend named)
     "stats": 1,        # the dump reader (no libraries; writes with _files)
     "_lib": 1,         # loading, errors by code, call helpers
     "descriptors": 2,
