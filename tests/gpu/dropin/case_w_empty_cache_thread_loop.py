@@ -8,7 +8,7 @@ allocates the same sizes again (1 MiB to 192 MiB) and overwrites them.
 
 With PyTorch's allocator empty_cache() takes the allocator's lock, waits for the events of
 blocks freed under record_stream, and releases free segments with cudaFree, which waits for
-the device's queued work; so every queued kernel and copy reads what was written before the
+the GPU's queued work; so every queued kernel and copy reads what was written before the
 free: each result equals 2 * v + 1, each side-stream result v + 3, each host copy v, for
 every iteration, however the two threads interleave; nothing raises, and the other thread's
 memory_stats() and mem_get_info() calls return.

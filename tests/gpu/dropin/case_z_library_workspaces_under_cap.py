@@ -26,7 +26,7 @@ here has a plan or algorithm whose workspace fits in the 256 MiB (implicit-GEMM 
 needs none) and that the outputs themselves (at most 25 MiB each) fit beside it.
 
 Why vmm may differ: vmm enforces the fraction with its own cap (device_cap.h) and answers
-cacheInfo itself (the smaller of the device's free memory and what the cap leaves, or its
+cacheInfo itself (the smaller of the GPU's free memory and what the cap leaves, or its
 largest cached block): the workspace requests of cuDNN's search must fail with
 c10::OutOfMemoryError (a different c10::Error is not caught and fails the convolution), a
 failed request must leave nothing behind, and the cap's accounting (chunks mapped, not
