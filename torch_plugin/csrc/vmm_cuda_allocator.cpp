@@ -102,14 +102,16 @@ void RequireBound() {
   TORCH_CHECK(libvmm.alloc != nullptr, "vmm: call vmm_torch._cuda_allocator.bind first");
 }
 
-// Throws what libvmm's last failure says: c10::OutOfMemoryError for VMM_RESOURCE_EXHAUSTED,
-// c10::ValueError for VMM_INVALID_ARGUMENT, else c10::Error.
+// Throws what libvmm's last failure says, as PyTorch's allocator raises through the same
+// entry points: c10::OutOfMemoryError for VMM_RESOURCE_EXHAUSTED, else c10::Error
+// (RuntimeError), bad arguments included. PyTorch's allocator raises RuntimeError for a handle
+// it cannot open, a pool or pointer it does not know, and a program catches that; vmm's own
+// API (vmm_ops.cpp) raises ValueError for bad arguments, this interface does not.
 [[noreturn]] void ThrowLastError(const std::string& what) {
   const int code = libvmm.last_error_code();
   const std::string message = libvmm.last_error();
   TORCH_CHECK_WITH(OutOfMemoryError, code != VMM_RESOURCE_EXHAUSTED,
                    "CUDA out of memory. vmm: ", what, ": ", message);
-  TORCH_CHECK_VALUE(code != VMM_INVALID_ARGUMENT, "vmm: ", what, ": ", message);
   TORCH_CHECK(false, "vmm: ", what, ": ", message);
 }
 
@@ -220,8 +222,8 @@ class VmmAllocator : public Pluggable {
     };
     memory_fraction_fn_ = [this](double fraction, int device) {
       CheckDevice(device, "set_per_process_memory_fraction");
-      // RuntimeError, as PyTorch's allocator refuses it (torch.cuda's own check lets NaN by;
-      // libvmm's refusal would be a ValueError).
+      // RuntimeError, as PyTorch's allocator refuses it (torch.cuda's own check lets NaN by);
+      // checked here so that the message names the range.
       TORCH_CHECK(fraction >= 0 && fraction <= 1, "vmm: invalid memory fraction ", fraction,
                   ": set_per_process_memory_fraction takes one within [0, 1]");
       // Under mu_ with the libvmm call, as ApplyConfiguredFraction: the fraction set last is
@@ -792,7 +794,7 @@ class VmmAllocator : public Pluggable {
   // use_mem_pool pass it through unchecked) must name one of the process's GPUs: PyTorch's
   // allocator raises "Invalid device argument" (RuntimeError) for any other, where libvmm
   // would answer for an unused GPU (its figures zero, a fraction kept for a GPU that does not
-  // exist) or refuse a private pool with a ValueError. releasePool is left to libvmm (it
+  // exist) or refuse a private pool. releasePool is left to libvmm (it
   // follows a use that was checked, and may run in a destructor).
   static void CheckDevice(int device, const char* what) {
     const int count = c10::cuda::device_count();
