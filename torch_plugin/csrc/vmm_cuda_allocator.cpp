@@ -203,6 +203,14 @@ double ConfiguredFraction() {
 }
 
 // PyTorch's CUDA allocator over libvmm (see the file comment).
+// Set by an atexit handler (Install): the process is exiting. Storages PyTorch's static
+// destructors free then (those it kept for CUDA IPC receivers that never released them) are
+// not given back: the CUDA driver is shutting down, and the memory goes with the process.
+// Freeing them crashed such a process ("double free or corruption" where a free's stream
+// ordering failed; case u_shared_storage_odd_handles). Trivially destructible: read after
+// every destructor.
+std::atomic<bool> process_exiting{false};
+
 class VmmAllocator : public Pluggable {
  public:
   // `options`: the vmm options of the private pools made for MemPools of this allocator
@@ -1269,6 +1277,7 @@ class VmmAllocator : public Pluggable {
 
   void Free(void* ptr, size_t size, int device, cudaStream_t stream) {
     if (ptr == nullptr) return;  // an empty tensor's (Malloc)
+    if (C10_UNLIKELY(process_exiting.load(std::memory_order_relaxed))) return;
     // Recorded and told before the block goes back: from then on another thread may be handed
     // its address and report that allocation, which must come after this free in the trace
     // and the tools' callbacks (PyTorch's allocator records under its lock, and calls the
@@ -1343,7 +1352,11 @@ class VmmAllocator : public Pluggable {
   std::array<std::atomic<bool>, kFractionDevices> fraction_read_{};
 };
 
-std::shared_ptr<VmmAllocator> installed;
+// The installed allocator, never destroyed: storages PyTorch keeps for CUDA IPC receivers
+// that never released them are freed by its static destructors at exit, after this module's
+// statics are gone (a destroyed allocator crashed such a process: "pure virtual method
+// called", case u_shared_storage_odd_handles).
+std::shared_ptr<VmmAllocator>& installed = *new std::shared_ptr<VmmAllocator>();
 
 // Whether config class C has a public static instance() (its first call parses the variable).
 template <typename C, typename = void>
@@ -1380,6 +1393,9 @@ void Install() {
   TORCH_CHECK(installed == nullptr, "vmm: the allocator is installed already");
   ParseAllocatorConfigNow();
   auto allocator = std::make_shared<VmmAllocator>("");
+  // Registered after torch's libraries were loaded, so it runs before their static
+  // destructors, which may free storages.
+  std::atexit([] { process_exiting.store(true, std::memory_order_relaxed); });
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   // changeCurrentAllocator swaps what torch.cuda reaches; c10's registry of device allocators
   // (torch.accelerator's memory API, storages made by device type) must name vmm too, or they
