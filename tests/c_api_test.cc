@@ -907,5 +907,25 @@ TEST_F(CApiTest, ASendLeaseThatRoundsToNothingIsRefused) {
   EXPECT_EQ(vmm_send_set_lease(600), 0) << vmm_last_error();
 }
 
+// A failure after the thread's thread_local objects are gone (the main thread's are destroyed
+// by exit() before its atexit handlers and static destructors, which may still call in: a
+// storage a library frees at exit) keeps its code and a fixed message: the record's string,
+// written after its destruction, freed its buffer twice.
+TEST(CApiExitTest, AFailureAfterTheThreadsRecordsAreDestroyedKeepsItsCode) {
+  EXPECT_EXIT(
+      {
+        // A message longer than the string's inline buffer: the record holds heap memory.
+        if (vmm_send_set_lease(-1.0) != -1 || std::strlen(vmm_last_error()) < 32) std::_Exit(4);
+        std::atexit([] {
+          const int rc = vmm_send_set_lease(-1.0);
+          const bool kept = rc == -1 && vmm_last_error_code() == VMM_INVALID_ARGUMENT &&
+                            std::strstr(vmm_last_error(), "destroyed") != nullptr;
+          std::_Exit(kept ? 0 : 3);
+        });
+        std::exit(5);  // the handler exits first
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
 }  // namespace
 

@@ -62,13 +62,28 @@ static_assert(VMM_BACKEND_CUDA == static_cast<int>(Backend::kCuda) &&
               "vmm_backend must mirror Backend");
 static_assert(VMM_HANDLE_BYTES == kDescriptorHandleSize, "handle size");
 
+// This thread's last failure. A thread's thread_local objects are destroyed before it ends,
+// and the main thread's before the process's atexit handlers and static destructors, which
+// may still call in (a storage freed by a library's static destructor): from then on only
+// the code is kept, in a trivially destructible variable, and the message is a fixed text.
+// Writing to the destroyed string freed its buffer twice.
+thread_local bool last_error_gone = false;
+thread_local int last_error_code_after = VMM_OK;
+constexpr char kMessageGone[] =
+    "(no message: the failure came after this thread's records were destroyed at its exit)";
+
 struct LastError {
   int code = VMM_OK;
   std::string message;
+  ~LastError() { last_error_gone = true; }
 };
 thread_local LastError last_error;
 
 int Fail(const absl::Status& status) {
+  if (last_error_gone) {
+    last_error_code_after = static_cast<int>(status.code());
+    return -1;
+  }
   last_error.code = static_cast<int>(status.code());
   last_error.message = std::string(status.message());
   return -1;
@@ -177,9 +192,13 @@ using vmm::State;
 
 extern "C" {
 
-int vmm_last_error_code(void) { return vmm::last_error.code; }
+int vmm_last_error_code(void) {
+  return vmm::last_error_gone ? vmm::last_error_code_after : vmm::last_error.code;
+}
 
-const char* vmm_last_error(void) { return vmm::last_error.message.c_str(); }
+const char* vmm_last_error(void) {
+  return vmm::last_error_gone ? vmm::kMessageGone : vmm::last_error.message.c_str();
+}
 
 int vmm_default_backend(void) {
   absl::StatusOr<vmm::Driver*> driver = vmm::DefaultDriver();

@@ -88,7 +88,9 @@ enum vmm_handle_type {
 
 /* The code of this thread's last failure (VMM_OK if none). */
 int vmm_last_error_code(void);
-/* The message of this thread's last failure, or "" if none. */
+/* The message of this thread's last failure, or "" if none. A failure after the thread's
+ * thread_local objects were destroyed (at its exit; the main thread's before atexit handlers
+ * and static destructors run) keeps its code, and the message is a fixed text saying so. */
 const char* vmm_last_error(void);
 /* VMM_BACKEND_CUDA when a CUDA driver and device are present, else VMM_BACKEND_HOST
  * (VMM_BACKEND=cuda|host in the environment forces one). */
