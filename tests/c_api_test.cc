@@ -907,6 +907,19 @@ TEST_F(CApiTest, ASendLeaseThatRoundsToNothingIsRefused) {
   EXPECT_EQ(vmm_send_set_lease(600), 0) << vmm_last_error();
 }
 
+TEST_F(CApiTest, PoolOptionsAreCheckedWithoutMakingAPool) {
+  EXPECT_EQ(vmm_check_pool_options(nullptr), 0) << vmm_last_error();
+  EXPECT_EQ(vmm_check_pool_options(""), 0) << vmm_last_error();
+  EXPECT_EQ(vmm_check_pool_options("memory_limit=40G,handle_type=posix_fd"), 0)
+      << vmm_last_error();
+  EXPECT_EQ(vmm_check_pool_options("colour=1"), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(vmm_last_error()).find("unknown option 'colour'"), std::string::npos)
+      << vmm_last_error();
+  EXPECT_EQ(vmm_check_pool_options("memory_limit=lots"), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+}
+
 // A failure after the thread's thread_local objects are gone (the main thread's are destroyed
 // by exit() before its atexit handlers and static destructors, which may still call in: a
 // storage a library frees at exit) keeps its code and a fixed message: the record's string,
@@ -917,6 +930,8 @@ TEST(CApiExitTest, AFailureAfterTheThreadsRecordsAreDestroyedKeepsItsCode) {
         // A message longer than the string's inline buffer: the record holds heap memory.
         if (vmm_send_set_lease(-1.0) != -1 || std::strlen(vmm_last_error()) < 32) std::_Exit(4);
         std::atexit([] {
+          // The code of the failure before the record went is kept.
+          if (vmm_last_error_code() != VMM_INVALID_ARGUMENT) std::_Exit(6);
           const int rc = vmm_send_set_lease(-1.0);
           const bool kept = rc == -1 && vmm_last_error_code() == VMM_INVALID_ARGUMENT &&
                             std::strstr(vmm_last_error(), "destroyed") != nullptr;

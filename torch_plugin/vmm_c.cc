@@ -22,6 +22,7 @@
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
 #include "allocator/log.h"
+#include "allocator/pool_options.h"
 #include "allocator/import_closer.h"
 #include "allocator/send_acker.h"
 #include "allocator/send_ledger.h"
@@ -63,10 +64,11 @@ static_assert(VMM_BACKEND_CUDA == static_cast<int>(Backend::kCuda) &&
 static_assert(VMM_HANDLE_BYTES == kDescriptorHandleSize, "handle size");
 
 // This thread's last failure. A thread's thread_local objects are destroyed before it ends,
-// and the main thread's before the process's atexit handlers and static destructors, which
-// may still call in (a storage freed by a library's static destructor): from then on only
-// the code is kept, in a trivially destructible variable, and the message is a fixed text.
-// Writing to the destroyed string freed its buffer twice.
+// and those of the thread that calls exit() before the process's atexit handlers and static
+// destructors, which may still call in (a storage freed by a library's static destructor):
+// from then on only the code is kept, in a trivially destructible variable (the last one
+// recorded first), and the message is a fixed text. Writing to the destroyed string freed
+// its buffer twice.
 thread_local bool last_error_gone = false;
 thread_local int last_error_code_after = VMM_OK;
 constexpr char kMessageGone[] =
@@ -75,7 +77,10 @@ constexpr char kMessageGone[] =
 struct LastError {
   int code = VMM_OK;
   std::string message;
-  ~LastError() { last_error_gone = true; }
+  ~LastError() {
+    last_error_code_after = code;
+    last_error_gone = true;
+  }
 };
 thread_local LastError last_error;
 
@@ -216,6 +221,10 @@ int vmm_parse_byte_size(const char* text, uint64_t* out) {
   if (!n.ok()) return vmm::Fail(n.status());
   *out = *n;
   return 0;
+}
+
+int vmm_check_pool_options(const char* options) {
+  return vmm::Check(vmm::ParsePoolOptions(vmm::Text(options), vmm::PoolOptions{}).status());
 }
 
 int vmm_configure(const char* options) {

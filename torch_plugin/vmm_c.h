@@ -88,9 +88,10 @@ enum vmm_handle_type {
 
 /* The code of this thread's last failure (VMM_OK if none). */
 int vmm_last_error_code(void);
-/* The message of this thread's last failure, or "" if none. A failure after the thread's
- * thread_local objects were destroyed (at its exit; the main thread's before atexit handlers
- * and static destructors run) keeps its code, and the message is a fixed text saying so. */
+/* The message of this thread's last failure, or "" if none. Once the thread's thread_local
+ * objects are destroyed (at its exit; for the thread that calls exit(), before atexit
+ * handlers and static destructors run) failures keep their code, and the message is a fixed
+ * text saying so. */
 const char* vmm_last_error(void);
 /* VMM_BACKEND_CUDA when a CUDA driver and device are present, else VMM_BACKEND_HOST
  * (VMM_BACKEND=cuda|host in the environment forces one). */
@@ -99,6 +100,11 @@ int vmm_default_backend(void);
 void vmm_release_buffer(void* buffer);
 /* Parses a byte count as pool options do ("512M", "2G", "4096"): 0 and *out set, or -1. */
 int vmm_parse_byte_size(const char* text, uint64_t* out);
+/* Whether `options` parse as pool options (the keys, values and limits ParsePoolOptions
+ * checks; NULL or "" is none): 0, or -1 with VMM_INVALID_ARGUMENT saying what is wrong.
+ * Creates nothing; what depends on the GPU (its memory, granularity) is checked when a pool
+ * is made. */
+int vmm_check_pool_options(const char* options);
 
 /* --- The device pools (what the registered PyTorch allocator uses) -------------------- */
 

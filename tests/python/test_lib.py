@@ -35,6 +35,15 @@ def test_malformed_descriptor_is_a_value_error(data):
     assert "INVALID_ARGUMENT" not in str(info.value)
 
 
+def test_pool_options_are_checked_without_making_a_pool():
+    _lib.check_pool_options("")
+    _lib.check_pool_options("memory_limit=40G,handle_type=posix_fd")
+    with pytest.raises(ValueError, match="unknown option 'colour'"):
+        _lib.check_pool_options("colour=1")
+    with pytest.raises(ValueError, match="memory_limit"):
+        _lib.check_pool_options("memory_limit=lots")
+
+
 def test_out_of_memory_is_mapped_by_code():
     oom = getattr(torch.cuda, "OutOfMemoryError", MemoryError)
     with vmm_torch.Pool("host", memory_limit="2M") as p:

@@ -295,6 +295,32 @@ def test_mempool_tensors_come_from_vmm_and_share_alone(enable):
     assert r["allocated"] >= 2 * 4096 and r["opened"] == 1024.0 and r["distinct"]
 
 
+@pytest.mark.parametrize("enable", [False, True])
+def test_a_mempool_with_a_bad_option_is_a_value_error_at_once(enable):
+    # vmm's own API refuses a bad option with ValueError, before PyTorch's calls (through
+    # which libvmm's refusals are RuntimeError, as PyTorch's allocator raises).
+    r = run("""
+        torch.cuda.init()
+        out = {}
+        for name, kw in (("unknown key", dict(colour=1)), ("bad size", dict(memory_limit="-3")),
+                         ("bad handle type", dict(handle_type="carrier_pigeon"))):
+            try:
+                vmm_torch.MemPool(**kw)
+                out[name] = "made"
+            except Exception as e:
+                out[name] = type(e).__name__ + ": " + str(e)
+        pool = vmm_torch.MemPool(memory_limit="1G")
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.ones(1024, device="cuda")
+        out["good"] = float(t.sum().item())
+        print(json.dumps(out))
+    """, enable=enable)
+    assert r.pop("good") == 1024.0
+    for name, text in r.items():
+        assert text.startswith("ValueError: "), (name, text)
+    assert "unknown option 'colour'" in r["unknown key"]
+
+
 def test_out_of_memory_raises_torch_error_and_calls_observers():
     r = run("""
         seen = []

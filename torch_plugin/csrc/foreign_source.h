@@ -16,6 +16,7 @@
 #define VMM_TORCH_PLUGIN_CSRC_FOREIGN_SOURCE_H_
 
 #include <cstdint>
+#include <cstdio>
 #include <functional>
 #include <memory>
 #include <string>
@@ -53,7 +54,7 @@ class AllocatorSource : public ForeignSource {
   void* Allocate(size_t size, uintptr_t stream) override {
     std::string why;
     if (!hold_(static_cast<int64_t>(size), &why)) {
-      LastFailure() = why;
+      SetLastFailure(why.c_str());
       return nullptr;
     }
     c10::cuda::CUDAGuard guard(device_);
@@ -68,7 +69,7 @@ class AllocatorSource : public ForeignSource {
     }
     if (segment == nullptr) {
       hold_(-static_cast<int64_t>(size), nullptr);
-      LastFailure() = "the MemPool's allocator returned no memory";
+      SetLastFailure("the MemPool's allocator returned no memory");
       return nullptr;
     }
     index_->Add(segment, size, ForeignIndex::Owner{owner_, keep_.lock()});
@@ -83,11 +84,8 @@ class AllocatorSource : public ForeignSource {
     allocator_->raw_delete(segment);
   }
 
-  // Why the calling thread's last Allocate that returned null did.
-  static std::string& LastFailure() {
-    thread_local std::string why;
-    return why;
-  }
+  // Why the calling thread's last Allocate that returned null did (cut at 511 bytes).
+  static const char* LastFailure() { return FailureText(); }
 
   uintptr_t RecordEvent(uintptr_t stream) override {
     const auto cuda_stream = reinterpret_cast<cudaStream_t>(stream);
@@ -130,6 +128,17 @@ class AllocatorSource : public ForeignSource {
   }
 
  private:
+  // A fixed buffer, trivially destructible, as libvmm's error record: an allocation may come
+  // after the thread's thread_local objects were destroyed (its exit), where a string's
+  // buffer, freed, would be freed again.
+  static char* FailureText() {
+    thread_local char text[512] = "";
+    return text;
+  }
+  static void SetLastFailure(const char* why) {
+    std::snprintf(FailureText(), 512, "%s", why);
+  }
+
   // What stands for an event whose creation or recording failed: taken as complete.
   static constexpr uintptr_t kNoEvent = 1;
 

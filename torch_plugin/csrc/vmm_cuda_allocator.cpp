@@ -203,13 +203,17 @@ double ConfiguredFraction() {
 }
 
 // PyTorch's CUDA allocator over libvmm (see the file comment).
-// Set by an atexit handler (Install): the process is exiting. Storages PyTorch's static
-// destructors free then (those it kept for CUDA IPC receivers that never released them) are
-// not given back: the CUDA driver is shutting down, and the memory goes with the process.
-// Freeing them crashed such a process ("double free or corruption" where a free's stream
-// ordering failed; case u_shared_storage_odd_handles). Trivially destructible: read after
-// every destructor.
+// Set once Python has finished (Py_AtExit: the end of its finalisation; an atexit handler
+// too, for a process that exits without finalising Python; both registered by Install): the
+// process is exiting. What C++ code frees from then on (thread_local and static destructors:
+// PyTorch's holds the storages it kept for CUDA IPC receivers that never released them) is
+// not given back, and imports are not closed: the CUDA driver is shutting down, and the
+// memory goes with the process. Such frees crashed a process (case
+// u_shared_storage_odd_handles; the double free was libvmm's error record, written after its
+// destruction, vmm_c.cc). Trivially destructible: read after every destructor.
 std::atomic<bool> process_exiting{false};
+
+void MarkProcessExiting() { process_exiting.store(true, std::memory_order_relaxed); }
 
 class VmmAllocator : public Pluggable {
  public:
@@ -704,6 +708,7 @@ class VmmAllocator : public Pluggable {
       TORCH_CHECK(false, "vmm: opening a shared CUDA storage: ", message);
     }
     return std::shared_ptr<void>(reinterpret_cast<void*>(ptr), [id](void*) {
+      if (process_exiting.load(std::memory_order_relaxed)) return;  // as Free
       libvmm.import_release(reinterpret_cast<void*>(static_cast<intptr_t>(id)));
     });
   }
@@ -1393,15 +1398,17 @@ void Install() {
   TORCH_CHECK(installed == nullptr, "vmm: the allocator is installed already");
   ParseAllocatorConfigNow();
   auto allocator = std::make_shared<VmmAllocator>("");
-  // Registered after torch's libraries were loaded, so it runs before their static
-  // destructors, which may free storages.
-  std::atexit([] { process_exiting.store(true, std::memory_order_relaxed); });
   torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   // changeCurrentAllocator swaps what torch.cuda reaches; c10's registry of device allocators
   // (torch.accelerator's memory API, storages made by device type) must name vmm too, or they
   // would reach PyTorch's own allocator beside it.
   c10::SetAllocator(c10::DeviceType::CUDA, allocator.get());
   installed = allocator;
+  // Once (Install runs once; a failed one registered nothing). Py_AtExit may refuse (its
+  // table is small); the atexit handler, registered after torch's libraries were loaded,
+  // then runs before their static destructors.
+  (void)Py_AtExit(&MarkProcessExiting);
+  std::atexit(&MarkProcessExiting);
 }
 
 }  // namespace

@@ -14,8 +14,8 @@ outcomes must agree: returned (and the fraction read back, to 6 decimals, -0.0 a
 raised (the exception's type, and whether the message says "out of memory").
 
 Why vmm may differ: vmm checks the fraction itself (libvmm: an invalid argument, which the
-plugin raises as ValueError) and keeps the value it was given rather than PyTorch's
-bytes-over-total reading of it.
+plugin raised as ValueError before it raised RuntimeError as PyTorch's allocator does) and
+keeps the value it was given rather than PyTorch's bytes-over-total reading of it.
 """
 import gc
 

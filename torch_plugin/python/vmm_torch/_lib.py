@@ -261,6 +261,12 @@ def backend() -> str:
     return backend_name(vmm().vmm_default_backend())
 
 
+def check_pool_options(text: str) -> None:
+    """ValueError, saying what is wrong, unless `text` (format_options' form) parses as pool
+    options; creates nothing. Loads libvmm.so: the library holds the one parser."""
+    check(quick().vmm_check_pool_options(text.encode("utf-8")))
+
+
 def parse_size(text: str) -> int:
     """A byte count from text, as vmm's options read sizes: "4096", "512M", "2G", "64MiB"
     (a whole number; K, M, G and T are powers of 1024, either case; a B or iB may follow).

@@ -274,6 +274,7 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_default_backend": (_int, []),
     "vmm_release_buffer": (None, [_void_p]),
     "vmm_parse_byte_size": (_int, [_char_p, _P(ctypes.c_uint64)]),
+    "vmm_check_pool_options": (_int, [_char_p]),
     # Device pools.
     "vmm_configure": (_int, [_char_p]),
     "vmm_alloc": (_void_p, [_size_t, _int, _void_p]),

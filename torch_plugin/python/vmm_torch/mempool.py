@@ -49,6 +49,10 @@ class MemPool(_base()):  # type: ignore[misc]
                 f"allocator module (built by pip install there); torch {torch.__version__} "
                 f"here")
         text = format_options(options)
+        # Checked here, as vmm's own API refuses a bad option (ValueError): past this point
+        # libvmm parses them inside PyTorch's calls, which raise RuntimeError as PyTorch's
+        # allocator does.
+        _lib.check_pool_options(text)
         self._vmm_device = device_index(device)
         self._vmm_allocator = module.pool_allocator(text)
         with torch.cuda.device(self._vmm_device):
