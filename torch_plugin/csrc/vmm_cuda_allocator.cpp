@@ -202,19 +202,19 @@ double ConfiguredFraction() {
 #endif
 }
 
-// PyTorch's CUDA allocator over libvmm (see the file comment).
 // Set once Python has finished (Py_AtExit: the end of its finalisation; an atexit handler
 // too, for a process that exits without finalising Python; both registered by Install): the
 // process is exiting. What C++ code frees from then on (thread_local and static destructors:
 // PyTorch's holds the storages it kept for CUDA IPC receivers that never released them) is
 // not given back, and imports are not closed: the CUDA driver is shutting down, and the
 // memory goes with the process. Such frees crashed a process (case
-// u_shared_storage_odd_handles; the double free was libvmm's error record, written after its
-// destruction, vmm_c.cc). Trivially destructible: read after every destructor.
+// u_shared_storage_odd_handles; the double free most likely libvmm's error record, written
+// after its destruction, vmm_c.cc). Trivially destructible: read after every destructor.
 std::atomic<bool> process_exiting{false};
 
 void MarkProcessExiting() { process_exiting.store(true, std::memory_order_relaxed); }
 
+// PyTorch's CUDA allocator over libvmm (see the file comment).
 class VmmAllocator : public Pluggable {
  public:
   // `options`: the vmm options of the private pools made for MemPools of this allocator
