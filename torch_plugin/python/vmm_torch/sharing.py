@@ -61,6 +61,9 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+# At import, not in received_storage: a tensor opened in a __del__ that the interpreter's
+# finalisation runs found sys.modules emptied (ImportError).
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from . import _cuda, _lib, allocator
 from ._streams import pool_stream
@@ -686,8 +689,6 @@ def received_storage(tensor: torch.Tensor) -> torch.Tensor:
     storage this process received earlier over the same bytes; then `tensor` and its
     reference of the import go when the caller drops it (the mapping is shared)."""
     global _received_sweep_at
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     storage = _untyped_storage(tensor)
     key = (str(tensor.device), storage.data_ptr(), storage.nbytes())
     with _received_lock:
