@@ -64,35 +64,9 @@ absl::StatusOr<std::unique_ptr<Pool>> Pool::Create(Driver* driver, const PoolOpt
           absl::StrCat("peer device ", peer, " is not another device of ", driver->Name()));
     }
   }
-  if (!(options.growth_fraction >= 0 && options.growth_fraction <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("growth_fraction ", options.growth_fraction, " is outside [0, 1]"));
-  }
-  if (options.small_size == 0 || options.small_chunk == 0 || options.max_chunk == 0) {
-    return absl::InvalidArgumentError("small_size, small_chunk and max_chunk must be positive");
-  }
-  // Sizes the pool rounds up to the granularity or adds up: no range or chunk of more than
-  // 2^48 bytes (256 TiB) is possible, and past 2^64 the sums would wrap.
-  for (auto [name, value] : {std::pair<const char*, size_t>{"small_chunk", options.small_chunk},
-                             {"reserve_size", options.reserve_size}}) {
-    if (value > kMaxOptionBytes) {
-      return absl::InvalidArgumentError(absl::StrCat(name, " ", value, " is more than ",
-                                                     kMaxOptionBytes, " bytes (256 TiB)"));
-    }
-  }
-  const PoolOptions resolved = ResolveAutoSizes(options, /*exportable=*/observer != nullptr);
-  if (resolved.large_page > std::min(resolved.max_chunk, kMaxOptionBytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "large_page ", resolved.large_page, " is larger than max_chunk ", resolved.max_chunk,
-        ": a page is one physical chunk"));
-  }
-  // (A pool with pages has none to switch to: pressure_page is not used there.)
-  if (resolved.large_page == 0 && resolved.pressure_page != kAutoSize &&
-      resolved.pressure_page > std::min(resolved.max_chunk, kMaxOptionBytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "pressure_page ", resolved.pressure_page, " is larger than max_chunk ",
-        resolved.max_chunk, ": a page is one physical chunk"));
-  }
+  const bool exportable = observer != nullptr;
+  VMM_RETURN_IF_ERROR(CheckPoolOptions(options, exportable));
+  const PoolOptions resolved = ResolveAutoSizes(options, exportable);
   std::unique_ptr<Pool> pool(new Pool(driver, resolved, observer));
   VMM_RETURN_IF_ERROR(pool->Init());
   return pool;

@@ -1,5 +1,6 @@
 #include "allocator/pool_options.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
@@ -103,6 +104,39 @@ PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable) {
     out.small_size = out.large_page != 0 ? size_t{256} << 10 : size_t{1} << 20;
   }
   return out;
+}
+
+absl::Status CheckPoolOptions(const PoolOptions& options, bool exportable) {
+  if (!(options.growth_fraction >= 0 && options.growth_fraction <= 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("growth_fraction ", options.growth_fraction, " is outside [0, 1]"));
+  }
+  if (options.small_size == 0 || options.small_chunk == 0 || options.max_chunk == 0) {
+    return absl::InvalidArgumentError("small_size, small_chunk and max_chunk must be positive");
+  }
+  // Sizes the pool rounds up to the granularity or adds up: no range or chunk of more than
+  // 2^48 bytes (256 TiB) is possible, and past 2^64 the sums would wrap.
+  for (auto [name, value] : {std::pair<const char*, size_t>{"small_chunk", options.small_chunk},
+                             {"reserve_size", options.reserve_size}}) {
+    if (value > kMaxOptionBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(name, " ", value, " is more than ",
+                                                     kMaxOptionBytes, " bytes (256 TiB)"));
+    }
+  }
+  const PoolOptions resolved = ResolveAutoSizes(options, exportable);
+  if (resolved.large_page > std::min(resolved.max_chunk, kMaxOptionBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "large_page ", resolved.large_page, " is larger than max_chunk ", resolved.max_chunk,
+        ": a page is one physical chunk"));
+  }
+  // (A pool with pages has none to switch to: pressure_page is not used there.)
+  if (resolved.large_page == 0 && resolved.pressure_page != kAutoSize &&
+      resolved.pressure_page > std::min(resolved.max_chunk, kMaxOptionBytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "pressure_page ", resolved.pressure_page, " is larger than max_chunk ",
+        resolved.max_chunk, ": a page is one physical chunk"));
+  }
+  return absl::OkStatus();
 }
 
 absl::string_view PoolOptionKeys() {

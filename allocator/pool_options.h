@@ -252,6 +252,14 @@ struct PoolOptions {
 // kAutoSize: the pool decides them once its pages are rounded to the granularity (Pool::Init).
 PoolOptions ResolveAutoSizes(const PoolOptions& options, bool exportable);
 
+// The checks of `options` that need no driver (Pool::Create makes them first, and
+// vmm_check_pool_options before any pool exists), InvalidArgument naming what is wrong:
+// growth_fraction within [0, 1]; small_size, small_chunk and max_chunk positive; small_chunk
+// and reserve_size at most kMaxOptionBytes; large_page, and pressure_page in a pool without
+// pages, at most max_chunk (as ResolveAutoSizes decides them for `exportable`). The device,
+// its peers and the granularity are checked when a pool is made.
+absl::Status CheckPoolOptions(const PoolOptions& options, bool exportable);
+
 // The keys ParsePoolOptions accepts, comma separated, for messages and documentation.
 absl::string_view PoolOptionKeys();
 

@@ -918,6 +918,12 @@ TEST_F(CApiTest, PoolOptionsAreCheckedWithoutMakingAPool) {
       << vmm_last_error();
   EXPECT_EQ(vmm_check_pool_options("memory_limit=lots"), -1);
   EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  // What Pool::Create refuses before it asks the driver anything.
+  for (const char* bad : {"max_chunk=0", "large_page=4M,max_chunk=2M", "small_size=0",
+                          "pressure_page=8M,max_chunk=4M", "growth_fraction=2"}) {
+    EXPECT_EQ(vmm_check_pool_options(bad), -1) << bad;
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT) << bad;
+  }
 }
 
 // A failure after the thread's thread_local objects are gone (the main thread's are destroyed

@@ -224,7 +224,10 @@ int vmm_parse_byte_size(const char* text, uint64_t* out) {
 }
 
 int vmm_check_pool_options(const char* options) {
-  return vmm::Check(vmm::ParsePoolOptions(vmm::Text(options), vmm::PoolOptions{}).status());
+  absl::StatusOr<vmm::PoolOptions> parsed = vmm::ParsePoolOptions(vmm::Text(options));
+  if (!parsed.ok()) return vmm::Fail(parsed.status());
+  // As a private pool takes them (a MemPool's, whose blocks may be exported).
+  return vmm::Check(vmm::CheckPoolOptions(*parsed, /*exportable=*/true));
 }
 
 int vmm_configure(const char* options) {

@@ -100,10 +100,11 @@ int vmm_default_backend(void);
 void vmm_release_buffer(void* buffer);
 /* Parses a byte count as pool options do ("512M", "2G", "4096"): 0 and *out set, or -1. */
 int vmm_parse_byte_size(const char* text, uint64_t* out);
-/* Whether `options` parse as pool options (the keys, values and limits ParsePoolOptions
- * checks; NULL or "" is none): 0, or -1 with VMM_INVALID_ARGUMENT saying what is wrong.
- * Creates nothing; what depends on the GPU (its memory, granularity) is checked when a pool
- * is made. */
+/* Whether `options` make a valid pool (the keys, values and limits of ParsePoolOptions and
+ * CheckPoolOptions, allocator/pool_options.h; NULL or "" is none): 0, or -1 with
+ * VMM_INVALID_ARGUMENT saying what is wrong. Creates nothing; what depends on the GPU (its
+ * devices and peers, granularity, memory) and on the options of enable() that become the
+ * defaults is checked when a pool is made. */
 int vmm_check_pool_options(const char* options);
 
 /* --- The device pools (what the registered PyTorch allocator uses) -------------------- */

@@ -303,7 +303,8 @@ def test_a_mempool_with_a_bad_option_is_a_value_error_at_once(enable):
         torch.cuda.init()
         out = {}
         for name, kw in (("unknown key", dict(colour=1)), ("bad size", dict(memory_limit="-3")),
-                         ("bad handle type", dict(handle_type="carrier_pigeon"))):
+                         ("bad handle type", dict(handle_type="carrier_pigeon")),
+                         ("page past a chunk", dict(large_page="4M", max_chunk="2M"))):
             try:
                 vmm_torch.MemPool(**kw)
                 out[name] = "made"

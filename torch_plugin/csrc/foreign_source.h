@@ -15,6 +15,7 @@
 #ifndef VMM_TORCH_PLUGIN_CSRC_FOREIGN_SOURCE_H_
 #define VMM_TORCH_PLUGIN_CSRC_FOREIGN_SOURCE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -131,12 +132,13 @@ class AllocatorSource : public ForeignSource {
   // A fixed buffer, trivially destructible, as libvmm's error record: an allocation may come
   // after the thread's thread_local objects were destroyed (its exit), where a string's
   // buffer, freed, would be freed again.
+  static constexpr size_t kFailureTextBytes = 512;
   static char* FailureText() {
-    thread_local char text[512] = "";
+    thread_local char text[kFailureTextBytes] = "";
     return text;
   }
   static void SetLastFailure(const char* why) {
-    std::snprintf(FailureText(), 512, "%s", why);
+    std::snprintf(FailureText(), kFailureTextBytes, "%s", why);
   }
 
   // What stands for an event whose creation or recording failed: taken as complete.

@@ -727,6 +727,7 @@ class VmmAllocator : public Pluggable {
           return ptr;
         },
         [](void* ptr, int device) {  // must not throw (legacy_ipc.h)
+          if (process_exiting.load(std::memory_order_relaxed)) return;  // as Free
           int current = 0;
           if (cudaGetDevice(&current) != cudaSuccess || cudaSetDevice(device) != cudaSuccess) {
             (void)cudaGetLastError();
@@ -1405,8 +1406,9 @@ void Install() {
   c10::SetAllocator(c10::DeviceType::CUDA, allocator.get());
   installed = allocator;
   // Once (Install runs once; a failed one registered nothing). Py_AtExit may refuse (its
-  // table is small); the atexit handler, registered after torch's libraries were loaded,
-  // then runs before their static destructors.
+  // table is small), and a process may exit without finalising Python; the atexit handler
+  // then runs before the static destructors of what was built before install (torch's
+  // libraries' globals), not of what was built after.
   (void)Py_AtExit(&MarkProcessExiting);
   std::atexit(&MarkProcessExiting);
 }
