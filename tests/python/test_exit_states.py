@@ -91,6 +91,25 @@ PRELUDE = textwrap.dedent(f"""\
     def result(value):
         import json
         print("RESULT " + json.dumps(value), flush=True)
+
+
+    # Ends the process as `how` names: sys_exit / os_exit with codes[how] (0 if not given),
+    # an exception, SIGTERM without a handler, or SIGTERM with a handler that exits with
+    # codes["sigterm_handler"]. Returns for any other way: the caller takes it.
+    def leave(how, who, codes):
+        import signal
+        code = codes.get(how, 0)
+        if how == "sys_exit":
+            sys.exit(code)
+        if how == "os_exit":
+            os._exit(code)
+        if how == "exception":
+            raise RuntimeError(who + " exits on purpose")
+        if how == "sigterm_handler":
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(code))
+        if how in ("sigterm", "sigterm_handler"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(60)
     """)
 
 
@@ -148,7 +167,6 @@ def _allowed_for(how):
 
 EXPORTER = """
     import pickle
-    import signal
 
     import torch
     import vmm_torch
@@ -165,20 +183,8 @@ EXPORTER = """
         f.write(payload)
     os.rename(d + "/payload.tmp", d + "/payload")
     wait_for(lambda: os.path.exists(d + "/imported"), "the importer")
-    if how == "sys_exit":
-        sys.exit(0)
-    elif how == "os_exit":
-        os._exit(0)
-    elif how == "exception":
-        raise RuntimeError("the exporter exits on purpose")
-    elif how == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(60)
-    elif how == "sigterm_handler":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(60)
-    elif how == "closed_pools":
+    leave(how, "the exporter", {})
+    if how == "closed_pools":
         for pool in pools:
             pool.close()
         del tensors, t
@@ -254,8 +260,6 @@ def test_an_exporter_that_exits_leaves_its_importer_reading(tmp_path, how):
 # --- A sender that exits while its feeder thread is still exporting --------------------------
 
 BURST = """
-    import signal
-
     import torch
     import torch.multiprocessing as mp
     import vmm_torch
@@ -289,22 +293,12 @@ BURST = """
         proc = ctx.Process(target=receiver, args=(q, n, path))
         proc.start()
         pools = [vmm_torch.Pool("host", handle_type=h) for h in ("fabric", "posix_fd")]
-        if how == "sigterm_handler":
-            signal.signal(signal.SIGTERM, lambda *_: sys.exit(4))
         for i in range(n):
             t = pools[i % 2].empty((1000 + i,)).fill_(i % 7)
             q.put(t)
             del t
         # The feeder thread is still exporting most of them.
-        if how == "sys_exit":
-            sys.exit(3)
-        elif how == "os_exit":
-            os._exit(5)
-        elif how == "exception":
-            raise RuntimeError("the sender exits on purpose")
-        elif how == "sigterm_handler":
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(60)
+        leave(how, "the sender", {"sys_exit": 3, "os_exit": 5, "sigterm_handler": 4})
     """
 
 BURST_EXITS = {"return": 0, "sys_exit": 3, "exception": 1, "sigterm_handler": 4, "os_exit": 5}
@@ -418,7 +412,6 @@ def test_an_importer_that_exits_with_live_imports_and_an_unread_forward(tmp_path
 # --- Threads inside vmm's C calls while the process exits -------------------------------------
 
 THREADS = """
-    import signal
     import threading
 
     import torch
@@ -462,24 +455,12 @@ THREADS = """
     for t in threads:
         t.start()
     wait_for(lambda: min(counts) >= 10, "the threads' first rounds")
-    if how == "sys_exit":
-        sys.exit(3)
-    elif how == "os_exit":
-        os._exit(5)
-    elif how == "exception":
-        raise RuntimeError("the main thread exits on purpose")
-    elif how == "close_pools":
+    leave(how, "the main thread", {"sys_exit": 3, "os_exit": 5, "sigterm_handler": 4})
+    if how == "close_pools":
         closing.set()
         for p in pools:
             p.close()
         del live
-    elif how == "sigterm":
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(60)
-    elif how == "sigterm_handler":
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(4))
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(60)
     elif how == "os_exit_in_a_thread":
         threading.Thread(target=os._exit, args=(6,)).start()
         time.sleep(60)
@@ -543,10 +524,7 @@ FAILED = """
     threading.Thread(target=failed_then_waits, daemon=True).start()
     waiting.wait(60)
     fail()  # the main thread's last vmm call failed
-    if how == "sys_exit":
-        sys.exit(3)
-    elif how == "exception":
-        raise RuntimeError("the process exits on purpose")
+    leave(how, "the process", {"sys_exit": 3})
     """
 
 FAILED_EXITS = {"return": 0, "sys_exit": 3, "exception": 1}
@@ -630,13 +608,8 @@ FORK = """
         fd = os.open(f"{d}/child_{child_mode}.err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
-        if child_mode == "sys_exit":
-            sys.exit(7)
-        elif child_mode == "os_exit":
-            os._exit(8)
-        elif child_mode == "exception":
-            raise RuntimeError("the child exits on purpose")
-        elif child_mode == "read_and_free":
+        leave(child_mode, "the child", {"sys_exit": 7, "os_exit": 8})
+        if child_mode == "read_and_free":
             assert [float(t.sum()) for t in opened] == [1000.0, 2000.0]
             assert [float(t.sum()) for t in received] == [1000.0, 2000.0]
             del opened, received, mine
