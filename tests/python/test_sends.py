@@ -349,6 +349,29 @@ def test_a_sender_that_exits_at_once_is_still_received(method):
     assert proc.exitcode == 0
 
 
+def test_a_loader_that_stops_early_does_not_wait_for_its_workers_unread_batches(monkeypatch):
+    """A DataLoader whose workers send vmm tensors, left after two batches (its prefetched
+    batches never read): each worker cancels its queue's join at shutdown (its data may be
+    lost), so its exit does not wait for their receiver (which never comes: the loader joins
+    each worker for 5 s, then terminates it). Once it waited the whole exit wait."""
+    monkeypatch.setenv("VMM_SEND_EXIT_WAIT_S", "120")
+    vmm_torch.install_reducers()
+    loader = torch.utils.data.DataLoader(
+        workers.HostPoolItems(), batch_size=4, num_workers=2, prefetch_factor=4,
+        collate_fn=workers.as_list, multiprocessing_context="spawn")
+    it = iter(loader)
+    for i in range(2):
+        batch = next(it)
+        assert [float(t[0]) for t in batch] == [float(4 * i + j) for j in range(4)]
+        del batch
+    processes = list(it._workers)
+    start = time.monotonic()
+    it._shutdown_workers()
+    took = time.monotonic() - start
+    assert [p.exitcode for p in processes] == [0, 0], f"terminated after {took:.1f} s"
+    del it
+
+
 def test_the_feeder_thread_never_moves_a_tensor_and_the_receiver_gets_the_error():
     """A tensor the sending thread did not prepare (put bypassed), sharing its chunk: the
     feeder of a pool that isolates sends sends an error the receiver raises, with its type

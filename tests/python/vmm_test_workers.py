@@ -1,6 +1,7 @@
 """Functions the multi-process tests run in spawned processes (importable by module name)."""
 
 import torch
+import torch.utils.data
 
 
 def pattern(n, seed, dtype=torch.float32, device="cpu"):
@@ -448,3 +449,26 @@ def write_into_received(q, results):
             received[1] = 100.0
         results.put(("written", type(received).__name__))
         del received, item
+
+
+class HostPoolItems(torch.utils.data.Dataset):
+    """A dataset whose items are tensors of a host pool (one per worker process), each filled
+    with its index: a DataLoader's workers send them as vmm sends (test_sends.py)."""
+
+    pool = None
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, index):
+        import vmm_torch
+
+        if HostPoolItems.pool is None:
+            vmm_torch.install_reducers()
+            HostPoolItems.pool = vmm_torch.Pool("host")
+        return HostPoolItems.pool.empty((256,)).fill_(index)
+
+
+def as_list(batch):
+    """A DataLoader collate_fn that keeps the items (default_collate would copy them)."""
+    return batch

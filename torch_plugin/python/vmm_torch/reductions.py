@@ -39,7 +39,9 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
   parent made (the library's fork guard): it sends such a CPU tensor or storage as PyTorch
   does (PyTorch's reducer moves the child's storage into shared memory).
 - **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
-  (VMM_SEND_EXIT_WAIT_S) for the receivers of its sends, since its memory goes with it.
+  (VMM_SEND_EXIT_WAIT_S) for the receivers of its sends, since its memory goes with it; not
+  for those of a queue whose join was cancelled (``Queue.cancel_join_thread``, as a
+  DataLoader worker does when its loader shuts down), whose data may be lost.
 - **No silent loss.** A tensor that cannot travel (a pool with ``handle_type="none"``, a
   non-leaf tensor that requires grad) fails in ``Queue.put`` with a clear error where the
   object is a tensor or holds tensors in lists, tuples and dicts (``Queue.put`` checks them
@@ -63,8 +65,9 @@ import pickle
 import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
@@ -159,7 +162,7 @@ def _reduce(tensor: torch.Tensor,
         # The common case in one call: the put's events waited for, the memory exported.
         kind, data, ticket = module.export_send(tensor)
         if data is not None:
-            _vmm_feeders.add(threading.current_thread())
+            _note_feeder_send(ticket)
             return (sharing.rebuild_tensor,
                     sharing.sent_payload(tensor, data, ticket,
                                          isinstance(tensor, torch.nn.Parameter),
@@ -201,7 +204,7 @@ def _reduce(tensor: torch.Tensor,
         # cannot export: as PyTorch sends it (a copy in shared memory; the parent's is kept).
         return fallback(tensor)
     if in_feeder:
-        _vmm_feeders.add(threading.current_thread())
+        _note_feeder_send(payload[_TICKET_FIELD])
     return (sharing.rebuild_tensor, payload)
 
 
@@ -366,7 +369,20 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
                 return dump(self, obj)
             finally:
                 _pickling.message = outer
-        return _pickled_or_withdrawn(lambda: dump(self, obj))
+        if not _on_feeder_thread():
+            return _pickled_or_withdrawn(lambda: dump(self, obj))
+        # A queue's feeder: noted while it pickles (the exit wait waits for that before it
+        # withdraws the sends of a queue whose join was cancelled), and stopped there once the
+        # exit wait has abandoned its queue (the feeder ends quietly on an error at exit).
+        thread = threading.current_thread()
+        _pickling_feeders.add(thread)
+        try:
+            if thread in _abandoned_feeders:
+                raise RuntimeError("vmm_torch: this queue's join was cancelled and the process "
+                                   "is exiting: nothing more is sent")
+            return _pickled_or_withdrawn(lambda: dump(self, obj))
+        finally:
+            _pickling_feeders.discard(thread)
 
     dump_withdrawing.__wrapped__ = dump  # type: ignore[attr-defined]
     dump_withdrawing._vmm_withdrawing = True  # type: ignore[attr-defined]
@@ -600,11 +616,25 @@ def _wait_for_receivers() -> None:
     the receivers): lets the feeders flush, then gives the receivers of this process's sends
     time to import them, since the memory goes with the process."""
     deadline = time.monotonic() + exit_wait_seconds()
-    feeders = set(_vmm_feeders)
-    feeders.update(t for t in (getattr(q, "_thread", None) for q in list(_vmm_queues)) if t)
-    for thread in feeders:
+    queues = list(_vmm_queues)
+    feeders = set(_vmm_feeders.keys())
+    feeders.update(t for t in (getattr(q, "_thread", None) for q in queues) if t)
+    # A queue whose join was cancelled (Queue.cancel_join_thread: what it holds may be lost,
+    # as a DataLoader worker's prefetched batches are when its loader shuts it down) is neither
+    # flushed nor waited for, as multiprocessing does not join its feeder either.
+    abandoned = {q._thread for q in queues
+                 if getattr(q, "_joincancelled", False) and getattr(q, "_thread", None)}
+    # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
+    # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
+    # abort the process) and pickles no other.
+    _abandoned_feeders.update(abandoned)
+    for thread in feeders - abandoned:
         if thread is not threading.current_thread() and thread.is_alive():
             thread.join(max(0.0, deadline - time.monotonic()))
+    while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for thread in abandoned:
+        _withdraw(list(_vmm_feeders.get(thread, ())))
     if sharing.send_stats()["held"] == 0:
         return
     left = sharing.wait_for_sends(max(0.0, deadline - time.monotonic()))
@@ -614,11 +644,31 @@ def _wait_for_receivers() -> None:
                      "received, or raise %s)", left, EXIT_WAIT_VARIABLE)
 
 
+def _note_feeder_send(ticket: bytes) -> None:
+    """Records a send made by the current thread, a queue's feeder."""
+    thread = threading.current_thread()
+    tickets = _vmm_feeders.get(thread)
+    if tickets is None:
+        tickets = _vmm_feeders.setdefault(thread, deque(maxlen=_FEEDER_TICKETS))
+    tickets.append(ticket)
+
+
 _exit_wait_registered = False
-#: The queues' feeder threads that have sent vmm tensors, and the queues put vmm tensors in:
-#: the exit wait lets their feeders flush (and no other queue's).
-_vmm_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+#: Sends of each queue feeder thread that are remembered for the exit wait: a queue whose join
+#: was cancelled has its sends withdrawn, up to this many of the latest; older ones still held
+#: are waited for as any other.
+_FEEDER_TICKETS = 1024
+#: Where a send's payload holds its ticket.
+_TICKET_FIELD = sharing.SEND_PAYLOAD_FIELDS.index("ticket")
+#: The queues' feeder threads that have sent vmm tensors, with their latest sends' tickets, and
+#: the queues put vmm tensors in: the exit wait lets their feeders flush (and no other queue's).
+_vmm_feeders: "weakref.WeakKeyDictionary[threading.Thread, Deque[bytes]]" = \
+    weakref.WeakKeyDictionary()
 _vmm_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
+#: Feeder threads pickling now, and those of queues the exit wait abandoned (their join was
+#: cancelled), which pickle nothing more.
+_pickling_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_abandoned_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def _register_exit_wait() -> None:
