@@ -89,20 +89,22 @@ class SendLedger::Impl {
     absl::Time sent;     // when it was made
     uint64_t key = 0;    // its key in holds_
     bool recent = true;  // unacknowledged and counted in recent_bytes_ (RecentHeldBytes)
+    int64_t thread = 0;  // the Linux thread id of the thread that made it (WithdrawMadeBy)
   };
   using Holds = absl::flat_hash_map<uint64_t, Entry>;
 
   Impl() : lease_(LeaseFromEnvironment()) {}
 
   // Adds a hold; true when it ends sooner than every other (the fd server must look again).
-  bool Add(uint64_t bytes, const Nonce& nonce, Release release, Settle settle, uint64_t* key) {
+  bool Add(uint64_t bytes, const Nonce& nonce, Release release, Settle settle, int64_t thread,
+           uint64_t* key) {
     MutexLock lock(&mu_);
     *key = next_key_++;
     const absl::Time deadline = absl::Now() + lease_;
     const bool soonest = deadlines_.empty() || deadline < deadlines_.begin()->first;
     const absl::Time now = deadline - lease_;
     holds_.emplace(*key, Entry{nonce, bytes, deadline, std::move(release), std::move(settle),
-                               /*acked=*/false, now, *key});
+                               /*acked=*/false, now, *key, /*recent=*/true, thread});
     deadlines_.insert({deadline, *key});
     recent_.insert({now, *key});
     recent_bytes_ += bytes;
@@ -128,6 +130,18 @@ class SendLedger::Impl {
     }
     Erase(it, /*released=*/true, out);  // counted neither as acknowledged nor as released
     return absl::OkStatus();
+  }
+
+  // Ends every unacknowledged hold made by thread `thread` as TakeWithdrawal does; returns
+  // how many.
+  size_t TakeWithdrawalsMadeBy(int64_t thread, std::vector<Release>* out) {
+    MutexLock lock(&mu_);
+    std::vector<uint64_t> keys;
+    for (const auto& [key, entry] : holds_) {
+      if (entry.thread == thread && !entry.acked) keys.push_back(key);
+    }
+    for (uint64_t key : keys) Erase(holds_.find(key), /*released=*/true, out);
+    return keys.size();
   }
 
   // Applies the receiver's `report` on the hold (key, nonce), appending what must run to
@@ -466,7 +480,8 @@ absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release rele
   VMM_ASSIGN_OR_RETURN(FdToken ticket, FdServer::Get().Address());
   ticket.kind = FdToken::Kind::kSendHold;
   fd_share_internal::RandomBytes(ticket.nonce.data(), ticket.nonce.size());
-  if (impl_->Add(bytes, ticket.nonce, std::move(release), std::move(settle), &ticket.key)) {
+  if (impl_->Add(bytes, ticket.nonce, std::move(release), std::move(settle), gettid(),
+                 &ticket.key)) {
     FdServer::Get().WakeForLedger();
   }
   return ticket.Encode();
@@ -480,14 +495,25 @@ absl::Status SendLedger::Ack(uint64_t key, const std::array<uint8_t, 16>& nonce,
 absl::Status SendLedger::Withdraw(uint64_t key, const std::array<uint8_t, 16>& nonce) {
   std::vector<Release> work;
   absl::Status status = impl_->TakeWithdrawal(key, nonce, &work);
-  if (!work.empty()) {
-    if (CaptureWindowOpen()) {
-      impl_->Enqueue(std::move(work));
-    } else {
-      impl_->Run(work);
-    }
-  }
+  RunWithdrawals(std::move(work));
   return status;
+}
+
+size_t SendLedger::WithdrawMadeBy(int64_t thread_id) {
+  std::vector<Release> work;
+  const size_t withdrawn = impl_->TakeWithdrawalsMadeBy(thread_id, &work);
+  RunWithdrawals(std::move(work));
+  return withdrawn;
+}
+
+void SendLedger::RunWithdrawals(std::vector<absl::AnyInvocable<void() &&>> work) {
+  if (work.empty()) return;
+  // While a graph is captured the release thread runs them afterwards (capture_window.h).
+  if (CaptureWindowOpen()) {
+    impl_->Enqueue(std::move(work));
+  } else {
+    impl_->Run(work);
+  }
 }
 
 absl::Status SendLedger::Report(uint64_t key, const std::array<uint8_t, 16>& nonce,

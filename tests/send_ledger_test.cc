@@ -623,6 +623,42 @@ TEST_F(SendLedgerTest, AnAcknowledgedSendCannotBeWithdrawn) {
   EXPECT_THAT(journal.entries(), ElementsAre("release", "settle(true)"));
 }
 
+// At exit, the sends of a queue whose data the program gave up are withdrawn by the thread
+// that made them (its feeder): that thread's unacknowledged holds end, released; another
+// thread's, and an acknowledged one of the same thread, are left as they are.
+TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
+  Journal feeder_journal, acked_journal, other_journal;
+  std::vector<Ticket> feeder_tickets;
+  Ticket acked{};
+  int64_t feeder_id = 0;
+  std::thread feeder([&] {
+    feeder_id = gettid();
+    for (int i = 0; i < 3; ++i) feeder_tickets.push_back(HoldSettled(100, &feeder_journal));
+    acked = HoldSettled(100, &acked_journal);
+  });
+  feeder.join();
+  const Ticket other = HoldSettled(100, &other_journal);  // this thread's
+  EXPECT_EQ(AckFromChild(acked), absl::StatusCode::kOk);
+  const absl::Time by = absl::Now() + absl::Seconds(5);  // the release thread runs it
+  while (acked_journal.entries().empty() && absl::Now() < by) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_THAT(acked_journal.entries(), ElementsAre("release"));
+
+  EXPECT_EQ(SendLedger::Get().WithdrawMadeBy(feeder_id), 3u);
+  EXPECT_THAT(feeder_journal.entries(),
+              ElementsAre("release", "settle(true)", "release", "settle(true)", "release",
+                          "settle(true)"));
+  EXPECT_THAT(acked_journal.entries(), ElementsAre("release")) << "a receiver maps it";
+  EXPECT_THAT(other_journal.entries(), ElementsAre());
+  for (const Ticket& ticket : feeder_tickets) {
+    EXPECT_THAT(CancelSend(ticket), StatusIs(absl::StatusCode::kNotFound));
+  }
+  EXPECT_EQ(SendLedger::Get().WithdrawMadeBy(feeder_id), 0u) << "nothing more to withdraw";
+  EXPECT_EQ(SendLedger::Get().GetStats().held, 1u);
+  EXPECT_OK(CancelSend(other));
+  EXPECT_EQ(ReportFromChild(acked, SendReport::kReleased), absl::StatusCode::kOk);
+  EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
+}
+
 TEST_F(SendLedgerTest, ASecondAckIsRefusedAndSettlesAsNotReleased) {
   // Its payload was imported twice: the importers are no longer counted, so the memory must
   // not be reused (settle(false)), and the release does not run again.

@@ -41,7 +41,7 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
 - **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
   (VMM_SEND_EXIT_WAIT_S) for the receivers of its sends, since its memory goes with it; not
   for those of a queue whose join was cancelled (``Queue.cancel_join_thread``, as a
-  DataLoader worker does when its loader shuts down), whose data may be lost.
+  DataLoader worker does when its loader shuts down): their holds are withdrawn.
 - **No silent loss.** A tensor that cannot travel (a pool with ``handle_type="none"``, a
   non-leaf tensor that requires grad) fails in ``Queue.put`` with a clear error where the
   object is a tensor or holds tensors in lists, tuples and dicts (``Queue.put`` checks them
@@ -65,9 +65,8 @@ import pickle
 import threading
 import time
 import weakref
-from collections import deque
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -162,7 +161,7 @@ def _reduce(tensor: torch.Tensor,
         # The common case in one call: the put's events waited for, the memory exported.
         kind, data, ticket = module.export_send(tensor)
         if data is not None:
-            _note_feeder_send(ticket)
+            _vmm_feeders.add(threading.current_thread())
             return (sharing.rebuild_tensor,
                     sharing.sent_payload(tensor, data, ticket,
                                          isinstance(tensor, torch.nn.Parameter),
@@ -204,7 +203,7 @@ def _reduce(tensor: torch.Tensor,
         # cannot export: as PyTorch sends it (a copy in shared memory; the parent's is kept).
         return fallback(tensor)
     if in_feeder:
-        _note_feeder_send(payload[_TICKET_FIELD])
+        _vmm_feeders.add(threading.current_thread())
     return (sharing.rebuild_tensor, payload)
 
 
@@ -375,14 +374,17 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
         # withdraws the sends of a queue whose join was cancelled), and stopped there once the
         # exit wait has abandoned its queue (the feeder ends quietly on an error at exit).
         thread = threading.current_thread()
-        _pickling_feeders.add(thread)
+        outermost = thread not in _pickling_feeders  # a reducer may pickle inside a message
+        if outermost:
+            _pickling_feeders.add(thread)
         try:
             if thread in _abandoned_feeders:
                 raise RuntimeError("vmm_torch: this queue's join was cancelled and the process "
                                    "is exiting: nothing more is sent")
             return _pickled_or_withdrawn(lambda: dump(self, obj))
         finally:
-            _pickling_feeders.discard(thread)
+            if outermost:
+                _pickling_feeders.discard(thread)
 
     dump_withdrawing.__wrapped__ = dump  # type: ignore[attr-defined]
     dump_withdrawing._vmm_withdrawing = True  # type: ignore[attr-defined]
@@ -615,26 +617,34 @@ def _wait_for_receivers() -> None:
     finalizers, priority 10, run first) and before it terminates daemon children (which may be
     the receivers): lets the feeders flush, then gives the receivers of this process's sends
     time to import them, since the memory goes with the process."""
-    deadline = time.monotonic() + exit_wait_seconds()
-    queues = list(_vmm_queues)
-    feeders = set(_vmm_feeders.keys())
+    start = time.monotonic()
+    deadline = start + exit_wait_seconds()
+    # Snapshots in one step each (a feeder may add itself meanwhile).
+    queues = [q for q in (ref() for ref in list(_vmm_queues.data)) if q is not None]
+    feeders = {t for t in (ref() for ref in list(_vmm_feeders.data)) if t is not None}
     feeders.update(t for t in (getattr(q, "_thread", None) for q in queues) if t)
-    # A queue whose join was cancelled (Queue.cancel_join_thread: what it holds may be lost,
-    # as a DataLoader worker's prefetched batches are when its loader shuts it down) is neither
-    # flushed nor waited for, as multiprocessing does not join its feeder either.
+    # A queue whose join was cancelled (Queue.cancel_join_thread: the program lets the process
+    # exit without flushing it and gives up what it holds, as a DataLoader worker does with
+    # its prefetched batches when its loader shuts it down) is neither flushed nor waited for,
+    # as multiprocessing does not join its feeder either; nor are the receivers of what its
+    # feeder sent before (a reader of the queue that is slower than the exit loses them, as
+    # it loses what was not flushed).
     abandoned = {q._thread for q in queues
                  if getattr(q, "_joincancelled", False) and getattr(q, "_thread", None)}
     # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
     # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
-    # abort the process) and pickles no other.
+    # abort the process), for at least _ABANDON_PICKLE_S whatever the exit wait, and pickles
+    # no other.
     _abandoned_feeders.update(abandoned)
     for thread in feeders - abandoned:
         if thread is not threading.current_thread() and thread.is_alive():
             thread.join(max(0.0, deadline - time.monotonic()))
-    while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < deadline:
+    pickled_by = max(deadline, start + _ABANDON_PICKLE_S)
+    while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < pickled_by:
         time.sleep(0.005)
     for thread in abandoned:
-        _withdraw(list(_vmm_feeders.get(thread, ())))
+        if thread.native_id is not None:
+            sharing.withdraw_thread_sends(thread.native_id)
     if sharing.send_stats()["held"] == 0:
         return
     left = sharing.wait_for_sends(max(0.0, deadline - time.monotonic()))
@@ -644,26 +654,13 @@ def _wait_for_receivers() -> None:
                      "received, or raise %s)", left, EXIT_WAIT_VARIABLE)
 
 
-def _note_feeder_send(ticket: bytes) -> None:
-    """Records a send made by the current thread, a queue's feeder."""
-    thread = threading.current_thread()
-    tickets = _vmm_feeders.get(thread)
-    if tickets is None:
-        tickets = _vmm_feeders.setdefault(thread, deque(maxlen=_FEEDER_TICKETS))
-    tickets.append(ticket)
-
-
 _exit_wait_registered = False
-#: Sends of each queue feeder thread that are remembered for the exit wait: a queue whose join
-#: was cancelled has its sends withdrawn, up to this many of the latest; older ones still held
-#: are waited for as any other.
-_FEEDER_TICKETS = 1024
-#: Where a send's payload holds its ticket.
-_TICKET_FIELD = sharing.SEND_PAYLOAD_FIELDS.index("ticket")
-#: The queues' feeder threads that have sent vmm tensors, with their latest sends' tickets, and
-#: the queues put vmm tensors in: the exit wait lets their feeders flush (and no other queue's).
-_vmm_feeders: "weakref.WeakKeyDictionary[threading.Thread, Deque[bytes]]" = \
-    weakref.WeakKeyDictionary()
+#: How long the exit wait lets an abandoned queue's feeder finish the message it is pickling,
+#: at least (seconds).
+_ABANDON_PICKLE_S = 2.0
+#: The queues' feeder threads that have sent vmm tensors, and the queues put vmm tensors in:
+#: the exit wait lets their feeders flush (and no other queue's).
+_vmm_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _vmm_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
 #: Feeder threads pickling now, and those of queues the exit wait abandoned (their join was
 #: cancelled), which pickle nothing more.

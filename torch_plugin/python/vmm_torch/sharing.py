@@ -381,6 +381,12 @@ def cancel_send(ticket: bytes) -> None:
     _lib.check(_lib.vmm().vmm_send_cancel(bytes(ticket), len(ticket)), "withdrawing a send")
 
 
+def withdraw_thread_sends(thread_id: int) -> int:
+    """Withdraws every send not yet acknowledged that the thread with native id `thread_id`
+    (``threading.Thread.native_id``) made in this process; returns how many."""
+    return int(_lib.vmm().vmm_send_withdraw_thread(int(thread_id)))
+
+
 def sent_payload(t: torch.Tensor, data: bytes, ticket: bytes, parameter: bool,
                  requires_grad: bool) -> SendPayload:
     """The payload of a send of `t` exported as descriptor `data` with `ticket`."""
