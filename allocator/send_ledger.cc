@@ -132,15 +132,16 @@ class SendLedger::Impl {
     return absl::OkStatus();
   }
 
-  // Ends every unacknowledged hold made by thread `thread` as TakeWithdrawal does; returns
-  // how many.
+  // Ends every unacknowledged hold made by thread `thread`, settled as not released (its
+  // payload may have left: a receiver may still import it, so its memory is never reused);
+  // returns how many.
   size_t TakeWithdrawalsMadeBy(int64_t thread, std::vector<Release>* out) {
     MutexLock lock(&mu_);
     std::vector<uint64_t> keys;
     for (const auto& [key, entry] : holds_) {
       if (entry.thread == thread && !entry.acked) keys.push_back(key);
     }
-    for (uint64_t key : keys) Erase(holds_.find(key), /*released=*/true, out);
+    for (uint64_t key : keys) Erase(holds_.find(key), /*released=*/false, out);
     return keys.size();
   }
 

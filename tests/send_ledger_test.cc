@@ -624,8 +624,9 @@ TEST_F(SendLedgerTest, AnAcknowledgedSendCannotBeWithdrawn) {
 }
 
 // At exit, the sends of a queue whose data the program gave up are withdrawn by the thread
-// that made them (its feeder): that thread's unacknowledged holds end, released; another
-// thread's, and an acknowledged one of the same thread, are left as they are.
+// that made them (its feeder): that thread's unacknowledged holds end, settled as not
+// released (their payloads left: the memory must not be reused); another thread's, and an
+// acknowledged one of the same thread, are left as they are.
 TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
   Journal feeder_journal, acked_journal, other_journal;
   std::vector<Ticket> feeder_tickets;
@@ -645,8 +646,8 @@ TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
 
   EXPECT_EQ(SendLedger::Get().WithdrawMadeBy(feeder_id), 3u);
   EXPECT_THAT(feeder_journal.entries(),
-              ElementsAre("release", "settle(true)", "release", "settle(true)", "release",
-                          "settle(true)"));
+              ElementsAre("release", "settle(false)", "release", "settle(false)", "release",
+                          "settle(false)"));
   EXPECT_THAT(acked_journal.entries(), ElementsAre("release")) << "a receiver maps it";
   EXPECT_THAT(other_journal.entries(), ElementsAre());
   for (const Ticket& ticket : feeder_tickets) {

@@ -373,8 +373,9 @@ int vmm_send_ack_later(const uint8_t* ticket, size_t len);
 int vmm_send_cancel(const uint8_t* ticket, size_t len);
 /* The sender withdraws every unacknowledged send that the thread with Linux thread id
  * `thread_id` (gettid(); Python's Thread.native_id) made in this process: what a queue's
- * feeder thread sent for a queue whose data the program gave up at exit. Returns how many
- * (never fails; 0 for a thread that made none). */
+ * feeder thread sent for a queue whose data the program gave up at exit. Their memory is
+ * never reused (a fabric payload still imports while the process lives; a POSIX-fd one is
+ * NOT_FOUND). Returns how many (never fails; 0 for a thread that made none). */
 int64_t vmm_send_withdraw_thread(int64_t thread_id);
 /* The receiver's half after importing a send as import `import_id` (vmm_import): queues the
  * ack (as vmm_send_ack_later) and, for when that import's mapping is unmapped, the report that
