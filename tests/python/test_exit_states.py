@@ -1485,7 +1485,7 @@ RAW_FORK = """
     """
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(  # not strict: a slow exit may let the read pass
     "a defect: the exit wait is registered again in a child forked by multiprocessing only "
     "(register_after_fork), not after os.fork() (sharing.py's acknowledgement flush uses "
     "os.register_at_fork): such a child exits at once, and its receiver gets UNAVAILABLE"))
