@@ -7,6 +7,7 @@
 //   CudaErrorStatus(CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY",
 //                   "out of memory", "device 0, 2097152 bytes")
 //   => ResourceExhausted("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory); device 0, ...")
+//      carrying the CUresult (2) as its driver error (driver_error.h)
 #ifndef VMM_ALLOCATOR_CUDA_STATUS_H_
 #define VMM_ALLOCATOR_CUDA_STATUS_H_
 
@@ -32,7 +33,7 @@ absl::StatusCode CudaErrorCode(CUresult result);
 
 // The status for `result` returned by `call` (a driver function name such as "cuMemMap"):
 // "<call>: <error_name> (<description>)", followed by "; <context>" when `context` is not empty.
-// OkStatus() for CUDA_SUCCESS.
+// It carries `result` as its driver error (DriverErrorOf). OkStatus() for CUDA_SUCCESS.
 absl::Status CudaErrorStatus(CUresult result, absl::string_view call, absl::string_view error_name,
                              absl::string_view description, absl::string_view context = {});
 

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "allocator/driver_error.h"
 #include "allocator/export_registry.h"
 #include "allocator/fork_guard.h"
 #include "allocator/kept_handles.h"
@@ -226,8 +227,7 @@ size_t OpenImportMappings() { return static_cast<size_t>(open_mappings.load()); 
 namespace {
 
 absl::Status Owned(const BufferDescriptor& d, const absl::Status& cause) {
-  return absl::Status(cause.code(), absl::StrCat("importing a buffer of ", d.OwnerForMessages(),
-                                                 ": ", cause.message()));
+  return WithContext(cause, absl::StrCat("importing a buffer of ", d.OwnerForMessages()));
 }
 
 absl::StatusOr<int> ResolveDevice(Driver* driver, const BufferDescriptor& d, int requested) {
@@ -457,9 +457,8 @@ absl::StatusOr<std::unique_ptr<ImportedBuffer>> ImportBuffer(Driver* driver,
 absl::StatusOr<BufferDescriptor> ReExportImport(ImportedBuffer& buffer) {
   ImportedBuffer::Mapping& mapping = *buffer.mapping_;
   auto owned = [&](const absl::Status& cause) {
-    return absl::Status(cause.code(),
-                        absl::StrCat("re-exporting an imported buffer of ",
-                                     OwnerForMessages(buffer.owner_uuid()), ": ", cause.message()));
+    return WithContext(cause, absl::StrCat("re-exporting an imported buffer of ",
+                                           OwnerForMessages(buffer.owner_uuid())));
   };
   absl::StatusOr<std::vector<BufferDescriptor::Handle>> handles = mapping.kept().Describe();
   if (!handles.ok()) return owned(handles.status());

@@ -198,6 +198,7 @@ TEST_F(CApiTest, TheStatsStructSaysWhatTheJsonSays) {
   ExpectSameAsJson(DeviceStats(0), TakeJson(vmm_stats_json(0)));
   EXPECT_EQ(vmm_device_torch_stats(0, nullptr), -1);
   EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_last_driver_error(), 0) << "a refusal of vmm's own is no CUDA error";
   // vmm_device_usage: the struct's current allocated and reserved bytes, all blocks freed.
   int64_t allocated = -1, reserved = -1;
   ASSERT_EQ(vmm_device_usage(0, &allocated, &reserved), 0) << vmm_last_error();

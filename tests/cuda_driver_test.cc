@@ -19,7 +19,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "allocator/cuda_status.h"
+#include "allocator/driver_error.h"
 #include "allocator/driver.h"
 #include "allocator/driver_factory.h"
 #include "allocator/unique_fd.h"
@@ -74,13 +76,32 @@ TEST(CudaStatusTest, CodesFollowMeaning) {
 TEST(CudaStatusTest, MessageNamesCallErrorAndContext) {
   absl::Status status = CudaErrorStatus(CUDA_ERROR_INVALID_VALUE, "cuMemMap",
                                         "CUDA_ERROR_INVALID_VALUE", "invalid argument");
-  EXPECT_EQ(status,
-            absl::InvalidArgumentError("cuMemMap: CUDA_ERROR_INVALID_VALUE (invalid argument)"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(), "cuMemMap: CUDA_ERROR_INVALID_VALUE (invalid argument)");
 
   status = CudaErrorStatus(CUDA_ERROR_OUT_OF_MEMORY, "cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY",
                            "out of memory", "device 0, 2097152 bytes");
-  EXPECT_EQ(status, absl::ResourceExhaustedError("cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of "
-                                                 "memory); device 0, 2097152 bytes"));
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(status.message(),
+            "cuMemCreate: CUDA_ERROR_OUT_OF_MEMORY (out of memory); device 0, 2097152 bytes");
+}
+
+// The CUresult rides along, so that callers raise CUDA's error (torch.AcceleratorError) for a
+// device-side assert without reading the message; a context added above keeps it.
+TEST(CudaStatusTest, CarriesTheCUresult) {
+  for (CUresult result : {CUDA_ERROR_ASSERT, CUDA_ERROR_ILLEGAL_ADDRESS, CUDA_ERROR_OUT_OF_MEMORY,
+                          CUDA_ERROR_INVALID_VALUE, static_cast<CUresult>(998)}) {
+    const absl::Status status = CudaErrorStatus(result, "cuX", "NAME", "description");
+    EXPECT_EQ(DriverErrorOf(status), static_cast<int32_t>(result));
+    const absl::Status wrapped = WithContext(status, "importing a buffer");
+    EXPECT_EQ(wrapped.code(), status.code());
+    EXPECT_EQ(wrapped.message(), absl::StrCat("importing a buffer: ", status.message()));
+    EXPECT_EQ(DriverErrorOf(wrapped), static_cast<int32_t>(result));
+  }
+  EXPECT_EQ(DriverErrorOf(absl::InternalError("vmm's own")), 0);
+  EXPECT_EQ(DriverErrorOf(absl::OkStatus()), 0);
+  EXPECT_EQ(DriverErrorOf(WithDriverError(absl::OkStatus(), 710)), 0);
+  EXPECT_EQ(DriverErrorOf(WithDriverError(absl::InternalError("x"), -5)), -5);
 }
 
 TEST(CudaStatusTest, SuccessIsOk) {
@@ -231,6 +252,7 @@ TEST_F(CudaGpuTest, OutOfMemoryIsResourceExhausted) {
   const size_t too_much = (info->total / granularity_ + 1) * granularity_;
   absl::StatusOr<PhysHandle> handle = driver_->Create(0, too_much, 0);
   EXPECT_EQ(handle.status().code(), absl::StatusCode::kResourceExhausted) << handle.status();
+  EXPECT_EQ(DriverErrorOf(handle.status()), CUDA_ERROR_OUT_OF_MEMORY) << handle.status();
   if (handle.ok()) {
     EXPECT_TRUE(driver_->Release(*handle).ok());
   }

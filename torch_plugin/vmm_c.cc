@@ -4,6 +4,7 @@
 #include "torch_plugin/vmm_c.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -20,6 +21,7 @@
 #include "allocator/byte_size.h"
 #include "allocator/capture_window.h"
 #include "allocator/descriptor.h"
+#include "allocator/driver_error.h"
 #include "allocator/driver_factory.h"
 #include "allocator/log.h"
 #include "allocator/pool_options.h"
@@ -71,14 +73,17 @@ static_assert(VMM_HANDLE_BYTES == kDescriptorHandleSize, "handle size");
 // its buffer twice.
 thread_local bool last_error_gone = false;
 thread_local int last_error_code_after = VMM_OK;
+thread_local int32_t last_driver_error_after = 0;
 constexpr char kMessageGone[] =
     "(no message: the failure came after this thread's records were destroyed at its exit)";
 
 struct LastError {
   int code = VMM_OK;
+  int32_t driver_error = 0;  // the CUresult behind it (driver_error.h), or 0
   std::string message;
   ~LastError() {
     last_error_code_after = code;
+    last_driver_error_after = driver_error;
     last_error_gone = true;
   }
 };
@@ -87,9 +92,11 @@ thread_local LastError last_error;
 int Fail(const absl::Status& status) {
   if (last_error_gone) {
     last_error_code_after = static_cast<int>(status.code());
+    last_driver_error_after = DriverErrorOf(status);
     return -1;
   }
   last_error.code = static_cast<int>(status.code());
+  last_error.driver_error = DriverErrorOf(status);
   last_error.message = std::string(status.message());
   return -1;
 }
@@ -199,6 +206,10 @@ extern "C" {
 
 int vmm_last_error_code(void) {
   return vmm::last_error_gone ? vmm::last_error_code_after : vmm::last_error.code;
+}
+
+int vmm_last_driver_error(void) {
+  return vmm::last_error_gone ? vmm::last_driver_error_after : vmm::last_error.driver_error;
 }
 
 const char* vmm_last_error(void) {

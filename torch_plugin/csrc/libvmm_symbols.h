@@ -35,6 +35,7 @@ void Lookup(void* lib, const char* name, F* out) {
 // The functions of libvmm.so the extension and the CUDA module call, typed by vmm_c.h.
 struct Vmm {
   decltype(&vmm_last_error_code) last_error_code = nullptr;
+  decltype(&vmm_last_driver_error) last_driver_error = nullptr;
   decltype(&vmm_last_error) last_error = nullptr;
   decltype(&vmm_alloc) alloc = nullptr;
   decltype(&vmm_free) free = nullptr;
@@ -80,6 +81,7 @@ inline void Bind(const std::string& path) {
   void* lib = OpenLibvmm(path);
   Vmm v;
   Lookup(lib, "vmm_last_error_code", &v.last_error_code);
+  Lookup(lib, "vmm_last_driver_error", &v.last_driver_error);
   Lookup(lib, "vmm_last_error", &v.last_error);
   Lookup(lib, "vmm_alloc", &v.alloc);
   Lookup(lib, "vmm_free", &v.free);

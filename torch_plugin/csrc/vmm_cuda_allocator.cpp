@@ -70,6 +70,12 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <pybind11/stl.h>
 #include <torch/extension.h>
+#include <torch/version.h>
+// c10::AcceleratorError (torch.AcceleratorError): what PyTorch raises for a failing CUDA call
+// since torch 2.8; before, RuntimeError.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define VMM_TORCH_HAS_ACCELERATOR_ERROR 1
+#endif
 
 #include "torch_plugin/csrc/alloc_history.h"
 #include "torch_plugin/csrc/foreign_index.h"
@@ -107,11 +113,22 @@ void RequireBound() {
 // (RuntimeError), bad arguments included. PyTorch's allocator raises RuntimeError for a handle
 // it cannot open, a pool or pointer it does not know, and a program catches that; vmm's own
 // API (vmm_ops.cpp) raises ValueError for bad arguments, this interface does not.
+// A failure of a CUDA driver call (libvmm's last driver error; out of memory aside) is
+// c10::AcceleratorError with the driver's code where torch has it, as PyTorch raises for a
+// failing CUDA call: after a device-side assert every call that needs the GPU fails so, and
+// programs catch torch.AcceleratorError. The driver's codes for the errors of a broken
+// context (700-720: illegal address, assert, launch failure...) are the runtime's too.
 [[noreturn]] void ThrowLastError(const std::string& what) {
   const int code = libvmm.last_error_code();
   const std::string message = libvmm.last_error();
   TORCH_CHECK_WITH(OutOfMemoryError, code != VMM_RESOURCE_EXHAUSTED,
                    "CUDA out of memory. vmm: ", what, ": ", message);
+#ifdef VMM_TORCH_HAS_ACCELERATOR_ERROR
+  if (const int driver_error = libvmm.last_driver_error(); driver_error != 0) {
+    throw c10::AcceleratorError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                driver_error, "CUDA error: vmm: " + what + ": " + message);
+  }
+#endif
   TORCH_CHECK(false, "vmm: ", what, ": ", message);
 }
 
@@ -229,8 +246,12 @@ class VmmAllocator : public Pluggable {
     free_fn_ = [this](void* ptr, size_t size, int device, cudaStream_t stream) {
       Free(ptr, size, device, stream);
     };
+    // A CUDA error raises, as PyTorch's allocator's synchronisation raises it (a program's
+    // error handler after a device-side assert calls empty_cache); vmm's own failures warn.
     reset_fn_ = [] {
-      if (libvmm.empty_cache(-1) != 0) TORCH_WARN("vmm: empty_cache failed: ", libvmm.last_error());
+      if (libvmm.empty_cache(-1) == 0) return;
+      if (libvmm.last_driver_error() != 0) ThrowLastError("empty_cache");
+      TORCH_WARN("vmm: empty_cache failed: ", libvmm.last_error());
     };
     memory_fraction_fn_ = [this](double fraction, int device) {
       CheckDevice(device, "set_per_process_memory_fraction");

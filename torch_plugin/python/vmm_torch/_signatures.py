@@ -270,6 +270,7 @@ Signature = Tuple[CType, List[type]]
 SIGNATURES: Dict[str, Signature] = {
     # Errors, backend, buffers, sizes.
     "vmm_last_error_code": (_int, []),
+    "vmm_last_driver_error": (_int, []),
     "vmm_last_error": (_char_p, []),
     "vmm_default_backend": (_int, []),
     "vmm_release_buffer": (None, [_void_p]),
