@@ -35,7 +35,9 @@ freed by PyTorch's static destructors after vmm's objects were gone):
   hold): beside a queue whose receiver reads late, mid-burst with and without a reader,
   cancelled at creation (multiprocessing's Queue and JoinableQueue, torch.multiprocessing's
   Queue), with a message still being pickled (a nested pickle inside it, an exit wait of 0),
-  and in a forked child that inherits a parent's cancelled queue.
+  dropped by the program before exit, and in a forked child (multiprocessing's fork, and
+  os.fork()) that inherits a parent's cancelled queue;
+- a sender in its exit wait whose SIGTERM handler calls sys.exit.
 
 Daemon threads that run PyTorch operators while the interpreter finalizes are left out:
 torch 1.13 with Python 3.11 aborts there without vmm ("terminate called without an active
@@ -1427,10 +1429,6 @@ DROPPED_CANCELLED_QUEUE = """
     """
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a defect: the exit wait knows a cancelled queue only while the queue object lives "
-    "(_vmm_queues is a WeakSet): once the program drops it, its feeder's sends are waited for "
-    "the whole VMM_SEND_EXIT_WAIT_S, and their number is warned about"))
 def test_a_cancelled_queue_the_program_dropped_is_not_waited_for(tmp_path):
     """A cancelled queue's 20 sends in its pipe (a child holds it and never reads), the queue
     object dropped before exit: multiprocessing does not join its feeder, and vmm's exit wait
@@ -1486,10 +1484,6 @@ RAW_FORK = """
     """
 
 
-@pytest.mark.xfail(strict=False, reason=(  # not strict: a slow exit may let the read pass
-    "a defect: the exit wait is registered again in a child forked by multiprocessing only "
-    "(register_after_fork), not after os.fork() (sharing.py's acknowledgement flush uses "
-    "os.register_at_fork): such a child exits at once, and its receiver gets UNAVAILABLE"))
 def test_a_child_forked_by_os_fork_still_waits_for_its_receivers(tmp_path):
     """A parent with a cancelled queue forks a child with os.fork(): the child, which inherits
     that bookkeeping as it is, sends on another queue and exits; it waits for the parent, who
@@ -1501,3 +1495,48 @@ def test_a_child_forked_by_os_fork_still_waits_for_its_receivers(tmp_path):
     assert out["got"] == "ok", out
     took, end = _exit_wait(tmp_path, "child_")
     assert end["t"] > out["before"] and end["held"] == 0, (out, end)
+
+
+SIGTERM_IN_THE_WAIT = """
+    import signal
+
+    import torch
+    import torch.multiprocessing as mp
+    import vmm_torch
+
+
+    def sender(q, d):
+        # Its handler exits with 5; its one send is never read, so it would wait the whole
+        # exit wait (60 s).
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))
+        vmm_torch.install_reducers()
+        pool = vmm_torch.Pool("host", handle_type="posix_fd")
+        q.put(pool.empty((1000,)).fill_(1))
+        wait_for(lambda: vmm_torch.send_stats()["held"] == 1, "the feeder's send")
+        stamp_exit_wait(d)
+
+
+    if __name__ == "__main__":
+        d = sys.argv[1]
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        proc = ctx.Process(target=sender, args=(q, d))
+        proc.start()
+        wait_for(lambda: os.path.exists(d + "/wait_start"), "the sender's exit wait")
+        time.sleep(0.5)
+        killed = time.monotonic()
+        proc.terminate()  # SIGTERM
+        proc.join(30)
+        result({"exitcode": proc.exitcode, "took": time.monotonic() - killed})
+    """
+
+
+def test_a_sigterm_handler_ends_the_exit_wait_at_once(tmp_path):
+    """A sender in its exit wait for a send no one reads gets SIGTERM, whose Python handler
+    calls sys.exit(5): the handler runs at once (the wait is no single long C call) and the
+    process exits with 5, as its handler says."""
+    done = _run(_cancel_script(tmp_path, "sigterm_in_the_wait.py", SIGTERM_IN_THE_WAIT),
+                tmp_path, env=_env(VMM_SEND_EXIT_WAIT_S=60))
+    _check("parent", done, 0)
+    (out,) = _results(done.stdout)
+    assert out["exitcode"] == 5 and out["took"] < 5, out

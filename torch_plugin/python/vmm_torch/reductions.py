@@ -578,22 +578,50 @@ def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
     def checked_put(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
         if prepare_send(obj):
             _vmm_queues.add(self)
-        return put(self, obj, *args, **kwargs)
+        try:
+            return put(self, obj, *args, **kwargs)
+        finally:
+            _note_if_cancelled(self)  # put starts the feeder
 
     checked_put.__wrapped__ = put  # type: ignore[attr-defined]
     checked_put.__doc__ = put.__doc__
     return checked_put
 
 
+def _note_if_cancelled(queue: Any) -> None:
+    """Remembers the feeder thread of a queue whose join was cancelled, for the exit wait,
+    which then gives its sends up even if the program has dropped the queue by then."""
+    thread = getattr(queue, "_thread", None)
+    if thread is not None and getattr(queue, "_joincancelled", False):
+        _cancelled_feeders.add(thread)
+
+
+def _noting_cancel(cancel: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def cancel_join_thread(self: Any) -> Any:
+        try:
+            return cancel(self)
+        finally:
+            _note_if_cancelled(self)  # a feeder already running (puts after it: checked_put)
+
+    cancel_join_thread.__wrapped__ = cancel  # type: ignore[attr-defined]
+    cancel_join_thread.__doc__ = cancel.__doc__
+    return cancel_join_thread
+
+
 def _patch_queue_puts() -> None:
     """Queue.put (and JoinableQueue.put) pickle in a feeder thread, too late to fail in the
-    caller or to move a tensor safely: they prepare the tensors first (prepare_send)."""
+    caller or to move a tensor safely: they prepare the tensors first (prepare_send).
+    Queue.cancel_join_thread and every put note a cancelled queue's feeder (the exit wait)."""
     for queue_type in (multiprocessing.queues.Queue, multiprocessing.queues.JoinableQueue):
         put = queue_type.__dict__.get("put")
         if put is None or queue_type in _original_puts:
             continue
         _original_puts[queue_type] = put
         queue_type.put = _checked(put)
+    queue_type = multiprocessing.queues.Queue
+    cancel = queue_type.__dict__.get("cancel_join_thread")
+    if cancel is not None and not hasattr(cancel, "__wrapped__"):
+        queue_type.cancel_join_thread = _noting_cancel(cancel)
 
 
 def exit_wait_seconds() -> float:
@@ -631,6 +659,7 @@ def _wait_for_receivers() -> None:
     # it loses what was not flushed).
     abandoned = {q._thread for q in queues
                  if getattr(q, "_joincancelled", False) and getattr(q, "_thread", None)}
+    abandoned.update(t for t in (ref() for ref in list(_cancelled_feeders.data)) if t is not None)
     # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
     # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
     # abort the process), for at least _ABANDON_PICKLE_S whatever the exit wait, and pickles
@@ -666,6 +695,9 @@ _vmm_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
 #: cancelled), which pickle nothing more.
 _pickling_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _abandoned_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+#: The feeder threads of queues whose join was cancelled, noted at the cancel and at each put
+#: (the queue itself may be gone by the exit).
+_cancelled_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def _register_exit_wait() -> None:
@@ -676,8 +708,8 @@ def _register_exit_wait() -> None:
 
 
 class _ForkHook:
-    """What multiprocessing calls in a child it forked, after it emptied the finalizers there:
-    the exit wait is registered again."""
+    """What multiprocessing calls in a child it forked, after it emptied the finalizers there,
+    and what os.fork calls in any child: the exit wait is registered again."""
 
     def __call__(self, _: object) -> None:
         global _exit_wait_registered
@@ -688,6 +720,11 @@ class _ForkHook:
 
 _fork_hook = _ForkHook()
 multiprocessing.util.register_after_fork(_fork_hook, _fork_hook)
+# A child made by os.fork() runs none of multiprocessing's after-fork hooks, and the
+# finalizer registered in the parent is skipped there (a Finalize runs only in the process
+# that made it): registered again at the fork itself. In a child multiprocessing forks, its
+# bootstrap then empties the finalizers and the hook above registers it once more.
+os.register_at_fork(after_in_child=lambda: _fork_hook(None))
 
 
 def install_reducers() -> None:

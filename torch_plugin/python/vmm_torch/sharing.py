@@ -58,6 +58,7 @@ import multiprocessing.util
 import os
 import re
 import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -502,10 +503,21 @@ def wait_for_send_room() -> bool:
     return bool(_lib.vmm().vmm_send_wait_for_room(SEND_STALL_S))
 
 
+#: The longest one call into libvmm waits for sends (seconds): Python runs signal handlers
+#: (a SIGTERM handler, Ctrl-C's KeyboardInterrupt) only between calls.
+_SEND_WAIT_SLICE_S = 0.05
+
+
 def wait_for_sends(timeout: float) -> int:
     """Waits until every send of this process was acknowledged (or expired), at most
-    `timeout` seconds; returns the sends still held."""
-    return int(_lib.vmm().vmm_send_wait(float(timeout)))
+    `timeout` seconds; returns the sends still held. A signal handler that raises (a
+    SIGTERM handler calling sys.exit, KeyboardInterrupt) ends the wait at once."""
+    deadline = time.monotonic() + max(0.0, float(timeout))
+    while True:
+        slice_s = min(_SEND_WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))
+        left = int(_lib.vmm().vmm_send_wait(slice_s))
+        if left == 0 or time.monotonic() >= deadline:
+            return left
 
 
 def raise_send_error(kind: str, message: str, code: Optional[str] = None) -> None:
