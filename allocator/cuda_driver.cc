@@ -62,8 +62,8 @@
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "allocator/cuda_status.h"
-#include "allocator/driver_error.h"
 #include "allocator/driver.h"
+#include "allocator/driver_error.h"
 #include "allocator/fork_guard.h"
 #include "allocator/log.h"
 #include "allocator/mutex.h"
@@ -118,7 +118,8 @@ absl::Status CudaErrorStatus(CUresult result, absl::string_view call, absl::stri
   if (result == CUDA_SUCCESS) return absl::OkStatus();
   std::string message = absl::StrCat(call, ": ", error_name, " (", description, ")");
   if (!context.empty()) absl::StrAppend(&message, "; ", context);
-  return WithDriverError(absl::Status(CudaErrorCode(result), message), static_cast<int32_t>(result));
+  return WithDriverError(absl::Status(CudaErrorCode(result), message),
+                         static_cast<int32_t>(result));
 }
 
 namespace {

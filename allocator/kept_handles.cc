@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "allocator/driver_error.h"
 #include "allocator/fd_share.h"
 #include "allocator/log.h"
 #include "allocator/status_macros.h"
@@ -138,9 +139,8 @@ absl::StatusOr<std::vector<BufferDescriptor::Handle>> KeptHandles::Describe() {
   for (const Piece& piece : pieces_) {
     absl::StatusOr<BufferDescriptor::Handle> handle = DescribePiece(piece, keys);
     if (!handle.ok()) {
-      failed = absl::Status(handle.status().code(),
-                            absl::StrCat("piece ", handles.size(), " of ", pieces_.size(), ": ",
-                                         handle.status().message()));
+      failed = WithContext(handle.status(),
+                           absl::StrCat("piece ", handles.size(), " of ", pieces_.size()));
       break;
     }
     handles.push_back(*handle);

@@ -1385,6 +1385,10 @@ absl::Status Pool::SynchronizeAll() {
 absl::Status Pool::EmptyCache() {
   MutexLock lock(&mu_);
   range_refused_ = absl::OkStatus();  // the range may grow again (Grow)
+  // Every mapped byte in a live block (allocated bytes drop at the free, so nothing is pending,
+  // retired, spare or cached): nothing to give back, and no driver call. As PyTorch's
+  // allocator, which then makes no CUDA call either: after a device-side assert it returns.
+  if (stats_.reserved_bytes.current == stats_.allocated_bytes.current) return absl::OkStatus();
   // The synchronisation and the unmaps would invalidate a capture under way
   // (capture_window.h); a window that opens meanwhile waits for them.
   const WorkOutsideCapture emptying(/*wanted=*/true);

@@ -50,7 +50,7 @@
 // makes Free wait (with events) for T's work too. Physical memory is unmapped only after the work that used it has completed.
 //
 // Returning memory. EmptyCache() synchronises the device and releases every chunk that is
-// entirely free. A failing growth first releases free chunks and retries once; a real
+// entirely free (where nothing is free, it returns at once, with no driver call). A failing growth first releases free chunks and retries once; a real
 // out-of-memory is ResourceExhausted naming the request and summarising the pool. With a
 // release threshold, Free releases completed free chunks while more than that is cached.
 // A pool trims only itself: a failing growth never takes memory from another pool. None of

@@ -19,8 +19,10 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "allocator/capture_window.h"
+#include "allocator/driver_error.h"
 #include "allocator/driver_factory.h"
 #include "allocator/forwarding_driver.h"
 #include "allocator/host_driver.h"
@@ -2094,6 +2096,58 @@ TEST_F(PoolTest, AllocateAtCarvesTheMiddleOfAFreeBlock) {
 
 // During a capture the synchronisation that would make such space free is not made: the
 // request fails, saying why, with no synchronisation; after the capture it succeeds.
+// A driver whose context is broken from `Break()` on, as after a device-side assert: its
+// synchronisations and creations fail with the driver's error (CUDA_ERROR_ASSERT, 710)
+// carried in the status, as cuda_status.h makes it.
+class BrokenContextDriver : public ForwardingDriver {
+ public:
+  using ForwardingDriver::ForwardingDriver;
+  void Break() { broken_ = true; }
+  int syncs() const { return syncs_; }
+  absl::Status SynchronizeDevice(int device) override {
+    ++syncs_;
+    if (broken_) return Broken("cuCtxSynchronize");
+    return ForwardingDriver::SynchronizeDevice(device);
+  }
+  absl::StatusOr<PhysHandle> Create(int device, size_t size, uint32_t handle_types) override {
+    if (broken_) return Broken("cuMemCreate");
+    return ForwardingDriver::Create(device, size, handle_types);
+  }
+
+ private:
+  static absl::Status Broken(const char* call) {
+    return WithDriverError(
+        absl::InternalError(absl::StrCat(call, ": CUDA_ERROR_ASSERT (device-side assert)")), 710);
+  }
+  bool broken_ = false;
+  int syncs_ = 0;
+};
+
+// After the context broke: a pool with nothing cached empties its cache with no driver call
+// (PyTorch's allocator then makes no CUDA call either), one with cached memory fails with the
+// driver's error, and so does a growth: the error's CUresult reaches the caller (who raises
+// torch.AcceleratorError with it).
+TEST_F(PoolTest, ADriverErrorReachesTheCallerAndAnEmptyCacheMakesNoCall) {
+  BrokenContextDriver broken(driver_);
+  PoolOptions options = Exact();
+  auto pool = CreatePoolOrFail(&broken, options);
+  ASSERT_NE(pool, nullptr);
+  void* a = Alloc(*pool, 4 * kMiB);
+  void* b = Alloc(*pool, 4 * kMiB);
+  ASSERT_OK(pool->Free(b));
+  ASSERT_OK(pool->EmptyCache());  // gives b's memory back: every byte left is live
+  broken.Break();
+  const int syncs = broken.syncs();
+  EXPECT_OK(pool->EmptyCache()) << "nothing cached: nothing to do";
+  EXPECT_EQ(broken.syncs(), syncs);
+  absl::StatusOr<void*> grown = pool->Allocate(64 * kMiB, 0);
+  EXPECT_EQ(DriverErrorOf(grown.status()), 710) << grown.status();
+  ASSERT_OK(pool->Free(a));
+  const absl::Status emptied = pool->EmptyCache();
+  EXPECT_EQ(emptied.code(), absl::StatusCode::kInternal) << emptied;
+  EXPECT_EQ(DriverErrorOf(emptied), 710) << emptied;
+}
+
 TEST_F(PoolTest, AllocateAtDuringACaptureDoesNotSynchronise) {
   auto pool = MakePool();
   Stream s = *driver_->CreateStream(0);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "allocator/driver_error.h"
 #include "allocator/fork_guard.h"
 #include "allocator/log.h"
 #include "allocator/send_acker.h"
@@ -160,7 +161,7 @@ absl::StatusOr<ProcessState::Send> ProcessState::ExportSend(const void* ptr) {
   absl::StatusOr<BufferDescriptor> d = ForwardImport(id, ptr);
   if (!d.ok()) {
     (void)AddImportRef(id, -1);
-    return absl::Status(d.status().code(), absl::StrCat("sending: ", d.status().message()));
+    return WithContext(d.status(), "sending");
   }
   absl::StatusOr<SendLedger::Ticket> ticket =
       SendLedger::Get().Hold(HeldBytes(*d, /*whole_chunks=*/true), [self, id]() {
@@ -190,10 +191,8 @@ absl::StatusOr<BufferDescriptor> ProcessState::ForwardImport(int64_t id, const v
     d = *received;
   }
   if (!d.ok()) {
-    return absl::Status(d.status().code(),
-                        absl::StrCat("the imported buffer at ",
-                                     absl::Hex(reinterpret_cast<uintptr_t>(ptr)), ": ",
-                                     d.status().message()));
+    return WithContext(d.status(), absl::StrCat("the imported buffer at ",
+                                                absl::Hex(reinterpret_cast<uintptr_t>(ptr))));
   }
   // Its next receiver is counted by nobody: the sender of this import must not reuse the
   // memory (marked only once the descriptor exists: a failed forward leaves the import as it was).

@@ -89,9 +89,11 @@ enum vmm_handle_type {
 /* The code of this thread's last failure (VMM_OK if none). */
 int vmm_last_error_code(void);
 /* The CUDA driver's error (a CUresult) behind this thread's last failure, or 0 where that
- * failure was vmm's own, or the host backend's, rather than a CUDA driver call's (out of
- * memory included: CUDA_ERROR_OUT_OF_MEMORY, 2). After a device-side assert every call that
- * needs the GPU fails with CUDA_ERROR_ASSERT (710) here and VMM_INTERNAL as its code. */
+ * failure was vmm's own, or the host backend's, rather than a CUDA driver call's. An out of
+ * memory is told by its code (VMM_RESOURCE_EXHAUSTED), whatever its source: the pool's own
+ * message for it carries no driver error. After a device-side assert, a call that
+ * synchronises or waits on the GPU fails with CUDA_ERROR_ASSERT (710) here and VMM_INTERNAL
+ * as its code (mapping new memory may still succeed). */
 int vmm_last_driver_error(void);
 /* The message of this thread's last failure, or "" if none. Once the thread's thread_local
  * objects are destroyed (at its exit; for the thread that calls exit(), before atexit

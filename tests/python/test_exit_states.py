@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -1414,27 +1415,33 @@ DROPPED_CANCELLED_QUEUE = """
 
 
     if __name__ == "__main__":
-        d = sys.argv[1]
+        import threading
+
+        d, n = sys.argv[1], int(sys.argv[2])
         vmm_torch.install_reducers()
         q = mp.get_context("spawn").Queue()
         q.cancel_join_thread()
         mp.get_context("fork").Process(target=holder, args=(q,), daemon=True).start()
         pool = vmm_torch.Pool("host", handle_type="posix_fd")
-        for i in range(20):
+        for i in range(n):
             q.put(pool.empty((256,)).fill_(i))
-        wait_for(lambda: vmm_torch.send_stats()["held"] == 20, "the feeder's sends")
+        wait_for(lambda: vmm_torch.send_stats()["held"] == n, "the feeder's sends")
         del q  # the program is done with it: its join stays cancelled
         gc.collect()
+        if n < 3:  # all in the pipe: the feeder ends at the queue's close
+            wait_for(lambda: not any(t.name == "QueueFeederThread" for t in threading.enumerate()),
+                     "the feeder's end")
         stamp_exit_wait(d)
     """
 
 
-def test_a_cancelled_queue_the_program_dropped_is_not_waited_for(tmp_path):
-    """A cancelled queue's 20 sends in its pipe (a child holds it and never reads), the queue
-    object dropped before exit: multiprocessing does not join its feeder, and vmm's exit wait
-    should not wait for those sends either."""
+@pytest.mark.parametrize("n", [20, 2])
+def test_a_cancelled_queue_the_program_dropped_is_not_waited_for(tmp_path, n):
+    """A cancelled queue's sends in its pipe (a child holds it and never reads), the queue
+    object dropped before exit, its feeder still writing (20) or ended (2): multiprocessing
+    does not join its feeder, and vmm's exit wait does not wait for those sends either."""
     done = _run(_cancel_script(tmp_path, "dropped_queue.py", DROPPED_CANCELLED_QUEUE), tmp_path,
-                env=_env(VMM_SEND_EXIT_WAIT_S=4))
+                n, env=_env(VMM_SEND_EXIT_WAIT_S=4))
     _check("process", done, 0)
     _assert_gave_up_within(tmp_path, 2)
 
@@ -1531,6 +1538,34 @@ SIGTERM_IN_THE_WAIT = """
     """
 
 
+MAIN_SIGTERM_IN_THE_WAIT = """
+    import signal
+
+    import torch
+    import torch.multiprocessing as mp
+    import vmm_torch
+
+
+    def idle(q):
+        time.sleep(120)  # holds the queue and never reads; a daemon: terminated at the exit
+
+
+    if __name__ == "__main__":
+        d = sys.argv[1]
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(5))
+        vmm_torch.install_reducers()
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        child = ctx.Process(target=idle, args=(q,), daemon=True)
+        child.start()
+        write_json(d + "/child", child.pid)
+        pool = vmm_torch.Pool("host", handle_type="posix_fd")
+        q.put(pool.empty((1000,)).fill_(1))
+        wait_for(lambda: vmm_torch.send_stats()["held"] == 1, "the feeder's send")
+        stamp_exit_wait(d)
+    """
+
+
 def test_a_sigterm_handler_ends_the_exit_wait_at_once(tmp_path):
     """A sender in its exit wait for a send no one reads gets SIGTERM, whose Python handler
     calls sys.exit(5): the handler runs at once (the wait is no single long C call) and the
@@ -1540,3 +1575,37 @@ def test_a_sigterm_handler_ends_the_exit_wait_at_once(tmp_path):
     _check("parent", done, 0)
     (out,) = _results(done.stdout)
     assert out["exitcode"] == 5 and out["took"] < 5, out
+
+
+def test_a_sigterm_handler_in_the_main_process_ends_the_exit_wait_and_the_exit_goes_on(tmp_path):
+    """The same in a main process: the handler ends the wait at once, and multiprocessing's
+    exit goes on (its daemon child terminated); the exit code stays the script's (0), with no
+    traceback printed."""
+    script = _cancel_script(tmp_path, "main_sigterm.py", MAIN_SIGTERM_IN_THE_WAIT)
+    proc = subprocess.Popen([sys.executable, script, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(VMM_SEND_EXIT_WAIT_S=60))
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not (tmp_path / "wait_start").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        killed = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _check("process", subprocess.CompletedProcess(proc.args, proc.returncode, out, err), 0)
+    assert took < 5, f"the exit took {took:.1f} s after SIGTERM"
+    child = json.loads((tmp_path / "child").read_text())
+    gone = False
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            gone = True
+            break
+        time.sleep(0.05)
+    assert gone, "the daemon child was left running"

@@ -589,11 +589,13 @@ def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _note_if_cancelled(queue: Any) -> None:
-    """Remembers the feeder thread of a queue whose join was cancelled, for the exit wait,
-    which then gives its sends up even if the program has dropped the queue by then."""
+    """Remembers the feeder thread of a queue of vmm sends whose join was cancelled, for the
+    exit wait, which then gives its sends up even if the program has dropped the queue (and
+    the feeder has ended) by then: by its Linux thread id, which the send ledger records."""
     thread = getattr(queue, "_thread", None)
-    if thread is not None and getattr(queue, "_joincancelled", False):
-        _cancelled_feeders.add(thread)
+    if (thread is not None and thread.native_id is not None
+            and getattr(queue, "_joincancelled", False) and queue in _vmm_queues):
+        _cancelled_feeders[thread.native_id] = weakref.ref(thread)
 
 
 def _noting_cancel(cancel: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -605,6 +607,7 @@ def _noting_cancel(cancel: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     cancel_join_thread.__wrapped__ = cancel  # type: ignore[attr-defined]
     cancel_join_thread.__doc__ = cancel.__doc__
+    cancel_join_thread._vmm_noting = True  # type: ignore[attr-defined]
     return cancel_join_thread
 
 
@@ -620,7 +623,7 @@ def _patch_queue_puts() -> None:
         queue_type.put = _checked(put)
     queue_type = multiprocessing.queues.Queue
     cancel = queue_type.__dict__.get("cancel_join_thread")
-    if cancel is not None and not hasattr(cancel, "__wrapped__"):
+    if cancel is not None and not getattr(cancel, "_vmm_noting", False):
         queue_type.cancel_join_thread = _noting_cancel(cancel)
 
 
@@ -644,7 +647,24 @@ def _wait_for_receivers() -> None:
     """At exit, once multiprocessing has told the queues' feeder threads to finish (their close
     finalizers, priority 10, run first) and before it terminates daemon children (which may be
     the receivers): lets the feeders flush, then gives the receivers of this process's sends
-    time to import them, since the memory goes with the process."""
+    time to import them, since the memory goes with the process.
+    A signal handler that raises meanwhile (SIGTERM's calling sys.exit, Ctrl-C) ends the wait;
+    multiprocessing's exit goes on (daemon children terminated, children joined, the other
+    finalizers), and in a multiprocessing child the exception is raised again after that, so
+    that it sets the exit code as the handler meant. In any other process the exit code is
+    fixed by then, and it is dropped (raised from an exit handler it would only be printed)."""
+    try:
+        _wait_until_received()
+    except (SystemExit, KeyboardInterrupt) as stop:
+        if multiprocessing.parent_process() is not None:
+            multiprocessing.util.Finalize(None, _raise_again, args=(stop,), exitpriority=-1000)
+
+
+def _raise_again(stop: BaseException) -> None:
+    raise stop
+
+
+def _wait_until_received() -> None:
     start = time.monotonic()
     deadline = start + exit_wait_seconds()
     # Snapshots in one step each (a feeder may add itself meanwhile).
@@ -659,7 +679,8 @@ def _wait_for_receivers() -> None:
     # it loses what was not flushed).
     abandoned = {q._thread for q in queues
                  if getattr(q, "_joincancelled", False) and getattr(q, "_thread", None)}
-    abandoned.update(t for t in (ref() for ref in list(_cancelled_feeders.data)) if t is not None)
+    cancelled = dict(_cancelled_feeders)
+    abandoned.update(t for t in (ref() for ref in cancelled.values()) if t is not None)
     # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
     # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
     # abort the process), for at least _ABANDON_PICKLE_S whatever the exit wait, and pickles
@@ -671,9 +692,8 @@ def _wait_for_receivers() -> None:
     pickled_by = max(deadline, start + _ABANDON_PICKLE_S)
     while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < pickled_by:
         time.sleep(0.005)
-    for thread in abandoned:
-        if thread.native_id is not None:
-            sharing.withdraw_thread_sends(thread.native_id)
+    for native_id in {t.native_id for t in abandoned if t.native_id is not None} | set(cancelled):
+        sharing.withdraw_thread_sends(native_id)
     if sharing.send_stats()["held"] == 0:
         return
     left = sharing.wait_for_sends(max(0.0, deadline - time.monotonic()))
@@ -695,9 +715,9 @@ _vmm_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
 #: cancelled), which pickle nothing more.
 _pickling_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _abandoned_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
-#: The feeder threads of queues whose join was cancelled, noted at the cancel and at each put
-#: (the queue itself may be gone by the exit).
-_cancelled_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+#: The feeder threads of queues of vmm sends whose join was cancelled, by Linux thread id,
+#: noted at the cancel and at each put (the queue, and the thread, may be gone by the exit).
+_cancelled_feeders: "Dict[int, weakref.ref[threading.Thread]]" = {}
 
 
 def _register_exit_wait() -> None:
@@ -713,6 +733,11 @@ class _ForkHook:
 
     def __call__(self, _: object) -> None:
         global _exit_wait_registered
+        # The parent's threads do not exist here (a feeder pickling at the fork would hold
+        # the exit wait for good).
+        for threads in (_vmm_feeders, _pickling_feeders, _abandoned_feeders):
+            threads.clear()
+        _cancelled_feeders.clear()
         _exit_wait_registered = False
         if _installed:
             _register_exit_wait()
