@@ -82,7 +82,11 @@ PRELUDE = textwrap.dedent(f"""\
     import os
     import sys
     import time
+    import warnings
 
+    # Python 3.12 warns at every os.fork() of a process with threads; forking with a thread
+    # inside vmm is what some scenarios here test.
+    warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
     WATCHDOG_S = {WATCHDOG_S}
     faulthandler.enable()
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
