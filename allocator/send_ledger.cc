@@ -89,7 +89,7 @@ class SendLedger::Impl {
     absl::Time sent;     // when it was made
     uint64_t key = 0;    // its key in holds_
     bool recent = true;  // unacknowledged and counted in recent_bytes_ (RecentHeldBytes)
-    int64_t thread = 0;  // the Linux thread id of the thread that made it (WithdrawMadeBy)
+    int64_t thread = 0;  // the ThreadToken of the thread that made it (WithdrawMadeBy)
   };
   using Holds = absl::flat_hash_map<uint64_t, Entry>;
 
@@ -481,7 +481,7 @@ absl::StatusOr<SendLedger::Ticket> SendLedger::Hold(uint64_t bytes, Release rele
   VMM_ASSIGN_OR_RETURN(FdToken ticket, FdServer::Get().Address());
   ticket.kind = FdToken::Kind::kSendHold;
   fd_share_internal::RandomBytes(ticket.nonce.data(), ticket.nonce.size());
-  if (impl_->Add(bytes, ticket.nonce, std::move(release), std::move(settle), gettid(),
+  if (impl_->Add(bytes, ticket.nonce, std::move(release), std::move(settle), ThreadToken(),
                  &ticket.key)) {
     FdServer::Get().WakeForLedger();
   }
@@ -500,9 +500,17 @@ absl::Status SendLedger::Withdraw(uint64_t key, const std::array<uint8_t, 16>& n
   return status;
 }
 
-size_t SendLedger::WithdrawMadeBy(int64_t thread_id) {
+int64_t SendLedger::ThreadToken() {
+  // From 1; a thread's first call takes the next (a Linux thread id comes round again once
+  // its thread has ended: a later thread's sends must not count as an ended feeder's).
+  static std::atomic<int64_t> next{1};
+  thread_local const int64_t token = next.fetch_add(1, std::memory_order_relaxed);
+  return token;
+}
+
+size_t SendLedger::WithdrawMadeBy(int64_t thread_token) {
   std::vector<Release> work;
-  const size_t withdrawn = impl_->TakeWithdrawalsMadeBy(thread_id, &work);
+  const size_t withdrawn = impl_->TakeWithdrawalsMadeBy(thread_token, &work);
   RunWithdrawals(std::move(work));
   return withdrawn;
 }

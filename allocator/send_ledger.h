@@ -90,13 +90,16 @@ class SendLedger {
   // (CancelSend): its release runs here, its settle as released. NotFound if no such hold;
   // FailedPrecondition, leaving it as it is, if it was acknowledged.
   absl::Status Withdraw(uint64_t key, const std::array<uint8_t, 16>& nonce);
-  // Ends every unacknowledged hold that the thread with Linux thread id `thread_id` made
-  // (Hold records the caller's): a queue's feeder thread whose data the program gave up at
-  // exit (vmm_send_withdraw_thread). Their releases run here; they settle as not released,
-  // since their payloads may have left (a fabric handle still imports while this process
-  // lives), so their chunks are never reused. Returns how many; acknowledged holds are left
-  // as they are.
-  size_t WithdrawMadeBy(int64_t thread_id);
+  // The calling thread's token: a number no other thread of this process has had or will
+  // have (unlike a Linux thread id, which comes round again), from 1; Hold records the
+  // caller's.
+  static int64_t ThreadToken();
+  // Ends every unacknowledged hold that the thread with `thread_token` made: a queue's
+  // feeder thread whose data the program gave up at exit (vmm_send_withdraw_thread). Their
+  // releases run here; they settle as not released, since their payloads may have left (a
+  // fabric handle still imports while this process lives), so their chunks are never reused.
+  // Returns how many; acknowledged holds are left as they are.
+  size_t WithdrawMadeBy(int64_t thread_token);
   // Server side: the receiver's `report` on the hold (key, nonce) (kImported is Ack). NotFound
   // if no such hold, or, for kImported, if it was acknowledged already.
   absl::Status Report(uint64_t key, const std::array<uint8_t, 16>& nonce, SendReport report,

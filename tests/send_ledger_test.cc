@@ -633,11 +633,24 @@ TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
   Ticket acked{};
   int64_t feeder_id = 0;
   std::thread feeder([&] {
-    feeder_id = gettid();
+    feeder_id = SendLedger::ThreadToken();
     for (int i = 0; i < 3; ++i) feeder_tickets.push_back(HoldSettled(100, &feeder_journal));
     acked = HoldSettled(100, &acked_journal);
   });
   feeder.join();
+  // A thread started once the feeder ended has a token of its own (its Linux thread id may be
+  // the feeder's once ids come round): its sends are not the feeder's.
+  Journal later_journal;
+  Ticket later_ticket{};
+  int64_t later_id = 0;
+  std::thread later([&] {
+    later_id = SendLedger::ThreadToken();
+    later_ticket = HoldSettled(100, &later_journal);
+  });
+  later.join();
+  EXPECT_NE(later_id, feeder_id);
+  EXPECT_EQ(SendLedger::ThreadToken(), SendLedger::ThreadToken()) << "one token a thread";
+  EXPECT_NE(SendLedger::ThreadToken(), feeder_id);
   const Ticket other = HoldSettled(100, &other_journal);  // this thread's
   EXPECT_EQ(AckFromChild(acked), absl::StatusCode::kOk);
   const absl::Time by = absl::Now() + absl::Seconds(5);  // the release thread runs it
@@ -650,12 +663,14 @@ TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
                           "settle(false)"));
   EXPECT_THAT(acked_journal.entries(), ElementsAre("release")) << "a receiver maps it";
   EXPECT_THAT(other_journal.entries(), ElementsAre());
+  EXPECT_THAT(later_journal.entries(), ElementsAre());
   for (const Ticket& ticket : feeder_tickets) {
     EXPECT_THAT(CancelSend(ticket), StatusIs(absl::StatusCode::kNotFound));
   }
   EXPECT_EQ(SendLedger::Get().WithdrawMadeBy(feeder_id), 0u) << "nothing more to withdraw";
-  EXPECT_EQ(SendLedger::Get().GetStats().held, 1u);
+  EXPECT_EQ(SendLedger::Get().GetStats().held, 2u);
   EXPECT_OK(CancelSend(other));
+  EXPECT_OK(CancelSend(later_ticket));
   EXPECT_EQ(ReportFromChild(acked, SendReport::kReleased), absl::StatusCode::kOk);
   EXPECT_EQ(SendLedger::Get().WaitUntilEmpty(absl::Seconds(5)), 0u);
 }

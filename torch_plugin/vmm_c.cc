@@ -563,8 +563,10 @@ int vmm_send_cancel(const uint8_t* ticket, size_t len) {
   return vmm::Check(vmm::CancelSend(absl::MakeConstSpan(ticket, len)));
 }
 
-int64_t vmm_send_withdraw_thread(int64_t thread_id) {
-  return static_cast<int64_t>(vmm::SendLedger::Get().WithdrawMadeBy(thread_id));
+int64_t vmm_send_thread_token(void) { return vmm::SendLedger::ThreadToken(); }
+
+int64_t vmm_send_withdraw_thread(int64_t thread_token) {
+  return static_cast<int64_t>(vmm::SendLedger::Get().WithdrawMadeBy(thread_token));
 }
 
 int vmm_send_ack_later(const uint8_t* ticket, size_t len) {

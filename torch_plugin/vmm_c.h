@@ -378,12 +378,15 @@ int vmm_send_ack_later(const uint8_t* ticket, size_t len);
  * ticket or a send already acknowledged (left as it is), VMM_NOT_FOUND if the hold is gone,
  * VMM_INVALID_ARGUMENT if not a ticket. */
 int vmm_send_cancel(const uint8_t* ticket, size_t len);
-/* The sender withdraws every unacknowledged send that the thread with Linux thread id
- * `thread_id` (gettid(); Python's Thread.native_id) made in this process: what a queue's
- * feeder thread sent for a queue whose data the program gave up at exit. Their memory is
- * never reused (a fabric payload still imports while the process lives; a POSIX-fd one is
- * NOT_FOUND). Returns how many (never fails; 0 for a thread that made none). */
-int64_t vmm_send_withdraw_thread(int64_t thread_id);
+/* The calling thread's send token: a number (from 1) that no other thread of this process
+ * has had or will have, which each send records (a Linux thread id comes round again). */
+int64_t vmm_send_thread_token(void);
+/* The sender withdraws every unacknowledged send that the thread whose token is
+ * `thread_token` (vmm_send_thread_token, called on that thread) made in this process: what a
+ * queue's feeder thread sent for a queue whose data the program gave up at exit. Their
+ * memory is never reused (a fabric payload still imports while the process lives; a POSIX-fd
+ * one is NOT_FOUND). Returns how many (never fails; 0 for a token that made none). */
+int64_t vmm_send_withdraw_thread(int64_t thread_token);
 /* The receiver's half after importing a send as import `import_id` (vmm_import): queues the
  * ack (as vmm_send_ack_later) and, for when that import's mapping is unmapped, the report that
  * the memory is no longer mapped here, which lets the sender reuse it for a later send. An

@@ -66,7 +66,7 @@ import threading
 import time
 import weakref
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -161,7 +161,7 @@ def _reduce(tensor: torch.Tensor,
         # The common case in one call: the put's events waited for, the memory exported.
         kind, data, ticket = module.export_send(tensor)
         if data is not None:
-            _vmm_feeders.add(threading.current_thread())
+            _note_feeder()
             return (sharing.rebuild_tensor,
                     sharing.sent_payload(tensor, data, ticket,
                                          isinstance(tensor, torch.nn.Parameter),
@@ -203,8 +203,18 @@ def _reduce(tensor: torch.Tensor,
         # cannot export: as PyTorch sends it (a copy in shared memory; the parent's is kept).
         return fallback(tensor)
     if in_feeder:
-        _vmm_feeders.add(threading.current_thread())
+        _note_feeder()
     return (sharing.rebuild_tensor, payload)
+
+
+def _note_feeder() -> None:
+    """Notes the queue feeder thread sending now (the exit wait lets it flush), with its send
+    token at its first send (what the exit wait withdraws if its queue's join was
+    cancelled)."""
+    thread = threading.current_thread()
+    if _SEND_TOKEN not in thread.__dict__:
+        setattr(thread, _SEND_TOKEN, sharing.send_thread_token())
+        _vmm_feeders.add(thread)
 
 
 def reduce_tensor(tensor: torch.Tensor) -> Reduction:
@@ -591,11 +601,14 @@ def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
 def _note_if_cancelled(queue: Any) -> None:
     """Remembers the feeder thread of a queue of vmm sends whose join was cancelled, for the
     exit wait, which then gives its sends up even if the program has dropped the queue (and
-    the feeder has ended) by then: by its Linux thread id, which the send ledger records."""
+    the feeder has ended) by then. Feeders that ended without sending are forgotten here."""
     thread = getattr(queue, "_thread", None)
-    if (thread is not None and thread.native_id is not None
-            and getattr(queue, "_joincancelled", False) and queue in _vmm_queues):
-        _cancelled_feeders[thread.native_id] = weakref.ref(thread)
+    if (thread is not None and getattr(queue, "_joincancelled", False)
+            and queue in _vmm_queues):
+        for ended in [t for t in list(_cancelled_feeders) if not t.is_alive()
+                      and _SEND_TOKEN not in t.__dict__]:
+            _cancelled_feeders.discard(ended)
+        _cancelled_feeders.add(thread)
 
 
 def _noting_cancel(cancel: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -679,8 +692,7 @@ def _wait_until_received() -> None:
     # it loses what was not flushed).
     abandoned = {q._thread for q in queues
                  if getattr(q, "_joincancelled", False) and getattr(q, "_thread", None)}
-    cancelled = dict(_cancelled_feeders)
-    abandoned.update(t for t in (ref() for ref in cancelled.values()) if t is not None)
+    abandoned.update(list(_cancelled_feeders))
     # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
     # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
     # abort the process), for at least _ABANDON_PICKLE_S whatever the exit wait, and pickles
@@ -688,12 +700,12 @@ def _wait_until_received() -> None:
     _abandoned_feeders.update(abandoned)
     for thread in feeders - abandoned:
         if thread is not threading.current_thread() and thread.is_alive():
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic())))
     pickled_by = max(deadline, start + _ABANDON_PICKLE_S)
     while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < pickled_by:
         time.sleep(0.005)
-    for native_id in {t.native_id for t in abandoned if t.native_id is not None} | set(cancelled):
-        sharing.withdraw_thread_sends(native_id)
+    for token in {getattr(t, _SEND_TOKEN) for t in abandoned if _SEND_TOKEN in t.__dict__}:
+        sharing.withdraw_thread_sends(token)
     if sharing.send_stats()["held"] == 0:
         return
     left = sharing.wait_for_sends(max(0.0, deadline - time.monotonic()))
@@ -715,9 +727,11 @@ _vmm_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
 #: cancelled), which pickle nothing more.
 _pickling_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _abandoned_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
-#: The feeder threads of queues of vmm sends whose join was cancelled, by Linux thread id,
-#: noted at the cancel and at each put (the queue, and the thread, may be gone by the exit).
-_cancelled_feeders: "Dict[int, weakref.ref[threading.Thread]]" = {}
+#: The feeder threads of queues of vmm sends whose join was cancelled, noted at the cancel
+#: and at each put, kept (the queue may be gone by the exit, and the thread ended).
+_cancelled_feeders: "Set[threading.Thread]" = set()
+#: The attribute of a feeder thread that holds its send token (sharing.send_thread_token).
+_SEND_TOKEN = "_vmm_send_token"
 
 
 def _register_exit_wait() -> None:

@@ -382,10 +382,17 @@ def cancel_send(ticket: bytes) -> None:
     _lib.check(_lib.vmm().vmm_send_cancel(bytes(ticket), len(ticket)), "withdrawing a send")
 
 
-def withdraw_thread_sends(thread_id: int) -> int:
-    """Withdraws every send not yet acknowledged that the thread with native id `thread_id`
-    (``threading.Thread.native_id``) made in this process; returns how many."""
-    return int(_lib.vmm().vmm_send_withdraw_thread(int(thread_id)))
+def send_thread_token() -> int:
+    """The calling thread's send token: a number no other thread of this process has had or
+    will have (unlike ``threading.Thread.native_id``, which comes round again)."""
+    return int(_lib.vmm().vmm_send_thread_token())
+
+
+def withdraw_thread_sends(thread_token: int) -> int:
+    """Withdraws every send not yet acknowledged that the thread whose token is
+    `thread_token` (send_thread_token, called on that thread) made in this process; returns
+    how many."""
+    return int(_lib.vmm().vmm_send_withdraw_thread(int(thread_token)))
 
 
 def sent_payload(t: torch.Tensor, data: bytes, ticket: bytes, parameter: bool,
