@@ -115,8 +115,8 @@ void RequireBound() {
 // API (vmm_ops.cpp) raises ValueError for bad arguments, this interface does not.
 // A failure of a CUDA driver call (libvmm's last driver error; out of memory aside) is
 // c10::AcceleratorError with the driver's code where torch has it, as PyTorch raises for a
-// failing CUDA call: after a device-side assert every call that needs the GPU fails so, and
-// programs catch torch.AcceleratorError. The driver's codes for the errors of a broken
+// failing CUDA call: after a device-side assert a call that synchronises or waits on the GPU
+// fails so (mapping new memory may not), and programs catch torch.AcceleratorError. The driver's codes for the errors of a broken
 // context (700-720: illegal address, assert, launch failure...) are the runtime's too.
 [[noreturn]] void ThrowLastError(const std::string& what) {
   const int code = libvmm.last_error_code();
