@@ -95,7 +95,7 @@ class SendLedger {
   // caller's.
   static int64_t ThreadToken();
   // Ends every unacknowledged hold that the thread with `thread_token` made: a queue's
-  // feeder thread whose data the program gave up at exit (vmm_send_withdraw_thread). Their
+  // feeder thread whose data the program gave up at exit (vmm_send_withdraw_token). Their
   // releases run here; they settle as not released, since their payloads may have left (a
   // fabric handle still imports while this process lives), so their chunks are never reused.
   // Returns how many; acknowledged holds are left as they are.

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -627,6 +628,27 @@ TEST_F(SendLedgerTest, AnAcknowledgedSendCannotBeWithdrawn) {
 // that made them (its feeder): that thread's unacknowledged holds end, settled as not
 // released (their payloads left: the memory must not be reused); another thread's, and an
 // acknowledged one of the same thread, are left as they are.
+// The token is the thread's identity for WithdrawMadeBy: threads that run one after another
+// (where a Linux thread id may come round again) and at once each get their own, from 1.
+TEST_F(SendLedgerTest, ThreadTokensAreNeverReused) {
+  constexpr int kOneAfterAnother = 2000;
+  constexpr int kAtOnce = 16;
+  std::vector<int64_t> tokens(kOneAfterAnother + kAtOnce, 0);
+  for (int i = 0; i < kOneAfterAnother; ++i) {
+    std::thread([&tokens, i] { tokens[i] = SendLedger::ThreadToken(); }).join();
+  }
+  std::vector<std::thread> together;
+  for (int i = 0; i < kAtOnce; ++i) {
+    together.emplace_back(
+        [&tokens, i] { tokens[kOneAfterAnother + i] = SendLedger::ThreadToken(); });
+  }
+  for (std::thread& thread : together) thread.join();
+  tokens.push_back(SendLedger::ThreadToken());
+  absl::flat_hash_set<int64_t> distinct(tokens.begin(), tokens.end());
+  EXPECT_EQ(distinct.size(), tokens.size());
+  EXPECT_GE(*std::min_element(tokens.begin(), tokens.end()), 1);
+}
+
 TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
   Journal feeder_journal, acked_journal, other_journal;
   std::vector<Ticket> feeder_tickets;

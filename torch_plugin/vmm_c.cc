@@ -565,7 +565,7 @@ int vmm_send_cancel(const uint8_t* ticket, size_t len) {
 
 int64_t vmm_send_thread_token(void) { return vmm::SendLedger::ThreadToken(); }
 
-int64_t vmm_send_withdraw_thread(int64_t thread_token) {
+int64_t vmm_send_withdraw_token(int64_t thread_token) {
   return static_cast<int64_t>(vmm::SendLedger::Get().WithdrawMadeBy(thread_token));
 }
 

@@ -277,8 +277,9 @@ BURST = """
     import vmm_torch
 
 
-    def receiver(q, n, path):
+    def receiver(q, n, path, delay):
         vmm_torch.install_reducers()
+        time.sleep(delay)
         ok, wrong, errors = 0, 0, {}
         for i in range(n):
             try:
@@ -289,6 +290,8 @@ BURST = """
                 if type(e).__name__ == "Empty":
                     break
                 continue
+            if isinstance(item, tuple):
+                item = item[0]
             right = float(item.sum()) == item.numel() * (i % 7) and item.numel() == 1000 + i
             ok += int(right)
             wrong += int(not right)
@@ -299,15 +302,18 @@ BURST = """
 
     if __name__ == "__main__":
         how, n, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        # With padding, each message carries that many bytes more and the receiver starts
+        # reading 3 s late: the feeder is blocked on a full pipe when the process exits.
+        pad = int(sys.argv[4]) if len(sys.argv) > 4 else 0
         vmm_torch.install_reducers()
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
-        proc = ctx.Process(target=receiver, args=(q, n, path))
+        proc = ctx.Process(target=receiver, args=(q, n, path, 3.0 if pad else 0.0))
         proc.start()
         pools = [vmm_torch.Pool("host", handle_type=h) for h in ("fabric", "posix_fd")]
         for i in range(n):
             t = pools[i % 2].empty((1000 + i,)).fill_(i % 7)
-            q.put(t)
+            q.put((t, b"x" * pad) if pad else t)
             del t
         # The feeder thread is still exporting most of them.
         leave(how, "the sender", {"sys_exit": 3, "os_exit": 5, "sigterm_handler": 4})
@@ -334,6 +340,19 @@ def test_a_sender_that_exits_mid_burst(tmp_path, how):
         assert set(errors) <= {"VmmError:UNAVAILABLE", "VmmError:NOT_FOUND", "Empty:"}, errors
     else:
         assert (ok, errors) == (n, {})
+
+
+def test_an_unbounded_exit_wait_flushes_a_feeder_blocked_on_a_full_pipe(tmp_path):
+    """VMM_SEND_EXIT_WAIT_S=inf (no bound): the exit wait joins a feeder still blocked writing
+    to a pipe the receiver has not begun to read, for as long as it takes, then waits for the
+    receiver: it gets every send (the join once raised OverflowError there and the wait was
+    skipped)."""
+    n = 60  # 60 messages of 4 KiB and more: past a pipe's 64 KiB
+    path = tmp_path / "received"
+    done = _run(_script(tmp_path, "burst.py", BURST), "return", n, path, 4096,
+                env=_env(VMM_SEND_EXIT_WAIT_S="inf"))
+    _check("sender and receiver", done, 0)
+    assert eval(path.read_text()) == (n, 0, {})  # noqa: S307 (our own file)
 
 
 # --- An importer that exits with live imports and a forwarded send not yet read ---------------
@@ -1448,6 +1467,48 @@ def test_a_cancelled_queue_the_program_dropped_is_not_waited_for(tmp_path, n):
     done = _run(_cancel_script(tmp_path, "dropped_queue.py", DROPPED_CANCELLED_QUEUE), tmp_path,
                 n, env=_env(VMM_SEND_EXIT_WAIT_S=4))
     _check("process", done, 0)
+    _assert_gave_up_within(tmp_path, 2)
+
+
+MANY_DROPPED_CANCELLED_QUEUES = """
+    import gc
+    import threading
+
+    import torch
+    import torch.multiprocessing as mp
+    import vmm_torch
+    from vmm_torch import reductions
+
+    d, n = sys.argv[1], int(sys.argv[2])
+    vmm_torch.install_reducers()
+    pool = vmm_torch.Pool("host", handle_type="posix_fd")
+    ctx = mp.get_context("spawn")
+    for i in range(n):
+        q = ctx.Queue()
+        q.cancel_join_thread()
+        q.put(pool.empty((64,)).fill_(i))  # into the pipe (no one reads it); the feeder ends
+        q.close()
+        q.join_thread()
+        del q
+    gc.collect()
+    wait_for(lambda: not any(t.name == "QueueFeederThread" for t in threading.enumerate()),
+             "the feeders' end")
+    assert vmm_torch.send_stats()["held"] == n, vmm_torch.send_stats()
+    result({"threads": len(reductions._cancelled_feeders),
+            "tokens": len(reductions._cancelled_tokens)})
+    stamp_exit_wait(d)
+    """
+
+
+def test_many_cancelled_queues_dropped_keep_no_thread_and_are_not_waited_for(tmp_path):
+    """Queues of vmm sends, each cancelled, sent one tensor no one reads, closed and dropped,
+    one after another: the exit wait keeps the token of each feeder that sent (a number), not
+    its ended thread, and still gives every send up at exit."""
+    n = 40
+    done = _run(_cancel_script(tmp_path, "many_dropped.py", MANY_DROPPED_CANCELLED_QUEUES),
+                tmp_path, n, env=_env(VMM_SEND_EXIT_WAIT_S=30))
+    _check("process", done, 0)
+    assert _results(done.stdout) == [{"threads": 0, "tokens": n}]
     _assert_gave_up_within(tmp_path, 2)
 
 

@@ -208,13 +208,24 @@ def _reduce(tensor: torch.Tensor,
 
 
 def _note_feeder() -> None:
-    """Notes the queue feeder thread sending now (the exit wait lets it flush), with its send
-    token at its first send (what the exit wait withdraws if its queue's join was
-    cancelled)."""
+    """Notes the queue feeder thread sending now (the exit wait lets it flush)."""
     thread = threading.current_thread()
-    if _SEND_TOKEN not in thread.__dict__:
-        setattr(thread, _SEND_TOKEN, sharing.send_thread_token())
+    if thread not in _vmm_feeders:
+        _take_send_token(thread)
         _vmm_feeders.add(thread)
+
+
+def _take_send_token(thread: threading.Thread) -> None:
+    """Gives the feeder thread `thread` (the calling thread) its send token, before its first
+    message is pickled (what the exit wait withdraws if its queue's join was cancelled, even
+    if it held a send and was abandoned before its reducer returned). Noted among the
+    cancelled feeders' tokens if the thread is one; _note_if_cancelled does the same the
+    other way round (each sets its own mark before it reads the other's)."""
+    if _SEND_TOKEN not in thread.__dict__:
+        token = sharing.send_thread_token()
+        setattr(thread, _SEND_TOKEN, token)
+        if thread in _cancelled_feeders:
+            _cancelled_tokens.add(token)
 
 
 def reduce_tensor(tensor: torch.Tensor) -> Reduction:
@@ -386,6 +397,7 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
         thread = threading.current_thread()
         outermost = thread not in _pickling_feeders  # a reducer may pickle inside a message
         if outermost:
+            _take_send_token(thread)
             _pickling_feeders.add(thread)
         try:
             if thread in _abandoned_feeders:
@@ -601,14 +613,15 @@ def _checked(put: Callable[..., Any]) -> Callable[..., Any]:
 def _note_if_cancelled(queue: Any) -> None:
     """Remembers the feeder thread of a queue of vmm sends whose join was cancelled, for the
     exit wait, which then gives its sends up even if the program has dropped the queue (and
-    the feeder has ended) by then. Feeders that ended without sending are forgotten here."""
+    the feeder has ended) by then: the thread while it lives, and its send token, a number,
+    for good (taken at its first message, _take_send_token)."""
     thread = getattr(queue, "_thread", None)
     if (thread is not None and getattr(queue, "_joincancelled", False)
             and queue in _vmm_queues):
-        for ended in [t for t in list(_cancelled_feeders) if not t.is_alive()
-                      and _SEND_TOKEN not in t.__dict__]:
-            _cancelled_feeders.discard(ended)
         _cancelled_feeders.add(thread)
+        token = thread.__dict__.get(_SEND_TOKEN)
+        if token is not None:
+            _cancelled_tokens.add(token)
 
 
 def _noting_cancel(cancel: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -704,7 +717,9 @@ def _wait_until_received() -> None:
     pickled_by = max(deadline, start + _ABANDON_PICKLE_S)
     while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < pickled_by:
         time.sleep(0.005)
-    for token in {getattr(t, _SEND_TOKEN) for t in abandoned if _SEND_TOKEN in t.__dict__}:
+    tokens = set(_cancelled_tokens)
+    tokens.update(t.__dict__[_SEND_TOKEN] for t in abandoned if _SEND_TOKEN in t.__dict__)
+    for token in tokens:
         sharing.withdraw_thread_sends(token)
     if sharing.send_stats()["held"] == 0:
         return
@@ -728,8 +743,10 @@ _vmm_queues: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _pickling_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _abandoned_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 #: The feeder threads of queues of vmm sends whose join was cancelled, noted at the cancel
-#: and at each put, kept (the queue may be gone by the exit, and the thread ended).
-_cancelled_feeders: "Set[threading.Thread]" = set()
+#: and at each put, while they live, and their send tokens, kept (the queue may be gone by
+#: the exit, and the thread ended): an int a feeder that sent, nothing one that did not.
+_cancelled_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+_cancelled_tokens: "Set[int]" = set()
 #: The attribute of a feeder thread that holds its send token (sharing.send_thread_token).
 _SEND_TOKEN = "_vmm_send_token"
 
@@ -749,9 +766,10 @@ class _ForkHook:
         global _exit_wait_registered
         # The parent's threads do not exist here (a feeder pickling at the fork would hold
         # the exit wait for good).
-        for threads in (_vmm_feeders, _pickling_feeders, _abandoned_feeders):
+        for threads in (_vmm_feeders, _pickling_feeders, _abandoned_feeders,
+                        _cancelled_feeders):
             threads.clear()
-        _cancelled_feeders.clear()
+        _cancelled_tokens.clear()
         _exit_wait_registered = False
         if _installed:
             _register_exit_wait()

@@ -392,7 +392,7 @@ def withdraw_thread_sends(thread_token: int) -> int:
     """Withdraws every send not yet acknowledged that the thread whose token is
     `thread_token` (send_thread_token, called on that thread) made in this process; returns
     how many."""
-    return int(_lib.vmm().vmm_send_withdraw_thread(int(thread_token)))
+    return int(_lib.vmm().vmm_send_withdraw_token(int(thread_token)))
 
 
 def sent_payload(t: torch.Tensor, data: bytes, ticket: bytes, parameter: bool,
