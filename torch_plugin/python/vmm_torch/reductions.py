@@ -401,11 +401,17 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
             _pickling_feeders.add(thread)
         try:
             if thread in _abandoned_feeders:
+                # The feeder ends on this error, dropping the message: its tensors would be
+                # freed on this thread, whose GIL release inside PyTorch's tensor deallocation
+                # aborts the process once the interpreter finalises ("terminate called without
+                # an active exception"). Kept: the main thread frees them, or the exit does.
+                _abandoned_messages.append(obj)
                 raise RuntimeError("vmm_torch: this queue's join was cancelled and the process "
                                    "is exiting: nothing more is sent")
             return _pickled_or_withdrawn(lambda: dump(self, obj))
         finally:
             if outermost:
+                thread.__dict__[_DUMP_ENDED] = time.monotonic()
                 _pickling_feeders.discard(thread)
 
     dump_withdrawing.__wrapped__ = dump  # type: ignore[attr-defined]
@@ -717,6 +723,17 @@ def _wait_until_received() -> None:
     pickled_by = max(deadline, start + _ABANDON_PICKLE_S)
     while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < pickled_by:
         time.sleep(0.005)
+    # A feeder frees the message it has just pickled on its own thread (multiprocessing drops
+    # it there), and PyTorch's tensor deallocation lets go of the GIL: if the interpreter
+    # finalises meanwhile, the thread is stopped inside it and the process aborts ("terminate
+    # called without an active exception"; a DataLoader worker stopped early, 1 exit in 15 on
+    # the host). Such a feeder is given _ABANDON_SETTLE_S after its last message to free it.
+    while time.monotonic() < pickled_by:
+        ended = [t.__dict__.get(_DUMP_ENDED) for t in abandoned if t.is_alive()]
+        settled_at = max((e for e in ended if e is not None), default=0.0) + _ABANDON_SETTLE_S
+        if time.monotonic() >= settled_at:
+            break
+        time.sleep(min(0.005, max(0.0, settled_at - time.monotonic())))
     tokens = set(_cancelled_tokens)
     tokens.update(t.__dict__[_SEND_TOKEN] for t in abandoned if _SEND_TOKEN in t.__dict__)
     for token in tokens:
@@ -732,8 +749,9 @@ def _wait_until_received() -> None:
 
 _exit_wait_registered = False
 #: How long the exit wait lets an abandoned queue's feeder finish the message it is pickling,
-#: at least (seconds).
+#: at least (seconds), and how long after its last message it lets it free that message.
 _ABANDON_PICKLE_S = 2.0
+_ABANDON_SETTLE_S = 0.05
 #: The queues' feeder threads that have sent vmm tensors, and the queues put vmm tensors in:
 #: the exit wait lets their feeders flush (and no other queue's).
 _vmm_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
@@ -747,8 +765,12 @@ _abandoned_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 #: the exit, and the thread ended): an int a feeder that sent, nothing one that did not.
 _cancelled_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _cancelled_tokens: "Set[int]" = set()
-#: The attribute of a feeder thread that holds its send token (sharing.send_thread_token).
+#: The messages abandoned feeders stopped at, kept from being freed on their threads.
+_abandoned_messages: List[Any] = []
+#: The attributes of a feeder thread that hold its send token (sharing.send_thread_token) and
+#: when it last finished pickling a message (time.monotonic()).
 _SEND_TOKEN = "_vmm_send_token"
+_DUMP_ENDED = "_vmm_dump_ended"
 
 
 def _register_exit_wait() -> None:
