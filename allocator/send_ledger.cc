@@ -135,6 +135,13 @@ class SendLedger::Impl {
   // Ends every unacknowledged hold made by thread `thread`, settled as not released (its
   // payload may have left: a receiver may still import it, so its memory is never reused);
   // returns how many.
+  size_t CountHeldMadeBy(int64_t thread) {
+    MutexLock lock(&mu_);
+    size_t count = 0;
+    for (const auto& [key, entry] : holds_) count += entry.thread == thread && !entry.acked;
+    return count;
+  }
+
   size_t TakeWithdrawalsMadeBy(int64_t thread, std::vector<Release>* out) {
     MutexLock lock(&mu_);
     std::vector<uint64_t> keys;
@@ -513,6 +520,10 @@ size_t SendLedger::WithdrawMadeBy(int64_t thread_token) {
   const size_t withdrawn = impl_->TakeWithdrawalsMadeBy(thread_token, &work);
   RunWithdrawals(std::move(work));
   return withdrawn;
+}
+
+size_t SendLedger::HeldMadeBy(int64_t thread_token) {
+  return impl_->CountHeldMadeBy(thread_token);
 }
 
 void SendLedger::RunWithdrawals(std::vector<absl::AnyInvocable<void() &&>> work) {

@@ -679,7 +679,10 @@ TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
   while (acked_journal.entries().empty() && absl::Now() < by) absl::SleepFor(absl::Milliseconds(1));
   EXPECT_THAT(acked_journal.entries(), ElementsAre("release"));
 
+  EXPECT_EQ(SendLedger::Get().HeldMadeBy(feeder_id), 3u) << "the acknowledged one not";
+  EXPECT_EQ(SendLedger::Get().HeldMadeBy(later_id), 1u);
   EXPECT_EQ(SendLedger::Get().WithdrawMadeBy(feeder_id), 3u);
+  EXPECT_EQ(SendLedger::Get().HeldMadeBy(feeder_id), 0u);
   EXPECT_THAT(feeder_journal.entries(),
               ElementsAre("release", "settle(false)", "release", "settle(false)", "release",
                           "settle(false)"));

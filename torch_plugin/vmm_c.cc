@@ -569,6 +569,10 @@ int64_t vmm_send_withdraw_token(int64_t thread_token) {
   return static_cast<int64_t>(vmm::SendLedger::Get().WithdrawMadeBy(thread_token));
 }
 
+int64_t vmm_send_held_by_token(int64_t thread_token) {
+  return static_cast<int64_t>(vmm::SendLedger::Get().HeldMadeBy(thread_token));
+}
+
 int vmm_send_ack_later(const uint8_t* ticket, size_t len) {
   if (ticket == nullptr || len != VMM_TICKET_BYTES) {
     return vmm::Fail(absl::InvalidArgumentError(

@@ -679,14 +679,27 @@ def _wait_for_receivers() -> None:
     """At exit, once multiprocessing has told the queues' feeder threads to finish (their close
     finalizers, priority 10, run first) and before it terminates daemon children (which may be
     the receivers): lets the feeders flush, then gives the receivers of this process's sends
-    time to import them, since the memory goes with the process.
-    A signal handler that raises meanwhile (SIGTERM's calling sys.exit, Ctrl-C) ends the wait;
-    multiprocessing's exit goes on (daemon children terminated, children joined, the other
-    finalizers), and in a multiprocessing child the exception is raised again after that, so
-    that it sets the exit code as the handler meant. In any other process the exit code is
-    fixed by then, and it is dropped (raised from an exit handler it would only be printed)."""
+    time to import them, since the memory goes with the process. Not those of a queue whose
+    join was cancelled (_give_up_cancelled_queues, once the children are joined)."""
+    _ending_on_signal(_wait_until_received)
+
+
+def _give_up_cancelled_queues() -> None:
+    """At exit, after multiprocessing has terminated daemon children and joined the others
+    (readers of a cancelled queue among them, which get what its feeder flushes meanwhile, as
+    without vmm): gives up the sends of the queues whose join was cancelled."""
+    _ending_on_signal(_withdraw_cancelled)
+
+
+def _ending_on_signal(step: Callable[[], None]) -> None:
+    """Runs an exit step. A signal handler that raises meanwhile (SIGTERM's calling sys.exit,
+    Ctrl-C) ends it; multiprocessing's exit goes on (daemon children terminated, children
+    joined, the other finalizers), and in a multiprocessing child the exception is raised
+    again after that, so that it sets the exit code as the handler meant. In any other
+    process the exit code is fixed by then, and it is dropped (raised from an exit handler it
+    would only be printed)."""
     try:
-        _wait_until_received()
+        step()
     except (SystemExit, KeyboardInterrupt) as stop:
         if multiprocessing.parent_process() is not None:
             multiprocessing.util.Finalize(None, _raise_again, args=(stop,), exitpriority=-1000)
@@ -696,58 +709,98 @@ def _raise_again(stop: BaseException) -> None:
     raise stop
 
 
+def _live_vmm_queues() -> List[Any]:
+    return [q for q in (ref() for ref in list(_vmm_queues.data)) if q is not None]
+
+
+def _cancelled_now(queues: List[Any]) -> Set[threading.Thread]:
+    """The feeder threads of queues of vmm sends whose join was cancelled (Queue.cancel_join_
+    thread: the program lets the process exit without flushing that queue and gives up what
+    it holds, as a DataLoader worker does with its prefetched batches when its loader shuts it
+    down): of the live queues, and those noted before (the queue may be gone)."""
+    cancelled = {q._thread for q in queues
+                 if getattr(q, "_joincancelled", False) and getattr(q, "_thread", None)}
+    cancelled.update(list(_cancelled_feeders))
+    return cancelled
+
+
+def _cancelled_tokens_now(cancelled: Set[threading.Thread]) -> Set[int]:
+    tokens = set(_cancelled_tokens)
+    tokens.update(t.__dict__[_SEND_TOKEN] for t in cancelled if _SEND_TOKEN in t.__dict__)
+    return tokens
+
+
+def _held_but_cancelled() -> int:
+    """This process's sends not yet acknowledged, but for those of cancelled queues."""
+    held = int(sharing.send_stats()["held"])
+    if held:
+        tokens = _cancelled_tokens_now(_cancelled_now(_live_vmm_queues()))
+        held -= sum(sharing.held_thread_sends(token) for token in tokens)
+    return held
+
+
 def _wait_until_received() -> None:
+    global _exit_deadline
     start = time.monotonic()
-    deadline = start + exit_wait_seconds()
+    deadline = _exit_deadline = start + exit_wait_seconds()
     # Snapshots in one step each (a feeder may add itself meanwhile).
-    queues = [q for q in (ref() for ref in list(_vmm_queues.data)) if q is not None]
+    queues = _live_vmm_queues()
     feeders = {t for t in (ref() for ref in list(_vmm_feeders.data)) if t is not None}
     feeders.update(t for t in (getattr(q, "_thread", None) for q in queues) if t)
-    # A queue whose join was cancelled (Queue.cancel_join_thread: the program lets the process
-    # exit without flushing it and gives up what it holds, as a DataLoader worker does with
-    # its prefetched batches when its loader shuts it down) is neither flushed nor waited for,
-    # as multiprocessing does not join its feeder either; nor are the receivers of what its
-    # feeder sent before (a reader of the queue that is slower than the exit loses them, as
-    # it loses what was not flushed).
-    abandoned = {q._thread for q in queues
-                 if getattr(q, "_joincancelled", False) and getattr(q, "_thread", None)}
-    abandoned.update(list(_cancelled_feeders))
-    # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
-    # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
-    # abort the process), for at least _ABANDON_PICKLE_S whatever the exit wait, and pickles
-    # no other.
-    _abandoned_feeders.update(abandoned)
-    for thread in feeders - abandoned:
+    # A cancelled queue's feeder is not joined (nor by multiprocessing), and its sends are not
+    # waited for: they are given up once the children are joined (a reader of the queue that
+    # is slower than that loses them, as it loses what was not flushed).
+    for thread in feeders - _cancelled_now(queues):
         if thread is not threading.current_thread() and thread.is_alive():
             thread.join(min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic())))
-    pickled_by = max(deadline, start + _ABANDON_PICKLE_S)
-    while any(t in _pickling_feeders for t in abandoned) and time.monotonic() < pickled_by:
-        time.sleep(0.005)
-    # A feeder frees the message it has just pickled on its own thread (multiprocessing drops
-    # it there), and PyTorch's tensor deallocation lets go of the GIL: if the interpreter
-    # finalises meanwhile, the thread is stopped inside it and the process aborts ("terminate
-    # called without an active exception"; a DataLoader worker stopped early, 1 exit in 15 on
-    # the host). Such a feeder is given _ABANDON_SETTLE_S after its last message to free it.
-    while time.monotonic() < pickled_by:
-        ended = [t.__dict__.get(_DUMP_ENDED) for t in abandoned if t.is_alive()]
-        settled_at = max((e for e in ended if e is not None), default=0.0) + _ABANDON_SETTLE_S
-        if time.monotonic() >= settled_at:
-            break
-        time.sleep(min(0.005, max(0.0, settled_at - time.monotonic())))
-    tokens = set(_cancelled_tokens)
-    tokens.update(t.__dict__[_SEND_TOKEN] for t in abandoned if _SEND_TOKEN in t.__dict__)
-    for token in tokens:
-        sharing.withdraw_thread_sends(token)
-    if sharing.send_stats()["held"] == 0:
-        return
-    left = sharing.wait_for_sends(max(0.0, deadline - time.monotonic()))
+    left = _held_but_cancelled()
+    while left and time.monotonic() < deadline:
+        sharing.wait_for_sends(min(_CANCELLED_POLL_S, max(0.0, deadline - time.monotonic())))
+        left = _held_but_cancelled()
     if left:
         _log.warning("vmm_torch: exiting with %d sent tensor(s) that no receiver has imported; "
                      "importing them will fail (keep the sender alive until they are "
                      "received, or raise %s)", left, EXIT_WAIT_VARIABLE)
 
 
+def _withdraw_cancelled() -> None:
+    abandoned = _cancelled_now(_live_vmm_queues())
+    if not abandoned and not _cancelled_tokens:
+        return
+    # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
+    # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
+    # abort the process), for at least _ABANDON_PICKLE_S whatever the exit wait, and pickles
+    # no other.
+    _abandoned_feeders.update(abandoned)
+    pickled_by = max(_exit_deadline, time.monotonic() + _ABANDON_PICKLE_S)
+    try:
+        while (any(t in _pickling_feeders for t in abandoned)
+               and time.monotonic() < pickled_by):
+            time.sleep(0.005)
+        # A feeder frees the message it has just pickled on its own thread (multiprocessing
+        # drops it there), and PyTorch's tensor deallocation lets go of the GIL: if the
+        # interpreter finalises meanwhile, the thread is stopped inside it and the process
+        # aborts ("terminate called without an active exception"; a DataLoader worker stopped
+        # early, 1 exit in 15 on the host). Such a feeder is given _ABANDON_SETTLE_S after its
+        # last message to free it.
+        while time.monotonic() < pickled_by:
+            ended = [t.__dict__.get(_DUMP_ENDED) for t in abandoned if t.is_alive()]
+            settled_at = (max((e for e in ended if e is not None), default=0.0)
+                          + _ABANDON_SETTLE_S)
+            if time.monotonic() >= settled_at:
+                break
+            time.sleep(min(0.005, max(0.0, settled_at - time.monotonic())))
+    finally:
+        for token in _cancelled_tokens_now(abandoned):
+            sharing.withdraw_thread_sends(token)
+
+
 _exit_wait_registered = False
+#: When the exit wait ends (time.monotonic(); set as it begins).
+_exit_deadline = 0.0
+#: How often the exit wait looks again at what is held while cancelled queues' sends are
+#: (seconds).
+_CANCELLED_POLL_S = 0.05
 #: How long the exit wait lets an abandoned queue's feeder finish the message it is pickling,
 #: at least (seconds), and how long after its last message it lets it free that message.
 _ABANDON_PICKLE_S = 2.0
@@ -778,6 +831,9 @@ def _register_exit_wait() -> None:
     if not _exit_wait_registered:
         _exit_wait_registered = True
         multiprocessing.util.Finalize(None, _wait_for_receivers, exitpriority=5)
+        # After the children are joined (between the finalizers of priority 0 and up and the
+        # others) and the queues' own join finalizers (-5).
+        multiprocessing.util.Finalize(None, _give_up_cancelled_queues, exitpriority=-10)
 
 
 class _ForkHook:

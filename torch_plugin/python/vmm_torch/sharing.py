@@ -388,6 +388,12 @@ def send_thread_token() -> int:
     return int(_lib.vmm().vmm_send_thread_token())
 
 
+def held_thread_sends(thread_token: int) -> int:
+    """How many sends not yet acknowledged the thread whose token is `thread_token` made in
+    this process."""
+    return int(_lib.quick().vmm_send_held_by_token(int(thread_token)))
+
+
 def withdraw_thread_sends(thread_token: int) -> int:
     """Withdraws every send not yet acknowledged that the thread whose token is
     `thread_token` (send_thread_token, called on that thread) made in this process; returns
