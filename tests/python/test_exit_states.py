@@ -1528,6 +1528,47 @@ def test_many_cancelled_queues_dropped_keep_no_thread_and_are_not_waited_for(tmp
     _assert_gave_up_within(tmp_path, 2)
 
 
+POOL_LEFT_EARLY = """
+    import torch
+    import torch.multiprocessing as mp
+    import vmm_torch
+
+
+    def work(t):
+        time.sleep(0.05)
+        return float(t.sum())
+
+
+    if __name__ == "__main__":
+        vmm_torch.install_reducers()
+        pool = vmm_torch.Pool("host", handle_type="posix_fd")
+        with mp.get_context("spawn").Pool(2) as p:  # a pool that finishes its work
+            assert p.map(work, [pool.empty((256,)).fill_(i) for i in range(8)]) == [
+                256.0 * i for i in range(8)]
+        with mp.get_context("spawn").Pool(2) as p:  # left early: terminated with tasks unread
+            for k, r in enumerate(p.imap(work, (pool.empty((256,)).fill_(i)
+                                                for i in range(200)))):
+                assert r == 256.0 * k
+                if k == 3:
+                    break
+        result({"held": vmm_torch.send_stats()["held"], "t": time.monotonic()})
+    """
+
+
+def test_a_terminated_pool_s_unread_tasks_are_not_waited_for(tmp_path):
+    """A loop over Pool.imap left early inside `with Pool()`: the pool is terminated with
+    tasks in its pipe that no worker will read; the exit does not wait for them (it waited
+    the whole exit wait, 10 s, where without vmm the process exits at once)."""
+    start = time.monotonic()
+    done = _run(_script(tmp_path, "pool_left_early.py", POOL_LEFT_EARLY),
+                env=_env(VMM_SEND_EXIT_WAIT_S=30))
+    took = time.monotonic() - start
+    _check("process", done, 0)
+    [out] = _results(done.stdout)
+    assert out["held"] > 0, out  # the tasks still in the pipe when the pool was terminated
+    assert took < 15, f"the process took {took:.1f} s (VMM_SEND_EXIT_WAIT_S=30)"
+
+
 RAW_FORK = """
     import torch
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import io
 import logging
+import multiprocessing.pool
 import multiprocessing.queues
 import multiprocessing.reduction
 import multiprocessing.util
@@ -213,6 +214,17 @@ def _note_feeder() -> None:
     if thread not in _vmm_feeders:
         _take_send_token(thread)
         _vmm_feeders.add(thread)
+
+
+def _note_pool_task_handler() -> None:
+    """Notes the send token of a multiprocessing Pool's task handler thread (the one thread
+    that pickles a pool's tasks): its sends are given up at exit once it has ended, as a
+    terminated pool's tasks are (see _pool_task_tokens)."""
+    thread = threading.current_thread()
+    if (_SEND_TOKEN not in thread.__dict__
+            and getattr(thread, "_target", None) is multiprocessing.pool.Pool._handle_tasks):
+        _take_send_token(thread)
+        _pool_task_tokens[thread.__dict__[_SEND_TOKEN]] = weakref.ref(thread)
 
 
 def _take_send_token(thread: threading.Thread) -> None:
@@ -390,6 +402,7 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
             finally:
                 _pickling.message = outer
         if not _on_feeder_thread():
+            _note_pool_task_handler()
             return _pickled_or_withdrawn(lambda: dump(self, obj))
         # A queue's feeder: noted while it pickles (the exit wait waits for that before it
         # withdraws the sends of a queue whose join was cancelled), and stopped there once the
@@ -727,6 +740,15 @@ def _cancelled_now(queues: List[Any]) -> Set[threading.Thread]:
 def _cancelled_tokens_now(cancelled: Set[threading.Thread]) -> Set[int]:
     tokens = set(_cancelled_tokens)
     tokens.update(t.__dict__[_SEND_TOKEN] for t in cancelled if _SEND_TOKEN in t.__dict__)
+    # Pools' task handlers that have ended: at exit multiprocessing has terminated every
+    # pool before the exit wait (a finalizer of priority 15), and a pool terminated before
+    # has no worker left to read the tasks in its pipe (a loop over Pool.imap left early
+    # inside `with Pool()`: the wait took its whole 10 s, where without vmm the process
+    # exits at once). A pool closed and joined leaves nothing unread.
+    for token, ref in list(_pool_task_tokens.items()):
+        thread = ref()
+        if thread is None or not thread.is_alive():
+            tokens.add(token)
     return tokens
 
 
@@ -765,7 +787,9 @@ def _wait_until_received() -> None:
 
 def _withdraw_cancelled() -> None:
     abandoned = _cancelled_now(_live_vmm_queues())
-    if not abandoned and not _cancelled_tokens:
+    if not abandoned:
+        for token in _cancelled_tokens_now(abandoned):
+            sharing.withdraw_thread_sends(token)
         return
     # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
     # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
@@ -818,6 +842,8 @@ _abandoned_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 #: the exit, and the thread ended): an int a feeder that sent, nothing one that did not.
 _cancelled_feeders: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 _cancelled_tokens: "Set[int]" = set()
+#: The send tokens of multiprocessing Pools' task handler threads (weak references to them).
+_pool_task_tokens: "Dict[int, weakref.ref[threading.Thread]]" = {}
 #: The messages abandoned feeders stopped at, kept from being freed on their threads.
 _abandoned_messages: List[Any] = []
 #: The attributes of a feeder thread that hold its send token (sharing.send_thread_token) and
@@ -848,6 +874,7 @@ class _ForkHook:
                         _cancelled_feeders):
             threads.clear()
         _cancelled_tokens.clear()
+        _pool_task_tokens.clear()
         _exit_wait_registered = False
         if _installed:
             _register_exit_wait()
