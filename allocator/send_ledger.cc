@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/algorithm/container.h"
 #include "absl/container/btree_set.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/numbers.h"
@@ -132,16 +133,19 @@ class SendLedger::Impl {
     return absl::OkStatus();
   }
 
-  // Ends every unacknowledged hold made by thread `thread`, settled as not released (its
-  // payload may have left: a receiver may still import it, so its memory is never reused);
-  // returns how many.
-  size_t CountHeldMadeBy(int64_t thread) {
+  // The unacknowledged holds made by no thread of `threads`, counted in one step.
+  size_t CountHeldNotMadeBy(absl::Span<const int64_t> threads) {
     MutexLock lock(&mu_);
     size_t count = 0;
-    for (const auto& [key, entry] : holds_) count += entry.thread == thread && !entry.acked;
+    for (const auto& [key, entry] : holds_) {
+      count += !entry.acked && absl::c_find(threads, entry.thread) == threads.end();
+    }
     return count;
   }
 
+  // Ends every unacknowledged hold made by thread `thread`, settled as not released (its
+  // payload may have left: a receiver may still import it, so its memory is never reused);
+  // returns how many.
   size_t TakeWithdrawalsMadeBy(int64_t thread, std::vector<Release>* out) {
     MutexLock lock(&mu_);
     std::vector<uint64_t> keys;
@@ -522,8 +526,8 @@ size_t SendLedger::WithdrawMadeBy(int64_t thread_token) {
   return withdrawn;
 }
 
-size_t SendLedger::HeldMadeBy(int64_t thread_token) {
-  return impl_->CountHeldMadeBy(thread_token);
+size_t SendLedger::HeldNotMadeBy(absl::Span<const int64_t> thread_tokens) {
+  return impl_->CountHeldNotMadeBy(thread_tokens);
 }
 
 void SendLedger::RunWithdrawals(std::vector<absl::AnyInvocable<void() &&>> work) {

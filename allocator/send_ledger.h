@@ -100,9 +100,10 @@ class SendLedger {
   // fabric handle still imports while this process lives), so their chunks are never reused.
   // Returns how many; acknowledged holds are left as they are.
   size_t WithdrawMadeBy(int64_t thread_token);
-  // How many unacknowledged holds the thread with `thread_token` made (a cancelled queue's
-  // feeder, whose sends the exit wait does not wait for; vmm_send_held_by_token).
-  size_t HeldMadeBy(int64_t thread_token);
+  // How many unacknowledged holds no thread of `thread_tokens` made, counted in one step:
+  // what the exit wait waits for, leaving out cancelled queues' feeders
+  // (vmm_send_held_except).
+  size_t HeldNotMadeBy(absl::Span<const int64_t> thread_tokens);
   // Server side: the receiver's `report` on the hold (key, nonce) (kImported is Ack). NotFound
   // if no such hold, or, for kImported, if it was acknowledged already.
   absl::Status Report(uint64_t key, const std::array<uint8_t, 16>& nonce, SendReport report,

@@ -679,10 +679,13 @@ TEST_F(SendLedgerTest, WithdrawingAThreadsSendsEndsOnlyItsUnacknowledgedHolds) {
   while (acked_journal.entries().empty() && absl::Now() < by) absl::SleepFor(absl::Milliseconds(1));
   EXPECT_THAT(acked_journal.entries(), ElementsAre("release"));
 
-  EXPECT_EQ(SendLedger::Get().HeldMadeBy(feeder_id), 3u) << "the acknowledged one not";
-  EXPECT_EQ(SendLedger::Get().HeldMadeBy(later_id), 1u);
+  // Held: the feeder's 3 unacknowledged, the later thread's and this thread's.
+  const int64_t feeder_and_later[] = {feeder_id, later_id};
+  EXPECT_EQ(SendLedger::Get().HeldNotMadeBy({}), 5u);
+  EXPECT_EQ(SendLedger::Get().HeldNotMadeBy(absl::MakeConstSpan(&feeder_id, 1)), 2u);
+  EXPECT_EQ(SendLedger::Get().HeldNotMadeBy(feeder_and_later), 1u);
   EXPECT_EQ(SendLedger::Get().WithdrawMadeBy(feeder_id), 3u);
-  EXPECT_EQ(SendLedger::Get().HeldMadeBy(feeder_id), 0u);
+  EXPECT_EQ(SendLedger::Get().HeldNotMadeBy({}), 2u);
   EXPECT_THAT(feeder_journal.entries(),
               ElementsAre("release", "settle(false)", "release", "settle(false)", "release",
                           "settle(false)"));

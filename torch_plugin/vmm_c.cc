@@ -569,8 +569,12 @@ int64_t vmm_send_withdraw_token(int64_t thread_token) {
   return static_cast<int64_t>(vmm::SendLedger::Get().WithdrawMadeBy(thread_token));
 }
 
-int64_t vmm_send_held_by_token(int64_t thread_token) {
-  return static_cast<int64_t>(vmm::SendLedger::Get().HeldMadeBy(thread_token));
+int64_t vmm_send_held_except(const int64_t* thread_tokens, size_t count) {
+  if (thread_tokens == nullptr && count != 0) {
+    return vmm::Fail(absl::InvalidArgumentError("null thread tokens with a count"));
+  }
+  return static_cast<int64_t>(vmm::SendLedger::Get().HeldNotMadeBy(
+      absl::MakeConstSpan(thread_tokens, count)));
 }
 
 int vmm_send_ack_later(const uint8_t* ticket, size_t len) {

@@ -387,9 +387,10 @@ int64_t vmm_send_thread_token(void);
  * memory is never reused (a fabric payload still imports while the process lives; a POSIX-fd
  * one is NOT_FOUND). Returns how many (never fails; 0 for a token that made none). */
 int64_t vmm_send_withdraw_token(int64_t thread_token);
-/* How many sends not yet acknowledged the thread whose token is `thread_token` made in this
- * process (never fails; 0 for a token that made none). */
-int64_t vmm_send_held_by_token(int64_t thread_token);
+/* How many sends of this process are not yet acknowledged, leaving out those made by the
+ * `count` threads whose tokens `thread_tokens` holds (counted in one step).
+ * -1 (VMM_INVALID_ARGUMENT) if `thread_tokens` is null and `count` is not 0. */
+int64_t vmm_send_held_except(const int64_t* thread_tokens, size_t count);
 /* The receiver's half after importing a send as import `import_id` (vmm_import): queues the
  * ack (as vmm_send_ack_later) and, for when that import's mapping is unmapped, the report that
  * the memory is no longer mapped here, which lets the sender reuse it for a later send. An

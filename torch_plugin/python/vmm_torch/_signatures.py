@@ -327,7 +327,7 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_send_cancel": (_int, [_char_p, _size_t]),
     "vmm_send_thread_token": (_int64, []),
     "vmm_send_withdraw_token": (_int64, [_int64]),
-    "vmm_send_held_by_token": (_int64, [_int64]),
+    "vmm_send_held_except": (_int64, [_P(_int64), _size_t]),
     "vmm_send_received": (_int, [_int64, _char_p, _size_t]),
     "vmm_send_check": (_int, [_char_p, _size_t]),
     "vmm_send_set_budget": (_int, [_int64]),

@@ -41,7 +41,8 @@ What a send promises (docs/DESIGN.md §3, §4 "send holds"):
 - **Exit.** A process waits at exit (after its queues are flushed) up to 10 s
   (VMM_SEND_EXIT_WAIT_S) for the receivers of its sends, since its memory goes with it; not
   for those of a queue whose join was cancelled (``Queue.cancel_join_thread``, as a
-  DataLoader worker does when its loader shuts down): their holds are withdrawn.
+  DataLoader worker does when its loader shuts down) nor of a terminated Pool's unread
+  tasks: their holds are withdrawn once multiprocessing has joined the process's children.
 - **No silent loss.** A tensor that cannot travel (a pool with ``handle_type="none"``, a
   non-leaf tensor that requires grad) fails in ``Queue.put`` with a clear error where the
   object is a tensor or holds tensors in lists, tuples and dicts (``Queue.put`` checks them
@@ -205,6 +206,8 @@ def _reduce(tensor: torch.Tensor,
         return fallback(tensor)
     if in_feeder:
         _note_feeder()
+    else:
+        _note_pool_task_handler()
     return (sharing.rebuild_tensor, payload)
 
 
@@ -218,8 +221,9 @@ def _note_feeder() -> None:
 
 def _note_pool_task_handler() -> None:
     """Notes the send token of a multiprocessing Pool's task handler thread (the one thread
-    that pickles a pool's tasks): its sends are given up at exit once it has ended, as a
-    terminated pool's tasks are (see _pool_task_tokens)."""
+    that pickles a pool's tasks) at its first vmm send (the hold it just made has the same
+    token): its sends are given up at exit once it has ended, as a terminated pool's tasks
+    are (see _cancelled_tokens_now)."""
     thread = threading.current_thread()
     if (_SEND_TOKEN not in thread.__dict__
             and getattr(thread, "_target", None) is multiprocessing.pool.Pool._handle_tasks):
@@ -402,7 +406,6 @@ def _withdrawing_dump(dump: Callable[..., Any]) -> Callable[..., Any]:
             finally:
                 _pickling.message = outer
         if not _on_feeder_thread():
-            _note_pool_task_handler()
             return _pickled_or_withdrawn(lambda: dump(self, obj))
         # A queue's feeder: noted while it pickles (the exit wait waits for that before it
         # withdraws the sends of a queue whose join was cancelled), and stopped there once the
@@ -708,18 +711,23 @@ def _ending_on_signal(step: Callable[[], None]) -> None:
     """Runs an exit step. A signal handler that raises meanwhile (SIGTERM's calling sys.exit,
     Ctrl-C) ends it; multiprocessing's exit goes on (daemon children terminated, children
     joined, the other finalizers), and in a multiprocessing child the exception is raised
-    again after that, so that it sets the exit code as the handler meant. In any other
-    process the exit code is fixed by then, and it is dropped (raised from an exit handler it
-    would only be printed)."""
+    again after that (_raise_again, registered with the steps: multiprocessing runs only the
+    finalizers registered before it began its last pass), so that it sets the exit code as
+    the handler meant. In any other process the exit code is fixed by then, and it is
+    dropped (raised from an exit handler it would only be printed)."""
+    global _stopped_by
     try:
         step()
     except (SystemExit, KeyboardInterrupt) as stop:
-        if multiprocessing.parent_process() is not None:
-            multiprocessing.util.Finalize(None, _raise_again, args=(stop,), exitpriority=-1000)
+        if _stopped_by is None and multiprocessing.parent_process() is not None:
+            _stopped_by = stop
 
 
-def _raise_again(stop: BaseException) -> None:
-    raise stop
+def _raise_again() -> None:
+    global _stopped_by
+    stop, _stopped_by = _stopped_by, None
+    if stop is not None:
+        raise stop
 
 
 def _live_vmm_queues() -> List[Any]:
@@ -753,12 +761,15 @@ def _cancelled_tokens_now(cancelled: Set[threading.Thread]) -> Set[int]:
 
 
 def _held_but_cancelled() -> int:
-    """This process's sends not yet acknowledged, but for those of cancelled queues."""
-    held = int(sharing.send_stats()["held"])
-    if held:
-        tokens = _cancelled_tokens_now(_cancelled_now(_live_vmm_queues()))
-        held -= sum(sharing.held_thread_sends(token) for token in tokens)
-    return held
+    """This process's sends not yet acknowledged, but for those of cancelled queues (in one
+    step: their feeders may still send meanwhile)."""
+    return sharing.held_sends_except(_cancelled_tokens_now(_cancelled_now(_live_vmm_queues())))
+
+
+def _no_child_to_join() -> bool:
+    """Whether multiprocessing's exit has no child of this process to join (a daemon child is
+    terminated): nothing can read a cancelled queue after the wait for receivers."""
+    return not any(not p.daemon for p in multiprocessing.active_children())
 
 
 def _wait_until_received() -> None:
@@ -772,11 +783,15 @@ def _wait_until_received() -> None:
     # A cancelled queue's feeder is not joined (nor by multiprocessing), and its sends are not
     # waited for: they are given up once the children are joined (a reader of the queue that
     # is slower than that loses them, as it loses what was not flushed).
+    if _no_child_to_join():
+        # Given up at once (a DataLoader worker's queue), as multiprocessing's exit would
+        # only terminate daemon children before the second step.
+        _withdraw_cancelled()
     for thread in feeders - _cancelled_now(queues):
         if thread is not threading.current_thread() and thread.is_alive():
             thread.join(min(threading.TIMEOUT_MAX, max(0.0, deadline - time.monotonic())))
     left = _held_but_cancelled()
-    while left and time.monotonic() < deadline:
+    while left > 0 and time.monotonic() < deadline:
         sharing.wait_for_sends(min(_CANCELLED_POLL_S, max(0.0, deadline - time.monotonic())))
         left = _held_but_cancelled()
     if left:
@@ -791,6 +806,10 @@ def _withdraw_cancelled() -> None:
         for token in _cancelled_tokens_now(abandoned):
             sharing.withdraw_thread_sends(token)
         return
+    # The feeder's arguments hold the queue's buffer: kept, so that the messages left in it
+    # are not freed on the feeder's thread as it ends (see _abandoned_messages).
+    _abandoned_messages.extend(getattr(t, "_args", None) for t in abandoned
+                               if t not in _abandoned_feeders)
     # Such a feeder may be blocked writing to a pipe no one reads; it is let finish the message
     # it is pickling (a thread the interpreter's finalisation stops inside PyTorch's code may
     # abort the process), for at least _ABANDON_PICKLE_S whatever the exit wait, and pickles
@@ -820,6 +839,9 @@ def _withdraw_cancelled() -> None:
 
 
 _exit_wait_registered = False
+#: A signal handler's exception that ended an exit step in a multiprocessing child, raised
+#: again at the end of multiprocessing's exit (_raise_again).
+_stopped_by: Optional[BaseException] = None
 #: When the exit wait ends (time.monotonic(); set as it begins).
 _exit_deadline = 0.0
 #: How often the exit wait looks again at what is held while cancelled queues' sends are
@@ -860,6 +882,7 @@ def _register_exit_wait() -> None:
         # After the children are joined (between the finalizers of priority 0 and up and the
         # others) and the queues' own join finalizers (-5).
         multiprocessing.util.Finalize(None, _give_up_cancelled_queues, exitpriority=-10)
+        multiprocessing.util.Finalize(None, _raise_again, exitpriority=-1000)
 
 
 class _ForkHook:

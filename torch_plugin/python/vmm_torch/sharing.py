@@ -59,7 +59,7 @@ import os
 import re
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 # At import, not in received_storage: a tensor opened in a __del__ that the interpreter's
@@ -388,10 +388,15 @@ def send_thread_token() -> int:
     return int(_lib.vmm().vmm_send_thread_token())
 
 
-def held_thread_sends(thread_token: int) -> int:
-    """How many sends not yet acknowledged the thread whose token is `thread_token` made in
-    this process."""
-    return int(_lib.quick().vmm_send_held_by_token(int(thread_token)))
+def held_sends_except(thread_tokens: Iterable[int]) -> int:
+    """How many sends of this process are not yet acknowledged, but for those the threads
+    whose tokens are `thread_tokens` made (counted in one step)."""
+    tokens = [int(token) for token in thread_tokens]
+    array = (ctypes.c_int64 * max(1, len(tokens)))(*tokens)
+    left = int(_lib.quick().vmm_send_held_except(array, len(tokens)))
+    if left < 0:
+        _lib.raise_last_error("counting held sends")
+    return left
 
 
 def withdraw_thread_sends(thread_token: int) -> int:
