@@ -801,6 +801,10 @@ def _wait_until_received() -> None:
 
 
 def _withdraw_cancelled() -> None:
+    global _gave_up
+    if _gave_up:
+        return  # at the wait's start (no child to join): nothing can add to it since
+    _gave_up = True
     abandoned = _cancelled_now(_live_vmm_queues())
     if not abandoned:
         for token in _cancelled_tokens_now(abandoned):
@@ -842,8 +846,10 @@ _exit_wait_registered = False
 #: A signal handler's exception that ended an exit step in a multiprocessing child, raised
 #: again at the end of multiprocessing's exit (_raise_again).
 _stopped_by: Optional[BaseException] = None
-#: When the exit wait ends (time.monotonic(); set as it begins).
+#: When the exit wait ends (time.monotonic(); set as it begins), and whether the cancelled
+#: queues were given up (once, in the first step or the second).
 _exit_deadline = 0.0
+_gave_up = False
 #: How often the exit wait looks again at what is held while cancelled queues' sends are
 #: (seconds).
 _CANCELLED_POLL_S = 0.05
@@ -890,7 +896,8 @@ class _ForkHook:
     and what os.fork calls in any child: the exit wait is registered again."""
 
     def __call__(self, _: object) -> None:
-        global _exit_wait_registered
+        global _exit_wait_registered, _gave_up
+        _gave_up = False
         # The parent's threads do not exist here (a feeder pickling at the fork would hold
         # the exit wait for good).
         for threads in (_vmm_feeders, _pickling_feeders, _abandoned_feeders,
