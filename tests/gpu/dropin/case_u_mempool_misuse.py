@@ -22,7 +22,7 @@ which does not refuse while a pool's context is open.
 """
 import gc
 
-from outcome_compare import a_tensor_works, groups_against_native, outcome
+from outcome_compare import a_tensor_works, named_groups_against_native, outcome
 
 MIB = 1 << 20
 
@@ -144,17 +144,5 @@ def misuse(torch, rec):
 GROUPS = {"lifecycle": lifecycle, "misuse": misuse}
 
 
-def probe(group):
-    import torch
-    torch.empty(1, device="cuda")
-    res = [["_backend", {"kind": "returned", "value": torch.cuda.get_allocator_backend()}]]
-
-    def rec(name, fn):
-        res.append([f"{group}: {name}", outcome(fn)])
-
-    GROUPS[group](torch, rec)
-    return res
-
-
 if __name__ == "__main__":
-    groups_against_native([[g] for g in GROUPS], lambda group: probe(group[0]))
+    named_groups_against_native(GROUPS)

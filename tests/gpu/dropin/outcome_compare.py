@@ -170,3 +170,22 @@ def groups_against_native(groups, probe):
     compare([o for o in native if o[0] != "_backend"], [o for o in mine if o[0] != "_backend"],
             errors)
     report(errors)
+
+
+def named_groups_against_native(groups):
+    """groups_against_native for probes grouped by name: `groups` maps a name to a function
+    f(torch, rec) that records outcomes with rec(probe_name, fn); each group runs in its own
+    pair of probe processes (CUDA made first), its outcomes named "group: probe_name"."""
+    def probe(args):
+        import torch
+        torch.empty(1, device="cuda")
+        group = args[0]
+        res = [["_backend", {"kind": "returned", "value": torch.cuda.get_allocator_backend()}]]
+
+        def rec(name, fn):
+            res.append([f"{group}: {name}", outcome(fn)])
+
+        groups[group](torch, rec)
+        return res
+
+    groups_against_native([[g] for g in groups], probe)
