@@ -21,7 +21,7 @@ import copy
 import gc
 
 import torch
-from dropin_report import report
+from dropin_report import check_level, report
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -87,9 +87,7 @@ def main():
         after.append(torch.cuda.memory_allocated())
         if errors:
             break
-    if len(after) == 3 and after[2] != after[1]:
-        errors.append(f"memory_allocated() after rounds 1-3: {after} (the third round left "
-                      f"{after[2] - after[1]} bytes more than the second)")
+    check_level(after, errors)
     report(errors)
 
 

@@ -24,7 +24,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from dropin_report import report  # noqa: E402
+from dropin_report import check_level, report  # noqa: E402
 
 
 def rel(got, want):
@@ -155,9 +155,7 @@ def main():
         after.append(torch.cuda.memory_allocated())
         if errors:
             break
-    if len(after) == 3 and after[2] != after[1]:
-        errors.append(f"memory_allocated after rounds 1-3: {after}: the third round left "
-                      f"{after[2] - after[1]} bytes more than the second")
+    check_level(after, errors)
     torch.backends.cuda.cufft_plan_cache.clear()
     torch._C._cuda_clearCublasWorkspaces()
     gc.collect()

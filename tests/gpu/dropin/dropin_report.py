@@ -30,6 +30,15 @@ def report(errors):
     print("ok")
 
 
+def check_level(after, errors):
+    """For programs that run the same work in three rounds: `after` holds memory_allocated()
+    after each round (fewer where a round failed); the third round must end where the second
+    did (the first may make workspaces and caches that stay)."""
+    if len(after) == 3 and after[2] != after[1]:
+        errors.append(f"memory_allocated() after rounds 1-3: {after} (the third round left "
+                      f"{after[2] - after[1]} bytes more than the second)")
+
+
 def compile_ready(net, x, y):
     """For the torch.compile programs: False, with "ok" printed (nothing checked), where triton,
     which torch.compile needs for GPU kernels, is missing; else True, once `net` has run forward
