@@ -1,7 +1,7 @@
 """What NVIDIA's management library (NVML: nvidia-smi, DCGM, cluster GPU monitors, and
 torch.cuda.list_gpu_processes() / device_memory_used()) reports for this process as it takes
 and gives back memory: operators and schedulers read it to see which job holds a GPU.
-# EXCLUSIVE (reads the device's used memory, which other processes would disturb)
+# EXCLUSIVE (reads the GPU's used memory through NVML, which other processes would disturb)
 
 With PyTorch's allocator (cudaMalloc'd segments, attributed to the process that made them):
 a 2 GiB tensor, written, raises the GPU's used memory by at least 1.9 GiB as NVML reports it
