@@ -1,5 +1,7 @@
 #include "allocator/handle_probe.h"
 
+#include <string>
+
 #include "absl/strings/str_cat.h"
 #include "allocator/log.h"
 #include "allocator/status_macros.h"
@@ -43,6 +45,22 @@ absl::Status DeviceFull(Driver& driver, int device, HandleType type, const absl:
       probe.message(), "); free memory and try again"));
 }
 
+// What `auto` says, once, where fabric handles are unavailable and POSIX fds are used. The
+// usual cause, a process without an IMEX channel (most machines of one node), is said
+// plainly, without the driver's error: nothing failed that the program asked for.
+std::string FabricFallbackNote(const absl::Status& fabric) {
+  constexpr absl::string_view kFallback =
+      "shared GPU memory uses POSIX file descriptors (handle_type=posix_fd chooses them "
+      "without this note)";
+  if (absl::IsPermissionDenied(fabric)) {
+    return absl::StrCat("fabric handles need an IMEX channel "
+                        "(/dev/nvidia-caps-imex-channels/channel<N>), which this process has "
+                        "no access to: ",
+                        kFallback);
+  }
+  return absl::StrCat("fabric handles are unavailable (", fabric.message(), "): ", kFallback);
+}
+
 }  // namespace
 
 absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t granularity,
@@ -74,9 +92,7 @@ absl::StatusOr<HandleType> ResolveHandleType(Driver& driver, int device, size_t 
   absl::Status fd = ProbeHandleType(driver, device, granularity, HandleType::kPosixFd);
   if (absl::IsResourceExhausted(fd)) return DeviceFull(driver, device, HandleType::kPosixFd, fd);
   if (fd.ok()) {
-    LogWarningOnce("fabric-fallback",
-                   absl::StrCat("fabric handles are unavailable (", fabric.message(),
-                                "); sharing uses POSIX file descriptors"));
+    LogWarningOnce("fabric-fallback", FabricFallbackNote(fabric));
     return HandleType::kPosixFd;
   }
   LogWarningOnce("no-sharing", absl::StrCat("memory is not shareable: fabric: ",

@@ -193,6 +193,36 @@ def test_snapshot_and_history_draw_a_timeline():
     print(f"alloc+free pair: {r['ns_off']:.0f} ns recording off, {r['ns_on']:.0f} ns on")
 
 
+def test_snapshot_has_record_function_annotations_segment_frames_and_pinned_settings():
+    r = run("""
+        import os, pickle, tempfile
+        torch.cuda.memory._record_memory_history(max_entries=1000)
+        with torch.profiler.record_function("vmm_region"):
+            grown = torch.empty(96 * MIB, dtype=torch.uint8, device="cuda")  # a growth
+        snap = torch.cuda.memory._snapshot()
+        ours = [[a["name"], a["stage"], a["device"]] for a in snap["external_annotations"]
+                if a.get("name") == "vmm_region"]
+        times = [a["time_us"] for a in snap["external_annotations"] if a.get("name") == "vmm_region"]
+        alloc = [e["time_us"] for e in snap["device_traces"][0]
+                 if e["action"] == "alloc" and e["addr"] == grown.data_ptr()]
+        seg = [s for s in snap["segments"]
+               if s["address"] <= grown.data_ptr() < s["address"] + s["total_size"]]
+        me = [f["filename"] for f in seg[0].get("frames", [])] if seg else []
+        with tempfile.TemporaryDirectory() as d:
+            torch.cuda.memory._dump_snapshot(os.path.join(d, "s.pickle"))
+            with open(os.path.join(d, "s.pickle"), "rb") as f:
+                dumped = len(pickle.load(f)["external_annotations"])
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print(json.dumps(dict(ours=ours, times=times, alloc=alloc, seg_frames=me, dumped=dumped,
+                              settings=snap["allocator_settings"])))
+    """)
+    assert r["ours"] == [["vmm_region", "START", 0], ["vmm_region", "END", 0]], r["ours"]
+    assert r["alloc"] and r["times"][0] <= r["alloc"][-1] <= r["times"][1], r
+    assert r["seg_frames"] and any(f == "<string>" for f in r["seg_frames"]), r["seg_frames"]
+    assert r["dumped"] >= 2
+    assert r["settings"]["pinned_num_register_threads"] >= 1  # PyTorch's default, 1
+
+
 def test_cuda_graph_replay_equals_eager_and_keeps_its_memory():
     r = run("""
         torch.manual_seed(0)

@@ -1,6 +1,7 @@
 // alloc_history.h: the allocation history PyTorch asks an allocator to keep
 // (torch.cuda.memory._record_memory_history): a bounded trace of allocations and frees per
-// device, and the stack of each live block's allocation, for snapshots and the memory viewer.
+// device, the stack of each live block's allocation and of each growth of the pools, and the
+// record_function annotations, for snapshots and the memory viewer.
 // Used by vmm_cuda_allocator.cpp (built only against a CUDA build of torch 2.3+).
 //
 // The stacks come from PyTorch's own context recorder (it takes the GIL itself), called with no
@@ -11,13 +12,17 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <deque>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -74,7 +79,10 @@ class History {
     // The trace goes when recording stops or is cleared; the stacks of live blocks stay (a
     // snapshot taken later still shows where they were made, as PyTorch's blocks keep the
     // context they were given) until the blocks are freed (Forget).
-    if (clear || !enabled) traces_.clear();
+    if (clear || !enabled) {
+      traces_.clear();
+      annotations_.clear();
+    }
     on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
   }
 
@@ -119,10 +127,33 @@ class History {
     on_.store(true, std::memory_order_relaxed);
   }
 
+  // A record_function region's START or END (`metadata`: {"name", ...}, {"stage", ...}), as
+  // PyTorch's hooks give it to the allocator while history is recorded: kept, as many as the
+  // trace's entries, for the snapshot's "external_annotations"; dropped with the trace.
+  struct Annotation {
+    c10::DeviceIndex device;
+    time_t time_us;
+    std::vector<std::pair<std::string, std::string>> metadata;
+  };
+  void Annotate(c10::DeviceIndex device,
+                const std::vector<std::pair<std::string, std::string>>& metadata) {
+    Annotation annotation{device, NowMicros(), metadata};
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!enabled_) return;
+    annotations_.push_back(std::move(annotation));
+    while (annotations_.size() > max_entries_) annotations_.pop_front();
+  }
+  std::vector<Annotation> Annotations() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {annotations_.begin(), annotations_.end()};
+  }
+
   // Records `action` on `addr`/`size` (for OOM, `addr` is the GPU's free bytes). The
-  // stack is gathered outside the lock (the recorder takes the GIL).
+  // stack is gathered outside the lock (the recorder takes the GIL). `grew`: the allocation
+  // made the pools grow; its stack is then also the one of the memory it mapped (GrowthOf).
   void Record(cda::TraceEntry::Action action, c10::DeviceIndex device, size_t addr,
-              size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
+              size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool,
+              bool grew = false) {
     cca::CreateContextFn recorder = nullptr;
     cca::RecordContext when = cca::RecordContext::NEVER;
     {
@@ -138,7 +169,10 @@ class History {
          (action == cda::TraceEntry::OOM && when >= cca::RecordContext::ALLOC));
     std::shared_ptr<c10::GatheredContext> context = wants_stack ? recorder() : nullptr;
     std::lock_guard<std::mutex> lock(mu_);
-    if (is_alloc && context != nullptr) contexts_[addr] = context;
+    if (is_alloc && context != nullptr) {
+      contexts_[addr] = context;
+      if (grew) NoteGrowth(addr, context);
+    }
     if (action == cda::TraceEntry::FREE_COMPLETED) contexts_.erase(addr);
     NoteContexts();
     // The trace is kept while history is on, whatever `when` says of stacks (as PyTorch's
@@ -166,6 +200,29 @@ class History {
     return it == contexts_.end() ? nullptr : it->second;
   }
 
+  // The stack of the growth recorded lowest in [begin, end) (a snapshot segment: where vmm
+  // maps memory in runs of chunks, the allocation that mapped the lowest part still mapped),
+  // or null.
+  std::shared_ptr<c10::GatheredContext> GrowthOf(size_t begin, size_t end) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = growths_.lower_bound(begin);
+    return it == growths_.end() || it->first >= end ? nullptr : it->second.context;
+  }
+  // Drops the growths outside every range of `kept` (sorted, disjoint: the segments of every
+  // pool, at a snapshot), whose memory has gone back.
+  void KeepGrowthsIn(const std::vector<std::pair<size_t, size_t>>& kept) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = growths_.begin(); it != growths_.end();) {
+      auto range = std::upper_bound(kept.begin(), kept.end(), std::make_pair(it->first, SIZE_MAX));
+      if (range != kept.begin() && it->first < std::prev(range)->second) {
+        ++it;
+      } else {
+        growth_order_.erase(it->second.serial);
+        it = growths_.erase(it);
+      }
+    }
+  }
+
   std::vector<std::vector<cda::TraceEntry>> Traces(size_t devices) {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<std::vector<cda::TraceEntry>> out(std::max(devices, traces_.size()));
@@ -177,6 +234,18 @@ class History {
 
  private:
   void NoteContexts() { holds_contexts_.store(!contexts_.empty(), std::memory_order_relaxed); }
+  // Growths are dropped at snapshots (KeepGrowthsIn) and, past the trace's length, oldest
+  // first, so that a program that records without snapshots keeps a bounded number.
+  void NoteGrowth(size_t addr, std::shared_ptr<c10::GatheredContext> context) {
+    auto [it, fresh] = growths_.try_emplace(addr);
+    if (!fresh) growth_order_.erase(it->second.serial);
+    it->second = Growth{std::move(context), ++growth_serial_};
+    growth_order_.emplace(growth_serial_, addr);
+    while (growths_.size() > max_entries_) {
+      growths_.erase(growth_order_.begin()->second);
+      growth_order_.erase(growth_order_.begin());
+    }
+  }
 
   std::atomic<bool> on_{false};
   std::atomic<bool> holds_contexts_{false};  // !contexts_.empty()
@@ -189,12 +258,43 @@ class History {
   std::vector<cca::AllocatorTraceTracker> trackers_;
   std::vector<std::deque<cda::TraceEntry>> traces_;
   std::unordered_map<size_t, std::shared_ptr<c10::GatheredContext>> contexts_;
+  std::deque<Annotation> annotations_;
+  struct Growth {
+    std::shared_ptr<c10::GatheredContext> context;
+    uint64_t serial = 0;  // its key in growth_order_
+  };
+  std::map<size_t, Growth> growths_;            // by the address of the block that grew
+  std::map<uint64_t, size_t> growth_order_;     // growths_' keys by serial: oldest first
+  uint64_t growth_serial_ = 0;
   struct DeviceNotes {
     std::string user_metadata;
     std::vector<std::string> compile;  // a stack
   };
   std::unordered_map<c10::DeviceIndex, DeviceNotes> notes_;
 };
+
+// Whether this torch's snapshot carries record_function annotations (external_annotations).
+template <typename Info, typename = void>
+struct HasAnnotations : std::false_type {};
+template <typename Info>
+struct HasAnnotations<Info, std::void_t<decltype(std::declval<Info&>().external_annotations)>>
+    : std::true_type {};
+
+// Adds `annotations` to the snapshot `out` as PyTorch's AnnotationEntry (device, time in
+// microseconds since the epoch, as the trace's entries, and the metadata), where this torch's
+// snapshot has them; elsewhere nothing.
+template <typename Info>
+void AddAnnotations(const std::vector<History::Annotation>& annotations, Info* out) {
+  if constexpr (HasAnnotations<Info>::value) {
+    using Entry = typename decltype(out->external_annotations)::value_type;
+    for (const History::Annotation& a : annotations) {
+      Entry entry(a.device, 0);
+      for (const auto& [key, value] : a.metadata) entry.metadata_[key] = value;
+      entry.time_.t_ = a.time_us;
+      out->external_annotations.push_back(std::move(entry));
+    }
+  }
+}
 
 }  // namespace vmm_torch
 

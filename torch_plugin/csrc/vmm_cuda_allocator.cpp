@@ -219,6 +219,36 @@ double ConfiguredFraction() {
 #endif
 }
 
+// PYTORCH_CUDA_ALLOC_CONF's pinned-memory settings, which PyTorch's host allocator applies
+// under vmm too: what a snapshot reports in allocator_settings (0 and false where this torch
+// has no such settings).
+struct PinnedSettings {
+  size_t register_threads = 0;
+  bool host_register = false;
+};
+template <typename C, typename = void>
+struct HasPinnedSettings : std::false_type {};
+template <typename C>
+struct HasPinnedSettings<C, std::void_t<decltype(C::pinned_num_register_threads()),
+                                        decltype(C::pinned_use_cuda_host_register())>>
+    : std::true_type {};
+template <typename Config>
+PinnedSettings PinnedSettingsOf() {
+  if constexpr (HasPinnedSettings<Config>::value) {
+    return {static_cast<size_t>(Config::pinned_num_register_threads()),
+            static_cast<bool>(Config::pinned_use_cuda_host_register())};
+  } else {
+    return {};
+  }
+}
+PinnedSettings ConfiguredPinnedSettings() {
+#ifdef VMM_TORCH_HAS_ALLOCATOR_CONFIG
+  return PinnedSettingsOf<c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig>();
+#else
+  return {};
+#endif
+}
+
 // Set once Python has finished (Py_AtExit: the end of its finalisation; an atexit handler
 // too, for a process that exits without finalising Python; both registered by Install): the
 // process is exiting. What C++ code frees from then on (thread_local and static destructors:
@@ -383,8 +413,10 @@ class VmmAllocator : public Pluggable {
     const bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
     cca::SnapshotInfo out;
     int devices = 0;
+    std::vector<std::pair<size_t, size_t>> mapped;  // every segment's range
     for (size_t i = 0; i < entries->num_segments; ++i) {
       const vmm_segment_entry& s = entries->segments[i];
+      mapped.emplace_back(s.address, s.address + s.total_size);
       const MempoolId_t owner{s.mempool_id[0], s.mempool_id[1]};
       const bool private_pool = owner.first != 0 || owner.second != 0;
       if (s.pool != 0 && !private_pool) continue;  // an explicit pool: not PyTorch's memory
@@ -401,6 +433,9 @@ class VmmAllocator : public Pluggable {
       segment.is_large = s.is_large != 0;
       segment.is_expandable = true;  // mapped chunks of a reserved range, grown in place
       segment.owner_private_pool_id = owner;
+      // The stack of the allocation that grew it (its lowest, where a segment is a run of
+      // several growths), while history records stacks.
+      segment.context_when_allocated = history_.GrowthOf(s.address, s.address + s.total_size);
       for (size_t b = 0; b < s.num_blocks; ++b) {
         const vmm_block_entry& e = s.blocks[b];
         cda::BlockInfo block;
@@ -420,15 +455,20 @@ class VmmAllocator : public Pluggable {
       devices = std::max(devices, pool->device + 1);
       AddForeignSegments(*pool, &out);
     }
+    std::sort(mapped.begin(), mapped.end());
+    history_.KeepGrowthsIn(mapped);
     if (include_traces) {
       out.device_traces = history_.Traces(static_cast<size_t>(std::max(devices, 1)));
+      vmm_torch::AddAnnotations(history_.Annotations(), &out);
     }
     out.config_metadata.garbage_collection_threshold = 0;
     out.config_metadata.max_split_size = SIZE_MAX;
-    out.config_metadata.pinned_num_register_threads = 0;
     out.config_metadata.expandable_segments = true;
     out.config_metadata.release_lock_on_malloc = false;
-    out.config_metadata.pinned_use_host_register = false;
+    // Pinned host memory stays PyTorch's under vmm: its settings are the configuration's.
+    const PinnedSettings pinned = ConfiguredPinnedSettings();
+    out.config_metadata.pinned_num_register_threads = pinned.register_threads;
+    out.config_metadata.pinned_use_host_register = pinned.host_register;
     out.config_metadata.graph_capture_record_stream_reuse = false;
     out.config_metadata.last_allocator_settings = "vmm";
     return out;
@@ -453,6 +493,12 @@ class VmmAllocator : public Pluggable {
     history_.PushCompileContext(c10::cuda::current_device(), md);
   }
   void popCompileContext() { history_.PopCompileContext(c10::cuda::current_device()); }
+
+  // torch.profiler.record_function's regions while history is recorded (PyTorch's hooks call
+  // it with {"name", ...}, {"stage", "START" or "END"}): the snapshot's external_annotations.
+  void recordAnnotation(const std::vector<std::pair<std::string, std::string>>& metadata) {
+    history_.Annotate(c10::cuda::current_device(), metadata);
+  }
 
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     std::lock_guard<std::mutex> lock(mu_);
@@ -550,8 +596,9 @@ class VmmAllocator : public Pluggable {
     it->second.use_on_oom = use_on_oom;
   }
 
-  // vmm never hands parts of one block to two tensors: every vmm pool is "no split". A pool
-  // over another allocator splits its segments unless told not to, as PyTorch's does.
+  // A pool over another allocator splits its segments unless told not to, as PyTorch's does.
+  // vmm's own private pools do not honour it (docs/DESIGN.md §2g: several blocks share a chunk
+  // and a snapshot segment there).
   void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
     std::shared_ptr<ForeignPool> pool;
     {
@@ -1087,6 +1134,10 @@ class VmmAllocator : public Pluggable {
     MempoolId_t pool_id{0, 0};
     void* ptr = nullptr;
     void* const pool_stream = vmm_torch::PoolStream(stream, device);
+    // While history records stacks, whether this allocation grows the GPU's pools: its stack
+    // is then the one of the segment it maps (snapshot "frames"). Another thread's growth
+    // meanwhile may be taken for this one's.
+    const int64_t reserved_before = history_.on() ? ReservedOn(device) : -1;
     std::optional<RouteTarget> route;
     if (!routes_empty_.load(std::memory_order_relaxed)) route = RouteFor(device, stream);
     if (route.has_value() && route->foreign != nullptr) {
@@ -1119,8 +1170,16 @@ class VmmAllocator : public Pluggable {
       ptr = AllocateOnOom(size, device, stream, &pool_id);
     }
     if (ptr == nullptr) OutOfMemory(size, device, stream, pool_id);
-    RecordAlloc(ptr, size, device, stream, pool_id);
+    RecordAlloc(ptr, size, device, stream, pool_id,
+                reserved_before >= 0 && ReservedOn(device) > reserved_before);
     return ptr;
+  }
+
+  // What vmm's pools on `device` hold (-1 where it cannot be read).
+  static int64_t ReservedOn(int device) {
+    int64_t allocated = 0;
+    int64_t reserved = 0;
+    return libvmm.device_usage(device, &allocated, &reserved) == 0 ? reserved : -1;
   }
 
   // PyTorch's allocator sets each GPU's memory fraction from PYTORCH_CUDA_ALLOC_CONF's
@@ -1149,10 +1208,11 @@ class VmmAllocator : public Pluggable {
     read.store(true, std::memory_order_release);
   }
 
-  void RecordAlloc(void* ptr, size_t size, int device, cudaStream_t stream, MempoolId_t pool) {
+  void RecordAlloc(void* ptr, size_t size, int device, cudaStream_t stream, MempoolId_t pool,
+                   bool grew = false) {
     if (history_.on()) {
       history_.Record(cda::TraceEntry::ALLOC, static_cast<c10::DeviceIndex>(device),
-                      reinterpret_cast<size_t>(ptr), size, stream, pool);
+                      reinterpret_cast<size_t>(ptr), size, stream, pool, grew);
     }
     // A MemPool's segment asked for by PyTorch's own allocator (own pools only) is no tensor:
     // PyTorch tells the tools of the blocks it makes of it.

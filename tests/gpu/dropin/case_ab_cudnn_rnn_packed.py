@@ -19,6 +19,7 @@ cuDNN chooses, several per call.
 """
 import copy
 import gc
+import time
 
 import torch
 from dropin_report import check_level, report
@@ -55,8 +56,10 @@ def main():
         # aliased weights stay out of the flat buffer: cuDNN gets a copy at every call
         m.weight_hh_l1 = m.weight_hh_l0
     after = []
+    start = time.monotonic()
     for rnd in range(3):
         for name, cpu_mod in nets.items():
+            print(f"{time.monotonic() - start:6.1f} s: round {rnd}, {name}", flush=True)
             mod = gpu[name]
             mod.zero_grad(set_to_none=True)
             cpu_mod.zero_grad(set_to_none=True)
@@ -71,6 +74,7 @@ def main():
                 if rel(a, b) > 1e-2:
                     errors.append(f"round {rnd}, {name}: {what} is off by {rel(a, b):.3g}")
             del got, pairs, xg
+        print(f"{time.monotonic() - start:6.1f} s: round {rnd}, dropout", flush=True)
         drop = torch.nn.LSTM(64, 96, num_layers=2, dropout=0.25, batch_first=True)
         dg = copy.deepcopy(drop).cuda().train()
         y, _ = dg(x.cuda())

@@ -88,6 +88,8 @@ def recording(torch, rec, global_annotations):
     rec("annotations in a _dump_snapshot() file", dumped)
     rec("_record_memory_history(enabled=None)",
         lambda: torch.cuda.memory._record_memory_history(enabled=None))
+    rec("annotations in a snapshot once recording stopped",
+        lambda: len(ours(torch.cuda.memory._snapshot())))
 
 
 def settings(torch, rec):
