@@ -2,6 +2,7 @@
 // and what it says about it.
 #include "allocator/handle_probe.h"
 
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -38,6 +39,7 @@ class NoFabricDriver : public ForwardingDriver {
 
 // The one test of what is printed: LogWarningOnce says it once per process.
 TEST(HandleProbeTest, AutoWithoutAnImexChannelUsesFdsAndSaysSoWithoutAnError) {
+  unsetenv("VMM_LOG_LEVEL");  // read at the first message: quiet would say nothing
   std::unique_ptr<Driver> host = NewHostDriver();
   NoFabricDriver driver(host.get(), absl::PermissionDeniedError(
                                         "cuMemCreate: CUDA_ERROR_NOT_PERMITTED (operation not "

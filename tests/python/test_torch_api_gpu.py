@@ -31,11 +31,11 @@ MIB = 1 << 20
 """
 
 
-def run(body, enable=True):
-    """Runs `body` in a fresh interpreter (after vmm_torch.enable() if `enable`); returns the
-    object it printed last as JSON."""
+def run(body, enable=True, extra_env=None):
+    """Runs `body` in a fresh interpreter (after vmm_torch.enable() if `enable`; with
+    `extra_env` added to the environment); returns the object it printed last as JSON."""
     code = (PRELUDE if enable else PRELUDE.replace("vmm_torch.enable()", "")) + textwrap.dedent(body)
-    env = dict(os.environ)
+    env = dict(os.environ, **(extra_env or {}))
     if not enable:
         env.pop("VMM_TORCH_ENABLE", None)  # PyTorch's allocator, not vmm's through the variable
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -196,31 +196,52 @@ def test_snapshot_and_history_draw_a_timeline():
 def test_snapshot_has_record_function_annotations_segment_frames_and_pinned_settings():
     r = run("""
         import os, pickle, tempfile
+        def grow():
+            return torch.empty(96 * MIB, dtype=torch.uint8, device="cuda")  # a growth each
         torch.cuda.memory._record_memory_history(max_entries=1000)
         with torch.profiler.record_function("vmm_region"):
-            grown = torch.empty(96 * MIB, dtype=torch.uint8, device="cuda")  # a growth
+            grown = grow()
         snap = torch.cuda.memory._snapshot()
         ours = [[a["name"], a["stage"], a["device"]] for a in snap["external_annotations"]
                 if a.get("name") == "vmm_region"]
         times = [a["time_us"] for a in snap["external_annotations"] if a.get("name") == "vmm_region"]
         alloc = [e["time_us"] for e in snap["device_traces"][0]
                  if e["action"] == "alloc" and e["addr"] == grown.data_ptr()]
-        seg = [s for s in snap["segments"]
-               if s["address"] <= grown.data_ptr() < s["address"] + s["total_size"]]
-        me = [f["filename"] for f in seg[0].get("frames", [])] if seg else []
+        def frames(snap, t):
+            # [the frames of t's segment, of t's block]
+            p = t.data_ptr()
+            seg = [s for s in snap["segments"] if s["address"] <= p < s["address"] + s["total_size"]]
+            blk = [b for s in seg for b in s["blocks"] if b["address"] == p]
+            return [seg[0].get("frames", []) if seg else None,
+                    blk[0].get("frames", []) if blk else None]
+        grown_frames = frames(snap, grown)
         with tempfile.TemporaryDirectory() as d:
             torch.cuda.memory._dump_snapshot(os.path.join(d, "s.pickle"))
             with open(os.path.join(d, "s.pickle"), "rb") as f:
                 dumped = len(pickle.load(f)["external_annotations"])
+        # Again: the annotations go; a trace of one entry (context="state") still leaves each
+        # segment its stack.
+        torch.cuda.memory._record_memory_history(enabled="state", max_entries=1)
+        again = len(torch.cuda.memory._snapshot()["external_annotations"])
+        del grown
+        torch.cuda.empty_cache()
+        a, b = grow(), grow()
+        state = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        print(json.dumps(dict(ours=ours, times=times, alloc=alloc, seg_frames=me, dumped=dumped,
+        print(json.dumps(dict(ours=ours, times=times, alloc=alloc, grown=grown_frames,
+                              dumped=dumped, again=again, a=frames(state, a), b=frames(state, b),
                               settings=snap["allocator_settings"])))
-    """)
+    """, extra_env={"PYTORCH_CUDA_ALLOC_CONF":
+                    "pinned_num_register_threads:4,pinned_use_cuda_host_register:True"})
     assert r["ours"] == [["vmm_region", "START", 0], ["vmm_region", "END", 0]], r["ours"]
     assert r["alloc"] and r["times"][0] <= r["alloc"][-1] <= r["times"][1], r
-    assert r["seg_frames"] and any(f == "<string>" for f in r["seg_frames"]), r["seg_frames"]
     assert r["dumped"] >= 2
-    assert r["settings"]["pinned_num_register_threads"] >= 1  # PyTorch's default, 1
+    assert r["again"] == 0, "annotations outlived a new _record_memory_history call"
+    # A segment a growth made carries the stack of the allocation that made it, as its block.
+    for seg_frames, block_frames in (r["grown"], r["a"], r["b"]):
+        assert seg_frames and seg_frames == block_frames, (seg_frames, block_frames)
+    assert r["settings"]["pinned_num_register_threads"] == 4
+    assert r["settings"]["pinned_use_cuda_host_register"] is True
 
 
 def test_cuda_graph_replay_equals_eager_and_keeps_its_memory():

@@ -63,6 +63,9 @@ class History {
  public:
   // Whether anything is recorded (one relaxed load: the cost while off).
   bool on() const { return on_.load(std::memory_order_relaxed); }
+  // Whether allocations' stacks are recorded (one relaxed load): only then is it worth
+  // telling whether an allocation grew the pools (Record's `grew`).
+  bool records_stacks() const { return stacks_.load(std::memory_order_relaxed); }
 
   void Configure(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
                  cca::RecordContext when, bool clear,
@@ -78,12 +81,13 @@ class History {
     }
     // The trace goes when recording stops or is cleared; the stacks of live blocks stay (a
     // snapshot taken later still shows where they were made, as PyTorch's blocks keep the
-    // context they were given) until the blocks are freed (Forget).
-    if (clear || !enabled) {
-      traces_.clear();
-      annotations_.clear();
-    }
+    // context they were given) until the blocks are freed (Forget), and so do those of the
+    // growths (until their memory goes). The annotations go at every call, as PyTorch's.
+    if (clear || !enabled) traces_.clear();
+    annotations_.clear();
     on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
+    stacks_.store(recorder_ != nullptr && when_ >= cca::RecordContext::STATE,
+                  std::memory_order_relaxed);
   }
 
   // torch.cuda.memory._set_memory_metadata / _get_memory_metadata: a string that every
@@ -169,10 +173,8 @@ class History {
          (action == cda::TraceEntry::OOM && when >= cca::RecordContext::ALLOC));
     std::shared_ptr<c10::GatheredContext> context = wants_stack ? recorder() : nullptr;
     std::lock_guard<std::mutex> lock(mu_);
-    if (is_alloc && context != nullptr) {
-      contexts_[addr] = context;
-      if (grew) NoteGrowth(addr, context);
-    }
+    if (is_alloc && context != nullptr) contexts_[addr] = context;
+    if (is_alloc && grew) NoteGrowth(addr, context);  // a growth without a stack: none shown
     if (action == cda::TraceEntry::FREE_COMPLETED) contexts_.erase(addr);
     NoteContexts();
     // The trace is kept while history is on, whatever `when` says of stacks (as PyTorch's
@@ -208,13 +210,21 @@ class History {
     auto it = growths_.lower_bound(begin);
     return it == growths_.end() || it->first >= end ? nullptr : it->second.context;
   }
-  // Drops the growths outside every range of `kept` (sorted, disjoint: the segments of every
-  // pool, at a snapshot), whose memory has gone back.
-  void KeepGrowthsIn(const std::vector<std::pair<size_t, size_t>>& kept) {
+  // The mark of the growths recorded so far (for KeepGrowthsIn), taken before the segments
+  // it is given are read.
+  uint64_t GrowthMark() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return growth_serial_;
+  }
+  // Drops the growths up to `mark` outside every range of `kept` (sorted, disjoint: the
+  // segments of every pool, read after the mark), whose memory has gone back; a growth
+  // recorded since may lie in a segment read before it, and stays.
+  void KeepGrowthsIn(const std::vector<std::pair<size_t, size_t>>& kept, uint64_t mark) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = growths_.begin(); it != growths_.end();) {
       auto range = std::upper_bound(kept.begin(), kept.end(), std::make_pair(it->first, SIZE_MAX));
-      if (range != kept.begin() && it->first < std::prev(range)->second) {
+      if (it->second.serial > mark ||
+          (range != kept.begin() && it->first < std::prev(range)->second)) {
         ++it;
       } else {
         growth_order_.erase(it->second.serial);
@@ -234,14 +244,17 @@ class History {
 
  private:
   void NoteContexts() { holds_contexts_.store(!contexts_.empty(), std::memory_order_relaxed); }
-  // Growths are dropped at snapshots (KeepGrowthsIn) and, past the trace's length, oldest
-  // first, so that a program that records without snapshots keeps a bounded number.
+  // Growths are dropped at snapshots once their memory has gone (KeepGrowthsIn) and, past
+  // kMaxGrowths, oldest first, so that a program that records without snapshots keeps a
+  // bounded number. Not the trace's length: a segment keeps its stack for its life, as
+  // PyTorch's do, whatever the trace keeps (max_entries=1 with context="state").
+  static constexpr size_t kMaxGrowths = 1 << 16;
   void NoteGrowth(size_t addr, std::shared_ptr<c10::GatheredContext> context) {
     auto [it, fresh] = growths_.try_emplace(addr);
     if (!fresh) growth_order_.erase(it->second.serial);
     it->second = Growth{std::move(context), ++growth_serial_};
     growth_order_.emplace(growth_serial_, addr);
-    while (growths_.size() > max_entries_) {
+    while (growths_.size() > kMaxGrowths) {
       growths_.erase(growth_order_.begin()->second);
       growth_order_.erase(growth_order_.begin());
     }
@@ -249,6 +262,7 @@ class History {
 
   std::atomic<bool> on_{false};
   std::atomic<bool> holds_contexts_{false};  // !contexts_.empty()
+  std::atomic<bool> stacks_{false};          // recorder_ set, when_ >= STATE
   std::mutex mu_;
   bool enabled_ = false;  // _record_memory_history is on (the trace is kept)
   cca::CreateContextFn recorder_ = nullptr;

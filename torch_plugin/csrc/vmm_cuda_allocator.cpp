@@ -406,6 +406,7 @@ class VmmAllocator : public Pluggable {
   // --- Snapshot and history -----------------------------------------------------------
 
   cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
+    const uint64_t growth_mark = history_.GrowthMark();  // before the segments are read
     vmm_snapshot_entries* entries = nullptr;
     CheckOk(libvmm.snapshot_get(&entries), "memory_snapshot");
     std::unique_ptr<vmm_snapshot_entries, decltype(libvmm.snapshot_release)> owned(
@@ -456,11 +457,11 @@ class VmmAllocator : public Pluggable {
       AddForeignSegments(*pool, &out);
     }
     std::sort(mapped.begin(), mapped.end());
-    history_.KeepGrowthsIn(mapped);
+    history_.KeepGrowthsIn(mapped, growth_mark);
     if (include_traces) {
       out.device_traces = history_.Traces(static_cast<size_t>(std::max(devices, 1)));
-      vmm_torch::AddAnnotations(history_.Annotations(), &out);
     }
+    vmm_torch::AddAnnotations(history_.Annotations(), &out);  // with traces or not, as PyTorch's
     out.config_metadata.garbage_collection_threshold = 0;
     out.config_metadata.max_split_size = SIZE_MAX;
     out.config_metadata.expandable_segments = true;
@@ -1137,7 +1138,7 @@ class VmmAllocator : public Pluggable {
     // While history records stacks, whether this allocation grows the GPU's pools: its stack
     // is then the one of the segment it maps (snapshot "frames"). Another thread's growth
     // meanwhile may be taken for this one's.
-    const int64_t reserved_before = history_.on() ? ReservedOn(device) : -1;
+    const int64_t reserved_before = history_.records_stacks() ? ReservedOn(device) : -1;
     std::optional<RouteTarget> route;
     if (!routes_empty_.load(std::memory_order_relaxed)) route = RouteFor(device, stream);
     if (route.has_value() && route->foreign != nullptr) {

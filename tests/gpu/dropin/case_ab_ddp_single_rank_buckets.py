@@ -11,7 +11,8 @@ model's weights equal those of the same steps run without DDP (within 1e-5; 1e-3
 fp16 hook); from the second build-train-drop cycle to the fourth, memory_allocated() grows by
 no more than it does with PyTorch's allocator in a child process running the same cycles
 (waiting up to 10 s for NCCL's watchdog to let go of finished work: torch 2.11 keeps about one
-model's parameters more after the fourth, 1,610,752 bytes here, run FK); and
+model's parameters more after the fourth, 1,610,752 bytes here, run FK: a vmm leak of up to
+that much would pass); and
 all_gather_into_tensor / reduce_scatter_tensor(async_op=True) whose input is deleted at once,
 with the NCCL stream waiting behind a GPU sleep, deliver the input's values (ProcessGroupNCCL
 keeps the input's memory until the work is done: record_stream on its stream, or a stash).
