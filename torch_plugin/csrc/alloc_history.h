@@ -133,7 +133,7 @@ class History {
 
   // A record_function region's START or END (`metadata`: {"name", ...}, {"stage", ...}), as
   // PyTorch's hooks give it to the allocator while history is recorded: kept, as many as the
-  // trace's entries, for the snapshot's "external_annotations"; dropped with the trace.
+  // trace's entries, for the snapshot's "external_annotations"; dropped at every Configure.
   struct Annotation {
     c10::DeviceIndex device;
     time_t time_us;
@@ -222,7 +222,8 @@ class History {
   void KeepGrowthsIn(const std::vector<std::pair<size_t, size_t>>& kept, uint64_t mark) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = growths_.begin(); it != growths_.end();) {
-      auto range = std::upper_bound(kept.begin(), kept.end(), std::make_pair(it->first, SIZE_MAX));
+      auto range =
+          std::upper_bound(kept.begin(), kept.end(), std::make_pair(it->first, SIZE_MAX));
       if (it->second.serial > mark ||
           (range != kept.begin() && it->first < std::prev(range)->second)) {
         ++it;
