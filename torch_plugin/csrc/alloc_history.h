@@ -288,12 +288,24 @@ class History {
   std::unordered_map<c10::DeviceIndex, DeviceNotes> notes_;
 };
 
-// Whether this torch's snapshot carries record_function annotations (external_annotations).
+// Whether this torch's snapshot carries record_function annotations (external_annotations)
+// as the AnnotationEntry this file fills (a device and a time to construct it with, a time_
+// whose t_ is the time in microseconds, a metadata_ map). Checked rather than assumed, as
+// each allocator feature of this file: a torch whose entry differs builds without them.
+template <typename Entry, typename = void>
+struct FillableAnnotation : std::false_type {};
+template <typename Entry>
+struct FillableAnnotation<
+    Entry, std::void_t<decltype(Entry(std::declval<c10::DeviceIndex>(), 0)),
+                       decltype(std::declval<Entry&>().time_.t_ = time_t{}),
+                       decltype(std::declval<Entry&>().metadata_[std::string()] = std::string())>>
+    : std::true_type {};
 template <typename Info, typename = void>
 struct HasAnnotations : std::false_type {};
 template <typename Info>
 struct HasAnnotations<Info, std::void_t<decltype(std::declval<Info&>().external_annotations)>>
-    : std::true_type {};
+    : FillableAnnotation<
+          typename decltype(std::declval<Info&>().external_annotations)::value_type> {};
 
 // Adds `annotations` to the snapshot `out` as PyTorch's AnnotationEntry (device, time in
 // microseconds since the epoch, as the trace's entries, and the metadata), where this torch's
@@ -308,6 +320,21 @@ void AddAnnotations(const std::vector<History::Annotation>& annotations, Info* o
       entry.time_.t_ = a.time_us;
       out->external_annotations.push_back(std::move(entry));
     }
+  }
+}
+
+// Sets a snapshot segment's stack (its "frames"), where this torch's segments have one.
+template <typename Segment, typename = void>
+struct HasSegmentContext : std::false_type {};
+template <typename Segment>
+struct HasSegmentContext<Segment,
+                         std::void_t<decltype(std::declval<Segment&>().context_when_allocated =
+                                                  std::shared_ptr<c10::GatheredContext>())>>
+    : std::true_type {};
+template <typename Segment>
+void SetSegmentContext(std::shared_ptr<c10::GatheredContext> context, Segment* segment) {
+  if constexpr (HasSegmentContext<Segment>::value) {
+    segment->context_when_allocated = std::move(context);
   }
 }
 

@@ -436,7 +436,8 @@ class VmmAllocator : public Pluggable {
       segment.owner_private_pool_id = owner;
       // The stack of the allocation that grew it (its lowest, where a segment is a run of
       // several growths), while history records stacks.
-      segment.context_when_allocated = history_.GrowthOf(s.address, s.address + s.total_size);
+      vmm_torch::SetSegmentContext(history_.GrowthOf(s.address, s.address + s.total_size),
+                                   &segment);
       for (size_t b = 0; b < s.num_blocks; ++b) {
         const vmm_block_entry& e = s.blocks[b];
         cda::BlockInfo block;
