@@ -28,8 +28,12 @@ inline size_t RoundUp(size_t n, size_t multiple) {
   return (n + multiple - 1) / multiple * multiple;
 }
 
+// Pool::ThreadGrowths: the calling thread's allocations that grew a pool.
+thread_local uint64_t thread_growths = 0;
 
 }  // namespace
+
+uint64_t Pool::ThreadGrowths() { return thread_growths; }
 
 namespace {
 
@@ -578,6 +582,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     }
     block = *grown;
     grew = true;
+    ++thread_growths;
   }
   if (spilled) ++stats_.num_small_spills;
   TakeBlock(*arena, block, n, size, stream);

@@ -209,6 +209,12 @@ absl::Status CheckRequestSize(size_t size);
 
 class Pool {
  public:
+  // How many allocations the calling thread has made, in any pool, that mapped memory for
+  // themselves (a growth: chunks created or moved to where the request goes). Read before
+  // and after an allocation, it tells whether that allocation mapped memory (the PyTorch
+  // plugin's segment stacks), at no cost to allocations that map nothing.
+  static uint64_t ThreadGrowths();
+
   // Reserves the address range and probes the handle type (handle_probe.h). `observer`, if
   // not null, hears about released exported chunks for the pool's whole life and must outlive
   // it. InvalidArgument for bad options or device; FailedPrecondition when kFabric or kPosixFd

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <set>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -249,6 +250,28 @@ TEST_F(CApiTest, APoolsStatsStructSaysWhatItsJsonSays) {
   vmm_torch_stats stats;
   EXPECT_EQ(vmm_pool_torch_stats(explicit_pool, &stats), -1) << "destroyed";
   EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+}
+
+TEST_F(CApiTest, ThreadGrowthsCountTheAllocationsThatMappedMemoryOnThisThreadAlone) {
+  const int64_t pool = vmm_pool_create(VMM_BACKEND_HOST, 0, "reserve_size=256M");
+  ASSERT_GT(pool, 0) << vmm_last_error();
+  const uint64_t before = vmm_thread_growths();
+  void* a = PoolAlloc(pool, 3 * kMiB);  // the pool's first memory
+  EXPECT_EQ(vmm_thread_growths(), before + 1);
+  ASSERT_EQ(vmm_free(a, 0), 0);
+  void* cached = PoolAlloc(pool, 3 * kMiB);  // the block just freed
+  EXPECT_EQ(vmm_thread_growths(), before + 1) << "a cached allocation mapped nothing";
+  uint64_t other = 0;
+  std::thread([&] {
+    other = vmm_thread_growths();
+    void* b = PoolAlloc(pool, 40 * kMiB);
+    other = vmm_thread_growths() - other;
+    vmm_block_free(b);
+  }).join();
+  EXPECT_EQ(other, 1u);
+  EXPECT_EQ(vmm_thread_growths(), before + 1) << "another thread's growth counted here";
+  vmm_block_free(cached);
+  ASSERT_EQ(vmm_pool_destroy(pool), 0);
 }
 
 TEST_F(CApiTest, ThePrivatePoolsOfADeviceAreInItsStats) {

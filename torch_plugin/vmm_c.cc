@@ -384,6 +384,8 @@ int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved) {
   return 0;
 }
 
+uint64_t vmm_thread_growths(void) { return vmm::Pool::ThreadGrowths(); }
+
 int vmm_device_largest_free_block(int device, uint64_t* out) {
   if (out == nullptr) {
     return vmm::Fail(absl::InvalidArgumentError("vmm_device_largest_free_block: null output"));

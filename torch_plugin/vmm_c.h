@@ -226,6 +226,11 @@ int vmm_device_torch_stats(int device, vmm_torch_stats* out);
  * allocation and free. (While a released private pool's teardown waits for a capture to end,
  * its memory still counts here and no longer there.) VMM_INVALID_ARGUMENT for a null output. */
 int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved);
+/* How many allocations the calling thread has made, in any pool, that mapped memory for
+ * themselves (created chunks or moved them to where the request went). Read before and after
+ * an allocation, it tells whether that allocation mapped memory; a cached allocation changes
+ * nothing. Never fails. */
+uint64_t vmm_thread_growths(void);
 /* One pool by id (explicit or private). */
 int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out);
 /* The largest free block cached by the device pool of `device` and the private pools on it

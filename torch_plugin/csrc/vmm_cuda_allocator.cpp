@@ -1136,10 +1136,11 @@ class VmmAllocator : public Pluggable {
     MempoolId_t pool_id{0, 0};
     void* ptr = nullptr;
     void* const pool_stream = vmm_torch::PoolStream(stream, device);
-    // While history records stacks, whether this allocation grows the GPU's pools: its stack
-    // is then the one of the segment it maps (snapshot "frames"). Another thread's growth
-    // meanwhile may be taken for this one's.
-    const int64_t reserved_before = history_.records_stacks() ? ReservedOn(device) : -1;
+    // While history records stacks, whether this allocation maps memory (this thread's
+    // growths, before and after): its stack is then the one of that memory's segment
+    // (snapshot "frames").
+    const bool stacks = history_.records_stacks();
+    const uint64_t growths_before = stacks ? libvmm.thread_growths() : 0;
     std::optional<RouteTarget> route;
     if (!routes_empty_.load(std::memory_order_relaxed)) route = RouteFor(device, stream);
     if (route.has_value() && route->foreign != nullptr) {
@@ -1173,15 +1174,8 @@ class VmmAllocator : public Pluggable {
     }
     if (ptr == nullptr) OutOfMemory(size, device, stream, pool_id);
     RecordAlloc(ptr, size, device, stream, pool_id,
-                reserved_before >= 0 && ReservedOn(device) > reserved_before);
+                stacks && libvmm.thread_growths() != growths_before);
     return ptr;
-  }
-
-  // What vmm's pools on `device` hold (-1 where it cannot be read).
-  static int64_t ReservedOn(int device) {
-    int64_t allocated = 0;
-    int64_t reserved = 0;
-    return libvmm.device_usage(device, &allocated, &reserved) == 0 ? reserved : -1;
   }
 
   // PyTorch's allocator sets each GPU's memory fraction from PYTORCH_CUDA_ALLOC_CONF's
