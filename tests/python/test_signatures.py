@@ -50,6 +50,7 @@ RESULT_TYPES = {
     "void": {None},
     "int": {ctypes.c_int},
     "int64_t": {ctypes.c_int64},
+    "uint64_t": {ctypes.c_uint64},
     "void*": {ctypes.c_void_p},
     "const char*": {ctypes.c_char_p},
     "char*": {ctypes.c_void_p},

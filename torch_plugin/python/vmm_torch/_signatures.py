@@ -301,6 +301,7 @@ SIGNATURES: Dict[str, Signature] = {
     # Statistics and snapshots as structs.
     "vmm_device_torch_stats": (_int, [_int, _P(TorchStats)]),
     "vmm_device_usage": (_int, [_int, _P(_int64), _P(_int64)]),
+    "vmm_thread_growths": (_uint64, []),
     "vmm_pool_torch_stats": (_int, [_int64, _P(TorchStats)]),
     "vmm_device_largest_free_block": (_int, [_int, _P(_uint64)]),
     "vmm_snapshot_get": (_int, [_P(_P(SnapshotEntries))]),
