@@ -18,11 +18,10 @@ backward) and the flattened weight buffer are allocations of vmm with lifetimes 
 cuDNN chooses, several per call.
 """
 import copy
-import gc
 import time
 
 import torch
-from dropin_report import check_level, report
+from dropin_report import check_level, level, report
 
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
@@ -87,9 +86,7 @@ def main():
             if rel(ye, drop.eval()(x)[0]) > 1e-2:
                 errors.append(f"round {rnd}: the dropout LSTM in eval mode differs from the CPU")
         del drop, dg, y, ye, _
-        gc.collect()
-        torch.cuda.synchronize()
-        after.append(torch.cuda.memory_allocated())
+        after.append(level())
         if errors:
             break
     check_level(after, errors)

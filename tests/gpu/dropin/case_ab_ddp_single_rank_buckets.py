@@ -23,8 +23,6 @@ stream is a PyTorch pool stream that the collectives' inputs are recorded on
 """
 import contextlib
 import gc
-import os
-import subprocess
 import sys
 import time
 
@@ -32,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from dropin_report import report
+from outcome_compare import child_env, emit, finish_probe, start_probe
 
 
 def make():
@@ -102,30 +101,11 @@ def async_input_dropped(errors, n=1 << 22):
                           f"output values are not the input's")
 
 
-def start_native():
-    """This program again, with "--growth", in a child whose environment lacks
-    VMM_TORCH_ENABLE (PyTorch's allocator), running beside this one."""
-    env = {k: v for k, v in os.environ.items() if k != "VMM_TORCH_ENABLE"}
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--growth"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
 def native_growth(child, errors):
-    """The growth the child's cycles made with PyTorch's allocator; None (and an error) if it
-    failed."""
-    try:
-        out, err = child.communicate(timeout=45)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.communicate()
-        errors.append("the child with PyTorch's allocator hung")
-        return None
-    lines = [line for line in out.splitlines() if line.startswith("GROWTH ")]
-    if child.returncode != 0 or not lines:
-        tail = " | ".join(err.strip().splitlines()[-5:])
-        errors.append(f"the child with PyTorch's allocator exited {child.returncode}: {tail}")
-        return None
-    return int(lines[-1].split()[1])
+    """The growth the child's cycles made with PyTorch's allocator (outcome_compare's probe
+    process: this program with "--probe"); None (and an error) if it failed."""
+    outcomes = finish_probe(child, "PyTorch's allocator", errors, timeout=45)
+    return None if outcomes is None else dict(outcomes)["growth"]["value"]
 
 
 def main():
@@ -134,8 +114,8 @@ def main():
         print("no NCCL in this torch: nothing checked")
         report(errors)
         return
-    growth_only = "--growth" in sys.argv
-    child = None if growth_only else start_native()
+    growth_only = "--probe" in sys.argv
+    child = None if growth_only else start_probe([], child_env())
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
                             device_id=torch.device("cuda", 0))
@@ -154,7 +134,7 @@ def main():
             first = allocated()
     last = allocated(at_most=first)
     if growth_only:
-        print(f"GROWTH {last - first}")
+        emit([["growth", {"kind": "returned", "value": last - first}]])
         dist.destroy_process_group()
         return
     native = native_growth(child, errors)

@@ -15,10 +15,9 @@ Why vmm may differ: each stream's first cuBLASLt call takes a workspace from the
 that stream (kept per handle and stream), and the products are queued behind GPU sleeps so
 that the four streams allocate, compute and free at the same time.
 """
-import gc
 
 import torch
-from dropin_report import check_level, report
+from dropin_report import check_level, level, report
 
 M, K, N = 256, 512, 384
 
@@ -55,12 +54,6 @@ def one_round(cases, streams, mats, errors, tag):
             errors.append(f"{tag}: result {i} (float32 output) is off by {rel(o2, want2):.3g}")
 
 
-def settled():
-    gc.collect()
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
-
-
 def main():
     errors = []
     torch.empty(1, device="cuda")
@@ -85,10 +78,10 @@ def main():
     after = []
     for r in range(3):
         one_round(cases, streams, mats, errors, f"round {r}")
-        after.append(settled())
+        after.append(level())
     check_level(after, errors)
     torch._C._cuda_clearCublasWorkspaces()
-    cleared = settled()
+    cleared = level()
     if cleared > after[2]:
         errors.append(f"clearing the cuBLAS workspaces raised memory_allocated() from "
                       f"{after[2]} to {cleared}")

@@ -24,7 +24,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from dropin_report import check_level, report  # noqa: E402
+from dropin_report import check_level, level, report  # noqa: E402
 
 
 def rel(got, want):
@@ -150,9 +150,7 @@ def main():
                     errors.append(f"round {rnd}: {name} is off by {err:.3g} (relative; "
                                   f"tolerance {TOL[name]})")
         del got
-        gc.collect()
-        torch.cuda.synchronize()
-        after.append(torch.cuda.memory_allocated())
+        after.append(level())
         if errors:
             break
     check_level(after, errors)

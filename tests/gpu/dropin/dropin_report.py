@@ -30,6 +30,16 @@ def report(errors):
     print("ok")
 
 
+def level():
+    """memory_allocated() once garbage is collected and the GPU is idle: what a round of the
+    programs that use check_level() records at its end."""
+    import gc
+    import torch
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def check_level(after, errors):
     """For programs that run the same work in three rounds: `after` holds memory_allocated()
     after each round (fewer where a round failed); the third round must end where the second
