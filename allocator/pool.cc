@@ -446,14 +446,8 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     const size_t kept = spare_.bytes() + n;
     return kept / 2 > high ? kept - 2 * high : 0;
   };
-  // A pool that keeps its memory (a private pool in use) cannot give the oldest spare chunks
-  // back before a send grows (below): past what it keeps, a shareable request takes the
-  // smallest spare chunk it fits, closely or not, so that requests of varying sizes (a
-  // MemPool whose every block is shareable, no_split) stay within it.
-  Block* block =
-      shareable ? TakeSpareChunk(n, keep_memory_ && spare_past_high() > 0 ? SIZE_MAX : spare_slack,
-                                 stream, /*for_send=*/true)
-                : arena->BestFit(stream, n);
+  Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
+                           : arena->BestFit(stream, n);
   bool reopened_spare = false;  // a spare chunk taken as plain memory
   bool grew = false;            // the block comes from a growth (Grow)
   const size_t small_n = n;     // what the small arena would give a request it spills (below)

@@ -86,10 +86,8 @@
 //     block exports it with the handle already exported. Past twice the most the pool has
 //     had allocated (the spare chunks and the request together), such an allocation takes the
 //     smallest spare chunk it fits, closely or not, and a send that none fits closely first
-//     releases the oldest (in a pool that keeps its memory, which releases none, the send too
-//     takes the smallest spare chunk it fits), so sends of varying sizes do not keep growing
-//     the pool (each chunk waiting for a send of its own size made reserved memory grow
-//     without bound).
+//     releases the oldest, so sends of varying sizes do not keep growing the pool (each chunk
+//     waiting for a send of its own size made reserved memory grow without bound).
 // A chunk that still holds live blocks when its last receiver reports its release (a block
 // sent in place with its neighbours: ExportNeighbours::kAllow) loses its mark instead, unless
 // the pool isolates sends (PoolOptions::isolate_sends) or the chunk is dedicated: under a fresh

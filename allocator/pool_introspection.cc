@@ -1,7 +1,6 @@
 // pool_introspection.cc: what a pool tells about itself: statistics, snapshots, a summary for
 // error messages, and the check of every bookkeeping invariant. Nothing here changes memory.
 #include <algorithm>
-#include <iterator>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -142,19 +141,6 @@ Snapshot Pool::GetSnapshot() const {
   snap.reserved_base = base_;
   snap.reserved_size = reserve_size_;
   snap.granularity = granularity_;
-  // The chunks of a shareable block (dedicated, pool.h) are a segment of their own, as the
-  // driver allocation(s) made for it alone: a segment ends where a dedicated chunk begins or
-  // ends, but never inside a live block (one shareable block may span several dedicated
-  // chunks); free or retired space merged across such a place is listed as its parts, the
-  // first with the block's requested bytes.
-  auto bounds_segment = [this](uintptr_t at) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    auto c = chunks_.find(at);
-    if (c == chunks_.end()) return false;
-    if (c->second.dedicated) return true;
-    if (c == chunks_.begin()) return false;
-    auto before = std::prev(c);
-    return before->second.dedicated && before->first + before->second.size == at;
-  };
   for (const Arena* arena : {&small_, &large_}) {
     SegmentInfo* seg = nullptr;
     for (const Block* b = arena->head(); b != nullptr; b = b->next) {
@@ -162,29 +148,15 @@ Snapshot Pool::GetSnapshot() const {
         seg = nullptr;
         continue;
       }
-      const bool divisible = b->state == BlockState::kFree || b->state == BlockState::kRetired;
-      size_t requested = b->requested;
-      for (uintptr_t at = b->addr; at < b->end();) {
-        uintptr_t part_end = b->end();
-        for (auto c = chunks_.lower_bound(at + 1);
-             divisible && c != chunks_.end() && c->first < b->end(); ++c) {
-          if (bounds_segment(c->first)) {
-            part_end = c->first;
-            break;
-          }
-        }
-        if (seg == nullptr || bounds_segment(at)) {
-          snap.segments.emplace_back();
-          seg = &snap.segments.back();
-          seg->addr = at;
-          seg->large = arena == &large_;
-        }
-        seg->size += part_end - at;
-        seg->blocks.push_back(
-            BlockInfo{at, part_end - at, requested, b->state, ReportedStream(b->stream)});
-        requested = 0;
-        at = part_end;
+      if (seg == nullptr) {
+        snap.segments.emplace_back();
+        seg = &snap.segments.back();
+        seg->addr = b->addr;
+        seg->large = arena == &large_;
       }
+      seg->size += b->size;
+      seg->blocks.push_back(
+          BlockInfo{b->addr, b->size, b->requested, b->state, ReportedStream(b->stream)});
     }
   }
   for (SegmentInfo& seg : snap.segments) {

@@ -217,8 +217,7 @@ struct ChunkInfo {
   bool observed = false;  // exported once; the export observer may keep its handle (chunk_map.h)
 };
 
-// A maximal run of adjacent mapped chunks of one arena, and the blocks inside it; a dedicated
-// chunk (one shareable block's) is a segment alone, as the one driver allocation it is.
+// A maximal run of adjacent mapped chunks of one arena, and the blocks inside it.
 struct SegmentInfo {
   uintptr_t addr = 0;
   size_t size = 0;

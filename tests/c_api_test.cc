@@ -10,7 +10,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <set>
 #include <string>
 #include <thread>
@@ -723,74 +722,6 @@ TEST_F(CApiTest, APrivatePoolsBlocksAreExportedAndSentAsAnExplicitPools) {
   EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
 }
 
-// A MemPool(no_split=True) over vmm's memory (the plugin's setNoSplit) allocates every block
-// shareable: each in a dedicated chunk, which the snapshot lists as a segment of its own; a
-// freed one is kept (spare) and serves a later request it fits whole, without a driver call;
-// the pool's last release gives everything back.
-TEST_F(CApiTest, APrivatePoolsShareableBlocksAreSegmentsOfTheirOwnReusedWhole) {
-  ASSERT_EQ(vmm_empty_cache(-1), 0);
-  const size_t free_at_start = HostFree();
-  const int64_t id = UsePrivate(1, 0);
-  const size_t sizes[] = {512, 1000, 4096, 100000, kMiB, kMiB + 4, 3 * kMiB, 24 * kMiB};
-  std::vector<void*> blocks;
-  std::vector<size_t> block_sizes;
-  for (int round = 0; round < 2; ++round) {
-    for (size_t size : sizes) {
-      blocks.push_back(PoolAlloc(id, size, /*shareable=*/1));
-      block_sizes.push_back(size);
-    }
-  }
-  // Each live block begins a segment of the pool that holds no other live block.
-  auto check_segments = [&](const char* when) {
-    vmm_snapshot_entries* snap = nullptr;
-    ASSERT_EQ(vmm_snapshot_get(&snap), 0) << vmm_last_error();
-    std::map<uint64_t, const vmm_segment_entry*> segments;  // of the pool, by address
-    for (size_t i = 0; i < snap->num_segments; ++i) {
-      if (snap->segments[i].pool == id) segments[snap->segments[i].address] = &snap->segments[i];
-    }
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const auto at = reinterpret_cast<uint64_t>(blocks[i]);
-      auto s = segments.find(at);
-      ASSERT_NE(s, segments.end()) << when << ": block " << i << " begins no segment";
-      const vmm_segment_entry& seg = *s->second;
-      EXPECT_GE(seg.total_size, block_sizes[i]) << when;
-      EXPECT_EQ(seg.total_size % (2 * kMiB), 0u) << when << ": a whole chunk";
-      EXPECT_EQ(seg.allocated_size, (block_sizes[i] + 511) / 512 * 512) << when << ": alone";
-      uint64_t end = seg.address;
-      for (size_t k = 0; k < seg.num_blocks; ++k) {
-        EXPECT_EQ(seg.blocks[k].address, end) << when << ": blocks tile the segment";
-        end += seg.blocks[k].size;
-      }
-      EXPECT_EQ(end, seg.address + seg.total_size) << when;
-    }
-    vmm_snapshot_entries_release(snap);
-  };
-  check_segments("made");
-  const int64_t creates = PoolStats(id).num_device_alloc;
-  EXPECT_EQ(creates, static_cast<int64_t>(blocks.size())) << "a chunk each";
-  for (size_t i = 0; i < blocks.size(); i += 2) vmm_block_free(blocks[i]);
-  for (size_t i = 0; i < blocks.size(); i += 2) blocks[i] = PoolAlloc(id, block_sizes[i], 1);
-  check_segments("made again");
-  EXPECT_EQ(PoolStats(id).num_device_alloc, creates) << "freed chunks served the same sizes";
-  for (void* p : blocks) vmm_block_free(p);
-  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
-  ASSERT_EQ(vmm_empty_cache(-1), 0);
-  EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
-}
-
-// A private pool keeps its memory while in use, so its spare chunks cannot go back before a
-// shareable request grows: shareable requests of falling sizes (a no_split MemPool's) take
-// spare chunks they fit loosely once those pass twice the pool's high, instead of a chunk
-// each (before: 386 MiB reserved for 40 MiB allocated at most).
-TEST_F(CApiTest, ShareableRequestsOfVaryingSizesStayWithinTwiceAPrivatePoolsHigh) {
-  const int64_t id = UsePrivate(1, 0);
-  for (size_t mib = 40; mib >= 1; --mib) vmm_block_free(PoolAlloc(id, mib * kMiB + 4096, 1));
-  const vmm_torch_stats s = PoolStats(id);
-  EXPECT_LE(s.reserved_bytes[VMM_STAT_ALL].current,
-            2 * s.allocated_bytes[VMM_STAT_ALL].peak + static_cast<int64_t>(2 * kMiB));
-  EXPECT_LE(s.num_device_alloc, 3);
-  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
-}
 // What the plugin calls around a graph capture opens a capture window (capture_window.h) and
 // pauses the closing thread; holds nest.
 TEST_F(CApiTest, HoldingClosesOpensACaptureWindow) {

@@ -598,41 +598,17 @@ class VmmAllocator : public Pluggable {
     it->second.use_on_oom = use_on_oom;
   }
 
-  // No two blocks of the pool share a segment from now on, as with PyTorch's allocator
-  // (MemPool(no_split=True); NCCL's symmetric memory). A pool over another allocator stops
-  // splitting its segments. A vmm private pool allocates each block shareable: a chunk of its
-  // own, a segment of its own in snapshots, kept when freed and reused whole by a request it
-  // fits closely (pool.h, "Reusing exported chunks"); blocks it holds already stay as they are.
-  // A pool whose memory cannot be exported (handle_type=none) has no such chunks: it is warned
-  // about and keeps splitting.
+  // A pool over another allocator splits its segments unless told not to, as PyTorch's does.
+  // vmm's own private pools do not honour it (docs/DESIGN.md §2g: several blocks share a chunk
+  // and a snapshot segment there).
   void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    std::shared_ptr<ForeignPool> foreign;
-    int64_t vmm_pool = -1;
+    std::shared_ptr<ForeignPool> pool;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (auto f = foreign_.find({device, mempool_id}); f != foreign_.end()) {
-        foreign = f->second;
-      } else if (auto it = pools_.find({device, mempool_id}); it != pools_.end()) {
-        vmm_pool = it->second.vmm_pool;
-      }
+      auto it = foreign_.find({device, mempool_id});
+      if (it != foreign_.end()) pool = it->second;
     }
-    if (foreign != nullptr) {
-      foreign->segments->set_no_split(true);
-      return;
-    }
-    TORCH_CHECK(vmm_pool >= 0, "vmm: setNoSplit: no pool (", mempool_id.first, ", ",
-                mempool_id.second, ") on device ", device);
-    const int handle_type = libvmm.pool_handle_type(vmm_pool);
-    if (handle_type < 0) ThrowLastError("MemPool no_split");
-    if (handle_type == VMM_HANDLE_NONE) {
-      TORCH_WARN_ONCE("vmm: MemPool(no_split=True) is not honoured where vmm's memory cannot be "
-                      "exported (handle_type=none): its blocks may share segments");
-      return;
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    if (auto it = pools_.find({device, mempool_id}); it != pools_.end()) {
-      it->second.no_split = true;
-    }
+    if (pool != nullptr) pool->segments->set_no_split(true);
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,
@@ -948,7 +924,6 @@ class VmmAllocator : public Pluggable {
   struct PoolInfo {
     int64_t vmm_pool = 0;
     bool use_on_oom = false;
-    bool no_split = false;  // each block in a chunk of its own (setNoSplit)
   };
   struct Restored {  // a block setCheckpointPoolState allocated again
     size_t size;
@@ -1134,15 +1109,12 @@ class VmmAllocator : public Pluggable {
     MempoolId_t id;
     int64_t pool;  // vmm's id of the private pool, or -1
     std::shared_ptr<ForeignPool> foreign;
-    bool no_split = false;  // the private pool's blocks are shareable (setNoSplit)
   };
   std::optional<RouteTarget> RouteFor(int device, cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = routes_.rbegin(); it != routes_.rend(); ++it) {
       if (it->device == device && it->filter(stream)) {
-        auto info = it->foreign == nullptr ? pools_.find({device, it->id}) : pools_.end();
-        return RouteTarget{it->id, it->pool, it->foreign,
-                           info != pools_.end() && info->second.no_split};
+        return RouteTarget{it->id, it->pool, it->foreign};
       }
     }
     return std::nullopt;
@@ -1176,7 +1148,7 @@ class VmmAllocator : public Pluggable {
     }
     if (route.has_value()) {
       pool_id = route->id;
-      ptr = libvmm.pool_alloc(route->pool, size, pool_stream, route->no_split ? 1 : 0);
+      ptr = libvmm.pool_alloc(route->pool, size, pool_stream, 0);
     } else if (own_pools_only_) {
       const int64_t own = OwnPool(device);
       ptr = own < 0 ? nullptr : libvmm.pool_alloc(own, size, pool_stream, 0);
@@ -1306,12 +1278,12 @@ class VmmAllocator : public Pluggable {
 
   // The last resort of a failed allocation: the pools set to be used on OOM (setUseOnOOM).
   void* AllocateOnOom(size_t size, int device, cudaStream_t stream, MempoolId_t* pool_id) {
-    std::vector<std::pair<MempoolId_t, PoolInfo>> candidates;
+    std::vector<std::pair<MempoolId_t, int64_t>> candidates;
     std::vector<std::shared_ptr<ForeignPool>> foreign;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (const auto& [key, info] : pools_) {
-        if (key.first == device && info.use_on_oom) candidates.push_back({key.second, info});
+        if (key.first == device && info.use_on_oom) candidates.push_back({key.second, info.vmm_pool});
       }
       for (const auto& [key, pool] : foreign_) {
         if (key.first == device && pool->use_on_oom) foreign.push_back(pool);
@@ -1319,7 +1291,7 @@ class VmmAllocator : public Pluggable {
     }
     void* const pool_stream = vmm_torch::PoolStream(stream, device);
     for (const auto& [id, pool] : candidates) {
-      void* ptr = libvmm.pool_alloc(pool.vmm_pool, size, pool_stream, pool.no_split ? 1 : 0);
+      void* ptr = libvmm.pool_alloc(pool, size, pool_stream, 0);
       if (ptr != nullptr) {
         *pool_id = id;
         return ptr;
