@@ -378,9 +378,10 @@ ABSL_ATTRIBUTE_ALWAYS_INLINE inline void Pool::Cache(Arena& arena, Block* block)
 absl::StatusOr<void*> Pool::Allocate(size_t size, Stream stream) {
   MutexLock lock(&mu_);
   // The cached path: a fit in the cache, nothing pending, and this is the process that made
-  // the pool (AllocateLocked says why not, after a fork()).
+  // the pool (AllocateLocked says why not, after a fork()); not in a no_split pool, whose
+  // blocks are taken whole.
   if (ABSL_PREDICT_TRUE(!reclaim_.has_pending() && size <= reserve_size_ &&
-                        !made_before_fork())) {
+                        !made_before_fork() && !no_split_)) {
     const size_t n = RoundUp(std::max<size_t>(size, 1), kMinBlock);
     Arena& arena = ArenaFor(n);
     if (Block* block = arena.BestFit(stream, n); ABSL_PREDICT_TRUE(block != nullptr)) {
@@ -432,7 +433,9 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     }
   }
   if (reclaim_.has_pending()) VMM_RETURN_IF_ERROR(ProcessPending());
-  Arena* arena = shareable ? &large_ : &ArenaFor(n);
+  // Blocks with chunks of their own (shareable; every block of a no_split pool) are in the
+  // large arena.
+  Arena* arena = shareable || no_split_ ? &large_ : &ArenaFor(n);
   // A spare chunk serves a request it fits closely (an eighth of it, or a granule, left), and
   // any it fits once the spare chunks pass what the pool keeps of them (below).
   size_t spare_slack = std::max(n / 8, granularity_);
@@ -496,7 +499,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     VMM_RETURN_IF_ERROR(ReclaimOtherStreams(stream));
     if (spilled) small_fit_after_all();
     block = cached_fit();
-    if (block == nullptr && arena == &large_ && !spare_.empty()) {
+    if (block == nullptr && arena == &large_ && !spare_.empty() && !no_split_) {
       // Memory a send left behind, before growing (file comment, "Reusing exported chunks"):
       // one it fills closely, else, past what the pool keeps, the smallest it fits (its rest
       // free memory).
@@ -585,7 +588,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     ++thread_growths;
   }
   if (spilled) ++stats_.num_small_spills;
-  TakeBlock(*arena, block, n, size, stream);
+  TakeBlock(*arena, block, no_split_ && !shareable ? block->size : n, size, stream);
   // A block that does not fill the chunks of several pages it was grown in (a request that is
   // not a whole number of granules, one that joined a free neighbour) leaves their rest
   // pinned at once (pool.h pinned_in_chunks_).
@@ -756,11 +759,16 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // half a page), which a later miss may move (reclaim_policy.h); blocks with chunks of their
   // own keep one chunk of up to max_chunk. Where the large arena grows in pages, a growth of
   // either arena may move free chunks of both (reclaim_policy.h).
-  if (page_ == 0 && options_.pressure_page != 0 && !dedicated && &arena == &large_) {
+  // A chunk of its own: for a shareable block (`dedicated`: marked exported from the start),
+  // or any block of a no_split pool, between two unmapped granules (`guarded`, SetNoSplit).
+  const bool alone = dedicated || no_split_;
+  const bool guarded = no_split_ && !dedicated;
+  const size_t guard = guarded ? granularity_ : 0;
+  if (page_ == 0 && options_.pressure_page != 0 && !alone && &arena == &large_) {
     SwitchToPagesUnderPressure(n);
   }
-  const bool paged = !dedicated && &arena == &large_ && page_ != 0;
-  const bool moves = !dedicated && page_ != 0;
+  const bool paged = !alone && &arena == &large_ && page_ != 0;
+  const bool moves = !alone && page_ != 0;
   bool in_units = moves;  // planned in whole units (PlanUnit, or granules in the small arena)
   // Where to grow, by what a miss could move there (reclaim_policy.h: GrowthCost).
   // Not while the pool keeps its memory, nor while a capture is under way anywhere in the
@@ -817,10 +825,11 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   };
   auto plan_in_units = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     unit = whole_unit;
-    std::optional<Arena::GrowthPlan> p = arena.PlanGrowth(n, stream, unit, dedicated, cost);
+    std::optional<Arena::GrowthPlan> p =
+        arena.PlanGrowth(n + 2 * guard, stream, unit, alone, cost);
     if (p && paged && unit != granularity_ && past_room(*p)) {
       std::optional<Arena::GrowthPlan> fine =
-          arena.PlanGrowth(n, stream, granularity_, dedicated, cost);
+          arena.PlanGrowth(n, stream, granularity_, alone, cost);
       if (fine && !past_room(*fine)) {
         p = fine;
         unit = granularity_;
@@ -834,7 +843,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     // last chunk shorter than a unit, and move nothing for it.
     unit = granularity_;
     in_units = false;
-    plan = arena.PlanGrowth(n, stream, unit, dedicated);
+    plan = arena.PlanGrowth(n, stream, unit, alone);
   }
   if (!plan && range_grows_ && &arena == &large_ && range_refused_.ok()) {
     // No gap holds the request at all: the range grows, and the request goes where any
@@ -856,7 +865,12 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
             ? absl::StrCat(" (lengthening it was refused: ", range_refused_.message(), ")")
             : "";
     return absl::ResourceExhaustedError(absl::StrCat(
-        "no gap of ", FormatBytes(n), " left in the pool's reserved address range", why));
+        "no gap of ", FormatBytes(n + 2 * guard), " left in the pool's reserved address range",
+        why));
+  }
+  if (guarded) {  // the middle of the plan: a granule stays a gap on each side
+    plan->addr += guard;
+    plan->len -= 2 * guard;
   }
   ReclaimChoice reclaim;
   if (may_move && in_units) {
@@ -868,7 +882,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   const size_t needed = plan->len;
   const size_t moved = reclaim.bytes;
   const Arena::GrowthPlan exact = *plan;  // before Extend: the retry below maps just this
-  if (!dedicated && moved < needed) {
+  if (!alone && moved < needed) {
     GrowthRequest growth;
     growth.small_arena = &arena == &small_;
     // The whole plan, moved bytes included: a small-arena growth comes to small_chunk with
@@ -932,7 +946,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   }
   if (plan->len > moved) ++stats_.num_device_alloc;
   moved_since_high_ += moved;
-  return arena.CommitGrowth(*plan, stream, dedicated);
+  return arena.CommitGrowth(*plan, stream, alone);
 }
 
 size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
@@ -1232,7 +1246,10 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
     // spare_export_bytes); one of the small arena, where sends go in place, free memory of
     // that arena again once no receiver maps it. Others go as soon as they are free.
     const bool spare_able = at >= large_base_ && chunk.size <= options_.spare_export_bytes;
-    const bool reopenable = at < large_base_ && !options_.isolate_sends;
+    // So may one of a no_split pool's own chunks (not a shareable block's): whole, between its
+    // guards, it is that pool's free memory again.
+    const bool reopenable =
+        (at < large_base_ || (no_split_ && !chunk.dedicated)) && !options_.isolate_sends;
     if (chunk.untracked || !(spare_able || reopenable)) {
       doomed.push_back(c->first);
     } else if (chunk.importers > 0) {
@@ -1431,6 +1448,17 @@ void Pool::SetKeepMemory(bool keep) {
 bool Pool::keeps_memory() const {
   MutexLock lock(&mu_);
   return keep_memory_;
+}
+
+absl::Status Pool::SetNoSplit() {
+  MutexLock lock(&mu_);
+  if (chunks_.size() != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no_split: the pool on device ", options_.device, " already holds memory (",
+        FormatBytes(stats_.reserved_bytes.current), "); it applies to a fresh pool"));
+  }
+  no_split_ = true;
+  return absl::OkStatus();
 }
 
 absl::Status Pool::CheckAllocateAtRange(uintptr_t addr, size_t size) {

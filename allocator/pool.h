@@ -273,6 +273,16 @@ class Pool {
   // releases nothing by itself: EmptyCache then gives back what is free.
   void SetKeepMemory(bool keep);
   bool keeps_memory() const;
+  // No split (torch.cuda.MemPool(no_split=True)): from now on every block of the pool gets a
+  // chunk of its own (the request rounded up to the granularity; one driver allocation, so a
+  // snapshot segment and an exported handle of its own), with an unmapped granule on each
+  // side so that it never joins a neighbour. A block is handed out whole (its allocated bytes
+  // are its chunk's, as PyTorch counts a no_split segment), cached for its stream when freed
+  // like any block (reused at once by that stream, by others after their work, stream-ordered),
+  // and the smallest cached block that holds a later request serves it whole, never split. An
+  // exported one is free memory again once no receiver maps it. FailedPrecondition once the
+  // pool has mapped memory (a setting for a fresh pool, as PyTorch makes it).
+  absl::Status SetNoSplit();
 
   // Marks the chunks the live block starting at `ptr` spans as exported (export invariant)
   // and calls `visit` for each, in address order, with the pool's lock held: the visitor may
@@ -605,6 +615,7 @@ class Pool {
   // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it
   // was set (a path that forgot to ask), for CheckInvariants.
   bool keep_memory_ ABSL_GUARDED_BY(mu_) = false;
+  bool no_split_ ABSL_GUARDED_BY(mu_) = false;  // SetNoSplit
   // Set once a miss has moved memory, and once a growth failed for lack of memory: from
   // then on paged growth is in single pages (GrowthChunk; pool_options.h growth_page), after
   // a move except for requests of kLargeRequestChunks growth chunks or more. Never reset.

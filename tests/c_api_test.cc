@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <set>
 #include <string>
 #include <thread>
@@ -719,6 +720,66 @@ TEST_F(CApiTest, APrivatePoolsBlocksAreExportedAndSentAsAnExplicitPools) {
   for (void* p : {static_cast<void*>(block), small, beside}) vmm_block_free(p);
   EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
   vmm_send_ack_flush(10);  // the import's mapping is closed on another thread
+  EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
+}
+
+// What the plugin's setNoSplit does to a MemPool's private pool (vmm_pool_set_no_split): each
+// block begins a snapshot segment of its own that it fills (allocated whole), freed blocks
+// serve the same sizes again without a driver call, also while a MemPool context holds a
+// capture window open, and the pool's last release gives everything back. Refused once the
+// pool holds memory, and for a pool that is not open.
+TEST_F(CApiTest, ANoSplitPrivatePoolGivesEachBlockASegmentOfItsOwn) {
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  const size_t free_at_start = HostFree();
+  const int64_t id = UsePrivate(1, 0);
+  ASSERT_EQ(vmm_pool_set_no_split(id), 0) << vmm_last_error();
+  const size_t sizes[] = {512, 1000, 4096, 100000, kMiB, kMiB + 4, 3 * kMiB, 24 * kMiB};
+  std::vector<void*> blocks;
+  std::vector<size_t> block_sizes;
+  for (int round = 0; round < 2; ++round) {
+    for (size_t size : sizes) {
+      blocks.push_back(PoolAlloc(id, size));
+      block_sizes.push_back(size);
+    }
+  }
+  auto check_segments = [&](const char* when) {
+    vmm_snapshot_entries* snap = nullptr;
+    ASSERT_EQ(vmm_snapshot_get(&snap), 0) << vmm_last_error();
+    std::map<uint64_t, const vmm_segment_entry*> segments;  // of the pool, by address
+    for (size_t i = 0; i < snap->num_segments; ++i) {
+      if (snap->segments[i].pool == id) segments[snap->segments[i].address] = &snap->segments[i];
+    }
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      auto s = segments.find(reinterpret_cast<uint64_t>(blocks[i]));
+      ASSERT_NE(s, segments.end()) << when << ": block " << i << " begins no segment";
+      const vmm_segment_entry& seg = *s->second;
+      EXPECT_EQ(seg.num_blocks, 1u) << when;
+      EXPECT_EQ(seg.allocated_size, seg.total_size) << when << ": handed out whole";
+      EXPECT_EQ(seg.requested_size, block_sizes[i]) << when;
+      EXPECT_EQ(seg.total_size % (2 * kMiB), 0u) << when;
+    }
+    vmm_snapshot_entries_release(snap);
+  };
+  check_segments("made");
+  const int64_t creates = PoolStats(id).num_device_alloc;
+  EXPECT_EQ(creates, static_cast<int64_t>(blocks.size())) << "a chunk each";
+  for (size_t i = 0; i < blocks.size(); i += 2) vmm_block_free(blocks[i]);
+  ASSERT_EQ(vmm_imports_hold_closing(), 0);  // what a MemPool context does
+  for (int again = 0; again < 3; ++again) {
+    for (size_t i = 0; i < blocks.size(); i += 2) blocks[i] = PoolAlloc(id, block_sizes[i]);
+    check_segments("made again");
+    if (again < 2) {
+      for (size_t i = 0; i < blocks.size(); i += 2) vmm_block_free(blocks[i]);
+    }
+  }
+  ASSERT_EQ(vmm_imports_release_closing(), 0);
+  EXPECT_EQ(PoolStats(id).num_device_alloc, creates) << "freed blocks served the same sizes";
+  EXPECT_EQ(vmm_pool_set_no_split(id), -1) << "the pool holds memory";
+  EXPECT_EQ(vmm_last_error_code(), VMM_FAILED_PRECONDITION);
+  for (void* p : blocks) vmm_block_free(p);
+  EXPECT_EQ(vmm_private_pool_release(0, 1, 0), 0);
+  EXPECT_EQ(vmm_pool_set_no_split(id), -1) << "a pool that is gone";
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
   EXPECT_EQ(HostFree(), free_at_start) << "physical memory leaked";
 }
 

@@ -337,6 +337,12 @@ int vmm_pool_empty_cache(int64_t pool) {
   return vmm::Check((*entry)->pool->EmptyCache());
 }
 
+int vmm_pool_set_no_split(int64_t pool) {
+  auto entry = State().FindPool(pool);
+  if (!entry.ok()) return vmm::Fail(entry.status());
+  return vmm::Check((*entry)->pool->SetNoSplit());
+}
+
 char* vmm_pool_stats_json(int64_t pool) {
   auto entry = State().FindPool(pool);
   if (!entry.ok()) return vmm::FailNull<char>(entry.status());

@@ -171,6 +171,10 @@ int vmm_pool_destroy(int64_t pool);
  * its own. */
 void* vmm_pool_alloc(int64_t pool, size_t size, void* stream, int shareable);
 int vmm_pool_empty_cache(int64_t pool);
+/* From now on every block of the pool (explicit or private) gets a chunk of its own, handed
+ * out whole and reused whole (torch.cuda.MemPool(no_split=True); Pool::SetNoSplit).
+ * VMM_FAILED_PRECONDITION once the pool holds memory. */
+int vmm_pool_set_no_split(int64_t pool);
 char* vmm_pool_stats_json(int64_t pool);
 /* The pool's vmm_handle_type, or -1. */
 int vmm_pool_handle_type(int64_t pool);

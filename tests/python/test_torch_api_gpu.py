@@ -346,6 +346,49 @@ def test_mempool_tensors_come_from_vmm_and_share_alone(enable):
     assert r["allocated"] >= 2 * 4096 and r["opened"] == 1024.0 and r["distinct"]
 
 
+def test_a_no_split_mempool_gives_each_tensor_a_chunk_and_segment_of_its_own():
+    # torch.cuda.MemPool(no_split=True) over vmm's memory (setNoSplit): each tensor begins a
+    # segment of the pool's snapshot that holds no other, is exported as one handle, and a
+    # freed one serves the same size again without mapping memory.
+    r = run("""
+        torch.cuda.init()
+        pool = torch.cuda.MemPool(no_split=True)
+        sizes = [512, 100_000, 1 << 20, 3 << 20, 24 << 20] * 2
+        with torch.cuda.use_mem_pool(pool):
+            ts = [torch.full((n,), i + 1, dtype=torch.uint8, device="cuda")
+                  for i, n in enumerate(sizes)]
+
+        def alone():
+            segs = pool.snapshot()
+            starts = {s["address"]: s for s in segs}
+            out = []
+            for t in ts:
+                s = starts.get(t.data_ptr())
+                out.append(s is not None and sum(
+                    b["state"] == "active_allocated" for b in s["blocks"]) == 1)
+            return out
+
+        first = alone()
+        handles = [len(vmm_torch.export_tensor(t).descriptor.handles) for t in ts[:5]]
+        before = vmm_torch.memory_stats()["num_device_alloc"]
+        ptrs = [t.data_ptr() for t in ts[5:]]
+        del ts[5:]
+        torch.cuda.synchronize()
+        with torch.cuda.use_mem_pool(pool):
+            ts += [torch.full((n,), 7, dtype=torch.uint8, device="cuda") for n in sizes[5:]]
+        again = alone()
+        values = [int(t[0].item()) for t in ts]
+        print(json.dumps(dict(first=first, again=again, handles=handles,
+                              grew=vmm_torch.memory_stats()["num_device_alloc"] - before,
+                              reused=sorted(ptrs) == sorted(t.data_ptr() for t in ts[5:]),
+                              values=values)))
+    """)
+    assert all(r["first"]) and all(r["again"]), r
+    assert r["handles"] == [1] * 5, r
+    assert r["grew"] == 0 and r["reused"], r
+    assert r["values"] == [1, 2, 3, 4, 5, 7, 7, 7, 7, 7], r
+
+
 @pytest.mark.parametrize("enable", [False, True])
 def test_a_mempool_with_a_bad_option_is_a_value_error_at_once(enable):
     # vmm's own API refuses a bad option with ValueError, before PyTorch's calls (through

@@ -57,6 +57,7 @@ struct Vmm {
   decltype(&vmm_snapshot_get) snapshot_get = nullptr;
   decltype(&vmm_snapshot_entries_release) snapshot_release = nullptr;
   decltype(&vmm_pool_alloc) pool_alloc = nullptr;
+  decltype(&vmm_pool_set_no_split) pool_set_no_split = nullptr;
   decltype(&vmm_pool_create) pool_create = nullptr;
   decltype(&vmm_pool_destroy) pool_destroy = nullptr;
   decltype(&vmm_pool_empty_cache) pool_empty_cache = nullptr;
@@ -104,6 +105,7 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_snapshot_get", &v.snapshot_get);
   Lookup(lib, "vmm_snapshot_entries_release", &v.snapshot_release);
   Lookup(lib, "vmm_pool_alloc", &v.pool_alloc);
+  Lookup(lib, "vmm_pool_set_no_split", &v.pool_set_no_split);
   Lookup(lib, "vmm_pool_create", &v.pool_create);
   Lookup(lib, "vmm_pool_destroy", &v.pool_destroy);
   Lookup(lib, "vmm_pool_empty_cache", &v.pool_empty_cache);

@@ -598,17 +598,31 @@ class VmmAllocator : public Pluggable {
     it->second.use_on_oom = use_on_oom;
   }
 
-  // A pool over another allocator splits its segments unless told not to, as PyTorch's does.
-  // vmm's own private pools do not honour it (docs/DESIGN.md §2g: several blocks share a chunk
-  // and a snapshot segment there).
+  // No two blocks of the pool share a segment from now on, as with PyTorch's allocator
+  // (MemPool(no_split=True), which sets it as the pool is made). A pool over another allocator
+  // stops splitting its segments; a vmm private pool gives each block a chunk of its own, whole
+  // (vmm_pool_set_no_split). One that already holds memory is warned about and keeps splitting.
   void setNoSplit(c10::DeviceIndex device, MempoolId_t mempool_id) override {
-    std::shared_ptr<ForeignPool> pool;
+    CheckDevice(device, "MemPool no_split");
+    std::shared_ptr<ForeignPool> foreign;
+    int64_t vmm_pool = -1;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = foreign_.find({device, mempool_id});
-      if (it != foreign_.end()) pool = it->second;
+      if (auto f = foreign_.find({device, mempool_id}); f != foreign_.end()) {
+        foreign = f->second;
+      } else if (auto it = pools_.find({device, mempool_id}); it != pools_.end()) {
+        vmm_pool = it->second.vmm_pool;
+      }
     }
-    if (pool != nullptr) pool->segments->set_no_split(true);
+    if (foreign != nullptr) {
+      foreign->segments->set_no_split(true);
+      return;
+    }
+    TORCH_CHECK(vmm_pool > 0, "vmm: setNoSplit: no pool (", mempool_id.first, ", ",
+                mempool_id.second, ") on device ", device);
+    if (libvmm.pool_set_no_split(vmm_pool) == 0) return;
+    if (libvmm.last_error_code() != VMM_FAILED_PRECONDITION) ThrowLastError("MemPool no_split");
+    TORCH_WARN("vmm: MemPool no_split not honoured: ", libvmm.last_error());
   }
 
   bool checkPoolLiveAllocations(c10::DeviceIndex device, MempoolId_t mempool_id,

@@ -10,9 +10,9 @@ half of them were freed and the sizes made again (cached segments reused whole),
 outputs of a CUDA graph captured into the pool; every tensor keeps what was written; once
 everything and the pool are dropped, empty_cache() brings memory_reserved() back.
 
-Why vmm may differ: vmm honours no_split only for a MemPool over another allocator
-(setNoSplit looks for a foreign pool); its own private pools carve blocks out of shared
-chunks, and its snapshot's segments are maximal runs of mapped chunks holding many blocks.
+Why vmm may differ: its private pools carve blocks out of shared chunks, and its snapshot's
+segments are runs of chunks holding many blocks; with no_split each block must get a chunk of
+its own, apart from its neighbours (Pool::SetNoSplit, docs/DESIGN.md §2g).
 """
 import gc
 

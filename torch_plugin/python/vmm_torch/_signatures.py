@@ -295,6 +295,7 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_pool_empty_cache": (_int, [_int64]),
     "vmm_pool_stats_json": (_void_p, [_int64]),
     "vmm_pool_handle_type": (_int, [_int64]),
+    "vmm_pool_set_no_split": (_int, [_int64]),
     "vmm_pool_device": (_int, [_int64]),
     "vmm_block_free": (None, [_void_p]),
     "vmm_owns": (_int, [_void_p]),

@@ -8,7 +8,7 @@ import torch
 
 from . import _cuda, _lib
 from ._options import format_options
-from .allocator import DeviceLike, device_index, flatten_stats
+from .allocator import FULL_ALLOCATOR, DeviceLike, device_index, enabled_hooks, flatten_stats
 
 
 def _base() -> type:
@@ -55,8 +55,12 @@ class MemPool(_base()):  # type: ignore[misc]
         _lib.check_pool_options(text)
         self._vmm_device = device_index(device)
         self._vmm_allocator = module.pool_allocator(text)
+        # no_split is for PyTorch's own allocator (a segment, so a vmm block, per tensor); where
+        # vmm's is current it would give each tensor a chunk of its own, which this pool does
+        # not need.
+        no_split = FULL_ALLOCATOR not in enabled_hooks()
         with torch.cuda.device(self._vmm_device):
-            super().__init__(self._vmm_allocator, use_on_oom=use_on_oom, no_split=True)
+            super().__init__(self._vmm_allocator, use_on_oom=use_on_oom, no_split=no_split)
 
     def __del__(self) -> None:
         # The allocator object lives on (PyTorch may still free segments through it); its
