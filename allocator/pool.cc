@@ -449,18 +449,28 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
     const size_t kept = spare_.bytes() + n;
     return kept / 2 > high ? kept - 2 * high : 0;
   };
+  // A no_split pool's blocks are taken whole: one much larger than the request would keep
+  // the rest from every other (PyTorch keeps small requests to small segments), so a block
+  // past an eighth over the request rounded to the granularity serves it only once memory is
+  // short (the retry below).
+  auto whole_fit = [&](Block* b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
+    if (b == nullptr || !no_split_ || shareable) return b;
+    const size_t chunk = RoundUp(n, granularity_);
+    return b->size <= chunk + chunk / 8 ? b : nullptr;
+  };
   Block* block = shareable ? TakeSpareChunk(n, spare_slack, stream, /*for_send=*/true)
-                           : arena->BestFit(stream, n);
+                           : whole_fit(arena->BestFit(stream, n));
   bool reopened_spare = false;  // a spare chunk taken as plain memory
   bool grew = false;            // the block comes from a growth (Grow)
   const size_t small_n = n;     // what the small arena would give a request it spills (below)
   bool spilled = false;
   // The cached block that fits once blocks every stream may use have joined this stream's
   // neighbouring blocks. Shareable blocks keep chunks of their own, never cached space.
-  auto cached_fit = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
+  auto cached_fit = [&](bool any_size = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> Block* {
     if (shareable) return nullptr;
     arena->NarrowAnyTo(stream);
-    return arena->BestFit(stream, n);
+    Block* b = arena->BestFit(stream, n);
+    return any_size ? b : whole_fit(b);
   };
   // A small request spills into the large arena, as a block just past small_size (the large
   // arena's least; pool.h): where the small arena's range is full (a range given in the
@@ -544,12 +554,12 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
         // growth would not find it: a plan beside a free block that already holds the request
         // has nothing to map, and is none (Arena::PlanGrowth).
         if (spilled) small_fit_after_all();
-        Block* cached = cached_fit();
+        Block* cached = cached_fit(/*any_size=*/true);
         if (cached == nullptr) {
           VMM_RETURN_IF_ERROR(ReleaseKeptExports());
           VMM_RETURN_IF_ERROR(ReleaseFreeChunks(/*any_stream=*/true, SIZE_MAX));
           if (spilled && small_.HasGrowthRoomFor(small_n, stream, granularity_)) back_to_small();
-          cached = cached_fit();
+          cached = cached_fit(/*any_size=*/true);
         }
         if (cached != nullptr) {
           grown = cached;
@@ -760,10 +770,10 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // own keep one chunk of up to max_chunk. Where the large arena grows in pages, a growth of
   // either arena may move free chunks of both (reclaim_policy.h).
   // A chunk of its own: for a shareable block (`dedicated`: marked exported from the start),
-  // or any block of a no_split pool, between two unmapped granules (`guarded`, SetNoSplit).
+  // or any block of a no_split pool, there between two unmapped granules (`guard`, SetNoSplit),
+  // so that no two of its blocks ever touch.
   const bool alone = dedicated || no_split_;
-  const bool guarded = no_split_ && !dedicated;
-  const size_t guard = guarded ? granularity_ : 0;
+  const size_t guard = no_split_ ? granularity_ : 0;
   if (page_ == 0 && options_.pressure_page != 0 && !alone && &arena == &large_) {
     SwitchToPagesUnderPressure(n);
   }
@@ -849,7 +859,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
     // No gap holds the request at all: the range grows, and the request goes where any
     // would. A refusal stands until EmptyCache: the address space after the range is seldom
     // given back, and each miss would ask again. Errors other than a refusal are the driver's.
-    absl::Status lengthened = ExtendRange(n);
+    absl::Status lengthened = ExtendRange(n + 2 * guard);
     if (lengthened.ok()) {
       in_units = moves;
       plan = plan_in_units();
@@ -868,7 +878,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
         "no gap of ", FormatBytes(n + 2 * guard), " left in the pool's reserved address range",
         why));
   }
-  if (guarded) {  // the middle of the plan: a granule stays a gap on each side
+  if (guard != 0) {  // the middle of the plan: a granule stays a gap on each side
     plan->addr += guard;
     plan->len -= 2 * guard;
   }
@@ -1247,9 +1257,9 @@ absl::Status Pool::ReleaseRetiredChunks(uintptr_t addr, uintptr_t end, bool rele
     // that arena again once no receiver maps it. Others go as soon as they are free.
     const bool spare_able = at >= large_base_ && chunk.size <= options_.spare_export_bytes;
     // So may one of a no_split pool's own chunks (not a shareable block's): whole, between its
-    // guards, it is that pool's free memory again.
-    const bool reopenable =
-        (at < large_base_ || (no_split_ && !chunk.dedicated)) && !options_.isolate_sends;
+    // guards, it shows no neighbour, and is that pool's free memory again.
+    const bool reopenable = (at < large_base_ && !options_.isolate_sends) ||
+                            (no_split_ && !chunk.dedicated);
     if (chunk.untracked || !(spare_able || reopenable)) {
       doomed.push_back(c->first);
     } else if (chunk.importers > 0) {

@@ -17,6 +17,7 @@
 #include "allocator/pool.h"
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
+#include "tests/slack_range_driver.h"
 #include "tests/status_matchers.h"
 #include "tests/test_backend.h"
 
@@ -107,11 +108,74 @@ TEST_F(PoolNoSplitTest, TheSmallestCachedBlockThatHoldsARequestServesItWholeWith
   EXPECT_EQ(AllocateOrFail(*pool, 3 * kMiB), mid);
   EXPECT_EQ(pool->GetStats().allocated_bytes.current, static_cast<int64_t>(4 * kMiB));
   EXPECT_EQ(AllocateOrFail(*pool, 100), small);
-  EXPECT_EQ(AllocateOrFail(*pool, 5 * kMiB), big) << "any cached block that holds it";
+  EXPECT_EQ(AllocateOrFail(*pool, 22 * kMiB), big) << "within an eighth over 22 MiB";
   EXPECT_EQ(pool->GetStats().num_device_alloc, creates);
   ExpectAlone(*pool, {big, mid, small});
   EXPECT_OK(pool->CheckInvariants());
   for (void* p : {big, mid, small}) ASSERT_OK(pool->Free(p));
+}
+
+// A cached block much larger than a request would keep its rest from every other request for
+// as long as it lives (PyTorch keeps small requests to small segments): it serves the request
+// only when the pool cannot grow. A private pool keeps its memory, so this is what lets a
+// large block come back for a large request later.
+TEST_F(PoolNoSplitTest, ABlockFarLargerThanARequestServesItOnlyWhenMemoryIsShort) {
+  PoolOptions options = SingleChunkOptions();
+  options.memory_limit = 310 * kMiB;
+  auto pool = MakePool(options);
+  ASSERT_NE(pool, nullptr);
+  pool->SetKeepMemory(true);
+  void* big = AllocateOrFail(*pool, 300 * kMiB);
+  ASSERT_OK(pool->Free(big));
+  void* tiny = AllocateOrFail(*pool, 512);
+  EXPECT_NE(tiny, big);
+  EXPECT_EQ(pool->GetStats().allocated_bytes.current, static_cast<int64_t>(2 * kMiB));
+  EXPECT_EQ(AllocateOrFail(*pool, 290 * kMiB), big) << "the large block, for a large request";
+  ASSERT_OK(pool->Free(big));
+  // 20 MiB more would pass the limit: the cached 300 MiB block serves it, whole.
+  EXPECT_EQ(AllocateOrFail(*pool, 20 * kMiB), big);
+  EXPECT_EQ(pool->GetStats().allocated_bytes.current, static_cast<int64_t>(302 * kMiB));
+  EXPECT_OK(pool->CheckInvariants());
+  ASSERT_OK(pool->Free(big));
+  ASSERT_OK(pool->Free(tiny));
+  pool->SetKeepMemory(false);
+}
+
+// A range that grows lengthens by what a guarded block needs (its two guards too).
+TEST_F(PoolNoSplitTest, AGrowingRangeServesABlockPastItsFirstLargeArena) {
+  SlackRangeDriver driver(driver_, 512 * kMiB);
+  PoolOptions options = SingleChunkOptions();
+  options.growth_fraction = 0;
+  options.reserve_size = 64 * kMiB;  // a large arena of 56 MiB
+  options.range_grows = true;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pool> pool, Pool::Create(&driver, options));
+  ASSERT_OK(pool->SetNoSplit());
+  for (size_t size : {size_t{56} * kMiB, size_t{100} * kMiB, size_t{100} * kMiB}) {
+    void* p = AllocateOrFail(*pool, size);
+    ASSERT_NE(p, nullptr) << size / kMiB << " MiB";
+    ASSERT_OK(pool->Free(p));
+  }
+  EXPECT_LE(pool->GetStats().num_range_extensions, 2);
+  EXPECT_OK(pool->CheckInvariants());
+}
+
+// A shareable block (a send's own chunk) gets guards too: it never joins a no_split block's
+// segment.
+TEST_F(PoolNoSplitTest, AShareableBlockIsASegmentApartToo) {
+  auto pool = MakePool(SingleChunkOptions());
+  ASSERT_NE(pool, nullptr);
+  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable here";
+  void* p = AllocateOrFail(*pool, 3 * kMiB);
+  ASSERT_OK_AND_ASSIGN(void* shared, pool->AllocateShareable(3 * kMiB, 0));
+  ExpectAlone(*pool, {p});
+  for (const SegmentInfo& seg : pool->GetSnapshot().segments) {
+    if (seg.addr == reinterpret_cast<uintptr_t>(shared)) {
+      EXPECT_EQ(seg.size, 4 * kMiB) << "its chunk alone";
+    }
+  }
+  ASSERT_OK(pool->Free(shared));
+  ASSERT_OK(pool->Free(p));
+  EXPECT_OK(pool->CheckInvariants());
 }
 
 // A MemPool context or a graph capture keeps a capture window open: blocks freed inside it
@@ -144,22 +208,32 @@ TEST_F(PoolNoSplitTest, ItIsSetOnAFreshPoolOnly) {
 }
 
 // A block sent in place (its chunk marked exported) is free memory of the pool again, whole,
-// once its free is done and no receiver maps it.
+// once its free is done and no receiver maps it; also where the pool isolates sends, and in a
+// pool that keeps its memory (a private pool in use), where a chunk kept apart for sends
+// would stay unused for the pool's life.
 TEST_F(PoolNoSplitTest, ASentBlockIsReusedWholeOnceNoReceiverMapsIt) {
-  auto pool = MakePool();
-  ASSERT_NE(pool, nullptr);
-  if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable here";
-  void* p = AllocateOrFail(*pool, 3 * kMiB);
-  ASSERT_OK(pool->Export(p, HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kMark)
-                .status());
-  ASSERT_OK(pool->Free(p));
-  EXPECT_OK(pool->CheckInvariants());
-  const int64_t creates = pool->GetStats().num_device_alloc;
-  EXPECT_EQ(AllocateOrFail(*pool, 3 * kMiB), p);
-  EXPECT_EQ(pool->GetStats().num_device_alloc, creates);
-  ExpectAlone(*pool, {p});
-  EXPECT_OK(pool->CheckInvariants());
-  ASSERT_OK(pool->Free(p));
+  for (bool isolate : {false, true}) {
+    PoolOptions options;
+    options.isolate_sends = isolate;
+    auto pool = MakePool(options);
+    ASSERT_NE(pool, nullptr);
+    if (pool->handle_type() == HandleType::kNone) GTEST_SKIP() << "memory is not exportable";
+    pool->SetKeepMemory(true);
+    void* first = nullptr;
+    for (int i = 0; i < 5; ++i) {
+      void* p = AllocateOrFail(*pool, 3 * kMiB);
+      if (i == 0) first = p;
+      EXPECT_EQ(p, first) << "isolate_sends=" << isolate << ", send " << i;
+      ASSERT_OK_AND_ASSIGN(
+          ExportedBlock e,
+          pool->Export(p, HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kTracked));
+      ASSERT_OK(pool->Free(p));
+      pool->SettleExport(e.chunks, /*released=*/true);
+      ASSERT_OK(pool->CheckInvariants());
+    }
+    EXPECT_EQ(pool->GetStats().num_device_alloc, 1) << "isolate_sends=" << isolate;
+    pool->SetKeepMemory(false);
+  }
 }
 
 TEST_F(PoolNoSplitTest, ARandomRunKeepsEveryBlockAloneAndTheInvariants) {
