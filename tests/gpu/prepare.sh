@@ -15,7 +15,7 @@ cd "$(dirname "$0")/../.."
 root=$PWD
 targets=(
   //tests:driver_conformance_test //tests:cuda_driver_test //tests:pool_test //tests:sharing_test
-  //tests:pool_reuse_test
+  //tests:pool_reuse_test //tests:pool_no_split_test
   //tools:vmm_demo //tools:vmm_peer
   //bench:pool_bench //bench:replay //bench:growth_bench //bench:vmm_peer_bench //bench:import_bench
   //bench:move_bench
@@ -56,7 +56,8 @@ build_before_at() {
 bazel build -c opt --strip=always "${targets[@]}"
 bin=$(bazel info -c opt bazel-bin 2>/dev/null)
 rm -rf .gpu && mkdir -p .gpu/bin .gpu/lib
-for t in driver_conformance_test cuda_driver_test pool_test sharing_test pool_reuse_test; do
+for t in driver_conformance_test cuda_driver_test pool_test sharing_test pool_reuse_test \
+  pool_no_split_test; do
   install -m 0755 "$bin/tests/$t" .gpu/bin/
 done
 # vmm_peer, the second process of the tests, the demo and import_bench, sits beside them

@@ -180,6 +180,7 @@ cxx_suites() {
   step "conformance_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/driver_conformance_test" "${args[@]}"
   step "pool_$tag" 120 env VMM_TEST_BACKEND=cuda "$bin/pool_test" "${args[@]}"
   step "pool_reuse_$tag" 60 env VMM_TEST_BACKEND=cuda "$bin/pool_reuse_test" "${args[@]}"
+  step "pool_no_split_$tag" 60 env VMM_TEST_BACKEND=cuda "$bin/pool_no_split_test" "${args[@]}"
   step "sharing_$tag" 180 env VMM_TEST_BACKEND=cuda "$bin/sharing_test" "${args[@]}"
   [[ -z "$filter" ]] || return 0
   step "cuda_driver_$tag" 60 "$bin/cuda_driver_test"

@@ -9,10 +9,11 @@ tensors of the same size.
 With PyTorch's allocator: after 8 steps (every other one accumulating under no_sync) the DDP
 model's weights equal those of the same steps run without DDP (within 1e-5; 1e-3 with the
 fp16 hook); from the second build-train-drop cycle to the fourth, memory_allocated() grows by
-no more than it does with PyTorch's allocator in a child process running the same cycles
-(waiting up to 10 s for NCCL's watchdog to let go of finished work: torch 2.11 keeps about one
-model's parameters more after the fourth, 1,610,752 bytes here, run FK: a vmm leak of up to
-that much would pass); and
+no more than one model's parameters (64 KiB spare) or, if more, than it does with PyTorch's
+allocator in a child process running the same cycles (waiting up to 10 s for NCCL's watchdog
+to let go of finished work: torch 2.11 keeps up to about one model's parameters more after the
+fourth, and how much varies from process to process: 1,610,752 bytes in run FK, 805,376 in
+the parent and 0 in its child in run FL, both with PyTorch's allocator); and
 all_gather_into_tensor / reduce_scatter_tensor(async_op=True) whose input is deleted at once,
 with the NCCL stream waiting behind a GPU sleep, deliver the input's values (ProcessGroupNCCL
 keeps the input's memory until the work is done: record_stream on its stream, or a stash).
@@ -138,10 +139,13 @@ def main():
         dist.destroy_process_group()
         return
     native = native_growth(child, errors)
-    if native is not None and last - first > native:
+    model_bytes = sum((p.numel() * p.element_size() + 511) // 512 * 512
+                      for p in make().parameters())
+    allowed = None if native is None else max(native, model_bytes + (64 << 10))
+    if allowed is not None and last - first > allowed:
         errors.append(f"from the second DDP cycle to the fourth memory_allocated() grew by "
-                      f"{last - first} bytes ({first} to {last}); with PyTorch's allocator by "
-                      f"{native}")
+                      f"{last - first} bytes ({first} to {last}), more than one model's "
+                      f"parameters ({model_bytes}) and than with PyTorch's allocator ({native})")
     async_input_dropped(errors)
     dist.destroy_process_group()
     report(errors)
