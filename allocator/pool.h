@@ -274,14 +274,15 @@ class Pool {
   void SetKeepMemory(bool keep);
   bool keeps_memory() const;
   // No split (torch.cuda.MemPool(no_split=True)): from now on every block of the pool gets a
-  // chunk of its own (the request rounded up to the granularity; one driver allocation, so a
-  // snapshot segment and an exported handle of its own), with an unmapped granule on each
-  // side so that it never joins a neighbour. A block is handed out whole (its allocated bytes
-  // are its chunk's, as PyTorch counts a no_split segment), cached for its stream when freed
-  // like any block (reused at once by that stream, by others after their work, stream-ordered),
-  // and the smallest cached block that holds a later request serves it whole, never split. An
-  // exported one is free memory again once no receiver maps it. FailedPrecondition once the
-  // pool has mapped memory (a setting for a fresh pool, as PyTorch makes it).
+  // chunk of its own (the request rounded up to the granularity; one driver allocation up to
+  // max_chunk, so a snapshot segment and an exported handle of its own), with an unmapped
+  // granule on each side so that it never joins a neighbour. A block is handed out whole (its
+  // allocated bytes are its chunk's, as PyTorch counts a no_split segment) and cached for its
+  // stream when freed like any block (reused at once by that stream, by others after their
+  // work). The smallest cached block that holds a later request serves it whole, never split,
+  // if at most an eighth over the request rounded to the granularity; a larger one only in the
+  // out-of-memory retry. One sent in place is free memory again once its receivers report.
+  // FailedPrecondition once the pool has mapped memory (a setting for a fresh pool).
   absl::Status SetNoSplit();
 
   // Marks the chunks the live block starting at `ptr` spans as exported (export invariant)
