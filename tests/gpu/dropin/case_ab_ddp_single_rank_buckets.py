@@ -15,7 +15,7 @@ to let go of finished work). torch 2.11 itself keeps a varying amount from proce
 after a few cycles, up to two models' parameters: from the second cycle to the fourth it grew
 by 1,610,752 bytes in run FK, by 805,376 in one process and 0 in its child in run FL, by
 3,220,480 and -805,376 in a second FL run, all with PyTorch's allocator; a leak of a model's
-parameters per cycle would pass that bound over four cycles; and
+parameters per cycle (four models over four cycles) exceeds that bound; and
 all_gather_into_tensor / reduce_scatter_tensor(async_op=True) whose input is deleted at once,
 with the NCCL stream waiting behind a GPU sleep, deliver the input's values (ProcessGroupNCCL
 keeps the input's memory until the work is done: record_stream on its stream, or a stash).
