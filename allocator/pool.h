@@ -581,6 +581,8 @@ class Pool {
   // base_ is set once by Init; Contains reads range_end_ without the lock.
   uintptr_t base_ = 0;
   size_t reserve_size_ ABSL_GUARDED_BY(mu_) = 0;
+  // SetNoSplit; beside reserve_size_, which the cached path reads with it.
+  bool no_split_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<uintptr_t> range_end_{0};
   std::vector<std::pair<uintptr_t, size_t>> reservations_ ABSL_GUARDED_BY(mu_);
   // Whether a full range lengthens (PoolOptions::range_grows), by how much at least (the
@@ -616,7 +618,6 @@ class Pool {
   // SetKeepMemory: no chunk goes back to the driver while set; chunks released anyway while it
   // was set (a path that forgot to ask), for CheckInvariants.
   bool keep_memory_ ABSL_GUARDED_BY(mu_) = false;
-  bool no_split_ ABSL_GUARDED_BY(mu_) = false;  // SetNoSplit
   // Set once a miss has moved memory, and once a growth failed for lack of memory: from
   // then on paged growth is in single pages (GrowthChunk; pool_options.h growth_page), after
   // a move except for requests of kLargeRequestChunks growth chunks or more. Never reset.
