@@ -47,6 +47,7 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
           chunk.size = p.size;
           chunk.handle = p.handle;
           count(p.addr, p.size, 1);
+          Tell(p.addr, p.size, /*mapped=*/true);
           stranded->push_back(Stranded{p.addr, p.size});
           continue;
         }
@@ -80,6 +81,7 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
     if (dedicated) MarkExported(chunks_.find(p.addr), stats);
   }
   count(addr, len, static_cast<int64_t>(pieces.size()));
+  Tell(addr, len, /*mapped=*/true);
   return absl::OkStatus();
 }
 
@@ -188,6 +190,8 @@ absl::Status ChunkMap::Move(absl::Span<const uintptr_t> froms, uintptr_t to, Poo
         }
       }
       chunks_[to] = chunk;
+      Tell(froms[k], chunk.size, /*mapped=*/false);
+      Tell(to, chunk.size, /*mapped=*/true);
       moved->push_back(Moved{froms[k], to, chunk.size});
       to += chunk.size;
     }
@@ -236,6 +240,7 @@ void ChunkMap::Forget(Map::iterator it, PoolStats& stats) {
     stats.exported_bytes.Decrease(size);
     stats.exported_chunks.Decrease(1);
   }
+  Tell(it->first, it->second.size, /*mapped=*/false);
   chunks_.erase(it);
 }
 

@@ -11,7 +11,8 @@
 // passed in.
 //
 // Export state lives here too: a chunk marked exported is never recycled (the pool's export
-// invariant, pool.h); `dedicated` chunks hold one shareable block alone.
+// invariant, pool.h); `dedicated` chunks hold one shareable block alone. A MappingListener
+// (SetListener, mapping_listener.h) hears of every range mapped and unmapped.
 //
 // Not thread safe: the owning Pool guards it with its mutex.
 #ifndef VMM_ALLOCATOR_CHUNK_MAP_H_
@@ -30,6 +31,7 @@
 #include "allocator/block.h"
 #include "allocator/device_cap.h"
 #include "allocator/driver.h"
+#include "allocator/mapping_listener.h"
 #include "allocator/stats.h"
 
 namespace vmm {
@@ -82,6 +84,12 @@ class ChunkMap {
   // From now on the bytes this map maps and releases also count in `cap` (device_cap.h; it
   // must outlive the map's chunks). The caller adds what is mapped already.
   void ShareCap(DeviceCap* cap) { cap_ = cap; }
+  // From now on `listener` (null: none; not owned, it must outlive the map's chunks) hears of
+  // every range this map maps or unmaps, as `source`'s (mapping_listener.h).
+  void SetListener(MappingListener* listener, MappingSource source) {
+    listener_ = listener;
+    source_ = source;
+  }
 
   // A chunk that a failed MapRange or Move could not unmap: still mapped (access unknown),
   // in the map, where the caller's bookkeeping may have a gap or a free block.
@@ -171,6 +179,10 @@ class ChunkMap {
 
  private:
   void Forget(Map::iterator it, PoolStats& stats);
+  // Tells the listener, if any, that [addr, addr + size) was mapped or unmapped.
+  void Tell(uintptr_t addr, size_t size, bool mapped) {
+    if (listener_ != nullptr) listener_->RangeMapped(source_, addr, size, mapped);
+  }
   // The statistics of the arena `addr` lies in (Config::large_base).
   ArenaStats& ArenaStatsOf(uintptr_t addr, PoolStats& stats) const {
     return stats.arena[ArenaKindAt(addr, config_.large_base)];
@@ -190,6 +202,8 @@ class ChunkMap {
 
   Config config_;
   DeviceCap* cap_ = nullptr;  // ShareCap's (not owned)
+  MappingListener* listener_ = nullptr;  // SetListener's (not owned)
+  MappingSource source_;
   Map chunks_;
   absl::btree_set<uintptr_t> seams_;  // AddSeam's
   uint64_t next_id_ = 1;
@@ -200,9 +214,11 @@ template <typename F>
 void ChunkMap::ReleaseAll(F&& released) {
   for (auto& [addr, chunk] : chunks_) {
     absl::Status s = config_.driver->Unmap(addr, chunk.size);
-    if (s.ok()) s = config_.driver->Release(chunk.handle);
+    const bool unmapped = s.ok();
+    if (unmapped) s = config_.driver->Release(chunk.handle);
     if (!s.ok()) LogChunkTeardownError(s);
     if (cap_ != nullptr) cap_->AddMapped(-static_cast<int64_t>(chunk.size));
+    if (unmapped) Tell(addr, chunk.size, /*mapped=*/false);
     released(chunk);
   }
   chunks_.clear();

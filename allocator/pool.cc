@@ -1445,6 +1445,11 @@ void Pool::ShareDeviceCap(std::shared_ptr<DeviceCap> cap) {
   device_cap_->allocated().Add(stats_.allocated_bytes.current);
 }
 
+void Pool::SetMappingListener(MappingListener* listener, MappingSource source) {
+  MutexLock lock(&mu_);
+  chunks_.SetListener(listener, source);
+}
+
 void Pool::SetMemoryLimit(size_t bytes) {
   MutexLock lock(&mu_);
   memory_limit_ = bytes;

@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -22,6 +24,7 @@
 #include "allocator/sharing.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "tests/told_ranges.h"
 
 namespace {
 
@@ -273,6 +276,114 @@ TEST_F(CApiTest, ThreadGrowthsCountTheAllocationsThatMappedMemoryOnThisThreadAlo
   EXPECT_EQ(vmm_thread_growths(), before + 1) << "another thread's growth counted here";
   vmm_block_free(cached);
   ASSERT_EQ(vmm_pool_destroy(pool), 0);
+}
+
+// The ranges told to vmm_set_mapping_callback, by pool: the device pool of device 0
+// (mempool_id {0, 0}) and private pools by MempoolId.
+struct ToldByPool {
+  std::mutex mu;
+  std::map<std::pair<uint64_t, uint64_t>, std::unique_ptr<vmm::ToldRanges>> pools;
+  int64_t other_devices = 0;
+
+  vmm::ToldRanges& Of(uint64_t id0, uint64_t id1) {
+    std::lock_guard<std::mutex> lock(mu);
+    auto& told = pools[{id0, id1}];
+    if (told == nullptr) told = std::make_unique<vmm::ToldRanges>(vmm::MappingSource{0, {id0, id1}});
+    return *told;
+  }
+  static void Hear(const vmm_mapping_event* e, void* ctx) {
+    auto* self = static_cast<ToldByPool*>(ctx);
+    if (e->device != 0) {
+      std::lock_guard<std::mutex> lock(self->mu);
+      ++self->other_devices;
+      return;
+    }
+    self->Of(e->mempool_id[0], e->mempool_id[1])
+        .RangeMapped(vmm::MappingSource{e->device, {e->mempool_id[0], e->mempool_id[1]}},
+                     e->address, e->size, e->mapped != 0);
+  }
+};
+
+// The segments of vmm_snapshot_get for device 0, merged as ToldRanges merges, by pool: the
+// device pool and private pools by MempoolId, explicit pools under {~0, pool id}.
+std::map<std::pair<uint64_t, uint64_t>, std::map<uintptr_t, uintptr_t>> SegmentsByPool() {
+  vmm_snapshot_entries* snap = nullptr;
+  EXPECT_EQ(vmm_snapshot_get(&snap), 0) << vmm_last_error();
+  std::map<std::pair<uint64_t, uint64_t>, std::map<uintptr_t, size_t>> chunks;
+  for (size_t i = 0; snap != nullptr && i < snap->num_segments; ++i) {
+    const vmm_segment_entry& s = snap->segments[i];
+    if (s.device != 0) continue;
+    const bool is_private = s.mempool_id[0] != 0 || s.mempool_id[1] != 0;
+    const std::pair<uint64_t, uint64_t> key =
+        s.pool == 0 || is_private ? std::pair{s.mempool_id[0], s.mempool_id[1]}
+                                  : std::pair{~uint64_t{0}, static_cast<uint64_t>(s.pool)};
+    chunks[key][s.address] = s.total_size;
+  }
+  if (snap != nullptr) vmm_snapshot_entries_release(snap);
+  std::map<std::pair<uint64_t, uint64_t>, std::map<uintptr_t, uintptr_t>> out;
+  for (const auto& [key, c] : chunks) out[key] = vmm::ToldRanges::Merge(c);
+  return out;
+}
+
+TEST_F(CApiTest, TheMappingCallbackIsToldWhatTheDeviceAndPrivatePoolsMapAndUnmap) {
+  static ToldByPool told;  // the callback may be called for the rest of the process
+  const std::pair<uint64_t, uint64_t> device{0, 0}, mine{0, 7};
+  // What the device pool holds already (made by earlier tests) was never told.
+  const auto held = SegmentsByPool();
+  if (auto it = held.find(device); it != held.end()) {
+    for (const auto& [lo, hi] : it->second) told.Of(0, 0).Seed(lo, hi - lo);
+  }
+  ASSERT_EQ(vmm_set_mapping_callback(&ToldByPool::Hear, &told), 0);
+  const int64_t explicit_pool = vmm_pool_create(VMM_BACKEND_HOST, 0, "reserve_size=256M");
+  ASSERT_GT(explicit_pool, 0) << vmm_last_error();
+  const int64_t private_pool = UsePrivate(mine.first, mine.second);
+  auto check = [&](const char* when) {
+    auto segments = SegmentsByPool();
+    for (const auto& key : {device, mine}) {
+      const vmm::ToldRanges& t = told.Of(key.first, key.second);
+      for (const std::string& e : t.errors()) ADD_FAILURE() << when << ": told " << e;
+      EXPECT_EQ(t.ranges(), segments[key]) << when << ": pool " << key.first << "/" << key.second;
+    }
+    const std::pair<uint64_t, uint64_t> expl{~uint64_t{0}, static_cast<uint64_t>(explicit_pool)};
+    for (const auto& [lo, hi] : segments[expl]) {
+      for (const auto& key : {device, mine}) {
+        for (const auto& [tlo, thi] : told.Of(key.first, key.second).ranges()) {
+          EXPECT_TRUE(thi <= lo || hi <= tlo) << when << ": an explicit pool's range was told";
+        }
+      }
+    }
+  };
+  std::vector<void*> blocks;
+  for (size_t size : {size_t{3} * kMiB, 40 * kMiB, size_t{1000}, 9 * kMiB}) {
+    blocks.push_back(vmm_alloc(size, 0, nullptr));
+    ASSERT_NE(blocks.back(), nullptr) << vmm_last_error();
+  }
+  void* in_private = PoolAlloc(private_pool, 5 * kMiB);
+  void* in_explicit = PoolAlloc(explicit_pool, 8 * kMiB);
+  check("grown");
+  EXPECT_GT(told.Of(0, 0).calls(), 0) << "the device pool grew, untold";
+  EXPECT_GT(told.Of(mine.first, mine.second).calls(), 0) << "the private pool grew, untold";
+  for (void* p : blocks) ASSERT_EQ(vmm_free(p, 0), 0) << vmm_last_error();
+  const int64_t device_calls = told.Of(0, 0).calls();
+  ASSERT_EQ(vmm_empty_cache(-1), 0) << vmm_last_error();
+  check("emptied");
+  EXPECT_GT(told.Of(0, 0).calls(), device_calls) << "the cache went back, untold";
+  vmm_block_free(in_private);
+  ASSERT_EQ(vmm_private_pool_release(0, mine.first, mine.second), 0) << vmm_last_error();
+  check("private pool released");
+  EXPECT_TRUE(told.Of(mine.first, mine.second).ranges().empty());
+  vmm_block_free(in_explicit);
+  ASSERT_EQ(vmm_pool_destroy(explicit_pool), 0) << vmm_last_error();
+  // No callback: nothing more is told.
+  ASSERT_EQ(vmm_set_mapping_callback(nullptr, nullptr), 0);
+  const int64_t calls = told.Of(0, 0).calls();
+  void* untold = vmm_alloc(64 * kMiB, 0, nullptr);
+  ASSERT_NE(untold, nullptr) << vmm_last_error();
+  EXPECT_EQ(told.Of(0, 0).calls(), calls);
+  ASSERT_EQ(vmm_free(untold, 0), 0);
+  ASSERT_EQ(vmm_empty_cache(-1), 0);
+  EXPECT_EQ(told.Of(0, 0).calls(), calls);
+  EXPECT_EQ(told.other_devices, 0);
 }
 
 TEST_F(CApiTest, ThePrivatePoolsOfADeviceAreInItsStats) {

@@ -3,8 +3,9 @@
 // exports of every ExportUse, SettleExport, AllocateShareable, EmptyCache, SetKeepMemory, memory
 // limits near the working set, a DeviceCap shared by two pools, ranges that grow past their first
 // reservation, and driver failures injected while the pool moves chunks. After every step:
-// Pool::CheckInvariants, every live block's bytes, stats against the snapshot and the driver, and
-// that no exported chunk moved.
+// Pool::CheckInvariants, every live block's bytes, stats against the snapshot and the driver,
+// that no exported chunk moved, and that the ranges the pool's MappingListener was told are
+// mapped are its chunks' (tests/told_ranges.h).
 #include <unistd.h>
 
 #include <atomic>
@@ -30,6 +31,7 @@
 #include "tests/slack_range_driver.h"
 #include "tests/status_matchers.h"
 #include "tests/stream_gate.h"
+#include "tests/told_ranges.h"
 
 namespace vmm {
 namespace {
@@ -224,6 +226,7 @@ struct Tracked {
 
 struct PoolState {
   std::string name;
+  std::unique_ptr<ToldRanges> told;  // the pool's MappingListener: outlives it
   std::unique_ptr<Pool> pool;
   std::map<uintptr_t, Live> live;
   size_t live_bytes = 0;
@@ -279,7 +282,11 @@ class Harness {
   ~Harness() {
     driver_->Disarm();
     (void)inner_->SynchronizeDevice(0);
-    for (auto& ps : pools_) ps.pool.reset();
+    for (auto& ps : pools_) {
+      ps.pool.reset();  // its teardown unmaps what it still holds, and says so
+      EXPECT_TRUE(ps.told->ranges().empty()) << ps.told->bytes() << " bytes still told mapped";
+      EXPECT_TRUE(ps.told->errors().empty()) << ps.told->errors().front();
+    }
     for (Stream s : streams_) {
       if (s != 0) (void)inner_->DestroyStream(s);
     }
@@ -293,6 +300,8 @@ class Harness {
     auto p = Pool::Create(driver_.get(), o_.pool, &observer_);
     if (!p.ok()) return ::testing::AssertionFailure() << p.status();
     a.pool = std::move(*p);
+    a.told = std::make_unique<ToldRanges>();
+    a.pool->SetMappingListener(a.told.get(), MappingSource{});
     a.limited = SmallRange();
     pools_.push_back(std::move(a));
     if (o_.two_pools) {
@@ -305,6 +314,8 @@ class Harness {
       auto q = Pool::Create(driver_.get(), o_.pool, &observer_);
       if (!q.ok()) return ::testing::AssertionFailure() << q.status();
       b.pool = std::move(*q);
+      b.told = std::make_unique<ToldRanges>();
+      b.pool->SetMappingListener(b.told.get(), MappingSource{});
       pools_[0].pool->ShareDeviceCap(cap_);
       pools_[0].limited = b.limited = true;
       b.pool->ShareDeviceCap(cap_);
@@ -583,6 +594,16 @@ class Harness {
     if (chunk_count != st.segment.current) {
       return Fail(absl::StrCat("pool ", ps.name, ": ", chunk_count, " chunks in the snapshot, segment says ",
                                st.segment.current));
+    }
+    // What the listener was told is mapped: the chunks, no more, no less.
+    std::map<uintptr_t, size_t> chunk_sizes;
+    for (const auto& [a, c] : chunks) chunk_sizes[a] = c.size;
+    if (const std::vector<std::string> errors = ps.told->errors(); !errors.empty()) {
+      return Fail(absl::StrCat("pool ", ps.name, ": the listener was told ", errors.front()));
+    }
+    if (ps.told->ranges() != ToldRanges::Merge(chunk_sizes)) {
+      return Fail(absl::StrCat("pool ", ps.name, ": the listener was told ", ps.told->bytes(),
+                               " bytes mapped in other ranges than the chunks' ", chunk_bytes));
     }
     if (exported_bytes != st.exported_bytes.current) return Fail("exported_bytes vs snapshot");
     if (allocated != st.allocated_bytes.current) return Fail("allocated_bytes vs snapshot");

@@ -126,6 +126,7 @@ absl::StatusOr<Pool*> ProcessState::DevicePool(int device) {
   VMM_ASSIGN_OR_RETURN(std::unique_ptr<Pool> created,
                        CreateExportablePool(driver, DevicePoolOptions(device)));
   VMM_RETURN_IF_ERROR(ShareCapLocked(device, *created));
+  created->SetMappingListener(&mappings_, MappingSource{device, {0, 0}});
   pool = created.release();  // freed by the destructor (never, for the process's state)
   device_pools_[device].store(pool, std::memory_order_release);
   any_device_pool_ = true;
@@ -461,6 +462,7 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   if (!made.ok()) return first;  // why the range it should have had was refused
   std::unique_ptr<Pool> pool = *std::move(made);
   pool->SetKeepMemory(true);
+  pool->SetMappingListener(&mappings_, MappingSource{device, {id0, id1}});
   {  // counts against the GPU's memory fraction with its pool
     MutexLock state_lock(&mu_);
     VMM_RETURN_IF_ERROR(ShareCapLocked(device, *pool));

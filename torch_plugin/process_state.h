@@ -68,6 +68,7 @@
 #include "allocator/descriptor.h"
 #include "allocator/driver.h"
 #include "allocator/fork_guard.h"
+#include "allocator/mapping_listener.h"
 #include "allocator/mutex.h"
 #include "allocator/pool.h"
 #include "allocator/send_ledger.h"
@@ -227,6 +228,15 @@ class ProcessState {
   std::vector<Snapshot> Snapshots();
   // Frees a block of any pool (an explicit pool closed and left empty is destroyed).
   absl::Status FreeBlock(void* ptr);
+  // From now on `listener` (null: none) hears of every range the device pools and private
+  // pools map or unmap, those made before included: the memory Snapshots() shows as
+  // PyTorch's (explicit pools are not told). MappingSource::owner is a private pool's
+  // MempoolId, {0, 0} for a device pool. Called with the pool's lock held
+  // (allocator/mapping_listener.h). A listener once set must live as long as the process: a
+  // pool may still be calling it after it is replaced.
+  void TellMappingsTo(MappingListener* listener) {
+    mappings_.target.store(listener, std::memory_order_release);
+  }
 
   // --- Sharing ------------------------------------------------------------------------------
   // Exports the live block starting at `ptr` of any pool, or forwards the import whose buffer
@@ -402,6 +412,17 @@ class ProcessState {
   void AdoptForkLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   std::array<std::atomic<Pool*>, kMaxDevices> device_pools_{};
+  // The listener of every device pool and private pool from its creation: passes each range
+  // on to TellMappingsTo's listener, if any.
+  struct MappingRelay : MappingListener {
+    std::atomic<MappingListener*> target{nullptr};
+    void RangeMapped(const MappingSource& source, uintptr_t addr, size_t size,
+                     bool mapped) override {
+      MappingListener* to = target.load(std::memory_order_acquire);
+      if (to != nullptr) to->RangeMapped(source, addr, size, mapped);
+    }
+  };
+  MappingRelay mappings_;
   // Held by the resets of a GPU's figures across their pools and retired_, and by Retire from
   // a pool's freeze to its figures joining retired_; taken before mu_ and any pool's lock.
   // Only these take it, never under another lock of the state.

@@ -392,6 +392,31 @@ int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved) {
 
 uint64_t vmm_thread_growths(void) { return vmm::Pool::ThreadGrowths(); }
 
+int vmm_set_mapping_callback(vmm_mapping_fn fn, void* ctx) {
+  // Kept for the life of the process: a pool may still be calling the one replaced.
+  class Callback : public vmm::MappingListener {
+   public:
+    Callback(vmm_mapping_fn fn, void* ctx) : fn_(fn), ctx_(ctx) {}
+    void RangeMapped(const vmm::MappingSource& source, uintptr_t addr, size_t size,
+                     bool mapped) override {
+      vmm_mapping_event event{};
+      event.device = source.device;
+      event.mempool_id[0] = source.owner[0];
+      event.mempool_id[1] = source.owner[1];
+      event.address = addr;
+      event.size = size;
+      event.mapped = mapped ? 1 : 0;
+      fn_(&event, ctx_);
+    }
+
+   private:
+    const vmm_mapping_fn fn_;
+    void* const ctx_;
+  };
+  State().TellMappingsTo(fn == nullptr ? nullptr : new Callback(fn, ctx));
+  return 0;
+}
+
 int vmm_device_largest_free_block(int device, uint64_t* out) {
   if (out == nullptr) {
     return vmm::Fail(absl::InvalidArgumentError("vmm_device_largest_free_block: null output"));

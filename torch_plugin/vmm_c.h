@@ -235,6 +235,24 @@ int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved);
  * an allocation, it tells whether that allocation mapped memory; a cached allocation changes
  * nothing. Never fails. */
 uint64_t vmm_thread_growths(void);
+/* A range a pool mapped or unmapped (vmm_set_mapping_callback). */
+typedef struct vmm_mapping_event {
+  int device;
+  uint64_t mempool_id[2]; /* a private pool's MempoolId; {0, 0} for the device pool */
+  uint64_t address, size;
+  int mapped;             /* 1: mapped (a growth, or a chunk moved there); 0: unmapped */
+} vmm_mapping_event;
+typedef void (*vmm_mapping_fn)(const vmm_mapping_event* event, void* ctx);
+/* From now on fn(event, ctx) is called for every range the device pools and the private
+ * pools map or unmap, once the driver's call succeeded: the segments of vmm_snapshot_get
+ * (explicit pools are not told). The ranges mapped less those unmapped since are what those
+ * pools hold. NULL fn: no more calls. fn runs on the thread that made the pool map or unmap
+ * (an allocation, a free, vmm_empty_cache), with that pool's lock held: it must not call
+ * libvmm, and must take only locks that are never held while calling libvmm (not Python's:
+ * a thread holding it may be waiting for that pool's lock). A callback once
+ * set may still run after it is replaced (each call keeps a few bytes for the life of the
+ * process). Never fails: 0. */
+int vmm_set_mapping_callback(vmm_mapping_fn fn, void* ctx);
 /* One pool by id (explicit or private). */
 int vmm_pool_torch_stats(int64_t pool, vmm_torch_stats* out);
 /* The largest free block cached by the device pool of `device` and the private pools on it

@@ -44,6 +44,7 @@ ARGUMENT_TYPES = {
     "vmm_snapshot_entries*": {P(_signatures.SnapshotEntries)},
     "vmm_snapshot_entries**": {P(P(_signatures.SnapshotEntries)), P(ctypes.c_void_p)},
     "vmm_block_entry*": {P(_signatures.BlockEntry)},
+    "vmm_mapping_fn": {ctypes.c_void_p, _signatures.MappingFn},
 }
 # Results: a "char*" (not const) is a string to release, so it must stay a plain pointer.
 RESULT_TYPES = {
@@ -135,6 +136,8 @@ def parse_header():
         enums[name] = values
     text = re.sub(r"typedef\s+struct\s+\w+\s*\{.*?\}\s*\w+\s*;", " ", text, flags=re.S)
     text = re.sub(r"\benum\s+\w+\s*\{.*?\}\s*;", " ", text, flags=re.S)
+    # Function pointer types ("typedef void (*vmm_x_fn)(...);"): argument types, not prototypes.
+    text = re.sub(r"typedef\s+[^;]*?\(\s*\*\s*\w+\s*\)\s*\([^;]*\)\s*;", " ", text)
     functions = {}
     for statement in text.split(";"):
         statement = " ".join(statement.split())

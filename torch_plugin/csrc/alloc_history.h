@@ -5,7 +5,9 @@
 // Used by vmm_cuda_allocator.cpp (built only against a CUDA build of torch 2.3+).
 //
 // The stacks come from PyTorch's own context recorder (it takes the GIL itself), called with no
-// lock of this class held. Off, recording costs one relaxed atomic load (on()). Thread safe.
+// lock of this class held. The ranges vmm's pools map and unmap come with a pool's lock held
+// (RecordSegment: this class's lock only, no stack). Off, recording costs one relaxed atomic
+// load (on()). Thread safe.
 #ifndef VMM_TORCH_PLUGIN_CSRC_ALLOC_HISTORY_H_
 #define VMM_TORCH_PLUGIN_CSRC_ALLOC_HISTORY_H_
 
@@ -19,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
@@ -83,7 +86,11 @@ class History {
     // snapshot taken later still shows where they were made, as PyTorch's blocks keep the
     // context they were given) until the blocks are freed (Forget), and so do those of the
     // growths (until their memory goes). The annotations go at every call, as PyTorch's.
-    if (clear || !enabled) traces_.clear();
+    if (clear || !enabled) {
+      traces_.clear();
+      pushed_.clear();
+    }
+    unstacked_.clear();
     annotations_.clear();
     on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
     stacks_.store(recorder_ != nullptr && when_ >= cca::RecordContext::STATE,
@@ -173,6 +180,19 @@ class History {
          (action == cda::TraceEntry::OOM && when >= cca::RecordContext::ALLOC));
     std::shared_ptr<c10::GatheredContext> context = wants_stack ? recorder() : nullptr;
     std::lock_guard<std::mutex> lock(mu_);
+    if (auto mine = unstacked_.find(std::this_thread::get_id()); mine != unstacked_.end()) {
+      // The mappings this thread's allocation made get its stack and stream, as PyTorch's
+      // segment_map entries have the allocation's; any other action ends the wait.
+      if (is_alloc) {
+        for (const auto& [at, serial] : mine->second) {
+          if (cda::TraceEntry* e = EntryOf(at, serial); e != nullptr) {
+            e->context_ = when_ >= cca::RecordContext::ALLOC ? context : nullptr;
+            e->stream_ = stream;
+          }
+        }
+      }
+      unstacked_.erase(mine);
+    }
     if (is_alloc && context != nullptr) contexts_[addr] = context;
     if (is_alloc && grew) NoteGrowth(addr, context);  // a growth without a stack: none shown
     if (action == cda::TraceEntry::FREE_COMPLETED) contexts_.erase(addr);
@@ -188,11 +208,29 @@ class History {
         notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
+    if (traced) Push(device, std::move(entry));
+  }
+
+  // A range vmm's pools mapped or unmapped (SEGMENT_MAP / SEGMENT_UNMAP: the pools'
+  // vmm_set_mapping_callback, with the pool's lock held, so in the order the pools made them).
+  // Takes only this class's lock and gathers no stack: a mapping gets the stack and stream of
+  // the allocation that made it when this thread records that allocation (Record).
+  void RecordSegment(bool mapped, c10::DeviceIndex device, size_t addr, size_t size,
+                     c10::cuda::MempoolId_t pool) {
+    const auto action = mapped ? cda::TraceEntry::SEGMENT_MAP : cda::TraceEntry::SEGMENT_UNMAP;
+    std::lock_guard<std::mutex> lock(mu_);
+    const bool traced = enabled_ && skip_.count(static_cast<int>(action)) == 0;
+    if (!traced && trackers_.empty()) return;
+    const DeviceNotes& notes = notes_[device];
+    cda::TraceEntry entry = MakeTraceEntry(
+        action, device, addr, size, /*stream=*/nullptr, pool, /*context=*/nullptr,
+        notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
+    entry.time_.t_ = NowMicros();
+    for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
     if (!traced) return;
-    if (static_cast<size_t>(device) >= traces_.size()) traces_.resize(device + 1);
-    std::deque<cda::TraceEntry>& trace = traces_[device];
-    trace.push_back(std::move(entry));
-    while (trace.size() > max_entries_) trace.pop_front();
+    ++segment_serial_;
+    const uint64_t serial = Push(device, std::move(entry));
+    if (mapped) unstacked_[std::this_thread::get_id()].emplace_back(device, serial);
   }
 
   // The stack of the live block at `addr`, or null.
@@ -234,17 +272,47 @@ class History {
     }
   }
 
-  std::vector<std::vector<cda::TraceEntry>> Traces(size_t devices) {
+  // The trace of each device (at least `devices` of them). `*segment_serial`, if given: how
+  // many segment entries the trace had taken by then (SegmentSerial).
+  std::vector<std::vector<cda::TraceEntry>> Traces(size_t devices,
+                                                   uint64_t* segment_serial = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<std::vector<cda::TraceEntry>> out(std::max(devices, traces_.size()));
     for (size_t d = 0; d < traces_.size(); ++d) {
       out[d].assign(traces_[d].begin(), traces_[d].end());
     }
+    if (segment_serial != nullptr) *segment_serial = segment_serial_;
     return out;
+  }
+  // How many segment entries (RecordSegment) the trace has taken: a snapshot reads it before
+  // its segments, and again with the trace (Traces), to know whether the two agree.
+  uint64_t SegmentSerial() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return segment_serial_;
   }
 
  private:
   void NoteContexts() { holds_contexts_.store(!contexts_.empty(), std::memory_order_relaxed); }
+  // Appends `entry` to `device`'s trace, dropping the oldest past max_entries_; returns its
+  // serial on that device (EntryOf).
+  uint64_t Push(c10::DeviceIndex device, cda::TraceEntry entry) {
+    if (static_cast<size_t>(device) >= traces_.size()) {
+      traces_.resize(device + 1);
+      pushed_.resize(device + 1);
+    }
+    std::deque<cda::TraceEntry>& trace = traces_[device];
+    trace.push_back(std::move(entry));
+    while (trace.size() > max_entries_) trace.pop_front();
+    return pushed_[device]++;
+  }
+  // The entry of `device`'s trace Push gave `serial`, or null once it has been dropped.
+  cda::TraceEntry* EntryOf(c10::DeviceIndex device, uint64_t serial) {
+    if (static_cast<size_t>(device) >= traces_.size()) return nullptr;
+    std::deque<cda::TraceEntry>& trace = traces_[device];
+    const uint64_t first = pushed_[device] - trace.size();
+    if (serial < first || serial >= pushed_[device]) return nullptr;
+    return &trace[serial - first];
+  }
   // Growths are dropped at snapshots once their memory has gone (KeepGrowthsIn) and, past
   // kMaxGrowths, oldest first, so that a program that records without snapshots keeps a
   // bounded number. Not the trace's length: a segment keeps its stack for its life, as
@@ -272,6 +340,12 @@ class History {
   std::unordered_set<int> skip_;
   std::vector<cca::AllocatorTraceTracker> trackers_;
   std::vector<std::deque<cda::TraceEntry>> traces_;
+  std::vector<uint64_t> pushed_;  // entries ever pushed to each device's trace (Push)
+  uint64_t segment_serial_ = 0;   // segment entries ever traced (SegmentSerial)
+  // The SEGMENT_MAP entries (device, serial) each thread traced since it last recorded an
+  // action: its next ALLOC gives them its stack and stream (Record).
+  std::unordered_map<std::thread::id, std::vector<std::pair<c10::DeviceIndex, uint64_t>>>
+      unstacked_;
   std::unordered_map<size_t, std::shared_ptr<c10::GatheredContext>> contexts_;
   std::deque<Annotation> annotations_;
   struct Growth {

@@ -53,6 +53,7 @@ struct Vmm {
   decltype(&vmm_device_torch_stats) device_torch_stats = nullptr;
   decltype(&vmm_device_usage) device_usage = nullptr;
   decltype(&vmm_thread_growths) thread_growths = nullptr;
+  decltype(&vmm_set_mapping_callback) set_mapping_callback = nullptr;
   decltype(&vmm_device_largest_free_block) device_largest_free_block = nullptr;
   decltype(&vmm_snapshot_get) snapshot_get = nullptr;
   decltype(&vmm_snapshot_entries_release) snapshot_release = nullptr;
@@ -101,6 +102,7 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_device_torch_stats", &v.device_torch_stats);
   Lookup(lib, "vmm_device_usage", &v.device_usage);
   Lookup(lib, "vmm_thread_growths", &v.thread_growths);
+  Lookup(lib, "vmm_set_mapping_callback", &v.set_mapping_callback);
   Lookup(lib, "vmm_device_largest_free_block", &v.device_largest_free_block);
   Lookup(lib, "vmm_snapshot_get", &v.snapshot_get);
   Lookup(lib, "vmm_snapshot_entries_release", &v.snapshot_release);

@@ -407,10 +407,25 @@ class VmmAllocator : public Pluggable {
 
   cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     const uint64_t growth_mark = history_.GrowthMark();  // before the segments are read
-    vmm_snapshot_entries* entries = nullptr;
-    CheckOk(libvmm.snapshot_get(&entries), "memory_snapshot");
+    // The segments and the trace agree: PyTorch's memory viewer rebuilds the segments of each
+    // moment from the snapshot's, back through the trace's segment_map and segment_unmap
+    // entries, and fails on a mapping that lies in no segment. Where a pool mapped or
+    // unmapped memory between the two reads, both are read again (kSnapshotReads at most;
+    // then as read).
     std::unique_ptr<vmm_snapshot_entries, decltype(libvmm.snapshot_release)> owned(
-        entries, libvmm.snapshot_release);
+        nullptr, libvmm.snapshot_release);
+    std::vector<std::vector<cda::TraceEntry>> traces;
+    for (int read = 1;; ++read) {
+      const uint64_t serial = history_.SegmentSerial();
+      vmm_snapshot_entries* read_entries = nullptr;
+      CheckOk(libvmm.snapshot_get(&read_entries), "memory_snapshot");
+      owned.reset(read_entries);
+      if (!include_traces) break;
+      uint64_t serial_after = 0;
+      traces = history_.Traces(0, &serial_after);
+      if (serial_after == serial || read == kSnapshotReads) break;
+    }
+    const vmm_snapshot_entries* entries = owned.get();
     const bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
     cca::SnapshotInfo out;
     int devices = 0;
@@ -460,7 +475,8 @@ class VmmAllocator : public Pluggable {
     std::sort(mapped.begin(), mapped.end());
     history_.KeepGrowthsIn(mapped, growth_mark);
     if (include_traces) {
-      out.device_traces = history_.Traces(static_cast<size_t>(std::max(devices, 1)));
+      traces.resize(std::max(traces.size(), static_cast<size_t>(std::max(devices, 1))));
+      out.device_traces = std::move(traces);
     }
     vmm_torch::AddAnnotations(history_.Annotations(), &out);  // with traces or not, as PyTorch's
     out.config_metadata.garbage_collection_threshold = 0;
@@ -509,6 +525,17 @@ class VmmAllocator : public Pluggable {
 
   void attachAllocatorTraceTracker(cca::AllocatorTraceTracker tracker) override {
     history_.AddTracker(std::move(tracker));
+  }
+
+  // vmm_set_mapping_callback's callback (Install): a range a device pool or private pool
+  // mapped or unmapped, told with that pool's lock held. While history is recorded it is a
+  // segment_map / segment_unmap entry, as PyTorch's expandable segments record theirs.
+  static void TellMapping(const vmm_mapping_event* event, void* self) {
+    vmm_torch::History& history = static_cast<VmmAllocator*>(self)->history_;
+    if (!history.on()) return;
+    history.RecordSegment(event->mapped != 0, static_cast<c10::DeviceIndex>(event->device),
+                          event->address, event->size,
+                          MempoolId_t{event->mempool_id[0], event->mempool_id[1]});
   }
 
   // --- Private pools ------------------------------------------------------------------
@@ -1447,6 +1474,8 @@ class VmmAllocator : public Pluggable {
   // program set one. GPUs past kFractionDevices are not read.
   static constexpr int kFractionDevices = 64;
   std::array<std::atomic<bool>, kFractionDevices> fraction_read_{};
+  // How many times a snapshot reads its segments and trace at most to have the two agree.
+  static constexpr int kSnapshotReads = 8;
 };
 
 // The installed allocator, never destroyed: storages PyTorch keeps for CUDA IPC receivers
@@ -1496,6 +1525,8 @@ void Install() {
   // would reach PyTorch's own allocator beside it.
   c10::SetAllocator(c10::DeviceType::CUDA, allocator.get());
   installed = allocator;
+  // The pools' mappings go to its history (never destroyed: `installed`).
+  libvmm.set_mapping_callback(&VmmAllocator::TellMapping, allocator.get());
   // Once (Install runs once; a failed one registered nothing). Py_AtExit may refuse (its
   // table is small), and a process may exit without finalising Python; the atexit handler
   // then runs before the static destructors of what was built before install (torch's

@@ -241,6 +241,23 @@ class SnapshotEntries(ctypes.Structure):
     ]
 
 
+class MappingEvent(ctypes.Structure):
+    """struct vmm_mapping_event: a range a pool mapped or unmapped (vmm_set_mapping_callback's
+    callback gets one; a C callback: one in Python would take the GIL under a pool's lock)."""
+
+    _fields_ = [
+        ("device", ctypes.c_int),
+        ("mempool_id", ctypes.c_uint64 * 2),
+        ("address", ctypes.c_uint64),
+        ("size", ctypes.c_uint64),
+        ("mapped", ctypes.c_int),
+    ]
+
+
+#: vmm_mapping_fn.
+MappingFn = ctypes.CFUNCTYPE(None, ctypes.POINTER(MappingEvent), ctypes.c_void_p)
+
+
 #: C struct name -> its ctypes.Structure.
 STRUCTS: Dict[str, Type[ctypes.Structure]] = {
     "vmm_descriptor_fields": DescriptorFields,
@@ -250,6 +267,7 @@ STRUCTS: Dict[str, Type[ctypes.Structure]] = {
     "vmm_block_entry": BlockEntry,
     "vmm_segment_entry": SegmentEntry,
     "vmm_snapshot_entries": SnapshotEntries,
+    "vmm_mapping_event": MappingEvent,
 }
 
 
@@ -303,6 +321,7 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_device_torch_stats": (_int, [_int, _P(TorchStats)]),
     "vmm_device_usage": (_int, [_int, _P(_int64), _P(_int64)]),
     "vmm_thread_growths": (_uint64, []),
+    "vmm_set_mapping_callback": (_int, [_void_p, _void_p]),
     "vmm_pool_torch_stats": (_int, [_int64, _P(TorchStats)]),
     "vmm_device_largest_free_block": (_int, [_int, _P(_uint64)]),
     "vmm_snapshot_get": (_int, [_P(_P(SnapshotEntries))]),

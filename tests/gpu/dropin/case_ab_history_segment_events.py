@@ -1,0 +1,222 @@
+"""The segments of a memory snapshot's trace, as PyTorch's memory viewer reads them: its segment
+view starts from the snapshot's segments and walks the trace back, taking away what each
+segment_alloc or segment_map entry added and putting back what each segment_free or
+segment_unmap entry took (it fails on a mapping that lies in no segment), to draw the
+segments of any moment; memory-debugging guides use that view to see when and where the
+allocator asked the driver for memory.
+
+With PyTorch's allocator, recording history from a moment whose segments a first snapshot
+shows, then allocating tensors of 1 KiB to 200 MiB, freeing some, calling empty_cache(),
+allocating in a torch.cuda.MemPool and dropping it:
+  - the trace has entries that add segments and entries that take them away;
+  - replayed from the first snapshot's segments, each adding entry covers bytes that no
+    segment holds, each taking-away entry bytes that one holds, and every "alloc" entry lies
+    in a segment at its moment; the end of the replay is the second snapshot's segments, byte
+    for byte, and the bytes added less those taken away are memory_reserved()'s growth;
+  - an adding entry made for an allocation of this file carries frames naming this file;
+  - the same holds for each snapshot a second thread takes while the main thread allocates,
+    frees and empties the cache: walked back from that snapshot's segments, its trace's
+    segment entries never add bytes a segment holds nor take away bytes none holds.
+
+Why vmm may differ: vmm maps chunks into reserved ranges, moves them and unmaps them without
+PyTorch's allocator; its trace had only allocations and frees, so the segments never changed
+in the viewer, and a snapshot read while another thread maps memory could show segments the
+trace does not explain (alloc_history.h, vmm_set_mapping_callback).
+"""
+import gc
+import os
+import threading
+
+import torch
+from dropin_report import report
+
+ME = os.path.basename(__file__)
+MIB = 1 << 20
+ADDS = {"segment_alloc", "segment_map"}
+TAKES = {"segment_free", "segment_unmap"}
+
+
+class Bytes:
+    """A set of byte ranges [lo, hi), kept merged and sorted."""
+
+    def __init__(self, ranges=()):
+        self.r = []
+        for lo, hi in sorted(ranges):
+            self.add(lo, hi)
+
+    def overlaps(self, lo, hi):
+        return any(a < hi and lo < b for a, b in self.r)
+
+    def covers(self, lo, hi):
+        return any(a <= lo and hi <= b for a, b in self.r)
+
+    def add(self, lo, hi):
+        keep = [(a, b) for a, b in self.r if b < lo or hi < a]
+        for a, b in self.r:
+            if not (b < lo or hi < a):
+                lo, hi = min(lo, a), max(hi, b)
+        self.r = sorted(keep + [(lo, hi)])
+
+    def take(self, lo, hi):
+        out = []
+        for a, b in self.r:
+            if b <= lo or hi <= a:
+                out.append((a, b))
+                continue
+            if a < lo:
+                out.append((a, lo))
+            if hi < b:
+                out.append((hi, b))
+        self.r = out
+
+    def total(self):
+        return sum(b - a for a, b in self.r)
+
+
+def segments_of(snap, device):
+    return Bytes((s["address"], s["address"] + s["total_size"])
+                 for s in snap["segments"] if s["device"] == device)
+
+
+def replay(start, trace, where, errors):
+    """Walks `trace` forward from the segments `start`; returns (segments, bytes added less
+    bytes taken away)."""
+    now, net = start, 0
+    for i, e in enumerate(trace):
+        lo, hi = e["addr"], e["addr"] + e["size"]
+        if e["action"] in ADDS:
+            if now.overlaps(lo, hi):
+                errors.append(f"{where}: entry {i} ({e['action']}) adds {lo:#x}+{e['size']}, "
+                              f"which a segment holds already")
+                return now, net
+            now.add(lo, hi)
+            net += e["size"]
+        elif e["action"] in TAKES:
+            if not now.covers(lo, hi):
+                errors.append(f"{where}: entry {i} ({e['action']}) takes away {lo:#x}+"
+                              f"{e['size']}, which no segment holds whole")
+                return now, net
+            now.take(lo, hi)
+            net -= e["size"]
+        elif e["action"] == "alloc" and not now.covers(lo, hi):
+            errors.append(f"{where}: entry {i} allocates {lo:#x}+{e['size']} outside every "
+                          f"segment of its moment")
+            return now, net
+    return now, net
+
+
+def walk_back(snap, device, where, errors):
+    """What the viewer does: from the snapshot's segments back through its trace."""
+    now = segments_of(snap, device)
+    trace = snap["device_traces"][device] if device < len(snap["device_traces"]) else []
+    for i in range(len(trace) - 1, -1, -1):
+        e = trace[i]
+        lo, hi = e["addr"], e["addr"] + e["size"]
+        if e["action"] in ADDS:
+            if not now.covers(lo, hi):
+                errors.append(f"{where}: entry {i} of {len(trace)} ({e['action']} "
+                              f"{lo:#x}+{e['size']}) lies in no segment of the snapshot")
+                return
+            now.take(lo, hi)
+        elif e["action"] in TAKES:
+            if now.overlaps(lo, hi):
+                errors.append(f"{where}: entry {i} of {len(trace)} ({e['action']} "
+                              f"{lo:#x}+{e['size']}) overlaps a segment of the snapshot")
+                return
+            now.add(lo, hi)
+
+
+def one_thread(device, errors):
+    torch.cuda.memory._record_memory_history(enabled=None)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory._snapshot()
+    reserved_before = torch.cuda.memory_reserved()
+    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    keep = []
+    for i, n in enumerate([1024, 3 * MIB + 100, 200 * MIB, 17 * MIB, 700, 64 * MIB] * 3):
+        t = torch.empty(n, dtype=torch.uint8, device="cuda")
+        if i % 3 != 1:
+            keep.append(t)
+    del t
+    keep = keep[::2]
+    gc.collect()
+    torch.cuda.empty_cache()
+    keep += [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (150 * MIB, 5 * MIB)]
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        pooled = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in (9 * MIB, 2000)]
+    del pooled, pool
+    gc.collect()
+    torch.cuda.empty_cache()
+    after = torch.cuda.memory._snapshot()
+    reserved_after = torch.cuda.memory_reserved()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    trace = after["device_traces"][device]
+    adds = [e for e in trace if e["action"] in ADDS]
+    takes = [e for e in trace if e["action"] in TAKES]
+    if not adds or not takes:
+        errors.append(f"one thread: {len(adds)} entries add segments and {len(takes)} take "
+                      f"them away, while the program grew the pools and emptied the cache")
+    end, net = replay(segments_of(before, device), trace, "one thread", errors)
+    if errors:
+        return
+    want = segments_of(after, device)
+    if end.r != want.r:
+        errors.append(f"one thread: the replay ends with {end.total()} bytes of segments in "
+                      f"{len(end.r)} ranges, the snapshot shows {want.total()} in "
+                      f"{len(want.r)}")
+    if net != reserved_after - reserved_before:
+        errors.append(f"one thread: the trace adds {net} bytes net, memory_reserved() grew by "
+                      f"{reserved_after - reserved_before}")
+    if not any(ME in f.get("filename", "") for e in adds for f in e.get("frames", [])):
+        errors.append("one thread: no entry that adds a segment has frames naming this file")
+    walk_back(after, device, "one thread, walked back", errors)
+
+
+def two_threads(device, errors):
+    torch.cuda.memory._record_memory_history(max_entries=5_000, stacks="python")
+    stop = threading.Event()
+    seen = [0]
+
+    def watch():
+        try:
+            while not stop.is_set() or seen[0] < 5:
+                walk_back(torch.cuda.memory._snapshot(), device, f"snapshot {seen[0]}", errors)
+                seen[0] += 1
+                if errors:
+                    return
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"the snapshot thread: {type(e).__name__}: {str(e)[:300]}")
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    live = []
+    try:
+        for i in range(400):
+            live.append(torch.empty((i % 9 + 1) * 3 * MIB + 4096 * (i % 5), dtype=torch.uint8,
+                                    device="cuda"))
+            if len(live) > 6:
+                live.pop(i % len(live))
+            if i % 25 == 24:
+                torch.cuda.empty_cache()
+    finally:
+        stop.set()
+        thread.join()
+        torch.cuda.memory._record_memory_history(enabled=None)
+    if seen[0] < 5:
+        errors.append(f"two threads: {seen[0]} snapshots taken")
+
+
+def main():
+    errors = []
+    torch.empty(1, device="cuda")
+    device = torch.cuda.current_device()
+    one_thread(device, errors)
+    two_threads(device, errors)
+    report(errors)
+
+
+if __name__ == "__main__":
+    main()
