@@ -81,7 +81,9 @@ absl::Status ChunkMap::MapRange(uintptr_t addr, size_t len, bool dedicated, Pool
     if (dedicated) MarkExported(chunks_.find(p.addr), stats);
   }
   count(addr, len, static_cast<int64_t>(pieces.size()));
-  Tell(addr, len, /*mapped=*/true);
+  // Chunk by chunk, as they are unmapped: a range told mapped is never part of one told
+  // unmapped (mapping_listener.h).
+  for (const Piece& p : pieces) Tell(p.addr, p.size, /*mapped=*/true);
   return absl::OkStatus();
 }
 

@@ -90,6 +90,11 @@ class ChunkMap {
     listener_ = listener;
     source_ = source;
   }
+  // Tells the listener that every chunk is unmapped, then forgets it.
+  void DetachListener() {
+    for (const auto& [addr, chunk] : chunks_) Tell(addr, chunk.size, /*mapped=*/false);
+    listener_ = nullptr;
+  }
 
   // A chunk that a failed MapRange or Move could not unmap: still mapped (access unknown),
   // in the map, where the caller's bookkeeping may have a gap or a free block.

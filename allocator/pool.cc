@@ -1450,6 +1450,11 @@ void Pool::SetMappingListener(MappingListener* listener, MappingSource source) {
   chunks_.SetListener(listener, source);
 }
 
+void Pool::DetachMappingListener() {
+  MutexLock lock(&mu_);
+  chunks_.DetachListener();
+}
+
 void Pool::SetMemoryLimit(size_t bytes) {
   MutexLock lock(&mu_);
   memory_limit_ = bytes;

@@ -275,6 +275,10 @@ class Pool {
   // range the pool maps or unmaps, as `source`'s (mapping_listener.h), with the pool's lock
   // held; what is mapped already is not told.
   void SetMappingListener(MappingListener* listener, MappingSource source);
+  // Tells the listener that every chunk the pool maps is unmapped and tells it nothing more:
+  // the pool leaves the listener's view for good (its owner forgets it; its teardown may
+  // come much later, after a capture).
+  void DetachMappingListener();
   // Keeps every mapped chunk while `keep` (file comment, "Keeping memory"). Turning it off
   // releases nothing by itself: EmptyCache then gives back what is free.
   void SetKeepMemory(bool keep);

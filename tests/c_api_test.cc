@@ -368,9 +368,19 @@ TEST_F(CApiTest, TheMappingCallbackIsToldWhatTheDeviceAndPrivatePoolsMapAndUnmap
   ASSERT_EQ(vmm_empty_cache(-1), 0) << vmm_last_error();
   check("emptied");
   EXPECT_GT(told.Of(0, 0).calls(), device_calls) << "the cache went back, untold";
-  vmm_block_free(in_private);
+  // Released with a block live: it stays (and is told) until that block goes.
   ASSERT_EQ(vmm_private_pool_release(0, mine.first, mine.second), 0) << vmm_last_error();
-  check("private pool released");
+  check("private pool released, a block live");
+  EXPECT_FALSE(told.Of(mine.first, mine.second).ranges().empty());
+  vmm_block_free(in_private);
+  check("private pool's last block freed");
+  EXPECT_TRUE(told.Of(mine.first, mine.second).ranges().empty());
+  // Released with nothing live: it goes at once.
+  const int64_t again = UsePrivate(mine.first, mine.second);
+  vmm_block_free(PoolAlloc(again, 7 * kMiB));
+  EXPECT_FALSE(told.Of(mine.first, mine.second).ranges().empty()) << "its memory is cached";
+  ASSERT_EQ(vmm_private_pool_release(0, mine.first, mine.second), 0) << vmm_last_error();
+  check("private pool released, nothing live");
   EXPECT_TRUE(told.Of(mine.first, mine.second).ranges().empty());
   vmm_block_free(in_explicit);
   ASSERT_EQ(vmm_pool_destroy(explicit_pool), 0) << vmm_last_error();

@@ -335,6 +335,7 @@ void ProcessState::CloseLocked(const std::shared_ptr<ExplicitPool>& entry,
     *doomed = entry;
     explicit_.erase(entry->id);
     explicit_by_base_.erase(entry->pool->base());
+    entry->pool->DetachMappingListener();  // out of Snapshots() from now on
     if (entry->is_private) retiring_.push_back(entry);  // listed until Retire
   }
 }
@@ -630,6 +631,7 @@ void ProcessState::BlockGone(const std::shared_ptr<ExplicitPool>& entry) {
       doomed = std::move(it->second);
       explicit_.erase(it);
       explicit_by_base_.erase(entry->pool->base());
+      doomed->pool->DetachMappingListener();  // out of Snapshots() from now on
       if (doomed->is_private) retiring_.push_back(doomed);  // listed until Retire
     }
   }

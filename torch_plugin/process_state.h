@@ -228,10 +228,11 @@ class ProcessState {
   std::vector<Snapshot> Snapshots();
   // Frees a block of any pool (an explicit pool closed and left empty is destroyed).
   absl::Status FreeBlock(void* ptr);
-  // From now on `listener` (null: none) hears of every range the device pools and private
+  // From now on `listener` (null: none) hears of every chunk the device pools and private
   // pools map or unmap, those made before included: the memory Snapshots() shows as
-  // PyTorch's (explicit pools are not told). MappingSource::owner is a private pool's
-  // MempoolId, {0, 0} for a device pool. Called with the pool's lock held
+  // PyTorch's (explicit pools are not told; a private pool that goes is told unmapped whole
+  // as it leaves Snapshots(), Pool::DetachMappingListener). MappingSource::owner is a private
+  // pool's MempoolId, {0, 0} for a device pool. Called with the pool's lock held
   // (allocator/mapping_listener.h). A listener once set must live as long as the process: a
   // pool may still be calling it after it is replaced.
   void TellMappingsTo(MappingListener* listener) {

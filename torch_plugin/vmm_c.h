@@ -235,7 +235,7 @@ int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved);
  * an allocation, it tells whether that allocation mapped memory; a cached allocation changes
  * nothing. Never fails. */
 uint64_t vmm_thread_growths(void);
-/* A range a pool mapped or unmapped (vmm_set_mapping_callback). */
+/* A chunk a pool mapped or unmapped (vmm_set_mapping_callback). */
 typedef struct vmm_mapping_event {
   int device;
   uint64_t mempool_id[2]; /* a private pool's MempoolId; {0, 0} for the device pool */
@@ -243,13 +243,16 @@ typedef struct vmm_mapping_event {
   int mapped;             /* 1: mapped (a growth, or a chunk moved there); 0: unmapped */
 } vmm_mapping_event;
 typedef void (*vmm_mapping_fn)(const vmm_mapping_event* event, void* ctx);
-/* From now on fn(event, ctx) is called for every range the device pools and the private
- * pools map or unmap, once the driver's call succeeded: the segments of vmm_snapshot_get
- * (explicit pools are not told). The ranges mapped less those unmapped since are what those
- * pools hold. NULL fn: no more calls. fn runs on the thread that made the pool map or unmap
- * (an allocation, a free, vmm_empty_cache), with that pool's lock held: it must not call
- * libvmm, and must take only locks that are never held while calling libvmm (not Python's:
- * a thread holding it may be waiting for that pool's lock). A callback once
+/* From now on fn(event, ctx) is called for every chunk the device pools and the private
+ * pools map or unmap, one call per chunk, once the driver's call succeeded: the memory of
+ * vmm_snapshot_get's segments (explicit pools are not told). A private pool that goes (its
+ * last use released with no live block, or its last block freed after that) is told unmapped
+ * whole as it leaves vmm_snapshot_get, though its teardown may come later (after a capture).
+ * So the chunks mapped less those unmapped since are what vmm_snapshot_get shows of those
+ * pools. NULL fn: no more calls. fn runs on the thread that made the pool map or unmap (an
+ * allocation, a free, vmm_empty_cache, vmm_private_pool_release), with that pool's lock held:
+ * it must not call libvmm, and must take only locks that are never held while calling libvmm
+ * (not Python's: a thread holding it may be waiting for that pool's lock). A callback once
  * set may still run after it is replaced (each call keeps a few bytes for the life of the
  * process). Never fails: 0. */
 int vmm_set_mapping_callback(vmm_mapping_fn fn, void* ctx);

@@ -7,10 +7,16 @@ machine, where a variable set at a module's import (VMM_BACKEND=host, once) reac
 test and the processes they spawned, and turned their CUDA pools into host ones; and sends that
 one module never received (payloads it tampered with) held chunks against the send budget of
 the next module's tests. A test that needs a variable sets it with monkeypatch, which puts it
-back; a module whose sends are not all received gives them a short lease (set_send_lease)."""
+back; a module whose sends are not all received gives them a short lease (set_send_lease).
 
+A test that fills most of the GPU (marked fills_gpu) runs alone: the GPU machine's suite runs
+several tests at once (pytest-xdist), and one that filled the GPU made another's first
+allocation fail with out of memory."""
+
+import fcntl
 import os
 import sys
+import tempfile
 import time
 
 import pytest
@@ -30,9 +36,27 @@ def _changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
                   for n in names if before.get(n) != after.get(n))
 
 
+# Every test holds a shared lock on this file while it runs, a fills_gpu test an exclusive one
+# (flock: the xdist workers are processes).
+_GPU_LOCK = os.path.join(tempfile.gettempdir(), "vmm_python_suite_gpu.lock")
+
+
 def pytest_configure(config):
     _at_start.clear()
     _at_start.update(os.environ)
+    config.addinivalue_line(
+        "markers", "fills_gpu: the test fills most of the GPU, so it runs with no other test")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_filling_tests_run_alone(request):
+    exclusive = request.node.get_closest_marker("fills_gpu") is not None
+    with open(_GPU_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_collection_finish(session):

@@ -564,6 +564,7 @@ def test_a_tensor_that_outlives_its_mempool_without_enable():
     assert r["ok"]
 
 
+@pytest.mark.fills_gpu
 def test_a_mempool_allocation_over_pytorchs_cache_fails_as_natives_and_succeeds_after_empty_cache():
     # PyTorch's allocator, current, caches most of the device; a MemPool allocation then finds
     # the device full. How PyTorch answers depends on its version (2.11 frees its cache first

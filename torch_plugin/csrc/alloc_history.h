@@ -182,8 +182,10 @@ class History {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto mine = unstacked_.find(std::this_thread::get_id()); mine != unstacked_.end()) {
       // The mappings this thread's allocation made get its stack and stream, as PyTorch's
-      // segment_map entries have the allocation's; any other action ends the wait.
-      if (is_alloc) {
+      // segment_map entries have the allocation's; any other action ends the wait, and so
+      // does an allocation that mapped nothing (the mappings were another call's: a send's
+      // block of its own, made in libvmm).
+      if (is_alloc && grew) {
         for (const auto& [at, serial] : mine->second) {
           if (cda::TraceEntry* e = EntryOf(at, serial); e != nullptr) {
             e->context_ = when_ >= cca::RecordContext::ALLOC ? context : nullptr;
@@ -273,13 +275,39 @@ class History {
   }
 
   // The trace of each device (at least `devices` of them). `*segment_serial`, if given: how
-  // many segment entries the trace had taken by then (SegmentSerial).
+  // many segment entries the trace had taken by then (SegmentSerial). For a snapshot
+  // (`*segment_serial` given), without the segment_map entries whose allocation is not in
+  // the trace yet (a thread between the pool's return and its alloc entry, which waits for
+  // the GIL the snapshot's caller holds): the snapshot shows that allocation's block, and
+  // the memory viewer, walking back past such a mapping with no alloc entry to take the
+  // block away, found it in no segment. Left out, the mapping is older than the trace, as
+  // its block is.
   std::vector<std::vector<cda::TraceEntry>> Traces(size_t devices,
                                                    uint64_t* segment_serial = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<std::vector<cda::TraceEntry>> out(std::max(devices, traces_.size()));
+    std::vector<std::vector<uint64_t>> unresolved(traces_.size());  // serials, by device
+    if (segment_serial != nullptr) {
+      for (const auto& thread_maps : unstacked_) {
+        for (const auto& [device, serial] : thread_maps.second) {
+          if (static_cast<size_t>(device) < unresolved.size()) {
+            unresolved[device].push_back(serial);
+          }
+        }
+      }
+    }
     for (size_t d = 0; d < traces_.size(); ++d) {
-      out[d].assign(traces_[d].begin(), traces_[d].end());
+      if (unresolved[d].empty()) {
+        out[d].assign(traces_[d].begin(), traces_[d].end());
+        continue;
+      }
+      std::sort(unresolved[d].begin(), unresolved[d].end());
+      uint64_t serial = pushed_[d] - traces_[d].size();
+      for (const cda::TraceEntry& e : traces_[d]) {
+        if (!std::binary_search(unresolved[d].begin(), unresolved[d].end(), serial++)) {
+          out[d].push_back(e);
+        }
+      }
     }
     if (segment_serial != nullptr) *segment_serial = segment_serial_;
     return out;

@@ -14,15 +14,17 @@ allocating in a torch.cuda.MemPool and dropping it:
     in a segment at its moment; the end of the replay is the second snapshot's segments, byte
     for byte, and the bytes added less those taken away are memory_reserved()'s growth;
   - an adding entry made for an allocation of this file carries frames naming this file;
-  - the same holds for each snapshot a second thread takes while the main thread allocates,
-    frees and empties the cache: walked back from that snapshot's segments, its trace's
-    segment entries never add bytes a segment holds nor take away bytes none holds.
+  - the viewer's walk back (ported here as MemoryViz.js does it) reaches the first entry of
+    the second snapshot, and of each snapshot a second thread takes while the main thread
+    allocates, frees, empties the cache and drops MemPools, without a mapping that lies in
+    no single segment or a block drawn in no segment.
 
 Why vmm may differ: vmm maps chunks into reserved ranges, moves them and unmaps them without
 PyTorch's allocator; its trace had only allocations and frees, so the segments never changed
 in the viewer, and a snapshot read while another thread maps memory could show segments the
 trace does not explain (alloc_history.h, vmm_set_mapping_callback).
 """
+import bisect
 import gc
 import os
 import threading
@@ -105,25 +107,148 @@ def replay(start, trace, where, errors):
     return now, net
 
 
-def walk_back(snap, device, where, errors):
-    """What the viewer does: from the snapshot's segments back through its trace."""
-    now = segments_of(snap, device)
-    trace = snap["device_traces"][device] if device < len(snap["device_traces"]) else []
-    for i in range(len(trace) - 1, -1, -1):
-        e = trace[i]
-        lo, hi = e["addr"], e["addr"] + e["size"]
-        if e["action"] in ADDS:
-            if not now.covers(lo, hi):
-                errors.append(f"{where}: entry {i} of {len(trace)} ({e['action']} "
-                              f"{lo:#x}+{e['size']}) lies in no segment of the snapshot")
-                return
-            now.take(lo, hi)
-        elif e["action"] in TAKES:
-            if now.overlaps(lo, hi):
-                errors.append(f"{where}: entry {i} of {len(trace)} ({e['action']} "
-                              f"{lo:#x}+{e['size']}) overlaps a segment of the snapshot")
-                return
-            now.add(lo, hi)
+class Viewer:
+    """The segment view of PyTorch's memory viewer (MemoryViz.js), ported: annotate_snapshot's
+    stream names and free elision, then MemoryView's simulate_memory, walked back from the
+    snapshot one entry at a time, so that each moment is the view of that entry. Where the
+    viewer throws (a segment_map or segment_alloc in no single segment, a block drawn in no
+    segment), an error names the entry."""
+
+    def __init__(self, snap, device):
+        names = {0: 0}
+
+        def name(s):
+            if s not in names:
+                names[s] = len(names)
+            return names[s]
+        self.trace = []
+        for d, trace in enumerate(snap["device_traces"]):
+            mine = []
+            for t in trace:
+                t = dict(t, stream=name(t.get("stream")))
+                if (t["action"] == "free_completed" and mine
+                        and mine[-1]["action"] == "free_requested"
+                        and mine[-1]["addr"] == t["addr"]):
+                    mine[-1]["action"] = "free"
+                    continue
+                mine.append(t)
+            if d == device:
+                self.trace = mine
+        self.segments, self.blocks = [], {}
+        for seg in snap["segments"]:
+            stream = name(seg.get("stream"))
+            if seg["device"] != device:
+                continue
+            self.segments.append(dict(addr=seg["address"], size=seg["total_size"],
+                                      stream=stream))
+            addr = seg["address"]
+            for b in seg["blocks"]:
+                if b["state"] in ("active_allocated", "active_pending_free"):
+                    self.blocks[addr] = b["size"]
+                addr += b["size"]
+        self.segments.sort(key=lambda x: x["addr"])
+
+    def _map(self, seg):  # map_segment(merge=True): a segment_unmap walked back
+        segs = self.segments
+        i = next((k for k, e in enumerate(segs) if e["addr"] > seg["addr"]), len(segs))
+        segs.insert(i, seg)
+        if i + 1 < len(segs):
+            nxt = segs[i + 1]
+            if seg["addr"] + seg["size"] == nxt["addr"] and seg["stream"] == nxt["stream"]:
+                seg["size"] += nxt["size"]
+                del segs[i + 1]
+        if i > 0:
+            prev = segs[i - 1]
+            if prev["addr"] + prev["size"] == seg["addr"] and prev["stream"] == seg["stream"]:
+                prev["size"] += seg["size"]
+                del segs[i]
+
+    def _unmap(self, seg):  # unmap_segment(merge=True): a segment_map walked back
+        segs = self.segments
+        end = seg["addr"] + seg["size"]
+        i = next((k for k, e in enumerate(segs)
+                  if e["addr"] <= seg["addr"] and end <= e["addr"] + e["size"]), None)
+        if i is None:
+            return False
+        e = segs[i]
+        e_end = e["addr"] + e["size"]
+        if e["addr"] == seg["addr"]:
+            e["addr"] += seg["size"]
+            e["size"] -= seg["size"]
+            if e["size"] == 0:
+                del segs[i]
+        elif e_end == end:
+            e["size"] -= seg["size"]
+        else:
+            e["size"] = seg["addr"] - e["addr"]
+            segs.insert(i + 1, dict(addr=end, size=e_end - end, stream=seg["stream"]))
+        return True
+
+    def _blocks_placed(self):
+        spans = sorted((e["addr"], e["addr"] + e["size"]) for e in self.segments)
+        starts = [a for a, _ in spans]
+        for addr in self.blocks:
+            k = bisect.bisect_right(starts, addr) - 1
+            if k < 0 or addr >= spans[k][1]:
+                return addr
+        return None
+
+    def walk(self, where, errors, moments=40):
+        """Walks back to the view of the first entry; returns how many segment entries it
+        walked back."""
+        n = len(self.trace)
+        check_at = set(range(n - 1, -1, -max(1, n // moments))) | {0}
+        seen = 0
+        lost = self._blocks_placed()  # the view of the last entry
+        if lost is not None:
+            errors.append(f"{where}: the viewer fails showing the last entry (a block at "
+                          f"{lost:#x} lies in no segment)")
+            return seen
+        for i in range(n - 1, 0, -1):  # the view of entry i - 1: entries i.. walked back
+            e = self.trace[i]
+            seg = dict(addr=e["addr"], size=e["size"], stream=e["stream"])
+            a = e["action"]
+            if a == "free":
+                self.blocks[e["addr"]] = e["size"]
+            elif a == "free_requested":
+                if e["addr"] not in self.blocks:
+                    errors.append(f"{where}: the viewer fails at entry {i} of {n} (a "
+                                  f"free_requested of {e['addr']:#x}, no such block)")
+                    return seen
+            elif a == "free_completed":
+                self.blocks[e["addr"]] = e["size"]
+            elif a == "alloc":
+                self.blocks.pop(e["addr"], None)
+            elif a == "segment_unmap":
+                seen += 1
+                self._map(seg)
+            elif a == "segment_free":
+                seen += 1
+                k = next((k for k, x in enumerate(self.segments) if x["addr"] > seg["addr"]),
+                         -1)
+                self.segments.insert(k, seg)
+            elif a in ("segment_map", "segment_alloc"):
+                seen += 1
+                if a == "segment_alloc":
+                    k = next((k for k, x in enumerate(self.segments)
+                              if x["addr"] == seg["addr"]), -1)
+                    del self.segments[k]
+                elif not self._unmap(seg):
+                    errors.append(f"{where}: the viewer fails at entry {i} of {n} (a "
+                                  f"segment_map of {e['addr']:#x}+{e['size']} lies in no one "
+                                  f"segment)")
+                    return seen
+            if i - 1 in check_at:
+                lost = self._blocks_placed()
+                if lost is not None:
+                    errors.append(f"{where}: the viewer fails showing entry {i - 1} of {n} "
+                                  f"(a block at {lost:#x} lies in no segment)")
+                    return seen
+        return seen
+
+
+def viewer_walk(snap, device, where, errors):
+    return Viewer(snap, device).walk(where, errors)
 
 
 def one_thread(device, errors):
@@ -172,19 +297,21 @@ def one_thread(device, errors):
                       f"{reserved_after - reserved_before}")
     if not any(ME in f.get("filename", "") for e in adds for f in e.get("frames", [])):
         errors.append("one thread: no entry that adds a segment has frames naming this file")
-    walk_back(after, device, "one thread, walked back", errors)
+    viewer_walk(after, device, "one thread, the viewer", errors)
 
 
 def two_threads(device, errors):
     torch.cuda.memory._record_memory_history(max_entries=5_000, stacks="python")
     stop = threading.Event()
-    seen = [0]
+    seen = [0, 0]  # snapshots, those whose trace had segment entries
 
     def watch():
         try:
             while not stop.is_set() or seen[0] < 5:
-                walk_back(torch.cuda.memory._snapshot(), device, f"snapshot {seen[0]}", errors)
+                n = viewer_walk(torch.cuda.memory._snapshot(), device,
+                                f"snapshot {seen[0]}", errors)
                 seen[0] += 1
+                seen[1] += n > 0
                 if errors:
                     return
         except Exception as e:  # noqa: BLE001
@@ -201,12 +328,18 @@ def two_threads(device, errors):
                 live.pop(i % len(live))
             if i % 25 == 24:
                 torch.cuda.empty_cache()
+            if i % 40 == 39:  # a MemPool made, used and dropped while snapshots are taken
+                pool = torch.cuda.MemPool()
+                with torch.cuda.use_mem_pool(pool):
+                    pooled = torch.empty(5 * MIB, dtype=torch.uint8, device="cuda")
+                del pooled, pool
+                gc.collect()
     finally:
         stop.set()
         thread.join()
         torch.cuda.memory._record_memory_history(enabled=None)
-    if seen[0] < 5:
-        errors.append(f"two threads: {seen[0]} snapshots taken")
+    if seen[0] < 5 or seen[1] == 0:
+        errors.append(f"two threads: {seen[0]} snapshots taken, {seen[1]} with segment entries")
 
 
 def main():
