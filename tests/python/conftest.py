@@ -36,9 +36,20 @@ def _changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
                   for n in names if before.get(n) != after.get(n))
 
 
-# Every test holds a shared lock on this file while it runs, a fills_gpu test an exclusive one
-# (flock: the xdist workers are processes).
-_GPU_LOCK = os.path.join(tempfile.gettempdir(), "vmm_python_suite_gpu.lock")
+# Every test holds a shared lock on the first file while it runs, a fills_gpu test an
+# exclusive one (flock: the xdist workers are processes). A test passes through the second
+# file first, which a fills_gpu test holds while it waits: no new test starts meanwhile, so
+# it waits only for the tests under way (Linux grants shared locks past a waiting exclusive
+# one).
+_GPU_LOCK = os.path.join(os.environ.get("VMM_TEST_TMPDIR") or tempfile.gettempdir(),
+                         "vmm_python_suite_gpu.lock")
+_GPU_TURNSTILE = _GPU_LOCK + ".turnstile"
+
+
+def _open_shared(path):
+    """The lock file at `path`, made readable and writable by every user."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    return os.fdopen(fd, "r+")
 
 
 def pytest_configure(config):
@@ -51,8 +62,12 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True)
 def _gpu_filling_tests_run_alone(request):
     exclusive = request.node.get_closest_marker("fills_gpu") is not None
-    with open(_GPU_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+    with _open_shared(_GPU_TURNSTILE) as turnstile, _open_shared(_GPU_LOCK) as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
             yield
         finally:

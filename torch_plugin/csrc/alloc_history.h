@@ -232,7 +232,17 @@ class History {
     if (!traced) return;
     ++segment_serial_;
     const uint64_t serial = Push(device, std::move(entry));
-    if (mapped) unstacked_[std::this_thread::get_id()].emplace_back(device, serial);
+    if (mapped) {
+      // A thread that maps without recording an allocation (a send's block of its own, made
+      // in libvmm) keeps only the entries still in the trace.
+      auto& mine = unstacked_[std::this_thread::get_id()];
+      mine.erase(std::remove_if(mine.begin(), mine.end(),
+                                [&](const std::pair<c10::DeviceIndex, uint64_t>& m) {
+                                  return EntryOf(m.first, m.second) == nullptr;
+                                }),
+                 mine.end());
+      mine.emplace_back(device, serial);
+    }
   }
 
   // The stack of the live block at `addr`, or null.
@@ -275,39 +285,13 @@ class History {
   }
 
   // The trace of each device (at least `devices` of them). `*segment_serial`, if given: how
-  // many segment entries the trace had taken by then (SegmentSerial). For a snapshot
-  // (`*segment_serial` given), without the segment_map entries whose allocation is not in
-  // the trace yet (a thread between the pool's return and its alloc entry, which waits for
-  // the GIL the snapshot's caller holds): the snapshot shows that allocation's block, and
-  // the memory viewer, walking back past such a mapping with no alloc entry to take the
-  // block away, found it in no segment. Left out, the mapping is older than the trace, as
-  // its block is.
+  // many segment entries the trace had taken by then (SegmentSerial).
   std::vector<std::vector<cda::TraceEntry>> Traces(size_t devices,
                                                    uint64_t* segment_serial = nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<std::vector<cda::TraceEntry>> out(std::max(devices, traces_.size()));
-    std::vector<std::vector<uint64_t>> unresolved(traces_.size());  // serials, by device
-    if (segment_serial != nullptr) {
-      for (const auto& thread_maps : unstacked_) {
-        for (const auto& [device, serial] : thread_maps.second) {
-          if (static_cast<size_t>(device) < unresolved.size()) {
-            unresolved[device].push_back(serial);
-          }
-        }
-      }
-    }
     for (size_t d = 0; d < traces_.size(); ++d) {
-      if (unresolved[d].empty()) {
-        out[d].assign(traces_[d].begin(), traces_[d].end());
-        continue;
-      }
-      std::sort(unresolved[d].begin(), unresolved[d].end());
-      uint64_t serial = pushed_[d] - traces_[d].size();
-      for (const cda::TraceEntry& e : traces_[d]) {
-        if (!std::binary_search(unresolved[d].begin(), unresolved[d].end(), serial++)) {
-          out[d].push_back(e);
-        }
-      }
+      out[d].assign(traces_[d].begin(), traces_[d].end());
     }
     if (segment_serial != nullptr) *segment_serial = segment_serial_;
     return out;
@@ -389,6 +373,55 @@ class History {
   };
   std::unordered_map<c10::DeviceIndex, DeviceNotes> notes_;
 };
+
+// Leaves out of `trace` the segment entries (segment_map, segment_unmap) that PyTorch's memory
+// viewer could not walk back past with the snapshot's blocks `blocks` (address, size; sorted
+// by address, disjoint). The viewer starts from the snapshot's segments and blocks and walks
+// the trace back: a block stays drawn until it meets an alloc entry at its address, and must
+// lie in a segment all that time. A block whose allocation is not in the trace after the
+// entries that map or unmap its memory (made before recording began; a send's block of its
+// own, which libvmm makes; or an allocation whose thread has not recorded it yet, waiting for
+// the GIL the snapshot's caller holds, as PyTorch records under its lock) would be drawn in
+// no segment before those entries: they are left out, so its memory is older than the trace,
+// as the block is.
+template <typename Entry>
+void KeepWhatTheViewerCanWalk(const std::vector<std::pair<size_t, size_t>>& blocks,
+                              std::vector<Entry>* trace) {
+  if (blocks.empty()) return;
+  // The index of the last alloc entry at each block's address (-1: none).
+  std::vector<int64_t> last_alloc(blocks.size(), -1);
+  for (size_t i = 0; i < trace->size(); ++i) {
+    const Entry& e = (*trace)[i];
+    if (e.action_ != Entry::ALLOC) continue;
+    auto b = std::lower_bound(blocks.begin(), blocks.end(), std::make_pair(e.addr_, size_t{0}));
+    if (b != blocks.end() && b->first == e.addr_) {
+      last_alloc[static_cast<size_t>(b - blocks.begin())] = static_cast<int64_t>(i);
+    }
+  }
+  size_t kept = 0;
+  for (size_t i = 0; i < trace->size(); ++i) {
+    Entry& e = (*trace)[i];
+    bool keep = true;
+    if (e.action_ == Entry::SEGMENT_MAP || e.action_ == Entry::SEGMENT_UNMAP) {
+      const size_t end = e.addr_ + e.size_;
+      // The blocks overlapping [addr_, end): from the last one starting at or before addr_.
+      auto b = std::upper_bound(blocks.begin(), blocks.end(),
+                                std::make_pair(e.addr_, SIZE_MAX));
+      if (b != blocks.begin()) --b;
+      for (; keep && b != blocks.end() && b->first < end; ++b) {
+        const bool overlaps = b->first + b->second > e.addr_;
+        if (overlaps && last_alloc[static_cast<size_t>(b - blocks.begin())] <
+                            static_cast<int64_t>(i)) {
+          keep = false;
+        }
+      }
+    }
+    if (!keep) continue;
+    if (kept != i) (*trace)[kept] = std::move(e);
+    ++kept;
+  }
+  trace->resize(kept);
+}
 
 // Whether this torch's snapshot carries record_function annotations (external_annotations)
 // as the AnnotationEntry this file fills (a device and a time to construct it with, a time_

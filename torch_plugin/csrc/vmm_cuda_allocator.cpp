@@ -423,7 +423,12 @@ class VmmAllocator : public Pluggable {
       if (!include_traces) break;
       uint64_t serial_after = 0;
       traces = history_.Traces(0, &serial_after);
-      if (serial_after == serial || read == kSnapshotReads) break;
+      if (serial_after == serial) break;
+      if (read == kSnapshotReads) {
+        TORCH_WARN_ONCE("vmm: memory snapshot: the pools kept mapping memory while it was read ",
+                        kSnapshotReads, " times; its segments and trace may disagree");
+        break;
+      }
     }
     const vmm_snapshot_entries* entries = owned.get();
     const bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
@@ -476,6 +481,20 @@ class VmmAllocator : public Pluggable {
     history_.KeepGrowthsIn(mapped, growth_mark);
     if (include_traces) {
       traces.resize(std::max(traces.size(), static_cast<size_t>(std::max(devices, 1))));
+      // Each device's active blocks (the viewer draws those), by address.
+      std::vector<std::vector<std::pair<size_t, size_t>>> blocks(traces.size());
+      for (const cda::SegmentInfo& segment : out.segments) {
+        if (segment.device < 0 || static_cast<size_t>(segment.device) >= blocks.size()) continue;
+        size_t addr = segment.address;
+        for (const cda::BlockInfo& block : segment.blocks) {
+          if (block.active) blocks[segment.device].emplace_back(addr, block.size);
+          addr += block.size;
+        }
+      }
+      for (size_t d = 0; d < traces.size(); ++d) {
+        std::sort(blocks[d].begin(), blocks[d].end());
+        vmm_torch::KeepWhatTheViewerCanWalk(blocks[d], &traces[d]);
+      }
       out.device_traces = std::move(traces);
     }
     vmm_torch::AddAnnotations(history_.Annotations(), &out);  // with traces or not, as PyTorch's
