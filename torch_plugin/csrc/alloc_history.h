@@ -420,7 +420,7 @@ void KeepWhatTheViewerCanWalk(const std::vector<std::pair<size_t, size_t>>& bloc
     if (kept != i) (*trace)[kept] = std::move(e);
     ++kept;
   }
-  trace->resize(kept);
+  trace->erase(trace->begin() + static_cast<std::ptrdiff_t>(kept), trace->end());
 }
 
 // Whether this torch's snapshot carries record_function annotations (external_annotations)
