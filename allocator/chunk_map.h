@@ -12,7 +12,7 @@
 //
 // Export state lives here too: a chunk marked exported is never recycled (the pool's export
 // invariant, pool.h); `dedicated` chunks hold one shareable block alone. A MappingListener
-// (SetListener, mapping_listener.h) hears of every range mapped and unmapped.
+// (SetListener, mapping_listener.h) hears of every chunk mapped and unmapped.
 //
 // Not thread safe: the owning Pool guards it with its mutex.
 #ifndef VMM_ALLOCATOR_CHUNK_MAP_H_
@@ -85,7 +85,7 @@ class ChunkMap {
   // must outlive the map's chunks). The caller adds what is mapped already.
   void ShareCap(DeviceCap* cap) { cap_ = cap; }
   // From now on `listener` (null: none; not owned, it must outlive the map's chunks) hears of
-  // every range this map maps or unmaps, as `source`'s (mapping_listener.h).
+  // every chunk this map maps or unmaps, as `source`'s (mapping_listener.h).
   void SetListener(MappingListener* listener, MappingSource source) {
     listener_ = listener;
     source_ = source;

@@ -1,4 +1,4 @@
-// mapping_listener.h: who hears of each range a pool maps or unmaps.
+// mapping_listener.h: who hears of each chunk a pool maps or unmaps.
 //
 // A tool's view of a pool's memory: PyTorch's allocation history records the ranges its
 // allocator maps and unmaps ("segment_map" / "segment_unmap"), and its memory viewer rebuilds

@@ -123,7 +123,7 @@
 // marks chunks and lets a visitor see each chunk's physical handle under the pool's lock, and
 // the ExportObserver given at creation (export_observer.h; the sharing side) hears when an
 // exported chunk goes back to the driver. A MappingListener (SetMappingListener,
-// mapping_listener.h) hears of every range mapped and unmapped, for the allocation history.
+// mapping_listener.h) hears of every chunk mapped and unmapped, for the allocation history.
 //
 // Where the pieces live: chunk_map.h (physical chunks, growth with rollback),
 // growth_policy.h (how much a miss maps), reclaim_policy.h (which free pages a miss moves
@@ -160,8 +160,8 @@
 #include "allocator/device_cap.h"
 #include "allocator/driver.h"
 #include "allocator/export_observer.h"
-#include "allocator/mapping_listener.h"
 #include "allocator/fork_guard.h"
+#include "allocator/mapping_listener.h"
 #include "allocator/mutex.h"
 #include "allocator/pool_options.h"
 #include "allocator/reclaim_policy.h"
@@ -272,7 +272,7 @@ class Pool {
   // (DeviceCap::allocated), from what it holds now on. Once per pool.
   void ShareDeviceCap(std::shared_ptr<DeviceCap> cap);
   // From now on `listener` (null: none; not owned, it must outlive the pool) hears of every
-  // range the pool maps or unmaps, as `source`'s (mapping_listener.h), with the pool's lock
+  // chunk the pool maps or unmaps, as `source`'s (mapping_listener.h), with the pool's lock
   // held; what is mapped already is not told.
   void SetMappingListener(MappingListener* listener, MappingSource source);
   // Tells the listener that every chunk the pool maps is unmapped and tells it nothing more:
