@@ -10,6 +10,11 @@ than one address.
                 smallest gap between live blocks that fits it, or after the last one. A page
                 is held while a live block touches it: the free part of a page beside a live
                 block serves only blocks placed there.
+  page-aware    One address, as above, but a block goes where it needs the fewest pages that
+                no live block holds: for each gap that fits it (and after the last block), at
+                the gap's start, at its end (sharing the next block's page), or page-aligned;
+                on a tie the smallest gap, then the lowest address. A placement rule a pool
+                could follow without mapping a page twice.
   aliased       A page may be mapped at several addresses, each mapping a whole page (the
                 driver maps only whole allocations). A block is made of pieces, in address
                 order: optionally the free end of one held page, whole new pages, optionally
@@ -71,6 +76,52 @@ def one_address(events, page):
                     best = (gap, prev_end)
                 prev_end = end
             at = best[1] if best else prev_end
+            i = bisect.bisect(starts, at)
+            starts.insert(i, at)
+            ends.insert(i, at + size)
+            where[ident] = (at, size)
+            for p in range(at // page, (at + size - 1) // page + 1):
+                users[p] = users.get(p, 0) + 1
+            peak.note(size, len(users))
+        else:
+            at, size = where.pop(ident)
+            i = bisect.bisect_left(starts, at)
+            del starts[i], ends[i]
+            for p in range(at // page, (at + size - 1) // page + 1):
+                users[p] -= 1
+                if users[p] == 0:
+                    del users[p]
+            peak.note(-size, len(users))
+    return peak.ratio()
+
+
+def page_aware(events, page):
+    """Peak held / peak live bytes with every page at one address, placed page-aware."""
+    starts, ends = [], []  # live blocks by address
+    where = {}
+    users = {}
+    peak = _Peak(page)
+
+    def new_pages(at, size):
+        return sum(1 for p in range(at // page, (at + size - 1) // page + 1) if p not in users)
+
+    for op, ident, nbytes in events:
+        if op == "a":
+            size = _round(nbytes)
+            best = None  # (new pages, gap, address)
+            for lo, hi in zip([0] + ends, starts + [None]):
+                if hi is not None and hi - lo < size:
+                    continue
+                aligned = -(-lo // page) * page
+                spots = {lo, aligned}
+                if hi is not None:
+                    spots |= {hi - size, hi // page * page - size}
+                gap = hi - lo if hi is not None else float("inf")
+                for at in spots:
+                    if at >= lo and (hi is None or at + size <= hi):
+                        key = (new_pages(at, size), gap, at)
+                        best = key if best is None or key < best else best
+            at = best[2]
             i = bisect.bisect(starts, at)
             starts.insert(i, at)
             ends.insert(i, at + size)
@@ -185,13 +236,17 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--page-mib", default="4", help="page sizes in MiB, comma-separated")
+    ap.add_argument("--page-aware", action="store_true",
+                    help="also the one-address model with page-aware placement (slower)")
     ap.add_argument("--reuse-first", action="store_true",
                     help="aliased: on a tie, the option with the most bytes in held pages")
     args = ap.parse_args(argv)
     events = traces.events(args.trace, seed=args.seed, scale=args.scale)
     for mib in (int(x) for x in args.page_mib.split(",")):
+        aware = (f"page-aware {page_aware(events, mib * MIB):.4f}, "
+                 if args.page_aware else "")
         print(f"{args.trace} seed {args.seed} scale {args.scale} page {mib} MiB: "
-              f"one address {one_address(events, mib * MIB):.4f}, "
+              f"one address {one_address(events, mib * MIB):.4f}, {aware}"
               f"aliased {aliased(events, mib * MIB, args.reuse_first):.4f}", flush=True)
 
 

@@ -47,10 +47,23 @@ def test_reuse_first_fills_a_free_end_on_a_tie():
     assert model.aliased(events, P, reuse_first=True) == pytest.approx(1.0)
 
 
+def test_page_aware_placement_ends_a_block_in_a_held_page():
+    # A (half a page), B (a page) and C (half a page) fill pages 0 and 1; freeing A and B
+    # leaves C alone in page 1 and the gap [0, 1.5) pages. D (half a page) at the gap's start
+    # needs page 0 again; page-aware it ends at the gap's end, in C's page. E (1.5 pages) then
+    # fits no gap and goes after C, on pages 2 and 3: 4 pages held at one address, 3
+    # page-aware, for 2.5 pages of live bytes.
+    half = P // 2
+    events = [("a", 0, half), ("a", 1, P), ("a", 2, half), ("f", 0, 0), ("f", 1, 0),
+              ("a", 3, half), ("a", 4, P + half)]
+    assert model.one_address(events, P) == pytest.approx(4 / 2.5)
+    assert model.page_aware(events, P) == pytest.approx(3 / 2.5)
+
+
 @pytest.mark.parametrize("name", sorted(traces.WORKLOADS))
 def test_every_trace_needs_at_least_its_live_bytes(name):
     events = traces.events(name, seed=0, scale=0.02)
-    for fn in (model.one_address, model.aliased):
+    for fn in (model.one_address, model.page_aware, model.aliased):
         assert fn(events, P) >= 1.0
 
 
