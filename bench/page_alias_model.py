@@ -60,8 +60,40 @@ class _Peak:
         return self.peak_pages * self.page / self.peak_live if self.peak_live else 1.0
 
 
-def one_address(events, page):
-    """Peak held / peak live bytes with every page at one address."""
+def _first_fit(starts, ends, users, size, page):
+    """The start of the smallest gap between live blocks that fits, else after the last."""
+    best, prev_end = None, 0
+    for start, end in zip(starts, ends):
+        gap = start - prev_end
+        if gap >= size and (best is None or gap < best[0]):
+            best = (gap, prev_end)
+        prev_end = end
+    return best[1] if best else prev_end
+
+
+def _fewest_new_pages(starts, ends, users, size, page):
+    """Where the block needs the fewest pages no live block holds: a gap's start, its end,
+    or page-aligned; on a tie the smallest gap, then the lowest address."""
+    def new_pages(at):
+        return sum(1 for p in range(at // page, (at + size - 1) // page + 1) if p not in users)
+    best = None  # (new pages, gap, address)
+    for lo, hi in zip([0] + ends, starts + [None]):
+        if hi is not None and hi - lo < size:
+            continue
+        spots = {lo, -(-lo // page) * page}
+        if hi is not None:
+            spots |= {hi - size, hi // page * page - size}
+        gap = hi - lo if hi is not None else float("inf")
+        for at in spots:
+            if at >= lo and (hi is None or at + size <= hi):
+                key = (new_pages(at), gap, at)
+                best = key if best is None or key < best else best
+    return best[2]
+
+
+def _one_address_replay(events, page, place):
+    """Peak held / peak live bytes with every page at one address, each block where
+    `place(starts, ends, users, size, page)` puts it."""
     starts, ends = [], []  # live blocks by address
     where = {}             # ID -> (address, bytes)
     users = {}             # page index -> live blocks touching it
@@ -69,13 +101,7 @@ def one_address(events, page):
     for op, ident, nbytes in events:
         if op == "a":
             size = _round(nbytes)
-            best, prev_end = None, 0
-            for start, end in zip(starts, ends):
-                gap = start - prev_end
-                if gap >= size and (best is None or gap < best[0]):
-                    best = (gap, prev_end)
-                prev_end = end
-            at = best[1] if best else prev_end
+            at = place(starts, ends, users, size, page)
             i = bisect.bisect(starts, at)
             starts.insert(i, at)
             ends.insert(i, at + size)
@@ -93,52 +119,16 @@ def one_address(events, page):
                     del users[p]
             peak.note(-size, len(users))
     return peak.ratio()
+
+
+def one_address(events, page):
+    """Peak held / peak live bytes with every page at one address."""
+    return _one_address_replay(events, page, _first_fit)
 
 
 def page_aware(events, page):
     """Peak held / peak live bytes with every page at one address, placed page-aware."""
-    starts, ends = [], []  # live blocks by address
-    where = {}
-    users = {}
-    peak = _Peak(page)
-
-    def new_pages(at, size):
-        return sum(1 for p in range(at // page, (at + size - 1) // page + 1) if p not in users)
-
-    for op, ident, nbytes in events:
-        if op == "a":
-            size = _round(nbytes)
-            best = None  # (new pages, gap, address)
-            for lo, hi in zip([0] + ends, starts + [None]):
-                if hi is not None and hi - lo < size:
-                    continue
-                aligned = -(-lo // page) * page
-                spots = {lo, aligned}
-                if hi is not None:
-                    spots |= {hi - size, hi // page * page - size}
-                gap = hi - lo if hi is not None else float("inf")
-                for at in spots:
-                    if at >= lo and (hi is None or at + size <= hi):
-                        key = (new_pages(at, size), gap, at)
-                        best = key if best is None or key < best else best
-            at = best[2]
-            i = bisect.bisect(starts, at)
-            starts.insert(i, at)
-            ends.insert(i, at + size)
-            where[ident] = (at, size)
-            for p in range(at // page, (at + size - 1) // page + 1):
-                users[p] = users.get(p, 0) + 1
-            peak.note(size, len(users))
-        else:
-            at, size = where.pop(ident)
-            i = bisect.bisect_left(starts, at)
-            del starts[i], ends[i]
-            for p in range(at // page, (at + size - 1) // page + 1):
-                users[p] -= 1
-                if users[p] == 0:
-                    del users[p]
-            peak.note(-size, len(users))
-    return peak.ratio()
+    return _one_address_replay(events, page, _fewest_new_pages)
 
 
 def _plan(used, size, page, reuse_first):
