@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <memory>
 #include <functional>
+#include <map>
 #include <set>
 #include <utility>
 #include <vector>
@@ -41,14 +42,17 @@ struct HostLog {
 class HostSource : public ForeignSource {
  public:
   explicit HostSource(HostLog* log) : log_(log) {}
-  void* Allocate(size_t size, uintptr_t) override {
+  void* Allocate(size_t size, uintptr_t stream) override {
     log_->allocated.push_back(size);
     if (log_->held + size > log_->fail_above) return nullptr;
     log_->held += size;
     sizes_.emplace_back(std::malloc(size), size);
+    streams_[sizes_.back().first] = stream;
     return sizes_.back().first;
   }
-  void Release(void* segment, size_t size) override {
+  void Release(void* segment, size_t size, uintptr_t stream) override {
+    EXPECT_EQ(streams_[segment], stream) << "released with another stream than it was got for";
+    streams_.erase(segment);
     log_->released.push_back(segment);
     if (std::function<void()> f = log_->on_release) f();  // a copy: f may reset it
     for (auto it = sizes_.begin(); it != sizes_.end(); ++it) {
@@ -87,6 +91,7 @@ class HostSource : public ForeignSource {
  private:
   HostLog* log_;
   std::vector<std::pair<void*, size_t>> sizes_;
+  std::map<void*, uintptr_t> streams_;  // the stream each segment was got for
   uintptr_t next_event_ = 0;
 };
 

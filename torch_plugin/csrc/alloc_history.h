@@ -5,7 +5,8 @@
 // Used by vmm_cuda_allocator.cpp (built only against a CUDA build of torch 2.3+).
 //
 // The stacks come from PyTorch's own context recorder (it takes the GIL itself), called with no
-// lock of this class held. The ranges vmm's pools map and unmap come with a pool's lock held
+// lock of this class held. The ranges vmm's pools map and unmap, and the segments a MemPool
+// over another allocator asks that allocator for and hands back, come with a pool's lock held
 // (RecordSegment: this class's lock only, no stack). Off, recording costs one relaxed atomic
 // load (on()). Thread safe.
 #ifndef VMM_TORCH_PLUGIN_CSRC_ALLOC_HISTORY_H_
@@ -189,7 +190,7 @@ class History {
         for (const auto& [at, serial] : mine->second) {
           if (cda::TraceEntry* e = EntryOf(at, serial); e != nullptr) {
             e->context_ = when_ >= cca::RecordContext::ALLOC ? context : nullptr;
-            e->stream_ = stream;
+            if (e->action_ == cda::TraceEntry::SEGMENT_MAP) e->stream_ = stream;
           }
         }
       }
@@ -213,26 +214,28 @@ class History {
     if (traced) Push(device, std::move(entry));
   }
 
-  // A range vmm's pools mapped or unmapped (SEGMENT_MAP / SEGMENT_UNMAP: the pools'
-  // vmm_set_mapping_callback, with the pool's lock held, so in the order the pools made them).
-  // Takes only this class's lock and gathers no stack: a mapping gets the stack and stream of
-  // the allocation that made it when this thread records that allocation (Record).
-  void RecordSegment(bool mapped, c10::DeviceIndex device, size_t addr, size_t size,
-                     c10::cuda::MempoolId_t pool) {
-    const auto action = mapped ? cda::TraceEntry::SEGMENT_MAP : cda::TraceEntry::SEGMENT_UNMAP;
+  // A segment entry, with the lock of the pool that made it held, so in the order the pools
+  // made them: a range vmm's pools mapped or unmapped (SEGMENT_MAP / SEGMENT_UNMAP, told by
+  // vmm_set_mapping_callback, as PyTorch's expandable segments record theirs), or a segment a
+  // MemPool over another allocator got from it or gave back (SEGMENT_ALLOC / SEGMENT_FREE, as
+  // PyTorch's allocator records its segments). Takes only this class's lock and gathers no
+  // stack: a mapped or allocated segment gets the stack (and, for a mapping, the stream) of
+  // the allocation that made it when this thread records that allocation (Record, `grew`).
+  void RecordSegment(cda::TraceEntry::Action action, c10::DeviceIndex device, size_t addr,
+                     size_t size, cudaStream_t stream, c10::cuda::MempoolId_t pool) {
     std::lock_guard<std::mutex> lock(mu_);
     const bool traced = enabled_ && skip_.count(static_cast<int>(action)) == 0;
     if (!traced && trackers_.empty()) return;
     const DeviceNotes& notes = notes_[device];
     cda::TraceEntry entry = MakeTraceEntry(
-        action, device, addr, size, /*stream=*/nullptr, pool, /*context=*/nullptr,
+        action, device, addr, size, stream, pool, /*context=*/nullptr,
         notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
     if (!traced) return;
     ++segment_serial_;
     const uint64_t serial = Push(device, std::move(entry));
-    if (mapped) {
+    if (action == cda::TraceEntry::SEGMENT_MAP || action == cda::TraceEntry::SEGMENT_ALLOC) {
       // A thread that maps without recording an allocation (a send's block of its own, made
       // in libvmm) keeps only the entries still in the trace.
       auto& mine = unstacked_[std::this_thread::get_id()];
@@ -374,7 +377,8 @@ class History {
   std::unordered_map<c10::DeviceIndex, DeviceNotes> notes_;
 };
 
-// Leaves out of `trace` the segment entries (segment_map, segment_unmap) that PyTorch's memory
+// Leaves out of `trace` the segment entries (segment_map, segment_unmap; segment_alloc,
+// segment_free of a MemPool over another allocator) that PyTorch's memory
 // viewer could not walk back past with the snapshot's blocks `blocks` (address, size; sorted
 // by address, disjoint). The viewer starts from the snapshot's segments and blocks and walks
 // the trace back: a block stays drawn until it meets an alloc entry at its address, and must
@@ -402,7 +406,8 @@ void KeepWhatTheViewerCanWalk(const std::vector<std::pair<size_t, size_t>>& bloc
   for (size_t i = 0; i < trace->size(); ++i) {
     Entry& e = (*trace)[i];
     bool keep = true;
-    if (e.action_ == Entry::SEGMENT_MAP || e.action_ == Entry::SEGMENT_UNMAP) {
+    if (e.action_ == Entry::SEGMENT_MAP || e.action_ == Entry::SEGMENT_UNMAP ||
+        e.action_ == Entry::SEGMENT_ALLOC || e.action_ == Entry::SEGMENT_FREE) {
       const size_t end = e.addr_ + e.size_;
       // The blocks overlapping [addr_, end): from the last one starting at or before addr_.
       auto b = std::upper_bound(blocks.begin(), blocks.end(),

@@ -59,8 +59,9 @@ class ForeignSource {
   virtual ~ForeignSource() = default;
   // A segment of `size` bytes for `stream`; null when out of memory.
   virtual void* Allocate(size_t size, uintptr_t stream) = 0;
-  // Gives back a segment Allocate returned, of the `size` it was asked for.
-  virtual void Release(void* segment, size_t size) = 0;
+  // Gives back a segment Allocate returned, of the `size` and for the `stream` it was asked
+  // for.
+  virtual void Release(void* segment, size_t size, uintptr_t stream) = 0;
   // An event after the work queued so far on `stream`; 0 if it cannot be recorded now (the
   // stream captures a CUDA graph), to be asked again later.
   virtual uintptr_t RecordEvent(uintptr_t stream) = 0;
@@ -217,14 +218,14 @@ class ForeignSegments {
     CollectPendingLocked();
     // Every segment to go leaves the pool before the source is called: its allocator may
     // call back into the pool (allocate, free, or release again) and must find none of them.
-    std::vector<std::pair<char*, size_t>> going;
+    std::vector<std::tuple<char*, size_t, uintptr_t>> going;
     for (auto it = segments_.begin(); it != segments_.end();) {
       Segment* seg = it->second.get();
       if (!IsWholeAndFree(seg)) {
         ++it;
         continue;
       }
-      going.emplace_back(seg->base, seg->size);
+      going.emplace_back(seg->base, seg->size, seg->stream);
       UnfileLocked(seg->head);
       delete seg->head;
       ++stats_.num_device_free;
@@ -234,7 +235,7 @@ class ForeignSegments {
       });
       it = segments_.erase(it);
     }
-    for (const auto& [base, size] : going) source_->Release(base, size);
+    for (const auto& [base, size, stream] : going) source_->Release(base, size, stream);
     return going.size();
   }
 

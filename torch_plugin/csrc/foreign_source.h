@@ -3,7 +3,9 @@
 //
 // Its segments count against the GPU's memory fraction with vmm's own pools (`hold`, over
 // vmm_device_hold), as PyTorch's allocator counts a custom allocator's segments with its own,
-// and are entered in the plugin's ForeignIndex under their pool (set_owner).
+// are entered in the plugin's ForeignIndex under their pool (set_owner), and are told, as
+// they come and before they go back, to a `Tell` (set_tell: the allocation history's
+// segment_alloc / segment_free entries), called with the pool's lock held.
 //
 // Failures: a segment the fraction does not admit, or one the allocator returns null for or
 // throws an out-of-memory error on, gives a null segment (failure() says which; the caller
@@ -37,6 +39,9 @@ class AllocatorSource : public ForeignSource {
   // Counts `delta` bytes against the GPU's memory fraction; false (nothing counted) when a
   // delta > 0 does not fit, with why in `*why`.
   using Hold = std::function<bool(int64_t delta, std::string* why)>;
+  // Told each segment the allocator gave (`made`) or is about to be given back, with the
+  // stream it was asked for. Must not call into the pool.
+  using Tell = std::function<void(bool made, void* segment, size_t size, uintptr_t stream)>;
 
   AllocatorSource(std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator,
                   c10::DeviceIndex device, Hold hold, ForeignIndex* index)
@@ -51,6 +56,8 @@ class AllocatorSource : public ForeignSource {
     owner_ = pool;
     keep_ = std::move(keep);
   }
+  // Whom to tell of its segments (before its first Allocate).
+  void set_tell(Tell tell) { tell_ = std::move(tell); }
 
   void* Allocate(size_t size, uintptr_t stream) override {
     std::string why;
@@ -74,11 +81,13 @@ class AllocatorSource : public ForeignSource {
       return nullptr;
     }
     index_->Add(segment, size, ForeignIndex::Owner{owner_, keep_.lock()});
+    if (tell_) tell_(/*made=*/true, segment, size, stream);
     return segment;
   }
 
-  void Release(void* segment, size_t size) override {
+  void Release(void* segment, size_t size, uintptr_t stream) override {
     index_->Remove(segment);  // first: the allocator may hand the address out again at once
+    if (tell_) tell_(/*made=*/false, segment, size, stream);
     // The pool no longer has the segment, whatever the allocator's free does.
     hold_(-static_cast<int64_t>(size), nullptr);
     c10::cuda::CUDAGuard guard(device_);
@@ -170,6 +179,7 @@ class AllocatorSource : public ForeignSource {
   ForeignIndex* index_;
   ForeignSegments* owner_ = nullptr;
   std::weak_ptr<void> keep_;
+  Tell tell_;
 };
 
 }  // namespace vmm_torch

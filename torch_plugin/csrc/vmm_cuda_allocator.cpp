@@ -44,6 +44,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <initializer_list>
 #include <iterator>
 #include <memory>
@@ -408,18 +409,23 @@ class VmmAllocator : public Pluggable {
   cca::SnapshotInfo snapshot(MempoolId_t mempool_id, bool include_traces) override {
     const uint64_t growth_mark = history_.GrowthMark();  // before the segments are read
     // The segments and the trace agree: PyTorch's memory viewer rebuilds the segments of each
-    // moment from the snapshot's, back through the trace's segment_map and segment_unmap
-    // entries, and fails on a mapping that lies in no segment. Where a pool mapped or
-    // unmapped memory between the two reads, both are read again (kSnapshotReads at most;
-    // then as read).
+    // moment from the snapshot's, back through the trace's segment entries (segment_map and
+    // segment_unmap; segment_alloc and segment_free of MemPools over other allocators), and
+    // fails on a mapping that lies in no segment. Where a pool mapped, unmapped, got or gave
+    // back memory between the two reads, both are read again (kSnapshotReads at most; then
+    // as read).
+    const bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
     std::unique_ptr<vmm_snapshot_entries, decltype(libvmm.snapshot_release)> owned(
         nullptr, libvmm.snapshot_release);
+    std::vector<cda::SegmentInfo> foreign;  // the segments of MemPools over other allocators
     std::vector<std::vector<cda::TraceEntry>> traces;
     for (int read = 1;; ++read) {
       const uint64_t serial = history_.SegmentSerial();
       vmm_snapshot_entries* read_entries = nullptr;
       CheckOk(libvmm.snapshot_get(&read_entries), "memory_snapshot");
       owned.reset(read_entries);
+      foreign.clear();
+      for (const auto& pool : ForeignPools(-1)) AddForeignSegments(*pool, &foreign);
       if (!include_traces) break;
       uint64_t serial_after = 0;
       traces = history_.Traces(0, &serial_after);
@@ -431,7 +437,6 @@ class VmmAllocator : public Pluggable {
       }
     }
     const vmm_snapshot_entries* entries = owned.get();
-    const bool all_pools = mempool_id.first == 0 && mempool_id.second == 0;
     cca::SnapshotInfo out;
     int devices = 0;
     std::vector<std::pair<size_t, size_t>> mapped;  // every segment's range
@@ -472,10 +477,22 @@ class VmmAllocator : public Pluggable {
       }
       out.segments.push_back(std::move(segment));
     }
-    for (const auto& pool : ForeignPools(-1)) {
-      if (!all_pools && pool->id != mempool_id) continue;
-      devices = std::max(devices, pool->device + 1);
-      AddForeignSegments(*pool, &out);
+    for (cda::SegmentInfo& segment : foreign) {
+      mapped.emplace_back(segment.address, segment.address + segment.total_size);
+      if (!all_pools && segment.owner_private_pool_id != mempool_id) continue;
+      devices = std::max(devices, segment.device + 1);
+      // As PyTorch's: the stack of the allocation that got the segment, and of each live
+      // block's, while history records stacks.
+      vmm_torch::SetSegmentContext(
+          history_.GrowthOf(segment.address, segment.address + segment.total_size), &segment);
+      if (history_.holds_contexts()) {
+        size_t addr = segment.address;
+        for (cda::BlockInfo& block : segment.blocks) {
+          if (block.active) block.context_when_allocated = history_.ContextOf(addr);
+          addr += block.size;
+        }
+      }
+      out.segments.push_back(std::move(segment));
     }
     std::sort(mapped.begin(), mapped.end());
     history_.KeepGrowthsIn(mapped, growth_mark);
@@ -552,9 +569,10 @@ class VmmAllocator : public Pluggable {
   static void TellMapping(const vmm_mapping_event* event, void* self) {
     vmm_torch::History& history = static_cast<VmmAllocator*>(self)->history_;
     if (!history.on()) return;
-    history.RecordSegment(event->mapped != 0, static_cast<c10::DeviceIndex>(event->device),
-                          event->address, event->size,
-                          MempoolId_t{event->mempool_id[0], event->mempool_id[1]});
+    history.RecordSegment(
+        event->mapped != 0 ? cda::TraceEntry::SEGMENT_MAP : cda::TraceEntry::SEGMENT_UNMAP,
+        static_cast<c10::DeviceIndex>(event->device), event->address, event->size,
+        /*stream=*/nullptr, MempoolId_t{event->mempool_id[0], event->mempool_id[1]});
   }
 
   // --- Private pools ------------------------------------------------------------------
@@ -1035,6 +1053,24 @@ class VmmAllocator : public Pluggable {
       pool->segments =
           std::make_unique<vmm_torch::ForeignSegments>(std::move(source), /*no_split=*/false);
       source_of_pool->set_owner(pool->segments.get(), std::weak_ptr<void>(pool));
+      // Its segments in the allocation history, as PyTorch's allocator records a MemPool
+      // allocator's segments (segment_alloc with the allocation's stack, segment_free).
+      source_of_pool->set_tell([this, device, id](bool made, void* segment, size_t size,
+                                                  uintptr_t stream) {
+        if (made) ++SegmentsMadeByThisThread();
+        if (!history_.on()) return;
+        // Caught here: the pool is between getting (or handing back) the segment and taking
+        // it in, which a throw would leave half done (the segment lost to the pool).
+        try {
+          history_.RecordSegment(
+              made ? cda::TraceEntry::SEGMENT_ALLOC : cda::TraceEntry::SEGMENT_FREE, device,
+              reinterpret_cast<size_t>(segment), size, reinterpret_cast<cudaStream_t>(stream),
+              id);
+        } catch (const std::exception& error) {
+          TORCH_WARN("vmm: recording a segment of a MemPool over another allocator failed: ",
+                     error.what());
+        }
+      });
       any_foreign_.store(true, std::memory_order_relaxed);  // foreign_ is not empty
     }
     ++pool->uses;
@@ -1137,7 +1173,7 @@ class VmmAllocator : public Pluggable {
     out.num_ooms += f.num_ooms;
   }
 
-  void AddForeignSegments(const ForeignPool& pool, cca::SnapshotInfo* out) {
+  static void AddForeignSegments(const ForeignPool& pool, std::vector<cda::SegmentInfo>* out) {
     for (const vmm_torch::ForeignSegmentInfo& s : pool.segments->Snapshot()) {
       cda::SegmentInfo segment;
       segment.device = pool.device;
@@ -1160,7 +1196,7 @@ class VmmAllocator : public Pluggable {
         if (b.active) segment.active_size += b.size;
         segment.blocks.push_back(std::move(block));
       }
-      out->segments.push_back(std::move(segment));
+      out->push_back(std::move(segment));
     }
   }
 
@@ -1314,13 +1350,21 @@ class VmmAllocator : public Pluggable {
   // An allocation of a MemPool over another allocator; out of memory when that allocator has
   // nothing more even after the pool's cache went back to it.
   void* AllocateForeign(ForeignPool& pool, size_t size, int device, cudaStream_t stream) {
+    const uint64_t segments_before = SegmentsMadeByThisThread();
     void* ptr = pool.segments->Allocate(size, reinterpret_cast<uintptr_t>(stream));
     if (ptr == nullptr) {
       OutOfMemory(size, device, stream, pool.id, VMM_RESOURCE_EXHAUSTED,
                   vmm_torch::AllocatorSource::LastFailure());
     }
-    RecordAlloc(ptr, size, device, stream, pool.id);
+    RecordAlloc(ptr, size, device, stream, pool.id,
+                /*grew=*/SegmentsMadeByThisThread() != segments_before);
     return ptr;
+  }
+  // How many segments MemPools over other allocators got from them on this thread (their
+  // Tell counts them): an allocation that made one grew its pool.
+  static uint64_t& SegmentsMadeByThisThread() {
+    thread_local uint64_t made = 0;
+    return made;
   }
 
   // This allocator's own pool on `device`, created with its options on first use; -1 once
