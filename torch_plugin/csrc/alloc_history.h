@@ -67,9 +67,6 @@ class History {
  public:
   // Whether anything is recorded (one relaxed load: the cost while off).
   bool on() const { return on_.load(std::memory_order_relaxed); }
-  // Whether allocations' stacks are recorded (one relaxed load): only then is it worth
-  // telling whether an allocation grew the pools (Record's `grew`).
-  bool records_stacks() const { return stacks_.load(std::memory_order_relaxed); }
 
   void Configure(bool enabled, cca::CreateContextFn recorder, size_t max_entries,
                  cca::RecordContext when, bool clear,
@@ -94,8 +91,6 @@ class History {
     unstacked_.clear();
     annotations_.clear();
     on_.store(enabled || !trackers_.empty(), std::memory_order_relaxed);
-    stacks_.store(recorder_ != nullptr && when_ >= cca::RecordContext::STATE,
-                  std::memory_order_relaxed);
   }
 
   // torch.cuda.memory._set_memory_metadata / _get_memory_metadata: a string that every
@@ -346,7 +341,6 @@ class History {
 
   std::atomic<bool> on_{false};
   std::atomic<bool> holds_contexts_{false};  // !contexts_.empty()
-  std::atomic<bool> stacks_{false};          // recorder_ set, when_ >= STATE
   std::mutex mu_;
   bool enabled_ = false;  // _record_memory_history is on (the trace is kept)
   cca::CreateContextFn recorder_ = nullptr;

@@ -1232,11 +1232,11 @@ class VmmAllocator : public Pluggable {
     MempoolId_t pool_id{0, 0};
     void* ptr = nullptr;
     void* const pool_stream = vmm_torch::PoolStream(stream, device);
-    // While history records stacks, whether this allocation maps memory (this thread's
-    // growths, before and after): its stack is then the one of that memory's segment
-    // (snapshot "frames").
-    const bool stacks = history_.records_stacks();
-    const uint64_t growths_before = stacks ? libvmm.thread_growths() : 0;
+    // While history is recorded, whether this allocation maps memory (this thread's growths,
+    // before and after): the segment_map entries of that memory then get its stream and, with
+    // stacks, its stack, which is also that segment's (snapshot "frames").
+    const bool recorded = history_.on();
+    const uint64_t growths_before = recorded ? libvmm.thread_growths() : 0;
     std::optional<RouteTarget> route;
     if (!routes_empty_.load(std::memory_order_relaxed)) route = RouteFor(device, stream);
     if (route.has_value() && route->foreign != nullptr) {
@@ -1270,7 +1270,7 @@ class VmmAllocator : public Pluggable {
     }
     if (ptr == nullptr) OutOfMemory(size, device, stream, pool_id);
     RecordAlloc(ptr, size, device, stream, pool_id,
-                stacks && libvmm.thread_growths() != growths_before);
+                recorded && libvmm.thread_growths() != growths_before);
     return ptr;
   }
 

@@ -14,6 +14,8 @@ allocating in a torch.cuda.MemPool and dropping it:
     in a segment at its moment; the end of the replay is the second snapshot's segments, byte
     for byte, and the bytes added less those taken away are memory_reserved()'s growth;
   - an adding entry made for an allocation of this file carries frames naming this file;
+    recorded without stacks, the entries adding a side stream's allocation's memory name
+    that stream;
   - the viewer's walk back (ported here as MemoryViz.js does it) reaches the first entry of
     the second snapshot, and of each snapshot a second thread takes while the main thread
     allocates, frees, empties the cache and drops MemPools, without a mapping that lies in
@@ -127,12 +129,37 @@ def two_threads(device, errors):
         errors.append(f"two threads: {seen[0]} snapshots taken, {seen[1]} with segment entries")
 
 
+def without_stacks(device, errors):
+    """History without stacks (context=None): the entries that add the memory a side stream's
+    allocation grew name that stream."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.memory._record_memory_history(max_entries=10_000, context=None)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        t = torch.empty(96 * MIB + 4096, dtype=torch.uint8, device="cuda")
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    adds = [e for e in snap["device_traces"][device] if e["action"] in ADDS
+            and e["addr"] < t.data_ptr() + t.numel() and t.data_ptr() < e["addr"] + e["size"]]
+    if not adds:
+        errors.append("without stacks: no entry adds the memory of the side stream's tensor")
+    wrong = sorted({e.get("stream") for e in adds} - {side.cuda_stream})
+    if wrong:
+        errors.append(f"without stacks: entries adding the side stream's memory name streams "
+                      f"{wrong}, not {side.cuda_stream}")
+    del t
+    side.synchronize()
+
+
 def main():
     errors = []
     torch.empty(1, device="cuda")
     device = torch.cuda.current_device()
     one_thread(device, errors)
     two_threads(device, errors)
+    without_stacks(device, errors)
     report(errors)
 
 
