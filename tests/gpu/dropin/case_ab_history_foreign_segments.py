@@ -27,7 +27,7 @@ import os
 import torch
 from counted_allocator import CountedAllocator
 from dropin_report import report
-from history_replay import ADDS, replay, segments_of, viewer_walk
+from history_replay import ADDS, begin, check_replay, viewer_walk
 
 ME = os.path.basename(__file__)
 MIB = 1 << 20
@@ -42,13 +42,7 @@ def main():
     torch.empty(1, device="cuda")
     device = torch.cuda.current_device()
     lib = CountedAllocator()
-    torch.cuda.memory._record_memory_history(enabled=None)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory._snapshot()
-    reserved_before = torch.cuda.memory_reserved()
-    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    before, reserved_before = begin(max_entries=100_000, stacks="python")
 
     pool = torch.cuda.MemPool(lib.pluggable.allocator())
     sizes = [1024, 300_000, 3 * MIB, 30 * MIB, 700, 5 * MIB, 12 * MIB]
@@ -95,18 +89,9 @@ def main():
     if len(back) < given:
         errors.append(f"the allocator gave {given} segments; {len(back)} segment_free entries "
                       f"hand back a segment a segment_alloc entry made")
-    end, net = replay(segments_of(before, device), trace, "the replay", errors)
-    if not errors:
-        want = segments_of(after, device)
-        if end.r != want.r:
-            errors.append(f"the replay ends with {end.total()} bytes of segments in "
-                          f"{len(end.r)} ranges, the snapshot shows {want.total()} in "
-                          f"{len(want.r)}")
-        if net != reserved_after - reserved_before:
-            errors.append(f"the trace adds {net} bytes net, memory_reserved() grew by "
-                          f"{reserved_after - reserved_before}")
-        if not any(e["action"] in ADDS for e in trace):
-            errors.append("the trace has no entry that adds a segment")
+    check_replay(before, reserved_before, after, reserved_after, device, "the replay", errors)
+    if not any(e["action"] in ADDS for e in trace):
+        errors.append("the trace has no entry that adds a segment")
     viewer_walk(after, device, "the last snapshot", errors)
     if lib.live_bytes != 0 or lib.n_free != lib.n_alloc:
         errors.append(f"after the pool went and empty_cache(), the allocator has "

@@ -32,20 +32,14 @@ import threading
 
 import torch
 from dropin_report import report
-from history_replay import ADDS, TAKES, replay, segments_of, viewer_walk
+from history_replay import ADDS, TAKES, begin, check_replay, viewer_walk
 
 ME = os.path.basename(__file__)
 MIB = 1 << 20
 
 
 def one_thread(device, errors):
-    torch.cuda.memory._record_memory_history(enabled=None)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory._snapshot()
-    reserved_before = torch.cuda.memory_reserved()
-    torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
+    before, reserved_before = begin(max_entries=100_000, stacks="python")
     keep = []
     for i, n in enumerate([1024, 3 * MIB + 100, 200 * MIB, 17 * MIB, 700, 64 * MIB] * 3):
         t = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -71,17 +65,9 @@ def one_thread(device, errors):
     if not adds or not takes:
         errors.append(f"one thread: {len(adds)} entries add segments and {len(takes)} take "
                       f"them away, while the program grew the pools and emptied the cache")
-    end, net = replay(segments_of(before, device), trace, "one thread", errors)
+    check_replay(before, reserved_before, after, reserved_after, device, "one thread", errors)
     if errors:
         return
-    want = segments_of(after, device)
-    if end.r != want.r:
-        errors.append(f"one thread: the replay ends with {end.total()} bytes of segments in "
-                      f"{len(end.r)} ranges, the snapshot shows {want.total()} in "
-                      f"{len(want.r)}")
-    if net != reserved_after - reserved_before:
-        errors.append(f"one thread: the trace adds {net} bytes net, memory_reserved() grew by "
-                      f"{reserved_after - reserved_before}")
     if not any(ME in f.get("filename", "") for e in adds for f in e.get("frames", [])):
         errors.append("one thread: no entry that adds a segment has frames naming this file")
     viewer_walk(after, device, "one thread, the viewer", errors)
@@ -132,10 +118,7 @@ def two_threads(device, errors):
 def without_stacks(device, errors):
     """History without stacks (context=None): the entries that add the memory a side stream's
     allocation grew name that stream."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.memory._record_memory_history(max_entries=10_000, context=None)
+    begin(max_entries=10_000, context=None)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         t = torch.empty(96 * MIB + 4096, dtype=torch.uint8, device="cuda")

@@ -1,10 +1,14 @@
 """What the history programs share: a replay of a snapshot's trace forward from a first
 snapshot's segments, and PyTorch's memory viewer's segment view (MemoryViz.js) walked back,
-ported, so that a program can say at which entry the viewer would throw.
+ported, so that a program can say at which entry the viewer would throw; and the start and
+the check of such a replay (begin, check_replay).
 
 Used by case_ab_history_segment_events.py and case_ab_history_foreign_segments.py.
 """
 import bisect
+import gc
+
+import torch
 
 ADDS = {"segment_alloc", "segment_map"}
 TAKES = {"segment_free", "segment_unmap"}
@@ -213,3 +217,38 @@ class Viewer:
 
 def viewer_walk(snap, device, where, errors):
     return Viewer(snap, device).walk(where, errors)
+
+
+def settle():
+    """Frees what Python no longer refers to, waits for the GPU and empties the cache."""
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def begin(**record):
+    """Stops recording, settles, takes a first snapshot and starts recording (`record`: the
+    arguments of _record_memory_history). Returns the snapshot and memory_reserved()."""
+    torch.cuda.memory._record_memory_history(enabled=None)
+    settle()
+    before = torch.cuda.memory._snapshot()
+    reserved_before = torch.cuda.memory_reserved()
+    torch.cuda.memory._record_memory_history(**record)
+    return before, reserved_before
+
+
+def check_replay(before, reserved_before, after, reserved_after, device, where, errors):
+    """Replays `after`'s trace from `before`'s segments: the end must be `after`'s segments,
+    byte for byte, and the bytes added less those taken away memory_reserved()'s growth."""
+    end, net = replay(segments_of(before, device), after["device_traces"][device], where,
+                      errors)
+    if errors:
+        return
+    want = segments_of(after, device)
+    if end.r != want.r:
+        errors.append(f"{where}: the replay ends with {end.total()} bytes of segments in "
+                      f"{len(end.r)} ranges, the snapshot shows {want.total()} in "
+                      f"{len(want.r)}")
+    if net != reserved_after - reserved_before:
+        errors.append(f"{where}: the trace adds {net} bytes net, memory_reserved() grew by "
+                      f"{reserved_after - reserved_before}")
