@@ -351,8 +351,9 @@ class History {
   std::vector<std::deque<cda::TraceEntry>> traces_;
   std::vector<uint64_t> pushed_;  // entries ever pushed to each device's trace (Push)
   uint64_t segment_serial_ = 0;   // segment entries ever traced (SegmentSerial)
-  // The SEGMENT_MAP entries (device, serial) each thread traced since it last recorded an
-  // action: its next ALLOC gives them its stack and stream (Record).
+  // The SEGMENT_MAP and SEGMENT_ALLOC entries (device, serial) each thread traced since it
+  // last recorded an action: its next ALLOC that grew gives them its stack (and a map its
+  // stream; Record).
   std::unordered_map<std::thread::id, std::vector<std::pair<c10::DeviceIndex, uint64_t>>>
       unstacked_;
   std::unordered_map<size_t, std::shared_ptr<c10::GatheredContext>> contexts_;

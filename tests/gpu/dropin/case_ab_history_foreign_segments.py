@@ -79,15 +79,17 @@ def main():
     trace = after["device_traces"][device]
     frees = [e for e in trace if e["action"] == "segment_free"]
     allocs = [e for e in trace if e["action"] == "segment_alloc"]
-    back = [e for e in frees if any(a["addr"] == e["addr"] and a["size"] == e["size"]
-                                    for a in allocs)]
-    for e in back:
+    back = 0  # segment_free entries handing back a segment a segment_alloc entry made
+    for e in frees:
         made = [a for a in allocs if a["addr"] == e["addr"] and a["size"] == e["size"]]
+        if not made:
+            continue
+        back += 1
         if e.get("stream") != made[-1].get("stream"):
             errors.append(f"the segment_free of {e['addr']:#x} names stream {e.get('stream')}, "
                           f"its segment_alloc {made[-1].get('stream')}")
-    if len(back) < given:
-        errors.append(f"the allocator gave {given} segments; {len(back)} segment_free entries "
+    if back < given:
+        errors.append(f"the allocator gave {given} segments; {back} segment_free entries "
                       f"hand back a segment a segment_alloc entry made")
     check_replay(before, reserved_before, after, reserved_after, device, "the replay", errors)
     if not any(e["action"] in ADDS for e in trace):

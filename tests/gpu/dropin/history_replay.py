@@ -6,9 +6,9 @@ the check of such a replay (begin, check_replay).
 Used by case_ab_history_segment_events.py and case_ab_history_foreign_segments.py.
 """
 import bisect
-import gc
 
 import torch
+from dropin_report import settle
 
 ADDS = {"segment_alloc", "segment_map"}
 TAKES = {"segment_free", "segment_unmap"}
@@ -219,13 +219,6 @@ def viewer_walk(snap, device, where, errors):
     return Viewer(snap, device).walk(where, errors)
 
 
-def settle():
-    """Frees what Python no longer refers to, waits for the GPU and empties the cache."""
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
 def begin(**record):
     """Stops recording, settles, takes a first snapshot and starts recording (`record`: the
     arguments of _record_memory_history). Returns the snapshot and memory_reserved()."""
@@ -239,10 +232,12 @@ def begin(**record):
 
 def check_replay(before, reserved_before, after, reserved_after, device, where, errors):
     """Replays `after`'s trace from `before`'s segments: the end must be `after`'s segments,
-    byte for byte, and the bytes added less those taken away memory_reserved()'s growth."""
+    byte for byte, and the bytes added less those taken away memory_reserved()'s growth.
+    Appends to `errors` what differs (the end is not compared once the replay failed)."""
+    found = len(errors)
     end, net = replay(segments_of(before, device), after["device_traces"][device], where,
                       errors)
-    if errors:
+    if len(errors) > found:
         return
     want = segments_of(after, device)
     if end.r != want.r:
