@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -148,6 +149,37 @@ TEST_F(AllocHistoryTest, WhileOffOnlyTheTrackersSeeSegmentEntries) {
   EXPECT_THAT(seen, ::testing::ElementsAre(Entry::SEGMENT_ALLOC, Entry::SEGMENT_FREE));
   EXPECT_TRUE(Trace().empty());
   EXPECT_EQ(history_.SegmentSerial(), 0u);
+}
+
+TEST_F(AllocHistoryTest, EachThreadsMappingsGetItsOwnAllocationsStream) {
+  history_.Configure(/*enabled=*/true, /*recorder=*/nullptr, /*max_entries=*/100000,
+                     cca::RecordContext::NEVER, /*clear=*/true, {});
+  constexpr int kThreads = 4;
+  constexpr int kGrowths = 500;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([this, t] {
+      for (int i = 0; i < kGrowths; ++i) {
+        const size_t addr = (static_cast<size_t>(t) << 32) + static_cast<size_t>(i) * 4 * kMiB;
+        history_.RecordSegment(Entry::SEGMENT_MAP, 0, addr, 4 * kMiB, nullptr, kDefaultPool);
+        history_.Record(Entry::ALLOC, 0, addr, 4096, Stream(t + 1), kDefaultPool,
+                        /*grew=*/true);
+      }
+    });
+  }
+  // A snapshot's reads meanwhile.
+  for (int i = 0; i < 100; ++i) {
+    uint64_t serial = 0;
+    history_.Traces(1, &serial);
+    EXPECT_LE(serial, history_.SegmentSerial());
+  }
+  for (std::thread& thread : threads) thread.join();
+  const std::vector<Entry> trace = Trace();
+  ASSERT_EQ(trace.size(), size_t{2} * kThreads * kGrowths);
+  for (const Entry& e : trace) {
+    if (e.action_ != Entry::SEGMENT_MAP) continue;
+    EXPECT_EQ(e.stream_, Stream((e.addr_ >> 32) + 1)) << "the map at " << e.addr_;
+  }
 }
 
 // The viewer walks the trace back from the snapshot's blocks: a segment entry under a block
