@@ -112,6 +112,19 @@ TEST_F(AllocHistoryTest, FreesAndUnmapsDoNotWaitForAStack) {
   EXPECT_EQ(trace[1].stream_, nullptr);
 }
 
+TEST_F(AllocHistoryTest, ASegmentHandedBackCarriesTheStackOfTheAllocationThatGotIt) {
+  Record(cca::RecordContext::ALLOC);
+  history_.RecordSegment(Entry::SEGMENT_ALLOC, 0, 0x100000, 2 * kMiB, Stream(7), kMemPool);
+  history_.Record(Entry::ALLOC, 0, 0x100000, 4096, Stream(7), kMemPool, /*grew=*/true);
+  history_.Record(Entry::ALLOC, 0, 0x900000, 512, Stream(7), kDefaultPool);
+  history_.RecordSegment(Entry::SEGMENT_FREE, 0, 0x100000, 2 * kMiB, Stream(7), kMemPool);
+  history_.RecordSegment(Entry::SEGMENT_FREE, 0, 0x400000, 2 * kMiB, Stream(7), kMemPool);
+  const std::vector<Entry> trace = Trace();
+  ASSERT_EQ(trace.size(), 5u);
+  EXPECT_EQ(LabelOf(trace[3].context_), "stack 1");
+  EXPECT_EQ(LabelOf(trace[4].context_), "none") << "a segment no recorded growth got";
+}
+
 TEST_F(AllocHistoryTest, TheSegmentSerialCountsSegmentEntriesOnly) {
   Record(cca::RecordContext::STATE);
   const uint64_t start = history_.SegmentSerial();

@@ -221,9 +221,18 @@ class History {
     std::lock_guard<std::mutex> lock(mu_);
     const bool traced = enabled_ && skip_.count(static_cast<int>(action)) == 0;
     if (!traced && trackers_.empty()) return;
+    // A segment handed back carries the stack of the allocation that got it (as PyTorch's,
+    // where no stack of the call that frees it is gathered): the lowest growth in it.
+    std::shared_ptr<c10::GatheredContext> context;
+    if (action == cda::TraceEntry::SEGMENT_FREE && when_ >= cca::RecordContext::ALLOC) {
+      auto growth = growths_.lower_bound(addr);
+      if (growth != growths_.end() && growth->first < addr + size) {
+        context = growth->second.context;
+      }
+    }
     const DeviceNotes& notes = notes_[device];
     cda::TraceEntry entry = MakeTraceEntry(
-        action, device, addr, size, stream, pool, /*context=*/nullptr,
+        action, device, addr, size, stream, pool, std::move(context),
         notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
