@@ -195,6 +195,38 @@ TEST_F(AllocHistoryTest, EachThreadsMappingsGetItsOwnAllocationsStream) {
   }
 }
 
+// A snapshot's segment and block, with the fields AddStacks reads and sets.
+struct TestBlock {
+  size_t size = 0;
+  bool active = false;
+  std::shared_ptr<c10::GatheredContext> context_when_allocated;
+};
+struct TestSegment {
+  size_t address = 0, total_size = 0;
+  std::vector<TestBlock> blocks;
+  std::shared_ptr<c10::GatheredContext> context_when_allocated;
+};
+
+TEST_F(AllocHistoryTest, ASnapshotsSegmentsAndLiveBlocksGetTheirAllocationsStacks) {
+  Record(cca::RecordContext::STATE);
+  history_.RecordSegment(Entry::SEGMENT_MAP, 0, 0x400000, 4 * kMiB, nullptr, kDefaultPool);
+  history_.Record(Entry::ALLOC, 0, 0x400000, kMiB, Stream(1), kDefaultPool, /*grew=*/true);
+  history_.Record(Entry::ALLOC, 0, 0x500000, kMiB, Stream(1), kDefaultPool);
+  std::vector<TestSegment> segments(2);
+  segments[0].address = 0x400000;
+  segments[0].total_size = 4 * kMiB;
+  segments[0].blocks = {{kMiB, true, nullptr}, {kMiB, true, nullptr}, {2 * kMiB, false, nullptr}};
+  segments[1].address = 0x1000000;  // memory no recorded allocation grew
+  segments[1].total_size = 2 * kMiB;
+  segments[1].blocks = {{2 * kMiB, false, nullptr}};
+  AddStacks(history_, &segments);
+  EXPECT_EQ(LabelOf(segments[0].context_when_allocated), "stack 1");
+  EXPECT_EQ(LabelOf(segments[0].blocks[0].context_when_allocated), "stack 1");
+  EXPECT_EQ(LabelOf(segments[0].blocks[1].context_when_allocated), "stack 2");
+  EXPECT_EQ(LabelOf(segments[0].blocks[2].context_when_allocated), "none");
+  EXPECT_EQ(LabelOf(segments[1].context_when_allocated), "none");
+}
+
 // The viewer walks the trace back from the snapshot's blocks: a segment entry under a block
 // whose allocation is not after it in the trace would leave that block in no segment.
 TEST(KeepWhatTheViewerCanWalkTest, LeavesOutSegmentEntriesUnderABlockAfterItsLastAlloc) {

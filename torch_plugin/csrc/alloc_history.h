@@ -482,6 +482,26 @@ void SetSegmentContext(std::shared_ptr<c10::GatheredContext> context, Segment* s
   }
 }
 
+// Gives each of `segments` (PyTorch's SegmentInfo: an address, a total_size and blocks
+// tiling it, each with a size, whether it is active and a context_when_allocated) the stacks
+// `history` holds, as PyTorch's snapshot carries them: the segment the stack of the lowest
+// growth in it (its "frames", where this torch's segments have them), each active block its
+// allocation's.
+template <typename Segment>
+void AddStacks(History& history, std::vector<Segment>* segments) {
+  const bool blocks_have_stacks = history.holds_contexts();
+  for (Segment& segment : *segments) {
+    SetSegmentContext(history.GrowthOf(segment.address, segment.address + segment.total_size),
+                      &segment);
+    if (!blocks_have_stacks) continue;
+    size_t addr = segment.address;
+    for (auto& block : segment.blocks) {
+      if (block.active) block.context_when_allocated = history.ContextOf(addr);
+      addr += block.size;
+    }
+  }
+}
+
 }  // namespace vmm_torch
 
 #endif  // VMM_TORCH_PLUGIN_CSRC_ALLOC_HISTORY_H_

@@ -459,10 +459,6 @@ class VmmAllocator : public Pluggable {
       segment.is_large = s.is_large != 0;
       segment.is_expandable = true;  // mapped chunks of a reserved range, grown in place
       segment.owner_private_pool_id = owner;
-      // The stack of the allocation that grew it (its lowest, where a segment is a run of
-      // several growths), while history records stacks.
-      vmm_torch::SetSegmentContext(history_.GrowthOf(s.address, s.address + s.total_size),
-                                   &segment);
       for (size_t b = 0; b < s.num_blocks; ++b) {
         const vmm_block_entry& e = s.blocks[b];
         cda::BlockInfo block;
@@ -470,9 +466,6 @@ class VmmAllocator : public Pluggable {
         block.requested_size = e.requested_size;
         block.allocated = e.state == VMM_BLOCK_ACTIVE_ALLOCATED;
         block.active = e.state != VMM_BLOCK_INACTIVE;
-        if (block.active && history_.holds_contexts()) {
-          block.context_when_allocated = history_.ContextOf(e.address);
-        }
         segment.blocks.push_back(std::move(block));
       }
       out.segments.push_back(std::move(segment));
@@ -481,19 +474,11 @@ class VmmAllocator : public Pluggable {
       mapped.emplace_back(segment.address, segment.address + segment.total_size);
       if (!all_pools && segment.owner_private_pool_id != mempool_id) continue;
       devices = std::max(devices, segment.device + 1);
-      // As PyTorch's: the stack of the allocation that got the segment, and of each live
-      // block's, while history records stacks.
-      vmm_torch::SetSegmentContext(
-          history_.GrowthOf(segment.address, segment.address + segment.total_size), &segment);
-      if (history_.holds_contexts()) {
-        size_t addr = segment.address;
-        for (cda::BlockInfo& block : segment.blocks) {
-          if (block.active) block.context_when_allocated = history_.ContextOf(addr);
-          addr += block.size;
-        }
-      }
       out.segments.push_back(std::move(segment));
     }
+    // Each segment the stack of the allocation that grew it (its lowest, where vmm's segment
+    // is a run of several growths), each live block its own, while history records stacks.
+    vmm_torch::AddStacks(history_, &out.segments);
     std::sort(mapped.begin(), mapped.end());
     history_.KeepGrowthsIn(mapped, growth_mark);
     if (include_traces) {
