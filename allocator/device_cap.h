@@ -13,8 +13,10 @@
 // PyTorch keeps one peak per device over all its pools; the sum of the pools' peaks is more
 // wherever they peak at different times (a MemPool used after the default pool's tensors are
 // gone). So each sharing pool also adds its allocated and mapped bytes to `allocated()` and
-// `mapped()`, whose peaks are the GPU's (ProcessState::DeviceStats). Thread safe: atomics,
-// no lock; a peak read while another thread updates may miss that update.
+// `reserved()`, whose peaks are the GPU's (ProcessState::DeviceStats), and so do the pools
+// over other allocators (a torch.cuda.MemPool over NCCL's): their segments through
+// AddExternal, their blocks through AddExternalAllocated. Thread safe: atomics, no lock; a
+// peak read while another thread updates may miss that update.
 #ifndef VMM_ALLOCATOR_DEVICE_CAP_H_
 #define VMM_ALLOCATOR_DEVICE_CAP_H_
 
@@ -66,10 +68,15 @@ class DeviceCap {
   // Bytes mapped (`delta` > 0) or released (< 0) by one of the pools.
   void AddMapped(int64_t delta) {
     held_.fetch_add(delta, std::memory_order_relaxed);
-    mapped_.Add(delta);
+    reserved_.Add(delta);
   }
-  // Bytes another allocator's segments take (> 0) or give back (< 0): held, not mapped.
-  void AddExternal(int64_t delta) { held_.fetch_add(delta, std::memory_order_relaxed); }
+  // Bytes another allocator's segments take (> 0) or give back (< 0): held and reserved.
+  void AddExternal(int64_t delta) {
+    held_.fetch_add(delta, std::memory_order_relaxed);
+    reserved_.Add(delta);
+  }
+  // Bytes of the blocks handed out (> 0) or taken back (< 0) in such segments: allocated.
+  void AddExternalAllocated(int64_t delta) { allocated_.Add(delta); }
   int64_t held() const { return held_.load(std::memory_order_relaxed); }
 
   // Whether `more` bytes fit under the limit now.
@@ -79,20 +86,21 @@ class DeviceCap {
     return cap == kNoLimit || static_cast<size_t>(held_now < 0 ? 0 : held_now) + more <= cap;
   }
 
-  // The sharing pools' reserved bytes (what they map) and allocated bytes, with their joint
-  // peaks. Pools add to allocated() as they hand blocks out and take them back.
+  // The GPU's reserved bytes (what the sharing pools map, and other allocators' segments)
+  // and allocated bytes, with their joint peaks. Pools add to allocated() as they hand blocks
+  // out and take them back.
   JointStat& allocated() { return allocated_; }
   const JointStat& allocated() const { return allocated_; }
-  const JointStat& mapped() const { return mapped_; }
+  const JointStat& reserved() const { return reserved_; }
   void ResetPeaks() {
     allocated_.ResetPeak();
-    mapped_.ResetPeak();
+    reserved_.ResetPeak();
   }
 
  private:
   std::atomic<size_t> limit_{kNoLimit};
   std::atomic<int64_t> held_{0};
-  JointStat mapped_;
+  JointStat reserved_;
   JointStat allocated_;
 };
 

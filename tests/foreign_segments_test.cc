@@ -37,6 +37,7 @@ struct HostLog {
   bool elsewhere = false;          // events recorded now run on another GPU: a sync leaves them
   std::set<uintptr_t> other_gpu;   // such events
   std::function<void()> on_release;  // called inside Release (the allocator's own free)
+  std::vector<int64_t> counted;      // CountAllocated's deltas, in order
 };
 
 class HostSource : public ForeignSource {
@@ -73,6 +74,7 @@ class HostSource : public ForeignSource {
     return next_event_;
   }
   bool EventDone(uintptr_t event) override { return log_->done_events.count(event) != 0; }
+  void CountAllocated(int64_t delta) override { log_->counted.push_back(delta); }
   void DestroyEvent(uintptr_t event) override {
     EXPECT_EQ(log_->live_events.erase(event), 1u) << "event " << event << " destroyed twice";
   }
@@ -357,6 +359,28 @@ TEST_F(ForeignSegmentsTest, PeaksAndTotalsReset) {
   EXPECT_EQ(stats.allocation[0].allocated, 0);
   EXPECT_EQ(stats.num_device_alloc, 0);
   EXPECT_EQ(stats.num_ooms, 0);
+}
+
+// Every block handed out and taken back is told (the GPU's joint allocated bytes, whose peak
+// is max_memory_allocated): its size as the pool counts it, not the request; a refused free
+// and a failed allocation tell nothing; a block freed while another stream still uses it is
+// told at once, as the pool's allocated figure drops at once.
+TEST_F(ForeignSegmentsTest, EveryBlockHandedOutAndTakenBackIsCounted) {
+  ForeignSegments& pool = Make();
+  void* a = pool.Allocate(100, 1);
+  void* b = pool.Allocate(3 * kMiB, 1);
+  EXPECT_THAT(log_.counted, ElementsAre(512, static_cast<int64_t>(3 * kMiB)));
+  ASSERT_TRUE(pool.RecordStream(b, 2));
+  ASSERT_TRUE(pool.Free(b));
+  EXPECT_FALSE(pool.Free(b));
+  log_.fail_above = 0;
+  EXPECT_EQ(pool.Allocate(64 * kMiB, 1), nullptr);
+  ASSERT_TRUE(pool.Free(a));
+  EXPECT_THAT(log_.counted, ElementsAre(512, static_cast<int64_t>(3 * kMiB),
+                                        -static_cast<int64_t>(3 * kMiB), -512));
+  int64_t sum = 0;
+  for (int64_t d : log_.counted) sum += d;
+  EXPECT_EQ(sum, pool.Stats().allocated_bytes[0].current);
 }
 
 TEST_F(ForeignSegmentsTest, SnapshotListsBlocksInAddressOrder) {

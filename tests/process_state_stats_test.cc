@@ -190,6 +190,8 @@ TEST_F(ProcessStateStatsTest, OutOfRangeDevicesAtEveryEntryPoint) {
     EXPECT_FALSE(state_.SetMemoryFraction(0.5, dev).ok());
     EXPECT_FALSE(state_.HoldExternal(dev, 100).ok());
     EXPECT_FALSE(state_.HoldExternal(dev, -100).ok());
+    EXPECT_FALSE(state_.CountExternalAllocated(dev, 100).ok());
+    EXPECT_FALSE(state_.CountExternalAllocated(dev, -100).ok());
     EXPECT_FALSE(state_.CreatePool(Backend::kHost, dev, kSmall).ok());
     EXPECT_FALSE(state_.UsePrivatePool(Backend::kHost, dev, 1, 1, kSmall).ok());
     EXPECT_FALSE(state_.UsePrivatePool(std::nullopt, dev, 1, 1, kSmall).ok());
@@ -243,6 +245,7 @@ TEST_F(ProcessStateStatsTest, AForkedChildsStatisticsStartClean) {
   ASSERT_TRUE(state_.FreeBlock(*state_.PoolAllocate(gone, 3 * kMiB, 0, false)).ok());
   ASSERT_TRUE(state_.ReleasePrivatePool(0, 5, 3).ok());
   ASSERT_TRUE(state_.HoldExternal(0, 1 << 20).ok());
+  ASSERT_TRUE(state_.CountExternalAllocated(0, 1 << 19).ok());
   ASSERT_TRUE(state_.SetMemoryFraction(0.5, 0).ok());
   state_.ResetDeviceAccumulated(0);
   const PoolStats parent = state_.DeviceStats(0);
@@ -282,6 +285,7 @@ TEST_F(ProcessStateStatsTest, AForkedChildsStatisticsStartClean) {
     if (!Inconsistent(s).empty()) return 90;
     // The child may hold external memory anew (the parent's holding is not its own).
     if (state_.HoldExternal(0, -(1 << 20)).ok()) return 91;
+    if (state_.CountExternalAllocated(0, -(1 << 19)).ok()) return 92;
     return 0;
   });
   EXPECT_EQ(rc, 0);
@@ -293,6 +297,60 @@ TEST_F(ProcessStateStatsTest, AForkedChildsStatisticsStartClean) {
   ASSERT_TRUE(state_.ReleasePrivatePool(0, 5, 1).ok());
   ASSERT_TRUE(state_.FreeBlock(d).ok());
   ASSERT_TRUE(state_.HoldExternal(0, -(1 << 20)).ok());
+  ASSERT_TRUE(state_.CountExternalAllocated(0, -(1 << 19)).ok());
+}
+
+// Another allocator's segments and blocks (a MemPool over NCCL's allocator: HoldExternal,
+// CountExternalAllocated) peak with the pools', not beside them: PyTorch keeps one set of
+// figures per GPU over every pool, so 16 MiB freed in the device pool and then 16 MiB taken
+// in such a MemPool peak at 16 MiB allocated, not 32 (the sum of the two pools' peaks, which
+// the plugin reported before). DeviceUsage counts them too, as the profiler's figures;
+// DeviceStats's currents do not (the plugin adds the pools' own figures).
+TEST_F(ProcessStateStatsTest, OtherAllocatorsBlocksAndSegmentsPeakWithThePoolsNotBesideThem) {
+  constexpr int64_t kBlock = 16 * kMiB;
+  constexpr int64_t kSegment = 20 * kMiB;
+  Pool* pool = *state_.DevicePool(0);
+  ASSERT_TRUE(state_.FreeBlock(*state_.DeviceAllocate(0, kBlock, 0)).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+  state_.ResetDevicePeaks(0);
+  void* d = *state_.DeviceAllocate(0, kBlock, 0);
+  const int64_t pool_reserved = state_.DeviceStats(0).reserved_bytes.current;
+  ASSERT_GE(pool_reserved, kBlock);
+  ASSERT_TRUE(state_.FreeBlock(d).ok());
+  ASSERT_TRUE(pool->EmptyCache().ok());
+
+  ASSERT_TRUE(state_.HoldExternal(0, kSegment).ok());
+  ASSERT_TRUE(state_.CountExternalAllocated(0, kBlock).ok());
+  PoolStats s = state_.DeviceStats(0);
+  EXPECT_EQ(s.allocated_bytes.current, 0) << "the other allocator's blocks are the plugin's to add";
+  EXPECT_EQ(s.allocated_bytes.peak, kBlock) << "one 16 MiB block live at any time";
+  EXPECT_EQ(s.reserved_bytes.peak, std::max(pool_reserved, kSegment));
+  ProcessState::Usage u = state_.DeviceUsage(0);
+  EXPECT_EQ(u.allocated, kBlock);
+  EXPECT_EQ(u.reserved, kSegment + s.reserved_bytes.current);
+
+  // Both at once: the peak is their sum.
+  d = *state_.DeviceAllocate(0, kBlock, 0);
+  s = state_.DeviceStats(0);
+  EXPECT_EQ(s.allocated_bytes.peak, 2 * kBlock);
+  EXPECT_EQ(s.reserved_bytes.peak, s.reserved_bytes.current + kSegment);
+  ASSERT_TRUE(state_.FreeBlock(d).ok());
+
+  // A reset makes the peak what both hold now.
+  state_.ResetDevicePeaks(0);
+  EXPECT_EQ(state_.DeviceStats(0).allocated_bytes.peak, kBlock);
+
+  // Giving back more than was counted changes nothing.
+  absl::Status more = state_.CountExternalAllocated(0, -kBlock - 1);
+  EXPECT_EQ(more.code(), absl::StatusCode::kInvalidArgument) << more;
+  EXPECT_EQ(state_.DeviceUsage(0).allocated, kBlock);
+  EXPECT_EQ(state_.CountExternalAllocated(0, int64_t{1} << 57).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(state_.CountExternalAllocated(0, -kBlock).ok());
+  ASSERT_TRUE(state_.HoldExternal(0, -kSegment).ok());
+  u = state_.DeviceUsage(0);
+  EXPECT_EQ(u.allocated, 0);
+  EXPECT_EQ(u.reserved, state_.DeviceStats(0).reserved_bytes.current);
 }
 
 // Many private pools with threads allocating/freeing/releasing while one thread reads the

@@ -698,11 +698,11 @@ class Harness {
       return Fail(absl::StrCat("DeviceCap holds ", cap_->held(), ", pools reserve ", reserved));
     }
     // The joint figures: the pools' sums now, and a peak between that and the sum of peaks.
-    if (cap_ != nullptr && (cap_->mapped().current() != reserved ||
+    if (cap_ != nullptr && (cap_->reserved().current() != reserved ||
                             cap_->allocated().current() != allocated ||
                             cap_->allocated().peak() < allocated ||
                             cap_->allocated().peak() > allocated_peaks)) {
-      return Fail(absl::StrCat("DeviceCap's joint figures: mapped ", cap_->mapped().current(),
+      return Fail(absl::StrCat("DeviceCap's joint figures: reserved ", cap_->reserved().current(),
                                " (pools reserve ", reserved, "), allocated ",
                                cap_->allocated().current(), " peak ", cap_->allocated().peak(),
                                " (pools ", allocated, ", their peaks ", allocated_peaks, ")"));

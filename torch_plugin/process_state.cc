@@ -158,6 +158,7 @@ void ProcessState::AbandonParentsDevicePools() {
   retired_.fill(PoolStats{});  // the parent's pools that are gone are not this process's
   peak_floor_.fill(PoolStats{});
   external_held_.fill(0);  // the parent's other allocators' segments are not this process's
+  external_allocated_.fill(0);
   generation_ = ForkGeneration();
 }
 
@@ -209,6 +210,32 @@ void ProcessState::SetCapFromDefaultDriverLocked(int device) {
   }
 }
 
+namespace {
+
+// Refuses a change of `delta` bytes of another allocator's `what` ("segments", "blocks") on
+// GPU `device`, which holds `now` of them: giving back more than that, or holding more than
+// 2^56 bytes (no GPU holds so much: a caller's mistake, refused before the counts, signed
+// beside the pools' own in the cap, could overflow).
+absl::Status CheckExternalDelta(absl::string_view what, int device, int64_t now, int64_t delta) {
+  if (delta < 0 && delta < -now) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "giving back ", FormatBytes(size_t{0} - static_cast<size_t>(delta)),
+        " of another allocator's ", what, " on GPU ", device, ", which holds ",
+        FormatBytes(static_cast<size_t>(now))));
+  }
+  constexpr int64_t kMaxHeld = int64_t{1} << 56;
+  if (delta > 0 && delta > kMaxHeld - now) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "another allocator's ", FormatBytes(static_cast<size_t>(delta)), " of ", what,
+        " on GPU ", device, " beside the ", FormatBytes(static_cast<size_t>(now)),
+        " it holds would pass ", FormatBytes(static_cast<size_t>(kMaxHeld)),
+        ", more than any GPU has"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   MutexLock lock(&mu_);
@@ -216,22 +243,7 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   const bool fresh = caps_[device] == nullptr;
   std::shared_ptr<DeviceCap> cap = CapForLocked(device);
   if (fresh && fractions_[device] >= 0) SetCapFromDefaultDriverLocked(device);
-  if (delta < 0 && delta < -external_held_[device]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "giving back ", FormatBytes(size_t{0} - static_cast<size_t>(delta)),
-        " of another allocator's on GPU ", device, ", which holds ",
-        FormatBytes(static_cast<size_t>(external_held_[device]))));
-  }
-  // No GPU holds 2^56 bytes: a report past that is a caller's mistake, refused before the
-  // counts (signed, beside the pools' mapped bytes in the cap) could overflow.
-  constexpr int64_t kMaxHeld = int64_t{1} << 56;
-  if (delta > 0 && delta > kMaxHeld - external_held_[device]) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "another allocator's ", FormatBytes(static_cast<size_t>(delta)), " on GPU ", device,
-        " beside the ", FormatBytes(static_cast<size_t>(external_held_[device])),
-        " it holds would pass ", FormatBytes(static_cast<size_t>(kMaxHeld)),
-        ", more than any GPU has"));
-  }
+  VMM_RETURN_IF_ERROR(CheckExternalDelta("segments", device, external_held_[device], delta));
   if (delta > 0 && !cap->Allows(static_cast<size_t>(delta))) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "another allocator's ", FormatBytes(static_cast<size_t>(delta)),
@@ -241,6 +253,17 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   }
   cap->AddExternal(delta);
   external_held_[device] += delta;
+  return absl::OkStatus();
+}
+
+absl::Status ProcessState::CountExternalAllocated(int device, int64_t delta) {
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  MutexLock lock(&mu_);
+  AdoptForkLocked();
+  VMM_RETURN_IF_ERROR(
+      CheckExternalDelta("blocks", device, external_allocated_[device], delta));
+  CapForLocked(device)->AddExternalAllocated(delta);
+  external_allocated_[device] += delta;
   return absl::OkStatus();
 }
 
@@ -563,7 +586,7 @@ PoolStats ProcessState::DeviceStats(int device) {
   // not share it: ShareCapLocked).
   if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) {
     total.allocated_bytes.peak = std::max(cap->allocated().peak(), total.allocated_bytes.current);
-    total.reserved_bytes.peak = std::max(cap->mapped().peak(), total.reserved_bytes.current);
+    total.reserved_bytes.peak = std::max(cap->reserved().peak(), total.reserved_bytes.current);
     // Figures that are parts of those (an arena's share, the bytes requested of what was
     // allocated) peak no higher than the whole, as PyTorch's do; their own peaks are sums.
     auto within = [](Stat& part, const Stat& whole) {
@@ -584,7 +607,7 @@ ProcessState::Usage ProcessState::DeviceUsage(int device) {
     // Two figures read apart: a free and the release of its memory (or a growth and the
     // allocation in it) may fall between the reads. Allocated bytes are held within reserved
     // ones, as figures read together would be.
-    const int64_t reserved = cap->mapped().current();
+    const int64_t reserved = cap->reserved().current();
     return Usage{std::min(cap->allocated().current(), reserved), reserved};
   }
   const PoolStats stats = DeviceStats(device);

@@ -136,6 +136,12 @@ class ProcessState {
   // the fraction is refused (ResourceExhausted) and not counted; a delta < 0 gives bytes back
   // (InvalidArgument, nothing changed, for more than was held).
   absl::Status HoldExternal(int device, int64_t delta);
+  // Counts `delta` bytes of blocks handed out (> 0) or taken back (< 0) in such segments in
+  // the GPU's joint allocated figure, so that its peak (max_memory_allocated) is the highest
+  // that vmm's pools and those blocks reached together, as PyTorch's one set of statistics
+  // per GPU gives (reserved bytes: HoldExternal's). InvalidArgument, nothing changed, for a
+  // bad device, more than was counted given back, or past 2^56 bytes.
+  absl::Status CountExternalAllocated(int device, int64_t delta);
 
   // --- Explicit pools -----------------------------------------------------------------------
   // Creates a pool on `backend`'s `device` (the host backend has one device unless
@@ -192,7 +198,9 @@ class ProcessState {
                                    PoolStats* peak_floor = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Their statistics as one (AddPoolStats); zeros for an unused device. The peaks of
   // allocated_bytes and reserved_bytes are the GPU's (DeviceCap's joint figures: the
-  // highest the pools held together, kept when a pool is gone); those of their parts (each
+  // highest the pools held together, kept when a pool is gone, with other allocators' blocks
+  // and segments counted by CountExternalAllocated and HoldExternal, whose current bytes are
+  // not in these figures); those of their parts (each
   // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
   // peaks are the sum of the pools' (at least the GPU's), and no lower than that sum was when
   // a private pool went (peak_floor_): no peak falls but at ResetDevicePeaks.
@@ -204,7 +212,9 @@ class ProcessState {
   // DeviceStats's only while a released private pool's teardown waits for a capture to end
   // (Retire has moved its totals aside; its memory is still mapped and counted here), and in
   // that allocated is held within reserved where a free and the release of its memory fall
-  // between the two reads. Where no pool shares a cap yet, DeviceStats's.
+  // between the two reads, and by what other allocators hold (HoldExternal,
+  // CountExternalAllocated), which these count, as PyTorch's figures count every pool of the
+  // GPU. Where no cap is made yet, DeviceStats's.
   struct Usage {
     int64_t allocated = 0;
     int64_t reserved = 0;
@@ -439,6 +449,9 @@ class ProcessState {
   std::array<std::shared_ptr<DeviceCap>, kMaxDevices> caps_ ABSL_GUARDED_BY(mu_){};
   // What other allocators hold in caps_, by device (HoldExternal).
   std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
+  // What other allocators' blocks in those hold in caps_' allocated bytes, by device
+  // (CountExternalAllocated).
+  std::array<int64_t, kMaxDevices> external_allocated_ ABSL_GUARDED_BY(mu_){};
   // What private pools that are gone left in their GPU's statistics, by device (Retire).
   std::array<PoolStats, kMaxDevices> retired_ ABSL_GUARDED_BY(mu_){};
   // The peaks of each GPU's figures (DeviceStats) just before a private pool went (Retire),
@@ -449,8 +462,8 @@ class ProcessState {
   // still lists them.
   std::vector<std::shared_ptr<ExplicitPool>> retiring_ ABSL_GUARDED_BY(mu_);
   std::atomic<RetireHook> retire_hook_{nullptr};  // SetRetireHookForTesting
-  // The fork generation (allocator/fork_guard.h) caps_, external_held_, retired_ and
-  // peak_floor_ belong to.
+  // The fork generation (allocator/fork_guard.h) caps_, external_held_, external_allocated_,
+  // retired_ and peak_floor_ belong to.
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
   int64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   std::map<int64_t, std::shared_ptr<ExplicitPool>> explicit_ ABSL_GUARDED_BY(mu_);

@@ -285,6 +285,10 @@ int vmm_device_hold(int device, int64_t delta) {
   return vmm::Check(State().HoldExternal(device, delta));
 }
 
+int vmm_device_hold_allocated(int device, int64_t delta) {
+  return vmm::Check(State().CountExternalAllocated(device, delta));
+}
+
 char* vmm_stats_json(int device) {
   return vmm::CopyString(vmm::StatsDocument(State().DeviceStats(device)));
 }

@@ -147,6 +147,13 @@ int vmm_set_memory_fraction(double fraction, int device);
  * more than 2^56 bytes on one GPU, which none has, are VMM_INVALID_ARGUMENT. Without a fraction
  * set, nothing but those is refused. */
 int vmm_device_hold(int device, int64_t delta);
+/* Counts `delta` bytes of blocks that such segments hand out (> 0) or take back (< 0) on GPU
+ * `device` in the GPU's allocated bytes, whose peak (vmm_stats_json's allocated_bytes peak,
+ * PyTorch's max_memory_allocated) is then the highest that vmm's pools and those blocks held
+ * together, as the reserved peak is with vmm_device_hold's segments. VMM_INVALID_ARGUMENT,
+ * nothing counted, for a bad device, a delta < 0 of more than is counted, or more than 2^56
+ * bytes. */
+int vmm_device_hold_allocated(int device, int64_t delta);
 /* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
  * says) as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused device gives
  * zeros. */
@@ -221,13 +228,16 @@ typedef struct vmm_torch_stats {
 /* The device pool of `device` plus the private pools on it (zeros where vmm has not
  * allocated), summed field by field, but for the peaks of allocated_bytes and reserved_bytes
  * [VMM_STAT_ALL]: the highest the pools held together, as PyTorch's (max_memory_allocated,
- * max_memory_reserved). Other peaks are the sum of the pools' peaks (exact while one pool
+ * max_memory_reserved), with what vmm_device_hold and vmm_device_hold_allocated counted for
+ * other allocators (their current bytes are not in the figures: the caller adds them, and
+ * those peaks are already of the sum). Other peaks are the sum of the pools' peaks (exact while one pool
  * alone has allocated, else at least the true peak). */
 int vmm_device_torch_stats(int device, vmm_torch_stats* out);
 /* vmm_device_torch_stats's allocated_bytes[VMM_STAT_ALL].current and
- * reserved_bytes[VMM_STAT_ALL].current, read without visiting the private pools (its cost does
- * not grow with how many are alive): what the profiler's memory events report at each
- * allocation and free. (While a released private pool's teardown waits for a capture to end,
+ * reserved_bytes[VMM_STAT_ALL].current, plus what vmm_device_hold_allocated and
+ * vmm_device_hold count for other allocators, read without visiting the private pools (its
+ * cost does not grow with how many are alive): what the profiler's memory events report at
+ * each allocation and free, as PyTorch's allocator reports every pool of the GPU. (While a released private pool's teardown waits for a capture to end,
  * its memory still counts here and no longer there.) VMM_INVALID_ARGUMENT for a null output. */
 int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved);
 /* How many allocations the calling thread has made, in any pool, that mapped memory for

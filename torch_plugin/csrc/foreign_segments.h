@@ -69,6 +69,10 @@ class ForeignSource {
   virtual void DestroyEvent(uintptr_t event) = 0;
   // Waits for every stream of the device (before segments go back); false if it failed.
   virtual bool SynchronizeDevice() = 0;
+  // Told, with the pool's lock held, each change of the bytes of its allocated blocks (a
+  // block's size as it is handed out, minus it as it is freed): the GPU's joint allocated
+  // figure, whose peak is max_memory_allocated (vmm_device_hold_allocated). By default nothing.
+  virtual void CountAllocated(int64_t /*delta*/) {}
 };
 
 // PyTorch's statistic: current, peak, and the totals added and removed (the pool's own).
@@ -168,6 +172,7 @@ class ForeignSegments {
       stats_.active_bytes[t].Increase(static_cast<int64_t>(block->size));
       stats_.requested_bytes[t].Increase(static_cast<int64_t>(size));
     });
+    source_->CountAllocated(static_cast<int64_t>(block->size));
     return block->ptr;
   }
 
@@ -184,6 +189,7 @@ class ForeignSegments {
       stats_.allocated_bytes[t].Decrease(static_cast<int64_t>(block->size));
       stats_.requested_bytes[t].Decrease(static_cast<int64_t>(block->requested));
     });
+    source_->CountAllocated(-static_cast<int64_t>(block->size));
     for (uintptr_t s : block->uses) block->events.emplace_back(s, source_->RecordEvent(s));
     block->uses.clear();
     if (block->events.empty()) {

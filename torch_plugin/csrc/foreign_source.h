@@ -3,6 +3,7 @@
 //
 // Its segments count against the GPU's memory fraction with vmm's own pools (`hold`, over
 // vmm_device_hold), as PyTorch's allocator counts a custom allocator's segments with its own,
+// and its blocks in the GPU's joint allocated bytes (`count`, over vmm_device_hold_allocated),
 // are entered in the plugin's ForeignIndex under their pool (set_owner), and are told, as
 // they come and before they go back, to a `Tell` (set_tell: the allocation history's
 // segment_alloc / segment_free entries), called with the pool's lock held.
@@ -39,15 +40,19 @@ class AllocatorSource : public ForeignSource {
   // Counts `delta` bytes against the GPU's memory fraction; false (nothing counted) when a
   // delta > 0 does not fit, with why in `*why`.
   using Hold = std::function<bool(int64_t delta, std::string* why)>;
+  // Counts `delta` bytes of blocks handed out (> 0) or taken back (< 0) in the GPU's joint
+  // allocated figure.
+  using Count = std::function<void(int64_t delta)>;
   // Told each segment the allocator gave (`made`) or is about to be given back, with the
   // stream it was asked for. Must not call into the pool.
   using Tell = std::function<void(bool made, void* segment, size_t size, uintptr_t stream)>;
 
   AllocatorSource(std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator,
-                  c10::DeviceIndex device, Hold hold, ForeignIndex* index)
+                  c10::DeviceIndex device, Hold hold, Count count, ForeignIndex* index)
       : allocator_(std::move(allocator)),
         device_(device),
         hold_(std::move(hold)),
+        count_(std::move(count)),
         index_(index) {}
 
   // The pool its segments are entered under in the index (before its first Allocate); `keep`
@@ -92,6 +97,10 @@ class AllocatorSource : public ForeignSource {
     hold_(-static_cast<int64_t>(size), nullptr);
     c10::cuda::CUDAGuard guard(device_);
     allocator_->raw_delete(segment);
+  }
+
+  void CountAllocated(int64_t delta) override {
+    if (count_) count_(delta);
   }
 
   // Why the calling thread's last Allocate that returned null did (cut at 511 bytes).
@@ -176,6 +185,7 @@ class AllocatorSource : public ForeignSource {
   std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> allocator_;
   c10::DeviceIndex device_;
   Hold hold_;
+  Count count_;
   ForeignIndex* index_;
   ForeignSegments* owner_ = nullptr;
   std::weak_ptr<void> keep_;

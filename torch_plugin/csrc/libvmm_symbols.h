@@ -43,6 +43,7 @@ struct Vmm {
   decltype(&vmm_empty_cache) empty_cache = nullptr;
   decltype(&vmm_set_memory_fraction) set_memory_fraction = nullptr;
   decltype(&vmm_device_hold) device_hold = nullptr;
+  decltype(&vmm_device_hold_allocated) device_hold_allocated = nullptr;
   decltype(&vmm_block_free) block_free = nullptr;
   decltype(&vmm_export) export_block = nullptr;
   decltype(&vmm_import) import_descriptor = nullptr;
@@ -92,6 +93,7 @@ inline void Bind(const std::string& path) {
   Lookup(lib, "vmm_empty_cache", &v.empty_cache);
   Lookup(lib, "vmm_set_memory_fraction", &v.set_memory_fraction);
   Lookup(lib, "vmm_device_hold", &v.device_hold);
+  Lookup(lib, "vmm_device_hold_allocated", &v.device_hold_allocated);
   Lookup(lib, "vmm_block_free", &v.block_free);
   Lookup(lib, "vmm_export", &v.export_block);
   Lookup(lib, "vmm_import", &v.import_descriptor);

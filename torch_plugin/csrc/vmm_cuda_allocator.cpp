@@ -379,6 +379,7 @@ class VmmAllocator : public Pluggable {
       auto it = foreign_retired_.find(device);
       if (it != foreign_retired_.end()) AddForeignStats(it->second, out);
     }
+    HoldPartsWithinJointPeaks(out);
     return out;
   }
 
@@ -1018,6 +1019,15 @@ class VmmAllocator : public Pluggable {
     };
   }
 
+  static vmm_torch::AllocatorSource::Count CountOnDevice(c10::DeviceIndex device) {
+    return [device](int64_t delta) {
+      // Fails only for a bad device or a count the pool's own figures would not allow.
+      if (libvmm.device_hold_allocated(device, delta) != 0) {
+        TORCH_WARN("vmm: ", libvmm.last_error());
+      }
+    };
+  }
+
   // Adds a use of the MemPool over another allocator `id` on `device`, made over `allocator`
   // if it is new; null if there is none and `allocator` is null.
   std::shared_ptr<ForeignPool> UseForeignPool(c10::DeviceIndex device, MempoolId_t id,
@@ -1033,7 +1043,8 @@ class VmmAllocator : public Pluggable {
       pool->device = device;
       pool->id = id;
       auto source = std::make_unique<vmm_torch::AllocatorSource>(
-          std::move(allocator), device, HoldOnDevice(device), &foreign_index_);
+          std::move(allocator), device, HoldOnDevice(device), CountOnDevice(device),
+          &foreign_index_);
       vmm_torch::AllocatorSource* const source_of_pool = source.get();
       pool->segments =
           std::make_unique<vmm_torch::ForeignSegments>(std::move(source), /*no_split=*/false);
@@ -1134,6 +1145,8 @@ class VmmAllocator : public Pluggable {
     return out;
   }
 
+  static constexpr size_t kAll = VMM_STAT_ALL;  // PyTorch's StatType::AGGREGATE
+
   static void AddForeignStats(const vmm_torch::ForeignStats& f, cda::DeviceStats& out) {
     // DeviceStats' groups in ForeignStats::kGroups' order.
     static constexpr c10::CachingAllocator::StatArray cda::DeviceStats::*kTorchGroups[] = {
@@ -1146,9 +1159,13 @@ class VmmAllocator : public Pluggable {
     for (size_t g = 0; g < std::size(kTorchGroups); ++g) {
       const vmm_torch::ForeignStats::Group& from = f.*(vmm_torch::ForeignStats::kGroups[g]);
       c10::CachingAllocator::StatArray& to = out.*(kTorchGroups[g]);
+      // The GPU's allocated and reserved bytes peak jointly: libvmm counts these pools' blocks
+      // and segments in its figures' peaks (CountOnDevice, HoldOnDevice), not their currents.
+      const bool joint = kTorchGroups[g] == &cda::DeviceStats::allocated_bytes ||
+                         kTorchGroups[g] == &cda::DeviceStats::reserved_bytes;
       for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
         to[i].current += from[i].current;
-        to[i].peak += from[i].peak;
+        if (!(joint && i == kAll)) to[i].peak += from[i].peak;
         to[i].allocated += from[i].allocated;
         to[i].freed += from[i].freed;
       }
@@ -1156,6 +1173,25 @@ class VmmAllocator : public Pluggable {
     out.num_device_alloc += f.num_device_alloc;
     out.num_device_free += f.num_device_free;
     out.num_ooms += f.num_ooms;
+  }
+
+  // After AddForeignStats: the joint peaks cover the currents they now add up to, and the
+  // peaks of their parts (small and large pool, requested bytes), sums of the pools' peaks,
+  // are held within them, as libvmm holds its own.
+  static void HoldPartsWithinJointPeaks(cda::DeviceStats& out) {
+    for (auto* whole : {&out.allocated_bytes, &out.reserved_bytes}) {
+      (*whole)[kAll].peak = std::max((*whole)[kAll].peak, (*whole)[kAll].current);
+    }
+    auto within = [](c10::CachingAllocator::Stat& part, const c10::CachingAllocator::Stat& of) {
+      part.peak = std::max(std::min(part.peak, of.peak), part.current);
+    };
+    for (size_t i = 0; i < out.allocated_bytes.size(); ++i) {
+      if (i != kAll) {
+        within(out.allocated_bytes[i], out.allocated_bytes[kAll]);
+        within(out.reserved_bytes[i], out.reserved_bytes[kAll]);
+      }
+      within(out.requested_bytes[i], out.allocated_bytes[i]);
+    }
   }
 
   static void AddForeignSegments(const ForeignPool& pool, std::vector<cda::SegmentInfo>* out) {
@@ -1413,18 +1449,18 @@ class VmmAllocator : public Pluggable {
     // calls it an invalid argument: no freeing would ever make room).
     if (code == VMM_RESOURCE_EXHAUSTED ||
         (code == VMM_INVALID_ARGUMENT && device_total != 0 && size > device_total)) {
-      vmm_torch_stats stats{};
-      const size_t allocated =
-          libvmm.device_torch_stats(device, &stats) == 0
-              ? static_cast<size_t>(stats.allocated_bytes[VMM_STAT_ALL].current)
-              : 0;
+      // The GPU's figures, MemPools over other allocators included, as PyTorch's.
+      int64_t allocated_now = 0;
+      int64_t reserved_now = 0;
+      (void)libvmm.device_usage(device, &allocated_now, &reserved_now);
+      const auto allocated = static_cast<size_t>(std::max<int64_t>(allocated_now, 0));
       if (history_.on()) {
         history_.Record(cda::TraceEntry::OOM, static_cast<c10::DeviceIndex>(device),
                         device_free, size, stream, pool);
       }
       c10::reportOutOfMemoryToProfiler(
           static_cast<int64_t>(size), allocated,
-          static_cast<size_t>(stats.reserved_bytes[VMM_STAT_ALL].current),
+          static_cast<size_t>(std::max<int64_t>(reserved_now, 0)),
           c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
       std::vector<cca::OutOfMemoryObserver> observers;
       {

@@ -302,6 +302,7 @@ SIGNATURES: Dict[str, Signature] = {
     "vmm_empty_cache": (_int, [_int]),
     "vmm_set_memory_fraction": (_int, [ctypes.c_double, _int]),
     "vmm_device_hold": (_int, [_int, _int64]),
+    "vmm_device_hold_allocated": (_int, [_int, _int64]),
     "vmm_stats_json": (_void_p, [_int]),
     "vmm_reset_peak_stats": (_int, [_int]),
     "vmm_reset_accumulated_stats": (_int, [_int]),
