@@ -887,6 +887,213 @@ def off_page_sizes(rec, seed, *, steps=40000, live=300, unit=2 * MIB, max_units=
     rec.free_all(blocks)
 
 
+def _log_uniform_int(rng, lo, hi):
+    """A size drawn log-uniformly between `lo` and `hi` bytes."""
+    return int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+
+@workload(length="steps")
+def huge_buffers(rec, seed, *, steps=12000, live=7, min_gib=0.9, max_gib=2.6,
+                 exact_fraction=0.25,
+                 exact_sizes=(GIB + 1, GIB + 4 * KIB, 2 * GIB - 4 * KIB, GIB + 2 * MIB + 512,
+                              GIB),
+                 mid_live=40, mid_min=4 * MIB, mid_max=96 * MIB, max_temps=2,
+                 temp_min=MIB, temp_max=300 * MIB, max_live_gib=20.0):
+    """A few buffers of 0.9 to 2.6 GiB each, replaced at random, among mid-size tensors.
+
+    Stands for a program whose largest tensors are each a large share of the GPU and change
+    length from one use to the next: fp32 logits over a long sequence and a large vocabulary
+    (2,048 tokens of a 128k vocabulary are about 1 GiB), outputs gathered from every rank, a
+    model's state gathered whole for a checkpoint. `live` such buffers are live; each step
+    allocates one and frees one of them chosen at random. Its size is uniform between
+    `min_gib` and `max_gib` GiB, or, for a fraction `exact_fraction` of them, one of
+    `exact_sizes`: exactly 1 GiB, or just past or short of 1 or 2 GiB. Beside them, each step
+    allocates 0 to 2 tensors of `mid_min` to `mid_max` bytes (log-uniform) into a set of
+    `mid_live` replaced at random, and 0 to `max_temps` temporaries of `temp_min` to
+    `temp_max` bytes (log-uniform) freed at once. A huge buffer is allocated before the one it
+    replaces is freed, unless that would take the live bytes over `max_live_gib` GiB: then the
+    old one goes first (as a program short of memory drops the old logits before computing
+    the new ones).
+
+    steps: how many huge buffers are allocated (--scale multiplies it).
+
+    Defaults: 71,864 events, peak live 18.990 GiB with seed 0 (18 to 20 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    big, mid = [], []
+    cap = int(max_live_gib * GIB)
+    size_of = {}
+    live_bytes = 0
+
+    def alloc(nbytes, into):
+        nonlocal live_bytes
+        ident = rec.alloc(nbytes)
+        size_of[ident] = nbytes
+        live_bytes += nbytes
+        into.append(ident)
+
+    def free(ident):
+        nonlocal live_bytes
+        rec.free(ident)
+        live_bytes -= size_of.pop(ident)
+
+    for _ in range(steps):
+        if rng.random() < exact_fraction:
+            nbytes = rng.choice(exact_sizes)
+        else:
+            nbytes = rng.randint(int(min_gib * GIB), int(max_gib * GIB))
+        if len(big) >= live and live_bytes + nbytes > cap:
+            # Over the limit: the one replaced goes first.
+            i = rng.randrange(len(big))
+            big[i], big[-1] = big[-1], big[i]
+            free(big.pop())
+        alloc(nbytes, big)
+        if len(big) > live:
+            i = rng.randrange(len(big))
+            big[i], big[-1] = big[-1], big[i]
+            free(big.pop())
+        for _ in range(rng.randint(0, 2)):
+            alloc(_log_uniform_int(rng, mid_min, mid_max), mid)
+            if len(mid) > mid_live:
+                free(mid.pop(rng.randrange(len(mid))))
+        for _ in range(rng.randint(0, max_temps)):
+            rec.free(rec.alloc(_log_uniform_int(rng, temp_min, temp_max)))
+    rec.free_all(big)
+    rec.free_all(mid)
+
+
+@workload(length="steps")
+def phase_change(rec, seed, *, steps=32000, switch=0.6875, small_min=512, small_max=4 * MIB,
+                 small_live_gib=4.0, free_rate=0.3, keep_fraction=0.03, large_min=128 * MIB,
+                 large_max=1536 * MIB, large_live=16, max_temps=2, temp_max=256 * KIB):
+    """A phase of small-tensor churn whose few survivors stay, then one of large tensors.
+
+    Stands for a job that first prepares its data on the GPU and then runs a dense model on
+    it: tokenisation, feature extraction or a graph network's sparse operators make many
+    small and medium tensors, a few of which are kept for the rest of the run (cached
+    features, per-sample metadata), then the model's large activations take over. In the
+    first phase (a fraction `switch` of the steps) each step allocates a tensor of
+    `small_min` to `small_max` bytes (log-uniform); with probability `free_rate`, or always
+    when the live bytes exceed `small_live_gib` GiB, one live tensor chosen at random is freed.
+    At the change every live tensor is freed except a fraction `keep_fraction` of them,
+    chosen at random, which stay to the end. In the second phase each step allocates a
+    tensor of `large_min` to `large_max` bytes (log-uniform) and 0 to `max_temps` temporaries
+    of 512 bytes to `temp_max` (log-uniform) freed at once; once `large_live` large tensors
+    are live, each new one frees one of them chosen at random.
+
+    steps: both phases' allocations together (--scale multiplies it); switch: the part of
+    them in the first phase.
+
+    Defaults: 84,012 events, peak live 16.310 GiB with seed 0 (14 to 18 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    small_steps = int(round(steps * switch))
+    cap = int(small_live_gib * GIB)
+    live, size_of = [], {}
+    live_bytes = 0
+    for _ in range(small_steps):
+        nbytes = _log_uniform_int(rng, small_min, small_max)
+        ident = rec.alloc(nbytes)
+        live.append(ident)
+        size_of[ident] = nbytes
+        live_bytes += nbytes
+        if live_bytes > cap or rng.random() < free_rate:
+            i = rng.randrange(len(live))
+            live[i], live[-1] = live[-1], live[i]
+            ident = live.pop()
+            rec.free(ident)
+            live_bytes -= size_of.pop(ident)
+    kept = []
+    rng.shuffle(live)
+    for ident in live:
+        if rng.random() < keep_fraction:
+            kept.append(ident)
+        else:
+            rec.free(ident)
+    large = []
+    for _ in range(steps - small_steps):
+        large.append(rec.alloc(_log_uniform_int(rng, large_min, large_max)))
+        for _ in range(rng.randint(0, max_temps)):
+            rec.free(rec.alloc(_log_uniform_int(rng, 512, temp_max)))
+        if len(large) > large_live:
+            i = rng.randrange(len(large))
+            large[i], large[-1] = large[-1], large[i]
+            rec.free(large.pop())
+    rec.free_all(large)
+    rec.free_all(kept)
+
+
+@workload(length="steps")
+def small_tensor_churn(rec, seed, *, steps=44000, min_bytes=64 * KIB, max_bytes=256 * KIB,
+                       live_high=20000, live_low=20000, wave=16000):
+    """Tens of thousands of live tensors of 64-256 KiB, replaced at random.
+
+    Stands for a program that holds a great many small tensors at once and keeps replacing
+    them: the per-parameter states of a model with thousands of small parameters (norms,
+    biases, embeddings of small tables), per-sample metadata, a graph network's index lists.
+    Sizes are log-uniform between `min_bytes` and `max_bytes` (by default all within the
+    small arena, 256 KiB). The live count first grows to its target, then each step flips a
+    coin to allocate and another to free one live tensor chosen at random, allocating when
+    under the target and freeing when over it. The target is `live_high` (about 2.6 GiB at
+    the defaults); with `live_low` below it, the target alternates between the two every
+    `wave` steps, starting low.
+
+    steps: how many steps (--scale multiplies it); live_high, live_low, wave: the live count
+    aimed at and how often it changes.
+
+    Defaults: 85,308 events, peak live 2.642 GiB with seed 0 (2.6 to 2.7 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    live = []
+    target = live_high
+    for step in range(steps):
+        if step % wave == 0:
+            target = live_high if target == live_low else live_low
+        if len(live) < target or rng.random() < 0.5:
+            live.append(rec.alloc(_log_uniform_int(rng, min_bytes, max_bytes)))
+        if len(live) > target or (rng.random() < 0.5 and live):
+            i = rng.randrange(len(live))
+            live[i], live[-1] = live[-1], live[i]
+            rec.free(live.pop())
+    rec.free_all(live)
+
+
+@workload(length="steps")
+def off_page_multiples(rec, seed, *, steps=42000, live=260, units=(4 * MIB, 8 * MIB, 20 * MIB),
+                       max_units=(16, 10, 5),
+                       remainders=(512, 4 * KIB, 64 * KIB, MIB, 2 * MIB + 512, 1)):
+    """Tensors of k x 4, 8 or 20 MiB plus a small odd remainder, replaced at random.
+
+    Stands for large tensors whose shapes are round in one dimension and a little over in
+    another: a batch times a hidden size with an extra row or a padded token, a vocabulary
+    padded to a multiple of 64 with a few special tokens more, a bias or a scale stored with
+    a weight. Each size is k times a unit plus a remainder: the unit one of `units` (4 MiB,
+    the pool's page, 8 MiB and 20 MiB), chosen evenly, k uniform in 1 up to that unit's entry
+    of `max_units`, the remainder one of `remainders` (1 B, 512 B, 4 KiB, 64 KiB, 1 MiB,
+    2 MiB + 512 B). `live` tensors are live; each step allocates one and frees one chosen at
+    random. Unlike off_page_sizes the sizes reach 102 MiB and the remainders just over half
+    a 4 MiB page, so a block rarely fits the hole that a freed one leaves.
+
+    steps: how many allocations (--scale multiplies it); units and max_units: the units and
+    the most of each.
+
+    Defaults: 84,000 events, peak live 13.438 GiB with seed 0 (12 to 14 GiB over seeds).
+    """
+    rng = random.Random(seed)
+    if len(units) != len(max_units):
+        raise ValueError(f"{len(units)} units but {len(max_units)} max_units")
+    kinds = list(zip(units, max_units))
+    blocks = []
+    for _ in range(steps):
+        unit, most = rng.choice(kinds)
+        blocks.append(rec.alloc(rng.randint(1, most) * unit + rng.choice(remainders)))
+        if len(blocks) > live:
+            i = rng.randrange(len(blocks))
+            blocks[i], blocks[-1] = blocks[-1], blocks[i]
+            rec.free(blocks.pop())
+    rec.free_all(blocks)
+
+
 # ---------------------------------------------------------------------------------------------
 # Running and checking.
 
