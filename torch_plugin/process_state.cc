@@ -239,10 +239,7 @@ absl::Status CheckExternalDelta(absl::string_view what, int device, int64_t now,
 absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   MutexLock lock(&mu_);
-  AdoptForkLocked();
-  const bool fresh = caps_[device] == nullptr;
-  std::shared_ptr<DeviceCap> cap = CapForLocked(device);
-  if (fresh && fractions_[device] >= 0) SetCapFromDefaultDriverLocked(device);
+  std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(CheckExternalDelta("segments", device, external_held_[device], delta));
   if (delta > 0 && !cap->Allows(static_cast<size_t>(delta))) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -259,12 +256,20 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
 absl::Status ProcessState::CountExternalAllocated(int device, int64_t delta) {
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
   MutexLock lock(&mu_);
-  AdoptForkLocked();
+  std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(
       CheckExternalDelta("blocks", device, external_allocated_[device], delta));
-  CapForLocked(device)->AddExternalAllocated(delta);
+  cap->AddExternalAllocated(delta);
   external_allocated_[device] += delta;
   return absl::OkStatus();
+}
+
+std::shared_ptr<DeviceCap> ProcessState::ExternalCapLocked(int device) {
+  AdoptForkLocked();
+  const bool fresh = caps_[device] == nullptr;
+  std::shared_ptr<DeviceCap> cap = CapForLocked(device);
+  if (fresh && fractions_[device] >= 0) SetCapFromDefaultDriverLocked(device);
+  return cap;
 }
 
 std::shared_ptr<DeviceCap> ProcessState::CapForLocked(int device) {

@@ -373,6 +373,9 @@ class ProcessState {
 
   // The cap of GPU `device` (caps_), made on first use.
   std::shared_ptr<DeviceCap> CapForLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same for another allocator's memory (HoldExternal, CountExternalAllocated), in this
+  // process's fork generation: a cap made now gets the GPU's memory fraction, if one was set.
+  std::shared_ptr<DeviceCap> ExternalCapLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `pool` is of another backend than the device pool of `device` (the host backend's,
   // in tests on a GPU machine): it holds none of that GPU's memory, so neither its memory
   // fraction nor its statistics count it.
