@@ -850,9 +850,7 @@ def mixed_lifetimes(rec, seed, *, steps=230, small_per_step=200, small_min=64 * 
         for _ in range(small_per_step):
             small.append(rec.alloc(int(math.exp(rng.uniform(lo, hi)))))
             if len(small) > live_small:
-                i = rng.randrange(len(small))
-                small[i], small[-1] = small[-1], small[i]
-                rec.free(small.pop())
+                rec.free(_take_at_random(rng, small))
             if rng.random() < workspace_rate:
                 workspaces.append(rec.alloc(rng.randint(workspace_min, workspace_max)))
                 if len(workspaces) > live_workspaces:
@@ -881,10 +879,15 @@ def off_page_sizes(rec, seed, *, steps=40000, live=300, unit=2 * MIB, max_units=
     for _ in range(steps):
         blocks.append(rec.alloc(rng.randint(1, max_units) * unit + rng.choice(offsets)))
         if len(blocks) > live:
-            i = rng.randrange(len(blocks))
-            blocks[i], blocks[-1] = blocks[-1], blocks[i]
-            rec.free(blocks.pop())
+            rec.free(_take_at_random(rng, blocks))
     rec.free_all(blocks)
+
+
+def _take_at_random(rng, items):
+    """Removes an item of `items` chosen at random and returns it (the last takes its place)."""
+    i = rng.randrange(len(items))
+    items[i], items[-1] = items[-1], items[i]
+    return items.pop()
 
 
 def _log_uniform_int(rng, lo, hi):
@@ -944,14 +947,10 @@ def huge_buffers(rec, seed, *, steps=12000, live=7, min_gib=0.9, max_gib=2.6,
             nbytes = rng.randint(int(min_gib * GIB), int(max_gib * GIB))
         if len(big) >= live and live_bytes + nbytes > cap:
             # Over the limit: the one replaced goes first.
-            i = rng.randrange(len(big))
-            big[i], big[-1] = big[-1], big[i]
-            free(big.pop())
+            free(_take_at_random(rng, big))
         alloc(nbytes, big)
         if len(big) > live:
-            i = rng.randrange(len(big))
-            big[i], big[-1] = big[-1], big[i]
-            free(big.pop())
+            free(_take_at_random(rng, big))
         for _ in range(rng.randint(0, 2)):
             alloc(_log_uniform_int(rng, mid_min, mid_max), mid)
             if len(mid) > mid_live:
@@ -998,9 +997,7 @@ def phase_change(rec, seed, *, steps=32000, switch=0.6875, small_min=512, small_
         size_of[ident] = nbytes
         live_bytes += nbytes
         if live_bytes > cap or rng.random() < free_rate:
-            i = rng.randrange(len(live))
-            live[i], live[-1] = live[-1], live[i]
-            ident = live.pop()
+            ident = _take_at_random(rng, live)
             rec.free(ident)
             live_bytes -= size_of.pop(ident)
     kept = []
@@ -1016,9 +1013,7 @@ def phase_change(rec, seed, *, steps=32000, switch=0.6875, small_min=512, small_
         for _ in range(rng.randint(0, max_temps)):
             rec.free(rec.alloc(_log_uniform_int(rng, 512, temp_max)))
         if len(large) > large_live:
-            i = rng.randrange(len(large))
-            large[i], large[-1] = large[-1], large[i]
-            rec.free(large.pop())
+            rec.free(_take_at_random(rng, large))
     rec.free_all(large)
     rec.free_all(kept)
 
@@ -1052,9 +1047,7 @@ def small_tensor_churn(rec, seed, *, steps=44000, min_bytes=64 * KIB, max_bytes=
         if len(live) < target or rng.random() < 0.5:
             live.append(rec.alloc(_log_uniform_int(rng, min_bytes, max_bytes)))
         if len(live) > target or (rng.random() < 0.5 and live):
-            i = rng.randrange(len(live))
-            live[i], live[-1] = live[-1], live[i]
-            rec.free(live.pop())
+            rec.free(_take_at_random(rng, live))
     rec.free_all(live)
 
 
@@ -1088,9 +1081,7 @@ def off_page_multiples(rec, seed, *, steps=42000, live=260, units=(4 * MIB, 8 * 
         unit, most = rng.choice(kinds)
         blocks.append(rec.alloc(rng.randint(1, most) * unit + rng.choice(remainders)))
         if len(blocks) > live:
-            i = rng.randrange(len(blocks))
-            blocks[i], blocks[-1] = blocks[-1], blocks[i]
-            rec.free(blocks.pop())
+            rec.free(_take_at_random(rng, blocks))
     rec.free_all(blocks)
 
 
