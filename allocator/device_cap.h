@@ -66,18 +66,13 @@ class DeviceCap {
   bool limited() const { return limit() != kNoLimit; }
 
   // Bytes mapped (`delta` > 0) or released (< 0) by one of the pools.
-  void AddMapped(int64_t delta) {
-    held_.fetch_add(delta, std::memory_order_relaxed);
-    reserved_.Add(delta);
-  }
-  // Bytes another allocator's segments take (> 0) or give back (< 0): held and reserved.
-  void AddExternal(int64_t delta) {
-    held_.fetch_add(delta, std::memory_order_relaxed);
-    reserved_.Add(delta);
-  }
+  void AddMapped(int64_t delta) { reserved_.Add(delta); }
+  // Bytes another allocator's segments take (> 0) or give back (< 0): reserved too.
+  void AddExternal(int64_t delta) { reserved_.Add(delta); }
   // Bytes of the blocks handed out (> 0) or taken back (< 0) in such segments: allocated.
   void AddExternalAllocated(int64_t delta) { allocated_.Add(delta); }
-  int64_t held() const { return held_.load(std::memory_order_relaxed); }
+  // What the pools and other allocators hold together: the reserved bytes.
+  int64_t held() const { return reserved_.current(); }
 
   // Whether `more` bytes fit under the limit now.
   bool Allows(size_t more) const {
@@ -99,7 +94,6 @@ class DeviceCap {
 
  private:
   std::atomic<size_t> limit_{kNoLimit};
-  std::atomic<int64_t> held_{0};
   JointStat reserved_;
   JointStat allocated_;
 };

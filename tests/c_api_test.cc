@@ -1066,6 +1066,38 @@ TEST_F(CApiTest, AHoldNoGpuCouldHaveIsRefused) {
   EXPECT_EQ(vmm_device_hold(0, -static_cast<int64_t>(kMiB)), 0) << vmm_last_error();
 }
 
+// Another allocator's blocks counted in the GPU's allocated bytes: their peak is the GPU's
+// (the JSON statistics' allocated peak rises, its current does not: the caller adds that);
+// a bad device, more given back than was counted and a count no GPU could have are refused
+// and change nothing.
+TEST_F(CApiTest, AnotherAllocatorsBlocksCountInTheGpusAllocatedPeak) {
+  EXPECT_EQ(vmm_device_hold_allocated(-1, 1), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_device_hold_allocated(0, -1), -1) << "nothing was counted";
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_device_hold_allocated(0, INT64_MAX), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  vmm_reset_peak_stats(0);
+  vmm_torch_stats before{};
+  ASSERT_EQ(vmm_device_torch_stats(0, &before), 0) << vmm_last_error();
+  ASSERT_EQ(vmm_device_hold(0, 8 * kMiB), 0) << vmm_last_error();  // the block's segment
+  ASSERT_EQ(vmm_device_hold_allocated(0, 8 * kMiB), 0) << vmm_last_error();
+  vmm_torch_stats during{};
+  ASSERT_EQ(vmm_device_torch_stats(0, &during), 0) << vmm_last_error();
+  EXPECT_EQ(during.allocated_bytes[VMM_STAT_ALL].current,
+            before.allocated_bytes[VMM_STAT_ALL].current);
+  EXPECT_EQ(during.allocated_bytes[VMM_STAT_ALL].peak,
+            before.allocated_bytes[VMM_STAT_ALL].current + static_cast<int64_t>(8 * kMiB));
+  int64_t allocated = 0, reserved = 0;
+  ASSERT_EQ(vmm_device_usage(0, &allocated, &reserved), 0);
+  EXPECT_GE(allocated, static_cast<int64_t>(8 * kMiB)) << "the running figures count them";
+  EXPECT_GE(reserved, static_cast<int64_t>(8 * kMiB));
+  EXPECT_EQ(vmm_device_hold_allocated(0, -9 * static_cast<int64_t>(kMiB)), -1);
+  EXPECT_EQ(vmm_device_hold_allocated(0, -8 * static_cast<int64_t>(kMiB)), 0)
+      << vmm_last_error();
+  EXPECT_EQ(vmm_device_hold(0, -8 * static_cast<int64_t>(kMiB)), 0) << vmm_last_error();
+}
+
 // Parts received from another process are hostile: a null handle among them, or more handles
 // than a descriptor can count, is an error, never an exception through the C interface.
 TEST_F(CApiTest, DescriptorFromHandlesRefusesNullHandlesAndImpossibleCounts) {

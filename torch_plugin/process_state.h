@@ -200,10 +200,10 @@ class ProcessState {
   // allocated_bytes and reserved_bytes are the GPU's (DeviceCap's joint figures: the
   // highest the pools held together, kept when a pool is gone, with other allocators' blocks
   // and segments counted by CountExternalAllocated and HoldExternal, whose current bytes are
-  // not in these figures); those of their parts (each
-  // arena's, requested_bytes) are the sum of the pools' peaks held within them; the other
-  // peaks are the sum of the pools' (at least the GPU's), and no lower than that sum was when
-  // a private pool went (peak_floor_): no peak falls but at ResetDevicePeaks.
+  // not in these figures); those of their parts (each arena's, requested_bytes) are the sum
+  // of the pools' peaks held within them; the other peaks are the sum of the pools' (at
+  // least the GPU's), and no lower than that sum was when a private pool went (peak_floor_):
+  // no peak falls but at ResetDevicePeaks.
   PoolStats DeviceStats(int device) ABSL_LOCKS_EXCLUDED(mu_);
   // DeviceStats(device)'s allocated_bytes.current and reserved_bytes.current, read from the
   // GPU's DeviceCap (what its pools add as they hand blocks out and map memory) rather than

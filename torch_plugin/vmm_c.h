@@ -230,15 +230,16 @@ typedef struct vmm_torch_stats {
  * [VMM_STAT_ALL]: the highest the pools held together, as PyTorch's (max_memory_allocated,
  * max_memory_reserved), with what vmm_device_hold and vmm_device_hold_allocated counted for
  * other allocators (their current bytes are not in the figures: the caller adds them, and
- * those peaks are already of the sum). Other peaks are the sum of the pools' peaks (exact while one pool
- * alone has allocated, else at least the true peak). */
+ * those peaks are already of the sum). Other peaks are the sum of the pools' peaks (exact
+ * while one pool alone has allocated, else at least the true peak). */
 int vmm_device_torch_stats(int device, vmm_torch_stats* out);
 /* vmm_device_torch_stats's allocated_bytes[VMM_STAT_ALL].current and
  * reserved_bytes[VMM_STAT_ALL].current, plus what vmm_device_hold_allocated and
  * vmm_device_hold count for other allocators, read without visiting the private pools (its
  * cost does not grow with how many are alive): what the profiler's memory events report at
- * each allocation and free, as PyTorch's allocator reports every pool of the GPU. (While a released private pool's teardown waits for a capture to end,
- * its memory still counts here and no longer there.) VMM_INVALID_ARGUMENT for a null output. */
+ * each allocation and free, as PyTorch's allocator reports every pool of the GPU. (While a
+ * released private pool's teardown waits for a capture to end, its memory still counts here
+ * and no longer there.) VMM_INVALID_ARGUMENT for a null output. */
 int vmm_device_usage(int device, int64_t* allocated, int64_t* reserved);
 /* How many allocations the calling thread has made, in any pool, that mapped memory for
  * themselves (created chunks or moved them to where the request went). Read before and after

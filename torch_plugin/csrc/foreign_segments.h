@@ -201,6 +201,14 @@ class ForeignSegments {
     return true;
   }
 
+  // The size the pool counts allocated block `ptr` at (its request rounded to 512 bytes, or
+  // the whole of a segment it was not split off); 0 if `ptr` is not one.
+  size_t AllocatedSize(void* ptr) {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    auto it = live_.find(static_cast<char*>(ptr));
+    return it == live_.end() || !it->second->allocated ? 0 : it->second->size;
+  }
+
   // Notes that `stream` uses allocated block `ptr` (torch.Tensor.record_stream); false if
   // `ptr` is not an allocated block of this pool.
   bool RecordStream(void* ptr, uintptr_t stream) {

@@ -1021,9 +1021,10 @@ class VmmAllocator : public Pluggable {
 
   static vmm_torch::AllocatorSource::Count CountOnDevice(c10::DeviceIndex device) {
     return [device](int64_t delta) {
-      // Fails only for a bad device or a count the pool's own figures would not allow.
+      // Fails only for a bad device or a count the pool's own figures would not allow (a
+      // forked child freeing a block of its parent's pool: the child counts from zero).
       if (libvmm.device_hold_allocated(device, delta) != 0) {
-        TORCH_WARN("vmm: ", libvmm.last_error());
+        TORCH_WARN_ONCE("vmm: ", libvmm.last_error());
       }
     };
   }
@@ -1467,8 +1468,13 @@ class VmmAllocator : public Pluggable {
         std::lock_guard<std::mutex> lock(mu_);
         observers = oom_observers_;
       }
+      // As PyTorch's allocator calls them: the bytes asked for, and the GPU's memory (its
+      // memory fraction's share where one is set).
+      const auto allowed = static_cast<size_t>(
+          getMemoryFraction(static_cast<c10::DeviceIndex>(device)) *
+          static_cast<double>(device_total));
       for (const cca::OutOfMemoryObserver& observer : observers) {
-        observer(device, allocated, device_total, device_free);
+        observer(device, size, allowed, device_free);
       }
       // Worded as PyTorch's allocator words it: programs and libraries (Accelerate, toma,
       // Lightning) recognise an out of memory by "CUDA out of memory." in the message.
@@ -1505,9 +1511,13 @@ class VmmAllocator : public Pluggable {
       TellTrace(ptr, /*allocated=*/false);
       // The GPU's allocated figure as it will be once the block is back: less the block, its
       // size rounded as vmm's pools round it (to 512 bytes; a small block that spilled into
-      // the large arena is larger, pool.h, which this one event's figure leaves in); a block
-      // of a MemPool over another allocator goes back to that pool and leaves it as it is.
-      const size_t freed = owner.pool != nullptr ? 0 : (size + 511) & ~size_t{511};
+      // the large arena is larger, pool.h, which this one event's figure leaves in), or as
+      // the MemPool over another allocator that holds it counts it.
+      size_t freed = 0;
+      if (C10_UNLIKELY(c10::memoryProfilingEnabled())) {
+        freed = owner.pool != nullptr ? owner.pool->AllocatedSize(ptr)
+                                      : (size + 511) & ~size_t{511};
+      }
       TellProfiler(ptr, -static_cast<int64_t>(size), device, -static_cast<int64_t>(freed));
     }
     if (!(owner.pool != nullptr && owner.pool->Free(ptr)) && libvmm.free(ptr, device) != 0) {

@@ -4,9 +4,11 @@ another allocator (as NCCL's memory pool is), used one after the other.
 With PyTorch's allocator (torch 2.11) a GPU keeps one set of statistics for every pool, a
 MemPool over a CUDAPluggableAllocator included: 256 MiB freed in the default pool (its cache
 emptied) and then 256 MiB taken inside `use_mem_pool` over such a pool peak at 256 MiB above
-where the program started, allocated and reserved, not 512; the other way round too; the
-parts of the figures (large pool, requested bytes) peak no higher than the whole; after
-reset_peak_memory_stats() the peaks are what is held now.
+where the program started, allocated and reserved, not 512; the MemPool's tensor freed (its
+segment kept by the pool) and then 256 MiB taken in the default pool peak at 256 MiB
+allocated too; both live at once peak at their sum; the parts of the figures (large pool,
+requested bytes) peak no higher than the whole; after reset_peak_memory_stats() the peaks
+are what is held now.
 
 Why vmm may differ: vmm serves such a pool from the other allocator's segments beside its own
 pools (torch_plugin/csrc/foreign_segments.h), and added that pool's peaks to its own, which

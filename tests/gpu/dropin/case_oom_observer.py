@@ -5,7 +5,7 @@ With PyTorch's allocator a request larger than the GPU (1 TiB) raises
 torch.cuda.OutOfMemoryError (a RuntimeError) saying "out of memory"; each failed request adds
 at least 1 to memory_stats()["num_ooms"], and an observer attached with
 torch._C._cuda_attach_out_of_memory_observer is called as many times, with the device index,
-and may itself call torch.cuda.memory._snapshot() (the allocator's lock is released before
+the bytes it tried to get (at least the request) and the GPU's total memory, and may itself call torch.cuda.memory._snapshot() (the allocator's lock is released before
 observers run: PyTorch's documented pattern); with history recorded the trace holds an "oom"
 entry; memory_allocated() is what it was before, a live tensor is intact, 1 GiB can still be
 allocated; reset_accumulated_memory_stats() sets num_ooms back to 0.
@@ -28,10 +28,11 @@ def main():
     def observer(device, alloc, device_total, device_free):
         try:
             snap = torch.cuda.memory._snapshot()
-            calls.append((device, len(snap["segments"])))
+            calls.append((device, len(snap["segments"]), alloc, device_total))
         except Exception as e:  # noqa: BLE001
             calls.append(("error", f"{type(e).__name__}: {str(e)[:200]}"))
 
+    total = torch.cuda.mem_get_info()[1]
     torch._C._cuda_attach_out_of_memory_observer(observer)
     keep = torch.full((1 << 20,), 3.0, device="cuda")
     torch.cuda.memory._record_memory_history(max_entries=10_000)
@@ -59,6 +60,15 @@ def main():
             errors.append(f"torch.cuda.memory._snapshot() inside the OOM observer raised {c[1]}")
         elif c[0] != dev:
             errors.append(f"the OOM observer was given device {c[0]}, expected {dev}")
+        else:
+            # PyTorch passes the bytes it tried to get and the GPU's total (its memory
+            # fraction's share where one is set; none is here).
+            if c[2] < 1 << 40:
+                errors.append(f"the OOM observer was given {c[2]} bytes asked for, less than "
+                              f"the 1 TiB requested")
+            if c[3] != total:
+                errors.append(f"the OOM observer was given a total of {c[3]} bytes, not the "
+                              f"GPU's {total}")
     trace = torch.cuda.memory._snapshot()["device_traces"][dev]
     if not any(e["action"] == "oom" for e in trace):
         errors.append("no 'oom' entry in the memory history after three OOMs")
