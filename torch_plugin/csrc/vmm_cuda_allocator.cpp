@@ -82,6 +82,7 @@
 #include "torch_plugin/csrc/foreign_index.h"
 #include "torch_plugin/csrc/foreign_segments.h"
 #include "torch_plugin/csrc/foreign_source.h"
+#include "torch_plugin/csrc/joint_peaks.h"
 #include "torch_plugin/csrc/legacy_ipc.h"
 #include "torch_plugin/csrc/pool_stream.h"
 #include "torch_plugin/csrc/ready_events.h"
@@ -379,7 +380,7 @@ class VmmAllocator : public Pluggable {
       auto it = foreign_retired_.find(device);
       if (it != foreign_retired_.end()) AddForeignStats(it->second, out);
     }
-    HoldPartsWithinJointPeaks(out);
+    vmm_torch::HoldPartsWithinJointPeaks(out);
     return out;
   }
 
@@ -1146,7 +1147,7 @@ class VmmAllocator : public Pluggable {
     return out;
   }
 
-  static constexpr size_t kAll = VMM_STAT_ALL;  // PyTorch's StatType::AGGREGATE
+  static_assert(vmm_torch::kAll == static_cast<size_t>(VMM_STAT_ALL));
 
   static void AddForeignStats(const vmm_torch::ForeignStats& f, cda::DeviceStats& out) {
     // DeviceStats' groups in ForeignStats::kGroups' order.
@@ -1164,35 +1165,11 @@ class VmmAllocator : public Pluggable {
       // and segments in its figures' peaks (CountOnDevice, HoldOnDevice), not their currents.
       const bool joint = kTorchGroups[g] == &cda::DeviceStats::allocated_bytes ||
                          kTorchGroups[g] == &cda::DeviceStats::reserved_bytes;
-      for (size_t i = 0; i < from.size() && i < to.size(); ++i) {
-        to[i].current += from[i].current;
-        if (!(joint && i == kAll)) to[i].peak += from[i].peak;
-        to[i].allocated += from[i].allocated;
-        to[i].freed += from[i].freed;
-      }
+      vmm_torch::AddGroup(from, to, joint);
     }
     out.num_device_alloc += f.num_device_alloc;
     out.num_device_free += f.num_device_free;
     out.num_ooms += f.num_ooms;
-  }
-
-  // After AddForeignStats: the joint peaks cover the currents they now add up to, and the
-  // peaks of their parts (small and large pool, requested bytes), sums of the pools' peaks,
-  // are held within them, as libvmm holds its own.
-  static void HoldPartsWithinJointPeaks(cda::DeviceStats& out) {
-    for (auto* whole : {&out.allocated_bytes, &out.reserved_bytes}) {
-      (*whole)[kAll].peak = std::max((*whole)[kAll].peak, (*whole)[kAll].current);
-    }
-    auto within = [](c10::CachingAllocator::Stat& part, const c10::CachingAllocator::Stat& of) {
-      part.peak = std::max(std::min(part.peak, of.peak), part.current);
-    };
-    for (size_t i = 0; i < out.allocated_bytes.size(); ++i) {
-      if (i != kAll) {
-        within(out.allocated_bytes[i], out.allocated_bytes[kAll]);
-        within(out.reserved_bytes[i], out.reserved_bytes[kAll]);
-      }
-      within(out.requested_bytes[i], out.allocated_bytes[i]);
-    }
   }
 
   static void AddForeignSegments(const ForeignPool& pool, std::vector<cda::SegmentInfo>* out) {
