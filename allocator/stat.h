@@ -30,6 +30,14 @@ struct Stat {
   void ResetAccumulated() { allocated = freed = 0; }
 };
 
+// Holds the peak of `part` (an arena's share, requested bytes) no higher than that of
+// `whole`, and no lower than its own current value: a part summed over pools peaks at the sum
+// of their peaks, which may pass the whole's joint peak. For vmm::Stat and PyTorch's Stat alike.
+template <typename S>
+void HoldPeakWithin(S& part, const S& whole) {
+  part.peak = std::max(std::min(part.peak, whole.peak), part.current);
+}
+
 }  // namespace vmm
 
 #endif  // VMM_ALLOCATOR_STAT_H_

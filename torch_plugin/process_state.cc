@@ -594,14 +594,11 @@ PoolStats ProcessState::DeviceStats(int device) {
     total.reserved_bytes.peak = std::max(cap->reserved().peak(), total.reserved_bytes.current);
     // Figures that are parts of those (an arena's share, the bytes requested of what was
     // allocated) peak no higher than the whole, as PyTorch's do; their own peaks are sums.
-    auto within = [](Stat& part, const Stat& whole) {
-      part.peak = std::max(std::min(part.peak, whole.peak), part.current);
-    };
-    within(total.requested_bytes, total.allocated_bytes);
+    HoldPeakWithin(total.requested_bytes, total.allocated_bytes);
     for (ArenaStats& arena : total.arena) {
-      within(arena.allocated_bytes, total.allocated_bytes);
-      within(arena.requested_bytes, arena.allocated_bytes);
-      within(arena.reserved_bytes, total.reserved_bytes);
+      HoldPeakWithin(arena.allocated_bytes, total.allocated_bytes);
+      HoldPeakWithin(arena.requested_bytes, arena.allocated_bytes);
+      HoldPeakWithin(arena.reserved_bytes, total.reserved_bytes);
     }
   }
   return total;

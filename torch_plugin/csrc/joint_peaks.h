@@ -16,6 +16,8 @@
 #include <cstddef>
 #include <initializer_list>
 
+#include "allocator/stat.h"
+
 namespace vmm_torch {
 
 inline constexpr size_t kAll = 0;  // PyTorch's StatType::AGGREGATE, vmm's VMM_STAT_ALL
@@ -41,15 +43,12 @@ void HoldPartsWithinJointPeaks(Stats& out) {
   for (auto* whole : {&out.allocated_bytes, &out.reserved_bytes}) {
     (*whole)[kAll].peak = std::max((*whole)[kAll].peak, (*whole)[kAll].current);
   }
-  auto within = [](auto& part, const auto& of) {
-    part.peak = std::max(std::min(part.peak, of.peak), part.current);
-  };
   for (size_t i = 0; i < out.allocated_bytes.size(); ++i) {
     if (i != kAll) {
-      within(out.allocated_bytes[i], out.allocated_bytes[kAll]);
-      within(out.reserved_bytes[i], out.reserved_bytes[kAll]);
+      vmm::HoldPeakWithin(out.allocated_bytes[i], out.allocated_bytes[kAll]);
+      vmm::HoldPeakWithin(out.reserved_bytes[i], out.reserved_bytes[kAll]);
     }
-    within(out.requested_bytes[i], out.allocated_bytes[i]);
+    vmm::HoldPeakWithin(out.requested_bytes[i], out.allocated_bytes[i]);
   }
 }
 
