@@ -78,7 +78,9 @@ class DeviceCap {
   bool Allows(size_t more) const {
     const size_t cap = limit();
     const int64_t held_now = held();
-    return cap == kNoLimit || static_cast<size_t>(held_now < 0 ? 0 : held_now) + more <= cap;
+    const size_t held_bytes = static_cast<size_t>(held_now < 0 ? 0 : held_now);
+    // Compared without the sum, which a large `more` would wrap.
+    return cap == kNoLimit || (held_bytes <= cap && more <= cap - held_bytes);
   }
 
   // The GPU's reserved bytes (what the sharing pools map, and other allocators' segments)
@@ -87,9 +89,12 @@ class DeviceCap {
   JointStat& allocated() { return allocated_; }
   const JointStat& allocated() const { return allocated_; }
   const JointStat& reserved() const { return reserved_; }
+  // The reserved peak first: a block taken back and its segment released between the two
+  // resets then leave the allocated peak at most the reserved one (the other order left the
+  // allocated peak at the old high over a reserved peak of what was held after).
   void ResetPeaks() {
-    allocated_.ResetPeak();
     reserved_.ResetPeak();
+    allocated_.ResetPeak();
   }
 
  private:

@@ -1066,6 +1066,30 @@ TEST_F(CApiTest, AHoldNoGpuCouldHaveIsRefused) {
   EXPECT_EQ(vmm_device_hold(0, -static_cast<int64_t>(kMiB)), 0) << vmm_last_error();
 }
 
+// What sets a GPU's figures or limit for later (another allocator's segments and blocks, a
+// memory fraction) is refused for a device number the driver lacks, below the library's own
+// bound of 64 too: such a count or fraction applied to no GPU, and a fraction there capped
+// nothing (a hold of 1 GiB past a fraction of 0 was taken).
+TEST_F(CApiTest, FiguresAndFractionsOfADeviceTheDriverLacksAreRefused) {
+  const int count = vmm::GetHostDriver()->DeviceCount();
+  for (int dev : {count, count + 1, 63}) {
+    SCOPED_TRACE(dev);
+    EXPECT_EQ(vmm_set_memory_fraction(0.0, dev), -1);
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+    EXPECT_EQ(vmm_device_hold(dev, int64_t{1} << 30), -1);
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+    EXPECT_EQ(vmm_device_hold_allocated(dev, 10), -1);
+    EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+    int64_t allocated = -1, reserved = -1;
+    ASSERT_EQ(vmm_device_usage(dev, &allocated, &reserved), 0);
+    EXPECT_EQ(allocated, 0) << "nothing was counted";
+    EXPECT_EQ(reserved, 0);
+  }
+  // The last device the driver has takes them.
+  ASSERT_EQ(vmm_device_hold(count - 1, 10), 0) << vmm_last_error();
+  ASSERT_EQ(vmm_device_hold(count - 1, -10), 0) << vmm_last_error();
+}
+
 // Another allocator's blocks counted in the GPU's allocated bytes: their peak is the GPU's
 // (the JSON statistics' allocated peak rises, its current does not: the caller adds that);
 // a bad device, more given back than was counted and a count no GPU could have are refused

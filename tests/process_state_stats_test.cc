@@ -597,5 +597,52 @@ TEST(DeviceCapTest, AResetOfTheJointPeakRacingAnAddLosesNothing) {
                            << " < current " << first_current;
 }
 
+// DeviceCap's limit near the largest size: what would pass it is refused, not let through by
+// the sum of what is held and what is asked wrapping around.
+TEST(DeviceCapTest, ALimitNearTheLargestSizeIsNotPassedByWrapping) {
+  DeviceCap cap;
+  cap.SetLimit(SIZE_MAX - 1);
+  cap.AddExternal(10);
+  EXPECT_FALSE(cap.Allows(SIZE_MAX - 5));
+  EXPECT_FALSE(cap.Allows(SIZE_MAX - 10));
+  EXPECT_TRUE(cap.Allows(SIZE_MAX - 11)) << "exactly up to the limit";
+  cap.SetLimit(5);
+  EXPECT_FALSE(cap.Allows(0)) << "already past the limit";
+}
+
+// DeviceCap's resets racing another allocator's block taken back and its segment released:
+// after a reset the allocated peak is at most the reserved one, as the currents are (the
+// reserved peak reset after the allocated one could fall below it: 64 MiB allocated at peak
+// over a reserved peak of 0, until the next growth).
+TEST(DeviceCapTest, AResetRacingAGiveBackKeepsTheAllocatedPeakWithinTheReserved) {
+  const int kIters = VMM_UNDER_TSAN ? 20000 : 200000;
+  DeviceCap cap;
+  constexpr int64_t kX = 64 << 20;
+  std::atomic<bool> stop{false};
+  std::thread churn([&] {
+    while (!stop.load(std::memory_order_relaxed)) {
+      cap.AddExternal(kX);  // a segment, then a block in it; the block back, then the segment
+      cap.AddExternalAllocated(kX);
+      cap.AddExternalAllocated(-kX);
+      cap.AddExternal(-kX);
+    }
+  });
+  int64_t violations = 0, first_allocated = -1, first_reserved = -1;
+  for (int i = 0; i < kIters; ++i) {
+    cap.ResetPeaks();
+    // The allocated peak first: the reserved one only rises until this thread resets it.
+    const int64_t allocated = cap.allocated().peak();
+    const int64_t reserved = cap.reserved().peak();
+    if (allocated > reserved && violations++ == 0) {
+      first_allocated = allocated;
+      first_reserved = reserved;
+    }
+  }
+  stop.store(true);
+  churn.join();
+  EXPECT_EQ(violations, 0) << "of " << kIters << "; first: allocated peak " << first_allocated
+                           << " > reserved peak " << first_reserved;
+}
+
 }  // namespace
 }  // namespace vmm

@@ -62,6 +62,20 @@ absl::Status BadDevice(int device) {
   return absl::InvalidArgumentError(absl::StrCat("device ", device, " is out of range"));
 }
 
+// A device the default driver has (0 <= device < its DeviceCount()), or InvalidArgument; the
+// driver's error where there is none. For what sets a GPU's figures or limits for later
+// (another allocator's counts, a memory fraction): a number past the GPU's count names no GPU,
+// and its figures or fraction would apply to nothing (PyTorch's allocator refuses it too).
+absl::Status CheckDeviceExists(int device) {
+  if (device < 0 || device >= ProcessState::kMaxDevices) return BadDevice(device);
+  VMM_ASSIGN_OR_RETURN(Driver * driver, DefaultDriver());
+  if (device >= driver->DeviceCount()) {
+    return absl::InvalidArgumentError(absl::StrCat("device ", device, " is out of range (",
+                                                   driver->DeviceCount(), " devices)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 ProcessState& ProcessState::Get() {
@@ -189,7 +203,7 @@ absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory fraction ", fraction, " is outside [0, 1]"));
   }
-  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  VMM_RETURN_IF_ERROR(CheckDeviceExists(device));
   MutexLock lock(&mu_);
   fractions_[device] = fraction;
   Pool* pool = device_pools_[device].load();
@@ -237,7 +251,7 @@ absl::Status CheckExternalDelta(absl::string_view what, int device, int64_t now,
 }  // namespace
 
 absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
-  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  VMM_RETURN_IF_ERROR(CheckDeviceExists(device));
   MutexLock lock(&mu_);
   std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(CheckExternalDelta("segments", device, external_held_[device], delta));
@@ -254,7 +268,7 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
 }
 
 absl::Status ProcessState::CountExternalAllocated(int device, int64_t delta) {
-  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  VMM_RETURN_IF_ERROR(CheckDeviceExists(device));
   MutexLock lock(&mu_);
   std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(
