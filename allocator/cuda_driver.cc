@@ -1130,4 +1130,8 @@ absl::StatusOr<Driver*> GetCudaDriver() {
   return *driver;
 }
 
+const absl::StatusOr<Driver*>* LoadedCudaDriver() {
+  return cuda_driver.load(std::memory_order_acquire);
+}
+
 }  // namespace vmm

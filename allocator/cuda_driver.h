@@ -19,6 +19,9 @@ namespace vmm {
 // Returns the process-wide CUDA backend, loading and initialising the driver on first use.
 // FailedPrecondition when libcuda.so.1 cannot be loaded, cuInit fails, or there is no device.
 absl::StatusOr<Driver*> GetCudaDriver();
+// What GetCudaDriver() gave, or nullptr where it has not been called yet: asks nothing of
+// CUDA (no cuInit), for callers that must not be the first to load the driver.
+const absl::StatusOr<Driver*>* LoadedCudaDriver();
 
 }  // namespace vmm
 

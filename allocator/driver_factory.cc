@@ -25,10 +25,19 @@ absl::StatusOr<Driver*> DriverFor(Backend backend) {
   return backend == Backend::kHost ? GetHostDriver() : GetCudaDriver();
 }
 
-absl::StatusOr<Driver*> DefaultDriver() {
+namespace {
+
+// DefaultDriver(), or, where `may_load` is false and the CUDA driver has not been asked for
+// yet, Unavailable.
+absl::StatusOr<Driver*> ChooseDefaultDriver(bool may_load) {
   // Read on every call (not cached), so a process or test may change it between calls.
   const char* forced = std::getenv("VMM_BACKEND");
-  if (forced != nullptr && forced[0] != '\0') {
+  const bool forced_any = forced != nullptr && forced[0] != '\0';
+  const bool needs_cuda = !forced_any || absl::string_view(forced) == "cuda";
+  if (needs_cuda && !may_load && LoadedCudaDriver() == nullptr) {
+    return absl::UnavailableError("the CUDA driver is not loaded yet");
+  }
+  if (forced_any) {
     absl::StatusOr<Driver*> driver = DriverByName(forced);
     if (!driver.ok()) {
       return absl::Status(driver.status().code(),
@@ -48,5 +57,11 @@ absl::StatusOr<Driver*> DefaultDriver() {
   }
   return GetHostDriver();
 }
+
+}  // namespace
+
+absl::StatusOr<Driver*> DefaultDriver() { return ChooseDefaultDriver(/*may_load=*/true); }
+
+absl::StatusOr<Driver*> DefaultDriverIfLoaded() { return ChooseDefaultDriver(/*may_load=*/false); }
 
 }  // namespace vmm

@@ -21,6 +21,11 @@ absl::StatusOr<Driver*> DriverFor(Backend backend);
 // The best available backend (see the file comment). Never fails for lack of a GPU.
 absl::StatusOr<Driver*> DefaultDriver();
 
+// DefaultDriver()'s answer where giving it loads nothing: Unavailable where the CUDA driver
+// would have to be loaded first (cuInit, which a program may mean to run only after a fork or
+// once CUDA_VISIBLE_DEVICES is set). For checks that can wait until the driver is in use.
+absl::StatusOr<Driver*> DefaultDriverIfLoaded();
+
 }  // namespace vmm
 
 #endif  // VMM_ALLOCATOR_DRIVER_FACTORY_H_

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "allocator/cuda_driver.h"
 #include "allocator/descriptor.h"
 #include "allocator/driver_factory.h"
 #include "allocator/import_closer.h"
@@ -216,6 +217,28 @@ TEST_F(ProcessStateTest, ConfigureWorksOnlyBeforeTheFirstDevicePool) {
   EXPECT_EQ(state_.DevicePoolIfAny(1), nullptr);
   EXPECT_EQ(state_.Configure("growth_fraction=0").code(), absl::StatusCode::kFailedPrecondition);
   ASSERT_TRUE(state_.SetMemoryFraction(0.5, 0).ok());
+  unsetenv("VMM_BACKEND");
+}
+
+// A memory fraction set before anything else (vmm_torch.set_per_process_memory_fraction,
+// which may run before CUDA is) loads no driver: cuInit then would break a fork() the program
+// makes later and fix CUDA_VISIBLE_DEVICES early. Its device is checked against the driver
+// once one is loaded. In a process of its own (re-run, not forked), where nothing loaded one.
+TEST(ProcessStateFreshTest, AFractionSetBeforeTheDriverIsLoadedLoadsNone) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        unsetenv("VMM_BACKEND");
+        ProcessState state;
+        const bool set = state.SetMemoryFraction(0.5, 3).ok();
+        _exit(!set ? 1 : LoadedCudaDriver() != nullptr ? 2 : 0);
+      },
+      ::testing::ExitedWithCode(0), "");
+  // With a driver in use (the host backend here), the same device is refused.
+  setenv("VMM_BACKEND", "host", 1);
+  ProcessState state;
+  EXPECT_EQ(state.SetMemoryFraction(0.5, 3).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(state.SetMemoryFraction(0.5, 0).ok());
   unsetenv("VMM_BACKEND");
 }
 

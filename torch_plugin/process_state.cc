@@ -66,12 +66,18 @@ absl::Status BadDevice(int device) {
 // driver's error where there is none. For what sets a GPU's figures or limits for later
 // (another allocator's counts, a memory fraction): a number past the GPU's count names no GPU,
 // and its figures or fraction would apply to nothing (PyTorch's allocator refuses it too).
-absl::Status CheckDeviceExists(int device) {
+// Where `may_load` is false and the driver is not loaded yet, only the range is checked
+// (loading it would run cuInit for the caller; what the fraction applies to later, a pool
+// or another allocator's counts, is checked then).
+absl::Status CheckDeviceExists(int device, bool may_load) {
   if (device < 0 || device >= ProcessState::kMaxDevices) return BadDevice(device);
-  VMM_ASSIGN_OR_RETURN(Driver * driver, DefaultDriver());
-  if (device >= driver->DeviceCount()) {
-    return absl::InvalidArgumentError(absl::StrCat("device ", device, " is out of range (",
-                                                   driver->DeviceCount(), " devices)"));
+  absl::StatusOr<Driver*> driver = may_load ? DefaultDriver() : DefaultDriverIfLoaded();
+  if (!may_load && absl::IsUnavailable(driver.status())) return absl::OkStatus();
+  VMM_RETURN_IF_ERROR(driver.status());
+  const int count = (*driver)->DeviceCount();
+  if (device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device ", device, " is out of range (", count, " devices)"));
   }
   return absl::OkStatus();
 }
@@ -203,7 +209,7 @@ absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
     return absl::InvalidArgumentError(
         absl::StrCat("memory fraction ", fraction, " is outside [0, 1]"));
   }
-  VMM_RETURN_IF_ERROR(CheckDeviceExists(device));
+  VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/false));
   MutexLock lock(&mu_);
   fractions_[device] = fraction;
   Pool* pool = device_pools_[device].load();
@@ -251,7 +257,9 @@ absl::Status CheckExternalDelta(absl::string_view what, int device, int64_t now,
 }  // namespace
 
 absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
-  VMM_RETURN_IF_ERROR(CheckDeviceExists(device));
+  // Bytes given back need only the range: a device that holds none refuses them below.
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  if (delta > 0) VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/true));
   MutexLock lock(&mu_);
   std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(CheckExternalDelta("segments", device, external_held_[device], delta));
@@ -268,7 +276,8 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
 }
 
 absl::Status ProcessState::CountExternalAllocated(int device, int64_t delta) {
-  VMM_RETURN_IF_ERROR(CheckDeviceExists(device));
+  if (device < 0 || device >= kMaxDevices) return BadDevice(device);
+  if (delta > 0) VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/true));
   MutexLock lock(&mu_);
   std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(
@@ -606,6 +615,9 @@ PoolStats ProcessState::DeviceStats(int device) {
   if (std::shared_ptr<DeviceCap> cap = CapOf(device); cap != nullptr) {
     total.allocated_bytes.peak = std::max(cap->allocated().peak(), total.allocated_bytes.current);
     total.reserved_bytes.peak = std::max(cap->reserved().peak(), total.reserved_bytes.current);
+    // Read apart from a reset of the two (ResetDevicePeaks), which sets reserved first: the
+    // allocated peak held within the reserved one, as after the reset.
+    HoldPeakWithin(total.allocated_bytes, total.reserved_bytes);
     // Figures that are parts of those (an arena's share, the bytes requested of what was
     // allocated) peak no higher than the whole, as PyTorch's do; their own peaks are sums.
     HoldPeakWithin(total.requested_bytes, total.allocated_bytes);

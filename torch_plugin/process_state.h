@@ -129,21 +129,22 @@ class ProcessState {
   absl::StatusOr<void*> DeviceAllocate(int device, size_t size, Stream stream);
   // Caps `device`'s pool at `fraction` (0 <= fraction <= 1; 0 lets nothing more be mapped) of
   // the memory of the device, now or when the pool is created. InvalidArgument for a fraction
-  // outside [0, 1] or a device the default driver does not have.
+  // outside [0, 1] or a device the default driver does not have (only the range where no
+  // driver is loaded yet: loading CUDA's runs cuInit).
   absl::Status SetMemoryFraction(double fraction, int device);
   // Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (a
   // torch.cuda.MemPool over a CUDAPluggableAllocator) in the GPU's cap, as PyTorch's
   // allocator counts such segments against the memory fraction: a delta > 0 that would pass
   // the fraction is refused (ResourceExhausted) and not counted; a delta < 0 gives bytes back
-  // (InvalidArgument, nothing changed, for more than was held, and for a device the default
-  // driver does not have).
+  // (InvalidArgument, nothing changed, for more than was held, and a delta > 0 for a device
+  // the default driver does not have).
   absl::Status HoldExternal(int device, int64_t delta);
   // Counts `delta` bytes of blocks handed out (> 0) or taken back (< 0) in such segments in
   // the GPU's joint allocated figure, so that its peak (max_memory_allocated) is the highest
   // that vmm's pools and those blocks reached together, as PyTorch's one set of statistics
   // per GPU gives (reserved bytes: HoldExternal's). InvalidArgument, nothing changed, for a
-  // device the default driver does not have, more than was counted given back, or past 2^56
-  // bytes.
+  // delta > 0 on a device the default driver does not have, more than was counted given
+  // back, or past 2^56 bytes.
   absl::Status CountExternalAllocated(int device, int64_t delta);
 
   // --- Explicit pools -----------------------------------------------------------------------

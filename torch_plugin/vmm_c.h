@@ -138,22 +138,24 @@ int vmm_empty_cache(int device);
 /* Caps what the device pool and the private pools of GPU `device` hold together at `fraction`
  * of its memory (0 <= fraction <= 1, 0 letting nothing more be mapped, as PyTorch takes it; a
  * pool's own memory_limit option still applies). VMM_INVALID_ARGUMENT for a fraction outside
- * [0, 1] or a device the driver does not have. */
+ * [0, 1] or a device the driver does not have (before any driver is loaded, one past the 64
+ * devices libvmm holds: loading the CUDA driver would run cuInit for the caller). */
 int vmm_set_memory_fraction(double fraction, int device);
 /* Counts `delta` bytes that another allocator holds for PyTorch on GPU `device` (the segments
  * of a torch.cuda.MemPool over a CUDAPluggableAllocator) against that GPU's memory fraction,
  * as PyTorch's allocator counts them: a delta > 0 that would take what the GPU's pools and
  * such segments hold past the fraction is refused (VMM_RESOURCE_EXHAUSTED) and not counted;
  * a delta < 0 gives bytes back (VMM_INVALID_ARGUMENT for more than is held), and holds of
- * more than 2^56 bytes on one GPU, which none has, are VMM_INVALID_ARGUMENT, as is a device the
- * driver does not have. Without a fraction set, nothing but those is refused. */
+ * more than 2^56 bytes on one GPU, which none has, are VMM_INVALID_ARGUMENT, as is a delta > 0
+ * on a device the driver does not have (the driver's own error where it cannot load). Without
+ * a fraction set, nothing but those is refused. */
 int vmm_device_hold(int device, int64_t delta);
 /* Counts `delta` bytes of blocks that such segments hand out (> 0) or take back (< 0) on GPU
  * `device` in the GPU's allocated bytes, whose peak (vmm_stats_json's allocated_bytes peak,
  * PyTorch's max_memory_allocated) is then the highest that vmm's pools and those blocks held
  * together, as the reserved peak is with vmm_device_hold's segments. VMM_INVALID_ARGUMENT,
- * nothing counted, for a device the driver does not have, a delta < 0 of more than is counted, or more than 2^56
- * bytes. */
+ * nothing counted, for a delta > 0 on a device the driver does not have, a delta < 0 of more
+ * than is counted, or more than 2^56 bytes. */
 int vmm_device_hold_allocated(int device, int64_t delta);
 /* Stats of `device`'s pool and the private pools on it (summed as vmm_device_torch_stats
  * says) as JSON: {"vmm": {...}, "torch": {PyTorch key: value}}. An unused device gives
