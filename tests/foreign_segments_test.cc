@@ -208,6 +208,25 @@ TEST_F(ForeignSegmentsTest, OutOfMemoryFailsAndKeepsTheCache) {
   EXPECT_TRUE(pool.Free(a));
 }
 
+// Sizes whose rounding would wrap around (to a segment of 0 bytes, or a block smaller than
+// asked) are out of memory: nothing is asked of the source, counted or handed out.
+TEST_F(ForeignSegmentsTest, ASizeNoGpuCouldHoldIsOutOfMemory) {
+  ForeignSegments& pool = Make();
+  for (size_t size : {~size_t{0}, ~size_t{0} - kMiB, ~size_t{0} - 511,
+                      ForeignSegments::kMaxRequest + 1}) {
+    SCOPED_TRACE(size);
+    EXPECT_EQ(pool.Allocate(size, 1), nullptr);
+  }
+  EXPECT_EQ(pool.Stats().num_ooms, 4);
+  EXPECT_TRUE(log_.allocated.empty()) << "the source was asked for " << log_.allocated[0];
+  EXPECT_TRUE(log_.counted.empty());
+  EXPECT_EQ(pool.Stats().requested_bytes[0].current, 0);
+  EXPECT_TRUE(pool.Snapshot().empty());
+  void* a = pool.Allocate(kMiB, 1);  // the pool still serves
+  ASSERT_NE(a, nullptr);
+  EXPECT_TRUE(pool.Free(a));
+}
+
 TEST_F(ForeignSegmentsTest, WithoutGrowthOnlyACachedBlockServes) {
   ForeignSegments& pool = Make();
   EXPECT_EQ(pool.Allocate(64 * kMiB, 1, /*may_grow=*/false), nullptr);

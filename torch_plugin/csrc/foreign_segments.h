@@ -118,6 +118,9 @@ class ForeignSegments {
   static constexpr size_t kMidRequest = size_t{10} << 20;
   static constexpr size_t kRound = size_t{2} << 20;
   static constexpr size_t kMinBlock = 512;
+  // The largest request served: past it the rounding to kRound would wrap around (a segment of
+  // 0 bytes, a block smaller than asked). No GPU holds 2^63 bytes.
+  static constexpr size_t kMaxRequest = ~size_t{0} >> 1;
 
   ForeignSegments(std::unique_ptr<ForeignSource> source, bool no_split)
       : source_(std::move(source)), no_split_(no_split) {}
@@ -145,8 +148,13 @@ class ForeignSegments {
 
   // A block of at least `size` bytes (size > 0) on `stream`, or null (see the file comment).
   // With `may_grow` false only a cached block serves (PyTorch's last resort of use_on_oom).
+  // A size past kMaxRequest is out of memory (null, counted in num_ooms), the source not asked.
   void* Allocate(size_t size, uintptr_t stream, bool may_grow = true) {
     std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (size > kMaxRequest) {
+      ++stats_.num_ooms;
+      return nullptr;
+    }
     CollectPendingLocked();
     const bool small = size <= kSmallRequest;
     const size_t rounded = RoundUp(size, kMinBlock);
