@@ -250,5 +250,34 @@ TEST(KeepWhatTheViewerCanWalkTest, LeavesOutSegmentEntriesUnderABlockAfterItsLas
                                            std::make_pair(Entry::SEGMENT_MAP, size_t{0x800000})));
 }
 
+// A range that reaches the top of the address space is matched against the blocks without
+// wrapping: its end would wrap to below its start, and it would cover no block.
+TEST(KeepWhatTheViewerCanWalkTest, ARangeAtTheTopOfTheAddressSpaceDoesNotWrap) {
+  const size_t top = SIZE_MAX - 4 * kMiB + 1;  // [top, top + 4 MiB) ends at 2^64
+  std::vector<Entry> trace = {
+      Entry(Entry::SEGMENT_MAP, 0, top, 4 * kMiB, nullptr, kDefaultPool, 0),
+      Entry(Entry::SEGMENT_MAP, 0, 0x1000, SIZE_MAX, nullptr, kDefaultPool, 0),
+  };
+  // A block in the first range, whose allocation is not in the trace.
+  const std::vector<std::pair<size_t, size_t>> blocks = {{top + kMiB, kMiB}};
+  KeepWhatTheViewerCanWalk(blocks, &trace);
+  EXPECT_TRUE(trace.empty()) << "both ranges hold the block; " << trace.size() << " kept";
+}
+
+// An entry of no device (a negative index) is in no device's trace, and its mappings wait
+// for no allocation's stack; the trackers still see it.
+TEST_F(AllocHistoryTest, AnEntryOfNoDeviceIsNotTraced) {
+  int tracked = 0;
+  history_.AddTracker([&](const Entry&) { ++tracked; });
+  Record(cca::RecordContext::ALL);
+  history_.RecordSegment(Entry::SEGMENT_MAP, -1, 0x400000, 4 * kMiB, nullptr, kDefaultPool);
+  history_.Record(Entry::ALLOC, -1, 0x400000, 4096, Stream(7), kDefaultPool, /*grew=*/true);
+  history_.Record(Entry::ALLOC, 0, 0x800000, 4096, Stream(7), kDefaultPool);
+  EXPECT_EQ(tracked, 3);
+  const std::vector<Entry> trace = Trace();
+  ASSERT_EQ(trace.size(), 1u);
+  EXPECT_EQ(trace[0].addr_, 0x800000u);
+}
+
 }  // namespace
 }  // namespace vmm_torch

@@ -225,6 +225,7 @@ TEST_F(ProcessStateTest, ConfigureWorksOnlyBeforeTheFirstDevicePool) {
 // makes later and fix CUDA_VISIBLE_DEVICES early. Its device is checked against the driver
 // once one is loaded. In a process of its own (re-run, not forked), where nothing loaded one.
 TEST(ProcessStateFreshTest, AFractionSetBeforeTheDriverIsLoadedLoadsNone) {
+  const std::string style = GTEST_FLAG_GET(death_test_style);
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(
       {
@@ -234,6 +235,7 @@ TEST(ProcessStateFreshTest, AFractionSetBeforeTheDriverIsLoadedLoadsNone) {
         _exit(!set ? 1 : LoadedCudaDriver() != nullptr ? 2 : 0);
       },
       ::testing::ExitedWithCode(0), "");
+  GTEST_FLAG_SET(death_test_style, style);  // later death tests fork again
   // With a driver in use (the host backend here), the same device is refused.
   setenv("VMM_BACKEND", "host", 1);
   ProcessState state;

@@ -256,10 +256,18 @@ absl::Status CheckExternalDelta(absl::string_view what, int device, int64_t now,
 
 }  // namespace
 
+absl::Status ProcessState::CheckExternalDevice(int device) {
+  // The caller checked the range.
+  if (external_device_known_[device].load(std::memory_order_acquire)) return absl::OkStatus();
+  VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/true));
+  external_device_known_[device].store(true, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
   // Bytes given back need only the range: a device that holds none refuses them below.
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
-  if (delta > 0) VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/true));
+  if (delta > 0) VMM_RETURN_IF_ERROR(CheckExternalDevice(device));
   MutexLock lock(&mu_);
   std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(CheckExternalDelta("segments", device, external_held_[device], delta));
@@ -277,7 +285,7 @@ absl::Status ProcessState::HoldExternal(int device, int64_t delta) {
 
 absl::Status ProcessState::CountExternalAllocated(int device, int64_t delta) {
   if (device < 0 || device >= kMaxDevices) return BadDevice(device);
-  if (delta > 0) VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/true));
+  if (delta > 0) VMM_RETURN_IF_ERROR(CheckExternalDevice(device));
   MutexLock lock(&mu_);
   std::shared_ptr<DeviceCap> cap = ExternalCapLocked(device);
   VMM_RETURN_IF_ERROR(

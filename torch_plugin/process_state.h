@@ -375,6 +375,11 @@ class ProcessState {
   // longer counts its receivers). ReExportImport's errors, naming the import.
   absl::StatusOr<BufferDescriptor> ForwardImport(int64_t id, const void* ptr);
 
+  // CheckDeviceExists(device, may_load=true) for another allocator's bytes on `device`
+  // (HoldExternal, CountExternalAllocated), asked of the driver once per device: a MemPool
+  // over another allocator counts every block it hands out, cached ones included.
+  absl::Status CheckExternalDevice(int device) ABSL_LOCKS_EXCLUDED(mu_);
+
   // The cap of GPU `device` (caps_), made on first use.
   std::shared_ptr<DeviceCap> CapForLocked(int device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The same for another allocator's memory (HoldExternal, CountExternalAllocated), in this
@@ -454,6 +459,9 @@ class ProcessState {
   // The cap set_per_process_memory_fraction puts on each GPU's device pool and private
   // pools together (allocator/device_cap.h); made with the first such pool of the GPU.
   std::array<std::shared_ptr<DeviceCap>, kMaxDevices> caps_ ABSL_GUARDED_BY(mu_){};
+  // Devices CheckExternalDevice found the driver has (the device count does not change in a
+  // process, nor in a forked child).
+  std::array<std::atomic<bool>, kMaxDevices> external_device_known_{};
   // What other allocators hold in caps_, by device (HoldExternal).
   std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
   // What other allocators' blocks in those hold in caps_' allocated bytes, by device

@@ -226,7 +226,7 @@ class History {
     std::shared_ptr<c10::GatheredContext> context;
     if (action == cda::TraceEntry::SEGMENT_FREE && when_ >= cca::RecordContext::ALLOC) {
       auto growth = growths_.lower_bound(addr);
-      if (growth != growths_.end() && growth->first < addr + size) {
+      if (growth != growths_.end() && growth->first - addr < size) {
         context = growth->second.context;
       }
     }
@@ -313,8 +313,10 @@ class History {
  private:
   void NoteContexts() { holds_contexts_.store(!contexts_.empty(), std::memory_order_relaxed); }
   // Appends `entry` to `device`'s trace, dropping the oldest past max_entries_; returns its
-  // serial on that device (EntryOf).
+  // serial on that device (EntryOf). An entry of no device (negative: none a trace is kept
+  // for) is dropped, its serial one EntryOf never finds.
   uint64_t Push(c10::DeviceIndex device, cda::TraceEntry entry) {
+    if (device < 0) return 0;
     if (static_cast<size_t>(device) >= traces_.size()) {
       traces_.resize(device + 1);
       pushed_.resize(device + 1);
@@ -412,13 +414,15 @@ void KeepWhatTheViewerCanWalk(const std::vector<std::pair<size_t, size_t>>& bloc
     bool keep = true;
     if (e.action_ == Entry::SEGMENT_MAP || e.action_ == Entry::SEGMENT_UNMAP ||
         e.action_ == Entry::SEGMENT_ALLOC || e.action_ == Entry::SEGMENT_FREE) {
-      const size_t end = e.addr_ + e.size_;
-      // The blocks overlapping [addr_, end): from the last one starting at or before addr_.
+      // The blocks overlapping [addr_, addr_ + size_): from the last one starting at or
+      // before addr_. Differences, not sums, so that no range near the top of the address
+      // space wraps.
       auto b = std::upper_bound(blocks.begin(), blocks.end(),
                                 std::make_pair(e.addr_, SIZE_MAX));
       if (b != blocks.begin()) --b;
-      for (; keep && b != blocks.end() && b->first < end; ++b) {
-        const bool overlaps = b->first + b->second > e.addr_;
+      for (; keep && b != blocks.end() && (b->first < e.addr_ || b->first - e.addr_ < e.size_);
+           ++b) {
+        const bool overlaps = b->first > e.addr_ || b->second > e.addr_ - b->first;
         if (overlaps && last_alloc[static_cast<size_t>(b - blocks.begin())] <
                             static_cast<int64_t>(i)) {
           keep = false;
