@@ -71,8 +71,8 @@ TEST_F(AllocHistoryTest, SegmentEntriesGetTheStackOfTheAllocationThatGrew) {
   EXPECT_EQ(trace[2].action_, Entry::ALLOC);
   EXPECT_EQ(LabelOf(trace[2].context_), "stack 1");
   // The segment's frames in a snapshot: the stack of the allocation that grew it.
-  EXPECT_EQ(LabelOf(history_.GrowthOf(0x100000, 0x100000 + 2 * kMiB)), "stack 1");
-  EXPECT_EQ(LabelOf(history_.GrowthOf(0x100000 + 2 * kMiB, 0x400000)), "none");
+  EXPECT_EQ(LabelOf(history_.GrowthOf(0x100000, 2 * kMiB)), "stack 1");
+  EXPECT_EQ(LabelOf(history_.GrowthOf(0x100000 + 2 * kMiB, kMiB)), "none");
 }
 
 TEST_F(AllocHistoryTest, WithoutStacksASegmentMapStillGetsItsAllocationsStream) {
@@ -250,13 +250,13 @@ TEST(KeepWhatTheViewerCanWalkTest, LeavesOutSegmentEntriesUnderABlockAfterItsLas
                                            std::make_pair(Entry::SEGMENT_MAP, size_t{0x800000})));
 }
 
-// A range that reaches the top of the address space is matched against the blocks without
-// wrapping: its end would wrap to below its start, and it would cover no block.
+// Ranges that reach the top of the address space are matched against the blocks without
+// wrapping: their end would wrap to 0, and they would cover no block.
 TEST(KeepWhatTheViewerCanWalkTest, ARangeAtTheTopOfTheAddressSpaceDoesNotWrap) {
   const size_t top = SIZE_MAX - 4 * kMiB + 1;  // [top, top + 4 MiB) ends at 2^64
   std::vector<Entry> trace = {
       Entry(Entry::SEGMENT_MAP, 0, top, 4 * kMiB, nullptr, kDefaultPool, 0),
-      Entry(Entry::SEGMENT_MAP, 0, 0x1000, SIZE_MAX, nullptr, kDefaultPool, 0),
+      Entry(Entry::SEGMENT_MAP, 0, top - kMiB, 5 * kMiB, nullptr, kDefaultPool, 0),
   };
   // A block in the first range, whose allocation is not in the trace.
   const std::vector<std::pair<size_t, size_t>> blocks = {{top + kMiB, kMiB}};
@@ -264,19 +264,54 @@ TEST(KeepWhatTheViewerCanWalkTest, ARangeAtTheTopOfTheAddressSpaceDoesNotWrap) {
   EXPECT_TRUE(trace.empty()) << "both ranges hold the block; " << trace.size() << " kept";
 }
 
-// An entry of no device (a negative index) is in no device's trace, and its mappings wait
-// for no allocation's stack; the trackers still see it.
+// An entry of no device (a negative index) is in no device's trace, nor counted among the
+// segment entries; the trackers still see it.
 TEST_F(AllocHistoryTest, AnEntryOfNoDeviceIsNotTraced) {
   int tracked = 0;
   history_.AddTracker([&](const Entry&) { ++tracked; });
   Record(cca::RecordContext::ALL);
+  const uint64_t start = history_.SegmentSerial();
   history_.RecordSegment(Entry::SEGMENT_MAP, -1, 0x400000, 4 * kMiB, nullptr, kDefaultPool);
   history_.Record(Entry::ALLOC, -1, 0x400000, 4096, Stream(7), kDefaultPool, /*grew=*/true);
   history_.Record(Entry::ALLOC, 0, 0x800000, 4096, Stream(7), kDefaultPool);
   EXPECT_EQ(tracked, 3);
+  EXPECT_EQ(history_.SegmentSerial(), start);
   const std::vector<Entry> trace = Trace();
   ASSERT_EQ(trace.size(), 1u);
   EXPECT_EQ(trace[0].addr_, 0x800000u);
+}
+
+// A growth at the top of the address space is found in its segment and kept while the
+// segment is (the segment's end would wrap to 0).
+TEST_F(AllocHistoryTest, AGrowthAtTheTopOfTheAddressSpaceIsFoundAndKept) {
+  Record(cca::RecordContext::ALL);
+  const size_t top = SIZE_MAX - 4 * kMiB + 1;  // [top, top + 4 MiB) ends at 2^64
+  history_.Record(Entry::ALLOC, 0, top + kMiB, 4096, Stream(7), kDefaultPool, /*grew=*/true);
+  EXPECT_EQ(LabelOf(history_.GrowthOf(top, 4 * kMiB)), "stack 1");
+  history_.KeepGrowthsIn({{top, 4 * kMiB}}, history_.GrowthMark());
+  EXPECT_EQ(LabelOf(history_.GrowthOf(top, 4 * kMiB)), "stack 1") << "its segment is there";
+  history_.KeepGrowthsIn({{0x100000, 2 * kMiB}}, history_.GrowthMark());
+  EXPECT_EQ(LabelOf(history_.GrowthOf(top, 4 * kMiB)), "none") << "its segment went";
+}
+
+// A segment entry that starts inside a block, or ends where one starts, is matched as the
+// viewer walks: under the block if they overlap, else not.
+TEST(KeepWhatTheViewerCanWalkTest, ABlockStartingBeforeTheEntryCoversItOnlyWhereTheyOverlap) {
+  auto entry = [](Entry::Action action, size_t addr, size_t size) {
+    return Entry(action, 0, addr, size, nullptr, kDefaultPool, 0);
+  };
+  std::vector<Entry> trace = {
+      entry(Entry::SEGMENT_MAP, 0x100000, kMiB),  // 0: starts inside block A
+      entry(Entry::SEGMENT_MAP, 0x400000, kMiB),  // 1: starts where A ends
+      entry(Entry::SEGMENT_MAP, 0x700000, kMiB),  // 2: ends where B starts
+  };
+  // Block A [0, 4 MiB) and block B [8 MiB, 9 MiB), neither allocated in the trace.
+  const std::vector<std::pair<size_t, size_t>> blocks = {{0x000000, 4 * kMiB},
+                                                         {0x800000, kMiB}};
+  KeepWhatTheViewerCanWalk(blocks, &trace);
+  std::vector<size_t> kept;
+  for (const Entry& e : trace) kept.push_back(e.addr_);
+  EXPECT_THAT(kept, ::testing::ElementsAre(size_t{0x400000}, size_t{0x700000}));
 }
 
 }  // namespace

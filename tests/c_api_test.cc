@@ -5,6 +5,10 @@
 // every test leaves it as it found it (no live block, no private pool).
 #include "torch_plugin/vmm_c.h"
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -479,7 +483,8 @@ TEST_F(CApiTest, StatisticsOfADeviceOutOfRangeAreAnUnusedGpus) {
     EXPECT_EQ(vmm_alloc(kMiB, dev, nullptr), nullptr);
     EXPECT_EQ(vmm_set_memory_fraction(0.5, dev), -1);
     EXPECT_EQ(vmm_device_hold(dev, 10), -1);
-    EXPECT_EQ(vmm_empty_cache(dev), 0);
+    // Emptying the cache is an action, refused as an allocation is (a negative device: all).
+    EXPECT_EQ(vmm_empty_cache(dev), dev < 0 ? 0 : -1);
   }
 }
 
@@ -1085,9 +1090,20 @@ TEST_F(CApiTest, FiguresAndFractionsOfADeviceTheDriverLacksAreRefused) {
     EXPECT_EQ(allocated, 0) << "nothing was counted";
     EXPECT_EQ(reserved, 0);
   }
-  // The last device the driver has takes them.
-  ASSERT_EQ(vmm_device_hold(count - 1, 10), 0) << vmm_last_error();
-  ASSERT_EQ(vmm_device_hold(count - 1, -10), 0) << vmm_last_error();
+  // Refused again (a refusal is not remembered as a check passed).
+  EXPECT_EQ(vmm_device_hold(count, 10), -1);
+  EXPECT_EQ(vmm_device_hold_allocated(count, 10), -1);
+  // The last device the driver has takes them, again and again.
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(vmm_device_hold(count - 1, 10), 0) << vmm_last_error();
+    ASSERT_EQ(vmm_device_hold(count - 1, -10), 0) << vmm_last_error();
+  }
+  // Emptying the cache of a device there is not is refused too.
+  EXPECT_EQ(vmm_empty_cache(count), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_empty_cache(1000), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_EQ(vmm_empty_cache(count - 1), 0) << vmm_last_error();
 }
 
 // Another allocator's blocks counted in the GPU's allocated bytes: their peak is the GPU's
@@ -1124,6 +1140,139 @@ TEST_F(CApiTest, AnotherAllocatorsBlocksCountInTheGpusAllocatedPeak) {
 
 // Parts received from another process are hostile: a null handle among them, or more handles
 // than a descriptor can count, is an error, never an exception through the C interface.
+// A closed pool (destroyed, a released MemPool) takes no new block: a block to send that
+// moves beside one of its blocks comes from the GPU's device pool, and outlives the pool.
+TEST_F(CApiTest, ABlockBesideOneOfAClosedPoolComesFromTheDevicePool) {
+  const int64_t p = vmm_pool_create(VMM_BACKEND_HOST, 0, "handle_type=posix_fd,reserve_size=1G");
+  ASSERT_GT(p, 0) << vmm_last_error();
+  void* c = PoolAlloc(p, 4096);
+  ASSERT_EQ(vmm_pool_destroy(p), 0);  // closed: destroyed with its last block
+  const int64_t priv = UsePrivate(2, 0, "handle_type=posix_fd");
+  void* q = PoolAlloc(priv, 4096);
+  ASSERT_EQ(vmm_private_pool_release(0, 2, 0), 0);  // closed: its last block remains
+  for (void* old : {c, q}) {
+    void* beside = vmm_alloc_beside(old, 4096, nullptr);
+    ASSERT_NE(beside, nullptr) << vmm_last_error();
+    vmm_block_free(old);  // its pool's last block: the pool goes
+    EXPECT_EQ(vmm_owns(old), 0) << "the closed pool is gone";
+    EXPECT_EQ(vmm_owns(beside), 1) << "the new block is the device pool's";
+    std::memset(beside, 0x5a, 4096);
+    vmm_block_free(beside);
+  }
+}
+
+// The same while the closed pool's last block is freed on another thread: the new block is
+// never one of a pool destroyed under it (a bare count let the pool go between the two), and
+// a request that comes after the free is refused (the address is no pool's).
+TEST_F(CApiTest, ABlockBesideIsNeverOneOfAPoolDestroyedMeanwhile) {
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t p =
+        vmm_pool_create(VMM_BACKEND_HOST, 0, "handle_type=posix_fd,reserve_size=64M");
+    ASSERT_GT(p, 0) << vmm_last_error();
+    void* c = PoolAlloc(p, 4096);
+    ASSERT_EQ(vmm_pool_destroy(p), 0);
+    void* beside = nullptr;
+    std::string error;
+    std::thread mover([&] {
+      beside = vmm_alloc_beside(c, 4096, nullptr);
+      if (beside == nullptr) error = vmm_last_error();
+    });
+    for (volatile int k = 0; k < (i % 64) * 4; k = k + 1) {
+    }
+    vmm_block_free(c);
+    mover.join();
+    if (beside == nullptr) {  // after the free: no pool has that address any more
+      EXPECT_NE(error.find("which no vmm pool allocated"), std::string::npos) << error;
+      continue;
+    }
+    ASSERT_EQ(vmm_owns(beside), 1) << "iteration " << i << ": a block of no pool";
+    std::memset(beside, 0x5a, 4096);
+    vmm_block_free(beside);
+  }
+}
+
+// Only the start of a live block is vmm's to send, in a pool without handles too.
+TEST_F(CApiTest, AnAddressInsideABlockOfAPoolWithoutHandlesIsNotVmms) {
+  const int64_t p = vmm_pool_create(VMM_BACKEND_HOST, 0, "handle_type=none,reserve_size=1G");
+  ASSERT_GT(p, 0) << vmm_last_error();
+  auto* a = static_cast<char*>(PoolAlloc(p, 4096));
+  EXPECT_EQ(vmm_send_kind(a), VMM_SEND_NOT_EXPORTABLE);
+  EXPECT_EQ(vmm_send_prepare(a), VMM_SEND_NOT_EXPORTABLE);
+  EXPECT_EQ(vmm_send_kind(a + 512), VMM_SEND_NOT_VMM) << "inside the block";
+  EXPECT_EQ(vmm_send_prepare(a + 512), VMM_SEND_NOT_VMM) << "inside the block";
+  EXPECT_EQ(vmm_send_kind(a + 1000000), VMM_SEND_NOT_VMM) << "no block there";
+  vmm_block_free(a);
+  ASSERT_EQ(vmm_pool_destroy(p), 0);
+}
+
+// In a forked child, a block of a pool the parent made reads as in the parent, and its
+// export is refused as a precondition (the plugin then sends a copy, as PyTorch sends a CPU
+// tensor).
+TEST_F(CApiTest, AForkedChildsExportOfItsParentsBlockIsRefused) {
+  const int64_t p = vmm_pool_create(VMM_BACKEND_HOST, 0, "handle_type=posix_fd,reserve_size=1G");
+  ASSERT_GT(p, 0) << vmm_last_error();
+  void* b = PoolAlloc(p, 4 * kMiB, /*shareable=*/1);
+  ASSERT_EQ(vmm_send_kind(b), VMM_SEND_IN_PLACE);
+  const pid_t child = fork();
+  if (child == 0) {
+    const int kind = vmm_send_kind(b);
+    uint8_t* out = nullptr;
+    size_t len = 0;
+    uint8_t ticket[VMM_TICKET_BYTES];
+    const int sent = vmm_export_send(b, &out, &len, ticket);
+    _exit(kind == VMM_SEND_IN_PLACE && sent == -1 &&
+                  vmm_last_error_code() == VMM_FAILED_PRECONDITION
+              ? 0
+              : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  vmm_block_free(b);
+  ASSERT_EQ(vmm_pool_destroy(p), 0);
+}
+
+// In a forked child, a private pool the parent made is not the child's: not found, no uses,
+// not released there; a use there makes the child's own.
+TEST_F(CApiTest, AForkedChildDoesNotFindItsParentsPrivatePool) {
+  const int64_t parents = UsePrivate(0, 7);
+  const pid_t child = fork();
+  if (child == 0) {
+    const int uses = vmm_private_pool_use_count(0, 0, 7);
+    const int64_t found = vmm_private_pool_find(0, 0, 7);
+    const int released = vmm_private_pool_release(0, 0, 7);
+    const int64_t own = vmm_private_pool_use(VMM_BACKEND_HOST, 0, 0, 7, nullptr);
+    void* block = own > 0 ? vmm_pool_alloc(own, 4096, nullptr, 0) : nullptr;
+    const bool ok = uses == 0 && found == -1 && released == -1 && own > 0 && own != parents &&
+                    block != nullptr && vmm_private_pool_find(0, 0, 7) == own;
+    _exit(ok ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(vmm_private_pool_find(0, 0, 7), parents);
+  EXPECT_EQ(vmm_private_pool_release(0, 0, 7), 0) << vmm_last_error();
+}
+
+// An error names the value it was given: a fraction just past 1, a change of -2^63 bytes.
+TEST_F(CApiTest, ErrorsNameTheValueGiven) {
+  EXPECT_EQ(vmm_set_memory_fraction(1.0000000000000002, 0), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(vmm_last_error()).find("1.0000000000000002"), std::string::npos)
+      << vmm_last_error();
+  EXPECT_EQ(vmm_device_hold(0, INT64_MIN), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(vmm_last_error()).find("a change of -8192.00 PiB"), std::string::npos)
+      << vmm_last_error();
+}
+
+// vmm_block_free is a deleter: NULL is nothing to free, as for free().
+TEST_F(CApiTest, BlockFreeOfNullIsNothing) {
+  ::testing::internal::CaptureStderr();
+  vmm_block_free(nullptr);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
 TEST_F(CApiTest, DescriptorFromHandlesRefusesNullHandlesAndImpossibleCounts) {
   const uint8_t handle[64] = {};
   const uint8_t* handles[2] = {handle, nullptr};

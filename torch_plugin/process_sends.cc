@@ -50,28 +50,29 @@ absl::Status SharedChunkError(const void* ptr) {
 ProcessState::SendKind ProcessState::KindOfSend(const void* ptr) {
   if (ptr == nullptr) return SendKind::kNotVmm;
   PoolRef owner = Owner(ptr);
-  if (owner.pool != nullptr) {
-    if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
-    if (!owner.pool->options().isolate_sends) {
-      return owner.pool->BlockSize(ptr).ok() ? SendKind::kInPlace : SendKind::kNotVmm;
-    }
-    absl::StatusOr<bool> shares = owner.pool->SharesChunks(ptr);
-    if (!shares.ok()) return SendKind::kNotVmm;  // not the start of a live block
-    return *shares || owner.pool->InSmallArena(ptr) ? SendKind::kRelocate : SendKind::kInPlace;
-  }
+  if (owner.pool != nullptr) return KindOfSendIn(*owner.pool, ptr);
   MutexLock lock(&mu_);
   return ImportAtLocked(ptr) != 0 ? SendKind::kImport : SendKind::kNotVmm;
+}
+
+ProcessState::SendKind ProcessState::KindOfSendIn(Pool& pool, const void* ptr) {
+  // Only the start of a live block is vmm's to send, whatever its pool.
+  if (!pool.BlockSize(ptr).ok()) return SendKind::kNotVmm;
+  if (pool.handle_type() == HandleType::kNone) return SendKind::kNotExportable;
+  if (!pool.options().isolate_sends) return SendKind::kInPlace;
+  absl::StatusOr<bool> shares = pool.SharesChunks(ptr);
+  if (!shares.ok()) return SendKind::kNotVmm;  // freed meanwhile
+  return *shares || pool.InSmallArena(ptr) ? SendKind::kRelocate : SendKind::kInPlace;
 }
 
 ProcessState::SendKind ProcessState::PrepareSend(const void* ptr) {
   PoolRef owner = ptr != nullptr ? Owner(ptr) : PoolRef{};
   if (owner.pool == nullptr) return KindOfSend(ptr);  // an import, or not vmm memory
-  if (owner.pool->handle_type() == HandleType::kNone) return SendKind::kNotExportable;
-  // Sent in place with its neighbours: nothing to keep away meanwhile.
-  if (!owner.pool->options().isolate_sends) return KindOfSend(ptr);
-  // A small block moves to a chunk of its own (a spare one, usually: pool.h) rather than
+  // Sent in place with its neighbours (nothing to keep away meanwhile), or not in place: a
+  // small block moves to a chunk of its own (a spare one, usually: pool.h) rather than
   // retire the rest of its small chunk.
-  if (owner.pool->InSmallArena(ptr)) return KindOfSend(ptr);
+  const SendKind kind = KindOfSendIn(*owner.pool, ptr);
+  if (kind != SendKind::kInPlace || !owner.pool->options().isolate_sends) return kind;
   // One step under the pool's lock: marked if alone, refused (nothing marked) if not.
   absl::StatusOr<ExportedBlock> marked = owner.pool->Export(
       const_cast<void*>(ptr), HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kMark);
@@ -88,17 +89,34 @@ absl::StatusOr<void*> ProcessState::AllocateBeside(const void* ptr, size_t size,
         "allocating beside ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
         ", which no vmm pool allocated"));
   }
-  absl::StatusOr<void*> block;
-  if (owner.keep == nullptr) {
-    block = owner.pool->AllocateShareable(size, stream);
-  } else {
-    // An explicit pool counts its live blocks (it is destroyed with the last once closed).
-    ++owner.keep->live;
-    block = owner.pool->AllocateShareable(size, stream);
-    if (!block.ok()) BlockGone(owner.keep);
+  bool closed = false;
+  if (owner.keep != nullptr) {
+    // An explicit pool counts its live blocks and is destroyed with the last once closed:
+    // counted under the lock that closes it, as PoolAllocate does, so that a close or a last
+    // free meanwhile does not destroy it under the new block. A closed pool takes no new
+    // block (vmm_pool_destroy, a released MemPool).
+    MutexLock lock(&mu_);
+    closed = owner.keep->closed;
+    if (!closed) ++owner.keep->live;
   }
+  Pool* pool = owner.pool;
+  if (closed) {
+    // The block moves to its GPU's device pool instead, if that pool has the same driver.
+    absl::StatusOr<Pool*> device_pool = DevicePool(owner.pool->device());
+    if (!device_pool.ok() || (*device_pool)->driver() != owner.pool->driver()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "allocating beside ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+          ": its pool is closed (it takes no new block) and device ", owner.pool->device(),
+          "'s pool is of another backend",
+          device_pool.ok() ? "" : absl::StrCat(" or failed: ", device_pool.status().message())));
+    }
+    pool = *device_pool;
+    owner.keep = nullptr;
+  }
+  absl::StatusOr<void*> block = pool->AllocateShareable(size, stream);
+  if (!block.ok() && owner.keep != nullptr) BlockGone(owner.keep);
   if (block.ok()) {
-    const size_t g = owner.pool->granularity();
+    const size_t g = pool->granularity();
     holds_.Moved(*block, (size + g - 1) / g * g);  // whole chunks of its own, until sent
   }
   return block;

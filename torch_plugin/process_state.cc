@@ -10,6 +10,7 @@
 
 #include "absl/base/optimization.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "allocator/byte_size.h"
 #include "allocator/capture_window.h"
 #include "allocator/driver_factory.h"
@@ -202,12 +203,16 @@ Pool* ProcessState::DevicePoolIfAny(int device) const {
   return device_pools_[device].load(std::memory_order_acquire);
 }
 
+absl::Status ProcessState::CheckDevice(int device) {
+  return CheckDeviceExists(device, /*may_load=*/false);
+}
+
 absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
   // 0 too, as PyTorch takes it: nothing more may be mapped on that GPU (cached blocks still
   // serve).
   if (!(fraction >= 0 && fraction <= 1)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("memory fraction ", fraction, " is outside [0, 1]"));
+        absl::StrFormat("memory fraction %.17g is outside [0, 1]", fraction));
   }
   VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/false));
   MutexLock lock(&mu_);
@@ -238,10 +243,10 @@ namespace {
 // beside the pools' own in the cap, could overflow).
 absl::Status CheckExternalDelta(absl::string_view what, int device, int64_t now, int64_t delta) {
   if (delta < 0 && delta < -now) {
+    // Signed, so that a change of -2^63 bytes prints as what it is.
     return absl::InvalidArgumentError(absl::StrCat(
-        "giving back ", FormatBytes(size_t{0} - static_cast<size_t>(delta)),
-        " of another allocator's ", what, " on GPU ", device, ", which holds ",
-        FormatBytes(static_cast<size_t>(now))));
+        "a change of ", FormatBytes(delta), " in another allocator's ", what, " on GPU ",
+        device, ", which holds ", FormatBytes(now), ", would take them below 0 B"));
   }
   constexpr int64_t kMaxHeld = int64_t{1} << 56;
   if (delta > 0 && delta > kMaxHeld - now) {
@@ -453,13 +458,9 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   const PrivateKey key{device, id0, id1};
   // Held while a first use creates the pool: a second use of the same MempoolId waits for it.
   MutexLock lock(&private_mu_);
-  auto it = private_.find(key);
-  if (it != private_.end()) {
-    if (!it->second.entry->pool->made_before_fork()) {
-      ++it->second.uses;
-      return it->second.entry->id;
-    }
-    private_.erase(it);  // the parent's pool: it stays (in explicit_) for its blocks' frees
+  if (auto it = PrivateEntryLocked(key); it != private_.end()) {
+    ++it->second.uses;
+    return it->second.entry->id;
   }
   Driver* driver = nullptr;
   if (backend.has_value()) {
@@ -532,11 +533,19 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   return entry->id;
 }
 
+std::map<ProcessState::PrivateKey, ProcessState::PrivateUse>::iterator
+ProcessState::PrivateEntryLocked(const PrivateKey& key) {
+  auto it = private_.find(key);
+  if (it == private_.end() || !it->second.entry->pool->made_before_fork()) return it;
+  private_.erase(it);
+  return private_.end();
+}
+
 absl::StatusOr<int> ProcessState::ReleasePrivatePool(int device, uint64_t id0, uint64_t id1) {
   std::shared_ptr<ExplicitPool> entry;
   {
     MutexLock lock(&private_mu_);
-    auto it = private_.find(PrivateKey{device, id0, id1});
+    auto it = PrivateEntryLocked(PrivateKey{device, id0, id1});
     if (it == private_.end()) {
       return absl::NotFoundError(absl::StrCat("no private pool (", id0, ", ", id1,
                                               ") on device ", device));
@@ -565,13 +574,13 @@ absl::StatusOr<int> ProcessState::ReleasePrivatePool(int device, uint64_t id0, u
 
 int ProcessState::PrivatePoolUses(int device, uint64_t id0, uint64_t id1) {
   MutexLock lock(&private_mu_);
-  auto it = private_.find(PrivateKey{device, id0, id1});
+  auto it = PrivateEntryLocked(PrivateKey{device, id0, id1});
   return it == private_.end() ? 0 : it->second.uses;
 }
 
 absl::StatusOr<int64_t> ProcessState::FindPrivatePool(int device, uint64_t id0, uint64_t id1) {
   MutexLock lock(&private_mu_);
-  auto it = private_.find(PrivateKey{device, id0, id1});
+  auto it = PrivateEntryLocked(PrivateKey{device, id0, id1});
   if (it == private_.end()) {
     return absl::NotFoundError(
         absl::StrCat("no private pool (", id0, ", ", id1, ") on device ", device));

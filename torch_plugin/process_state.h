@@ -127,6 +127,9 @@ class ProcessState {
   // Allocates from the device pool of `device` (created on first use). A request no device
   // could hold (CheckRequestSize) is InvalidArgument before the pool is created.
   absl::StatusOr<void*> DeviceAllocate(int device, size_t size, Stream stream);
+  // InvalidArgument for a device outside [0, kMaxDevices) or, once a driver is loaded, one it
+  // does not have (loading CUDA's for the check would run cuInit for the caller).
+  static absl::Status CheckDevice(int device);
   // Caps `device`'s pool at `fraction` (0 <= fraction <= 1; 0 lets nothing more be mapped) of
   // the memory of the device, now or when the pool is created. InvalidArgument for a fraction
   // outside [0, 1] or a device the default driver does not have (only the range where no
@@ -291,7 +294,10 @@ class ProcessState {
   // that its receiver sees no other tensor's bytes.
   enum class SendKind { kNotVmm, kInPlace, kRelocate, kImport, kNotExportable };
   // How the storage starting at `ptr` can be sent (never fails: kNotVmm for what vmm does not
-  // know, or an address inside a block).
+  // know, or an address inside a block; kNotExportable for a block of a pool without handles).
+  // In a forked child a block of a pool its parent made reads as in the parent, and its
+  // export is refused (FailedPrecondition: the plugin then sends it as PyTorch sends a CPU
+  // tensor, tests/python/test_fork.py).
   SendKind KindOfSend(const void* ptr);
   // KindOfSend, and in a pool that isolates sends, for a block alone in its chunks, marks
   // those chunks exported (their free space retired) so that no block can land beside it
@@ -299,7 +305,10 @@ class ProcessState {
   // calls before handing a tensor to another thread that sends it (a queue's feeder).
   SendKind PrepareSend(const void* ptr);
   // A block of at least `size` bytes in chunks of its own from the pool that owns `ptr`, for
-  // `stream` (where a kRelocate block moves to). InvalidArgument if no pool owns `ptr`.
+  // `stream` (where a kRelocate block moves to); from its GPU's device pool where that pool is
+  // closed (destroyed, a released MemPool: it takes no new block). InvalidArgument if no pool
+  // owns `ptr`; FailedPrecondition where the pool is closed and the device pool is of another
+  // backend or cannot be made.
   absl::StatusOr<void*> AllocateBeside(const void* ptr, size_t size, Stream stream);
   struct Send {
     BufferDescriptor descriptor;
@@ -362,6 +371,8 @@ class ProcessState {
     std::shared_ptr<const BufferDescriptor> received;
   };
 
+  // KindOfSend of `ptr` in `pool`, the pool that owns it.
+  SendKind KindOfSendIn(Pool& pool, const void* ptr);
   // Frees a block of any pool, held or not (FreeBlock without the hold check).
   absl::Status FreeBlockNow(void* ptr);
   // A send of the block at `ptr` ended (acknowledged or expired): drops its hold and frees the
@@ -495,6 +506,11 @@ class ProcessState {
   using PrivateKey = std::tuple<int, uint64_t, uint64_t>;
   Mutex private_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::map<PrivateKey, PrivateUse> private_ ABSL_GUARDED_BY(private_mu_);
+  // private_'s entry of `key` in this process, or private_.end(): an entry made before a fork
+  // is the parent's (its pool takes no block here), and is dropped (the pool stays in
+  // explicit_ for its blocks' frees).
+  std::map<PrivateKey, PrivateUse>::iterator PrivateEntryLocked(const PrivateKey& key)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(private_mu_);
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
   // Imports by buffer address (several imports of one buffer share an address), ordered by id
   // within one: a (address, id) set, so dropping any one of K imports of a buffer and asking

@@ -269,6 +269,9 @@ int vmm_record_stream(void* ptr, void* stream) {
 }
 
 int vmm_empty_cache(int device) {
+  if (device >= 0) {
+    if (absl::Status s = vmm::ProcessState::CheckDevice(device); !s.ok()) return vmm::Fail(s);
+  }
   const std::vector<vmm::ProcessState::PoolRef> pools =
       device >= 0 ? State().DevicePools(device) : State().AllPools();
   for (const vmm::ProcessState::PoolRef& p : pools) {
@@ -370,6 +373,7 @@ int vmm_pool_device(int64_t pool) {
 }
 
 void vmm_block_free(void* ptr) {
+  if (ptr == nullptr) return;  // as free(NULL)
   absl::Status s = State().FreeBlock(ptr);
   if (!s.ok()) vmm::LogError(s.message());
 }

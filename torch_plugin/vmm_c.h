@@ -133,7 +133,8 @@ int vmm_free(void* ptr, int device);
 /* Marks `ptr` as used by `stream` too (torch.Tensor.record_stream). */
 int vmm_record_stream(void* ptr, void* stream);
 /* Releases the cached memory of `device`'s pool and of the private pools on it (device < 0:
- * all pools, explicit and private ones too). A private pool in use releases nothing. */
+ * all pools, explicit and private ones too). A private pool in use releases nothing.
+ * VMM_INVALID_ARGUMENT for a device past 63 or, once a driver is loaded, one it does not have. */
 int vmm_empty_cache(int device);
 /* Caps what the device pool and the private pools of GPU `device` hold together at `fraction`
  * of its memory (0 <= fraction <= 1, 0 letting nothing more be mapped, as PyTorch takes it; a
@@ -191,7 +192,8 @@ int vmm_pool_handle_type(int64_t pool);
 /* Device index of the pool (-1 for the host backend's pools, -2 on failure). */
 int vmm_pool_device(int64_t pool);
 
-/* Frees a block of any vmm pool (a tensor deleter: errors are logged, not returned). */
+/* Frees a block of any vmm pool (a tensor deleter: errors are logged, not returned). NULL is
+ * nothing to free, as for free(). */
 void vmm_block_free(void* ptr);
 /* 1 if `ptr` lies in the address range of a vmm pool (device, explicit or private), else 0. */
 int vmm_owns(const void* ptr);
@@ -394,7 +396,9 @@ enum vmm_send_kind {
 #define VMM_TICKET_BYTES 64
 
 /* The vmm_send_kind of the storage starting at `ptr` (never fails: VMM_SEND_NOT_VMM for
- * anything vmm does not know, including addresses inside a block). */
+ * anything vmm does not know, including addresses inside a block). In a forked child, a block
+ * of a pool its parent made reads as in the parent, and vmm_export_send refuses it
+ * (VMM_FAILED_PRECONDITION): the plugin then sends a copy, as PyTorch sends a CPU tensor. */
 int vmm_send_kind(const void* ptr);
 /* vmm_send_kind, and in a pool that isolates sends, for VMM_SEND_IN_PLACE, also marks the
  * block's chunks exported, so that no block lands beside it before another thread sends it
@@ -402,7 +406,9 @@ int vmm_send_kind(const void* ptr);
  * pickles the tensor. */
 int vmm_send_prepare(const void* ptr);
 /* A block of at least `size` bytes in chunks of its own, from the pool that owns `ptr`, for
- * `stream`: where a VMM_SEND_RELOCATE block moves to. Freed with vmm_block_free. */
+ * `stream`: where a VMM_SEND_RELOCATE block moves to. Freed with vmm_block_free. Where that
+ * pool is closed (vmm_pool_destroy, vmm_private_pool_release) the block comes from the device
+ * pool of its GPU instead (VMM_FAILED_PRECONDITION if that pool is of another backend). */
 void* vmm_alloc_beside(const void* ptr, size_t size, void* stream);
 /* Exports the storage starting at `ptr` (VMM_SEND_IN_PLACE or VMM_SEND_IMPORT) for one
  * receiver and holds it until that receiver acknowledges `ticket` (VMM_TICKET_BYTES written)

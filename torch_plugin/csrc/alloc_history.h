@@ -206,7 +206,7 @@ class History {
         notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
-    if (traced) Push(device, std::move(entry));
+    if (traced && device >= 0) Push(device, std::move(entry));
   }
 
   // A segment entry, with the lock of the pool that made it held, so in the order the pools
@@ -236,7 +236,7 @@ class History {
         notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
-    if (!traced) return;
+    if (!traced || device < 0) return;  // a negative device: in no device's trace (Push)
     ++segment_serial_;
     const uint64_t serial = Push(device, std::move(entry));
     if (action == cda::TraceEntry::SEGMENT_MAP || action == cda::TraceEntry::SEGMENT_ALLOC) {
@@ -259,13 +259,14 @@ class History {
     return it == contexts_.end() ? nullptr : it->second;
   }
 
-  // The stack of the growth recorded lowest in [begin, end) (a snapshot segment: where vmm
-  // maps memory in runs of chunks, the allocation that mapped the lowest part still mapped),
-  // or null.
-  std::shared_ptr<c10::GatheredContext> GrowthOf(size_t begin, size_t end) {
+  // The stack of the growth recorded lowest in [begin, begin + size) (a snapshot segment:
+  // where vmm maps memory in runs of chunks, the allocation that mapped the lowest part still
+  // mapped), or null. Ranges here and below are compared by differences, not by their ends,
+  // so that none near the top of the address space wraps.
+  std::shared_ptr<c10::GatheredContext> GrowthOf(size_t begin, size_t size) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = growths_.lower_bound(begin);
-    return it == growths_.end() || it->first >= end ? nullptr : it->second.context;
+    return it == growths_.end() || it->first - begin >= size ? nullptr : it->second.context;
   }
   // The mark of the growths recorded so far (for KeepGrowthsIn), taken before the segments
   // it is given are read.
@@ -273,16 +274,17 @@ class History {
     std::lock_guard<std::mutex> lock(mu_);
     return growth_serial_;
   }
-  // Drops the growths up to `mark` outside every range of `kept` (sorted, disjoint: the
-  // segments of every pool, read after the mark), whose memory has gone back; a growth
-  // recorded since may lie in a segment read before it, and stays.
+  // Drops the growths up to `mark` outside every range of `kept` (address and size; sorted,
+  // disjoint: the segments of every pool, read after the mark), whose memory has gone back; a
+  // growth recorded since may lie in a segment read before it, and stays.
   void KeepGrowthsIn(const std::vector<std::pair<size_t, size_t>>& kept, uint64_t mark) {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = growths_.begin(); it != growths_.end();) {
       auto range =
           std::upper_bound(kept.begin(), kept.end(), std::make_pair(it->first, SIZE_MAX));
       if (it->second.serial > mark ||
-          (range != kept.begin() && it->first < std::prev(range)->second)) {
+          (range != kept.begin() &&
+           it->first - std::prev(range)->first < std::prev(range)->second)) {
         ++it;
       } else {
         growth_order_.erase(it->second.serial);
@@ -495,7 +497,7 @@ template <typename Segment>
 void AddStacks(History& history, std::vector<Segment>* segments) {
   const bool blocks_have_stacks = history.holds_contexts();
   for (Segment& segment : *segments) {
-    SetSegmentContext(history.GrowthOf(segment.address, segment.address + segment.total_size),
+    SetSegmentContext(history.GrowthOf(segment.address, segment.total_size),
                       &segment);
     if (!blocks_have_stacks) continue;
     size_t addr = segment.address;

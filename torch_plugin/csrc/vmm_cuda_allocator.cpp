@@ -441,10 +441,10 @@ class VmmAllocator : public Pluggable {
     const vmm_snapshot_entries* entries = owned.get();
     cca::SnapshotInfo out;
     int devices = 0;
-    std::vector<std::pair<size_t, size_t>> mapped;  // every segment's range
+    std::vector<std::pair<size_t, size_t>> mapped;  // every segment's address and size
     for (size_t i = 0; i < entries->num_segments; ++i) {
       const vmm_segment_entry& s = entries->segments[i];
-      mapped.emplace_back(s.address, s.address + s.total_size);
+      mapped.emplace_back(s.address, s.total_size);
       const MempoolId_t owner{s.mempool_id[0], s.mempool_id[1]};
       const bool private_pool = owner.first != 0 || owner.second != 0;
       if (s.pool != 0 && !private_pool) continue;  // an explicit pool: not PyTorch's memory
@@ -473,7 +473,7 @@ class VmmAllocator : public Pluggable {
       out.segments.push_back(std::move(segment));
     }
     for (cda::SegmentInfo& segment : foreign) {
-      mapped.emplace_back(segment.address, segment.address + segment.total_size);
+      mapped.emplace_back(segment.address, segment.total_size);
       if (!all_pools && segment.owner_private_pool_id != mempool_id) continue;
       devices = std::max(devices, segment.device + 1);
       out.segments.push_back(std::move(segment));
