@@ -195,6 +195,16 @@ TEST_F(AllocHistoryTest, EachThreadsMappingsGetItsOwnAllocationsStream) {
   }
 }
 
+// A growth is kept while any segment holds it, where another allocator's segment lies inside
+// one of vmm's (the ranges overlap) too.
+TEST_F(AllocHistoryTest, AGrowthIsKeptWhereSegmentsOverlap) {
+  Record(cca::RecordContext::ALL);
+  history_.Record(Entry::ALLOC, 0, 0x400000, 4096, Stream(7), kDefaultPool, /*grew=*/true);
+  // vmm's segment [0, 8 MiB) and another allocator's [1 MiB, 2 MiB) inside it.
+  history_.KeepGrowthsIn({{0x000000, 8 * kMiB}, {0x100000, kMiB}}, history_.GrowthMark());
+  EXPECT_EQ(LabelOf(history_.GrowthOf(0x000000, 8 * kMiB)), "stack 1");
+}
+
 // A snapshot's segment and block, with the fields AddStacks reads and sets.
 struct TestBlock {
   size_t size = 0;

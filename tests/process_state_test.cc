@@ -244,6 +244,27 @@ TEST(ProcessStateFreshTest, AFractionSetBeforeTheDriverIsLoadedLoadsNone) {
   unsetenv("VMM_BACKEND");
 }
 
+// A block moved beside one of a closed pool whose last block is freed between AllocateBeside
+// finding the pool and counting the new block there (forced by the hook): refused, the pool
+// gone, rather than a block of a pool destroyed under it.
+void* beside_hook_block = nullptr;
+TEST_F(ProcessStateTest, ABlockBesideOneOfAPoolThatWentMeanwhileIsRefused) {
+  absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
+  ASSERT_TRUE(id.ok()) << id.status();
+  absl::StatusOr<void*> last = state_.PoolAllocate(*id, 4096, 0, false);
+  ASSERT_TRUE(last.ok()) << last.status();
+  ASSERT_TRUE(state_.ClosePool(*id).ok());  // destroyed with its last block
+  beside_hook_block = *last;
+  state_.SetBesideHookForTesting([](ProcessState& state, const void*) {
+    ASSERT_TRUE(state.FreeBlock(beside_hook_block).ok());  // the pool goes now
+  });
+  absl::StatusOr<void*> beside = state_.AllocateBeside(*last, 4096, 0);
+  state_.SetBesideHookForTesting(nullptr);
+  EXPECT_EQ(beside.status().code(), absl::StatusCode::kInvalidArgument) << beside.status();
+  EXPECT_THAT(beside.status().message(), HasSubstr("its pool went with its last block"));
+  EXPECT_EQ(state_.Owner(*last).pool, nullptr);
+}
+
 TEST_F(ProcessStateTest, ExportThenImportSharesTheBytesAndCountsReferences) {
   absl::StatusOr<int64_t> id = HostPool("reserve_size=256M,handle_type=posix_fd");
   ASSERT_TRUE(id.ok()) << id.status();

@@ -89,34 +89,28 @@ absl::StatusOr<void*> ProcessState::AllocateBeside(const void* ptr, size_t size,
         "allocating beside ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
         ", which no vmm pool allocated"));
   }
-  bool closed = false;
+  if (BesideHook hook = beside_hook_.load(); hook != nullptr) hook(*this, ptr);
   if (owner.keep != nullptr) {
     // An explicit pool counts its live blocks and is destroyed with the last once closed:
-    // counted under the lock that closes it, as PoolAllocate does, so that a close or a last
-    // free meanwhile does not destroy it under the new block. A closed pool takes no new
-    // block (vmm_pool_destroy, a released MemPool).
+    // counted under the lock that closes and destroys it, and only while it is still
+    // registered (BlockGone drops it from explicit_ under that lock as its last block goes),
+    // so that a free on another thread cannot destroy it under the new block. A closed pool
+    // (destroyed with live blocks, a released MemPool) still takes a block moved beside one
+    // of its own: it stays its pool's, with its backend and options, and the pool goes with
+    // its last block.
     MutexLock lock(&mu_);
-    closed = owner.keep->closed;
-    if (!closed) ++owner.keep->live;
-  }
-  Pool* pool = owner.pool;
-  if (closed) {
-    // The block moves to its GPU's device pool instead, if that pool has the same driver.
-    absl::StatusOr<Pool*> device_pool = DevicePool(owner.pool->device());
-    if (!device_pool.ok() || (*device_pool)->driver() != owner.pool->driver()) {
-      return absl::FailedPreconditionError(absl::StrCat(
+    auto it = explicit_.find(owner.keep->id);
+    if (it == explicit_.end() || it->second != owner.keep) {
+      return absl::InvalidArgumentError(absl::StrCat(
           "allocating beside ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
-          ": its pool is closed (it takes no new block) and device ", owner.pool->device(),
-          "'s pool is of another backend",
-          device_pool.ok() ? "" : absl::StrCat(" or failed: ", device_pool.status().message())));
+          ", which no vmm pool allocated (its pool went with its last block)"));
     }
-    pool = *device_pool;
-    owner.keep = nullptr;
+    ++owner.keep->live;
   }
-  absl::StatusOr<void*> block = pool->AllocateShareable(size, stream);
+  absl::StatusOr<void*> block = owner.pool->AllocateShareable(size, stream);
   if (!block.ok() && owner.keep != nullptr) BlockGone(owner.keep);
   if (block.ok()) {
-    const size_t g = pool->granularity();
+    const size_t g = owner.pool->granularity();
     holds_.Moved(*block, (size + g - 1) / g * g);  // whole chunks of its own, until sent
   }
   return block;

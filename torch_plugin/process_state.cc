@@ -458,9 +458,13 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   const PrivateKey key{device, id0, id1};
   // Held while a first use creates the pool: a second use of the same MempoolId waits for it.
   MutexLock lock(&private_mu_);
-  if (auto it = PrivateEntryLocked(key); it != private_.end()) {
-    ++it->second.uses;
-    return it->second.entry->id;
+  auto it = private_.find(key);
+  if (it != private_.end()) {
+    if (!it->second.entry->pool->made_before_fork()) {
+      ++it->second.uses;
+      return it->second.entry->id;
+    }
+    private_.erase(it);  // the parent's pool: it stays (in explicit_) for its blocks' frees
   }
   Driver* driver = nullptr;
   if (backend.has_value()) {
@@ -533,19 +537,11 @@ absl::StatusOr<int64_t> ProcessState::UsePrivatePool(std::optional<Backend> back
   return entry->id;
 }
 
-std::map<ProcessState::PrivateKey, ProcessState::PrivateUse>::iterator
-ProcessState::PrivateEntryLocked(const PrivateKey& key) {
-  auto it = private_.find(key);
-  if (it == private_.end() || !it->second.entry->pool->made_before_fork()) return it;
-  private_.erase(it);
-  return private_.end();
-}
-
 absl::StatusOr<int> ProcessState::ReleasePrivatePool(int device, uint64_t id0, uint64_t id1) {
   std::shared_ptr<ExplicitPool> entry;
   {
     MutexLock lock(&private_mu_);
-    auto it = PrivateEntryLocked(PrivateKey{device, id0, id1});
+    auto it = private_.find(PrivateKey{device, id0, id1});
     if (it == private_.end()) {
       return absl::NotFoundError(absl::StrCat("no private pool (", id0, ", ", id1,
                                               ") on device ", device));
@@ -574,13 +570,13 @@ absl::StatusOr<int> ProcessState::ReleasePrivatePool(int device, uint64_t id0, u
 
 int ProcessState::PrivatePoolUses(int device, uint64_t id0, uint64_t id1) {
   MutexLock lock(&private_mu_);
-  auto it = PrivateEntryLocked(PrivateKey{device, id0, id1});
+  auto it = private_.find(PrivateKey{device, id0, id1});
   return it == private_.end() ? 0 : it->second.uses;
 }
 
 absl::StatusOr<int64_t> ProcessState::FindPrivatePool(int device, uint64_t id0, uint64_t id1) {
   MutexLock lock(&private_mu_);
-  auto it = PrivateEntryLocked(PrivateKey{device, id0, id1});
+  auto it = private_.find(PrivateKey{device, id0, id1});
   if (it == private_.end()) {
     return absl::NotFoundError(
         absl::StrCat("no private pool (", id0, ", ", id1, ") on device ", device));

@@ -185,6 +185,10 @@ class ProcessState {
   enum class RetireStage { kStarting, kFrozen };
   using RetireHook = void (*)(ProcessState& state, int device, RetireStage stage);
   void SetRetireHookForTesting(RetireHook hook) { retire_hook_.store(hook); }
+  // Tests: a function AllocateBeside calls (null: none) once it has found the pool of `ptr`,
+  // before it counts the new block there.
+  using BesideHook = void (*)(ProcessState& state, const void* ptr);
+  void SetBesideHookForTesting(BesideHook hook) { beside_hook_.store(hook); }
   // Drops one use; returns the uses left. At zero the pool stops keeping its memory, releases
   // what is cached (errors are logged) and closes; a later UsePrivatePool of the same MempoolId
   // makes a fresh pool. NotFound for an unknown one.
@@ -305,10 +309,8 @@ class ProcessState {
   // calls before handing a tensor to another thread that sends it (a queue's feeder).
   SendKind PrepareSend(const void* ptr);
   // A block of at least `size` bytes in chunks of its own from the pool that owns `ptr`, for
-  // `stream` (where a kRelocate block moves to); from its GPU's device pool where that pool is
-  // closed (destroyed, a released MemPool: it takes no new block). InvalidArgument if no pool
-  // owns `ptr`; FailedPrecondition where the pool is closed and the device pool is of another
-  // backend or cannot be made.
+  // `stream` (where a kRelocate block moves to), also where that pool is closed (it goes with
+  // its last block). InvalidArgument if no pool owns `ptr` (its pool gone meanwhile too).
   absl::StatusOr<void*> AllocateBeside(const void* ptr, size_t size, Stream stream);
   struct Send {
     BufferDescriptor descriptor;
@@ -488,6 +490,7 @@ class ProcessState {
   // still lists them.
   std::vector<std::shared_ptr<ExplicitPool>> retiring_ ABSL_GUARDED_BY(mu_);
   std::atomic<RetireHook> retire_hook_{nullptr};  // SetRetireHookForTesting
+  std::atomic<BesideHook> beside_hook_{nullptr};  // SetBesideHookForTesting
   // The fork generation (allocator/fork_guard.h) caps_, external_held_, external_allocated_,
   // retired_ and peak_floor_ belong to.
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = ForkGeneration();
@@ -506,11 +509,6 @@ class ProcessState {
   using PrivateKey = std::tuple<int, uint64_t, uint64_t>;
   Mutex private_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::map<PrivateKey, PrivateUse> private_ ABSL_GUARDED_BY(private_mu_);
-  // private_'s entry of `key` in this process, or private_.end(): an entry made before a fork
-  // is the parent's (its pool takes no block here), and is dropped (the pool stays in
-  // explicit_ for its blocks' frees).
-  std::map<PrivateKey, PrivateUse>::iterator PrivateEntryLocked(const PrivateKey& key)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(private_mu_);
   std::map<int64_t, OpenImport> imports_ ABSL_GUARDED_BY(mu_);
   // Imports by buffer address (several imports of one buffer share an address), ordered by id
   // within one: a (address, id) set, so dropping any one of K imports of a buffer and asking

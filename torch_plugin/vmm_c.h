@@ -406,9 +406,9 @@ int vmm_send_kind(const void* ptr);
  * pickles the tensor. */
 int vmm_send_prepare(const void* ptr);
 /* A block of at least `size` bytes in chunks of its own, from the pool that owns `ptr`, for
- * `stream`: where a VMM_SEND_RELOCATE block moves to. Freed with vmm_block_free. Where that
- * pool is closed (vmm_pool_destroy, vmm_private_pool_release) the block comes from the device
- * pool of its GPU instead (VMM_FAILED_PRECONDITION if that pool is of another backend). */
+ * `stream`: where a VMM_SEND_RELOCATE block moves to. Freed with vmm_block_free. A closed
+ * pool (vmm_pool_destroy, vmm_private_pool_release) takes it too: the pool goes with its last
+ * block. */
 void* vmm_alloc_beside(const void* ptr, size_t size, void* stream);
 /* Exports the storage starting at `ptr` (VMM_SEND_IN_PLACE or VMM_SEND_IMPORT) for one
  * receiver and holds it until that receiver acknowledges `ticket` (VMM_TICKET_BYTES written)

@@ -274,17 +274,26 @@ class History {
     std::lock_guard<std::mutex> lock(mu_);
     return growth_serial_;
   }
-  // Drops the growths up to `mark` outside every range of `kept` (address and size; sorted,
-  // disjoint: the segments of every pool, read after the mark), whose memory has gone back; a
-  // growth recorded since may lie in a segment read before it, and stays.
+  // Drops the growths up to `mark` outside every range of `kept` (address and size, sorted by
+  // address: the segments of every pool, read after the mark), whose memory has gone back; a
+  // growth recorded since may lie in a segment read before it, and stays. The ranges may
+  // overlap (another allocator's segment may lie in vmm's memory): merged first.
   void KeepGrowthsIn(const std::vector<std::pair<size_t, size_t>>& kept, uint64_t mark) {
+    std::vector<std::pair<size_t, size_t>> merged;  // begin, end (at most SIZE_MAX)
+    for (const auto& [begin, size] : kept) {
+      const size_t end = size > SIZE_MAX - begin ? SIZE_MAX : begin + size;
+      if (!merged.empty() && begin <= merged.back().second) {
+        merged.back().second = std::max(merged.back().second, end);
+      } else {
+        merged.emplace_back(begin, end);
+      }
+    }
     std::lock_guard<std::mutex> lock(mu_);
     for (auto it = growths_.begin(); it != growths_.end();) {
       auto range =
-          std::upper_bound(kept.begin(), kept.end(), std::make_pair(it->first, SIZE_MAX));
+          std::upper_bound(merged.begin(), merged.end(), std::make_pair(it->first, SIZE_MAX));
       if (it->second.serial > mark ||
-          (range != kept.begin() &&
-           it->first - std::prev(range)->first < std::prev(range)->second)) {
+          (range != merged.begin() && it->first < std::prev(range)->second)) {
         ++it;
       } else {
         growth_order_.erase(it->second.serial);
