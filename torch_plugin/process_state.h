@@ -472,8 +472,9 @@ class ProcessState {
   // The cap set_per_process_memory_fraction puts on each GPU's device pool and private
   // pools together (allocator/device_cap.h); made with the first such pool of the GPU.
   std::array<std::shared_ptr<DeviceCap>, kMaxDevices> caps_ ABSL_GUARDED_BY(mu_){};
-  // Devices CheckExternalDevice found the driver has (the device count does not change in a
-  // process, nor in a forked child).
+  // Devices CheckExternalDevice found the default driver has: its device count does not change
+  // in a process, nor in a forked child (a test that switches VMM_BACKEND between calls keeps
+  // the first driver's answer). The flags publish nothing else.
   std::array<std::atomic<bool>, kMaxDevices> external_device_known_{};
   // What other allocators hold in caps_, by device (HoldExternal).
   std::array<int64_t, kMaxDevices> external_held_ ABSL_GUARDED_BY(mu_){};
