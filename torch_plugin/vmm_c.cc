@@ -4,6 +4,7 @@
 #include "torch_plugin/vmm_c.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -405,6 +406,7 @@ int vmm_set_mapping_callback(vmm_mapping_fn fn, void* ctx) {
   class Callback : public vmm::MappingListener {
    public:
     Callback(vmm_mapping_fn fn, void* ctx) : fn_(fn), ctx_(ctx) {}
+    Callback* next = nullptr;  // the one made before (`kept` below)
     void RangeMapped(const vmm::MappingSource& source, uintptr_t addr, size_t size,
                      bool mapped) override {
       vmm_mapping_event event{};
@@ -421,7 +423,18 @@ int vmm_set_mapping_callback(vmm_mapping_fn fn, void* ctx) {
     const vmm_mapping_fn fn_;
     void* const ctx_;
   };
-  State().TellMappingsTo(fn == nullptr ? nullptr : new Callback(fn, ctx));
+  if (fn == nullptr) {
+    State().TellMappingsTo(nullptr);
+    return 0;
+  }
+  // Every callback made stays on this list, never destroyed: reachable, so not a leak to
+  // LeakSanitizer, though none is freed. A list without a lock: nothing to hold across fork().
+  static std::atomic<Callback*> kept{nullptr};
+  auto* callback = new Callback(fn, ctx);
+  callback->next = kept.load();
+  while (!kept.compare_exchange_weak(callback->next, callback)) {
+  }
+  State().TellMappingsTo(callback);
   return 0;
 }
 
