@@ -68,12 +68,15 @@ ProcessState::SendKind ProcessState::KindOfSendIn(Pool& pool, const void* ptr) {
 ProcessState::SendKind ProcessState::PrepareSend(const void* ptr) {
   PoolRef owner = ptr != nullptr ? Owner(ptr) : PoolRef{};
   if (owner.pool == nullptr) return KindOfSend(ptr);  // an import, or not vmm memory
-  // Sent in place with its neighbours (nothing to keep away meanwhile), or not in place: a
+  // Sent in place with its neighbours (nothing to keep away meanwhile), or not at all; a
   // small block moves to a chunk of its own (a spare one, usually: pool.h) rather than
   // retire the rest of its small chunk.
-  const SendKind kind = KindOfSendIn(*owner.pool, ptr);
-  if (kind != SendKind::kInPlace || !owner.pool->options().isolate_sends) return kind;
-  // One step under the pool's lock: marked if alone, refused (nothing marked) if not.
+  if (!owner.pool->options().isolate_sends || owner.pool->handle_type() == HandleType::kNone ||
+      owner.pool->InSmallArena(ptr)) {
+    return KindOfSendIn(*owner.pool, ptr);
+  }
+  // One step under the pool's lock: marked if alone, refused (nothing marked) if not, or not
+  // the start of a live block.
   absl::StatusOr<ExportedBlock> marked = owner.pool->Export(
       const_cast<void*>(ptr), HandleType::kNone, ExportNeighbours::kRefuse, ExportUse::kMark);
   if (marked.ok()) return SendKind::kInPlace;

@@ -214,7 +214,7 @@ absl::Status ProcessState::SetMemoryFraction(double fraction, int device) {
     return absl::InvalidArgumentError(
         absl::StrFormat("memory fraction %.17g is outside [0, 1]", fraction));
   }
-  VMM_RETURN_IF_ERROR(CheckDeviceExists(device, /*may_load=*/false));
+  VMM_RETURN_IF_ERROR(CheckDevice(device));
   MutexLock lock(&mu_);
   fractions_[device] = fraction;
   Pool* pool = device_pools_[device].load();

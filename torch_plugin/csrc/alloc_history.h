@@ -206,7 +206,7 @@ class History {
         notes.compile.empty() ? "N/A" : notes.compile.back(), notes.user_metadata);
     entry.time_.t_ = NowMicros();
     for (const cca::AllocatorTraceTracker& tracker : trackers_) tracker(entry);
-    if (traced && device >= 0) Push(device, std::move(entry));
+    if (traced) Push(device, std::move(entry));
   }
 
   // A segment entry, with the lock of the pool that made it held, so in the order the pools
