@@ -94,23 +94,48 @@ fi
 run_one() {
   local file=$1 mode=$2 name
   name=$(basename "$file" .py)
-  if [[ -n "${DROPIN_UNTIL:-}" && $(date +%s) -ge $DROPIN_UNTIL ]]; then
+  if [[ -e "$results/running/stop" ||
+        ( -n "${DROPIN_UNTIL:-}" && $(date +%s) -ge $DROPIN_UNTIL ) ]]; then
     echo - >"$results/$name.$mode.rc"
     return
   fi
-  local start=$SECONDS
+  local start=$SECONDS rc
+  # In the background, so that its pid is known: `timeout` makes its own process group, which
+  # the signal that ends this script does not reach; the trap below ends it (the pid file).
   if [[ $mode == native ]]; then
     env -u VMM_TORCH_ENABLE timeout 60 python3 "$file" >"$results/$name.$mode.out" \
-      2>"$results/$name.$mode.err"
+      2>"$results/$name.$mode.err" &
   else
     VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" timeout 60 python3 "$file" >"$results/$name.$mode.out" \
-      2>"$results/$name.$mode.err"
+      2>"$results/$name.$mode.err" &
   fi
-  echo $? >"$results/$name.$mode.rc"
+  echo $! >"$results/running/$name.$mode"
+  wait $!
+  rc=$?
+  rm -f "$results/running/$name.$mode"
+  echo $rc >"$results/$name.$mode.rc"
   echo $((SECONDS - start)) >"$results/$name.$mode.time"
 }
 export -f run_one
 export results VMM_ENABLE_TEXT DROPIN_UNTIL
+
+# Ended from outside (a caller's `timeout`, Ctrl-C): each case runs under its own `timeout`,
+# the leader of a process group of its own, which that signal does not reach; end those groups
+# too, so that no case outlives the runner and runs beside what its caller starts next.
+mkdir -p "$results/running"
+stop_cases() {
+  # Ignored, not reset: `timeout` signals its child and then the child's whole group, so a
+  # second TERM follows the first at once and would end this trap half done.
+  trap '' TERM INT HUP
+  touch "$results/running/stop"  # run_one begins no more runs
+  local f
+  for f in "$results"/running/*.{native,vmm}; do
+    [[ -e $f ]] && kill -TERM -- "-$(cat "$f")" 2>/dev/null
+  done
+  [[ -n ${runner:-} ]] && wait "$runner"
+  exit 143
+}
+trap stop_cases TERM INT HUP
 
 started=$SECONDS
 parallel=() exclusive=()
@@ -119,8 +144,12 @@ for f in "${cases[@]}"; do
   if grep -q '^# EXCLUSIVE' "$f"; then exclusive+=("$f"); else parallel+=("$f"); fi
 done
 if [[ ${#parallel[@]} -gt 0 ]]; then
+  # In the background and waited for: a trapped signal interrupts `wait`, not a pipeline.
   for f in "${parallel[@]}"; do printf '%s native\n%s vmm\n' "$f" "$f"; done |
-    xargs -P "${JOBS:-8}" -n 2 bash -c 'run_one "$0" "$1"'
+    xargs -P "${JOBS:-8}" -n 2 bash -c 'run_one "$0" "$1"' &
+  runner=$!
+  wait "$runner"
+  runner=
 fi
 for f in "${exclusive[@]}"; do
   run_one "$f" native
