@@ -603,7 +603,7 @@ absl::StatusOr<void*> Pool::AllocateLocked(size_t size, Stream stream, bool shar
   // not a whole number of granules, one that joined a free neighbour) leaves their rest
   // pinned at once (pool.h pinned_in_chunks_).
   if (grew && made_several_pages_ && !pinned_in_chunks_ && arena == &large_ &&
-      PinnedBytes(chunks_, block, kPairedPages * page_) != 0) {
+      PinnedBytes(chunks_, block, page_) != 0) {
     pinned_in_chunks_ = true;
   }
   // Active (allocated + pending) peaks here; the cached path runs only with none pending.
@@ -796,7 +796,7 @@ absl::StatusOr<Block*> Pool::Grow(Arena& arena, size_t n, Stream stream, bool de
   // Chunks of several pages only while the blocks grown in them fill them (pool.h): a miss
   // looks for free memory pinned in one until it finds some.
   const bool watch_pinned = made_several_pages_ && !pinned_in_chunks_ && paged;
-  if (watch_pinned) request.count_pinned_above = kPairedPages * page_;
+  if (watch_pinned) request.count_pinned_above = page_;
   MovableMemory movable;
   if (may_move) movable = FindMovable(request);
   if (movable.pinned != 0) pinned_in_chunks_ = true;
@@ -977,12 +977,13 @@ size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   // Below growth_page_from, chunks of two pages for a request of whole pairs of pages (at
   // least two pairs) until memory first moves, else single pages; once memory has moved,
   // single pages for a request of fewer than kLargeRequestChunks growth chunks
-  // (pool_options.h growth_page).
+  // (pool_options.h growth_page). Such a request fills its pairs (`n` is whole pairs, and the
+  // growth ends where it does). Pairs do not set made_several_pages_: alone they never stop
+  // chunks of several pages (training at seed 2 switched to single pages that way: 3,723
+  // driver calls became 9,629); once larger chunks are made, a shared pair counts as any.
   if (n < options_.growth_page_from) {
-    const size_t pair = kPairedPages * page;
-    if (moved_memory_ || options_.growth_page < pair || n < 2 * pair || n % pair != 0) {
-      return page;
-    }
+    const size_t pair = kPairedPages * page;  // growth_page is at least this (above)
+    if (moved_memory_ || n < 2 * pair || n % pair != 0) return page;
     return PastHalfOfAllowed(fresh) ? page : pair;
   }
   if (moved_memory_ && n / kLargeRequestChunks < options_.growth_page) return page;

@@ -637,9 +637,9 @@ class Pool {
   // without them switches to pressure_page (SwitchToPagesUnderPressure). Never switched back.
   size_t page_ ABSL_GUARDED_BY(mu_) = 0;
   bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
-  // Whether a growth has made chunks of more than a pair of pages (GrowthChunk; pairs,
-  // kPairedPages, neither set it nor count), and whether memory pinned in one has been found
-  // since (reclaim_policy.h PinnedBytes: summed by a miss's
+  // Whether a growth has made chunks of several pages (GrowthChunk; not set by the pairs made
+  // for requests below growth_page_from, kPairedPages, which count once it is set), and
+  // whether memory pinned in one has been found since (reclaim_policy.h PinnedBytes: summed by a miss's
   // FindMovable over the free blocks it may take from, and checked for a block taken from a
   // growth): from then on paged growth is in single pages whatever the request. Blocks that
   // do not fill such chunks, or that reuse part of what an earlier block freed in them, keep

@@ -189,10 +189,9 @@ struct PoolOptions {
   // kMultiPageRequestChunks growth chunks (128 MiB); 0: any request. Below it, a request of a
   // whole number of page pairs, at least two (kPairedPages), grows in chunks of two pages
   // until the first move: such a block fills them, and a chunk shared later keeps at most one
-  // page from moving, so these chunks do not stop chunks of several pages (a miss counts free
-  // memory only in chunks larger than a pair). The training trace grows with 1,718 driver
-  // calls instead of 2,254 (host replay, seed 0; its blocks of 48-96 MiB); off_page_sizes,
-  // whose sizes are a fifth whole multiples of 2 MiB, strands more (1.0540 -> 1.0627).
+  // page from moving. The training trace grows with 1,718 driver calls instead of 2,254 (host
+  // replay, seed 0; its blocks of 48-96 MiB); off_page_sizes, a fifth of whose sizes are
+  // whole multiples of 2 MiB, strands more (1.0540 -> 1.0652).
   size_t growth_page_from = kAutoSize;
   // Pages that a pool without pages (large_page 0) grows its large arena in once a growth
   // would take it past half of what it may hold (its memory_limit, its share of a memory

@@ -87,7 +87,7 @@ struct ReclaimRequest {
                       // free blocks at least that large
   size_t needed = 0;  // bytes the plan must map
   // Where set, FindMovable also sums MovableMemory::pinned: the bytes of its large-arena
-  // blocks in chunks larger than this (a pair of the large arena's pages) that reach past them
+  // blocks in chunks larger than this (the large arena's page) that reach past them
   // (PinnedBytes).
   size_t count_pinned_above = 0;
 };

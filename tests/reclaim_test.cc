@@ -1207,6 +1207,31 @@ TEST_F(ReclaimTest, ChunksOfSeveralPagesStopOnceOneIsShared) {
   }
 }
 
+// A pool whose growth chunks are pairs of its pages (16 MiB pages, 32 MiB growth chunks)
+// stops them once one is shared, as one of smaller pages does: the pairs the rule for round
+// requests makes (kPairedPages) do not arm the check, but chunks of two pages are still
+// chunks of several pages.
+TEST_F(ReclaimTest, GrowthChunksOfTwoPagesStillStopOnceOneIsShared) {
+  owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
+  driver_ = owned_.get();
+  constexpr size_t kBigPage = 16 * kMiB;
+  PoolOptions options = Paged();
+  options.large_page = kBigPage;
+  options.growth_page = 2 * kBigPage;
+  options.reserve_size = 4096 * kMiB;
+  auto pool = CreatePoolOrFail(driver_, options);
+  void* temporary = Alloc(*pool, 256 * kMiB);  // eight chunks of two pages
+  ASSERT_EQ(pool->GetStats().driver_create, 8);
+  ASSERT_OK(pool->Free(temporary));
+  std::vector<void*> live = {Alloc(*pool, 20 * kMiB)};  // in the first chunk; its rest free
+  const Created created = GrowLarge(*pool, live);
+  EXPECT_GT(created.bytes, 0);
+  // Single pages (the growth's last chunk may be half of one).
+  EXPECT_GE(created.chunks, created.bytes / static_cast<int64_t>(kBigPage));
+  EXPECT_OK(pool->CheckInvariants());
+  for (void* p : live) ASSERT_OK(pool->Free(p));
+}
+
 // The small arena's chunks are shared by many blocks by design: a free block beside a live
 // one there, in a chunk larger than a page (small_chunk 8 MiB), does not stop chunks of
 // several pages in the large arena.
