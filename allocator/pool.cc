@@ -974,18 +974,9 @@ size_t Pool::GrowthChunk(size_t n, bool in_units, size_t fresh) {
   if (short_of_memory_ || pinned_in_chunks_ || !in_units || options_.growth_page <= page) {
     return page;
   }
-  // Below growth_page_from, chunks of two pages for a request of whole pairs of pages (at
-  // least two pairs) until memory first moves, else single pages; once memory has moved,
-  // single pages for a request of fewer than kLargeRequestChunks growth chunks
-  // (pool_options.h growth_page). Such a request fills its pairs (`n` is whole pairs, and the
-  // growth ends where it does). Pairs do not set made_several_pages_: alone they never stop
-  // chunks of several pages (training at seed 2 switched to single pages that way: 3,723
-  // driver calls became 9,629); once larger chunks are made, a shared pair counts as any.
-  if (n < options_.growth_page_from) {
-    const size_t pair = kPairedPages * page;  // growth_page is at least this (above)
-    if (moved_memory_ || n < 2 * pair || n % pair != 0) return page;
-    return PastHalfOfAllowed(fresh) ? page : pair;
-  }
+  // Single pages for a request below growth_page_from, and once memory has moved, for one of
+  // fewer than kLargeRequestChunks growth chunks (pool_options.h growth_page).
+  if (n < options_.growth_page_from) return page;
   if (moved_memory_ && n / kLargeRequestChunks < options_.growth_page) return page;
   // The largest power-of-two number of pages within the request and growth_page (the last
   // chunk of the growth is what is left, a whole number of plan units: half pages). Splitting

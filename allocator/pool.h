@@ -447,8 +447,7 @@ class Pool {
   // it ran short of it or found free memory pinned in such a chunk (pinned_in_chunks_), and
   // while it holds at most half of what it may, the largest
   // power-of-two number of pages
-  // within `n` and growth_page (pool_options.h; the growth's last chunk is what is left);
-  // for `n` below growth_page_from, two pages where `n` is whole pairs of them, at least two.
+  // within `n` and growth_page (pool_options.h; the growth's last chunk is what is left).
   // Asks the driver how much of the GPU's memory is free only where the chunk could be several
   // pages and the memory limit and memory fraction leave the answer open.
   size_t GrowthChunk(size_t n, bool in_units, size_t fresh) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -637,9 +636,8 @@ class Pool {
   // without them switches to pressure_page (SwitchToPagesUnderPressure). Never switched back.
   size_t page_ ABSL_GUARDED_BY(mu_) = 0;
   bool short_of_memory_ ABSL_GUARDED_BY(mu_) = false;
-  // Whether a growth has made chunks of several pages (GrowthChunk; not set by the pairs made
-  // for requests below growth_page_from, kPairedPages, which count once it is set), and
-  // whether memory pinned in one has been found since (reclaim_policy.h PinnedBytes: summed by a miss's
+  // Whether a growth has made chunks of several pages (GrowthChunk), and whether memory
+  // pinned in one has been found since (reclaim_policy.h PinnedBytes: summed by a miss's
   // FindMovable over the free blocks it may take from, and checked for a block taken from a
   // growth): from then on paged growth is in single pages whatever the request. Blocks that
   // do not fill such chunks, or that reuse part of what an earlier block freed in them, keep

@@ -36,10 +36,6 @@ inline constexpr size_t kMaxOptionBytes = size_t{1} << 48;
 // (PoolOptions::growth_page).
 inline constexpr size_t kMultiPageRequestChunks = 4;
 inline constexpr size_t kLargeRequestChunks = 32;
-// Below growth_page_from, a request of a whole number of chunks of kPairedPages pages (and at
-// least two of them) grows in such chunks until the pool first moves memory: it fills them,
-// and a chunk shared later keeps at most one page from moving (PoolOptions::growth_page_from).
-inline constexpr size_t kPairedPages = 2;
 // reserve_size's default where the large arena grows in pages, in multiples of the GPU's
 // memory (PoolOptions::reserve_size), and what is asked next where the driver refuses it.
 inline constexpr size_t kPagedRangeDevices = 32;
@@ -186,12 +182,7 @@ struct PoolOptions {
   // training loop whose activations are rarely whole pages stranded 2-3% that way, seed 1 of
   // bench/traces.py asr_training: 1.0318 with chunks of up to four 8 MiB pages for any
   // request, 1.0125 with single 4 MiB pages below 128 MiB). kAutoSize (the default):
-  // kMultiPageRequestChunks growth chunks (128 MiB); 0: any request. Below it, a request of a
-  // whole number of page pairs, at least two (kPairedPages), grows in chunks of two pages
-  // until the first move: such a block fills them, and a chunk shared later keeps at most one
-  // page from moving. The training trace grows with 1,718 driver calls instead of 2,254 (host
-  // replay, seed 0; its blocks of 48-96 MiB); off_page_sizes, a fifth of whose sizes are
-  // whole multiples of 2 MiB, strands more (1.0540 -> 1.0652).
+  // kMultiPageRequestChunks growth chunks (128 MiB); 0: any request.
   size_t growth_page_from = kAutoSize;
   // Pages that a pool without pages (large_page 0) grows its large arena in once a growth
   // would take it past half of what it may hold (its memory_limit, its share of a memory

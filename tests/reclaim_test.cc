@@ -1106,47 +1106,6 @@ TEST_F(ReclaimTest, AFreshPoolGrowsInChunksOfSeveralPagesUntilItFirstMoves) {
   EXPECT_OK(pool->CheckInvariants());
 }
 
-// Below growth_page_from (128 MiB), a request of whole pairs of pages, at least two pairs, grows
-// in chunks of two pages (kPairedPages) until the pool first moves memory: a block that fills
-// them, as a training loop's activations of round sizes do, at half the chunks of single
-// pages. Any other request, and every one after a move, grows in single pages.
-TEST_F(ReclaimTest, RequestsOfWholePairsOfPagesGrowInPairsUntilTheFirstMove) {
-  owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});  // under half of it
-  driver_ = owned_.get();
-  PoolOptions options = Paged();
-  options.growth_page = 8 * kPage;
-  options.growth_page_from = kAutoSize;
-  options.reserve_size = 4096 * kMiB;
-  auto pool = CreatePoolOrFail(driver_, options);
-  ASSERT_EQ(pool->options().growth_page_from, 128 * kMiB);
-  constexpr size_t kPair = kPairedPages * kPage;
-  // Each allocation below misses and grows by exactly its size; the chunks it made.
-  auto chunks_for = [&](size_t size, void** out) {
-    const PoolStats before = pool->GetStats();
-    *out = Alloc(*pool, size);
-    const PoolStats after = pool->GetStats();
-    EXPECT_EQ(after.reserved_bytes.current - before.reserved_bytes.current,
-              static_cast<int64_t>(size)) << size;
-    return after.driver_create - before.driver_create;
-  };
-  void* pairs = nullptr;
-  void* one_pair = nullptr;
-  void* odd = nullptr;
-  void* after_move = nullptr;
-  EXPECT_EQ(chunks_for(6 * kPair, &pairs), 6);           // 48 MiB: six pairs
-  EXPECT_EQ(chunks_for(kPair, &one_pair), 2);            // one pair: single pages
-  EXPECT_EQ(chunks_for(5 * kPage, &odd), 5);             // not whole pairs: single pages
-  EXPECT_EQ(pool->GetStats().num_chunk_moves, 0);
-  // The first move: the pairs of the freed 48 MiB go where a request of 64 MiB needs them.
-  ASSERT_OK(pool->Free(pairs));
-  void* moved_to = Alloc(*pool, 8 * kPair);
-  ASSERT_GT(pool->GetStats().num_chunk_moves, 0);
-  EXPECT_EQ(chunks_for(6 * kPair, &after_move), 12);     // from now on, single pages
-  EXPECT_OK(pool->CheckInvariants());
-  for (void* p : {one_pair, odd, moved_to, after_move}) ASSERT_OK(pool->Free(p));
-  EXPECT_OK(pool->CheckInvariants());
-}
-
 // After the first move a request of kLargeRequestChunks growth chunks or more still grows in
 // them (pool_options.h growth_page); one just below, in single pages.
 TEST_F(ReclaimTest, AfterAMoveOnlyALargeRequestGrowsInChunksOfSeveralPages) {
@@ -1208,9 +1167,8 @@ TEST_F(ReclaimTest, ChunksOfSeveralPagesStopOnceOneIsShared) {
 }
 
 // A pool whose growth chunks are pairs of its pages (16 MiB pages, 32 MiB growth chunks)
-// stops them once one is shared, as one of smaller pages does: the pairs the rule for round
-// requests makes (kPairedPages) do not arm the check, but chunks of two pages are still
-// chunks of several pages.
+// stops them once one is shared, as one of smaller pages does: chunks of two pages are
+// chunks of several pages (a trial that counted only larger ones turned the rule off there).
 TEST_F(ReclaimTest, GrowthChunksOfTwoPagesStillStopOnceOneIsShared) {
   owned_ = NewHostDriver(HostDriverOptions{2 * kMiB, 4096 * kMiB});
   driver_ = owned_.get();
