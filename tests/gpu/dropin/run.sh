@@ -99,9 +99,12 @@ run_one() {
     echo - >"$results/$name.$mode.rc"
     return
   fi
-  local start=$SECONDS rc
+  local start=$SECONDS rc pid
   # In the background, so that its pid is known: `timeout` makes its own process group, which
-  # the signal that ends this script does not reach; the trap below ends it (the pid file).
+  # a signal to the runner's group does not reach. Ended by a signal, this run ends its case
+  # (the pid and its group: the group exists only once `timeout` has started); ended alone,
+  # the runner ends it (stop_cases, the pid file), and a case begun after the runner's look
+  # at the pid files ends itself (the stop file).
   if [[ $mode == native ]]; then
     env -u VMM_TORCH_ENABLE timeout 60 python3 "$file" >"$results/$name.$mode.out" \
       2>"$results/$name.$mode.err" &
@@ -109,9 +112,13 @@ run_one() {
     VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" timeout 60 python3 "$file" >"$results/$name.$mode.out" \
       2>"$results/$name.$mode.err" &
   fi
-  echo $! >"$results/running/$name.$mode"
-  wait $!
-  rc=$?
+  pid=$!
+  trap 'kill -TERM -- "$pid" "-$pid" 2>/dev/null' TERM INT HUP
+  echo "$pid" >"$results/running/$name.$mode"
+  [[ -e "$results/running/stop" ]] && kill -TERM -- "$pid" "-$pid" 2>/dev/null
+  # A trapped signal interrupts `wait`: wait until the case has ended.
+  while wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null; do :; done
+  trap - TERM INT HUP
   rm -f "$results/running/$name.$mode"
   echo $rc >"$results/$name.$mode.rc"
   echo $((SECONDS - start)) >"$results/$name.$mode.time"
@@ -128,14 +135,25 @@ stop_cases() {
   # second TERM follows the first at once and would end this trap half done.
   trap '' TERM INT HUP
   touch "$results/running/stop"  # run_one begins no more runs
-  local f
+  local f pids=() p i
   for f in "$results"/running/*.{native,vmm}; do
-    [[ -e $f ]] && kill -TERM -- "-$(cat "$f")" 2>/dev/null
+    [[ -e $f ]] && pids+=("$(<"$f")")
   done
+  for p in "${pids[@]}"; do kill -TERM -- "$p" "-$p" 2>/dev/null; done
   [[ -n ${runner:-} ]] && wait "$runner"
-  exit 143
+  # The cases' processes (a CUDA program takes a while to exit) are gone before the caller's
+  # next step begins: 10 s, then KILL.
+  for i in $(seq 100); do
+    for p in "${pids[@]}"; do kill -0 -- "-$p" 2>/dev/null && break; p=; done
+    [[ -z ${p:-} ]] && break
+    sleep 0.1
+  done
+  for p in "${pids[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+  exit "$1"
 }
-trap stop_cases TERM INT HUP
+trap 'stop_cases 143' TERM
+trap 'stop_cases 130' INT
+trap 'stop_cases 129' HUP
 
 started=$SECONDS
 parallel=() exclusive=()
@@ -152,8 +170,12 @@ if [[ ${#parallel[@]} -gt 0 ]]; then
   runner=
 fi
 for f in "${exclusive[@]}"; do
-  run_one "$f" native
-  run_one "$f" vmm
+  for mode in native vmm; do
+    run_one "$f" "$mode" &  # waited for, as above
+    runner=$!
+    wait "$runner"
+    runner=
+  done
 done
 
 # known_gaps.txt: a case name per line, then its reason (# comments).
