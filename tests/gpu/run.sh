@@ -75,6 +75,8 @@ summary="$OUT/summary.txt"
 export PATH="/opt/torch/.venv/bin:$PATH" PYTHONUNBUFFERED=1 OUT
 export LD_LIBRARY_PATH="$root/.gpu/lib:${LD_LIBRARY_PATH:-}"
 bin="$root/.gpu/bin"
+# shellcheck source=bench/bounded.sh
+source "$root/bench/bounded.sh"
 site=/tmp/vmm_site  # where vmm_torch is pip-installed
 channel=/dev/nvidia-caps-imex-channels/channel0
 
@@ -97,7 +99,7 @@ step() {
     limit=$((DEADLINE + 60 - SECONDS))
   fi
   local start=$SECONDS
-  timeout "$limit" "$@" >"$logs/$name.log" 2>&1
+  bounded "$limit" "$@" >"$logs/$name.log" 2>&1  # ends with this script (bench/bounded.sh)
   local rc=$?
   local line="$name: rc=$rc ($((SECONDS - start)) s)"
   local tests

@@ -68,8 +68,12 @@ export PYTHONPATH="$results/customize:$site_dir${PYTHONPATH:+:$PYTHONPATH}"
 
 # Both modes must be what they claim, or every verdict is meaningless.
 probe='import torch, vmm_torch; torch.empty(1, device="cuda"); print(vmm_torch.enabled_hooks() or "native", torch.__version__)'
-native_probe=$(env -u VMM_TORCH_ENABLE timeout 120 python3 -c "$probe" 2>&1 | tail -n 1)
-vmm_probe=$(VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" timeout 120 python3 -c "$probe" 2>&1 | tail -n 1)
+# (bounded: ended with this script, bench/bounded.sh.)
+# shellcheck source=bench/bounded.sh
+source "$root/bench/bounded.sh"
+native_probe=$(bounded 120 env -u VMM_TORCH_ENABLE python3 -c "$probe" 2>&1 | tail -n 1)
+vmm_probe=$(bounded 120 env VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" python3 -c "$probe" 2>&1 |
+  tail -n 1)
 echo "native mode: $native_probe"
 echo "vmm mode:    $vmm_probe"
 if [[ "$vmm_probe" != *vmm_cuda_allocator* ]]; then
