@@ -11,13 +11,10 @@ tag="bounded_fake_step_$$"
 printf '#!/usr/bin/env bash\nexec -a %s sleep 300\n' "$tag" >"$work/sleeper"
 chmod +x "$work/sleeper"
 fail=0
-running() { grep -l -a "^$tag" /proc/[0-9]*/cmdline 2>/dev/null | wc -l; }
-stop_fakes() {
-  local f pid
-  for f in $(grep -l -a "^$tag" /proc/[0-9]*/cmdline 2>/dev/null); do
-    pid=${f#/proc/}; kill "${pid%/cmdline}" 2>/dev/null
-  done
-}
+# shellcheck source=tests/tagged_processes.sh
+source tests/tagged_processes.sh
+running() { tagged_count "$tag"; }
+stop_fakes() { tagged_stop "$tag"; }
 expect() {  # WHAT GOT WANT
   if [[ $2 != "$3" ]]; then echo "FAIL: $1: got '$2', expected '$3'"; fail=1; fi
 }

@@ -31,14 +31,10 @@ exclusive=api_mem_get_info_accounting  # marked "# EXCLUSIVE": run alone, after 
 grep -q '^# EXCLUSIVE' "tests/gpu/dropin/case_$exclusive.py" || { echo "FAIL: $exclusive is not EXCLUSIVE"; exit 1; }
 fail=0
 
-# How many fake cases run (read from /proc: no procps needed).
-running() { grep -l -a "^$tag" /proc/[0-9]*/cmdline 2>/dev/null | wc -l; }
-stop_fakes() {
-  local f pid
-  for f in $(grep -l -a "^$tag" /proc/[0-9]*/cmdline 2>/dev/null); do
-    pid=${f#/proc/}; kill "${pid%/cmdline}" 2>/dev/null
-  done
-}
+# shellcheck source=tests/tagged_processes.sh
+source tests/tagged_processes.sh
+running() { tagged_count "$tag"; }
+stop_fakes() { tagged_stop "$tag"; }
 # Whether any run began (its output file is made as it starts), so that a check of none left
 # running is not passed by a runner ended before it began any.
 began() { compgen -G "$OUT/dropin/case_*.out" >/dev/null; }
