@@ -61,6 +61,8 @@
 # DEADLINE (seconds since the start) skips the steps that would begin after it and shortens
 # the last ones, e.g. `DEADLINE=390 BENCH="latency fanout dist train" TRAIN_STEPS=200
 # tests/gpu/run.sh bench` for one bounded run of the Python benchmarks.
+# Each step runs under its own time limit through bench/bounded.sh: this script, ended from
+# outside, ends the step running too (and the drop-in runner ends its cases).
 # Logs and results go to $OUT (one summary, results.log with every step's log as it ends, a
 # tarball of logs, and the key result files). Keep one invocation under 10 minutes:
 # `python` alone takes about 9 minutes on an H200 (install and the whole suite), so run it on
