@@ -103,31 +103,23 @@ run_one() {
     echo - >"$results/$name.$mode.rc"
     return
   fi
-  local start=$SECONDS rc pid
-  # In the background, so that its pid is known: `timeout` makes its own process group, which
-  # a signal to the runner's group does not reach. Ended by a signal, this run ends its case
-  # (the pid and its group: the group exists only once `timeout` has started); ended alone,
-  # the runner ends it (stop_cases, the pid file), and a case begun after the runner's look
-  # at the pid files ends itself (the stop file).
+  local start=$SECONDS rc
+  # bench/bounded.sh: `timeout` makes its own process group, which a signal to the runner's
+  # group does not reach; a run signalled ends its case, and the runner, signalled alone, ends
+  # the cases listed in running/ (stop_cases).
+  local bounded_pid_file="$results/running/$name.$mode"
   if [[ $mode == native ]]; then
-    env -u VMM_TORCH_ENABLE timeout 60 python3 "$file" >"$results/$name.$mode.out" \
-      2>"$results/$name.$mode.err" &
+    bounded 60 env -u VMM_TORCH_ENABLE python3 "$file" >"$results/$name.$mode.out" \
+      2>"$results/$name.$mode.err"
   else
-    VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" timeout 60 python3 "$file" >"$results/$name.$mode.out" \
-      2>"$results/$name.$mode.err" &
+    bounded 60 env VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" python3 "$file" \
+      >"$results/$name.$mode.out" 2>"$results/$name.$mode.err"
   fi
-  pid=$!
-  trap 'kill -TERM -- "$pid" "-$pid" 2>/dev/null' TERM INT HUP
-  echo "$pid" >"$results/running/$name.$mode"
-  [[ -e "$results/running/stop" ]] && kill -TERM -- "$pid" "-$pid" 2>/dev/null
-  # A trapped signal interrupts `wait`: wait until the case has ended.
-  while wait "$pid"; rc=$?; kill -0 "$pid" 2>/dev/null; do :; done
-  trap - TERM INT HUP
-  rm -f "$results/running/$name.$mode"
+  rc=$?
   echo $rc >"$results/$name.$mode.rc"
   echo $((SECONDS - start)) >"$results/$name.$mode.time"
 }
-export -f run_one
+export -f run_one bounded
 export results VMM_ENABLE_TEXT DROPIN_UNTIL
 
 # Ended from outside (a caller's `timeout`, Ctrl-C): each case runs under its own `timeout`,
@@ -139,20 +131,26 @@ stop_cases() {
   # second TERM follows the first at once and would end this trap half done.
   trap '' TERM INT HUP
   touch "$results/running/stop"  # run_one begins no more runs
-  local f pids=() p i
-  for f in "$results"/running/*.{native,vmm}; do
-    [[ -e $f ]] && pids+=("$(<"$f")")
+  local f p seen=() i
+  # Until the runs end, end each case listed (one begun after a look is listed at the next).
+  while :; do
+    for f in "$results"/running/*.{native,vmm}; do
+      [[ -e $f ]] || continue
+      p=$(<"$f")
+      seen+=("$p")
+      kill -TERM -- "$p" "-$p" 2>/dev/null
+    done
+    [[ -n ${runner:-} ]] && kill -0 "$runner" 2>/dev/null || break
+    sleep 0.1
   done
-  for p in "${pids[@]}"; do kill -TERM -- "$p" "-$p" 2>/dev/null; done
-  [[ -n ${runner:-} ]] && wait "$runner"
   # The cases' processes (a CUDA program takes a while to exit) are gone before the caller's
   # next step begins: 10 s, then KILL.
   for i in $(seq 100); do
-    for p in "${pids[@]}"; do kill -0 -- "-$p" 2>/dev/null && break; p=; done
+    for p in "${seen[@]}"; do kill -0 -- "-$p" 2>/dev/null && break; p=; done
     [[ -z ${p:-} ]] && break
     sleep 0.1
   done
-  for p in "${pids[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+  for p in "${seen[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
   exit "$1"
 }
 trap 'stop_cases 143' TERM
