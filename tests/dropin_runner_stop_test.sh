@@ -2,9 +2,10 @@
 # tests/gpu/dropin/run.sh, ended from outside, leaves none of its cases running: each case runs
 # under its own `timeout`, in a process group the ending signal does not reach, and a case left
 # running would share the GPU with whatever the caller starts next. Runs the runner with a fake
-# python3 (the probes answer as torch would; a case sleeps) on the host and ends it three times:
-# its whole process group through `timeout`, the runner's process alone, and the runner alone
-# while it runs a case marked EXCLUSIVE; then looks for the sleeping cases.
+# python3 (the probes answer as torch would; a case sleeps) on the host and ends it four times:
+# its whole process group through `timeout`, the runner's process alone, the runner alone
+# while it runs a case marked EXCLUSIVE, and the runner alone while a probe (the check that
+# torch runs in both modes, before any case) hangs; then looks for the sleeping processes.
 set -uo pipefail
 runner="$(pwd)/tests/gpu/dropin/run.sh"
 if [[ -d /opt/torch/.venv/bin ]]; then
@@ -19,6 +20,7 @@ tag="dropin_fake_case_$$"
 cat >"$work/bin/python3" <<FAKE
 #!/usr/bin/env bash
 if [[ \$1 == -c ]]; then
+  [[ -n \${FAKE_PROBE_HANGS:-} ]] && exec -a $tag sleep 300
   if [[ -n \${VMM_TORCH_ENABLE:-} ]]; then echo "vmm_cuda_allocator 0"; else echo "native 0"; fi
   exit 0
 fi
@@ -37,7 +39,7 @@ running() { tagged_count "$tag"; }
 stop_fakes() { tagged_stop "$tag"; }
 # Whether any run began (its output file is made as it starts), so that a check of none left
 # running is not passed by a runner ended before it began any.
-began() { compgen -G "$OUT/dropin/case_*.out" >/dev/null; }
+began() { compgen -G "$OUT/dropin/${began_glob:-case_*.out}" >/dev/null; }
 # check WHAT RC WANT_RC LOG: none left running, the exit status as expected, a run began.
 check() {
   local n
@@ -75,6 +77,10 @@ check "after a TERM to the runner" $? 143 "$work/log2"
 # 3. The same while it runs a case alone.
 end_alone "$work/log3" "$exclusive"
 check "after a TERM to the runner during an EXCLUSIVE case" $? 143 "$work/log3"
+
+# 4. The runner alone while a probe hangs (no case has begun; the probe's output file has).
+FAKE_PROBE_HANGS=1 end_alone "$work/log4" "${cases[@]}"
+began_glob=probe.native.out check "after a TERM to the runner during a probe" $? 143 "$work/log4"
 
 [[ $fail -eq 0 ]] && echo PASS
 exit $fail

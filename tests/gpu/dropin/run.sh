@@ -66,14 +66,67 @@ if _spec is not None and _spec.loader is not None:
 EOF
 export PYTHONPATH="$results/customize:$site_dir${PYTHONPATH:+:$PYTHONPATH}"
 
-# Both modes must be what they claim, or every verdict is meaningless.
-probe='import torch, vmm_torch; torch.empty(1, device="cuda"); print(vmm_torch.enabled_hooks() or "native", torch.__version__)'
 # (bounded: ended with this script, bench/bounded.sh.)
 # shellcheck source=bench/bounded.sh
 source "$root/bench/bounded.sh"
-native_probe=$(bounded 120 env -u VMM_TORCH_ENABLE python3 -c "$probe" 2>&1 | tail -n 1)
-vmm_probe=$(bounded 120 env VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" python3 -c "$probe" 2>&1 |
-  tail -n 1)
+
+# Ended from outside (a caller's `timeout`, Ctrl-C): each case runs under its own `timeout`,
+# the leader of a process group of its own, which that signal does not reach; end those groups
+# too, so that no case outlives the runner and runs beside what its caller starts next.
+mkdir -p "$results/running"
+stop_cases() {
+  # Ignored, not reset: `timeout` signals its child and then the child's whole group, so a
+  # second TERM follows the first at once and would end this trap half done.
+  trap '' TERM INT HUP
+  touch "$results/running/stop"  # run_one begins no more runs
+  local f p seen=() i
+  # Until the runs end, end each case listed (one begun after a look is listed at the next).
+  while :; do
+    for f in "$results"/running/*.{native,vmm}; do
+      [[ -e $f ]] || continue
+      p=$(<"$f")
+      seen+=("$p")
+      kill -TERM -- "$p" "-$p" 2>/dev/null
+    done
+    [[ -n ${runner:-} ]] && kill -0 "$runner" 2>/dev/null || break
+    sleep 0.1
+  done
+  # The cases' processes (a CUDA program takes a while to exit) are gone before the caller's
+  # next step begins: 10 s, then KILL.
+  for i in $(seq 100); do
+    for p in "${seen[@]}"; do kill -0 -- "-$p" 2>/dev/null && break; p=; done
+    [[ -z ${p:-} ]] && break
+    sleep 0.1
+  done
+  for p in "${seen[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
+  exit "$1"
+}
+trap 'stop_cases 143' TERM
+trap 'stop_cases 130' INT
+trap 'stop_cases 129' HUP
+
+# Both modes must be what they claim, or every verdict is meaningless. A probe runs as a case
+# does (bounded, listed in running/, in the background and waited for), so that the runner
+# ended during one ends it too: a command substitution would hold off the trap until it ended.
+probe='import torch, vmm_torch; torch.empty(1, device="cuda"); print(vmm_torch.enabled_hooks() or "native", torch.__version__)'
+# probe_in MODE: the probe's output in $results/probe.MODE.out.
+probe_in() {
+  local mode=$1 bounded_pid_file="$results/running/probe.$1"
+  if [[ $mode == native ]]; then
+    bounded 120 env -u VMM_TORCH_ENABLE python3 -c "$probe" >"$results/probe.$mode.out" 2>&1
+  else
+    bounded 120 env VMM_TORCH_ENABLE="$VMM_ENABLE_TEXT" python3 -c "$probe" \
+      >"$results/probe.$mode.out" 2>&1
+  fi
+}
+for mode in native vmm; do
+  probe_in "$mode" &
+  runner=$!
+  wait "$runner"
+  runner=
+done
+native_probe=$(tail -n 1 "$results/probe.native.out")
+vmm_probe=$(tail -n 1 "$results/probe.vmm.out")
 echo "native mode: $native_probe"
 echo "vmm mode:    $vmm_probe"
 if [[ "$vmm_probe" != *vmm_cuda_allocator* ]]; then
@@ -121,41 +174,6 @@ run_one() {
 }
 export -f run_one bounded
 export results VMM_ENABLE_TEXT DROPIN_UNTIL
-
-# Ended from outside (a caller's `timeout`, Ctrl-C): each case runs under its own `timeout`,
-# the leader of a process group of its own, which that signal does not reach; end those groups
-# too, so that no case outlives the runner and runs beside what its caller starts next.
-mkdir -p "$results/running"
-stop_cases() {
-  # Ignored, not reset: `timeout` signals its child and then the child's whole group, so a
-  # second TERM follows the first at once and would end this trap half done.
-  trap '' TERM INT HUP
-  touch "$results/running/stop"  # run_one begins no more runs
-  local f p seen=() i
-  # Until the runs end, end each case listed (one begun after a look is listed at the next).
-  while :; do
-    for f in "$results"/running/*.{native,vmm}; do
-      [[ -e $f ]] || continue
-      p=$(<"$f")
-      seen+=("$p")
-      kill -TERM -- "$p" "-$p" 2>/dev/null
-    done
-    [[ -n ${runner:-} ]] && kill -0 "$runner" 2>/dev/null || break
-    sleep 0.1
-  done
-  # The cases' processes (a CUDA program takes a while to exit) are gone before the caller's
-  # next step begins: 10 s, then KILL.
-  for i in $(seq 100); do
-    for p in "${seen[@]}"; do kill -0 -- "-$p" 2>/dev/null && break; p=; done
-    [[ -z ${p:-} ]] && break
-    sleep 0.1
-  done
-  for p in "${seen[@]}"; do kill -KILL -- "-$p" 2>/dev/null; done
-  exit "$1"
-}
-trap 'stop_cases 143' TERM
-trap 'stop_cases 130' INT
-trap 'stop_cases 129' HUP
 
 started=$SECONDS
 parallel=() exclusive=()
