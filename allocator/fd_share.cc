@@ -31,6 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "allocator/log.h"
 #include "allocator/fd_share_internal.h"
+#include "allocator/fd_slots.h"
 #include "allocator/fork_guard.h"
 #include "allocator/mutex.h"
 #include "allocator/send_ledger.h"
@@ -444,14 +445,17 @@ class FdServer::Impl {
     t.fd = static_cast<uint32_t>(fd.get());
     RandomBytes(t.nonce.data(), t.nonce.size());
     MutexLock lock(&mu_);
-    t.key = next_key_++;
+    VMM_ASSIGN_OR_RETURN(t.key, slots_.Publish(t.nonce, fd.get()));
     entries_[t.key] = Entry{std::move(fd), t.nonce};
     return t;
   }
 
   void Unregister(uint64_t key) {
     MutexLock lock(&mu_);
-    entries_.erase(key);
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return;
+    slots_.Withdraw(key);  // before the fd's number is free again (fd_slots.h)
+    entries_.erase(it);
   }
 
   absl::StatusOr<FdToken> Rekey(uint64_t key) {
@@ -469,9 +473,12 @@ class FdServer::Impl {
     const int moved = fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0);
     if (moved < 0) return Errno("fcntl(F_DUPFD_CLOEXEC)");
     Entry entry{UniqueFd(moved), t.nonce};
+    absl::StatusOr<uint64_t> key_now = slots_.Publish(t.nonce, moved);
+    if (!key_now.ok()) return key_now.status();  // the new number closes; the old one stays
+    slots_.Withdraw(key);
     entries_.erase(it);  // closes the old number
     t.fd = static_cast<uint32_t>(entry.fd.get());
-    t.key = next_key_++;
+    t.key = *key_now;
     entries_[t.key] = std::move(entry);
     return t;
   }
@@ -837,7 +844,9 @@ class FdServer::Impl {
   // Guards the registry; the serving thread's state is its own. Not held across fork(): a
   // forked child never uses its parent's server (FdServer::impl() makes the child's own).
   Mutex mu_;
-  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;
+  // Each registration's nonce and fd number where a pidfd_getfd fetch checks them; its key
+  // names its slot (fd_slots.h).
+  FdSlots slots_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -1196,6 +1205,13 @@ absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tok
       }
       if (errno == EBADF) return Stale(i, tokens[i].pid);
       return Errno("pidfd_getfd");
+    }
+    // The number may have been closed and taken by another file since the token was made:
+    // the exporter's slot says whether it is still the registration's (fd_slots.h).
+    if (absl::Status same = CheckPublishedFd(tokens[i].pid, tokens[i].key, tokens[i].nonce,
+                                             static_cast<int>(tokens[i].fd));
+        !same.ok()) {
+      return absl::IsNotFound(same) ? Stale(i, tokens[i].pid) : same;
     }
     out.push_back(std::move(fd));
   }

@@ -601,9 +601,19 @@ TEST(FdServerTest, RekeyGivesTheSameFileANewTokenAndTheOldOneGoesStale) {
 
 // Run in a process of its own by Exporter (with FD_SHARE_TEST_EXPORTER set): registers an fd
 // holding kExportedMarker, prints its token, then answers each line of its input with the
-// counts of its server, until its input ends. FD_SHARE_TEST_DEADLINE_MS sets the server's idle
-// deadline.
+// counts of its server, until its input ends; a line "renew" instead ends the registration
+// and registers a new fd holding kRenewedMarker, whose token it prints.
+// FD_SHARE_TEST_DEADLINE_MS sets the server's idle deadline.
 constexpr uint8_t kExportedMarker = 42;
+constexpr uint8_t kRenewedMarker = 43;
+
+void PrintToken(const FdToken& token) {
+  const std::array<uint8_t, 64> bytes = token.Encode();
+  std::printf("token=%s\n", absl::BytesToHexString(absl::string_view(
+                                reinterpret_cast<const char*>(bytes.data()), bytes.size()))
+                                .c_str());
+  std::fflush(stdout);
+}
 
 TEST(FdExporterHelper, Serve) {
   if (std::getenv("FD_SHARE_TEST_EXPORTER") == nullptr) GTEST_SKIP();
@@ -612,14 +622,16 @@ TEST(FdExporterHelper, Serve) {
   if (deadline != nullptr && absl::SimpleAtoi(deadline, &deadline_ms)) {
     fd_share_internal::SetRequestDeadlineForTesting(milliseconds(deadline_ms));
   }
-  const FdToken token = RegisterMarked(kExportedMarker);
-  const std::array<uint8_t, 64> bytes = token.Encode();
-  std::printf("token=%s\n", absl::BytesToHexString(absl::string_view(
-                                reinterpret_cast<const char*>(bytes.data()), bytes.size()))
-                                .c_str());
-  std::fflush(stdout);
+  FdToken token = RegisterMarked(kExportedMarker);
+  PrintToken(token);
   std::string line;
   while (std::getline(std::cin, line)) {
+    if (line == "renew") {
+      FdServer::Get().Unregister(token.key);  // closes its fd
+      token = RegisterMarked(kRenewedMarker);
+      PrintToken(token);
+      continue;
+    }
     const fd_share_internal::ServerConnectionCounts counts =
         fd_share_internal::GetServerConnectionCounts();
     std::printf("accepted=%llu evicted=%llu\n",
@@ -638,15 +650,17 @@ class Exporter {
                   absl::StrCat("FD_SHARE_TEST_DEADLINE_MS=", deadline.count()),
                   "GTEST_OUTPUT=", "TEST_PREMATURE_EXIT_FILE="}) {
     EXPECT_TRUE(process_.started());
-    const std::string line = LineStartingWith("token=");
-    const std::string bytes = absl::HexStringToBytes(line.substr(line.find('=') + 1));
-    absl::StatusOr<FdToken> token = FdToken::Decode(
-        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
-    EXPECT_OK(token);
-    if (token.ok()) token_ = *token;
+    token_ = ReadToken();
   }
 
   const FdToken& token() const { return token_; }
+
+  // Ends its registration and registers another fd (kRenewedMarker); the new token.
+  FdToken Renew() {
+    process_.WriteLine("renew");
+    token_ = ReadToken();
+    return token_;
+  }
 
   // The counts of its server now.
   fd_share_internal::ServerConnectionCounts Counts() {
@@ -669,6 +683,16 @@ class Exporter {
   }
 
  private:
+  // The token it prints next.
+  FdToken ReadToken() {
+    const std::string line = LineStartingWith("token=");
+    const std::string bytes = absl::HexStringToBytes(line.substr(line.find('=') + 1));
+    absl::StatusOr<FdToken> token = FdToken::Decode(
+        absl::MakeConstSpan(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()));
+    EXPECT_OK(token);
+    return token.ok() ? *token : FdToken{};
+  }
+
   // Its next line of output that starts with `prefix` (gtest's lines come between); "" at
   // the end of its output.
   std::string LineStartingWith(const std::string& prefix) {
@@ -691,6 +715,45 @@ class Exporter {
     return ::testing::AssertionFailure() << "not the exported fd";
   }
   return ::testing::AssertionSuccess();
+}
+
+// pidfd_getfd takes an fd by its number, and the exporter gives a closed number to the next
+// file it opens: a token whose registration ended fetches nothing, rather than the file that
+// took its number, and a token with another number (its key and nonce a live registration's)
+// fetches no other file of the exporter's (fd_slots.h).
+TEST(FdConnectionTest, APidfdFetchTakesNoFileThatTookTheTokensNumber) {
+  Exporter exporter;
+  const FdToken old_token = exporter.token();
+  absl::StatusOr<std::vector<UniqueFd>> first = FetchFds({old_token}, FdFetch::kPidfd);
+  if (absl::IsPermissionDenied(first.status())) {
+    GTEST_SKIP() << "no ptrace rights here: " << first.status();
+  }
+  ASSERT_OK(first);
+  ASSERT_EQ(first->size(), 1u);
+  EXPECT_EQ(FirstByte((*first)[0]), kExportedMarker);
+  const FdToken new_token = exporter.Renew();
+  ASSERT_EQ(new_token.fd, old_token.fd) << "the new file takes the freed number";
+  EXPECT_THAT(FetchFds({old_token}, FdFetch::kPidfd),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("stale")));
+  EXPECT_THAT(FetchFds({old_token}), StatusIs(absl::StatusCode::kNotFound, HasSubstr("stale")));
+  ASSERT_OK_AND_ASSIGN(std::vector<UniqueFd> renewed, FetchFds({new_token}, FdFetch::kPidfd));
+  ASSERT_EQ(renewed.size(), 1u);
+  EXPECT_EQ(FirstByte(renewed[0]), kRenewedMarker);
+  // Its standard streams, and one number past every fd it has.
+  for (uint32_t fd : {0u, 1u, 2u, new_token.fd + 100}) {
+    FdToken forged = new_token;
+    forged.fd = fd;
+    EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
+        << "fd " << fd;
+  }
+  // A key that names no slot of the exporter's (unaligned, none, past its memory).
+  for (uint64_t key : {uint64_t{12345}, uint64_t{0}, (uint64_t{1} << 47) - 64}) {
+    FdToken forged = new_token;
+    forged.key = key;
+    EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
+        << "key " << key;
+  }
+  EXPECT_EQ(exporter.Exit(), 0);
 }
 
 TEST(FdConnectionTest, ManyFetchesFromOneExporterUseOneConnection) {
