@@ -51,7 +51,7 @@ struct FdToken {
   uint32_t pid = 0;         // exporting process
   uint64_t boot_hash = 0;   // machine identity (boot id)
   uint64_t server_id = 0;   // random per FdServer start: names its socket
-  uint64_t key = 0;         // registry key in that server
+  uint64_t key = 0;         // registry key in that server (names its slot: fd_slots.h)
   std::array<uint8_t, 16> nonce{};  // random per registration
   uint32_t fd = 0;          // the fd number in the exporter (for kPidfd); 0 in a ticket
   Kind kind = Kind::kFd;
