@@ -1207,6 +1207,27 @@ TEST_F(CApiTest, AnAddressInsideABlockOfAPoolWithoutHandlesIsNotVmms) {
   ASSERT_EQ(vmm_pool_destroy(p), 0);
 }
 
+// A block a send holds is freed once, at its acknowledgement: a free before it is deferred,
+// and a second free is a double free, refused as one of a block no send holds.
+TEST_F(CApiTest, ASecondFreeOfABlockASendHoldsIsADoubleFree) {
+  const int64_t p = vmm_pool_create(VMM_BACKEND_HOST, 0, "handle_type=posix_fd,reserve_size=1G");
+  ASSERT_GT(p, 0) << vmm_last_error();
+  void* b = PoolAlloc(p, 4 * kMiB, /*shareable=*/1);
+  uint8_t* out = nullptr;
+  size_t len = 0;
+  uint8_t ticket[VMM_TICKET_BYTES];
+  ASSERT_EQ(vmm_export_send(b, &out, &len, ticket), 0) << vmm_last_error();
+  vmm_release_buffer(out);
+  ASSERT_EQ(vmm_free(b, -1), 0) << vmm_last_error();
+  EXPECT_EQ(vmm_free(b, -1), -1);
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(vmm_last_error()).find("double free"), std::string::npos) << vmm_last_error();
+  ASSERT_EQ(vmm_send_ack(ticket, sizeof(ticket)), 0) << vmm_last_error();
+  EXPECT_EQ(vmm_free(b, -1), -1) << "freed at the acknowledgement";
+  EXPECT_EQ(vmm_last_error_code(), VMM_INVALID_ARGUMENT);
+  ASSERT_EQ(vmm_pool_destroy(p), 0) << vmm_last_error();
+}
+
 // In a forked child, a block of a pool the parent made reads as in the parent, and its
 // export is refused as a precondition (the plugin then sends a copy, as PyTorch sends a CPU
 // tensor).

@@ -629,6 +629,13 @@ TEST_F(ProcessStateTest, ASentBlockIsFreedOnlyOnceItsReceiverAcknowledges) {
   ASSERT_TRUE(state_.FreeBlock(*p).ok());
   EXPECT_EQ(state_.block_holds().deferred(), 1u);
   EXPECT_EQ(pool->GetStats().allocated_bytes.current, live);
+  // Freed again meanwhile: a double free, refused as one of a block not held is, and nothing
+  // changes (the block goes once, at the acknowledgement).
+  const absl::Status again = state_.FreeBlock(*p);
+  EXPECT_EQ(again.code(), absl::StatusCode::kInvalidArgument) << again;
+  EXPECT_THAT(std::string(again.message()), HasSubstr("double free"));
+  EXPECT_EQ(state_.block_holds().deferred(), 1u);
+  EXPECT_EQ(pool->GetStats().allocated_bytes.current, live);
   // The receiver imports (here, in this process), then acknowledges.
   absl::StatusOr<int64_t> import =
       state_.Import(send->descriptor.Encode(), -1, Backend::kHost, false);

@@ -19,16 +19,17 @@ void BlockHolds::Hold(const void* ptr) {
   ++it->second.holds;
 }
 
-bool BlockHolds::DeferFree(const void* ptr) {
+HeldFree BlockHolds::DeferFree(const void* ptr) {
   MutexLock lock(&mu_);
   auto it = entries_.find(ptr);
-  if (it == entries_.end()) return false;
+  if (it == entries_.end()) return HeldFree::kNotHeld;
   if (it->second.holds == 0) {  // moved only: goes now
     Forget(it);
-    return false;
+    return HeldFree::kNotHeld;
   }
+  if (it->second.freed) return HeldFree::kFreedTwice;
   it->second.freed = true;
-  return true;
+  return HeldFree::kDeferred;
 }
 
 bool BlockHolds::Release(const void* ptr) {

@@ -3,7 +3,7 @@
 //
 //   holds.Moved(ptr, bytes);                // moved to a chunk of its own, to be sent
 //   holds.Hold(ptr);                        // a send of the block at ptr (no longer "moved")
-//   if (holds.DeferFree(ptr)) return;       // the owner frees it: later, at the last Release
+//   if (holds.DeferFree(ptr) != HeldFree::kNotHeld) return;  // later, at the last Release
 //   if (holds.Release(ptr)) pool.Free(ptr); // the receiver acknowledged: free it now
 //
 // A block sent to another process must stay valid until the receiver has imported it, even
@@ -25,6 +25,13 @@
 
 namespace vmm {
 
+// What a free of a block does where sends may hold it (BlockHolds::DeferFree).
+enum class HeldFree {
+  kNotHeld,     // free it now
+  kDeferred,    // held: freed at the last Release
+  kFreedTwice,  // held, and its free already deferred: a double free, refused
+};
+
 class BlockHolds {
  public:
   // The live block at `ptr` (whole chunks of `bytes`) was moved for a send not made yet.
@@ -32,9 +39,10 @@ class BlockHolds {
   // Adds one hold on the live block at `ptr` (it is no longer counted as moved).
   void Hold(const void* ptr);
   // Whether `ptr` is held; if so, its free is deferred to the last Release (and the caller
-  // must not free it now). A second free of a held block is also absorbed here. A block only
-  // moved is forgotten (false: free it).
-  bool DeferFree(const void* ptr);
+  // must not free it now). A second free of a held block is kFreedTwice (the block cannot have
+  // been handed out again meanwhile: it is still allocated). A block only moved is forgotten
+  // (kNotHeld: free it).
+  HeldFree DeferFree(const void* ptr);
   // Drops one hold. True when that was the last hold of a block freed meanwhile: the caller
   // frees it now. False for a block not held (nothing happens).
   bool Release(const void* ptr);

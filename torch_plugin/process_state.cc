@@ -771,8 +771,22 @@ std::vector<Snapshot> ProcessState::Snapshots() {
   return out;
 }
 
+std::optional<absl::Status> ProcessState::DeferredFree(const void* ptr, HeldFree verdict) {
+  switch (verdict) {
+    case HeldFree::kNotHeld:
+      return std::nullopt;
+    case HeldFree::kDeferred:
+      return absl::OkStatus();
+    case HeldFree::kFreedTwice:
+      break;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "double free of the block at ", absl::Hex(reinterpret_cast<uintptr_t>(ptr)),
+      ": it was freed already, and a send holds it until its receiver has imported it"));
+}
+
 absl::Status ProcessState::FreeBlock(void* ptr) {
-  if (DeferFreeIfHeld(ptr)) return absl::OkStatus();
+  if (std::optional<absl::Status> deferred = DeferFreeIfHeld(ptr)) return *deferred;
   return FreeBlockNow(ptr);
 }
 

@@ -356,14 +356,18 @@ class ProcessState {
   uint64_t send_budget() const { return send_budget_.load(std::memory_order_relaxed); }
   bool OverSendBudget();
   bool WaitForSendRoom(absl::Duration stall);
-  // The free path: whether `ptr` is held by a send (then its free happens at the last
-  // release, and the caller must not free it). One atomic load while nothing is held.
-  bool DeferFreeIfHeld(const void* ptr) {
-    return ABSL_PREDICT_FALSE(holds_.any()) && holds_.DeferFree(ptr);
+  // The free path: nullopt when `ptr` is held by no send (free it now); else OK when its
+  // free now waits for the last release, and InvalidArgument for a second free of it (the
+  // caller must not free it either way). One atomic load while nothing is held.
+  std::optional<absl::Status> DeferFreeIfHeld(const void* ptr) {
+    if (ABSL_PREDICT_TRUE(!holds_.any())) return std::nullopt;
+    return DeferredFree(ptr, holds_.DeferFree(ptr));
   }
   BlockHolds& block_holds() { return holds_; }
 
  private:
+  // DeferFreeIfHeld's answer for what BlockHolds said of `ptr`.
+  static std::optional<absl::Status> DeferredFree(const void* ptr, HeldFree verdict);
   struct OpenImport {
     std::unique_ptr<ImportedBuffer> buffer;
     bool host = false;  // imported through the host backend (CPU memory)

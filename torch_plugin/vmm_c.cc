@@ -255,7 +255,10 @@ void* vmm_alloc(size_t size, int device, void* stream) {
 
 int vmm_free(void* ptr, int device) {
   if (ptr == nullptr) return 0;
-  if (State().DeferFreeIfHeld(ptr)) return 0;  // a send holds it: freed at its release
+  // A send holds it: freed at its release (or a second free of it, refused).
+  if (std::optional<absl::Status> deferred = State().DeferFreeIfHeld(ptr)) {
+    return vmm::Check(*deferred);
+  }
   vmm::Pool* pool = device >= 0 ? State().DevicePoolIfAny(device) : nullptr;
   if (pool != nullptr && pool->Contains(ptr)) return vmm::Check(pool->Free(ptr));
   return vmm::Check(State().FreeBlock(ptr));
