@@ -236,7 +236,12 @@ std::array<uint8_t, 64> FdToken::Encode() const {
   std::memcpy(&out[40], nonce.data(), 16);
   PutU32(&out[56], fd);
   out[60] = static_cast<uint8_t>(kind);
-  return out;  // bytes 61..63 stay zero
+  // The slots file's number + 1 (0: none), in 24 bits.
+  const uint32_t slots = static_cast<uint32_t>(slots_fd + 1);
+  out[61] = static_cast<uint8_t>(slots);
+  out[62] = static_cast<uint8_t>(slots >> 8);
+  out[63] = static_cast<uint8_t>(slots >> 16);
+  return out;
 }
 
 absl::StatusOr<FdToken> FdToken::Decode(absl::Span<const uint8_t> bytes) {
@@ -254,9 +259,6 @@ absl::StatusOr<FdToken> FdToken::Decode(absl::Span<const uint8_t> bytes) {
   if (bytes[60] > static_cast<uint8_t>(FdToken::Kind::kSendHold)) {
     return absl::InvalidArgumentError(absl::StrCat("unknown fd token kind ", bytes[60]));
   }
-  if (bytes[61] != 0 || bytes[62] != 0 || bytes[63] != 0) {
-    return absl::InvalidArgumentError("fd token: reserved bytes set");
-  }
   FdToken t;
   t.pid = GetU32(&bytes[12]);
   t.boot_hash = GetU64(&bytes[16]);
@@ -265,6 +267,9 @@ absl::StatusOr<FdToken> FdToken::Decode(absl::Span<const uint8_t> bytes) {
   std::memcpy(t.nonce.data(), &bytes[40], 16);
   t.fd = GetU32(&bytes[56]);
   t.kind = static_cast<FdToken::Kind>(bytes[60]);
+  t.slots_fd = static_cast<int32_t>(bytes[61] | (uint32_t{bytes[62]} << 8) |
+                                    (uint32_t{bytes[63]} << 16)) -
+               1;
   return t;
 }
 
@@ -443,9 +448,11 @@ class FdServer::Impl {
     t.boot_hash = BootHash();
     t.server_id = server_id_;
     t.fd = static_cast<uint32_t>(fd.get());
+    t.slots_fd = slots_->fd();
     RandomBytes(t.nonce.data(), t.nonce.size());
     MutexLock lock(&mu_);
-    VMM_ASSIGN_OR_RETURN(t.key, slots_.Publish(t.nonce, fd.get()));
+    t.key = next_key_++;
+    VMM_RETURN_IF_ERROR(slots_->Publish(fd.get(), t.key, t.nonce));
     entries_[t.key] = Entry{std::move(fd), t.nonce};
     return t;
   }
@@ -454,15 +461,16 @@ class FdServer::Impl {
     MutexLock lock(&mu_);
     auto it = entries_.find(key);
     if (it == entries_.end()) return;
-    slots_.Withdraw(key);  // before the fd's number is free again (fd_slots.h)
-    entries_.erase(it);
+    Forget(it);
   }
 
   absl::StatusOr<FdToken> Rekey(uint64_t key) {
+    VMM_RETURN_IF_ERROR(start_);
     FdToken t;
     t.pid = pid_;
     t.boot_hash = BootHash();
     t.server_id = server_id_;
+    t.slots_fd = slots_->fd();
     RandomBytes(t.nonce.data(), t.nonce.size());
     MutexLock lock(&mu_);
     auto it = entries_.find(key);
@@ -473,12 +481,11 @@ class FdServer::Impl {
     const int moved = fcntl(it->second.fd.get(), F_DUPFD_CLOEXEC, 0);
     if (moved < 0) return Errno("fcntl(F_DUPFD_CLOEXEC)");
     Entry entry{UniqueFd(moved), t.nonce};
-    absl::StatusOr<uint64_t> key_now = slots_.Publish(t.nonce, moved);
-    if (!key_now.ok()) return key_now.status();  // the new number closes; the old one stays
-    slots_.Withdraw(key);
-    entries_.erase(it);  // closes the old number
+    t.key = next_key_++;
+    // The new number's slot first: if that fails, the new number closes and the old stays.
+    VMM_RETURN_IF_ERROR(slots_->Publish(moved, t.key, t.nonce));
+    Forget(it);  // the old number's slot cleared, then the number closed
     t.fd = static_cast<uint32_t>(entry.fd.get());
-    t.key = *key_now;
     entries_[t.key] = std::move(entry);
     return t;
   }
@@ -579,6 +586,12 @@ class FdServer::Impl {
   };
 
   absl::Status Start() {
+    VMM_ASSIGN_OR_RETURN(FdSlots slots, FdSlots::Create());
+    if (slots.fd() + 1 >= (1 << 24)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the fd slots file's number ", slots.fd(), " does not fit a token (24 bits)"));
+    }
+    slots_.emplace(std::move(slots));
     listen_.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!listen_.valid()) return Errno("socket");
     sockaddr_un addr;
@@ -836,6 +849,19 @@ class FdServer::Impl {
     return SendMessage(conn, reply.data(), reply.size(), {}, MSG_DONTWAIT);
   }
 
+  // Ends the registration at `it`: its slot cleared, then its fd closed (fd_slots.h). If the
+  // slot cannot be cleared, the fd is left open rather than closed, so that its number, which
+  // a token names, is taken by no other file.
+  void Forget(absl::flat_hash_map<uint64_t, Entry>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (absl::Status cleared = slots_->Withdraw(it->second.fd.get()); !cleared.ok()) {
+      LogError(absl::StrCat("ending an fd registration: ", cleared.message(),
+                            "; its fd is kept open"));
+      (void)it->second.fd.release();
+    }
+    entries_.erase(it);
+  }
+
   const uint32_t pid_;
   uint64_t server_id_ = 0;
   UniqueFd listen_;
@@ -844,9 +870,10 @@ class FdServer::Impl {
   // Guards the registry; the serving thread's state is its own. Not held across fork(): a
   // forked child never uses its parent's server (FdServer::impl() makes the child's own).
   Mutex mu_;
-  // Each registration's nonce and fd number where a pidfd_getfd fetch checks them; its key
-  // names its slot (fd_slots.h).
-  FdSlots slots_ ABSL_GUARDED_BY(mu_);
+  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;  // never 0: a cleared slot holds key 0
+  // The slot of each registered fd, where a pidfd_getfd fetch checks it (fd_slots.h); made by
+  // Start(), and written under mu_.
+  std::optional<FdSlots> slots_;
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -1186,6 +1213,20 @@ absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> to
   return out;
 }
 
+// pidfd_getfd of the fd numbered `number` in the process of `pidfd`: the fd, or -1 and the
+// error for token `index` (NotFound where the process has no such fd).
+absl::StatusOr<UniqueFd> TakeFd(const UniqueFd& pidfd, uint32_t number, size_t index,
+                                uint32_t pid) {
+  UniqueFd fd(static_cast<int>(syscall(SYS_pidfd_getfd, pidfd.get(), number, 0)));
+  if (fd.valid()) return fd;
+  if (errno == EPERM) {
+    return absl::PermissionDeniedError(
+        "pidfd_getfd needs ptrace rights over the exporter; use the socket transport");
+  }
+  if (errno == EBADF) return Stale(index, pid);
+  return Errno("pidfd_getfd");
+}
+
 absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tokens) {
   std::vector<UniqueFd> out;
   for (size_t i = 0; i < tokens.size(); ++i) {
@@ -1197,19 +1238,14 @@ absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tok
       }
       return Errno("pidfd_open");
     }
-    UniqueFd fd(static_cast<int>(syscall(SYS_pidfd_getfd, pidfd.get(), tokens[i].fd, 0)));
-    if (!fd.valid()) {
-      if (errno == EPERM) {
-        return absl::PermissionDeniedError(
-            "pidfd_getfd needs ptrace rights over the exporter; use the socket transport");
-      }
-      if (errno == EBADF) return Stale(i, tokens[i].pid);
-      return Errno("pidfd_getfd");
-    }
+    // Without its slots file a token cannot be checked (fd_slots.h).
+    if (tokens[i].slots_fd < 0) return Stale(i, tokens[i].pid);
+    VMM_ASSIGN_OR_RETURN(UniqueFd fd, TakeFd(pidfd, tokens[i].fd, i, tokens[i].pid));
     // The number may have been closed and taken by another file since the token was made:
-    // the exporter's slot says whether it is still the registration's (fd_slots.h).
-    if (absl::Status same = CheckPublishedFd(tokens[i].pid, tokens[i].key, tokens[i].nonce,
-                                             static_cast<int>(tokens[i].fd));
+    // its slot, read after the fd was taken, says whether it is still the registration's.
+    VMM_ASSIGN_OR_RETURN(UniqueFd slots, TakeFd(pidfd, static_cast<uint32_t>(tokens[i].slots_fd),
+                                                i, tokens[i].pid));
+    if (absl::Status same = CheckSlot(slots, tokens[i].fd, tokens[i].key, tokens[i].nonce);
         !same.ok()) {
       return absl::IsNotFound(same) ? Stale(i, tokens[i].pid) : same;
     }

@@ -51,14 +51,17 @@ struct FdToken {
   uint32_t pid = 0;         // exporting process
   uint64_t boot_hash = 0;   // machine identity (boot id)
   uint64_t server_id = 0;   // random per FdServer start: names its socket
-  uint64_t key = 0;         // registry key in that server (names its slot: fd_slots.h)
+  uint64_t key = 0;         // registry key in that server
   std::array<uint8_t, 16> nonce{};  // random per registration
   uint32_t fd = 0;          // the fd number in the exporter (for kPidfd); 0 in a ticket
   Kind kind = Kind::kFd;
+  // The number of the exporter's fd slots file (fd_slots.h: what a kPidfd fetch checks the fd
+  // it took against); -1 in a ticket. Encoded in 24 bits.
+  int32_t slots_fd = -1;
 
   std::array<uint8_t, 64> Encode() const;
-  // InvalidArgument when the bytes are not a token (wrong length, magic, version or kind, or
-  // reserved bytes set). Canonical: a token decodes only from the bytes it encodes to.
+  // InvalidArgument when the bytes are not a token (wrong length, magic, version or kind).
+  // Canonical: a token decodes only from the bytes it encodes to.
   static absl::StatusOr<FdToken> Decode(absl::Span<const uint8_t> bytes);
 };
 

@@ -2,95 +2,81 @@
 
 #include <errno.h>
 #include <sys/mman.h>
-#include <sys/uio.h>
+#include <unistd.h>
 
 #include <cstring>
-#include <new>
 
 #include "absl/strings/str_cat.h"
 
 namespace vmm {
 namespace {
 
-constexpr int kUseShift = 48;
-constexpr uintptr_t kSlotAlign = 64;  // FdSlots::Slot's
-constexpr uint64_t kAddressMask = (uint64_t{1} << kUseShift) - 1;
+using Slot = std::array<uint8_t, FdSlots::kSlotBytes>;
 
-// A slot as process_vm_readv copies it: its first three words.
-struct PublishedFd {
-  uint64_t nonce[2];
-  uint64_t fd;  // the number + 1 (0: free)
-};
+Slot SlotOf(uint64_t key, const FdNonce& nonce) {
+  Slot slot{};
+  std::memcpy(slot.data(), nonce.data(), nonce.size());
+  std::memcpy(slot.data() + nonce.size(), &key, sizeof(key));
+  return slot;
+}
 
-uint64_t NonceWord(const FdNonce& nonce, int half) {
-  uint64_t w;
-  std::memcpy(&w, nonce.data() + 8 * half, 8);
-  return w;
+absl::Status ErrnoStatus(const char* what, int err) {
+  return absl::Status(absl::ErrnoToStatusCode(err), absl::StrCat(what, ": ", std::strerror(err)));
+}
+
+// pwrite of a whole slot (EINTR retried; a short write of 32 bytes to a memfd does not
+// happen, and is an error if it does).
+absl::Status WriteSlot(int file, int fd, const Slot& slot) {
+  const off_t offset = static_cast<off_t>(fd) * static_cast<off_t>(FdSlots::kSlotBytes);
+  ssize_t n;
+  do {
+    n = pwrite(file, slot.data(), slot.size(), offset);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return ErrnoStatus("writing the fd slots file", errno);
+  if (static_cast<size_t>(n) != slot.size()) {
+    return absl::InternalError("writing the fd slots file: a short write");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
 
-absl::StatusOr<uint64_t> FdSlots::Publish(const FdNonce& nonce, int fd) {
-  static_assert(std::atomic<uint64_t>::is_always_lock_free &&
-                    sizeof(std::atomic<uint64_t>) == sizeof(uint64_t),
-                "an importer reads the slot's words as plain words");
-  if (free_.empty()) {
-    void* mem = mmap(nullptr, kSlotsPerMapping * sizeof(Slot), PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (mem == MAP_FAILED) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("mapping the fd server's slots: ", std::strerror(errno)));
-    }
-    if ((reinterpret_cast<uintptr_t>(mem) + kSlotsPerMapping * sizeof(Slot)) > kAddressMask) {
-      munmap(mem, kSlotsPerMapping * sizeof(Slot));
-      return absl::ResourceExhaustedError(
-          "the fd server's slots were mapped above 2^48, where a key cannot name them");
-    }
-    Slot* slots = static_cast<Slot*>(mem);
-    for (size_t i = kSlotsPerMapping; i-- > 0;) free_.push_back(new (&slots[i]) Slot{});
+absl::StatusOr<FdSlots> FdSlots::Create() {
+  UniqueFd file(memfd_create("vmm-fd-slots", MFD_CLOEXEC));
+  if (!file.valid()) return ErrnoStatus("memfd_create (the fd slots file)", errno);
+  return FdSlots(std::move(file));
+}
+
+absl::Status FdSlots::Publish(int fd, uint64_t key, const FdNonce& nonce) {
+  if (fd < 0 || fd >= kMaxSlots) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "fd ", fd, " is past the ", kMaxSlots, " numbers the fd server keeps slots for"));
   }
-  Slot* slot = free_.back();
-  free_.pop_back();
-  ++slot->uses;
-  slot->words[2].store(static_cast<uint64_t>(fd) + 1, std::memory_order_relaxed);
-  slot->words[0].store(NonceWord(nonce, 0), std::memory_order_relaxed);
-  slot->words[1].store(NonceWord(nonce, 1), std::memory_order_release);
-  return (uint64_t{slot->uses} << kUseShift) | reinterpret_cast<uintptr_t>(slot);
+  return WriteSlot(file_.get(), fd, SlotOf(key, nonce));
 }
 
-void FdSlots::Withdraw(uint64_t key) {
-  Slot* slot = reinterpret_cast<Slot*>(static_cast<uintptr_t>(key & kAddressMask));
-  for (auto& word : slot->words) word.store(0, std::memory_order_release);
-  // The fd is closed after this: the stores are seen before its number can be taken again.
-  std::atomic_thread_fence(std::memory_order_seq_cst);
-  free_.push_back(slot);
-}
+absl::Status FdSlots::Withdraw(int fd) { return WriteSlot(file_.get(), fd, Slot{}); }
 
-absl::Status CheckPublishedFd(uint32_t pid, uint64_t key, const FdNonce& nonce, int fd) {
-  const uintptr_t address = static_cast<uintptr_t>(key & kAddressMask);
+absl::Status CheckSlot(const UniqueFd& slots, uint32_t fd, uint64_t key, const FdNonce& nonce) {
   auto stale = [&] {
-    return absl::NotFoundError(absl::StrCat("process ", pid, " no longer holds fd ", fd,
-                                            " under that handle (its registration ended)"));
+    return absl::NotFoundError(absl::StrCat("fd ", fd, " of the exporter is not the handle's"));
   };
-  if (address == 0 || address % kSlotAlign != 0) return stale();
-  PublishedFd published{};
-  iovec local{&published, sizeof(published)};
-  iovec remote{reinterpret_cast<void*>(address), sizeof(published)};
-  const ssize_t n = process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
-  if (n != static_cast<ssize_t>(sizeof(published))) {
-    if (n < 0 && errno == ESRCH) {
-      return absl::UnavailableError(absl::StrCat("the exporting process ", pid, " is gone"));
-    }
-    if (n < 0 && errno == EPERM) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "reading process ", pid, "'s fd registry needs ptrace rights over it"));
-    }
-    return stale();  // EFAULT: no slot there
-  }
-  if (published.nonce[0] != NonceWord(nonce, 0) || published.nonce[1] != NonceWord(nonce, 1) ||
-      published.fd != static_cast<uint64_t>(fd) + 1) {
+  if (fd >= static_cast<uint32_t>(FdSlots::kMaxSlots)) return stale();
+  Slot slot{};
+  const off_t offset = static_cast<off_t>(fd) * static_cast<off_t>(FdSlots::kSlotBytes);
+  ssize_t n;
+  do {
+    n = pread(slots.get(), slot.data(), slot.size(), offset);
+  } while (n < 0 && errno == EINTR);
+  // A file that cannot be read at an offset (a pipe, a socket, a directory) is not a slots
+  // file: a token that names one is not the exporter's.
+  if (n < 0 && (errno == ESPIPE || errno == EINVAL || errno == EISDIR || errno == EBADF ||
+                errno == ENXIO)) {
     return stale();
   }
+  if (n < 0) return ErrnoStatus("reading the exporter's fd slots file", errno);
+  // Past the file's end (no slot written there): a short read.
+  if (static_cast<size_t>(n) != slot.size() || slot != SlotOf(key, nonce)) return stale();
   return absl::OkStatus();
 }
 

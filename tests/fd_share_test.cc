@@ -382,21 +382,22 @@ TEST(FdTokenTest, KindsRoundTripAndUnknownKindsAreRefused) {
   token.key = 9;
   token.fd = 3;
   for (FdToken::Kind kind : {FdToken::Kind::kFd, FdToken::Kind::kSendHold}) {
-    token.kind = kind;
-    const std::array<uint8_t, 64> bytes = token.Encode();
-    EXPECT_EQ(bytes[60], static_cast<uint8_t>(kind));
-    ASSERT_OK_AND_ASSIGN(const FdToken decoded, FdToken::Decode(bytes));
-    EXPECT_EQ(decoded.kind, kind);
-    EXPECT_EQ(decoded.Encode(), bytes);
+    // The slots file's number, none (a ticket's) to the largest 24 bits hold.
+    for (int32_t slots_fd : {-1, 0, 5, (1 << 24) - 2}) {
+      token.kind = kind;
+      token.slots_fd = slots_fd;
+      const std::array<uint8_t, 64> bytes = token.Encode();
+      EXPECT_EQ(bytes[60], static_cast<uint8_t>(kind));
+      ASSERT_OK_AND_ASSIGN(const FdToken decoded, FdToken::Decode(bytes));
+      EXPECT_EQ(decoded.kind, kind);
+      EXPECT_EQ(decoded.slots_fd, slots_fd);
+      EXPECT_EQ(decoded.Encode(), bytes);
+    }
   }
   std::array<uint8_t, 64> bytes = token.Encode();
   bytes[60] = 2;
   EXPECT_THAT(FdToken::Decode(bytes), StatusIs(absl::StatusCode::kInvalidArgument,
                                                HasSubstr("kind")));
-  bytes = token.Encode();
-  bytes[63] = 1;
-  EXPECT_THAT(FdToken::Decode(bytes), StatusIs(absl::StatusCode::kInvalidArgument,
-                                               HasSubstr("reserved")));
 }
 
 TEST(AckRequestTest, RoundTripsAndIsStrict) {
@@ -746,12 +747,19 @@ TEST(FdConnectionTest, APidfdFetchTakesNoFileThatTookTheTokensNumber) {
     EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
         << "fd " << fd;
   }
-  // A key that names no slot of the exporter's (unaligned, none, past its memory).
-  for (uint64_t key : {uint64_t{12345}, uint64_t{0}, (uint64_t{1} << 47) - 64}) {
+  // Another key (the old registration's, none, one never given), another slots file (the
+  // token's own fd, a standard stream), no slots file: nothing to check the fd against.
+  for (uint64_t key : {old_token.key, uint64_t{0}, uint64_t{12345}}) {
     FdToken forged = new_token;
     forged.key = key;
     EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
         << "key " << key;
+  }
+  for (int32_t slots_fd : {static_cast<int32_t>(new_token.fd), 0, -1}) {
+    FdToken forged = new_token;
+    forged.slots_fd = slots_fd;
+    EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
+        << "slots file " << slots_fd;
   }
   EXPECT_EQ(exporter.Exit(), 0);
 }
