@@ -130,11 +130,13 @@ vmm_probe=$(tail -n 1 "$results/probe.vmm.out")
 echo "native mode: $native_probe"
 echo "vmm mode:    $vmm_probe"
 if [[ "$vmm_probe" != *vmm_cuda_allocator* ]]; then
-  echo "VMM_TORCH_ENABLE=$VMM_ENABLE_TEXT did not make vmm's full CUDA allocator current; stopping" >&2
+  echo "VMM_TORCH_ENABLE=$VMM_ENABLE_TEXT did not make vmm's full CUDA allocator current" \
+    "(the probe's output: $results/probe.vmm.out); stopping" >&2
   exit 1
 fi
 if [[ "$native_probe" != native* ]]; then
-  echo "vmm is enabled without VMM_TORCH_ENABLE; stopping" >&2
+  echo "vmm is enabled without VMM_TORCH_ENABLE (the probe's output:" \
+    "$results/probe.native.out); stopping" >&2
   exit 1
 fi
 
