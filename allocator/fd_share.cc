@@ -435,6 +435,11 @@ class FdServer::Impl {
     server_counts.accepted.store(0, std::memory_order_relaxed);  // not the forked parent's
     server_counts.evicted.store(0, std::memory_order_relaxed);
     RandomBytes(reinterpret_cast<uint8_t*>(&server_id_), sizeof(server_id_));
+    // Keys start anywhere below 2^63 (never 0, and no wrap): a forked child's server does not
+    // give its own registrations keys that an export registry inherited from its parent
+    // holds, and could unregister.
+    RandomBytes(reinterpret_cast<uint8_t*>(&next_key_), sizeof(next_key_));
+    next_key_ = (next_key_ >> 1) | 1;
     start_ = Start();
   }
 
@@ -586,7 +591,7 @@ class FdServer::Impl {
   };
 
   absl::Status Start() {
-    VMM_ASSIGN_OR_RETURN(FdSlots slots, FdSlots::Create());
+    VMM_ASSIGN_OR_RETURN(FdSlots slots, FdSlots::Create(server_id_));
     if (slots.fd() + 1 >= (1 << 24)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "the fd slots file's number ", slots.fd(), " does not fit a token (24 bits)"));
@@ -1213,17 +1218,31 @@ absl::StatusOr<std::vector<UniqueFd>> FetchBySocket(absl::Span<const FdToken> to
   return out;
 }
 
-// pidfd_getfd of the fd numbered `number` in the process of `pidfd`: the fd, or -1 and the
-// error for token `index` (NotFound where the process has no such fd).
+absl::Status ExporterGone(uint32_t pid) {
+  return absl::UnavailableError(absl::StrCat("the exporting process ", pid, " is gone"));
+}
+
+// Whether the process of `pidfd` has exited (its pidfd polls readable then).
+bool HasExited(const UniqueFd& pidfd) {
+  pollfd p{pidfd.get(), POLLIN, 0};
+  return poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
+}
+
+// pidfd_getfd of the fd numbered `number` in the process of `pidfd`: the fd, or the error for
+// token `index`: Unavailable where the process has exited (whether or not it was reaped),
+// NotFound where it has no such fd.
 absl::StatusOr<UniqueFd> TakeFd(const UniqueFd& pidfd, uint32_t number, size_t index,
                                 uint32_t pid) {
   UniqueFd fd(static_cast<int>(syscall(SYS_pidfd_getfd, pidfd.get(), number, 0)));
   if (fd.valid()) return fd;
-  if (errno == EPERM) {
+  const int err = errno;
+  if (err == ESRCH || HasExited(pidfd)) return ExporterGone(pid);
+  if (err == EPERM) {
     return absl::PermissionDeniedError(
         "pidfd_getfd needs ptrace rights over the exporter; use the socket transport");
   }
-  if (errno == EBADF) return Stale(index, pid);
+  if (err == EBADF) return Stale(index, pid);
+  errno = err;
   return Errno("pidfd_getfd");
 }
 
@@ -1232,10 +1251,7 @@ absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tok
   for (size_t i = 0; i < tokens.size(); ++i) {
     UniqueFd pidfd(static_cast<int>(syscall(SYS_pidfd_open, tokens[i].pid, 0)));
     if (!pidfd.valid()) {
-      if (errno == ESRCH) {
-        return absl::UnavailableError(
-            absl::StrCat("the exporting process ", tokens[i].pid, " is gone"));
-      }
+      if (errno == ESRCH) return ExporterGone(tokens[i].pid);
       return Errno("pidfd_open");
     }
     // Without its slots file a token cannot be checked (fd_slots.h).
@@ -1245,9 +1261,10 @@ absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tok
     // its slot, read after the fd was taken, says whether it is still the registration's.
     VMM_ASSIGN_OR_RETURN(UniqueFd slots, TakeFd(pidfd, static_cast<uint32_t>(tokens[i].slots_fd),
                                                 i, tokens[i].pid));
-    if (absl::Status same = CheckSlot(slots, tokens[i].fd, tokens[i].key, tokens[i].nonce);
-        !same.ok()) {
-      return absl::IsNotFound(same) ? Stale(i, tokens[i].pid) : same;
+    const SlotClaim claim{tokens[i].pid, tokens[i].server_id, tokens[i].fd, tokens[i].key,
+                          tokens[i].nonce};
+    if (!CheckSlot(slots, claim).ok()) {
+      return HasExited(pidfd) ? ExporterGone(tokens[i].pid) : Stale(i, tokens[i].pid);
     }
     out.push_back(std::move(fd));
   }

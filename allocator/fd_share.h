@@ -35,7 +35,8 @@
 namespace vmm {
 
 // Encoding (64 bytes, little endian): "VMMFDTOK" | version u32 (1) | pid u32 | boot hash u64 |
-// server id u64 | key u64 | nonce 16 | fd u32 | kind u8 | 3 zero bytes.
+// server id u64 | key u64 | nonce 16 | fd u32 | kind u8 | slots file's fd + 1 (24 bits; 0 in
+// a ticket).
 // What a receiver reports to the sender about a send (send_ledger.h), one request kind each.
 enum class SendReport : uint8_t {
   kImported,   // mapped: the sender may drop what it held for the send

@@ -14,7 +14,12 @@
 // those of pidfd_getfd itself.
 //
 // The file is sparse: kSlotBytes a slot, for fd numbers below kMaxSlots (a registered fd past
-// them is refused).
+// them is refused), then a trailer naming its process and server (magic, pid, server id): a
+// forked child shares its parent's slots file (and holds the fds the parent had then), so a
+// token whose pid is the child's must not be checked against the parent's slots. A token whose
+// slots file names some other file of the exporter's fails the check unless that file holds
+// the trailer and the slot as the importer expects them: only a process that can write such a
+// file into the exporter's hands, and holds pidfd_getfd rights over it anyway, could forge one.
 #ifndef VMM_ALLOCATOR_FD_SLOTS_H_
 #define VMM_ALLOCATOR_FD_SLOTS_H_
 
@@ -37,8 +42,9 @@ class FdSlots {
   static constexpr size_t kSlotBytes = 32;  // the nonce, the key, 8 bytes unused
   static constexpr int kMaxSlots = 1 << 22;
 
-  // Makes the slots file. Errors: memfd_create's.
-  static absl::StatusOr<FdSlots> Create();
+  // Makes the slots file of the fd server `server_id` of this process. Errors: those of
+  // memfd_create and of writing its trailer.
+  static absl::StatusOr<FdSlots> Create(uint64_t server_id);
 
   // The file's fd number in this process (what tokens carry).
   int fd() const { return file_.get(); }
@@ -54,10 +60,20 @@ class FdSlots {
   UniqueFd file_;
 };
 
-// OK when the slots file `slots` (the importer's copy of the exporter's) holds `key` and
-// `nonce` in the slot of `fd` (a number in the exporter); NotFound when not (the registration
-// ended, or the token is not one of this exporter's); the read's error.
-absl::Status CheckSlot(const UniqueFd& slots, uint32_t fd, uint64_t key, const FdNonce& nonce);
+// What a token says of its registration, as CheckSlot compares it.
+struct SlotClaim {
+  uint32_t pid = 0;         // the exporting process
+  uint64_t server_id = 0;   // its fd server
+  uint32_t fd = 0;          // the fd's number there
+  uint64_t key = 0;
+  FdNonce nonce{};
+};
+
+// OK when `slots` (the importer's copy of a file the exporter holds) is the slots file of the
+// claim's process and server and holds the claim's key and nonce in the slot of its fd;
+// NotFound when not (the registration ended, or the token is not one of this exporter's,
+// whatever the file is, or a read of it fails).
+absl::Status CheckSlot(const UniqueFd& slots, const SlotClaim& claim);
 
 }  // namespace vmm
 

@@ -10,6 +10,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "allocator/fd_share.h"
 #include "allocator/fd_share_internal.h"
+#include "allocator/fd_slots.h"
 #include "allocator/send_ledger.h"
 #include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
@@ -678,9 +680,16 @@ class Exporter {
 
   // Ends it (its input ends); its exit code.
   int Exit() {
+    EndUnreaped();
+    return process_.Wait();
+  }
+
+  // Ends it and waits until it has exited, without reaping it (Exit reaps it).
+  void EndUnreaped() {
     process_.CloseInput();
     process_.ReadAll();
-    return process_.Wait();
+    siginfo_t info{};
+    EXPECT_EQ(waitid(P_PID, static_cast<id_t>(token_.pid), &info, WEXITED | WNOWAIT), 0);
   }
 
  private:
@@ -762,6 +771,68 @@ TEST(FdConnectionTest, APidfdFetchTakesNoFileThatTookTheTokensNumber) {
         << "slots file " << slots_fd;
   }
   EXPECT_EQ(exporter.Exit(), 0);
+}
+
+// An exporter that has exited is Unavailable by pidfd as by socket, reaped or not (pidfd_open
+// of an exited process that is not reaped yet succeeds, and pidfd_getfd then fails).
+TEST(FdConnectionTest, APidfdFetchFromAnExporterThatExitedIsUnavailable) {
+  Exporter exporter;
+  absl::StatusOr<std::vector<UniqueFd>> first = FetchFds({exporter.token()}, FdFetch::kPidfd);
+  if (absl::IsPermissionDenied(first.status())) {
+    GTEST_SKIP() << "no ptrace rights here: " << first.status();
+  }
+  ASSERT_OK(first);
+  exporter.EndUnreaped();
+  EXPECT_THAT(FetchFds({exporter.token()}, FdFetch::kPidfd),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));
+  EXPECT_EQ(exporter.Exit(), 0);
+  EXPECT_THAT(FetchFds({exporter.token()}, FdFetch::kPidfd),
+              StatusIs(absl::StatusCode::kUnavailable, HasSubstr("is gone")));
+}
+
+// The slots file answers only for its own process and server, and only while the slot holds
+// the registration: a forked child shares its parent's slots file, so a token naming the
+// child must not pass against the parent's slots; a file that is not a slots file passes
+// nothing, whatever reading it does.
+TEST(FdSlotsTest, ASlotAnswersForItsProcessServerAndRegistrationOnly) {
+  constexpr uint64_t kServer = 0x5e5e5e5e;
+  ASSERT_OK_AND_ASSIGN(FdSlots slots, FdSlots::Create(kServer));
+  // The importer's copy of the file (as pidfd_getfd gives it).
+  const UniqueFd copy(fcntl(slots.fd(), F_DUPFD_CLOEXEC, 0));
+  ASSERT_TRUE(copy.valid());
+  FdNonce nonce{};
+  nonce.fill(7);
+  const uint32_t pid = static_cast<uint32_t>(getpid());
+  const SlotClaim claim{pid, kServer, 5, 42, nonce};
+  EXPECT_THAT(CheckSlot(copy, claim), StatusIs(absl::StatusCode::kNotFound)) << "not yet";
+  ASSERT_OK(slots.Publish(5, 42, nonce));
+  EXPECT_OK(CheckSlot(copy, claim));
+  // Another pid (a forked child's), server, fd, key, nonce, or an fd past the slots.
+  SlotClaim others[6] = {claim, claim, claim, claim, claim, claim};
+  others[0].pid = pid + 1;
+  others[1].server_id = kServer + 1;
+  others[2].fd = 6;
+  others[3].key = 43;
+  others[4].nonce[15] = 8;
+  others[5].fd = FdSlots::kMaxSlots;
+  for (const SlotClaim& other : others) {
+    EXPECT_THAT(CheckSlot(copy, other), StatusIs(absl::StatusCode::kNotFound)) << &other - others;
+  }
+  ASSERT_OK(slots.Withdraw(5));
+  EXPECT_THAT(CheckSlot(copy, claim), StatusIs(absl::StatusCode::kNotFound)) << "withdrawn";
+  EXPECT_THAT(slots.Publish(FdSlots::kMaxSlots, 1, nonce),
+              StatusIs(absl::StatusCode::kResourceExhausted));
+  // Files of other kinds: a pipe, a directory, a memfd of zeros, /proc/self/mem (EIO).
+  int pipe_fds[2];
+  ASSERT_EQ(pipe2(pipe_fds, O_CLOEXEC), 0);
+  const UniqueFd read_end(pipe_fds[0]), write_end(pipe_fds[1]);
+  const UniqueFd dir(open("/", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  const UniqueFd zeros(memfd_create("zeros", MFD_CLOEXEC));
+  ASSERT_EQ(ftruncate(zeros.get(), 256 << 20), 0);
+  const UniqueFd mem(open("/proc/self/mem", O_RDONLY | O_CLOEXEC));
+  for (const UniqueFd* file : {&read_end, &dir, &zeros, &mem}) {
+    EXPECT_THAT(CheckSlot(*file, claim), StatusIs(absl::StatusCode::kNotFound));
+  }
 }
 
 TEST(FdConnectionTest, ManyFetchesFromOneExporterUseOneConnection) {
