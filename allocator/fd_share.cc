@@ -47,7 +47,7 @@ using fd_share_internal::kRequestHeaderSize;
 using fd_share_internal::RandomBytes;
 
 constexpr char kTokenMagic[8] = {'V', 'M', 'M', 'F', 'D', 'T', 'O', 'K'};
-constexpr uint32_t kTokenVersion = 1;
+constexpr uint32_t kTokenVersion = 2;  // 2: the slots file's number in the last bytes
 constexpr char kRequestMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'E', 'Q'};
 constexpr char kReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'R', 'S', 'P'};
 constexpr char kErrorReplyMagic[8] = {'V', 'M', 'M', 'F', 'D', 'E', 'R', 'R'};
@@ -453,11 +453,11 @@ class FdServer::Impl {
     t.boot_hash = BootHash();
     t.server_id = server_id_;
     t.fd = static_cast<uint32_t>(fd.get());
-    t.slots_fd = slots_->fd();
+    t.slots_fd = slots_ ? slots_->fd() : -1;
     RandomBytes(t.nonce.data(), t.nonce.size());
     MutexLock lock(&mu_);
     t.key = next_key_++;
-    VMM_RETURN_IF_ERROR(slots_->Publish(fd.get(), t.key, t.nonce));
+    if (slots_) VMM_RETURN_IF_ERROR(slots_->Publish(fd.get(), t.key, t.nonce));
     entries_[t.key] = Entry{std::move(fd), t.nonce};
     return t;
   }
@@ -475,7 +475,7 @@ class FdServer::Impl {
     t.pid = pid_;
     t.boot_hash = BootHash();
     t.server_id = server_id_;
-    t.slots_fd = slots_->fd();
+    t.slots_fd = slots_ ? slots_->fd() : -1;
     RandomBytes(t.nonce.data(), t.nonce.size());
     MutexLock lock(&mu_);
     auto it = entries_.find(key);
@@ -488,7 +488,7 @@ class FdServer::Impl {
     Entry entry{UniqueFd(moved), t.nonce};
     t.key = next_key_++;
     // The new number's slot first: if that fails, the new number closes and the old stays.
-    VMM_RETURN_IF_ERROR(slots_->Publish(moved, t.key, t.nonce));
+    if (slots_) VMM_RETURN_IF_ERROR(slots_->Publish(moved, t.key, t.nonce));
     Forget(it);  // the old number's slot cleared, then the number closed
     t.fd = static_cast<uint32_t>(entry.fd.get());
     entries_[t.key] = std::move(entry);
@@ -591,12 +591,19 @@ class FdServer::Impl {
   };
 
   absl::Status Start() {
-    VMM_ASSIGN_OR_RETURN(FdSlots slots, FdSlots::Create(server_id_));
-    if (slots.fd() + 1 >= (1 << 24)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the fd slots file's number ", slots.fd(), " does not fit a token (24 bits)"));
+    // Without a slots file the server still serves sockets; pidfd fetches of its tokens are
+    // refused (they could not be checked).
+    absl::StatusOr<FdSlots> slots = FdSlots::Create(server_id_);
+    if (slots.ok() && slots->fd() + 1 >= (1 << 24)) {
+      slots = absl::ResourceExhaustedError(absl::StrCat(
+          "the fd slots file's number ", slots->fd(), " does not fit a token (24 bits)"));
     }
-    slots_.emplace(std::move(slots));
+    if (slots.ok()) {
+      slots_.emplace(*std::move(slots));
+    } else {
+      LogError(absl::StrCat("fd server: no slots file (", slots.status().message(),
+                            "): pidfd fetches of its fds are refused"));
+    }
     listen_.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
     if (!listen_.valid()) return Errno("socket");
     sockaddr_un addr;
@@ -859,7 +866,8 @@ class FdServer::Impl {
   // a token names, is taken by no other file.
   void Forget(absl::flat_hash_map<uint64_t, Entry>::iterator it)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (absl::Status cleared = slots_->Withdraw(it->second.fd.get()); !cleared.ok()) {
+    if (absl::Status cleared = slots_ ? slots_->Withdraw(it->second.fd.get()) : absl::OkStatus();
+        !cleared.ok()) {
       LogError(absl::StrCat("ending an fd registration: ", cleared.message(),
                             "; its fd is kept open"));
       (void)it->second.fd.release();
@@ -1222,10 +1230,11 @@ absl::Status ExporterGone(uint32_t pid) {
   return absl::UnavailableError(absl::StrCat("the exporting process ", pid, " is gone"));
 }
 
-// Whether the process of `pidfd` has exited (its pidfd polls readable then).
-bool HasExited(const UniqueFd& pidfd) {
+// Whether the process of `pidfd` has exited, waiting up to `wait_ms` for it (its pidfd polls
+// readable then).
+bool HasExited(const UniqueFd& pidfd, int wait_ms = 0) {
   pollfd p{pidfd.get(), POLLIN, 0};
-  return poll(&p, 1, 0) == 1 && (p.revents & POLLIN) != 0;
+  return poll(&p, 1, wait_ms) == 1 && (p.revents & POLLIN) != 0;
 }
 
 // pidfd_getfd of the fd numbered `number` in the process of `pidfd`: the fd, or the error for
@@ -1255,15 +1264,26 @@ absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tok
       return Errno("pidfd_open");
     }
     // Without its slots file a token cannot be checked (fd_slots.h).
-    if (tokens[i].slots_fd < 0) return Stale(i, tokens[i].pid);
+    if (tokens[i].slots_fd < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "handle ", i, " names no fd slots file of process ", tokens[i].pid,
+          ", against which a pidfd fetch checks the fd it takes: use the socket transport"));
+    }
+    // The slots file first: its server never closes it, so a process that lacks it is exiting
+    // (its fds are closed before its pidfd polls readable: 100 ms for that) or the token is not
+    // its.
+    absl::StatusOr<UniqueFd> slots =
+        TakeFd(pidfd, static_cast<uint32_t>(tokens[i].slots_fd), i, tokens[i].pid);
+    if (absl::IsNotFound(slots.status()) && HasExited(pidfd, 100)) {
+      return ExporterGone(tokens[i].pid);
+    }
+    VMM_RETURN_IF_ERROR(slots.status());
     VMM_ASSIGN_OR_RETURN(UniqueFd fd, TakeFd(pidfd, tokens[i].fd, i, tokens[i].pid));
     // The number may have been closed and taken by another file since the token was made:
     // its slot, read after the fd was taken, says whether it is still the registration's.
-    VMM_ASSIGN_OR_RETURN(UniqueFd slots, TakeFd(pidfd, static_cast<uint32_t>(tokens[i].slots_fd),
-                                                i, tokens[i].pid));
     const SlotClaim claim{tokens[i].pid, tokens[i].server_id, tokens[i].fd, tokens[i].key,
                           tokens[i].nonce};
-    if (!CheckSlot(slots, claim).ok()) {
+    if (!CheckSlot(*slots, claim).ok()) {
       return HasExited(pidfd) ? ExporterGone(tokens[i].pid) : Stale(i, tokens[i].pid);
     }
     out.push_back(std::move(fd));

@@ -34,7 +34,7 @@
 
 namespace vmm {
 
-// Encoding (64 bytes, little endian): "VMMFDTOK" | version u32 (1) | pid u32 | boot hash u64 |
+// Encoding (64 bytes, little endian): "VMMFDTOK" | version u32 (2) | pid u32 | boot hash u64 |
 // server id u64 | key u64 | nonce 16 | fd u32 | kind u8 | slots file's fd + 1 (24 bits; 0 in
 // a ticket).
 // What a receiver reports to the sender about a send (send_ledger.h), one request kind each.
@@ -115,6 +115,7 @@ class FdServer {
 // machine, or a send ticket among them), Unavailable (exporter gone, it closed the connection without answering, or it
 // could not duplicate the fd for lack of its own fds: the message says which),
 // DeadlineExceeded (the exporter did not answer within 10 s), NotFound (stale or forged token),
+// FailedPrecondition (kPidfd: a token naming no slots file, fd_slots.h),
 // PermissionDenied (the exporter runs as another user and refused), or the system call's
 // error; those of the socket name the exporter's pid. The connection to an exporter is kept
 // for later fetches (a few exporters' at most, never shared with a fork()ed child); one that

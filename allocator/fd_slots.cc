@@ -25,10 +25,13 @@ Slot TrailerOf(uint32_t pid, uint64_t server_id) {
   return trailer;
 }
 
+// A live slot: the nonce, the key, then a byte 1, so that no slot of a registration reads as
+// a free one (all zero, as the sparse file's holes read).
 Slot SlotOf(uint64_t key, const FdNonce& nonce) {
   Slot slot{};
   std::memcpy(slot.data(), nonce.data(), nonce.size());
   std::memcpy(slot.data() + nonce.size(), &key, sizeof(key));
+  slot[nonce.size() + sizeof(key)] = 1;
   return slot;
 }
 

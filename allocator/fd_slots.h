@@ -39,7 +39,7 @@ using FdNonce = std::array<uint8_t, 16>;
 // (reads are other processes').
 class FdSlots {
  public:
-  static constexpr size_t kSlotBytes = 32;  // the nonce, the key, 8 bytes unused
+  static constexpr size_t kSlotBytes = 32;  // the nonce, the key, a byte 1 (live), 7 unused
   static constexpr int kMaxSlots = 1 << 22;
 
   // Makes the slots file of the fd server `server_id` of this process. Errors: those of

@@ -764,12 +764,25 @@ TEST(FdConnectionTest, APidfdFetchTakesNoFileThatTookTheTokensNumber) {
     EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
         << "key " << key;
   }
-  for (int32_t slots_fd : {static_cast<int32_t>(new_token.fd), 0, -1}) {
+  for (int32_t slots_fd : {static_cast<int32_t>(new_token.fd), 0}) {
     FdToken forged = new_token;
     forged.slots_fd = slots_fd;
     EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
         << "slots file " << slots_fd;
   }
+  // Key 0 and a zero nonce: what a free slot holds (zeros), for any number of the exporter's.
+  for (uint32_t fd : {0u, 1u, 2u, new_token.fd}) {
+    FdToken forged = new_token;
+    forged.key = 0;
+    forged.nonce = {};
+    forged.fd = fd;
+    EXPECT_THAT(FetchFds({forged}, FdFetch::kPidfd), StatusIs(absl::StatusCode::kNotFound))
+        << "fd " << fd;
+  }
+  FdToken no_slots = new_token;
+  no_slots.slots_fd = -1;
+  EXPECT_THAT(FetchFds({no_slots}, FdFetch::kPidfd),
+              StatusIs(absl::StatusCode::kFailedPrecondition, HasSubstr("socket transport")));
   EXPECT_EQ(exporter.Exit(), 0);
 }
 
@@ -805,6 +818,9 @@ TEST(FdSlotsTest, ASlotAnswersForItsProcessServerAndRegistrationOnly) {
   const uint32_t pid = static_cast<uint32_t>(getpid());
   const SlotClaim claim{pid, kServer, 5, 42, nonce};
   EXPECT_THAT(CheckSlot(copy, claim), StatusIs(absl::StatusCode::kNotFound)) << "not yet";
+  const SlotClaim zeros_claim{pid, kServer, 5, 0, FdNonce{}};
+  EXPECT_THAT(CheckSlot(copy, zeros_claim), StatusIs(absl::StatusCode::kNotFound))
+      << "a free slot reads as zeros: key 0 and a zero nonce match none"; 
   ASSERT_OK(slots.Publish(5, 42, nonce));
   EXPECT_OK(CheckSlot(copy, claim));
   // Another pid (a forked child's), server, fd, key, nonce, or an fd past the slots.
