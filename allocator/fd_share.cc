@@ -1255,36 +1255,58 @@ absl::StatusOr<UniqueFd> TakeFd(const UniqueFd& pidfd, uint32_t number, size_t i
   return Errno("pidfd_getfd");
 }
 
+// An exporter's pidfd and slots file (fd_slots.h), opened for the first of a run of tokens
+// that name the same process, server and slots file, and kept for the rest of the run.
+struct PidfdExporter {
+  uint32_t pid = 0;
+  uint64_t server_id = 0;
+  int32_t slots_fd = -1;
+  UniqueFd pidfd;
+  UniqueFd slots;
+
+  bool Serves(const FdToken& t) const {
+    return pidfd.valid() && t.pid == pid && t.server_id == server_id && t.slots_fd == slots_fd;
+  }
+};
+
+// Opens the exporter of token `index` for the tokens after it.
+absl::StatusOr<PidfdExporter> OpenPidfdExporter(const FdToken& t, size_t index) {
+  // Without its slots file a token cannot be checked.
+  if (t.slots_fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "handle ", index, " names no fd slots file of process ", t.pid,
+        ", against which a pidfd fetch checks the fd it takes: use the socket transport"));
+  }
+  PidfdExporter e{t.pid, t.server_id, t.slots_fd, UniqueFd(), UniqueFd()};
+  e.pidfd.reset(static_cast<int>(syscall(SYS_pidfd_open, t.pid, 0)));
+  if (!e.pidfd.valid()) {
+    if (errno == ESRCH) return ExporterGone(t.pid);
+    return Errno("pidfd_open");
+  }
+  // The slots file first: its server never closes it, so a process that lacks it is exiting
+  // (its fds are closed before its pidfd polls readable: 100 ms for that) or the token is not
+  // its.
+  absl::StatusOr<UniqueFd> slots =
+      TakeFd(e.pidfd, static_cast<uint32_t>(t.slots_fd), index, t.pid);
+  if (absl::IsNotFound(slots.status()) && HasExited(e.pidfd, 100)) return ExporterGone(t.pid);
+  VMM_RETURN_IF_ERROR(slots.status());
+  e.slots = *std::move(slots);
+  return e;
+}
+
 absl::StatusOr<std::vector<UniqueFd>> FetchByPidfd(absl::Span<const FdToken> tokens) {
   std::vector<UniqueFd> out;
+  PidfdExporter exporter;
   for (size_t i = 0; i < tokens.size(); ++i) {
-    UniqueFd pidfd(static_cast<int>(syscall(SYS_pidfd_open, tokens[i].pid, 0)));
-    if (!pidfd.valid()) {
-      if (errno == ESRCH) return ExporterGone(tokens[i].pid);
-      return Errno("pidfd_open");
+    const FdToken& t = tokens[i];
+    if (!exporter.Serves(t)) {
+      VMM_ASSIGN_OR_RETURN(exporter, OpenPidfdExporter(t, i));
     }
-    // Without its slots file a token cannot be checked (fd_slots.h).
-    if (tokens[i].slots_fd < 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "handle ", i, " names no fd slots file of process ", tokens[i].pid,
-          ", against which a pidfd fetch checks the fd it takes: use the socket transport"));
-    }
-    // The slots file first: its server never closes it, so a process that lacks it is exiting
-    // (its fds are closed before its pidfd polls readable: 100 ms for that) or the token is not
-    // its.
-    absl::StatusOr<UniqueFd> slots =
-        TakeFd(pidfd, static_cast<uint32_t>(tokens[i].slots_fd), i, tokens[i].pid);
-    if (absl::IsNotFound(slots.status()) && HasExited(pidfd, 100)) {
-      return ExporterGone(tokens[i].pid);
-    }
-    VMM_RETURN_IF_ERROR(slots.status());
-    VMM_ASSIGN_OR_RETURN(UniqueFd fd, TakeFd(pidfd, tokens[i].fd, i, tokens[i].pid));
+    VMM_ASSIGN_OR_RETURN(UniqueFd fd, TakeFd(exporter.pidfd, t.fd, i, t.pid));
     // The number may have been closed and taken by another file since the token was made:
     // its slot, read after the fd was taken, says whether it is still the registration's.
-    const SlotClaim claim{tokens[i].pid, tokens[i].server_id, tokens[i].fd, tokens[i].key,
-                          tokens[i].nonce};
-    if (!CheckSlot(*slots, claim).ok()) {
-      return HasExited(pidfd) ? ExporterGone(tokens[i].pid) : Stale(i, tokens[i].pid);
+    if (!CheckSlot(exporter.slots, SlotClaim{t.pid, t.server_id, t.fd, t.key, t.nonce}).ok()) {
+      return HasExited(exporter.pidfd) ? ExporterGone(t.pid) : Stale(i, t.pid);
     }
     out.push_back(std::move(fd));
   }

@@ -749,6 +749,14 @@ TEST(FdConnectionTest, APidfdFetchTakesNoFileThatTookTheTokensNumber) {
   ASSERT_OK_AND_ASSIGN(std::vector<UniqueFd> renewed, FetchFds({new_token}, FdFetch::kPidfd));
   ASSERT_EQ(renewed.size(), 1u);
   EXPECT_EQ(FirstByte(renewed[0]), kRenewedMarker);
+  // Several tokens of one exporter in one fetch (its pidfd and slots file opened once): each
+  // is checked.
+  ASSERT_OK_AND_ASSIGN(std::vector<UniqueFd> twice,
+                       FetchFds({new_token, new_token}, FdFetch::kPidfd));
+  ASSERT_EQ(twice.size(), 2u);
+  EXPECT_EQ(FirstByte(twice[1]), kRenewedMarker);
+  EXPECT_THAT(FetchFds({new_token, new_token, old_token}, FdFetch::kPidfd),
+              StatusIs(absl::StatusCode::kNotFound, HasSubstr("handle 2")));
   // Its standard streams, and one number past every fd it has.
   for (uint32_t fd : {0u, 1u, 2u, new_token.fd + 100}) {
     FdToken forged = new_token;
