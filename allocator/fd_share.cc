@@ -883,7 +883,7 @@ class FdServer::Impl {
   // Guards the registry; the serving thread's state is its own. Not held across fork(): a
   // forked child never uses its parent's server (FdServer::impl() makes the child's own).
   Mutex mu_;
-  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;  // never 0: a cleared slot holds key 0
+  uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;  // set at random by the constructor; never 0
   // The slot of each registered fd, where a pidfd_getfd fetch checks it (fd_slots.h); made by
   // Start(), and written under mu_.
   std::optional<FdSlots> slots_;
