@@ -49,6 +49,23 @@ void FdExportAnchors::Drop(uint64_t pool_id) {
   }
 }
 
+void FdExportAnchors::LockForFork(void* anchors) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  static_cast<FdExportAnchors*>(anchors)->mu_.Lock();
+}
+
+void FdExportAnchors::UnlockInParent(void* anchors) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  static_cast<FdExportAnchors*>(anchors)->mu_.Unlock();
+}
+
+// The parent's anchors are the parent's: the child closes its copies of their fds and releases
+// nothing (the allocations are the parent's), and its parent's pools hold nothing here.
+void FdExportAnchors::ForgetInChild(void* anchors) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto* self = static_cast<FdExportAnchors*>(anchors);
+  self->anchors_.clear();
+  self->holders_.clear();
+  self->mu_.UnlockInForkChild();
+}
+
 size_t FdExportAnchors::size() const {
   MutexLock lock(&mu_);
   size_t n = 0;

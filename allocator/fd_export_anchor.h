@@ -14,7 +14,9 @@
 // and leaves exports working, only slower.
 //
 // Thread safe (its own mutex, a leaf: it calls only the driver). The mutex is held across
-// fork() (fork_guard.h, ForkLevel::kExports).
+// fork() (fork_guard.h, ForkLevel::kExports). A forked child forgets its parent's anchors and
+// closes its copies of their fds (a copy would keep the parent's granule on the GPU until the
+// child exits); its own pools' exports make anchors of their own.
 #ifndef VMM_ALLOCATOR_FD_EXPORT_ANCHOR_H_
 #define VMM_ALLOCATOR_FD_EXPORT_ANCHOR_H_
 
@@ -50,7 +52,11 @@ class FdExportAnchors {
   mutable Mutex mu_;
   absl::flat_hash_map<Key, Anchor> anchors_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Key> holders_ ABSL_GUARDED_BY(mu_);
-  ForkRegistration fork_{ForkLevel::kExports, ForkHandlers::Lock(&mu_)};  // last
+  static void LockForFork(void* anchors);
+  static void UnlockInParent(void* anchors);
+  static void ForgetInChild(void* anchors);
+  ForkRegistration fork_{ForkLevel::kExports,
+                         ForkHandlers{&LockForFork, &UnlockInParent, &ForgetInChild, this}};  // last
 };
 
 }  // namespace vmm

@@ -27,6 +27,7 @@
 
 #include "absl/base/attributes.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "allocator/log.h"
@@ -441,6 +442,9 @@ class FdServer::Impl {
     RandomBytes(reinterpret_cast<uint8_t*>(&next_key_), sizeof(next_key_));
     next_key_ = (next_key_ >> 1) | 1;
     start_ = Start();
+    // Never destroyed (a forked child abandons its parent's), so registered for good.
+    AtForkForever(ForkLevel::kFdRegistry,
+                  ForkHandlers{&LockForFork, &UnlockInParent, &CloseInChild, this});
   }
 
   absl::StatusOr<FdToken> Register(UniqueFd fd) {
@@ -535,15 +539,71 @@ class FdServer::Impl {
   uint64_t server_id() const { return server_id_; }
 
  private:
+  // The fork handlers: mu_ is held across fork(), so that a child finds the registry whole.
+  static void LockForFork(void* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    static_cast<Impl*>(impl)->mu_.Lock();
+  }
+  static void UnlockInParent(void* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    static_cast<Impl*>(impl)->mu_.Unlock();
+  }
+  // A forked child never serves its parent's fds (FdServer::impl() makes the child a server of
+  // its own), and its copies would keep them open: a CUDA allocation exported as an fd stays
+  // on the GPU while any copy of that fd is open, so memory the parent released would stay
+  // held until every child forked meanwhile (a DataLoader worker) exited. The child closes
+  // them at once, with the slots file, the listening socket and the wake-up eventfd (whose
+  // copies would let importers connect to a server that never answers) and the connections the
+  // parent's serving thread had accepted (conn_fds_). Only the child's copies close: nothing is
+  // written (the slots file is shared with the parent).
+  static void CloseInChild(void* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    auto* self = static_cast<Impl*>(impl);
+    self->entries_.clear();
+    for (const int fd : self->conn_fds_) close(fd);
+    self->conn_fds_.clear();
+    self->slots_.reset();
+    self->listen_.reset();
+    self->wake_.reset();
+    self->mu_.UnlockInForkChild();
+  }
+
   struct Entry {
     UniqueFd fd;
     std::array<uint8_t, 16> nonce;
   };
 
+  // An accepted connection's socket (AcceptPending), whose number conn_fds_ lists while it is
+  // open, so that a forked child closes its copy (CloseInChild): importers that keep a
+  // connection to this process would otherwise not see it close when this process exits.
+  class ConnFd {
+   public:
+    ConnFd(Impl* owner, UniqueFd fd) : owner_(owner), fd_(std::move(fd)) {}  // listed already
+    ConnFd(ConnFd&& other) noexcept : owner_(other.owner_), fd_(std::move(other.fd_)) {}
+    ConnFd& operator=(ConnFd&& other) noexcept {
+      if (this != &other) {
+        Close();
+        owner_ = other.owner_;
+        fd_ = std::move(other.fd_);
+      }
+      return *this;
+    }
+    ~ConnFd() { Close(); }
+    int get() const { return fd_.get(); }
+
+   private:
+    // Unlisted and closed under the registry's lock, so that no fork() comes between.
+    void Close() {
+      if (!fd_.valid()) return;
+      MutexLock lock(&owner_->mu_);
+      owner_->conn_fds_.erase(fd_.get());
+      fd_.reset();
+    }
+    Impl* owner_;
+    UniqueFd fd_;
+  };
+
   // One client connection: its socket, when its next request must have arrived, and, while it
   // may be closed to make room for a waiting client, since when it has been idle.
   struct Connection {
-    UniqueFd fd;
+    ConnFd fd;
     Clock::time_point deadline;
     // Set when its last reply answered a fetch: importers keep such a connection for their
     // next fetch and reconnect when they find it closed (fd_share.cc's ConnectionCache). Unset
@@ -714,9 +774,16 @@ class FdServer::Impl {
       if (conns->size() >= kMaxConnections && (!ClientWaiting() || !CloseLongestIdle(conns))) {
         return;
       }
-      UniqueFd conn(accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-      if (!conn.valid()) {
-        const int err = errno;
+      int err = 0;
+      UniqueFd accepted;
+      {
+        MutexLock lock(&mu_);  // accepted and listed with no fork() between (ConnFd)
+        accepted.reset(accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        err = errno;
+        if (accepted.valid()) conn_fds_.insert(accepted.get());
+      }
+      ConnFd conn(this, std::move(accepted));
+      if (conn.get() < 0) {
         if (err == EAGAIN || err == EWOULDBLOCK) return;  // none waiting
         if (err == EINTR || err == ECONNABORTED || err == EPROTO) continue;
         backoff->Failed(err, Clock::now());
@@ -880,14 +947,17 @@ class FdServer::Impl {
   UniqueFd listen_;
   UniqueFd wake_;  // an eventfd: written to make poll return (WakeForLedger)
   absl::Status start_;
-  // Guards the registry; the serving thread's state is its own. Not held across fork(): a
-  // forked child never uses its parent's server (FdServer::impl() makes the child's own).
+  // Guards the registry; the serving thread's state is its own. Held across fork()
+  // (ForkLevel::kFdRegistry): a forked child closes its copies of the registered fds
+  // (CloseInChild) and never uses its parent's server (FdServer::impl() makes the child's own).
   Mutex mu_;
   uint64_t next_key_ ABSL_GUARDED_BY(mu_) = 1;  // set at random by the constructor; never 0
   // The slot of each registered fd, where a pidfd_getfd fetch checks it (fd_slots.h); made by
   // Start(), and written under mu_.
   std::optional<FdSlots> slots_;
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
+  // The numbers of the serving thread's open connections (ConnFd).
+  absl::flat_hash_set<int> conn_fds_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {

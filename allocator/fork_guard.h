@@ -87,6 +87,7 @@ enum class ForkLevel : int {
   kImports,        // an import's mapping and kept handles, the mapping cache (sharing.cc)
   kExports,        // ExportRegistry::mu_, FdExportAnchors::mu_
   kFdServer,       // the fd server's server_mu (fd_share.cc), which makes a child's own server
+  kFdRegistry,     // the fd server's registry (fd_share.cc): the child closes the parent's fds
   kConnections,    // the fd client's kept connections (fd_share.cc)
   kDriverInit,     // making the process-wide drivers (GetHostDriver, GetCudaDriver)
   kDriver,         // HostDriver::mu_ (one per driver); CudaDriver's context_mu_ and mu_

@@ -15,6 +15,7 @@
 #include "gtest/gtest.h"
 #include "tests/pool_helpers.h"
 #include "tests/status_matchers.h"
+#include "tests/subprocess.h"
 
 namespace vmm {
 namespace {
@@ -135,6 +136,34 @@ TEST_F(ExportRegistryTest, FdExportsKeepOneAnchorPerDeviceWhilePoolsLive) {
   second.reset();
   EXPECT_EQ(registry().fd_anchors(), anchors_before) << "and goes with the last one";
   EXPECT_EQ(DeviceFree(), free_at_start_);
+}
+
+// A forked child's copy of its parent's anchor fd would keep the parent's granule on the GPU
+// until the child exits: the child forgets the parent's anchors, and its own pools make and
+// drop their own.
+TEST_F(ExportRegistryTest, AForkedChildHoldsNoAnchorOfItsParent) {
+  const size_t anchors_before = registry().fd_anchors();
+  auto pool = MakePool(HandleRequest::kPosixFd);
+  void* a = Alloc(*pool, 2 * kMiB);
+  ASSERT_OK(ExportBuffer(*pool, a).status());
+  ASSERT_EQ(registry().fd_anchors(), anchors_before + 1);
+  const int code = InForkedChild([&] {
+    if (registry().fd_anchors() != 0) return 1;
+    std::unique_ptr<Pool> own = MakePool(HandleRequest::kPosixFd);
+    if (own == nullptr) return 2;
+    void* b = Alloc(*own, 2 * kMiB);
+    if (b == nullptr || !ExportBuffer(*own, b).ok()) return 3;
+    if (registry().fd_anchors() != 1) return 4;
+    if (!own->Free(b).ok()) return 5;
+    own.reset();
+    return registry().fd_anchors() == 0 ? 0 : 6;
+  });
+  EXPECT_EQ(code, 0) << "1: the parent's anchor is still held in the child; 2-6: the child's "
+                        "own pool and anchor";
+  EXPECT_EQ(registry().fd_anchors(), anchors_before + 1) << "the parent's anchor stays";
+  ASSERT_OK(pool->Free(a));
+  pool.reset();
+  EXPECT_EQ(registry().fd_anchors(), anchors_before);
 }
 
 // A chunk reused after its send (pool.h, "Reusing exported chunks") keeps its fd, registered

@@ -5,7 +5,9 @@
 // program run as an exporter in a process of its own (FdExporterHelper.Serve). Each test is
 // bounded (a few seconds at most); the server's limits are fd_share_internal::kRequestDeadline
 // and kMaxConnections.
+#include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -598,6 +600,66 @@ TEST(FdServerTest, RekeyGivesTheSameFileANewTokenAndTheOldOneGoesStale) {
   FdServer::Get().Unregister(third.key);
   EXPECT_EQ(FdServer::Get().size(), registered - 1);
   EXPECT_THAT(FetchFds({third}), StatusIs(absl::StatusCode::kNotFound));
+}
+
+// Whether an open fd of this process is a copy of `file` (the same device and inode) or the
+// listening socket of the fd server named `server_name`: 1 and 2 for those, else 0.
+int HoldsFileOrServer(const struct stat& file, const std::string& server_name) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return 9;
+  int found = 0;
+  while (dirent* e = readdir(dir)) {
+    int fd = -1;
+    if (!absl::SimpleAtoi(e->d_name, &fd) || fd == dirfd(dir)) continue;
+    struct stat st;
+    if (fstat(fd, &st) != 0) continue;
+    if (st.st_dev == file.st_dev && st.st_ino == file.st_ino) found = 1;
+    sockaddr_un addr{};
+    socklen_t len = sizeof(addr);
+    if (found == 0 && S_ISSOCK(st.st_mode) &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0 &&
+        len > offsetof(sockaddr_un, sun_path) + 1 && addr.sun_path[0] == '\0' &&
+        std::string(addr.sun_path + 1, len - offsetof(sockaddr_un, sun_path) - 1) ==
+            server_name) {
+      found = 2;
+    }
+  }
+  closedir(dir);
+  return found;
+}
+
+TEST(FdServerTest, AForkedChildKeepsNoCopyOfItsParentsServerFds) {
+  const FdToken token = RegisterMarked(33);
+  ASSERT_GE(token.slots_fd, 0);
+  struct stat registered, slots;
+  ASSERT_EQ(fstat(static_cast<int>(token.fd), &registered), 0);
+  ASSERT_EQ(fstat(token.slots_fd, &slots), 0);
+  const std::string server = fd_share_internal::ServerSocketName(token.pid, token.server_id);
+  ASSERT_EQ(HoldsFileOrServer(registered, server), 1) << "the check sees the parent's own";
+  const int code = InForkedChild([&] {
+    // A copy of the registered fd would keep its memory (a CUDA allocation) held after the
+    // parent releases it; of the listening socket, let importers connect to no server.
+    if (const int held = HoldsFileOrServer(registered, server); held != 0) return held;
+    if (HoldsFileOrServer(slots, server) == 1) return 3;
+    // The child's own server registers and serves.
+    UniqueFd fd(memfd_create("fd_share_test", MFD_CLOEXEC));
+    const uint8_t marker = 34;
+    if (pwrite(fd.get(), &marker, 1, 0) != 1) return 4;
+    absl::StatusOr<FdToken> own = FdServer::Get().Register(std::move(fd));
+    if (!own.ok() || own->pid == token.pid) return 5;
+    absl::StatusOr<std::vector<UniqueFd>> fetched =
+        fd_share_internal::FetchFdsBySocket({*own}, milliseconds(3000));
+    if (!fetched.ok() || fetched->size() != 1 || FirstByte((*fetched)[0]) != marker) return 6;
+    return 0;
+  });
+  EXPECT_EQ(code, 0) << "1: the registered fd, 2: the listening socket, 3: the slots file "
+                        "are still open in the child; 4-6: the child's own server failed";
+  // The parent's server lost nothing: it still serves the token, over its socket and locally.
+  EXPECT_LT(FetchAndCheck(token, 33, milliseconds(3000)), milliseconds(1000));
+  ASSERT_OK_AND_ASSIGN(std::vector<UniqueFd> local, FetchFds({token}));
+  ASSERT_EQ(local.size(), 1u);
+  EXPECT_EQ(FirstByte(local[0]), 33);
+  FdServer::Get().Unregister(token.key);
 }
 
 // --- Kept connections, with an exporter in a process of its own ------------------------------

@@ -19,9 +19,11 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -281,6 +283,38 @@ TEST_P(SharingTest, AParkedDescriptorPinsNothing) {
   auto local = ImportBuffer(driver_, *d);
   ASSERT_FALSE(local.ok());
   EXPECT_THAT(local.status().message(), HasSubstr(pool_->device_uuid()));
+}
+
+// A child forked while memory is exported (a DataLoader worker) inherits the fds the fd server
+// and the export anchor hold; a CUDA allocation exported as an fd stays on the GPU while any
+// copy is open. The child closes its copies at the fork, so memory its parent frees and
+// releases meanwhile goes back at once. The child touches no CUDA; it waits on a pipe.
+TEST_P(SharingTest, AForkedChildPinsNoExportedMemoryItsParentReleases) {
+  void* a = Filled(8 * kMiB, 9);
+  ASSERT_OK(ExportBuffer(*pool_, a).status());
+  int gate[2];
+  ASSERT_EQ(pipe2(gate, O_CLOEXEC), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(gate[1]);
+    char byte;
+    while (read(gate[0], &byte, 1) < 0 && errno == EINTR) {
+    }
+    _exit(0);
+  }
+  close(gate[0]);
+  ASSERT_OK(pool_->Free(a));
+  pool_.reset();  // its chunks and its anchor released while the child lives
+  const size_t free_with_child = driver_->GetMemInfo(0)->free;
+  close(gate[1]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  EXPECT_EQ(free_with_child, free_at_start_)
+      << "the forked child's copies held " << (free_at_start_ - free_with_child)
+      << " bytes of released memory on " << driver_->Name();
+  EXPECT_EQ(driver_->GetMemInfo(0)->free, free_at_start_);
 }
 
 TEST_P(SharingTest, ImporterKeepsItsDataAfterTheExporterFreesAndExits) {
