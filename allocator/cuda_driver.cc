@@ -44,8 +44,10 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <dlfcn.h>
+#include <fcntl.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -901,6 +903,13 @@ absl::StatusOr<ShareableHandle> CudaDriver::Export(PhysHandle handle, HandleType
         api_.MemExportToShareableHandle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
         "cuMemExportToShareableHandle", context));
     out.fd.reset(fd);  // ours to close
+    // Not passed to programs the process execs (the driver does not promise it): a copy there
+    // would hold the allocation on the GPU for that program's life.
+    if (::fcntl(fd, F_SETFD, FD_CLOEXEC) != 0) {
+      return absl::InternalError(
+          absl::StrCat("fcntl(F_SETFD, FD_CLOEXEC) on the fd of ", context, ": ",
+                       std::strerror(errno)));
+    }
   } else {
     CUmemFabricHandle fabric;
     std::memset(&fabric, 0, sizeof(fabric));

@@ -816,6 +816,8 @@ void DriverConformanceTest::CheckShareInProcess(HandleType type) {
   EXPECT_EQ(shared.type, type);
   if (type == HandleType::kPosixFd) {
     EXPECT_TRUE(shared.fd.valid());
+    // A copy in a program the process execs would hold the memory for that program's life.
+    EXPECT_NE(::fcntl(shared.fd.get(), F_GETFD) & FD_CLOEXEC, 0) << "not close-on-exec";
   }
 
   ASSERT_OK_AND_ASSIGN(PhysHandle imported_handle, driver()->Import(shared));
