@@ -906,9 +906,9 @@ absl::StatusOr<ShareableHandle> CudaDriver::Export(PhysHandle handle, HandleType
     // Not passed to programs the process execs (the driver does not promise it): a copy there
     // would hold the allocation on the GPU for that program's life.
     if (::fcntl(fd, F_SETFD, FD_CLOEXEC) != 0) {
-      return absl::InternalError(
-          absl::StrCat("fcntl(F_SETFD, FD_CLOEXEC) on the fd of ", context, ": ",
-                       std::strerror(errno)));
+      const int err = errno;
+      return absl::ErrnoToStatus(err, absl::StrCat("fcntl(F_SETFD, FD_CLOEXEC) on the fd of ",
+                                                   context));
     }
   } else {
     CUmemFabricHandle fabric;

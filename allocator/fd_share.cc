@@ -508,6 +508,10 @@ class FdServer::Impl {
   // match, or the errno of the failed duplication.
   int Lookup(uint64_t key, const uint8_t* nonce, int* err) {
     MutexLock lock(&mu_);
+    return LookupLocked(key, nonce, err);
+  }
+  int LookupLocked(uint64_t key, const uint8_t* nonce, int* err)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     auto it = entries_.find(key);
     if (it == entries_.end() || std::memcmp(it->second.nonce.data(), nonce, 16) != 0) {
       *err = ENOENT;
@@ -552,13 +556,17 @@ class FdServer::Impl {
   // held until every child forked meanwhile (a DataLoader worker) exited. The child closes
   // them at once, with the slots file, the listening socket and the wake-up eventfd (whose
   // copies would let importers connect to a server that never answers) and the connections the
-  // parent's serving thread had accepted (conn_fds_). Only the child's copies close: nothing is
+  // parent's serving thread had accepted (conn_fds_), and the fds kept open after their
+  // registration ended (stranded_fds_). Fds being sent are duplicated, sent and closed under
+  // mu_ (Answer), so none is in flight at the fork. Only the child's copies close: nothing is
   // written (the slots file is shared with the parent).
   static void CloseInChild(void* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     auto* self = static_cast<Impl*>(impl);
     self->entries_.clear();
     for (const int fd : self->conn_fds_) close(fd);
     self->conn_fds_.clear();
+    for (const int fd : self->stranded_fds_) close(fd);
+    self->stranded_fds_.clear();
     self->slots_.reset();
     self->listen_.reset();
     self->wake_.reset();
@@ -778,9 +786,10 @@ class FdServer::Impl {
       UniqueFd accepted;
       {
         MutexLock lock(&mu_);  // accepted and listed with no fork() between (ConnFd)
-        accepted.reset(accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
-        err = errno;
-        if (accepted.valid()) conn_fds_.insert(accepted.get());
+        const int fd = accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        err = fd < 0 ? errno : 0;
+        if (fd >= 0) conn_fds_.insert(fd);
+        accepted.reset(fd);
       }
       ConnFd conn(this, std::move(accepted));
       if (conn.get() < 0) {
@@ -900,16 +909,21 @@ class FdServer::Impl {
     PutU32(&reply[8], count);
     std::vector<UniqueFd> owned;
     std::vector<int> fds;
+    // The duplicates live only under the registry's lock (sent without waiting, then closed):
+    // a fork() meanwhile would leave the child copies that nothing closes.
+    MutexLock lock(&mu_);
     for (uint32_t i = 0; i < count; ++i) {
       int err = 0;
-      const int fd = Lookup(entries[i].key, entries[i].nonce.data(), &err);
+      const int fd = LookupLocked(entries[i].key, entries[i].nonce.data(), &err);
       PutU32(&reply[12 + 4 * i], ReplyCode(fd, err));
       if (fd >= 0) {
         owned.emplace_back(fd);
         fds.push_back(fd);
       }
     }
-    return SendMessage(conn, reply.data(), reply.size(), fds, MSG_DONTWAIT);
+    absl::Status sent = SendMessage(conn, reply.data(), reply.size(), fds, MSG_DONTWAIT);
+    owned.clear();
+    return sent;
   }
 
   // Acknowledges each hold of an ack request to the send ledger, in order, then sends the
@@ -937,7 +951,7 @@ class FdServer::Impl {
         !cleared.ok()) {
       LogError(absl::StrCat("ending an fd registration: ", cleared.message(),
                             "; its fd is kept open"));
-      (void)it->second.fd.release();
+      stranded_fds_.push_back(it->second.fd.release());
     }
     entries_.erase(it);
   }
@@ -958,6 +972,9 @@ class FdServer::Impl {
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
   // The numbers of the serving thread's open connections (ConnFd).
   absl::flat_hash_set<int> conn_fds_ ABSL_GUARDED_BY(mu_);
+  // Fds whose registration ended but whose slot could not be cleared (Forget): kept open for
+  // the life of the process, closed only by a forked child.
+  std::vector<int> stranded_fds_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {

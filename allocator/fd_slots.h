@@ -14,9 +14,10 @@
 // those of pidfd_getfd itself.
 //
 // The file is sparse: kSlotBytes a slot, for fd numbers below kMaxSlots (a registered fd past
-// them is refused), then a trailer naming its process and server (magic, pid, server id): a
-// forked child shares its parent's slots file (and holds the fds the parent had then), so a
-// token whose pid is the child's must not be checked against the parent's slots. A token whose
+// them is refused), then a trailer naming its process and server (magic, pid, server id), so that a slots file is
+// taken for that of the token's process and server only: a forked child closes its copy of
+// its parent's at the fork, and a file that later takes that number in the child (or any file
+// of another process's) must not pass for the child's slots. A token whose
 // slots file names some other file of the exporter's fails the check unless that file holds
 // the trailer and the slot as the importer expects them: only a process that can write such a
 // file into the exporter's hands, and holds pidfd_getfd rights over it anyway, could forge one.

@@ -22,7 +22,7 @@
 // level in the order of ForkLevel, and released after the fork in the parent and in the child
 // (whose handler may first make the state the child's: forget the parent's threads' work).
 // The child then finds every such lock free and the state it guards whole. A lock that a child
-// never takes (that of an object the child replaces, as the fd server of its parent) need not
+// never takes (that of an object the child replaces and whose state it leaves alone) need not
 // be registered: where it is declared says why.
 //
 // The lock order: a lock of a level is never taken while a lock of a later level is held,

@@ -76,6 +76,8 @@ KeptHandles::~KeptHandles() {
 absl::Status KeptHandles::Add(ShareableHandle fetched, PhysHandle imported) {
   Piece piece;
   absl::Status released;
+  // Under the lock from here, so that a fork() finds a kept fd in pieces_ (CloseFdsInChild).
+  MutexLock lock(&mu_);
   if (type_ == HandleType::kFabric) {
     piece.handle = imported;
   } else {
@@ -83,9 +85,29 @@ absl::Status KeptHandles::Add(ShareableHandle fetched, PhysHandle imported) {
     if (keeps_fds_) piece.fd = std::move(fetched.fd);
     if (imported != 0) released = driver_->Release(imported);
   }
-  MutexLock lock(&mu_);
   pieces_.push_back(std::move(piece));
   return released;
+}
+
+void KeptHandles::LockForFork(void* kept) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  static_cast<KeptHandles*>(kept)->mu_.Lock();
+}
+
+void KeptHandles::UnlockInParent(void* kept) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  static_cast<KeptHandles*>(kept)->mu_.Unlock();
+}
+
+// The child's copies of the kept fds close (kept_handles.h); the parent's registrations of
+// them are the parent's server's, which the child never serves.
+void KeptHandles::CloseFdsInChild(void* kept) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  auto* self = static_cast<KeptHandles*>(kept);
+  if (self->type_ == HandleType::kPosixFd) {
+    for (Piece& piece : self->pieces_) piece.fd.reset();
+    self->fds_closed_at_fork_ = true;
+    self->described_.reset();
+    self->fd_keys_.clear();
+  }
+  self->mu_.UnlockInForkChild();
 }
 
 absl::StatusOr<BufferDescriptor::Handle> KeptHandles::DescribePiece(const Piece& piece,
@@ -126,6 +148,12 @@ absl::StatusOr<std::vector<BufferDescriptor::Handle>> KeptHandles::Describe() {
   }
   if (released_) {
     return absl::FailedPreconditionError("the import's mapping is closed");
+  }
+  if (fds_closed_at_fork_) {
+    return absl::FailedPreconditionError(
+        "this import was made by the parent of this forked process, and its fds were closed "
+        "at the fork (a copy would hold the exporter's memory for the child's life); send it "
+        "on from the process that imported it");
   }
   if (!keeps_fds()) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -27,9 +27,14 @@
 // cannot be sent on (Describe is FailedPrecondition saying so). Fabric handles are not fds
 // and are not capped.
 //
+// A forked child: fork() copies every kept fd, and a copy holds the exporter's memory (on the
+// GPU) for the child's life, after this process closed the import. So the child closes its
+// copies at the fork (a pthread_atfork handler); it may still close an import its parent made,
+// but not send it on (Describe is FailedPrecondition saying so). With PyTorch's allocator a
+// forked child cannot send a CUDA tensor at all. Fabric handles are not fds and stay.
+//
 // Thread safety: thread safe (one mutex, a leaf apart from the driver and the FdServer). The
-// mutex is held across fork() (fork_guard.h, ForkLevel::kImports): a forked child may close or
-// send on an import its parent made.
+// mutex is held across fork() (fork_guard.h, ForkLevel::kImports).
 #ifndef VMM_ALLOCATOR_KEPT_HANDLES_H_
 #define VMM_ALLOCATOR_KEPT_HANDLES_H_
 
@@ -69,7 +74,8 @@ class KeptHandles {
   // calls make no driver call and register nothing. On failure nothing new stays registered
   // and the next call tries again. Errors: FailedPrecondition (handle type none; the driver
   // refuses to export a handle this process imported; already released; POSIX fds not kept,
-  // the process's kept-fd cap being reached at import), the driver's export
+  // the process's kept-fd cap being reached at import; POSIX fds closed in a forked child),
+  // the driver's export
   // error, the FdServer's (Unavailable when it cannot listen), the dup's (ResourceExhausted
   // out of fds).
   absl::StatusOr<std::vector<BufferDescriptor::Handle>> Describe();
@@ -115,7 +121,13 @@ class KeptHandles {
   // What Describe made: the handles, and the FdServer keys to unregister (POSIX fd).
   std::optional<std::vector<BufferDescriptor::Handle>> described_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> fd_keys_ ABSL_GUARDED_BY(mu_);
-  ForkRegistration fork_{ForkLevel::kImports, ForkHandlers::Lock(&mu_)};  // last
+  // Set in a forked child whose copies of the kept fds were closed at the fork.
+  bool fds_closed_at_fork_ ABSL_GUARDED_BY(mu_) = false;
+  static void LockForFork(void* kept);
+  static void UnlockInParent(void* kept);
+  static void CloseFdsInChild(void* kept);
+  ForkRegistration fork_{ForkLevel::kImports,
+                         ForkHandlers{&LockForFork, &UnlockInParent, &CloseFdsInChild, this}};  // last
 };
 
 }  // namespace vmm

@@ -39,12 +39,14 @@
 #include <vector>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "allocator/driver_factory.h"
 #include "allocator/fd_share.h"
 #include "allocator/host_driver.h"
 #include "allocator/kept_handles.h"
 #include "allocator/pool.h"
+#include "allocator/unique_fd.h"
 #include "gmock/gmock.h"
 #include "allocator/forwarding_driver.h"
 #include "gtest/gtest.h"
@@ -304,10 +306,12 @@ TEST_P(SharingTest, AForkedChildPinsNoExportedMemoryItsParentReleases) {
     _exit(0);
   }
   close(gate[0]);
-  ASSERT_OK(pool_->Free(a));
+  UniqueFd open_gate(gate[1]);  // the child ends once it closes, whatever fails below
+  const absl::Status freed = pool_->Free(a);
   pool_.reset();  // its chunks and its anchor released while the child lives
   const size_t free_with_child = driver_->GetMemInfo(0)->free;
-  close(gate[1]);
+  open_gate.reset();
+  EXPECT_OK(freed);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
@@ -1052,6 +1056,56 @@ size_t OpenFds() {
 
 // Past the process's kept-fd cap an import maps and reads as any other but keeps no fds, and
 // refuses to be sent on; imports within the cap still can be.
+// Whether an open fd of this process is a copy of `file` (the same device and inode).
+bool HoldsFile(const struct stat& file) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return true;  // cannot tell: fail the check
+  bool found = false;
+  while (dirent* e = readdir(dir)) {
+    const int fd = std::atoi(e->d_name);
+    struct stat st;
+    if (e->d_name[0] == '.' || fd == dirfd(dir) || fstat(fd, &st) != 0) continue;
+    found |= st.st_dev == file.st_dev && st.st_ino == file.st_ino;
+  }
+  closedir(dir);
+  return found;
+}
+
+// An import keeps the fds it fetched so that it can be sent on (kept_handles.h); a copy in a
+// forked child would hold the exporter's memory for the child's life. The child closes its
+// copies at the fork and cannot send the import on; the parent still can.
+TEST_P(ReExportTest, AForkedChildKeepsNoFdOfItsParentsImports) {
+  if (!fds()) GTEST_SKIP() << "fabric handles are not fds";
+  Subprocess a(ExporterArgs(4 * kMiB, 61));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor from_a, ExportedBy(a));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<ImportedBuffer> b, ImportBuffer(driver_, from_a));
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor from_b, ReExportImport(*b));
+  ASSERT_EQ(from_b.handles().size(), 1u);
+  struct stat kept;
+  {
+    ASSERT_OK_AND_ASSIGN(const FdToken token, FdToken::Decode(from_b.handles()[0]));
+    ASSERT_OK_AND_ASSIGN(std::vector<UniqueFd> copy, FetchFds({token}));
+    ASSERT_EQ(copy.size(), 1u);
+    ASSERT_EQ(fstat(copy[0].get(), &kept), 0);
+  }  // closed before the fork
+  ASSERT_TRUE(HoldsFile(kept));
+  const int code = InForkedChild([&] {
+    if (HoldsFile(kept)) return 1;
+    const absl::Status sent_on = ReExportImport(*b).status();
+    if (!absl::IsFailedPrecondition(sent_on)) return 2;
+    if (!absl::StrContains(sent_on.message(), "forked")) return 3;
+    return 0;
+  });
+  EXPECT_EQ(code, 0) << "1: the child holds a copy of the import's fd; 2-3: it was not told it "
+                        "cannot send the import on";
+  ASSERT_OK_AND_ASSIGN(BufferDescriptor again, ReExportImport(*b));
+  EXPECT_EQ(again, from_b) << "the parent's import is untouched";
+  EXPECT_TRUE(AllBytes(b->ptr(), 4 * kMiB, 61));
+  b.reset();
+  a.WriteLine("exit");
+  EXPECT_EQ(a.Wait(), 0);
+}
+
 TEST_P(ReExportTest, ImportsPastTheKeptFdCapKeepNoFdsAndCannotBeSentOn) {
   if (!fds()) GTEST_SKIP() << "fd handles only: fabric handles are not capped";
   const size_t in_use = KeptHandles::KeptFdsInUse();
