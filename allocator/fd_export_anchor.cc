@@ -49,21 +49,11 @@ void FdExportAnchors::Drop(uint64_t pool_id) {
   }
 }
 
-void FdExportAnchors::LockForFork(void* anchors) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  static_cast<FdExportAnchors*>(anchors)->mu_.Lock();
-}
-
-void FdExportAnchors::UnlockInParent(void* anchors) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  static_cast<FdExportAnchors*>(anchors)->mu_.Unlock();
-}
-
 // The parent's anchors are the parent's: the child closes its copies of their fds and releases
 // nothing (the allocations are the parent's), and its parent's pools hold nothing here.
-void FdExportAnchors::ForgetInChild(void* anchors) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  auto* self = static_cast<FdExportAnchors*>(anchors);
-  self->anchors_.clear();
-  self->holders_.clear();
-  self->mu_.UnlockInForkChild();
+void FdExportAnchors::ForgetInChild(FdExportAnchors& anchors) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  anchors.anchors_.clear();
+  anchors.holders_.clear();
 }
 
 size_t FdExportAnchors::size() const {

@@ -52,11 +52,10 @@ class FdExportAnchors {
   mutable Mutex mu_;
   absl::flat_hash_map<Key, Anchor> anchors_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<uint64_t, Key> holders_ ABSL_GUARDED_BY(mu_);
-  static void LockForFork(void* anchors);
-  static void UnlockInParent(void* anchors);
-  static void ForgetInChild(void* anchors);
-  ForkRegistration fork_{ForkLevel::kExports,
-                         ForkHandlers{&LockForFork, &UnlockInParent, &ForgetInChild, this}};  // last
+  static void ForgetInChild(FdExportAnchors& anchors);
+  ForkRegistration fork_{
+      ForkLevel::kExports,
+      LockWithChild<FdExportAnchors, &FdExportAnchors::mu_, &ForgetInChild>(this)};  // last
 };
 
 }  // namespace vmm

@@ -443,8 +443,7 @@ class FdServer::Impl {
     next_key_ = (next_key_ >> 1) | 1;
     start_ = Start();
     // Never destroyed (a forked child abandons its parent's), so registered for good.
-    AtForkForever(ForkLevel::kFdRegistry,
-                  ForkHandlers{&LockForFork, &UnlockInParent, &CloseInChild, this});
+    AtForkForever(ForkLevel::kFdRegistry, LockWithChild<Impl, &Impl::mu_, &CloseInChild>(this));
   }
 
   absl::StatusOr<FdToken> Register(UniqueFd fd) {
@@ -543,14 +542,7 @@ class FdServer::Impl {
   uint64_t server_id() const { return server_id_; }
 
  private:
-  // The fork handlers: mu_ is held across fork(), so that a child finds the registry whole.
-  static void LockForFork(void* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    static_cast<Impl*>(impl)->mu_.Lock();
-  }
-  static void UnlockInParent(void* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    static_cast<Impl*>(impl)->mu_.Unlock();
-  }
-  // A forked child never serves its parent's fds (FdServer::impl() makes the child a server of
+  // mu_ is held across fork(), so that a child finds the registry whole. A forked child never serves its parent's fds (FdServer::impl() makes the child a server of
   // its own), and its copies would keep them open: a CUDA allocation exported as an fd stays
   // on the GPU while any copy of that fd is open, so memory the parent released would stay
   // held until every child forked meanwhile (a DataLoader worker) exited. The child closes
@@ -560,17 +552,15 @@ class FdServer::Impl {
   // registration ended (stranded_fds_). Fds being sent are duplicated, sent and closed under
   // mu_ (Answer), so none is in flight at the fork. Only the child's copies close: nothing is
   // written (the slots file is shared with the parent).
-  static void CloseInChild(void* impl) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    auto* self = static_cast<Impl*>(impl);
-    self->entries_.clear();
-    for (const int fd : self->conn_fds_) close(fd);
-    self->conn_fds_.clear();
-    for (const int fd : self->stranded_fds_) close(fd);
-    self->stranded_fds_.clear();
-    self->slots_.reset();
-    self->listen_.reset();
-    self->wake_.reset();
-    self->mu_.UnlockInForkChild();
+  static void CloseInChild(Impl& self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    self.entries_.clear();
+    for (const int fd : self.conn_fds_) close(fd);
+    self.conn_fds_.clear();
+    for (const int fd : self.stranded_fds_) close(fd);
+    self.stranded_fds_.clear();
+    self.slots_.reset();
+    self.listen_.reset();
+    self.wake_.reset();
   }
 
   struct Entry {
@@ -1226,22 +1216,14 @@ class ConnectionCache {
 
   ConnectionCache() {
     AtForkForever(ForkLevel::kConnections,
-                  ForkHandlers{&LockForFork, &UnlockInParent, &ForgetInChild, this});
+                  LockWithChild<ConnectionCache, &ConnectionCache::mu_, &ForgetInChild>(this));
   }
 
-  // The fork handlers: the lock is held from before fork() to after it, in both processes.
-  static void LockForFork(void* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    static_cast<ConnectionCache*>(cache)->mu_.Lock();
-  }
-  static void UnlockInParent(void* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    static_cast<ConnectionCache*>(cache)->mu_.Unlock();
-  }
-  // The parent's connections are the parent's (a request of the child on one would mix with
-  // the parent's), so the child closes its copies.
-  static void ForgetInChild(void* cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    auto* c = static_cast<ConnectionCache*>(cache);
-    c->entries_.clear();
-    c->mu_.UnlockInForkChild();
+  // The lock is held from before fork() to after it, in both processes. The parent's
+  // connections are the parent's (a request of the child on one would mix with the parent's),
+  // so the child closes its copies.
+  static void ForgetInChild(ConnectionCache& cache) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    cache.entries_.clear();
   }
 
   Mutex mu_;

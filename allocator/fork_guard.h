@@ -110,6 +110,37 @@ struct ForkHandlers {
   static ForkHandlers Lock(Mutex* mu);
 };
 
+namespace fork_internal {
+template <typename T, Mutex T::*kMu, void (*kInChild)(T&)>
+struct LockedAcrossFork {
+  static void Prepare(void* o) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    (static_cast<T*>(o)->*kMu).Lock();
+  }
+  static void Parent(void* o) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    (static_cast<T*>(o)->*kMu).Unlock();
+  }
+  static void Child(void* o) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    T* object = static_cast<T*>(o);
+    kInChild(*object);
+    (object->*kMu).UnlockInForkChild();
+  }
+};
+}  // namespace fork_internal
+
+// `object->*kMu` held across fork() as ForkHandlers::Lock holds it, with `kInChild(*object)`
+// run in the child first, the lock still held: what makes the state the child's (its copies
+// of the parent's fds closed, the parent's work forgotten). kInChild is a handler: the rules
+// above apply, and it touches what the lock guards without the analysis knowing the lock is
+// held (mark it ABSL_NO_THREAD_SAFETY_ANALYSIS).
+//
+//   ForkRegistration fork_{ForkLevel::kImports,
+//                          LockWithChild<Kept, &Kept::mu_, &Kept::CloseFdsInChild>(this)};
+template <typename T, Mutex T::*kMu, void (*kInChild)(T&)>
+ForkHandlers LockWithChild(T* object) {
+  using Handlers = fork_internal::LockedAcrossFork<T, kMu, kInChild>;
+  return ForkHandlers{&Handlers::Prepare, &Handlers::Parent, &Handlers::Child, object};
+}
+
 // Registers `handlers` at `level` for the life of the process (a singleton's lock). Never
 // waits: a registration made while a fork is under way takes effect from the next fork. May be
 // called from static initialisers.

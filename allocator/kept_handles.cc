@@ -89,25 +89,14 @@ absl::Status KeptHandles::Add(ShareableHandle fetched, PhysHandle imported) {
   return released;
 }
 
-void KeptHandles::LockForFork(void* kept) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  static_cast<KeptHandles*>(kept)->mu_.Lock();
-}
-
-void KeptHandles::UnlockInParent(void* kept) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  static_cast<KeptHandles*>(kept)->mu_.Unlock();
-}
-
 // The child's copies of the kept fds close (kept_handles.h); the parent's registrations of
 // them are the parent's server's, which the child never serves.
-void KeptHandles::CloseFdsInChild(void* kept) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  auto* self = static_cast<KeptHandles*>(kept);
-  if (self->type_ == HandleType::kPosixFd) {
-    for (Piece& piece : self->pieces_) piece.fd.reset();
-    self->fds_closed_at_fork_ = true;
-    self->described_.reset();
-    self->fd_keys_.clear();
-  }
-  self->mu_.UnlockInForkChild();
+void KeptHandles::CloseFdsInChild(KeptHandles& kept) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (kept.type_ != HandleType::kPosixFd) return;
+  for (Piece& piece : kept.pieces_) piece.fd.reset();
+  kept.fds_closed_at_fork_ = true;
+  kept.described_.reset();
+  kept.fd_keys_.clear();
 }
 
 absl::StatusOr<BufferDescriptor::Handle> KeptHandles::DescribePiece(const Piece& piece,

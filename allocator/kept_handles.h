@@ -123,11 +123,10 @@ class KeptHandles {
   std::vector<uint64_t> fd_keys_ ABSL_GUARDED_BY(mu_);
   // Set in a forked child whose copies of the kept fds were closed at the fork.
   bool fds_closed_at_fork_ ABSL_GUARDED_BY(mu_) = false;
-  static void LockForFork(void* kept);
-  static void UnlockInParent(void* kept);
-  static void CloseFdsInChild(void* kept);
-  ForkRegistration fork_{ForkLevel::kImports,
-                         ForkHandlers{&LockForFork, &UnlockInParent, &CloseFdsInChild, this}};  // last
+  static void CloseFdsInChild(KeptHandles& kept);
+  ForkRegistration fork_{
+      ForkLevel::kImports,
+      LockWithChild<KeptHandles, &KeptHandles::mu_, &CloseFdsInChild>(this)};  // last
 };
 
 }  // namespace vmm
