@@ -542,22 +542,21 @@ class FdServer::Impl {
   uint64_t server_id() const { return server_id_; }
 
  private:
-  // mu_ is held across fork(), so that a child finds the registry whole. A forked child never serves its parent's fds (FdServer::impl() makes the child a server of
-  // its own), and its copies would keep them open: a CUDA allocation exported as an fd stays
+  // mu_ is held across fork(), so that a child finds the registry whole. A forked child never
+  // serves its parent's fds (FdServer::impl() makes the child a server of its own), and its
+  // copies would keep them open: a CUDA allocation exported as an fd stays
   // on the GPU while any copy of that fd is open, so memory the parent released would stay
   // held until every child forked meanwhile (a DataLoader worker) exited. The child closes
   // them at once, with the slots file, the listening socket and the wake-up eventfd (whose
   // copies would let importers connect to a server that never answers) and the connections the
-  // parent's serving thread had accepted (conn_fds_), and the fds kept open after their
-  // registration ended (stranded_fds_). Fds being sent are duplicated, sent and closed under
-  // mu_ (Answer), so none is in flight at the fork. Only the child's copies close: nothing is
+  // parent's serving thread had accepted and the fds kept open after their registration ended
+  // (both in open_fds_). Fds being sent are duplicated, sent and closed under mu_ (Answer),
+  // so none is in flight at the fork. Only the child's copies close: nothing is
   // written (the slots file is shared with the parent).
   static void CloseInChild(Impl& self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     self.entries_.clear();
-    for (const int fd : self.conn_fds_) close(fd);
-    self.conn_fds_.clear();
-    for (const int fd : self.stranded_fds_) close(fd);
-    self.stranded_fds_.clear();
+    for (const int fd : self.open_fds_) close(fd);
+    self.open_fds_.clear();
     self.slots_.reset();
     self.listen_.reset();
     self.wake_.reset();
@@ -568,7 +567,7 @@ class FdServer::Impl {
     std::array<uint8_t, 16> nonce;
   };
 
-  // An accepted connection's socket (AcceptPending), whose number conn_fds_ lists while it is
+  // An accepted connection's socket (AcceptPending), whose number open_fds_ lists while it is
   // open, so that a forked child closes its copy (CloseInChild): importers that keep a
   // connection to this process would otherwise not see it close when this process exits.
   class ConnFd {
@@ -591,7 +590,7 @@ class FdServer::Impl {
     void Close() {
       if (!fd_.valid()) return;
       MutexLock lock(&owner_->mu_);
-      owner_->conn_fds_.erase(fd_.get());
+      owner_->open_fds_.erase(fd_.get());
       fd_.reset();
     }
     Impl* owner_;
@@ -778,7 +777,7 @@ class FdServer::Impl {
         MutexLock lock(&mu_);  // accepted and listed with no fork() between (ConnFd)
         const int fd = accept4(listen_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         err = fd < 0 ? errno : 0;
-        if (fd >= 0) conn_fds_.insert(fd);
+        if (fd >= 0) open_fds_.insert(fd);
         accepted.reset(fd);
       }
       ConnFd conn(this, std::move(accepted));
@@ -941,7 +940,7 @@ class FdServer::Impl {
         !cleared.ok()) {
       LogError(absl::StrCat("ending an fd registration: ", cleared.message(),
                             "; its fd is kept open"));
-      stranded_fds_.push_back(it->second.fd.release());
+      open_fds_.insert(it->second.fd.release());
     }
     entries_.erase(it);
   }
@@ -960,11 +959,10 @@ class FdServer::Impl {
   // Start(), and written under mu_.
   std::optional<FdSlots> slots_;
   absl::flat_hash_map<uint64_t, Entry> entries_ ABSL_GUARDED_BY(mu_);
-  // The numbers of the serving thread's open connections (ConnFd).
-  absl::flat_hash_set<int> conn_fds_ ABSL_GUARDED_BY(mu_);
-  // Fds whose registration ended but whose slot could not be cleared (Forget): kept open for
-  // the life of the process, closed only by a forked child.
-  std::vector<int> stranded_fds_ ABSL_GUARDED_BY(mu_);
+  // Fds the server holds open outside entries_, which a forked child closes (CloseInChild):
+  // the serving thread's open connections (ConnFd), and fds whose registration ended but whose
+  // slot could not be cleared (Forget), kept open for the life of the process.
+  absl::flat_hash_set<int> open_fds_ ABSL_GUARDED_BY(mu_);
 };
 
 namespace {

@@ -14,8 +14,8 @@
 // those of pidfd_getfd itself.
 //
 // The file is sparse: kSlotBytes a slot, for fd numbers below kMaxSlots (a registered fd past
-// them is refused), then a trailer naming its process and server (magic, pid, server id), so that a slots file is
-// taken for that of the token's process and server only: a forked child closes its copy of
+// them is refused), then a trailer naming its process and server (magic, pid, server id), so that a
+// slots file is taken for that of the token's process and server only: a forked child closes its copy of
 // its parent's at the fork, and a file that later takes that number in the child (or any file
 // of another process's) must not pass for the child's slots. A token whose
 // slots file names some other file of the exporter's fails the check unless that file holds

@@ -76,15 +76,15 @@ KeptHandles::~KeptHandles() {
 absl::Status KeptHandles::Add(ShareableHandle fetched, PhysHandle imported) {
   Piece piece;
   absl::Status released;
-  // Under the lock from here, so that a fork() finds a kept fd in pieces_ (CloseFdsInChild).
-  MutexLock lock(&mu_);
   if (type_ == HandleType::kFabric) {
     piece.handle = imported;
-  } else {
-    // Past the cap the fetched fd closes here: the mapping holds the memory.
-    if (keeps_fds_) piece.fd = std::move(fetched.fd);
-    if (imported != 0) released = driver_->Release(imported);
+  } else if (imported != 0) {
+    released = driver_->Release(imported);
   }
+  // The fd moves under the lock, so that a fork() finds it in pieces_ (CloseFdsInChild).
+  MutexLock lock(&mu_);
+  // Past the cap the fetched fd closes here: the mapping holds the memory.
+  if (type_ != HandleType::kFabric && keeps_fds_) piece.fd = std::move(fetched.fd);
   pieces_.push_back(std::move(piece));
   return released;
 }
